@@ -1,0 +1,67 @@
+"""Typed errors shared by the core, the sinks and the Dagster glue.
+
+The loop decides what to do from the *class* of an error, never from its text:
+
+- ``ConfigError``: the spec or a sink's config is wrong. Permanent; the connector
+  goes to ``Error`` with the message, which names the field.
+- ``PermanentSinkError``: the target refuses us for a reason a retry cannot fix
+  (auth refused, table missing, wrong columns). The connector goes to ``Error``.
+- ``TransientSinkError``: an outage (connection refused or reset, timeout, server
+  shutting down). The whole batch is unacknowledged; the loop retries it with
+  backoff and commits nothing meanwhile. Never dead-lettered.
+- Data errors are *not* raised: a sink reports them per row in ``SendResult``.
+- ``FencedError``: this run lost its assignment (its generation is stale). It must
+  stop at once without committing.
+"""
+
+from __future__ import annotations
+
+
+class ConveyorError(Exception):
+    """Base class of every error Conveyor raises on purpose."""
+
+
+class ConfigError(ConveyorError):
+    """Bad configuration; ``field`` names the offending field when known."""
+
+    def __init__(self, message: str, *, field: str | None = None, source: str | None = None):
+        self.field = field
+        self.source = source
+        prefix = ""
+        if source:
+            prefix += f"{source}: "
+        if field and field not in message:
+            prefix += f"{field}: "
+        super().__init__(prefix + message)
+
+
+class SinkError(ConveyorError):
+    """Base class of errors raised by a sink."""
+
+
+class TransientSinkError(SinkError):
+    """The target is unreachable or overloaded; retry the whole batch later."""
+
+
+class PermanentSinkError(SinkError):
+    """The target refuses the connector for a reason a retry cannot fix."""
+
+
+class SourceError(ConveyorError):
+    """The source log cannot be read."""
+
+
+class TransientSourceError(SourceError):
+    """The broker is unreachable; retry later."""
+
+
+class FencedError(ConveyorError):
+    """This run's generation is stale: another run owns the connector now."""
+
+
+class AlreadyClaimedError(ConveyorError):
+    """A live run already holds the connector."""
+
+
+class DeadLetterLimitError(ConveyorError):
+    """Too many messages failed; the connector stops instead of draining the topic."""

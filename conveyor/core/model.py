@@ -1,0 +1,247 @@
+"""The domain model: connector specs, states, brokers, offsets, batches.
+
+Specs are pydantic models (validated, frozen, every field described); runtime
+values are frozen dataclasses. Nothing here performs I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+# Columns every batch carries next to the payload columns. They survive the
+# Spark transform so that sinks can write keys, headers and timestamps and so
+# that failures can be traced to topic/partition/offset.
+TOPIC_COL = "__topic"
+PARTITION_COL = "__partition"
+OFFSET_COL = "__offset"
+TIMESTAMP_COL = "__timestamp"
+KEY_COL = "__key"
+HEADERS_COL = "__headers"
+DESTINATION_COL = "__destination"
+VALUE_COL = "__value"  # the raw payload bytes; only in source batches, before decoding
+META_COLUMNS = (
+    TOPIC_COL,
+    PARTITION_COL,
+    OFFSET_COL,
+    TIMESTAMP_COL,
+    KEY_COL,
+    HEADERS_COL,
+    DESTINATION_COL,
+)
+
+
+class ConnectorStatus(str, enum.Enum):
+    IDLE = "Idle"
+    RUNNING = "Running"
+    STOPPED = "Stopped"
+    ERROR = "Error"
+    DEGRADED = "Degraded"
+
+
+class DesiredState(str, enum.Enum):
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class Decode(str, enum.Enum):
+    JSON = "json"
+    RAW = "raw"
+    TEXT = "text"
+
+
+class FailurePolicyName(str, enum.Enum):
+    FAIL = "fail"
+    DISCARD = "discard"
+    DISCARD_AFTER_RETRY = "discard_after_retry"
+    DEAD_LETTER = "dead_letter"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class SourceSpec(_Spec):
+    """Where a connector reads from."""
+
+    topics: list[str] = Field(min_length=1, description="Topics to read; every partition of each is read.")
+    bootstrap_servers: str | None = Field(
+        default=None,
+        description="Kafka bootstrap servers 'host:port[,host:port]'. Default: $CONVEYOR_KAFKA_BOOTSTRAP, "
+        "else the embedded broker started by `conveyor dev`.",
+    )
+    start_from: Literal["earliest", "latest"] = Field(
+        default="earliest", description="Where to start on a partition that has no committed offset."
+    )
+
+    @field_validator("topics")
+    @classmethod
+    def _topics_valid(cls, v: list[str]) -> list[str]:
+        for t in v:
+            if not t or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", t):
+                raise ValueError(f"invalid topic name {t!r}")
+        if len(set(v)) != len(v):
+            raise ValueError("topics must be unique")
+        return v
+
+
+BATCH_PRESETS: dict[str, dict[str, int]] = {
+    "low_latency": {"max_records": 1_000, "max_bytes": 1 << 20, "max_wait_ms": 100},
+    "balanced": {"max_records": 10_000, "max_bytes": 16 << 20, "max_wait_ms": 500},
+    "throughput": {"max_records": 100_000, "max_bytes": 64 << 20, "max_wait_ms": 2_000},
+}
+
+
+class BatchPolicy(_Spec):
+    """When a batch closes: on size (records or bytes) or on age, whichever comes first."""
+
+    max_records: int = Field(default=10_000, ge=1, le=1_000_000, description="Close the batch at this many records.")
+    max_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 30, description="Close the batch at this many payload bytes.")
+    max_wait_ms: int = Field(default=500, ge=1, le=60_000, description="Close the batch this long after its first record.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"preset": data}
+        if isinstance(data, dict) and "preset" in data:
+            data = dict(data)
+            name = data.pop("preset")
+            if name not in BATCH_PRESETS:
+                raise ValueError(f"unknown batch preset {name!r}; one of {sorted(BATCH_PRESETS)}")
+            data = {**BATCH_PRESETS[name], **data}
+        return data
+
+
+class TransformSpec(_Spec):
+    """How a batch is decoded and shaped in Spark (all expressions are Spark SQL)."""
+
+    decode: Decode = Field(default=Decode.JSON, description="Payload decoding: json, raw (bytes) or text (UTF-8).")
+    json_schema: str | None = Field(
+        default=None,
+        alias="schema",
+        description="Spark DDL of the JSON payload, e.g. 'id BIGINT, name STRING'. With it the fields become "
+        "columns; without it the payload stays one validated JSON string column 'value'.",
+    )
+    filter: str | None = Field(default=None, description="Spark SQL boolean expression; rows where it is not true are skipped (and committed).")
+    select: list[str] | None = Field(default=None, description="Spark SQL expressions for the output columns (default: all payload columns).")
+    rename: dict[str, str] = Field(default_factory=dict, description="Output column renames, old -> new.")
+
+
+class RetrySpec(_Spec):
+    """Retries of outages, in Dagster's RetryPolicy vocabulary."""
+
+    max_retries: int = Field(default=10, ge=0, le=1_000, description="Attempts per batch before the outage budget counts as spent.")
+    delay: float = Field(default=1.0, ge=0, le=3_600, description="Seconds before the first retry.")
+    backoff: Literal["exponential", "linear", "constant"] = Field(default="exponential", description="How the delay grows.")
+    jitter: Literal["full", "plus_minus", "none"] = Field(default="plus_minus", description="Randomisation of the delay.")
+    max_delay: float = Field(default=60.0, ge=0, le=3_600, description="Upper bound of one delay, seconds.")
+    max_outage: float = Field(default=600.0, ge=1, le=7 * 86_400, description="Seconds an outage may last before the run gives up.")
+
+
+class DeadLetterSpec(_Spec):
+    """Where dead letters go and when the connector stops dead-lettering."""
+
+    store: Literal["parquet", "kafka"] = Field(default="parquet", description="Parquet files (through Spark) or a Kafka topic '<connector>.dlq'.")
+    path: str | None = Field(default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>.")
+    max_ratio: float = Field(default=0.5, gt=0, le=1, description="Error when more than this share of one batch is dead-lettered.")
+    max_consecutive: int = Field(default=1_000, ge=1, description="Error after this many dead letters in a row.")
+    auto_replay: bool = Field(default=False, description="Replay automatically once the connector has been healthy for replay_after_s.")
+    replay_after_s: float = Field(default=300.0, ge=0, description="Healthy time before an automatic replay.")
+
+
+class FailureSpec(_Spec):
+    """What happens to a message the sink rejects or that cannot be decoded."""
+
+    policy: FailurePolicyName = Field(
+        default=FailurePolicyName.FAIL,
+        description="fail (connector to Error, nothing skipped), discard, discard_after_retry or dead_letter.",
+    )
+    retries: int = Field(default=3, ge=0, le=100, description="Re-sends of a failed message before discard/dead-letter.")
+    dead_letter: DeadLetterSpec = Field(default_factory=DeadLetterSpec, description="Dead-letter store settings.")
+
+
+class SinkRef(BaseModel):
+    """A sink's config as written in the spec; validated against the sink's own model later."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: str = Field(description="Sink type, e.g. postgres, localfile, mysql, redis, kafka, rabbitmq.")
+
+
+class ConnectorSpec(_Spec):
+    """One connector: a source, a sink, and how the batch travels between them."""
+
+    name: str = Field(description="Unique name: lower case letters, digits, underscores. Also the consumer group.")
+    description: str | None = Field(default=None, description="Shown in the Dagster UI.")
+    source: SourceSpec
+    sink: SinkRef
+    batch: BatchPolicy = Field(default_factory=BatchPolicy)
+    transform: TransformSpec = Field(default_factory=TransformSpec)
+    retry: RetrySpec = Field(default_factory=RetrySpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    desired: DesiredState = Field(default=DesiredState.RUNNING, description="Created running or stopped.")
+    heartbeat_timeout_s: float = Field(default=30.0, ge=1, le=3_600, description="Heartbeat age after which the run counts as lost.")
+    max_restarts: int = Field(default=5, ge=0, le=1_000, description="Automatic restarts of an Error connector before it is left to the user.")
+    expected_latency_s: float = Field(default=300.0, gt=0, description="Freshness expectation of the sink asset.")
+    owners: list[str] = Field(default_factory=list, description="Asset owners (emails or team:name).")
+
+    @field_validator("name")
+    @classmethod
+    def _name_valid(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} must match {NAME_PATTERN} (lower case, digits, underscores)")
+        return v
+
+
+@dataclass(frozen=True, order=True)
+class TopicPartition:
+    topic: str
+    partition: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}[{self.partition}]"
+
+
+# Next offset to read per partition (Kafka convention: committed = last processed + 1).
+Offsets = dict[TopicPartition, int]
+
+
+@dataclass(frozen=True)
+class Broker:
+    """A broker executor: a lane with a capacity and a Spark Connect endpoint."""
+
+    id: str
+    capacity: int = 8
+    spark_remote: str = "sc://127.0.0.1:15002"
+    run_tags: dict[str, str] = field(default_factory=dict)
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative counters a run reports with its heartbeat."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    filtered: int = 0
+    failed: int = 0
+    discarded: int = 0
+    dead_lettered: int = 0
+    retries: int = 0
+    commit_failures: int = 0
+    batches: int = 0
+    lag: int | None = None
+    msgs_per_s: float = 0.0
+    batch_latency_p50_ms: float | None = None
+    batch_latency_p99_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)

@@ -1,0 +1,229 @@
+"""The sink interface.
+
+A sink writes batches of messages to one external system. The runtime calls it
+from a single thread, in this order::
+
+    validate()            # once; config only, no I/O
+    init_sink()           # once; connect, check the target exists and is writable
+    send_batch(batch)*    # many times
+    cleanup_sink()        # always, also after an error or an interrupt; may be called twice
+
+Contract of ``send_batch(batch) -> SendResult``:
+
+- ``batch`` is a ``pyarrow.Table``: the payload columns (decoded by Spark) plus the
+  metadata columns of ``conveyor.core.model.META_COLUMNS`` (``__topic``,
+  ``__partition``, ``__offset``, ``__timestamp``, ``__key``, ``__headers``,
+  ``__destination``). A sink writes the payload columns unless its config maps
+  metadata columns too. Rows are in offset order per partition.
+- Returning means every row not listed in ``SendResult.failed`` is durably
+  acknowledged by the target (flushed, fsynced, confirmed). The runtime commits
+  offsets only after that, so a sink must never return before its writes are safe.
+- A row the target rejects for its *content* (constraint violation, type error,
+  too large, unroutable) is a data error: report it in ``failed`` with its row
+  index and keep going with the other rows. If the system can only reject a
+  whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
+  batch to isolate the bad rows.
+- An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
+  raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
+  the runtime retries it later with backoff. Rows written before the outage may
+  be written again (at-least-once); idempotent sinks make that harmless.
+- A failure no retry can fix (auth refused, table dropped) raises
+  ``PermanentSinkError``; the connector goes to ``Error``.
+- ``send_batch`` may block for as long as the target takes, bounded by the sink's
+  own timeouts.
+
+Sinks import their client library lazily (inside ``init_sink``), so loading the
+Dagster code location never imports pymongo or the Pulsar client.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as dt
+import enum
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from conveyor.core.errors import ConfigError, SinkError
+from conveyor.core.model import (
+    DESTINATION_COL,
+    HEADERS_COL,
+    KEY_COL,
+    META_COLUMNS,
+    OFFSET_COL,
+    PARTITION_COL,
+    TIMESTAMP_COL,
+    TOPIC_COL,
+)
+
+
+class ErrorKind(str, enum.Enum):
+    DATA = "data"
+    TRANSIENT = "transient"
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """One row the target rejected: its index in the batch, the error class and message."""
+
+    index: int
+    message: str
+    kind: ErrorKind = ErrorKind.DATA
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What a sink acknowledged: every row but the failed ones."""
+
+    rows: int
+    failed: tuple[RowFailure, ...] = ()
+
+    @property
+    def acked(self) -> int:
+        return self.rows - len(self.failed)
+
+    @classmethod
+    def all_ok(cls, rows: int) -> SendResult:
+        return cls(rows=rows)
+
+
+class BatchRejected(SinkError):
+    """The whole request was rejected for its content; the runtime bisects to find the bad rows."""
+
+
+class SinkConfig(BaseModel):
+    """Base of every sink's config model. Subclasses set ``type: Literal[...]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    type: str = Field(description="Sink type.")
+
+    def asset_key_path(self) -> list[str]:
+        """The sink asset's key, e.g. ["postgres", "public", "orders"]."""
+        return [self.type]
+
+    def kind(self) -> str:
+        """The Dagster kind tag of the sink asset."""
+        return self.type
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as a dict with every secret replaced by '**********'."""
+        return json.loads(self.model_dump_json(by_alias=True))
+
+
+class Sink(abc.ABC):
+    """Base class of sinks; see the module docstring for the contract."""
+
+    config_class: ClassVar[type[SinkConfig]]
+
+    def __init__(self, config: SinkConfig):
+        self.config = config
+
+    def validate(self) -> None:
+        """Check the config beyond its model (cross-field rules). No I/O. Raises ConfigError."""
+
+    @abc.abstractmethod
+    def init_sink(self) -> None:
+        """Connect and check the target exists and is writable."""
+
+    @abc.abstractmethod
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        """Write one batch; see the module docstring."""
+
+    @abc.abstractmethod
+    def cleanup_sink(self) -> None:
+        """Release connections and files. Idempotent."""
+
+    def describe(self) -> str:
+        """One line for logs and the UI: type and target, never secrets."""
+        return "/".join(self.config.asset_key_path())
+
+
+def payload_columns(batch: pa.Table | pa.Schema) -> list[str]:
+    """The batch's payload columns (everything but the metadata columns), in order."""
+    names = batch.schema.names if isinstance(batch, pa.Table) else batch.names
+    return [n for n in names if n not in META_COLUMNS]
+
+
+@dataclass
+class Record:
+    """One row of a batch as Python values, for sinks that write message by message."""
+
+    index: int
+    topic: str
+    partition: int
+    offset: int
+    timestamp: dt.datetime | None
+    key: bytes | None
+    headers: list[tuple[str, bytes]]
+    destination: str | None
+    payload: Any  # the single 'value' column's value, or a dict of the payload columns
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def payload_bytes(self) -> bytes:
+        """The payload as bytes: raw bytes stay, text is UTF-8, columns become JSON."""
+        p = self.payload
+        if isinstance(p, bytes):
+            return p
+        if isinstance(p, str):
+            return p.encode()
+        return json.dumps(p, default=json_default, separators=(",", ":")).encode()
+
+    def payload_json(self) -> Any:
+        """The payload as a JSON value: a JSON string column is parsed, columns are a dict."""
+        p = self.payload
+        if isinstance(p, (bytes, str)):
+            try:
+                return json.loads(p)
+            except ValueError:
+                return p.decode(errors="replace") if isinstance(p, bytes) else p
+        return p
+
+
+def json_default(o: Any) -> Any:
+    if isinstance(o, (dt.datetime, dt.date, dt.time)):
+        return o.isoformat()
+    if isinstance(o, bytes):
+        return o.decode(errors="replace")
+    if hasattr(o, "as_tuple"):  # Decimal
+        return str(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def iter_records(batch: pa.Table) -> Iterator[Record]:
+    """Rows of a batch as ``Record``s (metadata columns may be missing in hand-made batches)."""
+    cols = batch.to_pydict()
+    n = batch.num_rows
+    pcols = payload_columns(batch)
+    single = pcols == ["value"]
+    for i in range(n):
+        fields = {c: cols[c][i] for c in pcols}
+        headers = cols[HEADERS_COL][i] if HEADERS_COL in cols else None
+        yield Record(
+            index=i,
+            topic=cols[TOPIC_COL][i] if TOPIC_COL in cols else "",
+            partition=cols[PARTITION_COL][i] if PARTITION_COL in cols else 0,
+            offset=cols[OFFSET_COL][i] if OFFSET_COL in cols else i,
+            timestamp=cols[TIMESTAMP_COL][i] if TIMESTAMP_COL in cols else None,
+            key=cols[KEY_COL][i] if KEY_COL in cols else None,
+            headers=[(h["key"], h["value"]) for h in headers] if headers else [],
+            destination=cols[DESTINATION_COL][i] if DESTINATION_COL in cols else None,
+            payload=fields["value"] if single else fields,
+            fields=fields,
+        )
+
+
+def secret(value: SecretStr | None) -> str | None:
+    """The plain value of a secret, for handing to a client library (never to a log)."""
+    return value.get_secret_value() if value is not None else None
+
+
+def require(condition: bool, message: str, *, field: str) -> None:
+    """Raise ConfigError naming ``field`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message, field=field)

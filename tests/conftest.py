@@ -1,0 +1,68 @@
+"""Fixtures that start real servers: tansu (Kafka protocol) and Spark Connect.
+
+PostgreSQL, MariaDB, Redis and RabbitMQ are the machine's own services
+(.ci/run starts any that is down). Set CONVEYOR_TEST_SPARK_REMOTE to reuse a
+running Spark Connect server instead of starting one per session.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conveyor.brokers.embedded import start_embedded_broker
+
+PG_URL = os.environ.get("CONVEYOR_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def tansu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A tansu broker on a free loopback port; yields its bootstrap address."""
+    log = tmp_path_factory.mktemp("tansu") / "tansu.log"
+    with start_embedded_broker(log_path=log) as broker:
+        yield broker.bootstrap
+
+
+@pytest.fixture(scope="session")
+def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Spark Connect endpoint: $CONVEYOR_TEST_SPARK_REMOTE, or a local server for the session."""
+    remote = os.environ.get("CONVEYOR_TEST_SPARK_REMOTE")
+    if remote:
+        yield remote
+        return
+    from conveyor.spark.server import start_spark_connect
+
+    with start_spark_connect(work_dir=Path(tmp_path_factory.mktemp("spark"))) as server:
+        yield server.remote
+
+
+@pytest.fixture
+def topic_name() -> str:
+    return f"t_{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def pg_url() -> str:
+    return PG_URL
+
+
+@pytest.fixture
+def pg_schema(pg_url: str) -> Iterator[str]:
+    """A fresh PostgreSQL schema for one test, dropped afterwards."""
+    import psycopg2
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f'CREATE SCHEMA "{name}"')
+    try:
+        yield name
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f'DROP SCHEMA "{name}" CASCADE')
+        conn.close()
