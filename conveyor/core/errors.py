@@ -43,6 +43,10 @@ class TransientSinkError(SinkError):
     """The target is unreachable or overloaded; retry the whole batch later."""
 
 
+class BatchRejected(SinkError):
+    """The whole request was rejected for its content; the runtime bisects to find the bad rows."""
+
+
 class PermanentSinkError(SinkError):
     """The target refuses the connector for a reason a retry cannot fix."""
 

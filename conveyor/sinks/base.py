@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from conveyor.core.errors import ConfigError, SinkError
+from conveyor.core.errors import BatchRejected, ConfigError, SinkError  # noqa: F401 - re-exported
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -90,10 +90,6 @@ class SendResult:
     @classmethod
     def all_ok(cls, rows: int) -> SendResult:
         return cls(rows=rows)
-
-
-class BatchRejected(SinkError):
-    """The whole request was rejected for its content; the runtime bisects to find the bad rows."""
 
 
 class SinkConfig(BaseModel):

@@ -1,0 +1,539 @@
+"""The connector loop: read -> transform -> send -> commit, at least once.
+
+Order inside one batch, always: transform, send, failed messages follow the
+failure policy (dead letters flushed), then offsets committed, then heartbeat.
+Nothing is committed before the sink acknowledged. The next batch is read on a
+background thread while the current one is in Spark and the sink.
+
+Interrupts (Dagster raises ``DagsterExecutionInterruptedError``, a
+``BaseException``, in the op's thread) may land anywhere. The shutdown path
+commits only what was acknowledged, cleans up the sink, and re-raises. It is
+safe to trigger twice. No signal handlers are installed here.
+
+All collaborators are injected; the loop performs no I/O of its own, so the
+whole module is tested with in-memory fakes and a fake clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from conveyor.core.errors import (
+    BatchRejected,
+    ConveyorError,
+    FencedError,
+    PermanentSinkError,
+    TransientSinkError,
+    TransientSourceError,
+)
+from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
+from conveyor.core.model import (
+    OFFSET_COL,
+    PARTITION_COL,
+    TOPIC_COL,
+    BatchPolicy,
+    ConnectorStatus,
+    Counters,
+    FailurePolicyName,
+    FailureSpec,
+    Offsets,
+    RetrySpec,
+    TopicPartition,
+)
+
+log = logging.getLogger("conveyor.loop")
+
+
+class DataPolicyError(ConveyorError):
+    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped."""
+
+
+class OutageBudgetExceeded(ConveyorError):
+    """An outage outlasted the retry budget; the run gives up (the scheduler restarts it)."""
+
+
+@dataclass(frozen=True)
+class SourceBatch:
+    """Messages read from the log: the source table and the positions after it."""
+
+    table: pa.Table  # META_COLUMNS (without __destination) + __value
+    next_offsets: Offsets  # per partition read in this batch: last offset + 1
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A source row the transform could not decode."""
+
+    index: int  # row index in the source batch
+    message: str
+
+
+@dataclass(frozen=True)
+class Transformed:
+    table: pa.Table  # rows to send, META_COLUMNS + payload columns
+    rejected: tuple[Rejected, ...] = ()
+    filtered: int = 0
+
+
+@dataclass(frozen=True)
+class RowFailureView:
+    index: int
+    message: str
+
+
+class Source(Protocol):
+    """Reads the log from the committed offsets. Used from one thread at a time."""
+
+    def read(self, policy: BatchPolicy) -> SourceBatch | None:
+        """Block up to ``policy.max_wait_ms`` (long poll); None when nothing arrived."""
+
+    def lag(self, committed: Offsets) -> int | None:
+        """Messages behind the log's high watermark, from the last fetch's metadata."""
+
+    def close(self) -> None: ...
+
+
+class Transformer(Protocol):
+    def __call__(self, batch: pa.Table) -> Transformed:
+        """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage."""
+
+
+class SinkLike(Protocol):
+    def validate(self) -> None: ...
+    def init_sink(self) -> None: ...
+    def send_batch(self, batch: pa.Table) -> Any: ...  # SendResult
+    def cleanup_sink(self) -> None: ...
+    def describe(self) -> str: ...
+
+
+class Committer(Protocol):
+    """The run's fenced writes to the meta store."""
+
+    def commit(self, offsets: Offsets) -> None:
+        """Persist offsets for this generation; raises FencedError when superseded."""
+
+    def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> None:
+        """Liveness + counters; raises FencedError when superseded."""
+
+
+class DeadLetterWriter(Protocol):
+    def write(self, letters: list[DeadLetter]) -> None:
+        """Durably store dead letters; returns only once they are safe."""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A failed message with everything needed to inspect and replay it."""
+
+    failed: FailedMessage
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int | None
+    first_failure_at: float
+    last_failure_at: float
+
+
+@dataclass
+class LoopConfig:
+    name: str
+    batch: BatchPolicy = field(default_factory=BatchPolicy)
+    retry: RetrySpec = field(default_factory=RetrySpec)
+    failure: FailureSpec = field(default_factory=FailureSpec)
+    heartbeat_interval_s: float = 1.0
+    progress_interval_s: float = 60.0
+    prefetch: bool = True
+
+
+@dataclass
+class Progress:
+    counters: Counters
+    offsets: Offsets
+    final: bool = False
+
+
+class ConnectorLoop:
+    """Runs one connector until ``stop_requested()`` or an error. Call ``run()`` once."""
+
+    def __init__(
+        self,
+        config: LoopConfig,
+        *,
+        source: Source,
+        transform: Transformer,
+        sink: SinkLike,
+        committer: Committer,
+        committed: Offsets,
+        dead_letters: DeadLetterWriter | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[Progress], None] | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] | None = None,
+        rng: random.Random | None = None,
+    ):
+        self.cfg = config
+        self.source = source
+        self.transform = transform
+        self.sink = sink
+        self.committer = committer
+        self.dead_letters = dead_letters
+        self.stop_requested = stop_requested
+        self.on_progress = on_progress
+        self.clock = clock
+        self._stop_event = threading.Event()
+        self._sleep = sleep or self._interruptible_sleep
+        self.committed: Offsets = dict(committed)
+        self.counters = Counters()
+        self.status = ConnectorStatus.RUNNING
+        self._status_reason: str | None = "first heartbeat"
+        self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
+        self._outage = OutageTracker(config.retry, rng or random.Random())
+        self._limiter = DeadLetterLimiter(config.failure.dead_letter)
+        self._last_heartbeat = 0.0
+        self._last_progress: float | None = None
+        self._latencies: deque[float] = deque(maxlen=256)
+        self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self._first_failure: dict[tuple[str, int, int], float] = {}
+        self._closed = False
+        if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
+            raise ConveyorError("failure policy dead_letter needs a dead-letter store")
+
+    # -- public ---------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> Counters:
+        """Run until stopped. Returns the final counters; raises on a connector error."""
+        self.sink.validate()
+        self._with_outage_retry("init sink", self.sink.init_sink)
+        reader = _Prefetcher(self.source, self.cfg.batch) if self.cfg.prefetch else None
+        try:
+            self._heartbeat(force=True)
+            while not self._should_stop():
+                sb = reader.next() if reader else self.source.read(self.cfg.batch)
+                if sb is None:
+                    self._heartbeat()
+                    continue
+                self._process(sb)
+            return self.counters
+        except FencedError:
+            self._acked = None  # never commit after losing the assignment
+            raise
+        except BaseException:
+            self._commit_acknowledged()
+            raise
+        finally:
+            self._stop_event.set()
+            if reader:
+                reader.stop()
+            self._close()
+
+    # -- one batch --------------------------------------------------------------
+
+    def _process(self, sb: SourceBatch) -> None:
+        started = self.clock()
+        n_in = sb.table.num_rows
+        tr = self._with_outage_retry("transform", lambda: self.transform(sb.table))
+        failures = [
+            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode") for r in tr.rejected
+        ]
+        sent, data_failed = self._deliver(tr.table)
+        failures.extend(data_failed)
+        discarded, dead = self._apply_policy(sb.table, failures)
+        # Dead letters are flushed, the sink acknowledged: only now may offsets move.
+        self._acked = sb.next_offsets
+        self._commit_acknowledged()
+        self._outage.recovered()
+        now = self.clock()
+        self._latencies.append(now - started)
+        self._rate_window.append((now, sent))
+        c = self.counters
+        self.counters = replace(
+            c,
+            messages_in=c.messages_in + n_in,
+            messages_out=c.messages_out + sent,
+            filtered=c.filtered + tr.filtered,
+            failed=c.failed + len(failures),
+            discarded=c.discarded + discarded,
+            dead_lettered=c.dead_lettered + dead,
+            batches=c.batches + 1,
+        )
+        if self.status == ConnectorStatus.DEGRADED:
+            self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
+        self._heartbeat()
+
+    def _deliver(self, table: pa.Table) -> tuple[int, list[FailedMessage]]:
+        """Send with outage retries and data-error isolation; re-send failed rows per policy."""
+        if table.num_rows == 0:
+            return 0, []
+        failed = self._with_outage_retry("send", lambda: self._send_isolating(table))
+        sent = table.num_rows - len(failed)
+        attempts = 1
+        budget = resend_attempts(self.cfg.failure.policy, self.cfg.failure.retries)
+        while failed and attempts <= budget:
+            subset = table.take(pa.array([f.index for f in failed], pa.int64()))
+            attempts += 1
+            self._count(retries=len(failed))
+            again = self._with_outage_retry("resend", lambda subset=subset: self._send_isolating(subset))
+            by_index = {f.index: f for f in again}
+            sent += subset.num_rows - len(again)
+            failed = [RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)]
+        return sent, [
+            FailedMessage(*_coords(table, f.index), error=f.message, error_class="data", attempts=attempts) for f in failed
+        ]
+
+    def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
+        """One send; a whole-request rejection is bisected down to the guilty rows."""
+        try:
+            result = self.sink.send_batch(table)
+        except BatchRejected as e:
+            if table.num_rows == 1:
+                return [RowFailureView(0, str(e))]
+            mid = table.num_rows // 2
+            left = self._send_isolating(table.slice(0, mid))
+            right = self._send_isolating(table.slice(mid))
+            return left + [RowFailureView(f.index + mid, f.message) for f in right]
+        return [RowFailureView(f.index, f.message) for f in result.failed]
+
+    def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
+        """Returns (discarded, dead_lettered). Raises when the policy says stop."""
+        if not failures:
+            self._limiter.consecutive = 0
+            return 0, 0
+        policy = self.cfg.failure.policy
+        if policy == FailurePolicyName.FAIL:
+            first = failures[0]
+            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            raise DataPolicyError(
+                f"message {first.where()} failed ({first.error_class}): {first.error}{more}; "
+                "failure policy is 'fail': the connector stops without skipping it "
+                "(choose discard, discard_after_retry or dead_letter to go on)"
+            )
+        bad = {(f.topic, f.partition, f.offset) for f in failures}
+        flags = [c in bad for c in _all_coords(source)]
+        self._limiter.check(source.num_rows, flags)
+        if policy in (FailurePolicyName.DISCARD, FailurePolicyName.DISCARD_AFTER_RETRY):
+            for f in failures:
+                log.warning("%s: discarded %s after %d attempt(s): %s", self.cfg.name, f.where(), f.attempts, f.error)
+            return len(failures), 0
+        letters = self._dead_letters(source, failures)
+        assert self.dead_letters is not None
+        self._with_outage_retry("dead-letter store", lambda: self.dead_letters.write(letters))  # type: ignore[union-attr]
+        for f in failures:
+            log.warning("%s: dead-lettered %s after %d attempt(s): %s", self.cfg.name, f.where(), f.attempts, f.error)
+        return 0, len(failures)
+
+    def _dead_letters(self, source: pa.Table, failures: list[FailedMessage]) -> list[DeadLetter]:
+        now = self.clock()
+        index = {c: i for i, c in enumerate(_all_coords(source))}
+        cols = source.to_pydict()
+        out = []
+        for f in failures:
+            i = index[(f.topic, f.partition, f.offset)]
+            ts = cols.get("__timestamp", [None] * (i + 1))[i]
+            out.append(
+                DeadLetter(
+                    failed=f,
+                    key=cols.get("__key", [None] * (i + 1))[i],
+                    value=cols.get("__value", [None] * (i + 1))[i],
+                    headers=[(h["key"], h["value"]) for h in (cols.get("__headers", [None] * (i + 1))[i] or [])],
+                    timestamp_ms=int(ts.timestamp() * 1000) if ts is not None else None,
+                    first_failure_at=self._first_failure.pop((f.topic, f.partition, f.offset), now),
+                    last_failure_at=now,
+                )
+            )
+        return out
+
+    # -- outages ------------------------------------------------------------------
+
+    def _with_outage_retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        while True:
+            try:
+                return fn()
+            except (TransientSinkError, TransientSourceError) as e:
+                now = self.clock()
+                delay = self._outage.failed(now)
+                self._count(retries=1)
+                if self._outage.exhausted(now):
+                    raise OutageBudgetExceeded(
+                        f"{what} kept failing for {self._outage.duration(now):.0f}s "
+                        f"({self._outage.attempts} attempts): {e}"
+                    ) from e
+                self._set_status(ConnectorStatus.DEGRADED, f"{what} failed, retrying in {delay:.1f}s: {e}")
+                log.warning("%s: %s failed (attempt %d), retrying in %.1fs: %s", self.cfg.name, what, self._outage.attempts, delay, e)
+                self._heartbeat(force=True)
+                self._sleep(delay)
+                if self._should_stop():
+                    raise _Stopping() from e
+
+    # -- commits, heartbeats, progress -----------------------------------------------
+
+    def _commit_acknowledged(self) -> None:
+        if self._acked is None:
+            return
+        offsets = self._acked
+        try:
+            self.committer.commit(offsets)
+        except FencedError:
+            self._acked = None
+            raise
+        except Exception:
+            self._count(commit_failures=1)
+            raise
+        self._acked = None
+        self.committed.update(offsets)
+
+    def _heartbeat(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now - self._last_heartbeat < self.cfg.heartbeat_interval_s:
+            return
+        self._last_heartbeat = now
+        self.counters = replace(
+            self.counters,
+            lag=self.source.lag(self.committed),
+            msgs_per_s=self._rate(now),
+            batch_latency_p50_ms=_pct(self._latencies, 0.5),
+            batch_latency_p99_ms=_pct(self._latencies, 0.99),
+        )
+        self.committer.heartbeat(self.counters, self.status, self._status_reason)
+        self._status_reason = None
+        if self.on_progress and (self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s):
+            self._last_progress = now
+            self.on_progress(Progress(self.counters, dict(self.committed)))
+
+    def _set_status(self, status: ConnectorStatus, reason: str) -> None:
+        if status != self.status:
+            self.status = status
+            self._status_reason = reason
+
+    def _rate(self, now: float) -> float:
+        window = [(t, n) for t, n in self._rate_window if now - t <= 60]
+        if not window:
+            return 0.0
+        span = max(now - window[0][0], 1e-3)
+        return sum(n for _, n in window) / span if len(window) > 1 else 0.0
+
+    def _count(self, **inc: int) -> None:
+        self.counters = replace(self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()})
+
+    def _should_stop(self) -> bool:
+        return self._stop_event.is_set() or self.stop_requested()
+
+    def _interruptible_sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._should_stop():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._stop_event.wait(min(left, 0.5))
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sink.cleanup_sink()
+        finally:
+            self.source.close()
+        if self.on_progress:
+            self.on_progress(Progress(self.counters, dict(self.committed), final=True))
+
+
+class _Stopping(BaseException):
+    """Internal: a stop was requested while waiting out an outage."""
+
+
+def run_loop(loop: ConnectorLoop) -> Counters:
+    """Run and treat a stop during an outage wait as a clean stop."""
+    try:
+        return loop.run()
+    except _Stopping:
+        return loop.counters
+
+
+class _Prefetcher:
+    """Reads the next batch on a thread while the current one is processed (one in flight)."""
+
+    def __init__(self, source: Source, policy: BatchPolicy):
+        self._source = source
+        self._policy = policy
+        self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conveyor-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item: tuple[str, Any] = ("batch", self._source.read(self._policy))
+            except BaseException as e:  # handed to the consumer thread
+                item = ("error", e)
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] == "error":
+                return
+
+    def next(self) -> SourceBatch | None:
+        try:
+            kind, value = self._q.get(timeout=max(self._policy.max_wait_ms / 1000 * 2, 1.0))
+        except queue.Empty:
+            return None
+        if kind == "error":
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
+
+
+def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
+    return (
+        table.column(TOPIC_COL)[index].as_py(),
+        table.column(PARTITION_COL)[index].as_py(),
+        table.column(OFFSET_COL)[index].as_py(),
+    )
+
+
+def _all_coords(table: pa.Table) -> list[tuple[str, int, int]]:
+    return list(
+        zip(
+            table.column(TOPIC_COL).to_pylist(),
+            table.column(PARTITION_COL).to_pylist(),
+            table.column(OFFSET_COL).to_pylist(),
+            strict=True,
+        )
+    )
+
+
+def _pct(values: deque[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
+
+
+def next_offsets_of(table: pa.Table) -> Offsets:
+    """Per partition: max offset + 1 (what a commit after this table stores)."""
+    out: Offsets = {}
+    for topic, part, off in _all_coords(table):
+        tp = TopicPartition(topic, part)
+        if off + 1 > out.get(tp, -1):
+            out[tp] = off + 1
+    return out

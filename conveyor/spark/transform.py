@@ -1,0 +1,137 @@
+"""A batch's data path on Spark: Arrow in, Spark SQL, Arrow out.
+
+Records become a DataFrame through Arrow (``createDataFrame`` from an Arrow
+table), decoding, filters and projections are Spark SQL expressions, and the
+result comes back with ``toArrow()``. Undecodable rows are flagged in the same
+pass and split off locally, so a batch costs one Spark round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from conveyor.core.errors import ConfigError, TransientSinkError
+from conveyor.core.loop import Rejected, Transformed
+from conveyor.core.model import META_COLUMNS, Decode, TransformSpec
+
+log = logging.getLogger("conveyor.spark")
+# pyspark logs every failed analysis as a multi-kilobyte JSON error; we report it ourselves.
+logging.getLogger("SQLQueryContextLogger").setLevel(logging.CRITICAL)
+
+BAD_COL = "__bad"
+ROW_COL = "__row"
+
+
+def spark_session(remote: str) -> Any:
+    """A Spark Connect session for ``remote`` (sc://host:port), created through dagster-pyspark."""
+    from dagster_pyspark import LazyPySparkResource
+
+    return LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
+
+
+def is_connect_outage(e: BaseException) -> bool:
+    """True for errors meaning the Spark Connect endpoint is unreachable."""
+    text = f"{type(e).__name__}: {e}"
+    return any(s in text for s in ("UNAVAILABLE", "Connection refused", "failed to connect", "DEADLINE_EXCEEDED", "Socket closed", "RetriesExceeded"))
+
+
+class SparkTransformer:
+    """Builds the Spark SQL pipeline of a TransformSpec and applies it per batch."""
+
+    def __init__(self, spec: TransformSpec, session: Any | Callable[[], Any]):
+        self.spec = spec
+        self._session_or_factory = session
+        self._session: Any = None
+
+    @property
+    def session(self) -> Any:
+        if self._session is None:
+            s = self._session_or_factory
+            self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
+        return self._session
+
+    def _pipeline(self, df: Any) -> Any:
+        spec = self.spec
+        meta = [c for c in META_COLUMNS]
+        value_str = "CAST(__value AS STRING)"
+        if spec.decode == Decode.RAW:
+            df = df.selectExpr(*meta, ROW_COL, "false AS __bad", "__value AS value")
+            payload = ["value"]
+        elif spec.decode == Decode.TEXT:
+            df = df.selectExpr(*meta, ROW_COL, "__value IS NULL AS __bad", f"{value_str} AS value")
+            payload = ["value"]
+        else:
+            bad = f"(__value IS NULL OR try_parse_json({value_str}) IS NULL)"
+            if spec.json_schema:
+                df = df.selectExpr(*meta, ROW_COL, f"{bad} AS __bad", f"from_json({value_str}, '{_sql_str(spec.json_schema)}') AS __d")
+                df = df.selectExpr(*meta, ROW_COL, BAD_COL, "__d.*")
+                payload = [c for c in df.columns if c not in (*meta, ROW_COL, BAD_COL)]
+            else:
+                df = df.selectExpr(*meta, ROW_COL, f"{bad} AS __bad", f"{value_str} AS value")
+                payload = ["value"]
+        if spec.filter:
+            df = df.where(f"__bad OR coalesce(({spec.filter}), false)")
+        if spec.select:
+            df = df.selectExpr(*meta, ROW_COL, BAD_COL, *spec.select)
+        if spec.rename:
+            df = df.withColumnsRenamed(dict(spec.rename))
+        del payload
+        return df
+
+    def check(self, source_schema: pa.Schema) -> list[str]:
+        """Analyse the pipeline on an empty batch: bad expressions become ConfigError. Returns output columns."""
+        # Spark cannot infer a schema from zero rows: analyse a one-row sample instead
+        # (analysis only; nothing is executed).
+        sample = pa.Table.from_pylist(
+            [{f.name: _sample_value(f.type) for f in source_schema}], schema=source_schema
+        ).append_column(ROW_COL, pa.array([0], pa.int64()))
+        try:
+            df = self._pipeline(self.session.createDataFrame(sample))
+            cols = [f.name for f in df.schema.fields]
+        except Exception as e:
+            if is_connect_outage(e):
+                raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
+            raise ConfigError(f"Spark rejected the transform: {_short(e)}", field="transform") from None
+        return [c for c in cols if c not in (*META_COLUMNS, ROW_COL, BAD_COL)]
+
+    def __call__(self, batch: pa.Table) -> Transformed:
+        n = batch.num_rows
+        table = batch.append_column(ROW_COL, pa.array(range(n), pa.int64()))
+        try:
+            out = self._pipeline(self.session.createDataFrame(table)).toArrow()
+        except Exception as e:
+            if is_connect_outage(e):
+                raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
+            raise
+        bad_mask = out.column(BAD_COL)
+        import pyarrow.compute as pc
+
+        bad_rows = out.filter(bad_mask).column(ROW_COL).to_pylist()
+        good = out.filter(pc.invert(bad_mask)).drop_columns([BAD_COL, ROW_COL])
+        how = {Decode.JSON: "not valid JSON", Decode.TEXT: "null payload", Decode.RAW: "undecodable"}[self.spec.decode]
+        rejected = tuple(Rejected(i, f"undecodable payload: {how}") for i in bad_rows)
+        filtered = n - out.num_rows
+        return Transformed(table=good, rejected=rejected, filtered=filtered)
+
+
+def _sample_value(t: pa.DataType) -> Any:
+    if pa.types.is_string(t):
+        return ""
+    if pa.types.is_binary(t):
+        return b"{}"
+    if pa.types.is_integer(t):
+        return 0
+    return None
+
+
+def _sql_str(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def _short(e: BaseException, limit: int = 500) -> str:
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:limit]

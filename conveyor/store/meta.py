@@ -1,0 +1,620 @@
+"""The meta store: connectors, brokers, offsets, heartbeats and state history.
+
+SQLite file by default (zero set-up), PostgreSQL by URL in production
+(``CONVEYOR_META_URL``). Every offset commit and heartbeat is fenced:
+``UPDATE ... WHERE name = :n AND generation = :g``; when no row changes the run
+has lost its assignment and gets ``FencedError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from conveyor.core.errors import AlreadyClaimedError, ConveyorError, FencedError
+from conveyor.core.model import Broker, ConnectorStatus, DesiredState, Offsets, TopicPartition
+from conveyor.store import schema as t
+
+DEFAULT_HOME = ".conveyor"
+
+
+class StoreError(ConveyorError):
+    """The meta store is unreachable or inconsistent."""
+
+
+class UnknownConnectorError(ConveyorError):
+    """No connector of that name."""
+
+
+def conveyor_home() -> Path:
+    return Path(os.environ.get("CONVEYOR_HOME", DEFAULT_HOME)).resolve()
+
+
+def default_meta_url() -> str:
+    url = os.environ.get("CONVEYOR_META_URL")
+    if url:
+        return url
+    home = conveyor_home()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home / 'meta.db'}"
+
+
+def redact_url(url: str) -> str:
+    return sa.make_url(url).render_as_string(hide_password=True)
+
+
+@dataclass(frozen=True)
+class ConnectorRow:
+    """A connector as the meta store holds it."""
+
+    name: str
+    spec_json: str | None
+    spec_hash: str | None
+    spec_source: str | None
+    spec_error: str | None
+    desired: DesiredState
+    status: ConnectorStatus
+    status_since: float
+    broker_id: str | None
+    generation: int
+    run_id: str | None
+    run_pid: int | None
+    run_host: str | None
+    heartbeat_at: float | None
+    counters: dict[str, Any]
+    last_error: str | None
+    restarts: int
+    next_restart_at: float | None
+    last_moved_at: float | None
+    created_at: float
+    updated_at: float
+
+    @property
+    def spec(self) -> dict[str, Any] | None:
+        return json.loads(self.spec_json) if self.spec_json else None
+
+    def heartbeat_fresh(self, now: float, timeout_s: float) -> bool:
+        return self.heartbeat_at is not None and now - self.heartbeat_at < timeout_s
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    connector: str
+    at: float
+    from_status: str | None
+    to_status: str
+    reason: str
+    run_id: str | None
+    generation: int | None
+
+
+@dataclass
+class Claim:
+    """What a run holds after claiming a connector."""
+
+    name: str
+    generation: int
+    broker_id: str | None
+    offsets: Offsets = field(default_factory=dict)
+
+
+def _row(r: sa.Row[Any]) -> ConnectorRow:
+    m = r._mapping
+    return ConnectorRow(
+        name=m["name"],
+        spec_json=m["spec_json"],
+        spec_hash=m["spec_hash"],
+        spec_source=m["spec_source"],
+        spec_error=m["spec_error"],
+        desired=DesiredState(m["desired"]),
+        status=ConnectorStatus(m["status"]),
+        status_since=m["status_since"],
+        broker_id=m["broker_id"],
+        generation=m["generation"],
+        run_id=m["run_id"],
+        run_pid=m["run_pid"],
+        run_host=m["run_host"],
+        heartbeat_at=m["heartbeat_at"],
+        counters=json.loads(m["counters_json"]) if m["counters_json"] else {},
+        last_error=m["last_error"],
+        restarts=m["restarts"],
+        next_restart_at=m["next_restart_at"],
+        last_moved_at=m["last_moved_at"],
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
+    )
+
+
+class MetaStore:
+    """Connector state in SQLite or PostgreSQL; safe for many processes at once."""
+
+    def __init__(self, url: str | None = None, *, clock: Callable[[], float] = time.time):
+        self.url = url or default_meta_url()
+        self.clock = clock
+        self.dialect = sa.make_url(self.url).get_backend_name()
+        if self.dialect == "sqlite":
+            self.engine = sa.create_engine(self.url, connect_args={"timeout": 30})
+            sa.event.listen(self.engine, "connect", _sqlite_on_connect)
+            sa.event.listen(self.engine, "begin", _sqlite_on_begin)
+        else:
+            self.engine = sa.create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4)
+        self._schema_ready = False
+
+    def __repr__(self) -> str:
+        return f"MetaStore({redact_url(self.url)})"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- schema ---------------------------------------------------------------
+
+    def ensure_schema(self) -> None:
+        """Create the tables, or migrate them to SCHEMA_VERSION. Idempotent."""
+        if self._schema_ready:
+            return
+        try:
+            t.metadata.create_all(self.engine, checkfirst=True)
+            with self.engine.begin() as c:
+                row = c.execute(sa.select(t.schema_version.c.version).where(t.schema_version.c.id == 1)).first()
+                if row is None:
+                    c.execute(t.schema_version.insert().values(id=1, version=t.SCHEMA_VERSION, migrated_at=self.clock()))
+                elif row.version > t.SCHEMA_VERSION:
+                    raise StoreError(
+                        f"meta store schema is version {row.version}, newer than this Conveyor "
+                        f"({t.SCHEMA_VERSION}); upgrade Conveyor"
+                    )
+                else:
+                    for v in range(row.version, t.SCHEMA_VERSION):
+                        t.MIGRATIONS[v](c)
+                    c.execute(
+                        t.schema_version.update()
+                        .where(t.schema_version.c.id == 1)
+                        .values(version=t.SCHEMA_VERSION, migrated_at=self.clock())
+                    )
+        except sa.exc.OperationalError as e:
+            raise StoreError(f"meta store {redact_url(self.url)} is unreachable: {e.orig}") from e
+        self._schema_ready = True
+
+    def schema_version(self) -> int:
+        with self._tx() as c:
+            return int(c.execute(sa.select(t.schema_version.c.version)).scalar_one())
+
+    @contextmanager
+    def _tx(self) -> Iterator[sa.Connection]:
+        self.ensure_schema()
+        with self.engine.begin() as c:
+            yield c
+
+    # -- connectors -------------------------------------------------------------
+
+    def sync_spec(
+        self,
+        name: str,
+        *,
+        spec_json: str | None,
+        spec_hash: str | None,
+        source: str,
+        error: str | None,
+        desired: DesiredState = DesiredState.RUNNING,
+    ) -> ConnectorRow:
+        """Insert or update a connector's spec; runtime state is kept.
+
+        A spec error puts the connector in Error with the message; fixing the spec
+        returns it to Idle so it can be scheduled again.
+        """
+        now = self.clock()
+        with self._tx() as c:
+            cur = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
+            if cur is None:
+                status = ConnectorStatus.ERROR if error else ConnectorStatus.IDLE
+                c.execute(
+                    t.connectors.insert().values(
+                        name=name,
+                        spec_json=spec_json,
+                        spec_hash=spec_hash,
+                        spec_source=source,
+                        spec_error=error,
+                        desired=desired.value,
+                        status=status.value,
+                        status_since=now,
+                        generation=0,
+                        last_error=error,
+                        restarts=0,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+                self._history(c, name, None, status, "created" + (f": {error}" if error else ""), None, 0)
+            else:
+                row = _row(cur)
+                values: dict[str, Any] = {"spec_source": source, "spec_error": error}
+                if error is None:
+                    values.update(spec_json=spec_json, spec_hash=spec_hash)
+                if row.spec_error == error and row.spec_hash == spec_hash and row.spec_source == source:
+                    return row
+                values["updated_at"] = now
+                if error and row.status != ConnectorStatus.ERROR:
+                    values.update(status=ConnectorStatus.ERROR.value, status_since=now, last_error=error)
+                    self._history(c, name, row.status, ConnectorStatus.ERROR, f"invalid spec: {error}", row.run_id, row.generation)
+                elif not error and row.spec_error and row.status == ConnectorStatus.ERROR:
+                    values.update(status=ConnectorStatus.IDLE.value, status_since=now, last_error=None, restarts=0)
+                    self._history(c, name, row.status, ConnectorStatus.IDLE, "spec fixed", row.run_id, row.generation)
+                c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
+            return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
+
+    def get(self, name: str) -> ConnectorRow:
+        with self._tx() as c:
+            r = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
+        if r is None:
+            raise UnknownConnectorError(f"no connector named {name!r}")
+        return _row(r)
+
+    def list(self) -> list[ConnectorRow]:
+        with self._tx() as c:
+            return [_row(r) for r in c.execute(sa.select(t.connectors).order_by(t.connectors.c.name))]
+
+    def delete(self, name: str) -> None:
+        with self._tx() as c:
+            c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
+            c.execute(t.connectors.delete().where(t.connectors.c.name == name))
+            self._history(c, name, None, ConnectorStatus.STOPPED, "deleted", None, None)
+
+    def set_desired(self, name: str, desired: DesiredState, *, reason: str = "") -> ConnectorRow:
+        now = self.clock()
+        with self._tx() as c:
+            row = self._get_for_update(c, name)
+            values: dict[str, Any] = {"desired": desired.value, "updated_at": now}
+            if desired == DesiredState.RUNNING and row.status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR):
+                # A user start clears the error and the restart budget.
+                values.update(status=ConnectorStatus.IDLE.value, status_since=now, restarts=0, next_restart_at=None)
+                self._history(c, name, row.status, ConnectorStatus.IDLE, reason or "started by user", row.run_id, row.generation)
+            c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
+            return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
+
+    def set_status(
+        self,
+        name: str,
+        status: ConnectorStatus,
+        reason: str,
+        *,
+        generation: int | None = None,
+        error: str | None = None,
+        bump_generation: bool = False,
+        clear_broker: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> ConnectorRow | None:
+        """Change status (fenced on ``generation`` when given); records history.
+
+        Returns the new row, or None when the generation no longer matches.
+        """
+        now = self.clock()
+        with self._tx() as c:
+            row = self._get_for_update(c, name)
+            if generation is not None and row.generation != generation:
+                return None
+            values: dict[str, Any] = {"updated_at": now, **(extra or {})}
+            if status != row.status:
+                values.update(status=status.value, status_since=now)
+            if error is not None:
+                values["last_error"] = error
+            elif status in (ConnectorStatus.RUNNING, ConnectorStatus.IDLE) and status != row.status:
+                values["last_error"] = None
+            if bump_generation:
+                values["generation"] = row.generation + 1
+            if clear_broker:
+                values.update(broker_id=None)
+            c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
+            if status != row.status or bump_generation:
+                self._history(c, name, row.status, status, reason, row.run_id, values.get("generation", row.generation))
+            return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
+
+    def assign(self, name: str, broker_id: str, *, expected_generation: int, reason: str) -> int | None:
+        """Scheduler: bump the generation and place the connector on a broker (compare-and-set)."""
+        now = self.clock()
+        with self._tx() as c:
+            res = c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == expected_generation)
+                .values(
+                    generation=expected_generation + 1,
+                    broker_id=broker_id,
+                    run_id=None,
+                    run_pid=None,
+                    heartbeat_at=None,
+                    updated_at=now,
+                )
+            )
+            if res.rowcount == 0:
+                return None
+            self._history(c, name, ConnectorStatus.IDLE, ConnectorStatus.IDLE, reason, None, expected_generation + 1)
+            return expected_generation + 1
+
+    def claim(
+        self,
+        name: str,
+        *,
+        run_id: str,
+        expected_generation: int | None,
+        holder_alive: Callable[[ConnectorRow], bool],
+        broker_id: str | None = None,
+        pid: int | None = None,
+        host: str | None = None,
+    ) -> Claim:
+        """A run takes the connector.
+
+        Launched by the scheduler (``expected_generation`` from the run's tag): the
+        run adopts that generation, or is refused when it is stale. Launched by hand:
+        the generation is bumped, which fences any older run, unless a live run holds
+        the connector, in which case ``AlreadyClaimedError`` explains who.
+        """
+        now = self.clock()
+        pid = pid if pid is not None else os.getpid()
+        host = host or socket.gethostname()
+        with self._tx() as c:
+            row = self._get_for_update(c, name)
+            if row.spec_error:
+                raise AlreadyClaimedError(f"connector {name!r} has an invalid spec: {row.spec_error}")
+            if expected_generation is not None:
+                if row.generation != expected_generation:
+                    raise FencedError(
+                        f"run launched for generation {expected_generation} of {name!r}, "
+                        f"but the connector is at generation {row.generation}: superseded"
+                    )
+                generation = row.generation
+                broker = row.broker_id or broker_id
+            else:
+                if row.run_id and row.run_id != run_id and holder_alive(row):
+                    raise AlreadyClaimedError(
+                        f"connector {name!r} is already running in run {row.run_id} "
+                        f"(pid {row.run_pid} on {row.run_host}, last heartbeat "
+                        f"{now - (row.heartbeat_at or now):.1f}s ago); stop that run first"
+                    )
+                generation = row.generation + 1
+                broker = broker_id or row.broker_id
+            c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name)
+                .values(
+                    generation=generation,
+                    broker_id=broker,
+                    run_id=run_id,
+                    run_pid=pid,
+                    run_host=host,
+                    desired=DesiredState.RUNNING.value,
+                    heartbeat_at=None,
+                    updated_at=now,
+                )
+            )
+            self._history(c, name, row.status, row.status, f"claimed by run {run_id}", run_id, generation)
+            offs = self._offsets(c, name)
+        return Claim(name=name, generation=generation, broker_id=broker, offsets=offs)
+
+    def _get_for_update(self, c: sa.Connection, name: str) -> ConnectorRow:
+        q = sa.select(t.connectors).where(t.connectors.c.name == name)
+        if self.dialect != "sqlite":
+            q = q.with_for_update()
+        r = c.execute(q).first()
+        if r is None:
+            raise UnknownConnectorError(f"no connector named {name!r}")
+        return _row(r)
+
+    # -- the run's fenced writes ------------------------------------------------
+
+    def commit(self, name: str, generation: int, offsets: Offsets) -> None:
+        """Write offsets (next offset to read) for this run's generation, atomically fenced."""
+        now = self.clock()
+        with self._tx() as c:
+            # The fencing UPDATE also takes the row lock that serialises against a bump.
+            res = c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(updated_at=now)
+            )
+            if res.rowcount == 0:
+                raise FencedError(f"connector {name!r}: generation {generation} is no longer current; not committing")
+            self._upsert_offsets(c, name, generation, offsets, now)
+
+    def heartbeat(
+        self,
+        name: str,
+        generation: int,
+        counters: dict[str, Any],
+        *,
+        status: ConnectorStatus = ConnectorStatus.RUNNING,
+        reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Record liveness and counters; moves Idle -> Running on the first one. Fenced."""
+        now = self.clock()
+        with self._tx() as c:
+            cur = c.execute(
+                sa.select(t.connectors.c.status, t.connectors.c.run_id).where(
+                    t.connectors.c.name == name, t.connectors.c.generation == generation
+                )
+            ).first()
+            if cur is None:
+                raise FencedError(f"connector {name!r}: generation {generation} is no longer current")
+            values: dict[str, Any] = {"heartbeat_at": now, "counters_json": json.dumps(counters), "updated_at": now}
+            if cur.status != status.value:
+                values.update(status=status.value, status_since=now)
+                if status == ConnectorStatus.RUNNING:
+                    values["last_error"] = None
+                self._history(c, name, ConnectorStatus(cur.status), status, reason or "heartbeat", cur.run_id, generation)
+            if error is not None:
+                values["last_error"] = error
+            c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(**values)
+            )
+
+    def release(self, name: str, generation: int, status: ConnectorStatus, reason: str, *, error: str | None = None) -> bool:
+        """The run ends: final status for its generation. False if already fenced."""
+        extra: dict[str, Any] = {"run_pid": None}
+        if status == ConnectorStatus.STOPPED:
+            extra["desired"] = DesiredState.STOPPED.value
+        row = self.set_status(name, status, reason, generation=generation, error=error, extra=extra)
+        return row is not None
+
+    # -- offsets --------------------------------------------------------------------
+
+    def committed_offsets(self, name: str) -> Offsets:
+        with self._tx() as c:
+            return self._offsets(c, name)
+
+    def _offsets(self, c: sa.Connection, name: str) -> Offsets:
+        q = sa.select(t.offsets).where(t.offsets.c.connector == name)
+        return {TopicPartition(r.topic, r.partition): int(r.next_offset) for r in c.execute(q)}
+
+    def reset_offsets(self, name: str, offsets: Offsets, *, replace: bool = False) -> None:
+        """Set offsets by hand (CLI). Refused unless the connector is stopped and no run is live."""
+        now = self.clock()
+        with self._tx() as c:
+            row = self._get_for_update(c, name)
+            if row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR) or row.desired != DesiredState.STOPPED:
+                raise ConveyorError(
+                    f"connector {name!r} is {row.status.value} (desired {row.desired.value}); "
+                    "stop it first (`conveyor connector stop`), then reset offsets"
+                )
+            if replace:
+                c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
+            self._upsert_offsets(c, name, row.generation, offsets, now)
+            self._history(c, name, row.status, row.status, f"offsets reset: {_fmt_offsets(offsets)}", None, row.generation)
+
+    def _upsert_offsets(self, c: sa.Connection, name: str, generation: int, offsets: Offsets, now: float) -> None:
+        if not offsets:
+            return
+        rows = [
+            {"connector": name, "topic": tp.topic, "partition": tp.partition, "next_offset": off, "generation": generation, "committed_at": now}
+            for tp, off in offsets.items()
+        ]
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        stmt = insert(t.offsets).values(rows)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["connector", "topic", "partition"],
+            set_={"next_offset": stmt.excluded.next_offset, "generation": stmt.excluded.generation, "committed_at": stmt.excluded.committed_at},
+        )
+        c.execute(stmt)
+
+    # -- brokers --------------------------------------------------------------------
+
+    def upsert_broker(self, broker: Broker, *, keep_draining: bool = True) -> None:
+        now = self.clock()
+        with self._tx() as c:
+            cur = c.execute(sa.select(t.brokers).where(t.brokers.c.id == broker.id)).first()
+            values = {
+                "capacity": broker.capacity,
+                "spark_remote": broker.spark_remote,
+                "run_tags_json": json.dumps(broker.run_tags, sort_keys=True),
+                "updated_at": now,
+            }
+            if cur is None:
+                c.execute(t.brokers.insert().values(id=broker.id, draining=broker.draining, **values))
+            else:
+                if not keep_draining:
+                    values["draining"] = broker.draining
+                c.execute(t.brokers.update().where(t.brokers.c.id == broker.id).values(**values))
+
+    def list_brokers(self) -> list[Broker]:
+        with self._tx() as c:
+            return [
+                Broker(
+                    id=r.id,
+                    capacity=r.capacity,
+                    spark_remote=r.spark_remote,
+                    run_tags=json.loads(r.run_tags_json or "{}"),
+                    draining=bool(r.draining),
+                )
+                for r in c.execute(sa.select(t.brokers).order_by(t.brokers.c.id))
+            ]
+
+    def get_broker(self, broker_id: str) -> Broker | None:
+        return next((b for b in self.list_brokers() if b.id == broker_id), None)
+
+    def set_draining(self, broker_id: str, draining: bool) -> None:
+        with self._tx() as c:
+            res = c.execute(
+                t.brokers.update().where(t.brokers.c.id == broker_id).values(draining=draining, updated_at=self.clock())
+            )
+            if res.rowcount == 0:
+                raise ConveyorError(f"no broker named {broker_id!r}")
+
+    # -- history --------------------------------------------------------------------
+
+    def _history(
+        self,
+        c: sa.Connection,
+        name: str,
+        from_status: ConnectorStatus | None,
+        to_status: ConnectorStatus,
+        reason: str,
+        run_id: str | None,
+        generation: int | None,
+    ) -> None:
+        c.execute(
+            t.state_history.insert().values(
+                connector=name,
+                at=self.clock(),
+                from_status=from_status.value if from_status else None,
+                to_status=to_status.value,
+                reason=reason[:4000],
+                run_id=run_id,
+                generation=generation,
+            )
+        )
+
+    def record(self, name: str, reason: str, *, run_id: str | None = None) -> None:
+        """A history entry without a status change (a scheduler decision, a replay)."""
+        row = self.get(name)
+        with self._tx() as c:
+            self._history(c, name, row.status, row.status, reason, run_id, row.generation)
+
+    def history(self, name: str | None = None, limit: int = 50) -> list[HistoryRow]:
+        q = sa.select(t.state_history).order_by(t.state_history.c.id.desc()).limit(limit)
+        if name:
+            q = q.where(t.state_history.c.connector == name)
+        with self._tx() as c:
+            return [
+                HistoryRow(r.connector, r.at, r.from_status, r.to_status, r.reason, r.run_id, r.generation)
+                for r in c.execute(q)
+            ]
+
+    def update_fields(self, name: str, **values: Any) -> None:
+        """Scheduler bookkeeping (restarts, next_restart_at, last_moved_at, run_id)."""
+        with self._tx() as c:
+            c.execute(t.connectors.update().where(t.connectors.c.name == name).values(updated_at=self.clock(), **values))
+
+
+def _fmt_offsets(offsets: Offsets) -> str:
+    return ", ".join(f"{tp}={off}" for tp, off in sorted(offsets.items()))
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE: writers queue on the
+    # busy timeout instead of failing with "database is locked" on lock upgrade.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def _sqlite_on_begin(conn: sa.Connection) -> None:
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def offsets_from_pairs(pairs: Iterable[tuple[str, int, int]]) -> Offsets:
+    return {TopicPartition(tp, p): o for tp, p, o in pairs}

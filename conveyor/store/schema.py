@@ -1,0 +1,87 @@
+"""Meta store tables and schema versioning.
+
+Times are epoch seconds (float, UTC): portable across SQLite and PostgreSQL and
+cheap to compare in the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+SCHEMA_VERSION = 1
+
+metadata = sa.MetaData()
+
+schema_version = sa.Table(
+    "conveyor_schema",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("migrated_at", sa.Float, nullable=False),
+)
+
+connectors = sa.Table(
+    "conveyor_connectors",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("spec_json", sa.Text, nullable=True),  # None when the spec file does not validate
+    sa.Column("spec_hash", sa.String(64), nullable=True),
+    sa.Column("spec_source", sa.Text, nullable=True),  # file path, or "cli"
+    sa.Column("spec_error", sa.Text, nullable=True),
+    sa.Column("desired", sa.String(16), nullable=False, server_default="running"),
+    sa.Column("status", sa.String(16), nullable=False, server_default="Idle"),
+    sa.Column("status_since", sa.Float, nullable=False),
+    sa.Column("broker_id", sa.String(64), nullable=True),
+    sa.Column("generation", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("run_id", sa.String(64), nullable=True),
+    sa.Column("run_pid", sa.Integer, nullable=True),
+    sa.Column("run_host", sa.String(255), nullable=True),
+    sa.Column("heartbeat_at", sa.Float, nullable=True),
+    sa.Column("counters_json", sa.Text, nullable=True),
+    sa.Column("last_error", sa.Text, nullable=True),
+    sa.Column("restarts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_restart_at", sa.Float, nullable=True),
+    sa.Column("last_moved_at", sa.Float, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+brokers = sa.Table(
+    "conveyor_brokers",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("capacity", sa.Integer, nullable=False),
+    sa.Column("spark_remote", sa.Text, nullable=False),
+    sa.Column("run_tags_json", sa.Text, nullable=False, server_default="{}"),
+    sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+offsets = sa.Table(
+    "conveyor_offsets",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("topic", sa.String(255), primary_key=True),
+    sa.Column("partition", sa.Integer, primary_key=True),
+    sa.Column("next_offset", sa.BigInteger, nullable=False),  # Kafka convention: last processed + 1
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("committed_at", sa.Float, nullable=False),
+)
+
+state_history = sa.Table(
+    "conveyor_state_history",
+    metadata,
+    sa.Column("id", sa.Integer, sa.Identity(), primary_key=True),
+    sa.Column("connector", sa.String(64), nullable=False, index=True),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("from_status", sa.String(16), nullable=True),
+    sa.Column("to_status", sa.String(16), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("run_id", sa.String(64), nullable=True),
+    sa.Column("generation", sa.Integer, nullable=True),
+)
+
+# Version N -> N+1 steps, applied in order inside one transaction each.
+MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {}
