@@ -96,7 +96,11 @@ class Source(Protocol):
     """Reads the log from the committed offsets. Used from one thread at a time."""
 
     def read(self, policy: BatchPolicy) -> SourceBatch | None:
-        """Block up to ``policy.max_wait_ms`` (long poll); None when nothing arrived."""
+        """Block up to ``policy.max_wait_ms`` (long poll); None when nothing arrived.
+
+        A source may also define ``open(committed: Offsets)``, called once (with outage
+        retries) before the first read, to assign partitions and seek.
+        """
 
     def lag(self, committed: Offsets) -> int | None:
         """Messages behind the log's high watermark, from the last fetch's metadata."""
@@ -106,7 +110,11 @@ class Source(Protocol):
 
 class Transformer(Protocol):
     def __call__(self, batch: pa.Table) -> Transformed:
-        """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage."""
+        """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage.
+
+        A transformer may also define ``prepare()``, called once before the first batch,
+        to check its expressions (raising ConfigError).
+        """
 
 
 class SinkLike(Protocol):
@@ -123,8 +131,8 @@ class Committer(Protocol):
     def commit(self, offsets: Offsets) -> None:
         """Persist offsets for this generation; raises FencedError when superseded."""
 
-    def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> None:
-        """Liveness + counters; raises FencedError when superseded."""
+    def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> bool | None:
+        """Liveness + counters; False asks the loop to stop. Raises FencedError when superseded."""
 
 
 class DeadLetterWriter(Protocol):
@@ -216,11 +224,19 @@ class ConnectorLoop:
 
     def run(self) -> Counters:
         """Run until stopped. Returns the final counters; raises on a connector error."""
-        self.sink.validate()
-        self._with_outage_retry("init sink", self.sink.init_sink)
-        reader = _Prefetcher(self.source, self.cfg.batch) if self.cfg.prefetch else None
+        reader: _Prefetcher | None = None
         try:
+            self.sink.validate()
+            prepare = getattr(self.transform, "prepare", None)
+            if prepare is not None:
+                self._with_outage_retry("prepare transform", prepare)
+            self._with_outage_retry("init sink", self.sink.init_sink)
+            open_source = getattr(self.source, "open", None)
+            if open_source is not None:
+                self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
             self._heartbeat(force=True)
+            if self.cfg.prefetch:
+                reader = _Prefetcher(self.source, self.cfg.batch)
             while not self._should_stop():
                 sb = reader.next() if reader else self.source.read(self.cfg.batch)
                 if sb is None:
@@ -407,8 +423,11 @@ class ConnectorLoop:
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
         )
-        self.committer.heartbeat(self.counters, self.status, self._status_reason)
+        keep_running = self.committer.heartbeat(self.counters, self.status, self._status_reason)
         self._status_reason = None
+        if keep_running is False:
+            log.info("%s: desired state is stopped; stopping", self.cfg.name)
+            self._stop_event.set()
         if self.on_progress and (self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s):
             self._last_progress = now
             self.on_progress(Progress(self.counters, dict(self.committed)))

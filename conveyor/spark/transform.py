@@ -98,6 +98,11 @@ class SparkTransformer:
             raise ConfigError(f"Spark rejected the transform: {_short(e)}", field="transform") from None
         return [c for c in cols if c not in (*META_COLUMNS, ROW_COL, BAD_COL)]
 
+    def prepare(self) -> None:
+        from conveyor.brokers.kafka import SOURCE_SCHEMA
+
+        self.check(SOURCE_SCHEMA)
+
     def __call__(self, batch: pa.Table) -> Transformed:
         n = batch.num_rows
         table = batch.append_column(ROW_COL, pa.array(range(n), pa.int64()))

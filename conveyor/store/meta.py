@@ -432,12 +432,15 @@ class MetaStore:
         status: ConnectorStatus = ConnectorStatus.RUNNING,
         reason: str | None = None,
         error: str | None = None,
-    ) -> None:
-        """Record liveness and counters; moves Idle -> Running on the first one. Fenced."""
+    ) -> DesiredState:
+        """Record liveness and counters; moves Idle -> Running on the first one. Fenced.
+
+        Returns the desired state, so a run notices a CLI stop without waiting for the scheduler.
+        """
         now = self.clock()
         with self._tx() as c:
             cur = c.execute(
-                sa.select(t.connectors.c.status, t.connectors.c.run_id).where(
+                sa.select(t.connectors.c.status, t.connectors.c.run_id, t.connectors.c.desired).where(
                     t.connectors.c.name == name, t.connectors.c.generation == generation
                 )
             ).first()
@@ -456,6 +459,7 @@ class MetaStore:
                 .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
                 .values(**values)
             )
+            return DesiredState(cur.desired)
 
     def release(self, name: str, generation: int, status: ConnectorStatus, reason: str, *, error: str | None = None) -> bool:
         """The run ends: final status for its generation. False if already fenced."""

@@ -1,0 +1,253 @@
+"""The connector job: one long-running Dagster run per connector assignment.
+
+The op claims the connector (fencing any older run), builds the source, the
+Spark transform and the sink, and drives ``core.loop``. It installs no signal
+handlers: a terminate from the UI or the scheduler arrives as Dagster's
+``DagsterExecutionInterruptedError``; the loop commits what was acknowledged,
+cleans up, and the run ends CANCELED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from dagster import (
+    AssetKey,
+    AssetMaterialization,
+    DagsterExecutionInterruptedError,
+    Failure,
+    JobDefinition,
+    MetadataValue,
+    OpExecutionContext,
+    RetryRequested,
+    in_process_executor,
+    job,
+    op,
+)
+
+from conveyor.brokers.kafka import KafkaSource
+from conveyor.core.errors import (
+    AlreadyClaimedError,
+    ConfigError,
+    ConveyorError,
+    DeadLetterLimitError,
+    FencedError,
+    PermanentSinkError,
+)
+from conveyor.core.loop import (
+    ConnectorLoop,
+    DataPolicyError,
+    LoopConfig,
+    OutageBudgetExceeded,
+    Progress,
+    run_loop,
+)
+from conveyor.core.model import ConnectorStatus, Counters, DesiredState, FailurePolicyName, Offsets
+from conveyor.resources.conveyor import ConveyorResource
+from conveyor.sinks import build_sink
+from conveyor.specs import LoadedSpec, from_store_row
+from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.store.meta import ConnectorRow, MetaStore
+
+TAG_CONNECTOR = "conveyor/connector"
+TAG_BROKER = "conveyor/broker"
+TAG_GENERATION = "conveyor/generation"
+
+# Attempts of the connector op (RetryRequested) after an outage outlasted its budget,
+# before the run fails and the scheduler's restart backoff takes over.
+OUTAGE_RUN_RETRIES = 2
+
+
+def job_name(connector: str) -> str:
+    return f"connector__{connector}"
+
+
+class StoreCommitter:
+    """The run's fenced writes: offsets to the meta store (mirrored to Kafka), heartbeats."""
+
+    def __init__(self, store: MetaStore, name: str, generation: int, source: KafkaSource):
+        self.store = store
+        self.name = name
+        self.generation = generation
+        self.source = source
+
+    def commit(self, offsets: Offsets) -> None:
+        self.store.commit(self.name, self.generation, offsets)
+        self.source.mirror_commit(offsets)
+
+    def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> bool:
+        desired = self.store.heartbeat(self.name, self.generation, counters.as_dict(), status=status, reason=reason)
+        return desired == DesiredState.RUNNING
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder_alive(context: OpExecutionContext, timeout_s: float):  # type: ignore[no-untyped-def]
+    def alive(row: ConnectorRow) -> bool:
+        if row.run_id:
+            other = context.instance.get_run_by_id(row.run_id)
+            if other is None or other.is_finished:
+                return False
+        if row.run_host == socket.gethostname() and row.run_pid and not pid_alive(row.run_pid):
+            return False
+        if row.heartbeat_at is None:
+            # Claimed but no heartbeat yet: alive while its run is not finished (checked above).
+            return row.run_id is not None
+        return row.heartbeat_fresh(time.time(), timeout_s)
+
+    return alive
+
+
+def _progress_logger(context: OpExecutionContext, ls: LoadedSpec):  # type: ignore[no-untyped-def]
+    assert ls.sink is not None
+    sink_key = AssetKey(ls.sink.asset_key_path())
+
+    def on_progress(p: Progress) -> None:
+        c = p.counters
+        offsets = {str(tp): off for tp, off in sorted(p.offsets.items())}
+        metadata: dict[str, Any] = {
+            "messages_in": MetadataValue.int(c.messages_in),
+            "messages_out": MetadataValue.int(c.messages_out),
+            "failed": MetadataValue.int(c.failed),
+            "dead_lettered": MetadataValue.int(c.dead_lettered),
+            "discarded": MetadataValue.int(c.discarded),
+            "retries": MetadataValue.int(c.retries),
+            "msgs_per_s": MetadataValue.float(float(c.msgs_per_s)),
+            "offsets": MetadataValue.json(offsets),
+        }
+        if c.lag is not None:
+            metadata["lag"] = MetadataValue.int(c.lag)
+        if c.batch_latency_p50_ms is not None:
+            metadata["batch_latency_p50_ms"] = MetadataValue.float(c.batch_latency_p50_ms)
+        if c.batch_latency_p99_ms is not None:
+            metadata["batch_latency_p99_ms"] = MetadataValue.float(c.batch_latency_p99_ms)
+        context.log_event(
+            AssetMaterialization(
+                asset_key=sink_key,
+                description=f"connector {ls.name}: {c.messages_out} messages delivered" + (" (final)" if p.final else ""),
+                metadata=metadata,
+                tags={TAG_CONNECTOR: ls.name},
+            )
+        )
+
+    return on_progress
+
+
+def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name: str) -> None:
+    """The op body: claim, run the loop, record the final state."""
+    store = conveyor.store()
+    row = store.get(name)
+    ls = from_store_row(name, row.spec_json, row.spec_source, row.spec_error)
+    if not ls.ok or ls.spec is None or ls.sink is None:
+        raise Failure(description=f"connector {name!r} cannot start: {ls.error}")
+    spec = ls.spec
+    tags = context.run.tags
+    expected = int(tags[TAG_GENERATION]) if TAG_GENERATION in tags else None
+    try:
+        claim = store.claim(
+            name,
+            run_id=context.run_id,
+            expected_generation=expected,
+            holder_alive=_holder_alive(context, spec.heartbeat_timeout_s),
+            broker_id=tags.get(TAG_BROKER),
+        )
+    except AlreadyClaimedError as e:
+        raise Failure(description=str(e)) from None
+    except FencedError as e:
+        context.log.warning(f"{e}; this run exits without touching the connector")
+        return
+    gen = claim.generation
+    broker = store.get_broker(claim.broker_id) if claim.broker_id else None
+    remote = broker.spark_remote if broker else conveyor.default_remote()
+    source_spec = spec.source
+    if source_spec.bootstrap_servers is None and conveyor.bootstrap():
+        source_spec = source_spec.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
+    context.log.info(
+        f"connector {name} generation {gen} on broker {claim.broker_id or '-'} (Spark {remote}); "
+        f"sink {'/'.join(ls.sink.asset_key_path())}; resuming from "
+        + (", ".join(f"{tp}@{off}" for tp, off in sorted(claim.offsets.items())) or spec.source.start_from)
+    )
+    source = KafkaSource(source_spec, group_id=name, client_id=f"conveyor-{name}")
+    dead_letters = None
+    if spec.failure.policy == FailurePolicyName.DEAD_LETTER:
+        from conveyor.deadletters import dead_letter_writer
+
+        dead_letters = dead_letter_writer(spec, gen, spark=lambda: spark_session(remote), bootstrap=source.bootstrap)
+    try:
+        sink = build_sink(ls.sink)
+    except ConfigError as e:
+        store.release(name, gen, ConnectorStatus.ERROR, "invalid sink config", error=str(e))
+        raise Failure(description=str(e)) from None
+    loop = ConnectorLoop(
+        LoopConfig(name=name, batch=spec.batch, retry=spec.retry, failure=spec.failure),
+        source=source,
+        transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
+        sink=sink,
+        committer=StoreCommitter(store, name, gen, source),
+        committed=claim.offsets,
+        dead_letters=dead_letters,
+        on_progress=_progress_logger(context, ls),
+    )
+    try:
+        counters = run_loop(loop)
+    except DagsterExecutionInterruptedError:
+        store.release(name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated")
+        context.log.info(f"connector {name} stopped by terminate; offsets committed up to the last acknowledged batch")
+        raise
+    except FencedError as e:
+        context.log.warning(f"{e}. Another run owns the connector now; exiting without committing.")
+        return
+    except (ConfigError, PermanentSinkError, DataPolicyError, DeadLetterLimitError) as e:
+        store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e))
+        raise Failure(description=f"connector {name} stopped with an error: {e}") from None
+    except OutageBudgetExceeded as e:
+        if context.retry_number < OUTAGE_RUN_RETRIES:
+            store.set_status(name, ConnectorStatus.DEGRADED, f"outage budget spent, op retry {context.retry_number + 1}", generation=gen, error=str(e))
+            raise RetryRequested(max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay) from e
+        store.release(name, gen, ConnectorStatus.ERROR, "outage budget spent", error=str(e))
+        raise Failure(description=f"connector {name}: {e}") from None
+    except ConveyorError as e:
+        store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e))
+        raise Failure(description=f"connector {name}: {e}") from None
+    except Exception as e:
+        store.release(name, gen, ConnectorStatus.ERROR, "unexpected error", error=f"{type(e).__name__}: {e}")
+        raise
+    store.release(name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped")
+    context.log.info(f"connector {name} stopped: {json.dumps(counters.as_dict())}")
+
+
+def connector_job(ls: LoadedSpec) -> JobDefinition:
+    """``connector__<name>``: one op, in-process executor, no retries (the scheduler relaunches)."""
+    name = ls.name
+    target = "/".join(ls.sink.asset_key_path()) if ls.sink else "?"
+    topics = ", ".join(ls.spec.source.topics) if ls.spec else "?"
+    desc = (ls.spec.description if ls.spec and ls.spec.description else None) or f"Connector {name}: {topics} -> {target}"
+    if ls.error:
+        desc = f"Connector {name} has an invalid spec: {ls.error}"
+
+    @op(name="run_connector", description=desc, tags={"kind": "spark"})
+    def run_connector_op(context: OpExecutionContext, conveyor: ConveyorResource) -> None:
+        run_connector(context, conveyor, name)
+
+    @job(
+        name=job_name(name),
+        description=desc,
+        executor_def=in_process_executor,
+        tags={TAG_CONNECTOR: name, "dagster/max_retries": "0"},
+    )
+    def connector_job_def() -> None:
+        run_connector_op()
+
+    return connector_job_def
