@@ -138,7 +138,7 @@ class MetaStore:
     """Connector state in SQLite or PostgreSQL; safe for many processes at once."""
 
     def __init__(self, url: str | None = None, *, clock: Callable[[], float] = time.time):
-        self.url = url or default_meta_url()
+        self.url = _with_driver(url or default_meta_url())
         self.clock = clock
         self.dialect = sa.make_url(self.url).get_backend_name()
         if self.dialect == "sqlite":
@@ -599,6 +599,14 @@ class MetaStore:
         """Scheduler bookkeeping (restarts, next_restart_at, last_moved_at, run_id)."""
         with self._tx() as c:
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(updated_at=self.clock(), **values))
+
+
+def _with_driver(url: str) -> str:
+    """postgresql:// means psycopg2 (our dependency); SQLAlchemy 2.1 would pick psycopg 3."""
+    u = sa.make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg2")
+    return u.render_as_string(hide_password=False)
 
 
 def _fmt_offsets(offsets: Offsets) -> str:

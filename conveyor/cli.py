@@ -1,0 +1,364 @@
+"""The ``conveyor`` command: dev environment, connectors, brokers, offsets.
+
+Every command exits non-zero with a one-line message on error, never a bare
+traceback (set CONVEYOR_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from conveyor.core.errors import ConveyorError
+from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.store.meta import MetaStore, StoreError
+
+console = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(msg: str) -> None:
+    click.secho(f"error: {msg}", fg="red", err=True)
+    sys.exit(1)
+
+
+def handles_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        try:
+            return fn(*a, **kw)
+        except (ConveyorError, StoreError) as e:
+            if os.environ.get("CONVEYOR_DEBUG"):
+                raise
+            _fail(str(e))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _store(ctx: click.Context) -> MetaStore:
+    store = MetaStore(ctx.obj.get("meta_url"))
+    store.ensure_schema()
+    return store
+
+
+def _ago(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    d = dt.datetime.now().timestamp() - ts
+    if d < 120:
+        return f"{d:.0f}s ago"
+    if d < 7200:
+        return f"{d / 60:.0f}m ago"
+    return f"{d / 3600:.1f}h ago"
+
+
+@click.group()
+@click.option("--meta-url", envvar="CONVEYOR_META_URL", default=None, help="Meta store URL (default: SQLite in $CONVEYOR_HOME).")
+@click.pass_context
+def main(ctx: click.Context, meta_url: str | None) -> None:
+    """Conveyor: message connectors on Dagster."""
+    ctx.ensure_object(dict)
+    ctx.obj["meta_url"] = meta_url
+
+
+# -- dev ---------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--home", type=click.Path(path_type=Path), default=None, help="State directory (default: $CONVEYOR_HOME or ./.conveyor).")
+@click.option("--kafka-port", default=9092, show_default=True, help="Port of the embedded broker.")
+@click.option("--spark-port", default=15002, show_default=True, help="Port of the local Spark Connect server.")
+@click.option("--port", "dagster_port", default=3000, show_default=True, help="Port of the Dagster UI.")
+@click.option("--rate", default=50.0, show_default=True, help="Demo producer messages per second.")
+@click.option("--no-demo", is_flag=True, help="Do not start the demo producer and connector.")
+@handles_errors
+def dev(home: Path | None, kafka_port: int, spark_port: int, dagster_port: int, rate: float, no_demo: bool) -> None:
+    """Start the embedded broker, Spark Connect, a demo, and `dagster dev`."""
+    from conveyor.devserver import run_dev
+
+    home = (home or Path(os.environ.get("CONVEYOR_HOME", ".conveyor"))).resolve()
+    sys.exit(run_dev(home=home, kafka_port=kafka_port, spark_port=spark_port, dagster_port=dagster_port, producer_rate=rate, demo=not no_demo))
+
+
+# -- connectors ----------------------------------------------------------------------
+
+
+@main.group()
+def connector() -> None:
+    """Create, inspect, start and stop connectors."""
+
+
+@connector.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handles_errors
+def connector_list(ctx: click.Context, as_json: bool) -> None:
+    """State, broker, lag, msgs/s and last error of every connector."""
+    rows = _store(ctx).list()
+    if as_json:
+        click.echo(json.dumps([_row_dict(r) for r in rows], indent=2))
+        return
+    table = Table(title="connectors")
+    for col in ("name", "state", "desired", "broker", "gen", "lag", "msgs/s", "delivered", "heartbeat", "last error"):
+        table.add_column(col, overflow="fold")
+    colors = {"Running": "green", "Degraded": "yellow", "Error": "red", "Stopped": "dim", "Idle": "blue"}
+    for r in rows:
+        c = r.counters
+        table.add_row(
+            r.name,
+            f"[{colors.get(r.status.value, 'white')}]{r.status.value}[/]",
+            r.desired.value,
+            r.broker_id or "-",
+            str(r.generation),
+            "-" if c.get("lag") is None else str(c["lag"]),
+            f"{c.get('msgs_per_s', 0):.0f}",
+            str(c.get("messages_out", 0)),
+            _ago(r.heartbeat_at),
+            (r.last_error or "")[:120],
+        )
+    console.print(table)
+
+
+def _row_dict(r: Any) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "status": r.status.value,
+        "desired": r.desired.value,
+        "broker": r.broker_id,
+        "generation": r.generation,
+        "run_id": r.run_id,
+        "heartbeat_at": r.heartbeat_at,
+        "counters": r.counters,
+        "last_error": r.last_error,
+        "spec_source": r.spec_source,
+        "spec_error": r.spec_error,
+    }
+
+
+@connector.command("show")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_show(ctx: click.Context, name: str) -> None:
+    """Everything about one connector, with its offsets."""
+    store = _store(ctx)
+    r = store.get(name)
+    d = _row_dict(r)
+    d["spec"] = r.spec
+    d["offsets"] = {str(tp): off for tp, off in sorted(store.committed_offsets(name).items())}
+    click.echo(yaml.safe_dump(d, sort_keys=False))
+
+
+@connector.command("apply")
+@click.option("-f", "--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True)
+@click.pass_context
+@handles_errors
+def connector_apply(ctx: click.Context, path: Path) -> None:
+    """Create or update a connector from a spec file (validated first)."""
+    from conveyor.specs import load_file
+
+    ls = load_file(path)
+    if not ls.ok:
+        _fail(ls.error or "invalid spec")
+    assert ls.spec is not None
+    row = _store(ctx).sync_spec(ls.name, spec_json=ls.spec_json(), spec_hash=ls.spec_hash(), source="cli", error=None, desired=ls.spec.desired)
+    click.echo(f"connector {row.name} applied ({row.status.value}, desired {row.desired.value}); reload the code location to see its job")
+
+
+@connector.command("start")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_start(ctx: click.Context, name: str) -> None:
+    """Desired state running; the scheduler sensor launches it."""
+    r = _store(ctx).set_desired(name, DesiredState.RUNNING, reason="started from the CLI")
+    click.echo(f"{name}: desired running (now {r.status.value})")
+
+
+@connector.command("stop")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_stop(ctx: click.Context, name: str) -> None:
+    """Desired state stopped; the run stops itself at its next heartbeat."""
+    store = _store(ctx)
+    r = store.set_desired(name, DesiredState.STOPPED, reason="stopped from the CLI")
+    if r.run_id is None or r.status in (ConnectorStatus.IDLE, ConnectorStatus.ERROR):
+        store.set_status(name, ConnectorStatus.STOPPED, "stopped from the CLI")
+    click.echo(f"{name}: desired stopped (now {r.status.value})")
+
+
+@connector.command("restart")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_restart(ctx: click.Context, name: str) -> None:
+    """Fence the current run and let the scheduler start a fresh one."""
+    store = _store(ctx)
+    store.set_desired(name, DesiredState.RUNNING, reason="restart from the CLI")
+    store.set_status(name, ConnectorStatus.IDLE, "restart from the CLI", bump_generation=True, clear_broker=True)
+    click.echo(f"{name}: restarting (the old run is fenced; the scheduler launches a new one)")
+
+
+@connector.command("delete")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@click.pass_context
+@handles_errors
+def connector_delete(ctx: click.Context, name: str, yes: bool) -> None:
+    """Delete a stopped connector and its offsets."""
+    store = _store(ctx)
+    r = store.get(name)
+    if r.status in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED):
+        _fail(f"{name} is {r.status.value}; stop it first")
+    if not yes:
+        click.confirm(f"delete connector {name} and its offsets?", abort=True)
+    store.delete(name)
+    click.echo(f"{name}: deleted")
+
+
+@connector.command("history")
+@click.argument("name")
+@click.option("--limit", default=30, show_default=True)
+@click.pass_context
+@handles_errors
+def connector_history(ctx: click.Context, name: str, limit: int) -> None:
+    """State transitions and decisions, newest first."""
+    store = _store(ctx)
+    store.get(name)
+    table = Table(title=f"history of {name}")
+    for col in ("at", "from", "to", "gen", "run", "reason"):
+        table.add_column(col, overflow="fold")
+    for h in store.history(name, limit):
+        table.add_row(
+            dt.datetime.fromtimestamp(h.at).strftime("%Y-%m-%d %H:%M:%S"),
+            h.from_status or "-",
+            h.to_status,
+            str(h.generation if h.generation is not None else "-"),
+            (h.run_id or "-")[:8],
+            h.reason,
+        )
+    console.print(table)
+
+
+# -- offsets ---------------------------------------------------------------------------
+
+
+@main.group()
+def offsets() -> None:
+    """Inspect and reset committed offsets."""
+
+
+@offsets.command("show")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def offsets_show(ctx: click.Context, name: str) -> None:
+    """Committed offsets (next offset to read) per partition."""
+    store = _store(ctx)
+    store.get(name)
+    table = Table(title=f"offsets of {name}")
+    table.add_column("topic")
+    table.add_column("partition", justify="right")
+    table.add_column("next offset", justify="right")
+    for tp, off in sorted(store.committed_offsets(name).items()):
+        table.add_row(tp.topic, str(tp.partition), str(off))
+    console.print(table)
+
+
+@offsets.command("reset")
+@click.argument("name")
+@click.option("--to", "to", required=True, help="earliest, latest, or TOPIC:PARTITION:OFFSET (repeatable with commas).")
+@click.pass_context
+@handles_errors
+def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
+    """Reset offsets of a STOPPED connector (as Kafka Connect's KIP-875)."""
+    store = _store(ctx)
+    row = store.get(name)
+    if row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR) or row.desired != DesiredState.STOPPED:
+        _fail(f"{name} is {row.status.value} (desired {row.desired.value}); run `conveyor connector stop {name}` first")
+    spec = row.spec or {}
+    if to in ("earliest", "latest"):
+        from conveyor.brokers.kafka import KafkaSource
+        from conveyor.core.model import SourceSpec
+
+        source = KafkaSource(SourceSpec.model_validate(spec["source"]), group_id=name)
+        parts = source.open({}, wait_for_topics_s=5)
+        from kafka import TopicPartition as KTP
+
+        consumer = source._consumer
+        if to == "earliest":
+            consumer.seek_to_beginning()
+        else:
+            consumer.seek_to_end()
+        new = {tp: consumer.position(KTP(tp.topic, tp.partition)) for tp in parts}
+        source.close()
+    else:
+        new = {}
+        for item in to.split(","):
+            try:
+                topic, part, off = item.rsplit(":", 2)
+                new[TopicPartition(topic, int(part))] = int(off)
+            except ValueError:
+                _fail(f"{item!r} is not TOPIC:PARTITION:OFFSET")
+    store.reset_offsets(name, new)
+    click.echo(f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items())))
+
+
+# -- brokers -------------------------------------------------------------------------
+
+
+@main.group()
+def broker() -> None:
+    """Broker executors: list, drain, undrain."""
+
+
+@broker.command("list")
+@click.pass_context
+@handles_errors
+def broker_list(ctx: click.Context) -> None:
+    """Brokers with capacity, load and Spark endpoint."""
+    store = _store(ctx)
+    rows = store.list()
+    table = Table(title="brokers")
+    for col in ("id", "capacity", "assigned", "draining", "spark_remote", "run_tags"):
+        table.add_column(col)
+    for b in store.list_brokers():
+        assigned = sum(1 for r in rows if r.broker_id == b.id and r.status in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.IDLE) and r.desired == DesiredState.RUNNING)
+        table.add_row(b.id, str(b.capacity), str(assigned), "yes" if b.draining else "no", b.spark_remote, json.dumps(b.run_tags))
+    console.print(table)
+
+
+@broker.command("drain")
+@click.argument("broker_id")
+@click.pass_context
+@handles_errors
+def broker_drain(ctx: click.Context, broker_id: str) -> None:
+    """No new assignments; the scheduler moves connectors off it."""
+    _store(ctx).set_draining(broker_id, True)
+    click.echo(f"broker {broker_id}: draining")
+
+
+@broker.command("undrain")
+@click.argument("broker_id")
+@click.pass_context
+@handles_errors
+def broker_undrain(ctx: click.Context, broker_id: str) -> None:
+    """Accept assignments again."""
+    _store(ctx).set_draining(broker_id, False)
+    click.echo(f"broker {broker_id}: accepting connectors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""`conveyor dev`: everything on one machine, supervised, stopped together on Ctrl-C.
+
+Starts the embedded tansu broker (in memory), a local Spark Connect server (the
+default broker executor), the demo producer and connector specs, then
+``dagster dev`` with the SQLite meta store under ``.conveyor/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from conveyor.brokers.embedded import EmbeddedBroker, port_open, start_embedded_broker
+from conveyor.spark.server import SparkConnectServer, start_spark_connect
+
+DAGSTER_YAML = """\
+# Written by `conveyor dev`. Settings that suit long-running connector runs.
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: QueuedRunCoordinator
+  config:
+    dequeue_interval_seconds: 1
+    tag_concurrency_limits:
+{limits}
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 10
+retention:
+  schedule:
+    purge_after_days: 7
+  sensor:
+    purge_after_days:
+      skipped: 1
+      failure: 7
+      success: 7
+sensors:
+  use_threads: true
+  num_workers: 4
+telemetry:
+  enabled: false
+"""
+
+
+def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
+    limits = "\n".join(
+        f"      - key: conveyor/broker\n        value: {bid}\n        limit: {cap}" for bid, cap in brokers
+    ) or "      []"
+    return DAGSTER_YAML.format(limits=limits)
+
+
+def _say(msg: str) -> None:
+    click.secho(f"conveyor dev: {msg}", fg="cyan", err=True)
+
+
+def run_dev(*, home: Path, kafka_port: int, spark_port: int, dagster_port: int, producer_rate: float, demo: bool) -> int:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "logs").mkdir(exist_ok=True)
+    connectors = home / "connectors"
+    connectors.mkdir(exist_ok=True)
+    dagster_home = home / "dagster"
+    dagster_home.mkdir(exist_ok=True)
+    os.environ["CONVEYOR_HOME"] = str(home)
+
+    children: list[subprocess.Popen[bytes]] = []
+    broker: EmbeddedBroker | None = None
+    spark: SparkConnectServer | None = None
+
+    def shutdown(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, shutdown)
+    try:
+        bootstrap = os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP")
+        if bootstrap:
+            _say(f"using Kafka at {bootstrap} (CONVEYOR_KAFKA_BOOTSTRAP)")
+        else:
+            broker = start_embedded_broker(kafka_port, log_path=home / "logs" / "tansu.log")
+            bootstrap = broker.bootstrap
+            _say(f"embedded broker (tansu) at {bootstrap}: IN MEMORY, its data is lost when conveyor dev stops")
+        remote = os.environ.get("CONVEYOR_SPARK_REMOTE")
+        if remote:
+            _say(f"using Spark Connect at {remote} (CONVEYOR_SPARK_REMOTE)")
+        elif port_open("127.0.0.1", spark_port):
+            remote = f"sc://127.0.0.1:{spark_port}"
+            _say(f"a Spark Connect server already listens on {remote}; using it")
+        else:
+            _say(f"starting Spark Connect on 127.0.0.1:{spark_port} (about 10 s; log in {home / 'logs'})")
+            spark = start_spark_connect(spark_port, work_dir=home / "spark")
+            remote = spark.remote
+            _say(f"Spark Connect ready at {remote}")
+        env = {
+            **os.environ,
+            "CONVEYOR_HOME": str(home),
+            "CONVEYOR_KAFKA_BOOTSTRAP": bootstrap,
+            "CONVEYOR_SPARK_REMOTE": remote,
+            "DAGSTER_HOME": str(dagster_home),
+        }
+        capacity = int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8"))
+        (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
+        if demo:
+            _install_demo(connectors)
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "conveyor.demo.producer", "--bootstrap", bootstrap, "--rate", str(producer_rate)],
+                    env=env,
+                    stdout=open(home / "logs" / "producer.log", "ab"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            _say(f"demo producer: {producer_rate:g} orders/s into topic 'orders'")
+        dagster = shutil.which("dagster") or str(Path(sys.executable).parent / "dagster")
+        cmd = [dagster, "dev", "-m", "conveyor.definitions", "-p", str(dagster_port), "-h", "127.0.0.1"]
+        _say(f"starting Dagster UI on http://127.0.0.1:{dagster_port} (connectors in {connectors})")
+        proc = subprocess.Popen(cmd, env=env)
+        children.append(proc)
+        return proc.wait()
+    except KeyboardInterrupt:
+        _say("stopping")
+        return 0
+    finally:
+        for p in reversed(children):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        for p in reversed(children):
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if spark:
+            spark.stop()
+        if broker:
+            broker.stop()
+        _say("all processes stopped")
+
+
+def _install_demo(connectors: Path) -> None:
+    files = resources.files("conveyor.demo")
+    target = connectors / "demo_orders.yaml"
+    if not target.exists():
+        target.write_text(files.joinpath("orders_localfile.yaml").read_text())
+    pg = connectors / "demo_orders_pg.yaml"
+    if os.environ.get("CONVEYOR_DEMO_PG_URL") and not pg.exists():
+        pg.write_text(files.joinpath("orders_postgres.yaml").read_text())

@@ -1,0 +1,384 @@
+"""The connector loop with in-memory collaborators: ordering, failures, interrupts."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from conveyor.brokers.kafka import SOURCE_SCHEMA
+from conveyor.core.errors import BatchRejected, DeadLetterLimitError, FencedError, TransientSinkError
+from conveyor.core.loop import (
+    ConnectorLoop,
+    DataPolicyError,
+    LoopConfig,
+    OutageBudgetExceeded,
+    Rejected,
+    SourceBatch,
+    Transformed,
+    next_offsets_of,
+    run_loop,
+)
+from conveyor.core.model import (
+    BatchPolicy,
+    ConnectorStatus,
+    DeadLetterSpec,
+    FailurePolicyName,
+    FailureSpec,
+    RetrySpec,
+    TopicPartition,
+)
+from conveyor.sinks.base import RowFailure, SendResult
+
+TP0 = TopicPartition("t", 0)
+
+
+def source_batch(start: int, n: int, bad: set[int] = frozenset()) -> SourceBatch:
+    rows = [
+        {
+            "__topic": "t",
+            "__partition": 0,
+            "__offset": o,
+            "__timestamp": None,
+            "__key": str(o).encode(),
+            "__headers": [],
+            "__destination": None,
+            "__value": b"not json" if o in bad else json.dumps({"id": o}).encode(),
+        }
+        for o in range(start, start + n)
+    ]
+    table = pa.Table.from_pylist(rows, schema=SOURCE_SCHEMA)
+    return SourceBatch(table=table, next_offsets=next_offsets_of(table))
+
+
+class Events(list):
+    pass
+
+
+class FakeSource:
+    def __init__(self, batches, events, *, stop_after=True):
+        self.batches = list(batches)
+        self.events = events
+        self.closed = 0
+
+    def read(self, policy):
+        if self.batches:
+            b = self.batches.pop(0)
+            self.events.append(("read", b.table.column("__offset")[0].as_py()))
+            return b
+        return None
+
+    def lag(self, committed):
+        return 0
+
+    def close(self):
+        self.closed += 1
+
+
+def json_transform(batch: pa.Table) -> Transformed:
+    ids, rejected = [], []
+    keep = []
+    for i, v in enumerate(batch.column("__value").to_pylist()):
+        try:
+            ids.append(json.loads(v)["id"])
+            keep.append(i)
+        except ValueError:
+            rejected.append(Rejected(i, "undecodable payload: not valid JSON"))
+    out = batch.take(pa.array(keep, pa.int64())).drop_columns(["__value"]).append_column("id", pa.array(ids, pa.int64()))
+    return Transformed(table=out, rejected=tuple(rejected))
+
+
+class FakeSink:
+    def __init__(self, events, *, reject_ids=(), transient_failures=0, whole_request=False, fail_times=None):
+        self.events = events
+        self.rows: list[int] = []
+        self.reject_ids = set(reject_ids)
+        self.transient_failures = transient_failures
+        self.whole_request = whole_request
+        self.fail_times = fail_times  # id -> how many sends it fails before succeeding
+        self.cleanups = 0
+
+    def validate(self):
+        pass
+
+    def init_sink(self):
+        self.events.append(("init",))
+
+    def describe(self):
+        return "fake"
+
+    def send_batch(self, batch):
+        if self.transient_failures:
+            self.transient_failures -= 1
+            self.events.append(("send-outage",))
+            raise TransientSinkError("connection refused")
+        ids = batch.column("id").to_pylist()
+        bad = []
+        for i, v in enumerate(ids):
+            if v in self.reject_ids:
+                if self.fail_times is not None:
+                    if self.fail_times.get(v, 0) > 0:
+                        self.fail_times[v] -= 1
+                        bad.append(i)
+                else:
+                    bad.append(i)
+        if self.whole_request and bad:
+            raise BatchRejected(f"request rejected: contains bad id {ids[bad[0]]}")
+        good = [v for i, v in enumerate(ids) if i not in bad]
+        self.rows.extend(good)
+        self.events.append(("send", len(good)))
+        return SendResult(rows=len(ids), failed=tuple(RowFailure(i, f"bad id {ids[i]}") for i in bad))
+
+    def cleanup_sink(self):
+        self.cleanups += 1
+
+
+class FakeCommitter:
+    def __init__(self, events, *, fence_after=None, interrupt_first_commit=False, desired_running=True):
+        self.events = events
+        self.offsets: dict = {}
+        self.heartbeats: list = []
+        self.fence_after = fence_after
+        self.interrupt_first_commit = interrupt_first_commit
+        self.desired_running = desired_running
+
+    def commit(self, offsets):
+        if self.interrupt_first_commit:
+            self.interrupt_first_commit = False
+            raise KeyboardInterrupt  # stands for DagsterExecutionInterruptedError, a BaseException
+        if self.fence_after is not None and len([e for e in self.events if e[0] == "commit"]) >= self.fence_after:
+            raise FencedError("stale generation")
+        self.offsets.update(offsets)
+        self.events.append(("commit", dict(offsets)))
+
+    def heartbeat(self, counters, status, reason):
+        self.heartbeats.append((status, reason, counters))
+        return self.desired_running
+
+
+class FakeDeadLetters:
+    def __init__(self, events):
+        self.events = events
+        self.letters = []
+
+    def write(self, letters):
+        self.letters.extend(letters)
+        self.events.append(("dead-letter", len(letters)))
+
+
+def make_loop(batches, *, sink=None, committer=None, failure=None, retry=None, dead=None, events=None, stop_when_drained=True):
+    events = events if events is not None else Events()
+    source = FakeSource(batches, events)
+    sink = sink or FakeSink(events)
+    committer = committer or FakeCommitter(events)
+    sleeps: list[float] = []
+    clock = [1000.0]
+    final = {}
+    for b in batches:
+        final.update(b.next_offsets)
+
+    def sleep(s):
+        sleeps.append(s)
+        clock[0] += s
+
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), retry=retry or RetrySpec(delay=1, jitter="none"), failure=failure or FailureSpec(), prefetch=False),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        dead_letters=dead,
+        # "drained" = everything read and the last batch committed, or it failed for good
+        stop_requested=(lambda: not source.batches and (committer.offsets == final or not loop._outage.active))
+        if stop_when_drained
+        else (lambda: False),
+        clock=lambda: clock[0],
+        sleep=sleep,
+    )
+    return loop, source, sink, committer, events, sleeps
+
+
+def test_delivers_every_message_and_commits_after_each_send():
+    loop, source, sink, committer, events, _ = make_loop([source_batch(0, 100), source_batch(100, 50)])
+    counters = run_loop(loop)
+    assert sink.rows == list(range(150))
+    assert committer.offsets == {TP0: 150}
+    kinds = [e[0] for e in events]
+    assert kinds == ["init", "read", "send", "commit", "read", "send", "commit"]
+    assert counters.messages_in == 150 and counters.messages_out == 150 and counters.batches == 2
+    assert sink.cleanups == 1 and source.closed == 1
+
+
+def test_outage_retries_with_backoff_commits_nothing_meanwhile_and_shows_degraded():
+    events = Events()
+    sink = FakeSink(events, transient_failures=3)
+    loop, _, sink, committer, events, sleeps = make_loop([source_batch(0, 10)], sink=sink, events=events)
+    run_loop(loop)
+    assert sleeps == [1.0, 2.0, 4.0]  # exponential, no jitter
+    kinds = [e[0] for e in events]
+    assert kinds.index("commit") > max(i for i, k in enumerate(kinds) if k == "send-outage")
+    statuses = [h[0] for h in committer.heartbeats]
+    assert ConnectorStatus.DEGRADED in statuses
+    assert statuses[-1] == ConnectorStatus.RUNNING
+    assert sink.rows == list(range(10)) and committer.offsets == {TP0: 10}
+    assert loop.counters.retries == 3
+
+
+def test_outage_budget_exhausted_raises_without_commit():
+    events = Events()
+    sink = FakeSink(events, transient_failures=100)
+    loop, _, _, committer, _, _ = make_loop([source_batch(0, 10)], sink=sink, events=events, retry=RetrySpec(max_retries=3, delay=1, jitter="none"))
+    with pytest.raises(OutageBudgetExceeded, match="4 attempts"):
+        run_loop(loop)
+    assert committer.offsets == {}
+    assert sink.cleanups == 1
+
+
+def test_fail_policy_stops_on_undecodable_payload_naming_the_offset():
+    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10, bad={5})])
+    with pytest.raises(DataPolicyError, match=r"t\[0\]@5 failed \(decode\): undecodable payload"):
+        run_loop(loop)
+    assert committer.offsets == {}  # nothing skipped: the batch is not committed
+
+
+def test_dead_letter_policy_isolates_poison_row_and_commits_after_dead_letters():
+    events = Events()
+    dead = FakeDeadLetters(events)
+    sink = FakeSink(events, reject_ids={500})
+    loop, _, sink, committer, events, _ = make_loop(
+        [source_batch(0, 1000)], sink=sink, dead=dead, events=events, failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=2)
+    )
+    counters = run_loop(loop)
+    assert len(sink.rows) == 999 and 500 not in sink.rows
+    assert [(d.failed.offset, d.failed.attempts) for d in dead.letters] == [(500, 3)]
+    assert dead.letters[0].value == json.dumps({"id": 500}).encode() and dead.letters[0].key == b"500"
+    kinds = [e[0] for e in events]
+    assert kinds.index("dead-letter") < kinds.index("commit")
+    assert committer.offsets == {TP0: 1000}
+    assert counters.dead_lettered == 1 and counters.retries == 2
+
+
+def test_discard_after_retry_delivers_a_row_that_succeeds_on_retry():
+    events = Events()
+    sink = FakeSink(events, reject_ids={3, 7}, fail_times={3: 1, 7: 99})
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 10)], sink=sink, events=events, failure=FailureSpec(policy=FailurePolicyName.DISCARD_AFTER_RETRY, retries=2)
+    )
+    counters = run_loop(loop)
+    assert sorted(sink.rows) == [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    assert counters.discarded == 1 and counters.messages_out == 9
+    assert committer.offsets == {TP0: 10}
+
+
+def test_discard_policy_counts_and_moves_on():
+    events = Events()
+    sink = FakeSink(events, reject_ids={1})
+    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 20, bad={4})], sink=sink, events=events, failure=FailureSpec(policy=FailurePolicyName.DISCARD))
+    counters = run_loop(loop)
+    assert counters.discarded == 2 and counters.messages_out == 18
+    assert committer.offsets == {TP0: 20}
+
+
+def test_whole_request_rejection_is_bisected_to_the_bad_row():
+    events = Events()
+    dead = FakeDeadLetters(events)
+    sink = FakeSink(events, reject_ids={37}, whole_request=True)
+    loop, _, sink, _, events, _ = make_loop([source_batch(0, 64)], sink=sink, dead=dead, events=events, failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0))
+    run_loop(loop)
+    assert sorted(sink.rows) == [i for i in range(64) if i != 37]
+    assert [d.failed.offset for d in dead.letters] == [37]
+    assert "bad id 37" in dead.letters[0].failed.error
+    # log2(64) levels: a handful of requests, not 64
+    assert len([e for e in events if e[0] == "send"]) <= 2 * 7
+
+
+def test_dead_letter_limit_stops_instead_of_draining():
+    events = Events()
+    dead = FakeDeadLetters(events)
+    sink = FakeSink(events, reject_ids=set(range(100)))
+    loop, _, _, committer, _, _ = make_loop(
+        [source_batch(0, 100)],
+        sink=sink,
+        dead=dead,
+        events=events,
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0, dead_letter=DeadLetterSpec(max_ratio=0.5)),
+    )
+    with pytest.raises(DeadLetterLimitError, match="100 of 100"):
+        run_loop(loop)
+    assert dead.letters == [] and committer.offsets == {}
+
+
+def test_interrupt_between_ack_and_commit_still_commits_what_was_acknowledged():
+    events = Events()
+    committer = FakeCommitter(events, interrupt_first_commit=True)
+    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], committer=committer, events=events, stop_when_drained=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_loop(loop)
+    assert committer.offsets == {TP0: 10}  # the acknowledged batch, and nothing of the next
+    assert sink.rows == list(range(10)) and sink.cleanups == 1
+
+
+def test_interrupt_during_send_commits_nothing_of_that_batch():
+    events = Events()
+
+    class InterruptingSink(FakeSink):
+        def send_batch(self, batch):
+            if batch.column("id")[0].as_py() == 10:
+                raise KeyboardInterrupt
+            return super().send_batch(batch)
+
+    sink = InterruptingSink(events)
+    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], sink=sink, events=events, stop_when_drained=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_loop(loop)
+    assert committer.offsets == {TP0: 10}
+    assert sink.cleanups == 1
+
+
+def test_fenced_run_stops_without_committing_further():
+    events = Events()
+    committer = FakeCommitter(events, fence_after=1)
+    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], committer=committer, events=events, stop_when_drained=False)
+    with pytest.raises(FencedError):
+        run_loop(loop)
+    assert committer.offsets == {TP0: 10}
+    assert sink.cleanups == 1
+
+
+def test_desired_stopped_seen_in_heartbeat_stops_the_loop():
+    events = Events()
+    committer = FakeCommitter(events, desired_running=False)
+    loop, source, _, _, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], committer=committer, events=events, stop_when_drained=False)
+    run_loop(loop)
+    assert source.batches  # it stopped before reading everything
+
+
+def test_prefetch_reads_ahead_and_delivers_in_order():
+    events = Events()
+    batches = [source_batch(i * 10, 10) for i in range(20)]
+    source = FakeSource(batches, events)
+    sink = FakeSink(events)
+    committer = FakeCommitter(events)
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), prefetch=True),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        stop_requested=lambda: committer.offsets.get(TP0) == 200,
+    )
+    run_loop(loop)
+    assert sink.rows == list(range(200))
+    assert committer.offsets == {TP0: 200}
+
+
+def test_next_offsets_per_partition():
+    t = pa.Table.from_pylist(
+        [{"__topic": "a", "__partition": 1, "__offset": 5}, {"__topic": "a", "__partition": 1, "__offset": 9}, {"__topic": "b", "__partition": 0, "__offset": 2}]
+    )
+    assert next_offsets_of(t) == {TopicPartition("a", 1): 10, TopicPartition("b", 0): 3}
+    assert pc.sum(t.column("__offset")).as_py() == 16
