@@ -59,8 +59,15 @@ def canonical_type(name: str) -> str:
 
 
 def sink_class(name: str) -> type[Sink]:
-    module_name, _, attr = _SINKS[canonical_type(name)].partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    key = canonical_type(name)
+    module_name, _, attr = _SINKS[key].partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except ImportError as e:
+        raise ConfigError(
+            f"sink type {key!r} cannot be loaded ({e}); install its extra: pip install 'conveyor[{key}]'",
+            field="sink.type",
+        ) from None
 
 
 def parse_sink_config(raw: Mapping[str, Any]) -> SinkConfig:

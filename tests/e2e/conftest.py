@@ -1,0 +1,183 @@
+"""A real Dagster instance for end-to-end tests.
+
+``dagster-webserver`` runs in a subprocess over a temporary DAGSTER_HOME with the
+default run launcher; tests launch and terminate connector runs through its
+GraphQL API (as the UI does) and read results from the real sink.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conveyor.brokers.embedded import free_port, port_open
+from conveyor.store.meta import MetaStore
+
+LOCATION = "conveyor"
+
+DAGSTER_YAML = """\
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: DefaultRunCoordinator
+telemetry:
+  enabled: false
+"""
+
+
+@dataclass
+class DagsterHarness:
+    home: Path
+    dagster_home: Path
+    connectors: Path
+    env: dict[str, str]
+    port: int
+    process: subprocess.Popen[bytes]
+    meta_url: str
+
+    @property
+    def client(self) -> Any:
+        from dagster_graphql import DagsterGraphQLClient
+
+        return DagsterGraphQLClient("127.0.0.1", port_number=self.port, timeout=60)
+
+    @property
+    def store(self) -> MetaStore:
+        return MetaStore(self.meta_url)
+
+    def instance(self) -> Any:
+        from dagster import DagsterInstance
+
+        return DagsterInstance.from_config(str(self.dagster_home))
+
+    def write_spec(self, spec: dict[str, Any]) -> Path:
+        path = self.connectors / f"{spec['name']}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        return path
+
+    def reload(self) -> None:
+        from dagster_graphql import ReloadRepositoryLocationStatus
+
+        info = self.client.reload_repository_location(LOCATION)
+        assert info.status == ReloadRepositoryLocationStatus.SUCCESS, info.message
+
+    def launch(self, connector: str, tags: dict[str, str] | None = None) -> str:
+        return self.client.submit_job_execution(f"connector__{connector}", repository_location_name=LOCATION, tags=tags)
+
+    def terminate(self, run_id: str) -> None:
+        self.client.terminate_run(run_id)
+
+    def run_status(self, run_id: str) -> str:
+        return self.client.get_run_status(run_id).value
+
+    def wait_status(self, run_id: str, statuses: set[str], timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        status = ""
+        while time.monotonic() < deadline:
+            status = self.run_status(run_id)
+            if status in statuses:
+                return status
+            time.sleep(0.5)
+        raise AssertionError(f"run {run_id} still {status} after {timeout}s; wanted {statuses}\n{self.run_log(run_id)}")
+
+    def run_log(self, run_id: str, tail: int = 40) -> str:
+        inst = self.instance()
+        lines = []
+        for rec in inst.all_logs(run_id)[-tail:]:
+            msg = rec.user_message or ""
+            if rec.dagster_event and rec.dagster_event.event_specific_data is not None:
+                err = getattr(rec.dagster_event.event_specific_data, "error", None)
+                if err is not None:
+                    msg += f" | {err.message}"
+            lines.append(f"{rec.level} {msg}")
+        return "\n".join(lines)
+
+    def failure_message(self, run_id: str) -> str:
+        return self.run_log(run_id, tail=200)
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="session")
+def dagster(tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: str) -> Iterator[DagsterHarness]:
+    home = tmp_path_factory.mktemp("conveyor_home")
+    dagster_home = home / "dagster"
+    connectors = home / "connectors"
+    for d in (dagster_home, connectors):
+        d.mkdir(parents=True)
+    (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)
+    (home / "workspace.yaml").write_text(
+        yaml.safe_dump({"load_from": [{"python_module": {"module_name": "conveyor.definitions", "location_name": LOCATION}}]})
+    )
+    meta_url = f"sqlite:///{home / 'meta.db'}"
+    env = {
+        **os.environ,
+        "CONVEYOR_HOME": str(home),
+        "CONVEYOR_META_URL": meta_url,
+        "CONVEYOR_CONNECTORS_DIR": str(connectors),
+        "CONVEYOR_KAFKA_BOOTSTRAP": tansu,
+        "CONVEYOR_SPARK_REMOTE": spark_remote,
+        "DAGSTER_HOME": str(dagster_home),
+    }
+    port = free_port()
+    webserver = str(Path(sys.executable).parent / "dagster-webserver")
+    log = open(home / "webserver.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [webserver, "-w", str(home / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+        cwd=home,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 120, "dagster-webserver")
+        if proc.poll() is not None:
+            raise RuntimeError(f"dagster-webserver exited: {(home / 'webserver.log').read_text()[-3000:]}")
+        yield DagsterHarness(home, dagster_home, connectors, env, port, proc, meta_url)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def produce(bootstrap: str, topic: str, n: int, *, partitions: int = 2, start: int = 0, payload: Any = None) -> None:
+    """Create ``topic`` (if new) and produce ``n`` JSON messages with ids start..start+n-1."""
+    from kafka import KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, partitions, 1)])
+    except TopicAlreadyExistsError:
+        pass
+    admin.close()
+    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=10)
+    for i in range(start, start + n):
+        value = payload(i) if payload else json.dumps({"id": i, "name": f"name {i}", "amount": i * 1.5}).encode()
+        p.send(topic, key=str(i).encode(), value=value, partition=i % partitions)
+    p.flush()
+    p.close()
