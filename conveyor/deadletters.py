@@ -1,26 +1,40 @@
-"""Dead-letter stores: Parquet files (default) or a Kafka topic ``<connector>.dlq``.
+"""Dead-letter stores: Parquet through Spark (default) or a Kafka topic ``<connector>.dlq``.
 
 Every record keeps the connector, generation, source coordinates, key, headers,
 the original payload bytes, the error class and message, attempts, and first
-and last failure time. A write returns only once the records are durable.
+and last failure time. ``write`` returns only once the records are durable: the
+loop commits the batch's offsets after it.
+
+The Parquet store is append-only, which makes it crash-safe without locks:
+
+- ``<dir>/letters/``: every dead letter ever written (a re-failed replay appends
+  the letter again with ``attempts`` raised);
+- ``<dir>/replayed/``: ``(id, replayed_at)`` of letters a replay delivered.
+
+The *pending* letters are, per id, the newest record with no replay after it.
+Counting, listing and replaying are Spark SQL over these two datasets.
 """
 
 from __future__ import annotations
 
-import os
+import json
+import logging
 import time
-import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from conveyor.core.errors import TransientSinkError
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
 from conveyor.store.meta import conveyor_home
+
+log = logging.getLogger("conveyor.deadletters")
+
+HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
 DEAD_LETTER_SCHEMA = pa.schema(
     [
@@ -31,7 +45,7 @@ DEAD_LETTER_SCHEMA = pa.schema(
         ("partition", pa.int32()),
         ("offset", pa.int64()),
         ("key", pa.binary()),
-        ("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
+        ("headers", HEADERS_TYPE),
         ("value", pa.binary()),
         ("timestamp_ms", pa.int64()),
         ("error_class", pa.string()),
@@ -42,16 +56,26 @@ DEAD_LETTER_SCHEMA = pa.schema(
     ]
 )
 
+REPLAYED_SCHEMA = pa.schema([("id", pa.string()), ("replayed_at", pa.float64())])
+
+
+def letter_id(topic: str, partition: int, offset: int) -> str:
+    return f"{topic}-{partition}-{offset}"
+
 
 def dead_letter_dir(spec: ConnectorSpec) -> Path:
     p = spec.failure.dead_letter.path
     return Path(p).resolve() if p else conveyor_home() / "dead_letters" / spec.name
 
 
+def dlq_topic(connector: str) -> str:
+    return f"{connector}.dlq"
+
+
 def letters_to_table(connector: str, generation: int, letters: list[DeadLetter]) -> pa.Table:
     rows = [
         {
-            "id": f"{d.failed.topic}-{d.failed.partition}-{d.failed.offset}",
+            "id": letter_id(d.failed.topic, d.failed.partition, d.failed.offset),
             "connector": connector,
             "generation": generation,
             "topic": d.failed.topic,
@@ -72,40 +96,195 @@ def letters_to_table(connector: str, generation: int, letters: list[DeadLetter])
     return pa.Table.from_pylist(rows, schema=DEAD_LETTER_SCHEMA)
 
 
-class ParquetDeadLetterWriter:
-    """One Parquet file per batch of dead letters, fsynced before ``write`` returns."""
+@dataclass
+class SparkParquetDeadLetters:
+    """Dead letters as Parquet datasets written and read through Spark."""
 
-    def __init__(self, connector: str, generation: int, directory: Path):
-        self.connector = connector
-        self.generation = generation
-        self.directory = directory
+    directory: Path
+    spark: Callable[[], Any]
+    connector: str = ""
+    generation: int = 0
+
+    @property
+    def letters_path(self) -> str:
+        return str(self.directory / "letters")
+
+    @property
+    def replayed_path(self) -> str:
+        return str(self.directory / "replayed")
+
+    def write(self, letters: list[DeadLetter]) -> None:
+        if letters:
+            self.append(letters_to_table(self.connector, self.generation, letters))
+
+    def append(self, table: pa.Table) -> None:
+        """Append records (DEAD_LETTER_SCHEMA); durable when Spark's write job returns."""
+        try:
+            self.spark().createDataFrame(table).write.mode("append").parquet(self.letters_path)
+        except Exception as e:
+            raise TransientSinkError(f"dead-letter store {self.letters_path}: {str(e).splitlines()[0][:300]}") from e
+
+    def mark_replayed(self, ids: list[str], at: float | None = None) -> None:
+        if not ids:
+            return
+        at = at or time.time()
+        table = pa.table({"id": pa.array(ids, pa.string()), "replayed_at": pa.array([at] * len(ids), pa.float64())})
+        self.spark().createDataFrame(table).write.mode("append").parquet(self.replayed_path)
+
+    def _exists(self, path: str) -> bool:
+        p = Path(path)
+        return p.is_dir() and any(f.suffix == ".parquet" for f in p.iterdir())
+
+    def pending_df(self) -> Any:
+        """A DataFrame of the pending letters (None when nothing was ever dead-lettered)."""
+        if not self._exists(self.letters_path):
+            return None
+        spark = self.spark()
+        letters = spark.read.schema(_ddl(DEAD_LETTER_SCHEMA)).parquet(self.letters_path)
+        letters.createOrReplaceTempView("conveyor_letters")
+        if self._exists(self.replayed_path):
+            spark.read.parquet(self.replayed_path).createOrReplaceTempView("conveyor_replayed")
+        else:
+            spark.sql("SELECT CAST(NULL AS STRING) AS id, CAST(NULL AS DOUBLE) AS replayed_at WHERE false").createOrReplaceTempView(
+                "conveyor_replayed"
+            )
+        return spark.sql(
+            """
+            SELECT l.* FROM (
+              SELECT *, row_number() OVER (PARTITION BY id ORDER BY last_failure_at DESC, attempts DESC) AS rn
+              FROM conveyor_letters) l
+            LEFT ANTI JOIN conveyor_replayed r ON l.id = r.id AND r.replayed_at >= l.last_failure_at
+            WHERE l.rn = 1
+            """
+        ).drop("rn")
+
+    def pending(self, limit: int | None = None) -> pa.Table:
+        df = self.pending_df()
+        if df is None:
+            return DEAD_LETTER_SCHEMA.empty_table()
+        df = df.orderBy("topic", "partition", "offset")
+        if limit is not None:
+            df = df.limit(limit)
+        return df.toArrow().select(DEAD_LETTER_SCHEMA.names).cast(DEAD_LETTER_SCHEMA)
+
+    def count(self) -> int:
+        df = self.pending_df()
+        return 0 if df is None else int(df.count())
+
+
+@dataclass
+class KafkaDeadLetters:
+    """Dead letters produced to ``<connector>.dlq``: original key, value and headers,
+    plus ``conveyor.*`` headers with the source coordinates and the error."""
+
+    bootstrap: str
+    topic: str
+    connector: str = ""
+    generation: int = 0
+    _producer: Any = None
+
+    def _get_producer(self) -> Any:
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap.split(","), acks="all", linger_ms=5)
+        return self._producer
 
     def write(self, letters: list[DeadLetter]) -> None:
         if not letters:
             return
-        table = letters_to_table(self.connector, self.generation, letters)
+        from kafka.errors import KafkaError
+
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            name = f"part-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}.parquet"
-            tmp = self.directory / f".{name}.tmp"
-            pq.write_table(table, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.directory / name)
-            dfd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError as e:
-            raise TransientSinkError(f"dead-letter store {self.directory} not writable: {e}") from e
+            p = self._get_producer()
+            futures = []
+            for d in letters:
+                f = d.failed
+                headers = list(d.headers) + [
+                    ("conveyor.connector", self.connector.encode()),
+                    ("conveyor.generation", str(self.generation).encode()),
+                    ("conveyor.topic", f.topic.encode()),
+                    ("conveyor.partition", str(f.partition).encode()),
+                    ("conveyor.offset", str(f.offset).encode()),
+                    ("conveyor.error_class", f.error_class.encode()),
+                    ("conveyor.error", f.error.encode()[:4000]),
+                    ("conveyor.attempts", str(f.attempts).encode()),
+                    ("conveyor.first_failure_at", repr(d.first_failure_at).encode()),
+                    ("conveyor.last_failure_at", repr(d.last_failure_at).encode()),
+                ]
+                futures.append(p.send(self.topic, key=d.key, value=d.value, headers=headers, timestamp_ms=d.timestamp_ms))
+            p.flush()
+            for fut in futures:
+                fut.get(timeout=30)
+        except KafkaError as e:
+            raise TransientSinkError(f"dead-letter topic {self.topic}: {e}") from e
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
 
 
 def dead_letter_writer(spec: ConnectorSpec, generation: int, *, spark: Callable[[], Any], bootstrap: str) -> Any:
-    """The writer the connector's config asks for."""
-    del spark  # Parquet files are read by Spark in the replay job; writing them needs no round trip
+    """The dead-letter store the connector's config asks for."""
     if spec.failure.dead_letter.store == "kafka":
-        from conveyor.sinks.kafka import KafkaSink, KafkaSinkConfig  # noqa: F401 - lazy
+        return KafkaDeadLetters(bootstrap, dlq_topic(spec.name), connector=spec.name, generation=generation)
+    return SparkParquetDeadLetters(dead_letter_dir(spec), spark, connector=spec.name, generation=generation)
 
-        raise NotImplementedError("kafka dead-letter store")
-    return ParquetDeadLetterWriter(spec.name, generation, dead_letter_dir(spec))
+
+def letters_as_source_batch(table: pa.Table) -> pa.Table:
+    """Pending letters in the source layout, to run them through the transform and sink again."""
+    from conveyor.brokers.kafka import SOURCE_SCHEMA
+
+    ts = [None if v is None else v for v in table.column("timestamp_ms").to_pylist()]
+    return pa.table(
+        {
+            "__topic": table.column("topic").cast(pa.string()),
+            "__partition": table.column("partition").cast(pa.int32()),
+            "__offset": table.column("offset").cast(pa.int64()),
+            "__timestamp": pa.array(ts, pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
+            "__key": table.column("key").cast(pa.binary()),
+            "__headers": table.column("headers").cast(HEADERS_TYPE),
+            "__destination": pa.nulls(table.num_rows, pa.string()),
+            "__value": table.column("value").cast(pa.binary()),
+        },
+        schema=SOURCE_SCHEMA,
+    )
+
+
+def sample_rows(table: pa.Table, n: int = 5) -> list[dict[str, Any]]:
+    """A small, printable sample (payloads shortened, bytes decoded) for the UI and CLI."""
+    out = []
+    for r in table.slice(0, n).to_pylist():
+        value = r.get("value") or b""
+        out.append(
+            {
+                "where": f"{r['topic']}[{r['partition']}]@{r['offset']}",
+                "error_class": r["error_class"],
+                "error": (r["error"] or "")[:200],
+                "attempts": r["attempts"],
+                "payload": value[:120].decode(errors="replace"),
+            }
+        )
+    return out
+
+
+def _ddl(schema: pa.Schema) -> str:
+    mapping = {
+        pa.string(): "STRING",
+        pa.int64(): "BIGINT",
+        pa.int32(): "INT",
+        pa.binary(): "BINARY",
+        pa.float64(): "DOUBLE",
+    }
+    parts = []
+    for f in schema:
+        if f.type == HEADERS_TYPE:
+            parts.append(f"`{f.name}` ARRAY<STRUCT<key: STRING, value: BINARY>>")
+        else:
+            parts.append(f"`{f.name}` {mapping[f.type]}")
+    return ", ".join(parts)
+
+
+def to_json(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(rows, indent=2, default=str)

@@ -6,16 +6,19 @@ from dagster import Definitions
 
 from conveyor.assets.lineage import lineage_specs
 from conveyor.jobs.connector import connector_job
+from conveyor.jobs.replay import replay_job
 from conveyor.resources.conveyor import ConveyorResource, load_catalog
+from conveyor.sensors.dead_letters import conveyor_dead_letter_replay
 from conveyor.sensors.run_status import conveyor_run_failures
 
 
 def build_defs() -> Definitions:
     catalog = load_catalog()
+    valid = [ls for ls in catalog.specs if ls.ok]
     return Definitions(
         assets=lineage_specs(catalog.specs),
-        jobs=[connector_job(ls) for ls in catalog.specs],
-        sensors=[conveyor_run_failures],
+        jobs=[connector_job(ls) for ls in catalog.specs] + [replay_job(ls) for ls in valid],
+        sensors=[conveyor_run_failures, conveyor_dead_letter_replay],
         resources={"conveyor": ConveyorResource()},
     )
 

@@ -311,17 +311,7 @@ class ConnectorLoop:
         ]
 
     def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
-        """One send; a whole-request rejection is bisected down to the guilty rows."""
-        try:
-            result = self.sink.send_batch(table)
-        except BatchRejected as e:
-            if table.num_rows == 1:
-                return [RowFailureView(0, str(e))]
-            mid = table.num_rows // 2
-            left = self._send_isolating(table.slice(0, mid))
-            right = self._send_isolating(table.slice(mid))
-            return left + [RowFailureView(f.index + mid, f.message) for f in right]
-        return [RowFailureView(f.index, f.message) for f in result.failed]
+        return send_isolating(self.sink, table)
 
     def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
         """Returns (discarded, dead_lettered). Raises when the policy says stop."""
@@ -520,6 +510,20 @@ class _Prefetcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
+
+
+def send_isolating(sink: SinkLike, table: pa.Table) -> list[RowFailureView]:
+    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
+    try:
+        result = sink.send_batch(table)
+    except BatchRejected as e:
+        if table.num_rows == 1:
+            return [RowFailureView(0, str(e))]
+        mid = table.num_rows // 2
+        left = send_isolating(sink, table.slice(0, mid))
+        right = send_isolating(sink, table.slice(mid))
+        return left + [RowFailureView(f.index + mid, f.message) for f in right]
+    return [RowFailureView(f.index, f.message) for f in result.failed]
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
