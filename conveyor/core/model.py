@@ -181,12 +181,12 @@ class ConnectorSpec(_Spec):
 
     name: str = Field(description="Unique name: lower case letters, digits, underscores. Also the consumer group.")
     description: str | None = Field(default=None, description="Shown in the Dagster UI.")
-    source: SourceSpec
-    sink: SinkRef
-    batch: BatchPolicy = Field(default_factory=BatchPolicy)
-    transform: TransformSpec = Field(default_factory=TransformSpec)
-    retry: RetrySpec = Field(default_factory=RetrySpec)
-    failure: FailureSpec = Field(default_factory=FailureSpec)
+    source: SourceSpec = Field(description="Where to read: topics and bootstrap servers (section `source`).")
+    sink: SinkRef = Field(description="Where to write: `type` plus that sink's fields (section Sinks).")
+    batch: BatchPolicy = Field(default_factory=BatchPolicy, description="When a batch closes (section `batch`).")
+    transform: TransformSpec = Field(default_factory=TransformSpec, description="Decoding and Spark SQL shaping (section `transform`).")
+    retry: RetrySpec = Field(default_factory=RetrySpec, description="Outage retries (section `retry`).")
+    failure: FailureSpec = Field(default_factory=FailureSpec, description="Failed messages (section `failure`).")
     desired: DesiredState = Field(default=DesiredState.RUNNING, description="Created running or stopped.")
     heartbeat_timeout_s: float = Field(default=30.0, ge=1, le=3_600, description="Heartbeat age after which the run counts as lost.")
     max_restarts: int = Field(default=5, ge=0, le=1_000, description="Automatic restarts of an Error connector before it is left to the user.")
