@@ -316,6 +316,105 @@ def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
     click.echo(f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items())))
 
 
+# -- dead letters ------------------------------------------------------------------------
+
+
+def _dead_letters_of(ctx: click.Context, name: str) -> tuple[Any, Any, str]:
+    from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
+    from conveyor.resources.conveyor import default_spark_remote
+    from conveyor.specs import from_store_row
+    from conveyor.spark.transform import spark_session
+
+    store = _store(ctx)
+    row = store.get(name)
+    ls = from_store_row(name, row.spec_json, row.spec_source, row.spec_error)
+    if not ls.ok or ls.spec is None:
+        _fail(f"{name} has an invalid spec: {ls.error}")
+    assert ls.spec is not None
+    if ls.spec.failure.dead_letter.store != "parquet":
+        _fail(f"{name} dead-letters to the Kafka topic {name}.dlq; read it with any Kafka consumer")
+    broker = store.get_broker(row.broker_id) if row.broker_id else None
+    remote = broker.spark_remote if broker else default_spark_remote()
+    session: dict[str, Any] = {}
+
+    def spark() -> Any:
+        if "s" not in session:
+            session["s"] = spark_session(remote)
+        return session["s"]
+
+    return ls, SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=name), remote
+
+
+@main.group("dead-letters")
+def dead_letters() -> None:
+    """List, inspect and replay dead letters (through Spark)."""
+
+
+@dead_letters.command("list")
+@click.pass_context
+@handles_errors
+def dead_letters_list(ctx: click.Context) -> None:
+    """Pending dead letters per connector."""
+    table = Table(title="dead letters")
+    for col in ("connector", "store", "pending", "dead-lettered by the current run"):
+        table.add_column(col)
+    for r in _store(ctx).list():
+        spec = r.spec or {}
+        policy = (spec.get("failure") or {}).get("policy")
+        if policy != "dead_letter":
+            continue
+        store_kind = ((spec.get("failure") or {}).get("dead_letter") or {}).get("store", "parquet")
+        pending = "-"
+        if store_kind == "parquet":
+            _, dl, _ = _dead_letters_of(ctx, r.name)
+            pending = str(dl.count())
+        table.add_row(r.name, store_kind, pending, str(r.counters.get("dead_lettered", 0)))
+    console.print(table)
+
+
+@dead_letters.command("show")
+@click.argument("name")
+@click.option("--limit", default=20, show_default=True)
+@click.pass_context
+@handles_errors
+def dead_letters_show(ctx: click.Context, name: str, limit: int) -> None:
+    """The oldest pending dead letters of a connector with their errors."""
+    from conveyor.deadletters import sample_rows
+
+    _, dl, _ = _dead_letters_of(ctx, name)
+    rows = sample_rows(dl.pending(limit=limit), n=limit)
+    table = Table(title=f"dead letters of {name} ({dl.count()} pending)")
+    for col in ("where", "class", "attempts", "error", "payload"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r["where"], r["error_class"], str(r["attempts"]), r["error"], r["payload"])
+    console.print(table)
+
+
+@dead_letters.command("replay")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def dead_letters_replay(ctx: click.Context, name: str) -> None:
+    """Re-send pending dead letters through the connector's transform and sink."""
+    from rich.progress import Progress
+
+    from conveyor.jobs.replay import replay_dead_letters
+
+    ls, dl, _ = _dead_letters_of(ctx, name)
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"replaying {name}", total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        result = replay_dead_letters(ls, dl.spark, progress=update)
+    _store(ctx).record(name, f"dead letters replayed from the CLI: {result.delivered} delivered, {result.failed_again} failed again")
+    click.echo(f"{name}: {result.attempted} replayed: {result.delivered} delivered, {result.failed_again} failed again, {result.remaining} pending")
+    if result.failed_again:
+        sys.exit(2)
+
+
 # -- brokers -------------------------------------------------------------------------
 
 
@@ -358,6 +457,33 @@ def broker_undrain(ctx: click.Context, broker_id: str) -> None:
     """Accept assignments again."""
     _store(ctx).set_draining(broker_id, False)
     click.echo(f"broker {broker_id}: accepting connectors")
+
+
+# -- metrics ---------------------------------------------------------------------------
+
+
+@main.group()
+def metrics() -> None:
+    """Prometheus metrics from the meta store."""
+
+
+@metrics.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9464, show_default=True)
+@click.pass_context
+@handles_errors
+def metrics_serve(ctx: click.Context, host: str, port: int) -> None:
+    """Serve /metrics and /connectors/<name> until interrupted."""
+    from conveyor.metrics import make_server
+
+    server = make_server(_store(ctx), host, port)
+    click.echo(f"serving http://{host}:{port}/metrics")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":

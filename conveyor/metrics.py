@@ -1,0 +1,115 @@
+"""Prometheus exporter: ``conveyor metrics serve``.
+
+Reads the meta store on every scrape (no state of its own), so any number of
+exporters can run. Metric names use the ``conveyor_connector_`` prefix and carry
+only the ``connector`` label (plus ``state`` on the state gauge): low cardinality.
+``/connectors/<name>`` returns per-partition offsets and lag as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from conveyor.core.model import ConnectorStatus
+from conveyor.store.meta import MetaStore, UnknownConnectorError
+
+COUNTERS = {
+    "messages_out": ("conveyor_connector_messages_sent", "Messages delivered to the sink (current run)."),
+    "failed": ("conveyor_connector_messages_failed", "Messages that failed delivery or decoding (current run)."),
+    "discarded": ("conveyor_connector_messages_discarded", "Messages discarded by the failure policy (current run)."),
+    "dead_lettered": ("conveyor_connector_messages_dead_lettered", "Messages written to the dead-letter store (current run)."),
+    "retries": ("conveyor_connector_retries", "Retries of outages and failed messages (current run)."),
+    "commit_failures": ("conveyor_connector_offset_commit_failures", "Offset commits that failed (current run)."),
+}
+
+
+def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    now = now or time.time()
+    rows = store.list()
+    families = {k: CounterMetricFamily(name, doc, labels=["connector"]) for k, (name, doc) in COUNTERS.items()}
+    lag = GaugeMetricFamily("conveyor_connector_lag", "Messages behind the log's high watermark.", labels=["connector"])
+    rate = GaugeMetricFamily("conveyor_connector_msgs_per_second", "Delivery rate over the last minute.", labels=["connector"])
+    up = GaugeMetricFamily("conveyor_connector_up", "1 if Running or Degraded with a fresh heartbeat.", labels=["connector"])
+    state = GaugeMetricFamily("conveyor_connector_state", "1 for the connector's current state.", labels=["connector", "state"])
+    heartbeat = GaugeMetricFamily("conveyor_connector_heartbeat_age_seconds", "Seconds since the last heartbeat.", labels=["connector"])
+    for r in rows:
+        c = r.counters
+        for key, fam in families.items():
+            fam.add_metric([r.name], float(c.get(key, 0) or 0))
+        if c.get("lag") is not None:
+            lag.add_metric([r.name], float(c["lag"]))
+        rate.add_metric([r.name], float(c.get("msgs_per_s", 0) or 0))
+        timeout = float((r.spec or {}).get("heartbeat_timeout_s", 30))
+        alive = r.status in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED) and r.heartbeat_fresh(now, timeout)
+        up.add_metric([r.name], 1.0 if alive else 0.0)
+        for s in ConnectorStatus:
+            state.add_metric([r.name, s.value], 1.0 if r.status == s else 0.0)
+        if r.heartbeat_at is not None:
+            heartbeat.add_metric([r.name], max(0.0, now - r.heartbeat_at))
+    yield from families.values()
+    yield from (lag, rate, up, state, heartbeat)
+
+
+def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
+    """Per-partition offsets and lag (lag per partition needs the run's highwaters: total only)."""
+    r = store.get(name)
+    offsets = store.committed_offsets(name)
+    return {
+        "name": r.name,
+        "status": r.status.value,
+        "desired": r.desired.value,
+        "broker": r.broker_id,
+        "generation": r.generation,
+        "heartbeat_at": r.heartbeat_at,
+        "lag": r.counters.get("lag"),
+        "partitions": [{"topic": tp.topic, "partition": tp.partition, "committed": off} for tp, off in sorted(offsets.items())],
+        "counters": r.counters,
+        "last_error": r.last_error,
+    }
+
+
+class _Collector:
+    def __init__(self, store: MetaStore):
+        self.store = store
+
+    def collect(self) -> Iterator[Any]:
+        return collect(self.store)
+
+
+def make_server(store: MetaStore, host: str = "127.0.0.1", port: int = 9464) -> ThreadingHTTPServer:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(_Collector(store))  # type: ignore[arg-type]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            if self.path in ("/metrics", "/metrics/"):
+                body, ctype, code = generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8", 200
+            elif m := re.fullmatch(r"/connectors/([a-z][a-z0-9_]*)/?", self.path):
+                try:
+                    body, ctype, code = json.dumps(connector_json(store, m.group(1))).encode(), "application/json", 200
+                except UnknownConnectorError as e:
+                    body, ctype, code = json.dumps({"error": str(e)}).encode(), "application/json", 404
+            elif self.path == "/connectors":
+                body = json.dumps([r.name for r in store.list()]).encode()
+                ctype, code = "application/json", 200
+            else:
+                body, ctype, code = b"not found: try /metrics or /connectors/<name>\n", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
