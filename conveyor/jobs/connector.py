@@ -29,6 +29,7 @@ from dagster import (
     op,
 )
 
+from conveyor.assets.lineage import dead_letter_key
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.errors import (
     AlreadyClaimedError,
@@ -115,12 +116,16 @@ def _holder_alive(context: OpExecutionContext, timeout_s: float):  # type: ignor
     return alive
 
 
-def _progress_logger(context: OpExecutionContext, ls: LoadedSpec):  # type: ignore[no-untyped-def]
+def _progress_logger(context: OpExecutionContext, ls: LoadedSpec, dead_letters: Any = None):  # type: ignore[no-untyped-def]
     assert ls.sink is not None
     sink_key = AssetKey(ls.sink.asset_key_path())
+    seen_dead = [0]
 
     def on_progress(p: Progress) -> None:
         c = p.counters
+        if c.dead_lettered > seen_dead[0]:
+            seen_dead[0] = c.dead_lettered
+            _log_dead_letters(context, ls.name, dead_letters, c.dead_lettered)
         offsets = {str(tp): off for tp, off in sorted(p.offsets.items())}
         metadata: dict[str, Any] = {
             "messages_in": MetadataValue.int(c.messages_in),
@@ -148,6 +153,28 @@ def _progress_logger(context: OpExecutionContext, ls: LoadedSpec):  # type: igno
         )
 
     return on_progress
+
+
+def _log_dead_letters(context: OpExecutionContext, name: str, writer: Any, written: int) -> None:
+    """Materialize ``dead_letters/<name>`` with the pending count, newest error and a sample."""
+    from conveyor.deadletters import SparkParquetDeadLetters, sample_rows
+
+    metadata: dict[str, Any] = {"dead_lettered_by_run": MetadataValue.int(written)}
+    if isinstance(writer, SparkParquetDeadLetters):
+        try:
+            pending = writer.pending()
+            metadata["count"] = MetadataValue.int(pending.num_rows)
+            if pending.num_rows:
+                newest = max(pending.to_pylist(), key=lambda r: r["last_failure_at"])
+                metadata["newest_error"] = MetadataValue.text(f"{newest['topic']}[{newest['partition']}]@{newest['offset']}: {newest['error']}")
+                rows = sample_rows(pending, 5)
+                md = "| where | class | attempts | error |\n|---|---|---|---|\n" + "\n".join(
+                    f"| {r['where']} | {r['error_class']} | {r['attempts']} | {r['error'].replace('|', '/')} |" for r in rows
+                )
+                metadata["sample"] = MetadataValue.md(md)
+        except Exception as e:  # noqa: BLE001 - metadata must never stop the connector
+            context.log.warning(f"could not summarise dead letters: {e}")
+    context.log_event(AssetMaterialization(asset_key=dead_letter_key(name), description=f"{written} dead letters written by this run", metadata=metadata))
 
 
 def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name: str) -> None:
@@ -203,7 +230,7 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         committer=StoreCommitter(store, name, gen, source),
         committed=claim.offsets,
         dead_letters=dead_letters,
-        on_progress=_progress_logger(context, ls),
+        on_progress=_progress_logger(context, ls, dead_letters),
     )
     try:
         counters = run_loop(loop)
