@@ -269,7 +269,7 @@ def connector_job(ls: LoadedSpec) -> JobDefinition:
     if ls.error:
         desc = f"Connector {name} has an invalid spec: {ls.error}"
 
-    @op(name="run_connector", description=desc, tags={"kind": "spark"})
+    @op(name=f"run_connector__{name}", description=desc, tags={"kind": "spark"})
     def run_connector_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         run_connector(context, conveyor, name)
 

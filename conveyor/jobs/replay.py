@@ -100,7 +100,7 @@ def replay_dead_letters(
 def replay_job(ls: LoadedSpec) -> JobDefinition:
     name = ls.name
 
-    @op(name="replay_dead_letters", description=f"Re-send connector {name}'s dead letters through its sink.", tags={"kind": "spark"})
+    @op(name=f"replay__{name}", description=f"Re-send connector {name}'s dead letters through its sink.", tags={"kind": "spark"})
     def replay_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         store = conveyor.store()
         row = store.get(name)

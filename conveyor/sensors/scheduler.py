@@ -1,0 +1,197 @@
+"""The ``conveyor_scheduler`` sensor: Dagster glue over the pure ``core.scheduler``.
+
+Each tick (5 s, Dagster's floor) it reads connectors, brokers and active runs,
+asks ``core.scheduler.plan`` for decisions, and carries them out: store writes,
+``RunRequest``s, terminations. Every decision is logged and written to the
+connector's history with its reason. One connector's exception never fails the
+tick for the others.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+from dagster import (
+    DagsterRunStatus,
+    DefaultSensorStatus,
+    RunRequest,
+    RunsFilter,
+    SensorEvaluationContext,
+    SensorResult,
+    sensor,
+)
+
+from conveyor.brokers.embedded import port_open
+from conveyor.core import scheduler as core
+from conveyor.core.model import ConnectorStatus
+from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
+from conveyor.resources.conveyor import ConveyorResource
+from conveyor.store.meta import ConnectorRow, MetaStore
+
+ACTIVE = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
+
+
+def endpoint_up(remote: str, timeout: float = 0.3) -> bool:
+    u = urlparse(remote.replace("sc://", "http://", 1))
+    return bool(u.hostname) and port_open(u.hostname or "", u.port or 15002, timeout=timeout)
+
+
+def connector_view(row: ConnectorRow) -> core.ConnectorView:
+    spec = row.spec or {}
+    return core.ConnectorView(
+        name=row.name,
+        desired=row.desired,
+        status=row.status,
+        broker_id=row.broker_id,
+        generation=row.generation,
+        run_id=row.run_id,
+        heartbeat_at=row.heartbeat_at,
+        status_since=row.status_since,
+        heartbeat_timeout_s=float(spec.get("heartbeat_timeout_s", 30.0)),
+        msgs_per_s=float(row.counters.get("msgs_per_s", 0.0) or 0.0),
+        restarts=row.restarts,
+        max_restarts=int(spec.get("max_restarts", 5)),
+        next_restart_at=row.next_restart_at,
+        last_error=row.last_error,
+        last_moved_at=row.last_moved_at,
+        spec_error=row.spec_error,
+    )
+
+
+def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.RunView]:
+    """Active connector runs, plus each connector's current run whatever its status."""
+    host = socket.gethostname()
+    seen: dict[str, Any] = {}
+    for run in instance.get_runs(filters=RunsFilter(statuses=ACTIVE)):
+        if TAG_CONNECTOR in run.tags:
+            seen[run.run_id] = run
+    for row in rows:
+        if row.run_id and row.run_id not in seen:
+            run = instance.get_run_by_id(row.run_id)
+            if run is not None:
+                seen[run.run_id] = run
+    pids = {r.run_id: r.run_pid for r in rows if r.run_id and r.run_host == host}
+    out = []
+    for run in seen.values():
+        gen = run.tags.get(TAG_GENERATION)
+        canceling_since = None
+        if run.status == DagsterRunStatus.CANCELING:
+            rec = instance.get_run_record_by_id(run.run_id)
+            canceling_since = rec.update_timestamp.timestamp() if rec and rec.update_timestamp else now
+        out.append(
+            core.RunView(
+                run_id=run.run_id,
+                connector=run.tags[TAG_CONNECTOR],
+                generation=int(gen) if gen is not None else None,
+                broker_id=run.tags.get(TAG_BROKER),
+                status=run.status.value,
+                pid=pids.get(run.run_id),
+                canceling_since=canceling_since,
+                local=run.run_id in pids,
+            )
+        )
+    return out
+
+
+def broker_views(store: MetaStore) -> list[core.BrokerView]:
+    return [
+        core.BrokerView(
+            id=b.id, capacity=b.capacity, spark_remote=b.spark_remote, run_tags=b.run_tags, draining=b.draining, endpoint_up=endpoint_up(b.spark_remote)
+        )
+        for b in store.list_brokers()
+    ]
+
+
+def apply_plan(context: Any, store: MetaStore, plan: core.Plan, now: float) -> list[RunRequest]:
+    """Carry out decisions; each in its own try so one failure never stops the others."""
+    requests: list[RunRequest] = []
+    instance = context.instance
+    for d in plan.decisions:
+        try:
+            requests.extend(_apply(instance, store, d, now))
+            context.log.info(f"{type(d).__name__}: {d}")
+        except Exception as e:  # noqa: BLE001 - reported per decision
+            context.log.error(f"decision {d} failed: {type(e).__name__}: {e}")
+    return requests
+
+
+def _terminate(instance: Any, run_id: str) -> None:
+    run = instance.get_run_by_id(run_id)
+    if run is None or run.is_finished:
+        return
+    instance.run_launcher.terminate(run_id)
+
+
+def _apply(instance: Any, store: MetaStore, d: Any, now: float) -> list[RunRequest]:
+    if isinstance(d, core.Reset):
+        store.set_status(d.name, ConnectorStatus.IDLE, d.reason, bump_generation=d.bump_generation, clear_broker=True)
+    elif isinstance(d, core.Terminate):
+        _terminate(instance, d.run_id)
+    elif isinstance(d, core.KillZombie):
+        os.kill(d.pid, signal.SIGTERM)
+    elif isinstance(d, core.ReportCanceled):
+        run = instance.get_run_by_id(d.run_id)
+        if run is not None and not run.is_finished:
+            instance.report_run_canceled(run, message=d.reason)
+    elif isinstance(d, core.MarkError):
+        store.set_status(d.name, ConnectorStatus.ERROR, d.reason, error=d.message)
+    elif isinstance(d, core.Restart):
+        row = store.get(d.name)
+        store.set_status(
+            d.name,
+            ConnectorStatus.IDLE,
+            d.reason,
+            extra={"restarts": row.restarts + 1, "next_restart_at": d.next_restart_at},
+        )
+    elif isinstance(d, core.SetStatus):
+        store.set_status(d.name, d.status, d.reason)
+    elif isinstance(d, core.Move):
+        row = store.get(d.name)
+        store.set_status(d.name, ConnectorStatus.IDLE, d.reason, bump_generation=True, clear_broker=True, extra={"last_moved_at": now})
+        if row.run_id:
+            _terminate(instance, row.run_id)
+    elif isinstance(d, core.Assign):
+        gen = store.assign(d.name, d.broker_id, expected_generation=d.generation - 1, reason=d.reason)
+        if gen is None:
+            return []
+        tags = {**d.tags, TAG_CONNECTOR: d.name, TAG_BROKER: d.broker_id, TAG_GENERATION: str(gen)}
+        return [RunRequest(run_key=f"{d.name}:{gen}", job_name=job_name(d.name), tags=tags)]
+    elif isinstance(d, core.Failed):
+        store.record(d.name, f"scheduler could not decide: {d.error}")
+    if hasattr(d, "name") and hasattr(d, "reason") and not isinstance(d, (core.Reset, core.MarkError, core.Restart, core.SetStatus, core.Move, core.Assign)):
+        try:
+            store.record(d.name, f"scheduler: {d.reason}")
+        except Exception:  # noqa: BLE001 - the connector may be gone
+            pass
+    return []
+
+
+@sensor(
+    name="conveyor_scheduler",
+    description="Assigns connectors to broker executors, heals lost runs, reclaims stopped ones.",
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=5,
+)
+def conveyor_scheduler(context: SensorEvaluationContext, conveyor: ConveyorResource) -> SensorResult:
+    store = conveyor.store()
+    now = time.time()
+    rows = store.list()
+    plan = core.plan(
+        [connector_view(r) for r in rows],
+        broker_views(store),
+        run_views(context.instance, rows, now),
+        now,
+        core.SchedulerConfig(),
+    )
+    return SensorResult(run_requests=apply_plan(context, store, plan, now))

@@ -1,0 +1,152 @@
+"""LocalFile sink: JSON lines, rotated by size, hour or day, fsynced before acknowledging."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import errno
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+from pydantic import Field
+
+from conveyor.core.errors import PermanentSinkError, TransientSinkError
+from conveyor.sinks.base import SendResult, Sink, SinkConfig, iter_records, json_default, require
+
+
+class LocalFileSinkConfig(SinkConfig):
+    """JSONL files in a directory; one line per message."""
+
+    type: Literal["localfile"] = "localfile"
+    path: str = Field(description="Directory of the files (created if missing).")
+    prefix: str = Field(default="data", description="File name prefix: <prefix>-YYYYMMDD[-HH][-NNNN].jsonl.")
+    rotation: Literal["none", "size", "hourly", "daily"] = Field(default="daily", description="When a new file starts.")
+    max_bytes: int = Field(default=128 << 20, ge=1024, description="Size rotation threshold in bytes.")
+    fields: Literal["payload", "envelope"] = Field(
+        default="payload",
+        description="payload: the payload as one JSON value per line; envelope: topic, partition, offset, timestamp, key, headers and payload.",
+    )
+    fsync: bool = Field(default=True, description="fsync each batch before acknowledging it (durability on power loss).")
+
+    def asset_key_path(self) -> list[str]:
+        name = re.sub(r"[^A-Za-z0-9_]", "_", Path(self.path).name or "root").strip("_") or "root"
+        return ["localfile", name]
+
+    def kind(self) -> str:
+        return "file"
+
+
+def _b(v: bytes | None) -> str | None:
+    if v is None:
+        return None
+    try:
+        return v.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(v).decode()
+
+
+class LocalFileSink(Sink):
+    """Appends JSON lines; a batch is written, flushed and fsynced before send_batch returns."""
+
+    config_class = LocalFileSinkConfig
+    config: LocalFileSinkConfig
+
+    def __init__(self, config: LocalFileSinkConfig, *, clock: Callable[[], dt.datetime] | None = None):
+        super().__init__(config)
+        self._clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
+        self._file: Any = None
+        self._file_path: Path | None = None
+        self._dir = Path(config.path)
+
+    def validate(self) -> None:
+        require(bool(self.config.path.strip()), "must not be empty", field="sink.path")
+        require(bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.config.prefix)), "letters, digits, '.', '_' and '-' only", field="sink.prefix")
+
+    def init_sink(self) -> None:
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+        except PermissionError as e:
+            raise PermanentSinkError(f"cannot create {self._dir}: permission denied") from e
+        except OSError as e:
+            raise self._os_error(e) from e
+        if not os.access(self._dir, os.W_OK):
+            raise PermanentSinkError(f"directory {self._dir} is not writable")
+
+    def _target(self, incoming: int) -> Path:
+        now = self._clock()
+        stamp = {"daily": now.strftime("%Y%m%d"), "hourly": now.strftime("%Y%m%d-%H")}.get(self.config.rotation, "")
+        base = f"{self.config.prefix}-{stamp}" if stamp else self.config.prefix
+        if self.config.rotation != "size":
+            return self._dir / f"{base}.jsonl"
+        # Size rotation: the newest numbered file while it has room, else the next number.
+        existing = sorted(self._dir.glob(f"{self.config.prefix}-*.jsonl"))
+        n = len(existing)
+        if existing:
+            last = existing[-1]
+            if last.stat().st_size + incoming <= self.config.max_bytes or last.stat().st_size == 0:
+                return last
+        return self._dir / f"{self.config.prefix}-{n:06d}.jsonl"
+
+    def _line(self, rec: Any) -> str:
+        if self.config.fields == "envelope":
+            obj = {
+                "topic": rec.topic,
+                "partition": rec.partition,
+                "offset": rec.offset,
+                "timestamp": rec.timestamp.isoformat() if rec.timestamp else None,
+                "key": _b(rec.key),
+                "headers": {k: _b(v) for k, v in rec.headers},
+                "payload": rec.payload_json(),
+            }
+        else:
+            obj = rec.payload_json()
+        return json.dumps(obj, default=_default, ensure_ascii=False, separators=(",", ":"))
+
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        failed = []
+        lines = []
+        from conveyor.sinks.base import RowFailure
+
+        for rec in iter_records(batch):
+            try:
+                lines.append(self._line(rec))
+            except (TypeError, ValueError) as e:
+                failed.append(RowFailure(rec.index, f"not serialisable as JSON: {e}"))
+        data = ("\n".join(lines) + "\n").encode() if lines else b""
+        if data:
+            try:
+                path = self._target(len(data))
+                new = not path.exists()
+                with open(path, "ab") as f:
+                    f.write(data)
+                    f.flush()
+                    if self.config.fsync:
+                        os.fsync(f.fileno())
+                if new and self.config.fsync:
+                    fd = os.open(self._dir, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            except OSError as e:
+                raise self._os_error(e) from e
+        return SendResult(rows=batch.num_rows, failed=tuple(failed))
+
+    def _os_error(self, e: OSError) -> Exception:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return PermanentSinkError(f"{self._dir}: {e.strerror}")
+        return TransientSinkError(f"{self._dir}: {e.strerror}")  # ENOSPC, EIO, ...: may clear up
+
+    def cleanup_sink(self) -> None:
+        """Nothing stays open between batches."""
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, bytes):
+        return _b(o)
+    return json_default(o)
