@@ -232,23 +232,26 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         dead_letters=dead_letters,
         on_progress=_progress_logger(context, ls, dead_letters),
     )
+    def final() -> dict[str, Any]:
+        return loop.counters.as_dict()
+
     try:
         counters = run_loop(loop)
     except DagsterExecutionInterruptedError:
-        store.release(name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated")
+        store.release(name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final())
         context.log.info(f"connector {name} stopped by terminate; offsets committed up to the last acknowledged batch")
         raise
     except FencedError as e:
         context.log.warning(f"{e}. Another run owns the connector now; exiting without committing.")
         return
     except (ConfigError, PermanentSinkError, DataPolicyError, DeadLetterLimitError) as e:
-        store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e))
+        store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e), counters=final())
         raise Failure(description=f"connector {name} stopped with an error: {e}") from None
     except OutageBudgetExceeded as e:
         if context.retry_number < OUTAGE_RUN_RETRIES:
             store.set_status(name, ConnectorStatus.DEGRADED, f"outage budget spent, op retry {context.retry_number + 1}", generation=gen, error=str(e))
             raise RetryRequested(max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay) from e
-        store.release(name, gen, ConnectorStatus.ERROR, "outage budget spent", error=str(e))
+        store.release(name, gen, ConnectorStatus.ERROR, "outage budget spent", error=str(e), counters=final())
         raise Failure(description=f"connector {name}: {e}") from None
     except ConveyorError as e:
         store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e))
@@ -256,7 +259,7 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
     except Exception as e:
         store.release(name, gen, ConnectorStatus.ERROR, "unexpected error", error=f"{type(e).__name__}: {e}")
         raise
-    store.release(name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped")
+    store.release(name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped", counters=final())
     context.log.info(f"connector {name} stopped: {json.dumps(counters.as_dict())}")
 
 

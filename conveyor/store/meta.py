@@ -461,9 +461,20 @@ class MetaStore:
             )
             return DesiredState(cur.desired)
 
-    def release(self, name: str, generation: int, status: ConnectorStatus, reason: str, *, error: str | None = None) -> bool:
-        """The run ends: final status for its generation. False if already fenced."""
+    def release(
+        self,
+        name: str,
+        generation: int,
+        status: ConnectorStatus,
+        reason: str,
+        *,
+        error: str | None = None,
+        counters: dict[str, Any] | None = None,
+    ) -> bool:
+        """The run ends: final status (and counters) for its generation. False if already fenced."""
         extra: dict[str, Any] = {"run_pid": None}
+        if counters is not None:
+            extra["counters_json"] = json.dumps(counters)
         if status == ConnectorStatus.STOPPED:
             extra["desired"] = DesiredState.STOPPED.value
         row = self.set_status(name, status, reason, generation=generation, error=error, extra=extra)

@@ -1,0 +1,348 @@
+"""PostgreSQL sink (psycopg2): COPY or upsert, one transaction per batch.
+
+Identifiers are always quoted with ``psycopg2.sql.Identifier``. A batch is one
+transaction, committed before ``send_batch`` returns (that is the
+acknowledgement). A row the server rejects for its content (SQLSTATE class 22
+data exception or 23 integrity violation) is isolated by bisecting the batch
+inside savepoints, so the good rows of the batch still go through.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import logging
+import os
+import re
+from typing import Any, Literal
+
+import pyarrow as pa
+from pydantic import Field, SecretStr
+
+from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.model import HEADERS_COL, KEY_COL, OFFSET_COL, PARTITION_COL, TIMESTAMP_COL, TOPIC_COL
+from conveyor.sinks.base import RowFailure, SendResult, Sink, SinkConfig, iter_records, json_default, payload_columns, require, secret
+
+log = logging.getLogger("conveyor.sinks.postgres")
+
+META_SOURCES = {
+    "$key": KEY_COL,
+    "$topic": TOPIC_COL,
+    "$partition": PARTITION_COL,
+    "$offset": OFFSET_COL,
+    "$timestamp": TIMESTAMP_COL,
+    "$headers": HEADERS_COL,
+}
+
+
+class PostgresSinkConfig(SinkConfig):
+    """Rows into a PostgreSQL table."""
+
+    type: Literal["postgres"] = "postgres"
+    url: SecretStr | None = Field(default=None, description="libpq URL, e.g. postgresql://user:pw@127.0.0.1:5432/db (secret).")
+    url_env: str | None = Field(default=None, description="Name of an environment variable holding the URL (instead of `url`).")
+    schema_: str = Field(default="public", alias="schema", description="Target schema.")
+    table: str = Field(description="Target table.")
+    columns: dict[str, str] | None = Field(
+        default=None,
+        description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
+        "$payload (the whole payload as JSON). Default: payload columns to same-named columns.",
+    )
+    upsert_keys: list[str] = Field(default_factory=list, description="Key columns: INSERT ... ON CONFLICT (keys) DO UPDATE (idempotent replays).")
+    create_table: bool = Field(default=False, description="Create the table from the first batch's schema when it does not exist.")
+    write_method: Literal["copy", "values"] = Field(default="copy", description="COPY (fast) or multi-row INSERT; upserts always go through a COPY into a temporary table.")
+    connect_timeout_s: int = Field(default=10, ge=1, le=300, description="Connect timeout.")
+    statement_timeout_ms: int = Field(default=60_000, ge=0, description="Statement timeout (0 = none).")
+
+    def asset_key_path(self) -> list[str]:
+        return ["postgres", _part(self.schema_), _part(self.table)]
+
+    def kind(self) -> str:
+        return "postgres"
+
+
+def _part(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+
+
+def _is_data_error(e: Exception) -> bool:
+    code = getattr(e, "pgcode", None) or ""
+    return code[:2] in ("22", "23")
+
+
+class PostgresSink(Sink):
+    """Writes each batch in one transaction; bad rows are isolated with savepoints."""
+
+    config_class = PostgresSinkConfig
+    config: PostgresSinkConfig
+
+    def __init__(self, config: PostgresSinkConfig):
+        super().__init__(config)
+        self._conn: Any = None
+        self._columns: list[str] | None = None  # target columns, in order
+        self._sources: list[str] | None = None  # their source columns / $payload
+        self._types: dict[str, str] = {}
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def validate(self) -> None:
+        c = self.config
+        require(bool(c.url) != bool(c.url_env), "give exactly one of url and url_env", field="sink.url")
+        require(bool(c.table.strip()), "must not be empty", field="sink.table")
+        if c.columns is not None:
+            require(bool(c.columns), "must map at least one column", field="sink.columns")
+            for target, src in c.columns.items():
+                if src.startswith("$") and src not in META_SOURCES and src != "$payload":
+                    raise ConfigError(f"{target}: unknown source {src!r}; one of {sorted([*META_SOURCES, '$payload'])}", field="sink.columns")
+            for k in c.upsert_keys:
+                require(k in c.columns, f"upsert key {k!r} is not a mapped column", field="sink.upsert_keys")
+        if c.url_env and not os.environ.get(c.url_env):
+            raise ConfigError(f"environment variable {c.url_env} is not set", field="sink.url_env")
+
+    def _dsn(self) -> str:
+        if self.config.url is not None:
+            return secret(self.config.url) or ""
+        return os.environ.get(self.config.url_env or "", "")
+
+    def _connect(self) -> Any:
+        import psycopg2
+
+        opts = f"-c statement_timeout={self.config.statement_timeout_ms}"
+        try:
+            conn = psycopg2.connect(self._dsn(), connect_timeout=self.config.connect_timeout_s, options=opts, application_name="conveyor")
+        except psycopg2.OperationalError as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else "connection failed"
+            if "authentication failed" in msg or "password" in msg or ("database" in msg and "does not exist" in msg) or "role" in msg:
+                raise PermanentSinkError(f"PostgreSQL refused the connection: {msg}") from None
+            raise TransientSinkError(f"PostgreSQL unreachable: {msg}") from None
+        conn.autocommit = False
+        return conn
+
+    def init_sink(self) -> None:
+        self._conn = self._connect()
+        self._describe_table()
+
+    def _describe_table(self) -> None:
+        with self._conn.cursor() as cur:
+            cur.execute(
+                "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
+                (self.config.schema_, self.config.table),
+            )
+            rows = cur.fetchall()
+        self._conn.rollback()
+        self._types = {name: typ for name, typ in rows}
+
+    def _fq(self) -> Any:
+        from psycopg2 import sql
+
+        return sql.Identifier(self.config.schema_, self.config.table)
+
+    def _resolve(self, batch: pa.Table) -> None:
+        """Pick target and source columns on the first batch; check them against the table."""
+        c = self.config
+        if c.columns is not None:
+            mapping = dict(c.columns)
+        else:
+            mapping = {col: col for col in payload_columns(batch)}
+        for target, src in mapping.items():
+            if not src.startswith("$") and src not in batch.schema.names:
+                raise ConfigError(f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})", field="sink.columns")
+        if not self._types:
+            if not c.create_table:
+                raise PermanentSinkError(f'table "{c.schema_}"."{c.table}" does not exist (set create_table: true to create it)')
+            self._create_table(batch, mapping)
+        missing = [t for t in mapping if t not in self._types]
+        if missing:
+            raise PermanentSinkError(f'table "{c.schema_}"."{c.table}" has no column(s) {", ".join(missing)} (it has {", ".join(self._types)})')
+        self._columns = list(mapping)
+        self._sources = [mapping[t] for t in self._columns]
+
+    def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
+        from psycopg2 import sql
+
+        defs = []
+        for target, src in mapping.items():
+            if src == "$payload":
+                pg = "jsonb"
+            else:
+                field = batch.schema.field(META_SOURCES.get(src, src))
+                pg = _pg_type(field.type)
+            defs.append(sql.SQL("{} {}").format(sql.Identifier(target), sql.SQL(pg)))
+        if self.config.upsert_keys:
+            defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, self.config.upsert_keys))))
+        stmt = sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self._fq(), sql.SQL(", ").join(defs))
+        with self._conn.cursor() as cur:
+            cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.config.schema_)))
+            cur.execute(stmt)
+        self._conn.commit()
+        self._describe_table()
+        log.info('created table "%s"."%s"', self.config.schema_, self.config.table)
+
+    def cleanup_sink(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+            self._conn = None
+
+    # -- writing --------------------------------------------------------------------
+
+    def _rows(self, batch: pa.Table) -> list[tuple[Any, ...]]:
+        assert self._sources is not None
+        out = []
+        need_records = "$payload" in self._sources or "$headers" in self._sources
+        records = list(iter_records(batch)) if need_records else None
+        cols = {name: batch.column(name).to_pylist() for name in set(self._sources) if not name.startswith("$")}
+        meta = {src: batch.column(col).to_pylist() for src, col in META_SOURCES.items() if src in self._sources and col in batch.schema.names and src != "$headers"}
+        for i in range(batch.num_rows):
+            row = []
+            for src in self._sources:
+                if src == "$payload":
+                    assert records is not None
+                    row.append(json.dumps(records[i].payload_json(), default=json_default))
+                elif src == "$headers":
+                    assert records is not None
+                    row.append(json.dumps({k: v.decode(errors="replace") for k, v in records[i].headers}))
+                elif src.startswith("$"):
+                    row.append(meta[src][i])
+                else:
+                    row.append(cols[src][i])
+            out.append(tuple(row))
+        return out
+
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        import psycopg2
+
+        if batch.num_rows == 0:
+            return SendResult(rows=0)
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+            self._describe_table()
+        if self._columns is None:
+            self._resolve(batch)
+        rows = self._rows(batch)
+        try:
+            failures = self._write_isolating(rows, list(range(len(rows))), top=True)
+            self._conn.commit()
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            self.cleanup_sink()
+            raise TransientSinkError(f"PostgreSQL connection lost: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+        except psycopg2.errors.UndefinedTable as e:
+            self._rollback()
+            raise PermanentSinkError(f'table "{self.config.schema_}"."{self.config.table}" is gone: {e.pgerror or e}') from None
+        except psycopg2.errors.InsufficientPrivilege as e:
+            self._rollback()
+            raise PermanentSinkError(f"permission denied: {e.pgerror or e}") from None
+        except psycopg2.Error as e:
+            self._rollback()
+            if getattr(e, "pgcode", "") in ("57P01", "57P02", "57P03", "53300"):
+                self.cleanup_sink()
+                raise TransientSinkError(f"PostgreSQL unavailable: {e.pgerror or e}") from None
+            raise
+        return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _rollback(self) -> None:
+        try:
+            self._conn.rollback()
+        except Exception:  # noqa: BLE001
+            self.cleanup_sink()
+
+    def _write_isolating(self, rows: list[tuple[Any, ...]], idx: list[int], *, top: bool = False) -> list[RowFailure]:
+        """Write rows inside a savepoint; on a data error, bisect to the guilty rows."""
+        import psycopg2
+
+        if not idx:
+            return []
+        with self._conn.cursor() as cur:
+            cur.execute("SAVEPOINT conveyor_sp")
+            try:
+                self._write(cur, [rows[i] for i in idx])
+                cur.execute("RELEASE SAVEPOINT conveyor_sp")
+                return []
+            except psycopg2.Error as e:
+                if not _is_data_error(e):
+                    raise
+                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                cur.execute("RELEASE SAVEPOINT conveyor_sp")
+                if len(idx) == 1:
+                    return [RowFailure(idx[0], (e.pgerror or str(e)).strip().splitlines()[0])]
+        mid = len(idx) // 2
+        return self._write_isolating(rows, idx[:mid]) + self._write_isolating(rows, idx[mid:])
+
+    def _write(self, cur: Any, rows: list[tuple[Any, ...]]) -> None:
+        from psycopg2 import sql
+        from psycopg2.extras import execute_values
+
+        assert self._columns is not None
+        cols = sql.SQL(", ").join(map(sql.Identifier, self._columns))
+        if self.config.upsert_keys:
+            keys = sql.SQL(", ").join(map(sql.Identifier, self.config.upsert_keys))
+            others = [c for c in self._columns if c not in self.config.upsert_keys]
+            action = (
+                sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others)
+                if others
+                else sql.SQL("DO NOTHING")
+            )
+            # Later rows of a batch win: keep the last occurrence of each key (ON CONFLICT
+            # cannot touch one row twice in a statement).
+            key_pos = [self._columns.index(k) for k in self.config.upsert_keys]
+            last: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+            for r in rows:
+                last[tuple(r[p] for p in key_pos)] = r
+            stmt = sql.SQL("INSERT INTO {} ({}) VALUES %s ON CONFLICT ({}) ").format(self._fq(), cols, keys) + action
+            execute_values(cur, stmt.as_string(cur), list(last.values()), page_size=len(last) or 1)
+        elif self.config.write_method == "values":
+            stmt = sql.SQL("INSERT INTO {} ({}) VALUES %s").format(self._fq(), cols)
+            execute_values(cur, stmt.as_string(cur), rows, page_size=len(rows))
+        else:
+            buf = io.StringIO()
+            for r in rows:
+                buf.write("\t".join(_copy_value(v) for v in r))
+                buf.write("\n")
+            buf.seek(0)
+            stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self._fq(), cols)
+            cur.copy_expert(stmt.as_string(cur), buf)
+
+
+def _copy_value(v: Any) -> str:
+    """A value in COPY's text format."""
+    if v is None:
+        return "\\N"
+    if isinstance(v, bool):
+        return "t" if v else "f"
+    if isinstance(v, bytes):
+        return "\\\\x" + v.hex()
+    if isinstance(v, (dict, list)):
+        v = json.dumps(v, default=json_default)
+    elif isinstance(v, dt.datetime):
+        v = v.isoformat()
+    s = str(v)
+    return s.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _pg_type(t: pa.DataType) -> str:
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_int8(t) or pa.types.is_int16(t):
+        return "smallint"
+    if pa.types.is_int32(t):
+        return "integer"
+    if pa.types.is_integer(t):
+        return "bigint"
+    if pa.types.is_float32(t):
+        return "real"
+    if pa.types.is_floating(t):
+        return "double precision"
+    if pa.types.is_decimal(t):
+        return f"numeric({t.precision},{t.scale})"
+    if pa.types.is_timestamp(t):
+        return "timestamptz" if t.tz else "timestamp"
+    if pa.types.is_date(t):
+        return "date"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "bytea"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "text"
+    return "jsonb"
