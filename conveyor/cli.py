@@ -24,7 +24,15 @@ from conveyor.core.errors import ConveyorError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
 from conveyor.store.meta import MetaStore, StoreError
 
-console = Console()
+class _LazyConsole:
+    """A rich Console bound at print time (so redirected stdout is honoured); wide when not a TTY."""
+
+    def __getattr__(self, name: str) -> Any:
+        width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "200"))
+        return getattr(Console(width=width), name)
+
+
+console: Any = _LazyConsole()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -155,9 +163,23 @@ def connector_show(ctx: click.Context, name: str) -> None:
     store = _store(ctx)
     r = store.get(name)
     d = _row_dict(r)
-    d["spec"] = r.spec
+    d["spec"] = _redacted_spec(r.spec)
     d["offsets"] = {str(tp): off for tp, off in sorted(store.committed_offsets(name).items())}
     click.echo(yaml.safe_dump(d, sort_keys=False))
+
+
+def _redacted_spec(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The spec with the sink's secrets masked (through the sink's own config model)."""
+    if not spec:
+        return spec
+    from conveyor.sinks import parse_sink_config
+
+    out = dict(spec)
+    try:
+        out["sink"] = parse_sink_config(spec["sink"]).redacted()
+    except Exception:  # noqa: BLE001 - unparseable: mask every value but the type
+        out["sink"] = {k: (v if k == "type" else "**********") for k, v in (spec.get("sink") or {}).items()}
+    return out
 
 
 @connector.command("apply")

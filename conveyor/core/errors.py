@@ -30,7 +30,7 @@ class ConfigError(ConveyorError):
         prefix = ""
         if source:
             prefix += f"{source}: "
-        if field and field not in message:
+        if field and not message.startswith(f"{field}:"):
             prefix += f"{field}: "
         super().__init__(prefix + message)
 

@@ -91,7 +91,9 @@ class SparkTransformer:
         ).append_column(ROW_COL, pa.array([0], pa.int64()))
         try:
             df = self._pipeline(self.session.createDataFrame(sample))
-            cols = [f.name for f in df.schema.fields]
+            # Spark Connect may answer .schema without analysing a Filter's condition;
+            # executing on zero rows forces full analysis at negligible cost.
+            cols = df.limit(0).toArrow().schema.names
         except Exception as e:
             if is_connect_outage(e):
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
