@@ -66,6 +66,19 @@ def _part(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", s)
 
 
+# Connection failures no retry can fix; anything else (refused, timeout, too many
+# connections, the server starting up or shutting down) is an outage.
+_PERMANENT_CONNECT_ERRORS = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",  # database or role
+    "permission denied for database",
+    "is not permitted to log in",
+    "invalid dsn",
+    "invalid connection option",
+)
+
+
 def _is_data_error(e: Exception) -> bool:
     code = getattr(e, "pgcode", None) or ""
     return code[:2] in ("22", "23")
@@ -113,7 +126,7 @@ class PostgresSink(Sink):
             conn = psycopg2.connect(self._dsn(), connect_timeout=self.config.connect_timeout_s, options=opts, application_name="conveyor")
         except psycopg2.OperationalError as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else "connection failed"
-            if "authentication failed" in msg or "password" in msg or ("database" in msg and "does not exist" in msg) or "role" in msg:
+            if any(p in msg for p in _PERMANENT_CONNECT_ERRORS):
                 raise PermanentSinkError(f"PostgreSQL refused the connection: {msg}") from None
             raise TransientSinkError(f"PostgreSQL unreachable: {msg}") from None
         conn.autocommit = False
