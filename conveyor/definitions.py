@@ -10,6 +10,7 @@ from conveyor.jobs.replay import replay_job
 from conveyor.resources.conveyor import ConveyorResource, load_catalog
 from conveyor.sensors.dead_letters import conveyor_dead_letter_replay
 from conveyor.sensors.run_status import conveyor_run_failures
+from conveyor.sensors.scheduler import conveyor_scheduler
 
 
 def build_defs() -> Definitions:
@@ -18,7 +19,7 @@ def build_defs() -> Definitions:
     return Definitions(
         assets=lineage_specs(catalog.specs),
         jobs=[connector_job(ls) for ls in catalog.specs] + [replay_job(ls) for ls in valid],
-        sensors=[conveyor_run_failures, conveyor_dead_letter_replay],
+        sensors=[conveyor_scheduler, conveyor_run_failures, conveyor_dead_letter_replay],
         resources={"conveyor": ConveyorResource()},
     )
 

@@ -16,6 +16,8 @@ whole module is tested with in-memory fakes and a fake clock.
 
 from __future__ import annotations
 
+from functools import partial
+
 import logging
 import queue
 import random
@@ -302,7 +304,7 @@ class ConnectorLoop:
             subset = table.take(pa.array([f.index for f in failed], pa.int64()))
             attempts += 1
             self._count(retries=len(failed))
-            again = self._with_outage_retry("resend", lambda subset=subset: self._send_isolating(subset))
+            again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
             by_index = {f.index: f for f in again}
             sent += subset.num_rows - len(again)
             failed = [RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)]

@@ -132,6 +132,16 @@ class ConveyorResource(ConfigurableResource):
             self._store.ensure_schema()
         return self._store
 
+    def sync_brokers(self, store: MetaStore) -> None:
+        """Upsert the brokers file into the store (edits apply without a reload); a bad file keeps the stored brokers."""
+        try:
+            brokers = load_brokers()
+        except ConfigError as e:
+            log.error("%s; keeping the brokers in the meta store", e)
+            return
+        for b in brokers:
+            store.upsert_broker(b)
+
     def bootstrap(self) -> str | None:
         return self.kafka_bootstrap or os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP")
 

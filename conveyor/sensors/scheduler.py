@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import fields
 from typing import Any
 from urllib.parse import urlparse
 
@@ -28,7 +29,7 @@ from dagster import (
 
 from conveyor.brokers.embedded import port_open
 from conveyor.core import scheduler as core
-from conveyor.core.model import ConnectorStatus
+from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import ConnectorRow, MetaStore
@@ -58,6 +59,7 @@ def connector_view(row: ConnectorRow) -> core.ConnectorView:
         run_id=row.run_id,
         heartbeat_at=row.heartbeat_at,
         status_since=row.status_since,
+        updated_at=row.updated_at,
         heartbeat_timeout_s=float(spec.get("heartbeat_timeout_s", 30.0)),
         msgs_per_s=float(row.counters.get("msgs_per_s", 0.0) or 0.0),
         restarts=row.restarts,
@@ -113,68 +115,103 @@ def broker_views(store: MetaStore) -> list[core.BrokerView]:
     ]
 
 
-def apply_plan(context: Any, store: MetaStore, plan: core.Plan, now: float) -> list[RunRequest]:
+def apply_plan(context: Any, store: MetaStore, plan: core.Plan, views: dict[str, core.ConnectorView], now: float) -> list[RunRequest]:
     """Carry out decisions; each in its own try so one failure never stops the others."""
     requests: list[RunRequest] = []
     instance = context.instance
     for d in plan.decisions:
         try:
-            requests.extend(_apply(instance, store, d, now))
-            context.log.info(f"{type(d).__name__}: {d}")
+            requests.extend(_apply(instance, store, d, views.get(d.name), now))
+            context.log.info(f"{d.name}: {type(d).__name__}: {d.reason}")
         except Exception as e:  # noqa: BLE001 - reported per decision
-            context.log.error(f"decision {d} failed: {type(e).__name__}: {e}")
+            context.log.error(f"{d.name}: {type(d).__name__} failed: {type(e).__name__}: {e}")
+            try:
+                store.record(d.name, f"scheduler: {type(d).__name__} failed: {type(e).__name__}: {e}")
+            except Exception:  # noqa: BLE001 - the connector may be gone
+                pass
     return requests
 
 
-def _terminate(instance: Any, run_id: str) -> None:
+def _terminate(instance: Any, run_id: str | None) -> bool:
+    if not run_id:
+        return False
     run = instance.get_run_by_id(run_id)
     if run is None or run.is_finished:
-        return
-    instance.run_launcher.terminate(run_id)
+        return False
+    return bool(instance.run_launcher.terminate(run_id))
 
 
-def _apply(instance: Any, store: MetaStore, d: Any, now: float) -> list[RunRequest]:
+def _apply(instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None, now: float) -> list[RunRequest]:
+    """One decision. Store writes are fenced on the generation the decision was based on."""
+    gen = view.generation if view is not None else None
+    reason = f"scheduler: {d.reason}"
     if isinstance(d, core.Reset):
-        store.set_status(d.name, ConnectorStatus.IDLE, d.reason, bump_generation=d.bump_generation, clear_broker=True)
+        store.set_status(d.name, ConnectorStatus.IDLE, reason, generation=gen, bump_generation=True, clear_broker=True)
+    elif isinstance(d, core.Move):
+        row = store.set_status(
+            d.name, ConnectorStatus.IDLE, reason, generation=gen, bump_generation=True, clear_broker=True, extra={"last_moved_at": now}
+        )
+        if row is not None:
+            _terminate(instance, d.run_id)
+    elif isinstance(d, core.Stop):
+        store.set_status(
+            d.name, ConnectorStatus.STOPPED, reason, generation=gen, bump_generation=True, clear_broker=True, extra={"desired": DesiredState.STOPPED.value}
+        )
+    elif isinstance(d, core.Restart):
+        store.set_status(
+            d.name,
+            ConnectorStatus.IDLE,
+            reason,
+            generation=gen,
+            bump_generation=True,
+            clear_broker=True,
+            extra={"restarts": d.restarts, "next_restart_at": None},
+        )
+    elif isinstance(d, core.ClearRestarts):
+        store.update_fields(d.name, restarts=0)
+        store.record(d.name, reason)
+    elif isinstance(d, core.MarkError):
+        store.set_status(d.name, ConnectorStatus.ERROR, reason, generation=gen, error=d.message)
     elif isinstance(d, core.Terminate):
-        _terminate(instance, d.run_id)
+        if _terminate(instance, d.run_id):
+            store.record(d.name, f"{reason} (run {d.run_id} terminated)", run_id=d.run_id)
     elif isinstance(d, core.KillZombie):
-        os.kill(d.pid, signal.SIGTERM)
+        os.kill(d.pid, signal.SIGKILL)
+        store.record(d.name, f"{reason}: killed", run_id=d.run_id)
     elif isinstance(d, core.ReportCanceled):
         run = instance.get_run_by_id(d.run_id)
         if run is not None and not run.is_finished:
             instance.report_run_canceled(run, message=d.reason)
-    elif isinstance(d, core.MarkError):
-        store.set_status(d.name, ConnectorStatus.ERROR, d.reason, error=d.message)
-    elif isinstance(d, core.Restart):
-        row = store.get(d.name)
-        store.set_status(
-            d.name,
-            ConnectorStatus.IDLE,
-            d.reason,
-            extra={"restarts": row.restarts + 1, "next_restart_at": d.next_restart_at},
-        )
-    elif isinstance(d, core.SetStatus):
-        store.set_status(d.name, d.status, d.reason)
-    elif isinstance(d, core.Move):
-        row = store.get(d.name)
-        store.set_status(d.name, ConnectorStatus.IDLE, d.reason, bump_generation=True, clear_broker=True, extra={"last_moved_at": now})
-        if row.run_id:
-            _terminate(instance, row.run_id)
+            store.record(d.name, reason, run_id=d.run_id)
     elif isinstance(d, core.Assign):
-        gen = store.assign(d.name, d.broker_id, expected_generation=d.generation - 1, reason=d.reason)
-        if gen is None:
+        assert gen is not None
+        new_gen = store.assign(d.name, d.broker_id, expected_generation=gen, reason=reason)
+        if new_gen is None:
             return []
-        tags = {**d.tags, TAG_CONNECTOR: d.name, TAG_BROKER: d.broker_id, TAG_GENERATION: str(gen)}
-        return [RunRequest(run_key=f"{d.name}:{gen}", job_name=job_name(d.name), tags=tags)]
+        tags = {**d.tags, TAG_CONNECTOR: d.name, TAG_BROKER: d.broker_id, TAG_GENERATION: str(new_gen)}
+        return [RunRequest(run_key=f"{d.name}:{new_gen}", job_name=job_name(d.name), tags=tags)]
     elif isinstance(d, core.Failed):
         store.record(d.name, f"scheduler could not decide: {d.error}")
-    if hasattr(d, "name") and hasattr(d, "reason") and not isinstance(d, (core.Reset, core.MarkError, core.Restart, core.SetStatus, core.Move, core.Assign)):
-        try:
-            store.record(d.name, f"scheduler: {d.reason}")
-        except Exception:  # noqa: BLE001 - the connector may be gone
-            pass
     return []
+
+
+def scheduler_config() -> core.SchedulerConfig:
+    """Defaults, overridable by environment (CONVEYOR_SCHEDULER_<FIELD>, e.g. ..._LAUNCH_TIMEOUT_S)."""
+    values: dict[str, float] = {}
+    for f in fields(core.SchedulerConfig):
+        raw = os.environ.get(f"CONVEYOR_SCHEDULER_{f.name.upper()}")
+        if raw:
+            values[f.name] = float(raw)
+    return core.SchedulerConfig(**values)
+
+
+def tick(context: Any, store: MetaStore, now: float | None = None) -> tuple[core.Plan, list[RunRequest]]:
+    """One scheduler tick against the store and the instance; returns the plan and run requests."""
+    now = time.time() if now is None else now
+    rows = store.list()
+    views = {r.name: connector_view(r) for r in rows}
+    plan = core.plan(list(views.values()), broker_views(store), run_views(context.instance, rows, now), now, scheduler_config())
+    return plan, apply_plan(context, store, plan, views, now)
 
 
 @sensor(
@@ -185,13 +222,7 @@ def _apply(instance: Any, store: MetaStore, d: Any, now: float) -> list[RunReque
 )
 def conveyor_scheduler(context: SensorEvaluationContext, conveyor: ConveyorResource) -> SensorResult:
     store = conveyor.store()
-    now = time.time()
-    rows = store.list()
-    plan = core.plan(
-        [connector_view(r) for r in rows],
-        broker_views(store),
-        run_views(context.instance, rows, now),
-        now,
-        core.SchedulerConfig(),
-    )
-    return SensorResult(run_requests=apply_plan(context, store, plan, now))
+    conveyor.sync_brokers(store)
+    plan, requests = tick(context, store)
+    skip = None if plan.decisions else "nothing to do"
+    return SensorResult(run_requests=requests, skip_reason=skip if not requests else None)

@@ -1,0 +1,525 @@
+"""The Meta scheduler's decisions, as a pure function.
+
+``plan(connectors, brokers, runs, now, config) -> Plan`` looks at one snapshot of
+the meta store and of Dagster's runs and returns what to do. It performs no I/O,
+reads no clock and imports neither Dagster nor a client library; the
+``conveyor_scheduler`` sensor translates the decisions into store writes,
+``RunRequest``s and run terminations.
+
+Each tick, in this order (one connector's exception becomes a ``Failed``
+decision and never stops the others):
+
+1. **reclaim**: a run of a deleted connector, of a desired-stopped connector, or of
+   an older generation is terminated. A run launched by hand (no generation tag) is
+   adopted: the op claims the connector itself. A run stuck in CANCELING past
+   ``cancel_grace_s`` is reported canceled.
+2. **zombie**: the connector's current run is CANCELED (a force-terminate from the
+   UI) but its heartbeat is fresh: the connector is stopped and fenced (generation
+   bumped), and the process is killed when the run launcher is local.
+3. **heartbeat check**: a Running or Degraded connector whose heartbeat is older
+   than its ``heartbeat_timeout_s`` goes back to Idle, its broker cleared, its
+   generation bumped (which fences the lost run), and its old run terminated. A
+   connector assigned but never started within ``launch_timeout_s`` is reset too.
+4. **errors**: the current run failed: the connector goes to Error. An Error
+   connector that should run is restarted after ``restart_backoff(restarts)``, up to
+   its ``max_restarts``, then left for the user.
+5. **drain / down brokers**: connectors on a draining broker, a broker that no
+   longer exists, or (when another healthy broker has room) a broker whose Spark
+   endpoint refuses connections are moved: reset to Idle with a bumped generation.
+6. **assignment**: Idle, unassigned connectors that should run go, in name order,
+   to the healthy broker with the lowest load (sum of connector weights, a weight
+   being ``1 + msgs_per_s / rate_unit``), ties broken by connector count then id,
+   never beyond capacity.
+7. **rebalance**: when the most loaded healthy broker exceeds the least loaded by
+   more than ``rebalance_threshold`` and nothing moved in the last
+   ``rebalance_cooldown_s``, one connector whose weight is smaller than the gap is
+   moved (so the move strictly narrows the gap: no flapping).
+
+Generations only grow: every decision that changes ownership bumps by one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+from conveyor.core.model import ConnectorStatus, DesiredState
+
+ACTIVE_RUN_STATUSES = frozenset({"QUEUED", "NOT_STARTED", "STARTING", "STARTED", "CANCELING"})
+LIVE = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED)
+
+
+# -- inputs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorView:
+    """A connector as the scheduler sees it (from the meta store)."""
+
+    name: str
+    desired: DesiredState = DesiredState.RUNNING
+    status: ConnectorStatus = ConnectorStatus.IDLE
+    broker_id: str | None = None
+    generation: int = 0
+    run_id: str | None = None
+    heartbeat_at: float | None = None
+    status_since: float = 0.0
+    updated_at: float = 0.0
+    heartbeat_timeout_s: float = 30.0
+    msgs_per_s: float = 0.0
+    restarts: int = 0
+    max_restarts: int = 5
+    next_restart_at: float | None = None
+    last_error: str | None = None
+    last_moved_at: float | None = None
+    spec_error: str | None = None
+
+    def heartbeat_age(self, now: float) -> float | None:
+        return None if self.heartbeat_at is None else now - self.heartbeat_at
+
+
+@dataclass(frozen=True)
+class BrokerView:
+    """A broker executor and whether its Spark Connect endpoint accepted a connection."""
+
+    id: str
+    capacity: int
+    spark_remote: str = ""
+    run_tags: Mapping[str, str] = field(default_factory=dict)
+    draining: bool = False
+    endpoint_up: bool = True
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A Dagster run of a connector job (tags and status)."""
+
+    run_id: str
+    connector: str
+    generation: int | None  # None: launched by hand (no conveyor/generation tag)
+    status: str  # DagsterRunStatus value, e.g. "STARTED"
+    broker_id: str | None = None
+    pid: int | None = None
+    local: bool = False  # the process runs on this host under the default run launcher
+    canceling_since: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.status in ACTIVE_RUN_STATUSES
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    launch_timeout_s: float = 180.0
+    """An assigned connector whose run has not claimed it by then is reset."""
+    cancel_grace_s: float = 60.0
+    """A run CANCELING longer than this is reported canceled (its code server is gone)."""
+    restart_backoff_s: float = 10.0
+    restart_backoff_max_s: float = 600.0
+    healthy_reset_s: float = 600.0
+    """A connector Running this long without trouble gets its restart budget back."""
+    rebalance_threshold: float = 1.5
+    rebalance_cooldown_s: float = 120.0
+    rate_unit: float = 10_000.0
+    """msgs/s that weigh as much as one more connector."""
+
+    def restart_backoff(self, restarts: int) -> float:
+        return float(min(self.restart_backoff_max_s, self.restart_backoff_s * (2 ** min(restarts, 30))))
+
+
+# -- decisions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reset:
+    """To Idle, broker cleared, generation bumped (fences the old run)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Terminate:
+    name: str
+    run_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KillZombie:
+    name: str
+    run_id: str
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReportCanceled:
+    name: str
+    run_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """To Stopped with desired stopped, generation bumped, broker cleared."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class MarkError:
+    name: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Error -> Idle (unassigned) after the backoff; counts one restart."""
+
+    name: str
+    reason: str
+    restarts: int
+
+
+@dataclass(frozen=True)
+class ClearRestarts:
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """Off its broker (drain, down, rebalance): Reset plus terminating its run."""
+
+    name: str
+    from_broker: str
+    run_id: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Assign:
+    """Place on a broker with generation ``generation`` (current + 1) and launch a run."""
+
+    name: str
+    broker_id: str
+    generation: int
+    tags: Mapping[str, str]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    name: str
+    error: str
+    reason: str = "scheduler error"
+
+
+Decision = Union[Reset, Terminate, KillZombie, ReportCanceled, Stop, MarkError, Restart, ClearRestarts, Move, Assign, Failed]
+
+
+@dataclass
+class Plan:
+    decisions: list[Decision] = field(default_factory=list)
+    down_brokers: set[str] = field(default_factory=set)
+    loads: dict[str, float] = field(default_factory=dict)
+
+    def of(self, kind: type) -> list[Decision]:
+        return [d for d in self.decisions if isinstance(d, kind)]
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+def weight(c: ConnectorView, cfg: SchedulerConfig) -> float:
+    return 1.0 + max(0.0, c.msgs_per_s) / cfg.rate_unit
+
+
+def down_brokers(connectors: Iterable[ConnectorView], brokers: Iterable[BrokerView], now: float) -> set[str]:
+    """Brokers whose endpoint refuses connections, or whose live connectors all lost their heartbeat."""
+    live: dict[str, list[ConnectorView]] = defaultdict(list)
+    for c in connectors:
+        if c.broker_id and c.status in LIVE and c.heartbeat_at is not None:
+            live[c.broker_id].append(c)
+    out = set()
+    for b in brokers:
+        if not b.endpoint_up:
+            out.add(b.id)
+        elif live[b.id] and all(now - (c.heartbeat_at or 0.0) > c.heartbeat_timeout_s for c in live[b.id]):
+            out.add(b.id)
+    return out
+
+
+def plan(
+    connectors: Sequence[ConnectorView],
+    brokers: Sequence[BrokerView],
+    runs: Sequence[RunView],
+    now: float,
+    config: SchedulerConfig | None = None,
+) -> Plan:
+    """Decisions for one tick; see the module docstring."""
+    cfg = config or SchedulerConfig()
+    out = Plan()
+    by_name = {c.name: c for c in connectors}
+    broker_ids = {b.id for b in brokers}
+    runs_of: dict[str, list[RunView]] = defaultdict(list)
+    for r in runs:
+        runs_of[r.connector].append(r)
+    run_by_id = {r.run_id: r for r in runs}
+    down = down_brokers(connectors, brokers, now)
+    out.down_brokers = down
+
+    # 1. reclaim runs that no connector wants
+    for r in runs:
+        if not r.active:
+            continue
+        try:
+            out.decisions.extend(_reclaim(r, by_name.get(r.connector), now, cfg))
+        except Exception as e:  # noqa: BLE001 - one connector never fails the tick
+            out.decisions.append(Failed(r.connector, f"{type(e).__name__}: {e}"))
+
+    # 2-5. per connector
+    settled: dict[str, ConnectorView] = {}  # connector state after this tick's decisions
+    healthy = {b.id for b in brokers if not b.draining and b.id not in down}
+    room = _room(connectors, brokers, healthy)
+    for c in sorted(connectors, key=lambda c: c.name):
+        try:
+            decisions = _connector(c, runs_of.get(c.name, []), run_by_id, broker_ids, down, room, brokers, now, cfg)
+        except Exception as e:  # noqa: BLE001
+            out.decisions.append(Failed(c.name, f"{type(e).__name__}: {e}"))
+            continue
+        out.decisions.extend(decisions)
+        settled[c.name] = _after(c, decisions)
+
+    # 6. assignment
+    assigned = _assign(list(settled.values()), brokers, healthy, runs_of, cfg)
+    out.decisions.extend(assigned)
+
+    # 7. rebalance (only when nothing else moved this tick)
+    if not assigned and not any(isinstance(d, (Move, Reset)) for d in out.decisions):
+        move = _rebalance(list(settled.values()), brokers, healthy, now, cfg)
+        if move is not None:
+            out.decisions.append(move)
+    out.loads = _loads(
+        [_after(c, [d for d in out.decisions if getattr(d, "name", None) == c.name]) for c in settled.values()],
+        brokers,
+        cfg,
+    )
+    return out
+
+
+def _reclaim(r: RunView, c: ConnectorView | None, now: float, cfg: SchedulerConfig) -> list[Decision]:
+    if r.status == "CANCELING":
+        since = r.canceling_since if r.canceling_since is not None else now
+        if now - since > cfg.cancel_grace_s:
+            return [ReportCanceled(r.connector, r.run_id, f"run {r.run_id} canceling for {now - since:.0f}s; its process is gone")]
+        return []
+    if c is None:
+        return [Terminate(r.connector, r.run_id, "connector deleted")]
+    if r.generation is None:
+        # Launched by hand: adopted; the op claims the connector (or refuses to).
+        return []
+    if c.desired == DesiredState.STOPPED:
+        return [Terminate(c.name, r.run_id, "connector is desired stopped")]
+    if r.generation < c.generation:
+        return [Terminate(c.name, r.run_id, f"run of generation {r.generation} superseded by generation {c.generation}")]
+    if c.broker_id and r.broker_id and r.broker_id != c.broker_id:
+        return [Terminate(c.name, r.run_id, f"connector reassigned from {r.broker_id} to {c.broker_id}")]
+    return []
+
+
+def _connector(
+    c: ConnectorView,
+    runs: list[RunView],
+    run_by_id: Mapping[str, RunView],
+    broker_ids: set[str],
+    down: set[str],
+    room: Mapping[str, int],
+    brokers: Sequence[BrokerView],
+    now: float,
+    cfg: SchedulerConfig,
+) -> list[Decision]:
+    current = run_by_id.get(c.run_id) if c.run_id else None
+    active_current = current is not None and current.active
+    age = c.heartbeat_age(now)
+    fresh = age is not None and age <= c.heartbeat_timeout_s
+
+    if c.spec_error:
+        if c.status in (ConnectorStatus.IDLE,) and c.desired == DesiredState.RUNNING:
+            return [MarkError(c.name, "invalid spec", c.spec_error)]
+        return []
+
+    # zombie: force-terminated in the UI, process still heartbeating
+    if current is not None and current.status == "CANCELED" and c.status in LIVE and fresh:
+        out: list[Decision] = [Stop(c.name, f"run {current.run_id} was canceled but still heartbeats: fenced as a zombie")]
+        if current.local and current.pid:
+            out.append(KillZombie(c.name, current.run_id, current.pid, f"zombie run {current.run_id} (pid {current.pid})"))
+        return out
+
+    if c.desired == DesiredState.STOPPED:
+        if c.status in (*LIVE, ConnectorStatus.IDLE) and not active_current and not any(r.active for r in runs):
+            if c.status != ConnectorStatus.IDLE or c.broker_id:
+                return [Stop(c.name, "desired stopped and no run is active")]
+        return []
+
+    # heartbeat check
+    if c.status in LIVE:
+        if age is not None and age > c.heartbeat_timeout_s:
+            out = [Reset(c.name, f"heartbeat {age:.0f}s old (timeout {c.heartbeat_timeout_s:.0f}s) on broker {c.broker_id or '-'}")]
+            out += [Terminate(c.name, r.run_id, "lost run (heartbeat timed out)") for r in runs if r.active]
+            return out
+        if age is None and now - c.status_since > cfg.launch_timeout_s and not any(r.active for r in runs):
+            return [Reset(c.name, f"no heartbeat {now - c.status_since:.0f}s after start and no active run")]
+        if current is not None and current.status == "FAILURE":
+            return [MarkError(c.name, f"run {current.run_id} failed", c.last_error or f"run {current.run_id} failed")]
+
+    # an assignment whose run never came
+    if c.status == ConnectorStatus.IDLE and c.broker_id is not None:
+        pending = [r for r in runs if r.active and (r.generation is None or r.generation == c.generation)]
+        if not pending and now - c.updated_at > cfg.launch_timeout_s:
+            return [Reset(c.name, f"assigned to {c.broker_id} {now - c.updated_at:.0f}s ago but no run started")]
+
+    if c.status == ConnectorStatus.ERROR:
+        if any(r.active for r in runs):
+            return []
+        if c.restarts >= c.max_restarts:
+            return []
+        wait = cfg.restart_backoff(c.restarts)
+        if now - c.status_since >= wait:
+            return [Restart(c.name, f"automatic restart {c.restarts + 1}/{c.max_restarts} after {wait:.0f}s backoff", c.restarts + 1)]
+        return []
+
+    if c.status == ConnectorStatus.RUNNING and c.restarts > 0 and now - c.status_since > cfg.healthy_reset_s:
+        return [ClearRestarts(c.name, f"running for {now - c.status_since:.0f}s: restart budget restored")]
+
+    # drain / gone / down broker
+    if c.broker_id is not None and c.status in (*LIVE, ConnectorStatus.IDLE):
+        b = next((b for b in brokers if b.id == c.broker_id), None)
+        run_id = current.run_id if active_current and current else None
+        if c.broker_id not in broker_ids:
+            return [Move(c.name, c.broker_id, run_id, f"broker {c.broker_id} no longer exists")]
+        if b is not None and b.draining:
+            return [Move(c.name, c.broker_id, run_id, f"broker {c.broker_id} is draining")]
+        if c.broker_id in down and any(n > 0 for bid, n in room.items() if bid != c.broker_id):
+            return [Move(c.name, c.broker_id, run_id, f"broker {c.broker_id} is down")]
+    return []
+
+
+def _after(c: ConnectorView, decisions: Sequence[Decision]) -> ConnectorView:
+    """The connector as the store will hold it once ``decisions`` are applied."""
+    from dataclasses import replace
+
+    for d in decisions:
+        if isinstance(d, (Reset, Move)):
+            c = replace(c, status=ConnectorStatus.IDLE, broker_id=None, generation=c.generation + 1, heartbeat_at=None, run_id=None)
+        elif isinstance(d, Restart):
+            c = replace(c, status=ConnectorStatus.IDLE, broker_id=None, generation=c.generation + 1, restarts=d.restarts, heartbeat_at=None, run_id=None)
+        elif isinstance(d, Stop):
+            c = replace(c, status=ConnectorStatus.STOPPED, desired=DesiredState.STOPPED, broker_id=None, generation=c.generation + 1)
+        elif isinstance(d, MarkError):
+            c = replace(c, status=ConnectorStatus.ERROR)
+        elif isinstance(d, Assign):
+            c = replace(c, broker_id=d.broker_id, generation=d.generation)
+    return c
+
+
+def _occupies(c: ConnectorView) -> bool:
+    """Whether the connector holds a slot on its broker."""
+    return c.broker_id is not None and c.status in (*LIVE, ConnectorStatus.IDLE) and c.desired == DesiredState.RUNNING
+
+
+def _room(connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], healthy: set[str]) -> dict[str, int]:
+    used: dict[str, int] = defaultdict(int)
+    for c in connectors:
+        if _occupies(c):
+            used[c.broker_id or ""] += 1
+    return {b.id: b.capacity - used[b.id] for b in brokers if b.id in healthy}
+
+
+def _loads(connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], cfg: SchedulerConfig) -> dict[str, float]:
+    loads = {b.id: 0.0 for b in brokers}
+    for c in connectors:
+        if _occupies(c) and c.broker_id in loads:
+            loads[c.broker_id] += weight(c, cfg)
+    return loads
+
+
+def _assign(
+    connectors: list[ConnectorView],
+    brokers: Sequence[BrokerView],
+    healthy: set[str],
+    runs_of: Mapping[str, list[RunView]],
+    cfg: SchedulerConfig,
+) -> list[Decision]:
+    wanting = [
+        c
+        for c in connectors
+        if c.desired == DesiredState.RUNNING
+        and c.status == ConnectorStatus.IDLE
+        and c.broker_id is None
+        and not c.spec_error
+        and not any(r.active and r.generation is None for r in runs_of.get(c.name, []))
+    ]
+    if not wanting:
+        return []
+    loads = _loads(connectors, brokers, cfg)
+    counts: dict[str, int] = defaultdict(int)
+    for c in connectors:
+        if _occupies(c):
+            counts[c.broker_id or ""] += 1
+    by_id = {b.id: b for b in brokers}
+    heap = [(loads[b.id], counts[b.id], b.id) for b in brokers if b.id in healthy and counts[b.id] < b.capacity]
+    heapq.heapify(heap)
+    out: list[Decision] = []
+    for c in sorted(wanting, key=lambda c: c.name):
+        if not heap:
+            break
+        load, count, bid = heapq.heappop(heap)
+        b = by_id[bid]
+        gen = c.generation + 1
+        out.append(Assign(c.name, bid, gen, dict(b.run_tags), f"assigned to {bid} (load {load:.2f}, {count}/{b.capacity} connectors)"))
+        if count + 1 < b.capacity:
+            heapq.heappush(heap, (load + weight(c, cfg), count + 1, bid))
+    return out
+
+
+def _rebalance(
+    connectors: list[ConnectorView], brokers: Sequence[BrokerView], healthy: set[str], now: float, cfg: SchedulerConfig
+) -> Decision | None:
+    last_move = max((c.last_moved_at or -math.inf for c in connectors), default=-math.inf)
+    if now - last_move < cfg.rebalance_cooldown_s:
+        return None
+    pool = [b for b in brokers if b.id in healthy]
+    if len(pool) < 2:
+        return None
+    loads = _loads(connectors, pool, cfg)
+    counts: dict[str, int] = defaultdict(int)
+    for c in connectors:
+        if _occupies(c):
+            counts[c.broker_id or ""] += 1
+    hi = max(pool, key=lambda b: (loads[b.id], b.id))
+    targets = [b for b in pool if counts[b.id] < b.capacity and b.id != hi.id]
+    if not targets:
+        return None
+    lo = min(targets, key=lambda b: (loads[b.id], b.id))
+    gap = loads[hi.id] - loads[lo.id]
+    if gap <= cfg.rebalance_threshold:
+        return None
+    # Only a settled, running connector moves, and only one whose weight is below the gap,
+    # so the move strictly narrows it (min + w < max): the next tick cannot move it back.
+    movable = [
+        c
+        for c in connectors
+        if c.broker_id == hi.id and c.status == ConnectorStatus.RUNNING and _occupies(c) and weight(c, cfg) < gap
+    ]
+    if not movable:
+        return None
+    pick = min(movable, key=lambda c: (abs(gap / 2 - weight(c, cfg)), c.name))
+    return Move(pick.name, hi.id, pick.run_id, f"rebalance: {hi.id} load {loads[hi.id]:.2f} vs {lo.id} {loads[lo.id]:.2f}")

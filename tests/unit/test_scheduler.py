@@ -1,0 +1,398 @@
+"""The pure scheduler: unit tests with a fixed clock, and properties over random clusters."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.core import scheduler as s
+from conveyor.core.model import ConnectorStatus, DesiredState
+
+NOW = 1_000_000.0
+IDLE, RUNNING, STOPPED, ERROR, DEGRADED = (
+    ConnectorStatus.IDLE,
+    ConnectorStatus.RUNNING,
+    ConnectorStatus.STOPPED,
+    ConnectorStatus.ERROR,
+    ConnectorStatus.DEGRADED,
+)
+
+
+def conn(name: str, **kw) -> s.ConnectorView:
+    kw.setdefault("status_since", NOW - 1000)
+    kw.setdefault("updated_at", NOW - 1000)
+    return s.ConnectorView(name=name, **kw)
+
+
+def running(name: str, broker: str, gen: int = 1, hb_age: float = 1.0, **kw) -> s.ConnectorView:
+    return conn(name, status=RUNNING, broker_id=broker, generation=gen, run_id=f"run-{name}-{gen}", heartbeat_at=NOW - hb_age, **kw)
+
+
+def run_of(c: s.ConnectorView, status: str = "STARTED", **kw) -> s.RunView:
+    kw.setdefault("generation", c.generation)
+    kw.setdefault("broker_id", c.broker_id)
+    return s.RunView(run_id=c.run_id or f"run-{c.name}-{c.generation}", connector=c.name, status=status, **kw)
+
+
+def brokers(*ids: str, capacity: int = 8, **kw) -> list[s.BrokerView]:
+    return [s.BrokerView(id=i, capacity=capacity, **kw) for i in ids]
+
+
+def kinds(plan: s.Plan) -> list[tuple[str, str]]:
+    return [(type(d).__name__, d.name) for d in plan.decisions]
+
+
+# -- assignment -----------------------------------------------------------------------
+
+
+def test_idle_connectors_spread_evenly_in_name_order_with_generation_tags():
+    cs = [conn(f"c{i}") for i in range(6)]
+    p = s.plan(cs, brokers("b1", "b2", "b3"), [], NOW)
+    assigns = p.of(s.Assign)
+    assert [a.name for a in assigns] == [f"c{i}" for i in range(6)]
+    assert Counter(a.broker_id for a in assigns) == {"b1": 2, "b2": 2, "b3": 2}
+    assert all(a.generation == 1 for a in assigns)
+
+
+def test_assignment_is_stable_for_the_same_input():
+    cs = [conn(f"c{i}") for i in range(7)]
+    bs = brokers("b1", "b2", "b3")
+    assert s.plan(cs, bs, [], NOW).decisions == s.plan(list(reversed(cs)), list(reversed(bs)), [], NOW).decisions
+
+
+def test_least_loaded_is_weighted_by_throughput():
+    busy = running("busy", "b1", msgs_per_s=50_000)  # weight 6
+    cs = [busy, running("x", "b2"), running("y", "b2"), conn("new")]
+    p = s.plan(cs, brokers("b1", "b2"), [run_of(busy), run_of(cs[1]), run_of(cs[2])], NOW)
+    assert [(a.name, a.broker_id) for a in p.of(s.Assign)] == [("new", "b2")]
+
+
+def test_capacity_is_respected_and_the_rest_wait():
+    cs = [conn(f"c{i}") for i in range(5)]
+    p = s.plan(cs, brokers("b1", "b2", capacity=2), [], NOW)
+    assert len(p.of(s.Assign)) == 4
+    assert "c4" not in {a.name for a in p.of(s.Assign)}
+
+
+def test_draining_and_down_brokers_get_nothing_new():
+    bs = [s.BrokerView("drain", 8, draining=True), s.BrokerView("down", 8, endpoint_up=False), s.BrokerView("ok", 8)]
+    p = s.plan([conn("a"), conn("b")], bs, [], NOW)
+    assert {a.broker_id for a in p.of(s.Assign)} == {"ok"}
+    assert p.down_brokers == {"down"}
+
+
+def test_broker_whose_connectors_all_lost_heartbeat_is_down():
+    cs = [running("a", "b1", hb_age=100), running("b", "b1", hb_age=90), running("c", "b2")]
+    assert s.down_brokers(cs, brokers("b1", "b2"), NOW) == {"b1"}
+
+
+def test_run_tags_of_the_broker_go_on_the_assignment():
+    p = s.plan([conn("a")], [s.BrokerView("b1", 2, run_tags={"pool": "spark-a"})], [], NOW)
+    assert p.of(s.Assign)[0].tags == {"pool": "spark-a"}
+
+
+def test_spec_error_is_never_assigned_and_marked_error():
+    p = s.plan([conn("bad", spec_error="sink.table: field required")], brokers("b1"), [], NOW)
+    assert kinds(p) == [("MarkError", "bad")]
+
+
+def test_hand_launched_run_is_adopted_not_doubled():
+    c = conn("a")
+    ui_run = s.RunView("ui-1", "a", generation=None, status="STARTING")
+    p = s.plan([c], brokers("b1"), [ui_run], NOW)
+    assert p.decisions == []
+
+
+# -- heartbeat, reclaim, zombies --------------------------------------------------------
+
+
+def test_stale_heartbeat_resets_to_idle_and_terminates_the_lost_run():
+    c = running("a", "b1", hb_age=31)
+    p = s.plan([c], brokers("b1", "b2"), [run_of(c)], NOW)
+    assert ("Reset", "a") in kinds(p)
+    assert [t.run_id for t in p.of(s.Terminate)] == [c.run_id]
+    assert p.of(s.Assign) == [] or p.of(s.Assign)[0].generation == c.generation + 2
+
+
+def test_heartbeat_within_timeout_is_left_alone():
+    c = running("a", "b1", hb_age=29)
+    assert s.plan([c], brokers("b1"), [run_of(c)], NOW).decisions == []
+
+
+def test_per_connector_heartbeat_timeout():
+    c = running("a", "b1", hb_age=45, heartbeat_timeout_s=60)
+    assert s.plan([c], brokers("b1"), [run_of(c)], NOW).decisions == []
+
+
+def test_runs_of_older_generations_and_stopped_or_deleted_connectors_are_terminated():
+    c = running("a", "b1", gen=5)
+    old = s.RunView("old", "a", generation=4, status="STARTED", broker_id="b1")
+    stopped = conn("s", desired=DesiredState.STOPPED, status=STOPPED, generation=2)
+    s_run = s.RunView("s-run", "s", generation=2, status="STARTED")
+    ghost = s.RunView("ghost", "deleted", generation=1, status="STARTED")
+    p = s.plan([c, stopped], brokers("b1"), [run_of(c), old, s_run, ghost], NOW)
+    assert {(t.run_id, t.reason.split()[0]) for t in p.of(s.Terminate)} == {("old", "run"), ("s-run", "connector"), ("ghost", "connector")}
+
+
+def test_run_left_on_the_old_broker_after_reassignment_is_terminated():
+    c = running("a", "b2", gen=3)
+    stray = s.RunView("stray", "a", generation=3, status="STARTED", broker_id="b1")
+    p = s.plan([c], brokers("b1", "b2"), [run_of(c), stray], NOW)
+    assert [t.run_id for t in p.of(s.Terminate)] == ["stray"]
+
+
+def test_zombie_is_fenced_stopped_and_killed_when_local():
+    c = running("a", "b1", hb_age=2)
+    z = run_of(c, status="CANCELED", pid=4242, local=True)
+    p = s.plan([c], brokers("b1"), [z], NOW)
+    assert kinds(p) == [("Stop", "a"), ("KillZombie", "a")]
+    assert p.of(s.KillZombie)[0].pid == 4242
+
+
+def test_zombie_on_a_remote_launcher_is_fenced_but_not_killed():
+    c = running("a", "b1", hb_age=2)
+    p = s.plan([c], brokers("b1"), [run_of(c, status="CANCELED", pid=4242, local=False)], NOW)
+    assert kinds(p) == [("Stop", "a")]
+
+
+def test_canceling_past_grace_is_reported_canceled():
+    c = running("a", "b1", hb_age=100)
+    r = run_of(c, status="CANCELING", canceling_since=NOW - 61)
+    p = s.plan([c], brokers("b1"), [r], NOW)
+    assert ("ReportCanceled", "a") in kinds(p)
+    assert s.plan([c], brokers("b1"), [replace(r, canceling_since=NOW - 10)], NOW).of(s.ReportCanceled) == []
+
+
+def test_assignment_whose_run_never_came_is_reset_after_launch_timeout():
+    c = conn("a", broker_id="b1", generation=2, updated_at=NOW - 200)
+    assert kinds(s.plan([c], brokers("b1"), [], NOW))[0] == ("Reset", "a")
+    queued = s.RunView("q", "a", generation=2, status="QUEUED")
+    assert s.plan([c], brokers("b1"), [queued], NOW).decisions == []
+
+
+def test_desired_stopped_without_a_run_settles_as_stopped():
+    c = running("a", "b1", hb_age=500, desired=DesiredState.STOPPED)
+    assert kinds(s.plan([c], brokers("b1"), [], NOW)) == [("Stop", "a")]
+
+
+def test_stopped_connector_stays_stopped():
+    c = conn("a", desired=DesiredState.STOPPED, status=STOPPED, generation=4)
+    for _ in range(3):
+        assert s.plan([c], brokers("b1"), [], NOW).decisions == []
+
+
+# -- errors and restarts -----------------------------------------------------------------
+
+
+def test_failed_run_marks_error():
+    c = running("a", "b1", hb_age=40, heartbeat_timeout_s=60)
+    p = s.plan([c], brokers("b1"), [run_of(c, status="FAILURE")], NOW)
+    assert kinds(p) == [("MarkError", "a")]
+
+
+def test_error_restarts_with_exponential_backoff_then_gives_up():
+    cfg = s.SchedulerConfig(restart_backoff_s=10)
+    for restarts, wait in [(0, 10), (1, 20), (2, 40), (3, 80), (4, 160)]:
+        c = conn("a", status=ERROR, restarts=restarts, status_since=NOW - wait + 1)
+        assert s.plan([c], brokers("b1"), [], NOW, cfg).decisions == [], restarts
+        c = replace(c, status_since=NOW - wait)
+        (d,) = s.plan([c], brokers("b1"), [], NOW, cfg).of(s.Restart)
+        assert d.restarts == restarts + 1
+    done = conn("a", status=ERROR, restarts=5, status_since=NOW - 10_000)
+    assert s.plan([done], brokers("b1"), [], NOW, cfg).decisions == []
+
+
+def test_restart_budget_comes_back_after_a_healthy_stretch():
+    c = running("a", "b1", restarts=3, status_since=NOW - 601)
+    assert kinds(s.plan([c], brokers("b1"), [run_of(c)], NOW)) == [("ClearRestarts", "a")]
+
+
+def test_one_bad_connector_does_not_stop_the_tick():
+    class Boom(s.ConnectorView):
+        def heartbeat_age(self, now):  # type: ignore[override]
+            raise RuntimeError("boom")
+
+    bad = Boom(name="bad", status=RUNNING, broker_id="b1", heartbeat_at=NOW)
+    p = s.plan([bad, conn("good")], brokers("b1"), [], NOW)
+    assert ("Failed", "bad") in kinds(p)
+    assert [a.name for a in p.of(s.Assign)] == ["good"]
+
+
+# -- drain, down, rebalance ----------------------------------------------------------------
+
+
+def test_drain_moves_every_connector_off_the_broker():
+    cs = [running("a", "b1"), running("b", "b1"), running("c", "b2")]
+    bs = [s.BrokerView("b1", 8, draining=True), s.BrokerView("b2", 8)]
+    p = s.plan(cs, bs, [run_of(c) for c in cs], NOW)
+    assert sorted(m.name for m in p.of(s.Move)) == ["a", "b"]
+    assert all(m.run_id for m in p.of(s.Move))
+
+
+def test_down_endpoint_moves_connectors_only_when_another_broker_has_room():
+    cs = [running("a", "b1")]
+    bs = [s.BrokerView("b1", 8, endpoint_up=False), s.BrokerView("b2", 8)]
+    assert [m.name for m in s.plan(cs, bs, [run_of(cs[0])], NOW).of(s.Move)] == ["a"]
+    assert s.plan(cs, bs[:1], [run_of(cs[0])], NOW).of(s.Move) == []
+
+
+def test_rebalance_moves_one_connector_per_tick_with_cooldown_and_no_flapping():
+    cs = [running(f"c{i}", "b1") for i in range(4)]
+    runs = [run_of(c) for c in cs]
+    p = s.plan(cs, brokers("b1", "b2"), runs, NOW)
+    (m,) = p.of(s.Move)
+    # cool-down: a move 60 s ago blocks the next one
+    moved = [replace(c, last_moved_at=NOW - 60) if c.name == m.name else c for c in cs]
+    assert s.plan(moved, brokers("b1", "b2"), runs, NOW).of(s.Move) == []
+    # balanced within the threshold: nothing moves
+    bal = [running("a", "b1"), running("b", "b1"), running("c", "b2")]
+    assert s.plan(bal, brokers("b1", "b2"), [run_of(c) for c in bal], NOW).decisions == []
+
+
+def test_moved_connector_is_reassigned_to_the_least_loaded_broker_next_tick():
+    cs = [running(f"c{i}", "b1") for i in range(4)]
+    (m,) = s.plan(cs, brokers("b1", "b2"), [run_of(c) for c in cs], NOW).of(s.Move)
+    after = [conn(c.name, generation=c.generation + 1, last_moved_at=NOW) if c.name == m.name else c for c in cs]
+    (a,) = s.plan(after, brokers("b1", "b2"), [run_of(c) for c in after if c.name != m.name], NOW + 5).of(s.Assign)
+    assert (a.name, a.broker_id) == (m.name, "b2")
+
+
+# -- properties over random clusters ---------------------------------------------------------
+
+STATUSES = [IDLE, RUNNING, STOPPED, ERROR, DEGRADED]
+
+
+@st.composite
+def clusters(draw):
+    nb = draw(st.integers(1, 6))
+    bs = [
+        s.BrokerView(
+            f"b{i}",
+            capacity=draw(st.integers(1, 6)),
+            draining=draw(st.booleans()),
+            endpoint_up=draw(st.booleans()) or draw(st.booleans()),
+        )
+        for i in range(nb)
+    ]
+    nc = draw(st.integers(0, 30))
+    cs, runs = [], []
+    for i in range(nc):
+        status = draw(st.sampled_from(STATUSES))
+        broker = draw(st.one_of(st.none(), st.sampled_from([b.id for b in bs] + ["gone"])))
+        gen = draw(st.integers(0, 20))
+        hb = draw(st.one_of(st.none(), st.floats(0, 120)))
+        c = conn(
+            f"c{i:02d}",
+            status=status,
+            desired=draw(st.sampled_from(list(DesiredState))),
+            broker_id=broker if status in (RUNNING, DEGRADED, IDLE) else None,
+            generation=gen,
+            run_id=f"r{i}" if draw(st.booleans()) else None,
+            heartbeat_at=None if hb is None else NOW - hb,
+            msgs_per_s=draw(st.floats(0, 100_000)),
+            restarts=draw(st.integers(0, 6)),
+            status_since=NOW - draw(st.floats(0, 2000)),
+            updated_at=NOW - draw(st.floats(0, 400)),
+        )
+        cs.append(c)
+        if c.run_id:
+            runs.append(
+                s.RunView(
+                    c.run_id,
+                    c.name,
+                    generation=draw(st.one_of(st.none(), st.integers(0, gen))),
+                    status=draw(st.sampled_from(["QUEUED", "STARTED", "CANCELING", "CANCELED", "FAILURE", "SUCCESS"])),
+                    broker_id=c.broker_id,
+                    pid=1234,
+                    local=draw(st.booleans()),
+                    canceling_since=NOW - draw(st.floats(0, 200)),
+                )
+            )
+    return cs, bs, runs
+
+
+def _settled(cs, p):
+    by = {c.name: c for c in cs}
+    for c in cs:
+        by[c.name] = s._after(c, [d for d in p.decisions if d.name == c.name])
+    return list(by.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_property_capacity_never_exceeded_by_assignments(cluster):
+    cs, bs, runs = cluster
+    p = s.plan(cs, bs, runs, NOW)
+    after = _settled(cs, p)
+    cap = {b.id: b.capacity for b in bs}
+    new = Counter(a.broker_id for a in p.of(s.Assign))
+    held = Counter(c.broker_id for c in after if s._occupies(c))
+    for bid, n in new.items():
+        assert held[bid] <= cap[bid], (bid, held[bid], cap[bid])
+        assert n >= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_property_never_assigned_to_a_draining_or_down_broker(cluster):
+    cs, bs, runs = cluster
+    p = s.plan(cs, bs, runs, NOW)
+    bad = {b.id for b in bs if b.draining} | p.down_brokers
+    assert not any(a.broker_id in bad for a in p.of(s.Assign))
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_property_generations_only_grow_and_each_connector_gets_one_ownership_change(cluster):
+    cs, bs, runs = cluster
+    p = s.plan(cs, bs, runs, NOW)
+    before = {c.name: c.generation for c in cs}
+    for c in _settled(cs, p):
+        assert c.generation >= before[c.name]
+    for a in p.of(s.Assign):
+        assert a.generation > before[a.name]
+    owners = Counter(d.name for d in p.decisions if isinstance(d, (s.Reset, s.Move, s.Stop, s.Restart)))
+    assert all(n == 1 for n in owners.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 40))
+def test_property_equal_weights_spread_within_one(nb, nc):
+    bs = brokers(*[f"b{i}" for i in range(nb)], capacity=100)
+    p = s.plan([conn(f"c{i:02d}") for i in range(nc)], bs, [], NOW)
+    counts = Counter(a.broker_id for a in p.of(s.Assign))
+    per = [counts.get(b.id, 0) for b in bs]
+    assert sum(per) == nc
+    assert max(per) - min(per) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 20))
+def test_property_rebalance_converges_without_flapping(nb, nc):
+    """Start with everything on one broker; apply plans tick by tick until quiet."""
+    bs = brokers(*[f"b{i}" for i in range(nb)], capacity=100)
+    cs = {f"c{i:02d}": running(f"c{i:02d}", "b0") for i in range(nc)}
+    now = NOW
+    moves: Counter[str] = Counter()
+    for _tick in range(200):
+        runs = [run_of(c) for c in cs.values() if c.broker_id]
+        p = s.plan(list(cs.values()), bs, runs, now)
+        if not p.decisions:
+            break
+        for d in p.decisions:
+            c = cs[d.name]
+            if isinstance(d, s.Move):
+                moves[d.name] += 1
+                cs[d.name] = replace(s._after(c, [d]), last_moved_at=now)
+            elif isinstance(d, s.Assign):
+                cs[d.name] = replace(c, broker_id=d.broker_id, generation=d.generation, status=RUNNING, heartbeat_at=now, run_id=f"r{d.generation}", status_since=now)
+        now += 200  # past the cool-down
+        cs = {k: replace(v, heartbeat_at=now) if v.status == RUNNING else v for k, v in cs.items()}
+    else:
+        raise AssertionError("did not settle")
+    per = Counter(c.broker_id for c in cs.values())
+    assert max(per.values()) - min(per.get(b.id, 0) for b in bs) <= 1
+    assert all(n == 1 for n in moves.values()), moves
