@@ -45,7 +45,6 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 from conveyor.core.model import ConnectorStatus, DesiredState
 
@@ -222,7 +221,7 @@ class Failed:
     reason: str = "scheduler error"
 
 
-Decision = Union[Reset, Terminate, KillZombie, ReportCanceled, Stop, MarkError, Restart, ClearRestarts, Move, Assign, Failed]
+Decision = Reset | Terminate | KillZombie | ReportCanceled | Stop | MarkError | Restart | ClearRestarts | Move | Assign | Failed
 
 
 @dataclass
@@ -250,9 +249,7 @@ def down_brokers(connectors: Iterable[ConnectorView], brokers: Iterable[BrokerVi
             live[c.broker_id].append(c)
     out = set()
     for b in brokers:
-        if not b.endpoint_up:
-            out.add(b.id)
-        elif live[b.id] and all(now - (c.heartbeat_at or 0.0) > c.heartbeat_timeout_s for c in live[b.id]):
+        if not b.endpoint_up or live[b.id] and all(now - (c.heartbeat_at or 0.0) > c.heartbeat_timeout_s for c in live[b.id]):
             out.add(b.id)
     return out
 
@@ -364,9 +361,9 @@ def _connector(
         return out
 
     if c.desired == DesiredState.STOPPED:
-        if c.status in (*LIVE, ConnectorStatus.IDLE) and not active_current and not any(r.active for r in runs):
-            if c.status != ConnectorStatus.IDLE or c.broker_id:
-                return [Stop(c.name, "desired stopped and no run is active")]
+        idle_unassigned = c.status == ConnectorStatus.IDLE and not c.broker_id
+        if c.status in (*LIVE, ConnectorStatus.IDLE) and not idle_unassigned and not active_current and not any(r.active for r in runs):
+            return [Stop(c.name, "desired stopped and no run is active")]
         return []
 
     # heartbeat check

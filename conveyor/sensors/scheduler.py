@@ -9,6 +9,7 @@ tick for the others.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -125,10 +126,8 @@ def apply_plan(context: Any, store: MetaStore, plan: core.Plan, views: dict[str,
             context.log.info(f"{d.name}: {type(d).__name__}: {d.reason}")
         except Exception as e:  # noqa: BLE001 - reported per decision
             context.log.error(f"{d.name}: {type(d).__name__} failed: {type(e).__name__}: {e}")
-            try:
+            with contextlib.suppress(Exception):  # the connector may be gone
                 store.record(d.name, f"scheduler: {type(d).__name__} failed: {type(e).__name__}: {e}")
-            except Exception:  # noqa: BLE001 - the connector may be gone
-                pass
     return requests
 
 
