@@ -361,8 +361,7 @@ def _connector(
         return out
 
     if c.desired == DesiredState.STOPPED:
-        idle_unassigned = c.status == ConnectorStatus.IDLE and not c.broker_id
-        if c.status in (*LIVE, ConnectorStatus.IDLE) and not idle_unassigned and not active_current and not any(r.active for r in runs):
+        if c.status in (*LIVE, ConnectorStatus.IDLE) and not active_current and not any(r.active for r in runs):
             return [Stop(c.name, "desired stopped and no run is active")]
         return []
 
@@ -462,7 +461,7 @@ def _assign(
         and c.status == ConnectorStatus.IDLE
         and c.broker_id is None
         and not c.spec_error
-        and not any(r.active and r.generation is None for r in runs_of.get(c.name, []))
+        and not any(r.active and (r.generation is None or r.generation >= c.generation) for r in runs_of.get(c.name, []))
     ]
     if not wanting:
         return []

@@ -183,8 +183,8 @@ def _apply(instance: Any, store: MetaStore, d: core.Decision, view: core.Connect
             instance.report_run_canceled(run, message=d.reason)
             store.record(d.name, reason, run_id=d.run_id)
     elif isinstance(d, core.Assign):
-        assert gen is not None
-        new_gen = store.assign(d.name, d.broker_id, expected_generation=gen, reason=reason)
+        # The plan may have reset the connector earlier in this tick: expect the generation it planned on.
+        new_gen = store.assign(d.name, d.broker_id, expected_generation=d.generation - 1, reason=reason)
         if new_gen is None:
             return []
         tags = {**d.tags, TAG_CONNECTOR: d.name, TAG_BROKER: d.broker_id, TAG_GENERATION: str(new_gen)}
