@@ -1,0 +1,391 @@
+"""MongoDB sink without a server: the exact operations built for a batch, the mapping of
+real pymongo errors (``BulkWriteError`` with its ``details``, connection and auth errors)
+and config validation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pymongo import InsertOne, ReplaceOne
+from pymongo.errors import (
+    AutoReconnect,
+    BulkWriteError,
+    ConfigurationError,
+    NetworkTimeout,
+    NotPrimaryError,
+    OperationFailure,
+    ServerSelectionTimeoutError,
+)
+
+from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.sinks import build_sink
+from conveyor.sinks.base import ErrorKind, RowFailure, iter_records
+from conveyor.sinks.mongodb import (
+    MongoDBSinkConfig,
+    MongoPlan,
+    build_operations,
+    map_bulk_write_error,
+    map_error,
+    redact_url,
+    unencodable,
+)
+from tests.sinks.contract import BASE_TS, make_batch
+
+URL = "mongodb://127.0.0.1:27017"
+
+
+def cfg(**kw: Any) -> MongoDBSinkConfig:
+    return MongoDBSinkConfig.model_validate(
+        {"type": "mongodb", "url": URL, "database": "db", "collection": "orders", **kw}
+    )
+
+
+def plan_for(batch: pa.Table, **kw: Any) -> MongoPlan:
+    return build_operations(iter_records(batch), cfg(**kw))
+
+
+def test_importing_the_module_does_not_import_pymongo() -> None:
+    code = "import sys, conveyor.sinks.mongodb; assert 'pymongo' not in sys.modules and 'bson' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- request building ------------------------------------------------------------------------
+
+
+def test_insert_with_coordinate_ids_is_the_exact_request_list() -> None:
+    plan = plan_for(make_batch(3, start=10))
+    assert plan.ops == [
+        InsertOne({"id": 10, "name": "name 10", "amount": 15.0, "_id": "orders-0-10"}),
+        InsertOne({"id": 11, "name": "name 11", "amount": 16.5, "_id": "orders-0-11"}),
+        InsertOne({"id": 12, "name": "name 12", "amount": 18.0, "_id": "orders-0-12"}),
+    ]
+    assert plan.rows == [0, 1, 2] and plan.failures == [] and plan.superseded == []
+
+
+def test_upsert_by_payload_field_is_replace_one_with_upsert() -> None:
+    plan = plan_for(make_batch(2), write_mode="upsert", id_strategy="field:id")
+    assert plan.ops == [
+        ReplaceOne({"_id": 0}, {"id": 0, "name": "name 0", "amount": 0.0, "_id": 0}, upsert=True),
+        ReplaceOne({"_id": 1}, {"id": 1, "name": "name 1", "amount": 1.5, "_id": 1}, upsert=True),
+    ]
+
+
+def test_key_ids_and_metadata_field() -> None:
+    plan = plan_for(make_batch(1, start=7), id_strategy="key", metadata_field="_meta")
+    (op,) = plan.ops
+    assert op == InsertOne(
+        {
+            "id": 7,
+            "name": "name 7",
+            "amount": 10.5,
+            "_id": "k7",
+            "_meta": {
+                "topic": "orders",
+                "partition": 0,
+                "offset": 7,
+                "timestamp": BASE_TS + dt.timedelta(milliseconds=7),
+                "key": "k7",
+                "headers": [{"key": "h", "value": b"7"}],
+            },
+        }
+    )
+
+
+def test_a_binary_key_stays_binary() -> None:
+    batch = make_batch(1).set_column(7, "__key", pa.array([b"\xff\x00"], pa.binary()))
+    (op,) = plan_for(batch, id_strategy="key").ops
+    assert op._doc["_id"] == b"\xff\x00"
+
+
+def test_rows_without_an_id_are_data_errors_before_sending() -> None:
+    batch = make_batch(3).set_column(7, "__key", pa.array([b"a", None, b"c"], pa.binary()))
+    plan = plan_for(batch, id_strategy="key")
+    assert plan.rows == [0, 2]
+    assert [f.index for f in plan.failures] == [1] and "no key" in plan.failures[0].message
+
+
+def test_upsert_sends_only_the_last_row_per_id() -> None:
+    batch = pa.table({"id": pa.array([1, 2, 1], pa.int64()), "v": pa.array(["a", "b", "c"])})
+    plan = plan_for(batch, write_mode="upsert", id_strategy="field:id")
+    assert plan.ops == [
+        ReplaceOne({"_id": 2}, {"id": 2, "v": "b", "_id": 2}, upsert=True),
+        ReplaceOne({"_id": 1}, {"id": 1, "v": "c", "_id": 1}, upsert=True),
+    ]
+    assert plan.rows == [1, 2] and plan.superseded == [0]
+
+
+def test_insert_keeps_the_first_row_per_id_and_1_equals_1_0() -> None:
+    batch = pa.table({"id": pa.array([1.0, 2.0, 1.0]), "v": pa.array(["a", "b", "c"])})
+    plan = plan_for(batch, id_strategy="field:id")
+    assert plan.rows == [0, 1] and plan.superseded == [2]
+
+
+def test_id_strategy_none_keeps_the_payload_id_or_leaves_it_to_the_driver() -> None:
+    batch = pa.table({"_id": pa.array(["x", None]), "v": pa.array([1, 2])})
+    plan = plan_for(batch, id_strategy="none")
+    # A null _id is dropped so that pymongo assigns an ObjectId when it sends.
+    assert plan.ops == [InsertOne({"_id": "x", "v": 1}), InsertOne({"v": 2})]
+
+
+def test_a_json_string_payload_becomes_a_document() -> None:
+    batch = pa.table(
+        {"value": pa.array(['{"a": 1}', "plain text"]), "__offset": pa.array([5, 6], pa.int64())}
+    )
+    plan = plan_for(batch)
+    assert [op._doc for op in plan.ops] == [
+        {"a": 1, "_id": "-0-5"},
+        {"value": "plain text", "_id": "-0-6"},
+    ]
+
+
+def test_unencodable_documents_are_found_by_encoding_each() -> None:
+    batch = pa.table({"n": pa.array([1, 2**64 - 1, 3], pa.uint64())})
+    plan = plan_for(batch)
+    bad = unencodable(plan)
+    assert [pos for pos, _ in bad] == [1] and "8-byte ints" in bad[0][1]
+    rest = plan.without({1})
+    assert rest.rows == [0, 2]
+
+
+# -- response mapping: a real BulkWriteError -----------------------------------------------
+
+
+def bulk_error(
+    write_errors: list[dict[str, Any]], wce: list[dict[str, Any]] | None = None
+) -> BulkWriteError:
+    return BulkWriteError(
+        {
+            "writeErrors": write_errors,
+            "writeConcernErrors": wce or [],
+            "nInserted": 0,
+            "nUpserted": 0,
+            "nMatched": 0,
+            "nModified": 0,
+            "nRemoved": 0,
+            "upserted": [],
+        }
+    )
+
+
+def test_write_errors_map_bulk_indexes_back_to_batch_rows() -> None:
+    # Row 1 has no key and never reaches the bulk, so bulk op 1 is batch row 2.
+    batch = make_batch(4).set_column(7, "__key", pa.array([b"a", None, b"c", b"d"], pa.binary()))
+    config = cfg(id_strategy="key")
+    plan = build_operations(iter_records(batch), config)
+    assert plan.rows == [0, 2, 3]
+    e = bulk_error(
+        [
+            {"index": 1, "code": 121, "errmsg": "Document failed validation", "op": {}},
+            {
+                "index": 2,
+                "code": 11000,
+                "errmsg": 'E11000 duplicate key error collection: db.orders index: _id_ dup key: { _id: "d" }',
+                "keyPattern": {"_id": 1},
+                "keyValue": {"_id": "d"},
+            },
+        ]
+    )
+    assert isinstance(e, OperationFailure) and e.code == 65
+    failures = map_bulk_write_error(e.details, plan, config)
+    # The duplicate _id of row 3 is a replay (acknowledged); row 2 failed validation.
+    assert failures == [RowFailure(2, "E121: Document failed validation")]
+    assert failures[0].kind is ErrorKind.DATA
+
+
+def test_duplicate_on_another_unique_index_is_a_data_error() -> None:
+    config = cfg()
+    plan = build_operations(iter_records(make_batch(2)), config)
+    e = bulk_error(
+        [
+            {
+                "index": 0,
+                "code": 11000,
+                "errmsg": "E11000 duplicate key error index: email_1",
+                "keyPattern": {"email": 1},
+            }
+        ]
+    )
+    assert map_bulk_write_error(e.details, plan, config) == [
+        RowFailure(0, "E11000: E11000 duplicate key error index: email_1")
+    ]
+
+
+def test_duplicate_id_with_id_strategy_none_is_a_data_error_unless_resending() -> None:
+    config = cfg(id_strategy="none")
+    plan = build_operations(iter_records(make_batch(1)), config)
+    e = bulk_error(
+        [
+            {
+                "index": 0,
+                "code": 11000,
+                "errmsg": "E11000 duplicate key error index: _id_ dup key",
+                "keyPattern": {"_id": 1},
+            }
+        ]
+    )
+    assert [f.index for f in map_bulk_write_error(e.details, plan, config)] == [0]
+    assert map_bulk_write_error(e.details, plan, config, resend=True) == []
+
+
+def test_duplicate_id_on_upsert_is_a_race_retried_as_transient() -> None:
+    config = cfg(write_mode="upsert")
+    plan = build_operations(iter_records(make_batch(1)), config)
+    e = bulk_error([{"index": 0, "code": 11000, "errmsg": "E11000 dup", "keyPattern": {"_id": 1}}])
+    with pytest.raises(TransientSinkError):
+        map_bulk_write_error(e.details, plan, config)
+
+
+def test_write_concern_errors_and_retryable_codes_are_transient() -> None:
+    config = cfg()
+    plan = build_operations(iter_records(make_batch(2)), config)
+    wce = bulk_error(
+        [],
+        wce=[
+            {
+                "code": 64,
+                "errmsg": "waiting for replication timed out",
+                "errInfo": {"wtimeout": True},
+            }
+        ],
+    )
+    with pytest.raises(TransientSinkError, match="write concern"):
+        map_bulk_write_error(wce.details, plan, config)
+    stepped_down = bulk_error([{"index": 1, "code": 189, "errmsg": "primary stepped down"}])
+    with pytest.raises(TransientSinkError, match="189"):
+        map_bulk_write_error(stepped_down.details, plan, config)
+
+
+def test_unauthorized_write_error_is_permanent() -> None:
+    config = cfg()
+    plan = build_operations(iter_records(make_batch(1)), config)
+    e = bulk_error([{"index": 0, "code": 13, "errmsg": "not authorized on db to execute command"}])
+    with pytest.raises(PermanentSinkError):
+        map_bulk_write_error(e.details, plan, config)
+
+
+# -- command errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        AutoReconnect("connection reset"),
+        ServerSelectionTimeoutError("127.0.0.1:27017: [Errno 111] Connection refused"),
+        NetworkTimeout("timed out"),
+        NotPrimaryError("not primary", {"code": 10107, "errmsg": "not primary"}),
+        OperationFailure("shutting down", code=91),
+        OperationFailure(
+            "overloaded",
+            code=462,
+            details={"errmsg": "overloaded", "errorLabels": ["SystemOverloadedError"]},
+        ),
+    ],
+)
+def test_connection_errors_are_transient(error: Exception) -> None:
+    assert isinstance(map_error(error), TransientSinkError)
+
+
+@pytest.mark.parametrize("code", [18, 13])
+def test_auth_failures_are_permanent(code: int) -> None:
+    mapped = map_error(
+        OperationFailure(
+            "Authentication failed.",
+            code=code,
+            details={"errmsg": "Authentication failed.", "code": code},
+        )
+    )
+    assert isinstance(mapped, PermanentSinkError) and f"code {code}" in str(mapped)
+
+
+def test_non_pymongo_errors_are_not_mapped() -> None:
+    assert map_error(KeyError("x")) is None
+    assert isinstance(map_error(ConfigurationError("bad option")), PermanentSinkError)
+
+
+def test_credentials_are_redacted_from_messages() -> None:
+    assert (
+        redact_url("cannot reach mongodb://alice:s3cret@db:27017/x")
+        == "cannot reach mongodb://***@db:27017/x"
+    )
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def test_write_concern_is_built_from_config() -> None:
+    sink = build_sink(
+        {
+            "type": "mongodb",
+            "url": URL,
+            "database": "db",
+            "collection": "c",
+            "w": "majority",
+            "j": True,
+            "wtimeout_ms": 5000,
+        }
+    )
+    wc = sink.write_concern()  # type: ignore[attr-defined]
+    assert wc.document == {"w": "majority", "j": True, "wtimeout": 5000}
+    numeric = build_sink(
+        {"type": "mongodb", "url": URL, "database": "db", "collection": "c", "w": "2"}
+    )
+    assert numeric.write_concern().document == {"w": 2}  # type: ignore[attr-defined]
+
+
+def test_client_options_bound_every_wait() -> None:
+    sink = build_sink(
+        {
+            "type": "mongodb",
+            "url": URL,
+            "database": "db",
+            "collection": "c",
+            "tls_ca_file": "/etc/ssl/ca.pem",
+        }
+    )
+    assert sink.client_options() == {  # type: ignore[attr-defined]
+        "appname": "conveyor",
+        "serverSelectionTimeoutMS": 10_000,
+        "connectTimeoutMS": 10_000,
+        "socketTimeoutMS": 60_000,
+        "tlsCAFile": "/etc/ssl/ca.pem",
+    }
+
+
+BASE = {"type": "mongodb", "url": URL, "database": "db", "collection": "orders"}
+
+BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
+    ({"database": "bad.name"}, "database"),
+    ({"collection": "system.users"}, "collection"),
+    ({"collection": ""}, "collection"),
+    ({"url": "http://127.0.0.1:27017"}, "url"),
+    ({"w": 0}, "w"),
+    ({"id_strategy": "random"}, "id_strategy"),
+    ({"write_mode": "upsert", "id_strategy": "none"}, "id_strategy"),
+    ({"write_mode": "merge"}, "write_mode"),
+    ({"metadata_field": "_id"}, "metadata_field"),
+    ({"server_selection_timeout_ms": 1}, "server_selection_timeout_ms"),
+    ({"url": None, "url_env": "CONVEYOR_SURELY_UNSET_VARIABLE"}, "url_env"),
+]
+
+
+@pytest.mark.parametrize(("override", "field_name"), BAD_FIELDS)
+def test_validate_rejects_each_bad_field(override: dict[str, Any], field_name: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_sink({**BASE, **override})
+    assert field_name in str(err.value)
+
+
+def test_rejects_unknown_field() -> None:
+    with pytest.raises(ConfigError, match="no_such_option"):
+        build_sink({**BASE, "no_such_option": 1})
+
+
+def test_secrets_are_redacted_in_the_config_dump() -> None:
+    sink = build_sink({**BASE, "url": "mongodb://alice:s3cret@db:27017"})
+    assert "s3cret" not in str(sink.config.redacted()) and "s3cret" not in sink.describe()
+    assert sink.config.asset_key_path() == ["mongodb", "db", "orders"]
