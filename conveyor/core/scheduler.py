@@ -105,6 +105,7 @@ class RunView:
     pid: int | None = None
     local: bool = False  # the process runs on this host under the default run launcher
     canceling_since: float | None = None
+    process_alive: bool | None = None  # known only for local runs with a recorded pid
 
     @property
     def active(self) -> bool:
@@ -314,6 +315,8 @@ def plan(
 
 def _reclaim(r: RunView, c: ConnectorView | None, now: float, cfg: SchedulerConfig) -> list[Decision]:
     if r.status == "CANCELING":
+        if r.process_alive is False:
+            return [ReportCanceled(r.connector, r.run_id, f"run {r.run_id} canceling and its process {r.pid} is gone")]
         since = r.canceling_since if r.canceling_since is not None else now
         if now - since > cfg.cancel_grace_s:
             return [ReportCanceled(r.connector, r.run_id, f"run {r.run_id} canceling for {now - since:.0f}s; its process is gone")]
@@ -369,7 +372,14 @@ def _connector(
     if c.status in LIVE:
         if age is not None and age > c.heartbeat_timeout_s:
             out = [Reset(c.name, f"heartbeat {age:.0f}s old (timeout {c.heartbeat_timeout_s:.0f}s) on broker {c.broker_id or '-'}")]
-            out += [Terminate(c.name, r.run_id, "lost run (heartbeat timed out)") for r in runs if r.active]
+            for r in runs:
+                if not r.active:
+                    continue
+                if r.process_alive is False:
+                    # Its process is gone (kill -9, OOM): nobody can acknowledge a terminate.
+                    out.append(ReportCanceled(c.name, r.run_id, f"run {r.run_id}: process {r.pid} is gone"))
+                else:
+                    out.append(Terminate(c.name, r.run_id, "lost run (heartbeat timed out)"))
             return out
         if age is None and now - c.status_since > cfg.launch_timeout_s and not any(r.active for r in runs):
             return [Reset(c.name, f"no heartbeat {now - c.status_since:.0f}s after start and no active run")]

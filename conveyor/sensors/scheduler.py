@@ -31,7 +31,7 @@ from dagster import (
 from conveyor.brokers.embedded import port_open
 from conveyor.core import scheduler as core
 from conveyor.core.model import ConnectorStatus, DesiredState
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
+from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name, pid_alive
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import ConnectorRow, MetaStore
 
@@ -102,6 +102,7 @@ def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.
                 pid=pids.get(run.run_id),
                 canceling_since=canceling_since,
                 local=run.run_id in pids,
+                process_alive=pid_alive(pids[run.run_id]) if pids.get(run.run_id) else None,
             )
         )
     return out

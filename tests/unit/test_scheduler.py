@@ -396,3 +396,11 @@ def test_property_rebalance_converges_without_flapping(nb, nc):
     per = Counter(c.broker_id for c in cs.values())
     assert max(per.values()) - min(per.get(b.id, 0) for b in bs) <= 1
     assert all(n == 1 for n in moves.values()), moves
+
+
+def test_lost_run_whose_process_is_gone_is_reported_canceled_not_terminated():
+    c = running("a", "b1", hb_age=31)
+    p = s.plan([c], brokers("b1"), [run_of(c, pid=77, local=True, process_alive=False)], NOW)
+    assert ("ReportCanceled", "a") in kinds(p) and p.of(s.Terminate) == []
+    stuck = run_of(c, status="CANCELING", canceling_since=NOW - 1, pid=77, local=True, process_alive=False)
+    assert ("ReportCanceled", "a") in kinds(s.plan([c], brokers("b1"), [stuck], NOW))
