@@ -10,16 +10,17 @@ from conveyor.jobs.replay import replay_job
 from conveyor.resources.conveyor import ConveyorResource, load_catalog
 from conveyor.sensors.dead_letters import conveyor_dead_letter_replay
 from conveyor.sensors.run_status import conveyor_run_failures
-from conveyor.sensors.scheduler import conveyor_scheduler
+from conveyor.sensors.scheduler import scheduler_sensor
 
 
 def build_defs() -> Definitions:
     catalog = load_catalog()
     valid = [ls for ls in catalog.specs if ls.ok]
+    connector_jobs = [connector_job(ls) for ls in catalog.specs]
     return Definitions(
         assets=lineage_specs(catalog.specs),
-        jobs=[connector_job(ls) for ls in catalog.specs] + [replay_job(ls) for ls in valid],
-        sensors=[conveyor_scheduler, conveyor_run_failures, conveyor_dead_letter_replay],
+        jobs=connector_jobs + [replay_job(ls) for ls in valid],
+        sensors=[scheduler_sensor(connector_jobs), conveyor_run_failures, conveyor_dead_letter_replay],
         resources={"conveyor": ConveyorResource()},
     )
 

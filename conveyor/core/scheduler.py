@@ -76,6 +76,7 @@ class ConnectorView:
     last_error: str | None = None
     last_moved_at: float | None = None
     spec_error: str | None = None
+    launchable: bool = True  # its job is in the code location (False until a reload picks up a new spec)
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.heartbeat_at is None else now - self.heartbeat_at
@@ -114,7 +115,7 @@ class RunView:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    launch_timeout_s: float = 180.0
+    launch_timeout_s: float = 60.0
     """An assigned connector whose run has not claimed it by then is reset."""
     cancel_grace_s: float = 60.0
     """A run CANCELING longer than this is reported canceled (its code server is gone)."""
@@ -471,6 +472,7 @@ def _assign(
         and c.status == ConnectorStatus.IDLE
         and c.broker_id is None
         and not c.spec_error
+        and c.launchable
         and not any(r.active and (r.generation is None or r.generation >= c.generation) for r in runs_of.get(c.name, []))
     ]
     if not wanting:

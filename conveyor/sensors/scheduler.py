@@ -15,14 +15,17 @@ import signal
 import socket
 import time
 from dataclasses import fields
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
 from dagster import (
     DagsterRunStatus,
+    JobDefinition,
     DefaultSensorStatus,
     RunRequest,
     RunsFilter,
+    SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     sensor,
@@ -49,10 +52,11 @@ def endpoint_up(remote: str, timeout: float = 0.3) -> bool:
     return bool(u.hostname) and port_open(u.hostname or "", u.port or 15002, timeout=timeout)
 
 
-def connector_view(row: ConnectorRow) -> core.ConnectorView:
+def connector_view(row: ConnectorRow, launchable: set[str] | None = None) -> core.ConnectorView:
     spec = row.spec or {}
     return core.ConnectorView(
         name=row.name,
+        launchable=launchable is None or job_name(row.name) in launchable,
         desired=row.desired,
         status=row.status,
         broker_id=row.broker_id,
@@ -205,24 +209,41 @@ def scheduler_config() -> core.SchedulerConfig:
     return core.SchedulerConfig(**values)
 
 
-def tick(context: Any, store: MetaStore, now: float | None = None) -> tuple[core.Plan, list[RunRequest]]:
-    """One scheduler tick against the store and the instance; returns the plan and run requests."""
+def tick(
+    context: Any, store: MetaStore, now: float | None = None, launchable: set[str] | None = None
+) -> tuple[core.Plan, list[RunRequest]]:
+    """One scheduler tick against the store and the instance; returns the plan and run requests.
+
+    ``launchable``: job names the sensor can target (None: all).
+    """
     now = time.time() if now is None else now
     rows = store.list()
-    views = {r.name: connector_view(r) for r in rows}
+    views = {r.name: connector_view(r, launchable) for r in rows}
     plan = core.plan(list(views.values()), broker_views(store), run_views(context.instance, rows, now), now, scheduler_config())
     return plan, apply_plan(context, store, plan, views, now)
 
 
-@sensor(
-    name="conveyor_scheduler",
-    description="Assigns connectors to broker executors, heals lost runs, reclaims stopped ones.",
-    default_status=DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=5,
-)
-def conveyor_scheduler(context: SensorEvaluationContext, conveyor: ConveyorResource) -> SensorResult:
-    store = conveyor.store()
-    conveyor.sync_brokers(store)
-    plan, requests = tick(context, store)
-    skip = None if plan.decisions else "nothing to do"
-    return SensorResult(run_requests=requests, skip_reason=skip if not requests else None)
+def scheduler_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDefinition:
+    """The ``conveyor_scheduler`` sensor, targeting the connector jobs of this code location.
+
+    A connector whose job is not in the location yet (spec added, location not
+    reloaded) is not assigned: its run could not be launched. ``None`` (tests): no
+    target check.
+    """
+    launchable = None if jobs is None else {j.name for j in jobs}
+
+    @sensor(
+        name="conveyor_scheduler",
+        description="Assigns connectors to broker executors, heals lost runs, reclaims stopped ones (the Meta scheduler).",
+        default_status=DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=5,
+        jobs=list(jobs) if jobs else None,
+    )
+    def conveyor_scheduler(context: SensorEvaluationContext, conveyor: ConveyorResource) -> SensorResult:
+        store = conveyor.store()
+        conveyor.sync_brokers(store)
+        plan, requests = tick(context, store, launchable=launchable)
+        skip = None if plan.decisions else "nothing to do"
+        return SensorResult(run_requests=requests, skip_reason=skip if not requests else None)
+
+    return conveyor_scheduler

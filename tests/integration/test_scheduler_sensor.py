@@ -15,7 +15,7 @@ from conveyor.core.errors import FencedError
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPartition
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.resources.conveyor import ConveyorResource
-from conveyor.sensors.scheduler import conveyor_scheduler
+from conveyor.sensors.scheduler import scheduler_sensor
 from conveyor.store.meta import MetaStore
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Dagst
 
 def tick(instance: DagsterInstance, url: str):
     ctx = build_sensor_context(instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)})
-    return conveyor_scheduler(ctx)
+    return scheduler_sensor(None)(ctx)
 
 
 def test_launch_assigns_by_least_load_with_run_keys_and_tags(env):

@@ -404,3 +404,8 @@ def test_lost_run_whose_process_is_gone_is_reported_canceled_not_terminated():
     assert ("ReportCanceled", "a") in kinds(p) and p.of(s.Terminate) == []
     stuck = run_of(c, status="CANCELING", canceling_since=NOW - 1, pid=77, local=True, process_alive=False)
     assert ("ReportCanceled", "a") in kinds(s.plan([c], brokers("b1"), [stuck], NOW))
+
+
+def test_connector_without_a_job_in_the_code_location_waits_for_a_reload():
+    p = s.plan([conn("new", launchable=False), conn("old")], brokers("b1"), [], NOW)
+    assert [a.name for a in p.of(s.Assign)] == ["old"]
