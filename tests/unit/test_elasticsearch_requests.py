@@ -1,0 +1,417 @@
+"""Elasticsearch sink without a server: the exact ``_bulk`` body and ``_id``s built for a
+batch, the mapping of bulk response bodies (as the client returns them) and of the
+installed client's own exception types, client options and config validation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from elastic_transport import ApiResponseMeta, HttpHeaders, NdjsonSerializer, NodeConfig
+from elasticsearch import ApiError, ConnectionError, ConnectionTimeout, SerializationError, SSLError
+from elasticsearch.exceptions import HTTP_EXCEPTIONS, UnsupportedProductError
+
+from conveyor.core.errors import BatchRejected, ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.sinks import build_sink
+from conveyor.sinks.base import ErrorKind, RowFailure, iter_records
+from conveyor.sinks.elasticsearch import (
+    ElasticsearchSinkConfig,
+    build_bulk,
+    map_bulk_response,
+    map_error,
+    render_index,
+)
+from tests.sinks.contract import make_batch
+
+BASE: dict[str, Any] = {
+    "type": "elasticsearch",
+    "hosts": ["http://127.0.0.1:9200"],
+    "index": "orders",
+}
+
+
+def cfg(**kw: Any) -> ElasticsearchSinkConfig:
+    return ElasticsearchSinkConfig.model_validate({**BASE, **kw})
+
+
+def api_error(status: int, body: Any = None, message: str = "error") -> ApiError:
+    """An ApiError exactly as elasticsearch-py 8/9 raises it (class chosen by status)."""
+    meta = ApiResponseMeta(
+        status=status,
+        http_version="1.1",
+        headers=HttpHeaders({"x-elastic-product": "Elasticsearch"}),
+        duration=0.01,
+        node=NodeConfig("http", "127.0.0.1", 9200),
+    )
+    return HTTP_EXCEPTIONS.get(status, ApiError)(message=message, meta=meta, body=body)
+
+
+def test_importing_the_module_does_not_import_the_client() -> None:
+    code = (
+        "import sys, conveyor.sinks.elasticsearch; "
+        "assert 'elasticsearch' not in sys.modules and 'elastic_transport' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the bulk body ------------------------------------------------------------------------------
+
+
+def test_exact_bulk_body_with_coordinate_ids() -> None:
+    plan = build_bulk(iter_records(make_batch(2, start=5)), cfg())
+    assert plan.operations == [
+        {"index": {"_index": "orders", "_id": "orders-0-5"}},
+        {"id": 5, "name": "name 5", "amount": 7.5},
+        {"index": {"_index": "orders", "_id": "orders-0-6"}},
+        {"id": 6, "name": "name 6", "amount": 9.0},
+    ]
+    assert plan.rows == [0, 1] and plan.failures == []
+    # What goes on the wire, through the client's own NDJSON serializer.
+    assert NdjsonSerializer().dumps(plan.operations) == (
+        b'{"index":{"_index":"orders","_id":"orders-0-5"}}\n'
+        b'{"id":5,"name":"name 5","amount":7.5}\n'
+        b'{"index":{"_index":"orders","_id":"orders-0-6"}}\n'
+        b'{"id":6,"name":"name 6","amount":9.0}\n'
+    )
+
+
+def test_dated_index_create_op_key_ids_timestamp_and_metadata() -> None:
+    config = cfg(
+        index="logs-{topic}-{%Y.%m.%d}",
+        op_type="create",
+        id_strategy="key",
+        timestamp_field="@timestamp",
+        metadata_field="kafka",
+    )
+    plan = build_bulk(iter_records(make_batch(1, start=7, topic="Orders")), config)
+    assert plan.operations == [
+        {"create": {"_index": "logs-orders-2026.11.01", "_id": "k7"}},
+        {
+            "id": 7,
+            "name": "name 7",
+            "amount": 10.5,
+            "@timestamp": "2026-11-01T12:00:00.007Z",
+            "kafka": {
+                "topic": "Orders",
+                "partition": 0,
+                "offset": 7,
+                "timestamp": "2026-11-01T12:00:00.007Z",
+                "key": "k7",
+                "headers": [{"key": "h", "value": "7"}],
+            },
+        },
+    ]
+
+
+def test_field_ids_and_generated_ids() -> None:
+    plan = build_bulk(iter_records(make_batch(1, start=3)), cfg(id_strategy="field:id"))
+    assert plan.operations[0] == {"index": {"_index": "orders", "_id": "3"}}
+    plan = build_bulk(iter_records(make_batch(1, start=3)), cfg(id_strategy="none"))
+    assert plan.operations[0] == {"index": {"_index": "orders"}}
+
+
+def test_rows_that_cannot_be_sent_are_data_errors_before_sending() -> None:
+    # Row 1: NaN (JSON has none); row 2: no key for id_strategy key.
+    batch = make_batch(3, amounts={1: float("nan")}).set_column(
+        7, "__key", pa.array([b"a", b"b", None], pa.binary())
+    )
+    plan = build_bulk(iter_records(batch), cfg(id_strategy="key"))
+    assert plan.rows == [0]
+    assert [f.index for f in plan.failures] == [1, 2]
+    assert "NaN" in plan.failures[0].message or "nan" in plan.failures[0].message
+    assert "no key" in plan.failures[1].message
+
+
+def test_non_json_values_become_json() -> None:
+    import decimal
+
+    batch = pa.table(
+        {
+            "b": pa.array([b"\xff\x01"], pa.binary()),
+            "d": pa.array([dt.date(2026, 1, 2)], pa.date32()),
+            "n": pa.array([decimal.Decimal("1.25")], pa.decimal128(5, 2)),
+            "__offset": pa.array([0], pa.int64()),
+        }
+    )
+    plan = build_bulk(iter_records(batch), cfg())
+    assert plan.operations[1] == {"b": "base64:/wE=", "d": "2026-01-02", "n": 1.25}
+
+
+def test_a_json_text_payload_is_the_document() -> None:
+    batch = pa.table(
+        {"value": pa.array(['{"a": {"b": 1}}', "42"]), "__offset": pa.array([0, 1], pa.int64())}
+    )
+    plan = build_bulk(iter_records(batch), cfg())
+    assert plan.operations[1] == {"a": {"b": 1}} and plan.operations[3] == {"value": 42}
+
+
+def test_index_rendering() -> None:
+    rec = next(iter_records(make_batch(1, topic="Web.Logs")))
+    assert render_index("{topic}-{%Y}", rec) == "web.logs-2026"
+    with pytest.raises(ValueError, match="destination"):
+        render_index("x-{destination}", rec)
+    bad = next(iter_records(make_batch(1, topic="a b")))
+    with pytest.raises(ValueError, match="not a valid index name"):
+        render_index("{topic}", bad)
+
+
+# -- bulk responses ---------------------------------------------------------------------------
+
+
+def response(*items: tuple[str, int, dict[str, Any] | None]) -> dict[str, Any]:
+    out = []
+    for op, status, error in items:
+        result: dict[str, Any] = {"_index": "orders", "_id": "x", "status": status}
+        if error:
+            result["error"] = error
+        out.append({op: result})
+    return {"took": 3, "errors": any(s >= 300 for _, s, _ in items), "items": out}
+
+
+MAPPING_ERROR = {
+    "type": "document_parsing_exception",
+    "reason": "[1:30] failed to parse field [amount] of type [integer]",
+    "caused_by": {
+        "type": "illegal_argument_exception",
+        "reason": "Value [1.0E12] is out of range for an integer",
+    },
+}
+
+
+def test_item_errors_map_back_to_batch_rows() -> None:
+    # Row 1 never reaches the bulk (NaN), so bulk item 1 is batch row 2.
+    config = cfg()
+    plan = build_bulk(iter_records(make_batch(3, amounts={1: float("nan")})), config)
+    assert plan.rows == [0, 2]
+    resp = response(("index", 201, None), ("index", 400, MAPPING_ERROR))
+    failures = map_bulk_response(resp, plan, config)
+    assert failures == [
+        RowFailure(
+            2,
+            "400 document_parsing_exception: [1:30] failed to parse field [amount] of type [integer] "
+            "(caused by illegal_argument_exception: Value [1.0E12] is out of range for an integer)",
+        )
+    ]
+    assert failures[0].kind is ErrorKind.DATA
+
+
+def test_a_clean_response_has_no_failures() -> None:
+    config = cfg()
+    plan = build_bulk(iter_records(make_batch(2)), config)
+    assert (
+        map_bulk_response(response(("index", 201, None), ("index", 200, None)), plan, config) == []
+    )
+
+
+def test_conflict_on_create_with_deterministic_ids_is_a_replay() -> None:
+    config = cfg(op_type="create")
+    plan = build_bulk(iter_records(make_batch(2)), config)
+    conflict = {
+        "type": "version_conflict_engine_exception",
+        "reason": "[orders-0-1]: version conflict, document already exists",
+    }
+    assert (
+        map_bulk_response(response(("create", 201, None), ("create", 409, conflict)), plan, config)
+        == []
+    )
+    generated = cfg(op_type="create", id_strategy="none")
+    assert [
+        f.index
+        for f in map_bulk_response(
+            response(("create", 201, None), ("create", 409, conflict)), plan, generated
+        )
+    ] == [1]
+
+
+@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
+def test_overload_and_server_errors_in_items_are_transient(status: int) -> None:
+    config = cfg()
+    plan = build_bulk(iter_records(make_batch(2)), config)
+    rejected = {
+        "type": "es_rejected_execution_exception",
+        "reason": "rejected execution of coordinating operation",
+    }
+    with pytest.raises(TransientSinkError, match=str(status)):
+        map_bulk_response(
+            response(("index", 400, MAPPING_ERROR), ("index", status, rejected)), plan, config
+        )
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_security_errors_in_items_are_permanent(status: int) -> None:
+    config = cfg()
+    plan = build_bulk(iter_records(make_batch(1)), config)
+    err = {
+        "type": "security_exception",
+        "reason": "action [indices:data/write/bulk[s]] is unauthorized",
+    }
+    with pytest.raises(PermanentSinkError):
+        map_bulk_response(response(("index", status, err)), plan, config)
+
+
+def test_missing_index_without_auto_create_is_permanent() -> None:
+    config = cfg()
+    plan = build_bulk(iter_records(make_batch(1)), config)
+    err = {"type": "index_not_found_exception", "reason": "no such index [orders]"}
+    with pytest.raises(PermanentSinkError, match="index_not_found"):
+        map_bulk_response(response(("index", 404, err)), plan, config)
+
+
+# -- transport errors: the installed client's own exception types --------------------------------
+
+
+@pytest.mark.parametrize("status", [429, 502, 503, 504, 500])
+def test_api_errors_429_and_5xx_are_transient(status: int) -> None:
+    body = {
+        "error": {"type": "es_rejected_execution_exception", "reason": "queue full"},
+        "status": status,
+    }
+    assert isinstance(map_error(api_error(status, body)), TransientSinkError)
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_api_errors_401_403_are_permanent(status: int) -> None:
+    e = api_error(
+        status,
+        {
+            "error": {
+                "type": "security_exception",
+                "reason": "unable to authenticate user [elastic]",
+            }
+        },
+    )
+    assert type(e).__name__ in ("AuthenticationException", "AuthorizationException")
+    mapped = map_error(e)
+    assert isinstance(mapped, PermanentSinkError) and "security_exception" in str(mapped)
+
+
+def test_whole_request_rejections_are_bisected() -> None:
+    assert isinstance(map_error(api_error(413, None, "Request Entity Too Large")), BatchRejected)
+    assert isinstance(
+        map_error(
+            api_error(
+                400, {"error": {"type": "illegal_argument_exception", "reason": "Malformed action"}}
+            )
+        ),
+        BatchRejected,
+    )
+    assert isinstance(map_error(SerializationError("Unable to serialize")), BatchRejected)
+
+
+def test_connection_errors_and_timeouts_are_transient() -> None:
+    assert isinstance(
+        map_error(ConnectionError("Connection refused", errors=(OSError(111, "refused"),))),
+        TransientSinkError,
+    )
+    assert isinstance(
+        map_error(ConnectionTimeout("timed out", errors=(TimeoutError(),))), TransientSinkError
+    )
+    assert isinstance(
+        map_error(SSLError("handshake reset", errors=(OSError("reset"),))), TransientSinkError
+    )
+    untrusted = SSLError(
+        "TLS error", errors=(OSError("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"),)
+    )
+    assert isinstance(map_error(untrusted), PermanentSinkError)
+
+
+def test_not_elasticsearch_is_permanent_and_foreign_errors_are_not_mapped() -> None:
+    meta = api_error(200).meta
+    assert isinstance(
+        map_error(UnsupportedProductError(message="not Elasticsearch", meta=meta, body={})),
+        PermanentSinkError,
+    )
+    assert map_error(KeyError("x")) is None
+
+
+# -- client options, params, config ---------------------------------------------------------------
+
+
+def test_client_options_with_basic_auth_and_tls() -> None:
+    sink = build_sink(
+        {
+            **BASE,
+            "hosts": ["https://es-1:9200", "https://es-2:9200"],
+            "username": "writer",
+            "password": "s3cret",
+            "ca_certs": "/etc/ssl/es-ca.pem",
+            "request_timeout_s": 5,
+        }
+    )
+    assert sink.client_options() == {  # type: ignore[attr-defined]
+        "hosts": ["https://es-1:9200", "https://es-2:9200"],
+        "request_timeout": 5.0,
+        "max_retries": 2,
+        "retry_on_timeout": False,
+        "basic_auth": ("writer", "s3cret"),
+        "ca_certs": "/etc/ssl/es-ca.pem",
+    }
+    assert "s3cret" not in json.dumps(sink.config.redacted())
+
+
+def test_client_options_with_api_key_and_bulk_params() -> None:
+    sink = build_sink(
+        {
+            **BASE,
+            "api_key": "VnVhQ2ZHY0JDZGJrUW0tZTVhT3g6dWkybHAyYXhUTm1zeWFrdzl0dk5udw==",
+            "refresh": "wait_for",
+            "pipeline": "p1",
+        }
+    )
+    opts = sink.client_options()  # type: ignore[attr-defined]
+    assert (
+        opts["api_key"] == "VnVhQ2ZHY0JDZGJrUW0tZTVhT3g6dWkybHAyYXhUTm1zeWFrdzl0dk5udw=="
+        and "basic_auth" not in opts
+    )
+    assert sink.bulk_params() == {"refresh": "wait_for", "pipeline": "p1"}  # type: ignore[attr-defined]
+    assert build_sink(BASE).bulk_params() == {}  # type: ignore[attr-defined]
+
+
+def test_the_client_accepts_the_options() -> None:
+    from elasticsearch import Elasticsearch
+
+    sink = build_sink(
+        {
+            **BASE,
+            "hosts": ["https://127.0.0.1:9200"],
+            "username": "u",
+            "password": "p",
+            "verify_certs": False,
+        }
+    )
+    client = Elasticsearch(**sink.client_options())  # type: ignore[attr-defined]
+    client.close()
+
+
+BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
+    ({"index": "Orders"}, "index"),
+    ({"index": "logs-{year}"}, "index"),
+    ({"index": "_hidden"}, "index"),
+    ({"hosts": []}, "hosts"),
+    ({"hosts": ["127.0.0.1:9200"]}, "hosts"),
+    ({"op_type": "update"}, "op_type"),
+    ({"id_strategy": "uuid"}, "id_strategy"),
+    ({"username": "elastic"}, "password"),
+    ({"username": "elastic", "password": "x", "api_key": "k"}, "api_key"),
+    ({"ca_certs": "/ca.pem"}, "ca_certs"),
+    ({"metadata_field": "_meta"}, "metadata_field"),
+    ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"refresh": "always"}, "refresh"),
+]
+
+
+@pytest.mark.parametrize(("override", "field_name"), BAD_FIELDS)
+def test_validate_rejects_each_bad_field(override: dict[str, Any], field_name: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_sink({**BASE, **override})
+    assert field_name in str(err.value)
+
+
+def test_rejects_unknown_field() -> None:
+    with pytest.raises(ConfigError, match="no_such_option"):
+        build_sink({**BASE, "no_such_option": 1})
