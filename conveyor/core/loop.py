@@ -16,8 +16,6 @@ whole module is tested with in-memory fakes and a fake clock.
 
 from __future__ import annotations
 
-from functools import partial
-
 import logging
 import queue
 import random
@@ -26,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -34,7 +33,6 @@ from conveyor.core.errors import (
     BatchRejected,
     ConveyorError,
     FencedError,
-    PermanentSinkError,
     TransientSinkError,
     TransientSourceError,
 )

@@ -275,7 +275,7 @@ class MetaStore:
             values: dict[str, Any] = {"desired": desired.value, "updated_at": now}
             if desired == DesiredState.RUNNING and row.status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR):
                 # A user start clears the error and the restart budget.
-                values.update(status=ConnectorStatus.IDLE.value, status_since=now, restarts=0, next_restart_at=None)
+                values.update(status=ConnectorStatus.IDLE.value, status_since=now, restarts=0, next_restart_at=None, broker_id=None)
                 self._history(c, name, row.status, ConnectorStatus.IDLE, reason or "started by user", row.run_id, row.generation)
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
@@ -477,7 +477,9 @@ class MetaStore:
             extra["counters_json"] = json.dumps(counters)
         if status == ConnectorStatus.STOPPED:
             extra["desired"] = DesiredState.STOPPED.value
-        row = self.set_status(name, status, reason, generation=generation, error=error, extra=extra)
+        # A stopped or failed connector holds no slot on its broker.
+        clear = status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
+        row = self.set_status(name, status, reason, generation=generation, error=error, extra=extra, clear_broker=clear)
         return row is not None
 
     # -- offsets --------------------------------------------------------------------
