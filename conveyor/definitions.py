@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dagster import Definitions
 
+from conveyor.assets.checks import lag_check_schedules, lag_checks
 from conveyor.assets.lineage import lineage_specs
 from conveyor.jobs.connector import connector_job
 from conveyor.jobs.replay import replay_job
@@ -22,6 +23,8 @@ def build_defs() -> Definitions:
         jobs=connector_jobs + [replay_job(ls) for ls in valid],
         sensors=[scheduler_sensor(connector_jobs), conveyor_run_failures, conveyor_dead_letter_replay],
         resources={"conveyor": ConveyorResource()},
+        asset_checks=lag_checks(catalog.specs),
+        schedules=lag_check_schedules(catalog.specs),
     )
 
 
