@@ -1,0 +1,499 @@
+"""Kafka sink (kafka-python): each row becomes one record on a target topic.
+
+The target topic is a ``${...}`` template (or the row's ``__destination``). The
+message key, headers and source timestamp are kept. A batch is acknowledged when
+``flush()`` returned and every record's future succeeded at ``acks=all``.
+
+Kafka is append-only: a replayed batch is written again (at-least-once). The
+idempotent producer only removes duplicates of the producer's own internal retries
+within one producer session, not replays by the runtime.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import logging
+import re
+import ssl
+from typing import Any, Literal
+
+import pyarrow as pa
+from pydantic import Field, SecretStr
+
+from conveyor.core.errors import PermanentSinkError, TransientSinkError
+from conveyor.sinks.base import (
+    Record,
+    RowFailure,
+    SendResult,
+    Sink,
+    SinkConfig,
+    iter_records,
+    json_default,
+    require,
+    secret,
+)
+
+log = logging.getLogger("conveyor.sinks.kafka")
+
+# -- record templates (pure; also used by the RabbitMQ sink) -----------------------------------
+
+_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+TEMPLATE_FIELDS = ("topic", "key", "partition", "offset", "destination")
+
+
+class TemplateError(ValueError):
+    """A row cannot fill a template (missing field, no key...): a data error for that row."""
+
+
+def template_problems(template: str, *, allowed: tuple[str, ...] = TEMPLATE_FIELDS) -> list[str]:
+    """What is wrong with a ``${...}`` template (empty when it is usable)."""
+    problems = []
+    if not template.strip():
+        problems.append("must not be empty")
+    for ph in _PLACEHOLDER.findall(template):
+        name = ph.strip()
+        if name.startswith("payload."):
+            if not all(name[len("payload.") :].split(".")):
+                problems.append(f"${{{ph}}}: empty field name")
+        elif name not in allowed:
+            problems.append(f"unknown placeholder ${{{ph}}}; use one of {', '.join('${' + a + '}' for a in allowed)} or ${{payload.<field>}}")
+    rest = _PLACEHOLDER.sub("", template)
+    if "${" in rest:
+        problems.append("unclosed '${'")
+    return problems
+
+
+def is_static(template: str) -> bool:
+    return _PLACEHOLDER.search(template) is None
+
+
+def render_template(template: str, record: Record) -> str:
+    """Fill ``template`` from one row; raises TemplateError when the row lacks a value."""
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1).strip()
+        if name == "topic":
+            return record.topic
+        if name == "partition":
+            return str(record.partition)
+        if name == "offset":
+            return str(record.offset)
+        if name == "key":
+            if record.key is None:
+                raise TemplateError("message has no key (${key} in the template)")
+            return record.key.decode(errors="replace") if isinstance(record.key, bytes) else str(record.key)
+        if name == "destination":
+            if not record.destination:
+                raise TemplateError("message has no destination (${destination} in the template)")
+            return record.destination
+        path = name[len("payload.") :].split(".")
+        value: Any = record.payload_json()
+        for part in path:
+            if not isinstance(value, dict) or part not in value:
+                raise TemplateError(f"payload has no field {'.'.join(path)!r} (${{{name}}} in the template)")
+            value = value[part]
+        if value is None:
+            raise TemplateError(f"payload field {'.'.join(path)!r} is null (${{{name}}} in the template)")
+        if isinstance(value, (dict, list)):
+            return json.dumps(value, default=json_default, separators=(",", ":"))
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return str(value)
+
+    return _PLACEHOLDER.sub(sub, template)
+
+
+# -- config ---------------------------------------------------------------------------------
+
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_CODEC_MODULES = {"gzip": "gzip", "snappy": "snappy", "lz4": "lz4", "zstd": "zstandard"}
+
+
+def topic_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a legal Kafka topic name, or None."""
+    if not _TOPIC_NAME.match(name):
+        return f"{name[:80]!r} is not a legal topic name (1-249 characters of A-Z a-z 0-9 . _ -)"
+    if name in (".", ".."):
+        return f"{name!r} is not a legal topic name"
+    return None
+
+
+def codec_available(codec: str) -> bool:
+    """Whether kafka-python can compress with ``codec`` here (its library is importable)."""
+    if codec == "none":
+        return True
+    mod = _CODEC_MODULES[codec]
+    if importlib.util.find_spec(mod) is not None:
+        return True
+    # kafka-python also accepts these alternative lz4 bindings
+    return codec == "lz4" and any(importlib.util.find_spec(m) is not None for m in ("lz4f", "lz4framed"))
+
+
+class KafkaSinkConfig(SinkConfig):
+    """Rows as records on a Kafka(-protocol) topic."""
+
+    type: Literal["kafka"] = "kafka"
+    bootstrap_servers: str = Field(description="Comma-separated host:port list of the target cluster's brokers.")
+    topic: str = Field(
+        description="Target topic, or a template: ${topic} (source topic), ${key}, ${partition}, ${offset}, "
+        "${destination}, ${payload.<field>} (dotted path). A row's __destination, when set, wins (see use_destination)."
+    )
+    use_destination: bool = Field(default=True, description="A row with a __destination column value goes to that topic instead of `topic`.")
+    key: str | None = Field(
+        default=None, description="Message key template (same placeholders as `topic`); default: the source message's key bytes, unchanged."
+    )
+    keep_headers: bool = Field(default=True, description="Copy the source message's headers.")
+    coordinate_headers: bool = Field(
+        default=False, description="Add headers x-conveyor-topic, x-conveyor-partition, x-conveyor-offset (the source coordinates)."
+    )
+    timestamp: Literal["source", "now"] = Field(
+        default="source", description="Record timestamp: the source message's timestamp, or the producer's clock."
+    )
+    partitioning: Literal["key", "source"] = Field(
+        default="key",
+        description="`key`: the producer's partitioner (murmur2 of the key; sticky when there is none). "
+        "`source`: the source partition number (the target topic needs at least as many partitions).",
+    )
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="none", description="Compression codec; snappy, lz4 and zstd need their Python library installed."
+    )
+    idempotent: bool = Field(
+        default=True, description="Idempotent producer (InitProducerId; no duplicates from the producer's own retries). Requires acks=all."
+    )
+    acks: Literal["all", "1"] = Field(default="all", description="Acknowledgement level: all in-sync replicas, or the leader only.")
+    linger_ms: int = Field(default=5, ge=0, le=60_000, description="How long the producer waits to fill a batch.")
+    batch_size: int = Field(default=256 * 1024, ge=1024, le=64 << 20, description="Producer batch size per partition, bytes.")
+    max_request_size: int = Field(
+        default=1 << 20, ge=1024, le=1 << 30, description="Largest record (key + value + headers) accepted; a larger row is a data error."
+    )
+    request_timeout_ms: int = Field(default=30_000, ge=100, description="Timeout of one produce request.")
+    delivery_timeout_ms: int = Field(
+        default=120_000, ge=100, description="Upper bound for a record to be acknowledged, retries included; bounds send_batch."
+    )
+    max_block_ms: int = Field(default=60_000, ge=100, description="How long send() may block waiting for topic metadata.")
+    connect_timeout_ms: int = Field(default=30_000, ge=100, description="How long to try to reach a bootstrap server at start.")
+    client_id: str = Field(default="conveyor-sink", description="Client id shown in broker logs and quotas.")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(default="PLAINTEXT", description="Transport security.")
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        default=None, description="SASL mechanism (with SASL_PLAINTEXT / SASL_SSL)."
+    )
+    sasl_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(default=None, description="SASL password (secret).")
+    ssl_cafile: str | None = Field(default=None, description="CA bundle (PEM) to verify the brokers (with SSL / SASL_SSL).")
+    ssl_certfile: str | None = Field(default=None, description="Client certificate (PEM) for mutual TLS.")
+    ssl_keyfile: str | None = Field(default=None, description="Client private key (PEM) for mutual TLS.")
+    ssl_check_hostname: bool = Field(default=True, description="Check the broker certificate's host name.")
+
+    def asset_key_path(self) -> list[str]:
+        name = self.topic if is_static(self.topic) else _PLACEHOLDER.sub(lambda m: m.group(1).strip().replace("payload.", ""), self.topic)
+        return ["kafka", re.sub(r"[^A-Za-z0-9_]", "_", name)]
+
+    def kind(self) -> str:
+        return "kafka"
+
+
+def producer_kwargs(c: KafkaSinkConfig) -> dict[str, Any]:
+    """The KafkaProducer keyword arguments for a config (secrets included: never log them)."""
+    kw: dict[str, Any] = {
+        "bootstrap_servers": [s.strip() for s in c.bootstrap_servers.split(",") if s.strip()],
+        "client_id": c.client_id,
+        "acks": "all" if c.acks == "all" else 1,
+        "enable_idempotence": c.idempotent,
+        "compression_type": None if c.compression == "none" else c.compression,
+        "linger_ms": c.linger_ms,
+        "batch_size": c.batch_size,
+        "max_request_size": c.max_request_size,
+        "request_timeout_ms": c.request_timeout_ms,
+        "delivery_timeout_ms": c.delivery_timeout_ms,
+        "max_block_ms": c.max_block_ms,
+        "bootstrap_timeout_ms": c.connect_timeout_ms,
+        "security_protocol": c.security_protocol,
+        "ssl_check_hostname": c.ssl_check_hostname,
+    }
+    if c.security_protocol.startswith("SASL"):
+        kw["sasl_mechanism"] = c.sasl_mechanism
+        kw["sasl_plain_username"] = c.sasl_username
+        kw["sasl_plain_password"] = secret(c.sasl_password)
+    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+        value = getattr(c, name)
+        if value:
+            kw[name] = value
+    return kw
+
+
+# -- error mapping --------------------------------------------------------------------------
+
+# A record the cluster (or the client, before sending) refuses for its content.
+_DATA_ERRORS = (
+    "MessageSizeTooLargeError",
+    "RecordListTooLargeError",
+    "InvalidTopicError",
+    "CorruptRecordError",
+    "InvalidRecordError",
+    "InvalidTimestampError",
+    "UnsupportedForMessageFormatError",
+)
+# Refusals no retry can fix.
+_PERMANENT_ERRORS = (
+    "AuthorizationError",  # topic / cluster / transactional-id authorization
+    "SaslAuthenticationFailedError",
+    "UnsupportedSaslMechanismError",
+    "IllegalSaslStateError",
+    "SecurityDisabledError",
+    "UnsupportedVersionError",
+    "UnsupportedCompressionTypeError",
+    "KafkaConfigurationError",
+    "PolicyViolationError",
+    "InvalidRequiredAcksError",
+)
+
+
+def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+    """What an exception from kafka-python means for the row / batch.
+
+    Data: the record's content (too large, bad topic, bad record). Permanent: auth,
+    unsupported feature or config. Everything else, retriable or not (timeouts,
+    connection errors, no leader, unknown broker errors), is an outage: the batch is
+    retried, never dead-lettered.
+    """
+    names = {k.__name__ for k in type(exc).__mro__}
+    if names & set(_DATA_ERRORS):
+        return "data"
+    if names & set(_PERMANENT_ERRORS):
+        return "permanent"
+    if isinstance(exc, (ValueError, TypeError)) and not names & {"KafkaError"}:
+        return "data"  # client-side checks: illegal topic, unknown partition, header types
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return "permanent"  # a wrong CA or host name does not fix itself
+    return "transient"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
+
+
+def timestamp_ms(ts: dt.datetime | None) -> int | None:
+    """Epoch milliseconds of a (naive = UTC) datetime, exact to the millisecond."""
+    if ts is None:
+        return None
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=dt.timezone.utc)
+    return (ts - _EPOCH) // dt.timedelta(milliseconds=1)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+# -- the sink -------------------------------------------------------------------------------
+
+
+class KafkaSink(Sink):
+    """Produces each row, flushes, then checks every record's future."""
+
+    config_class = KafkaSinkConfig
+    config: KafkaSinkConfig
+
+    def __init__(self, config: KafkaSinkConfig):
+        super().__init__(config)
+        self._producer: Any = None
+        self._partitions: dict[str, set[int]] = {}
+
+    def validate(self) -> None:
+        c = self.config
+        for hp in c.bootstrap_servers.split(","):
+            host, _, port = hp.strip().rpartition(":")
+            require(bool(host) and port.isdigit(), f"{hp.strip()!r} is not host:port", field="sink.bootstrap_servers")
+        problems = template_problems(c.topic)
+        require(not problems, "; ".join(problems), field="sink.topic")
+        if is_static(c.topic):
+            problem = topic_name_problem(c.topic)
+            require(problem is None, problem or "", field="sink.topic")
+        if c.key is not None:
+            problems = template_problems(c.key)
+            require(not problems, "; ".join(problems), field="sink.key")
+        require(
+            codec_available(c.compression),
+            f"{c.compression} needs the Python package {_CODEC_MODULES.get(c.compression)!r}, which is not installed",
+            field="sink.compression",
+        )
+        require(not (c.idempotent and c.acks != "all"), "the idempotent producer needs acks: all (or set idempotent: false)", field="sink.acks")
+        require(
+            c.delivery_timeout_ms >= c.linger_ms + c.request_timeout_ms,
+            "must be at least linger_ms + request_timeout_ms",
+            field="sink.delivery_timeout_ms",
+        )
+        sasl = c.security_protocol.startswith("SASL")
+        if sasl:
+            require(c.sasl_mechanism is not None, f"required with security_protocol {c.security_protocol}", field="sink.sasl_mechanism")
+            require(bool(c.sasl_username), f"required with security_protocol {c.security_protocol}", field="sink.sasl_username")
+            require(c.sasl_password is not None, f"required with security_protocol {c.security_protocol}", field="sink.sasl_password")
+        else:
+            for name in ("sasl_mechanism", "sasl_username", "sasl_password"):
+                require(getattr(c, name) is None, "only with security_protocol SASL_PLAINTEXT or SASL_SSL", field=f"sink.{name}")
+        if not c.security_protocol.endswith("SSL"):
+            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+                require(getattr(c, name) is None, "only with security_protocol SSL or SASL_SSL", field=f"sink.{name}")
+        require(bool(c.ssl_certfile) == bool(c.ssl_keyfile), "give both ssl_certfile and ssl_keyfile, or neither", field="sink.ssl_keyfile")
+
+    def describe(self) -> str:
+        return f"kafka/{self.config.topic}@{self.config.bootstrap_servers}"
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        from kafka import KafkaProducer
+
+        c = self.config
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(c, name)
+            if path:
+                try:
+                    open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
+                except OSError as e:
+                    raise PermanentSinkError(f"{name} {path!r} cannot be read: {e.strerror}") from None
+        try:
+            return KafkaProducer(**producer_kwargs(c))
+        except Exception as e:  # noqa: BLE001 - classified below
+            raise self._error(e, f"cannot connect to Kafka at {c.bootstrap_servers}") from None
+
+    def _error(self, exc: BaseException, context: str) -> Exception:
+        # A data error outside a row (e.g. a codec the broker refuses) is the config's fault.
+        if classify_kafka_error(exc) in ("permanent", "data"):
+            return PermanentSinkError(f"{context}: {_describe(exc)}")
+        return TransientSinkError(f"{context}: {_describe(exc)}")
+
+    def init_sink(self) -> None:
+        self._producer = self._connect()
+        if is_static(self.config.topic):
+            self._topic_partitions(self.config.topic, at_start=True)
+
+    def _topic_partitions(self, topic: str, *, at_start: bool = False) -> set[int]:
+        if topic in self._partitions:
+            return self._partitions[topic]
+        from kafka.errors import KafkaTimeoutError
+
+        try:
+            parts = set(self._producer.partitions_for(topic) or ())
+        except KafkaTimeoutError:
+            # The bootstrap server answered, so the cluster is reachable: no metadata for the
+            # topic means it does not exist and the cluster does not auto-create topics.
+            raise PermanentSinkError(
+                f"topic {topic!r} not found on {self.config.bootstrap_servers} within {self.config.max_block_ms} ms "
+                "(create it, or enable auto-creation on the cluster)"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - classified
+            self._drop_producer()
+            raise self._error(e, f"metadata of topic {topic!r}") from None
+        if not parts and at_start:
+            raise PermanentSinkError(f"topic {topic!r} has no partitions on {self.config.bootstrap_servers}")
+        self._partitions[topic] = parts
+        return parts
+
+    def _drop_producer(self) -> None:
+        p, self._producer = self._producer, None
+        self._partitions.clear()
+        if p is not None:
+            try:
+                # Records still buffered after a failure are abandoned: the batch is retried.
+                p.close(timeout=0, null_logger=True)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("error closing producer", exc_info=True)
+
+    def cleanup_sink(self) -> None:
+        p, self._producer = self._producer, None
+        self._partitions.clear()
+        if p is not None:
+            try:
+                p.close(timeout=5)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("error closing producer", exc_info=True)
+
+    # -- writing ------------------------------------------------------------------------
+
+    def target_topic(self, r: Record) -> str:
+        """The topic a row goes to; TemplateError when the row cannot say."""
+        if self.config.use_destination and r.destination:
+            topic = r.destination
+        else:
+            topic = render_template(self.config.topic, r)
+        problem = topic_name_problem(topic)
+        if problem:
+            raise TemplateError(problem)
+        return topic
+
+    def message(self, r: Record) -> dict[str, Any]:
+        """The keyword arguments of ``producer.send`` for a row (topic excluded)."""
+        c = self.config
+        key = r.key if c.key is None else render_template(c.key, r).encode()
+        headers: list[tuple[str, bytes]] = []
+        if c.keep_headers:
+            headers.extend((str(k), v if isinstance(v, bytes) else (b"" if v is None else str(v).encode())) for k, v in r.headers)
+        if c.coordinate_headers:
+            headers += [
+                ("x-conveyor-topic", r.topic.encode()),
+                ("x-conveyor-partition", str(r.partition).encode()),
+                ("x-conveyor-offset", str(r.offset).encode()),
+            ]
+        value = None if r.payload is None else r.payload_bytes()  # a null value is a tombstone
+        return {
+            "value": value,
+            "key": key,
+            "headers": headers,
+            "timestamp_ms": timestamp_ms(r.timestamp) if c.timestamp == "source" else None,
+            "partition": r.partition if c.partitioning == "source" else None,
+        }
+
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        if batch.num_rows == 0:
+            return SendResult(rows=0)
+        if self._producer is None:
+            self._producer = self._connect()
+        failures: list[RowFailure] = []
+        futures: list[tuple[int, Any]] = []
+        for r in iter_records(batch):
+            try:
+                topic = self.target_topic(r)
+                msg = self.message(r)
+            except TemplateError as e:
+                failures.append(RowFailure(r.index, str(e)))
+                continue
+            if msg["partition"] is not None:
+                parts = self._topic_partitions(topic)
+                if msg["partition"] not in parts:
+                    raise PermanentSinkError(
+                        f"topic {topic!r} has {len(parts)} partition(s); partitioning: source needs partition {msg['partition']}"
+                    )
+            try:
+                futures.append((r.index, self._producer.send(topic, **msg)))
+            except Exception as e:  # noqa: BLE001 - classified
+                if classify_kafka_error(e) == "data":
+                    failures.append(RowFailure(r.index, _describe(e)))
+                    continue
+                self._drop_producer()
+                raise self._error(e, f"producing to {topic!r} failed") from None
+        self._flush()
+        for index, fut in futures:
+            if fut.succeeded():
+                continue
+            exc = fut.exception if fut.is_done else None
+            if exc is not None and classify_kafka_error(exc) == "data":
+                failures.append(RowFailure(index, _describe(exc)))
+                continue
+            self._drop_producer()
+            if exc is None:
+                raise TransientSinkError("Kafka did not acknowledge every record of the batch")
+            raise self._error(exc, "Kafka did not acknowledge the batch")
+        failures.sort(key=lambda f: f.index)
+        return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _flush(self) -> None:
+        # delivery_timeout_ms already bounds every record; the margin only covers the flush call.
+        timeout = self.config.delivery_timeout_ms / 1000 + 5
+        try:
+            self._producer.flush(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - classified
+            self._drop_producer()
+            raise self._error(e, f"flushing to {self.config.bootstrap_servers} failed") from None
