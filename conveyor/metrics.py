@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from conveyor.core.model import ConnectorStatus
 from conveyor.store.meta import MetaStore, UnknownConnectorError
@@ -57,10 +58,30 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
     yield from (lag, rate, up, state, heartbeat)
 
 
+def _highwaters(counters: dict[str, Any]) -> dict[str, int]:
+    """Per-partition high watermarks a run may report with its heartbeat, keyed ``topic[partition]``."""
+    hw = counters.get("highwaters")
+    if not isinstance(hw, dict):
+        return {}
+    return {str(k): int(v) for k, v in hw.items() if isinstance(v, (int, float))}
+
+
 def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
-    """Per-partition offsets and lag (lag per partition needs the run's highwaters: total only)."""
+    """Status, counters, and per partition the committed offset, high watermark and lag.
+
+    A partition's lag is ``highwater - committed`` when the run reported its high
+    watermarks (``highwaters`` in the heartbeat counters), else null; ``lag`` at
+    the top is the run's total.
+    """
     r = store.get(name)
     offsets = store.committed_offsets(name)
+    highwaters = _highwaters(r.counters)
+    partitions = []
+    for tp, off in sorted(offsets.items()):
+        hw = highwaters.get(str(tp))
+        partitions.append(
+            {"topic": tp.topic, "partition": tp.partition, "committed": off, "highwater": hw, "lag": None if hw is None else max(0, hw - off)}
+        )
     return {
         "name": r.name,
         "status": r.status.value,
@@ -69,7 +90,7 @@ def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
         "generation": r.generation,
         "heartbeat_at": r.heartbeat_at,
         "lag": r.counters.get("lag"),
-        "partitions": [{"topic": tp.topic, "partition": tp.partition, "committed": off} for tp, off in sorted(offsets.items())],
+        "partitions": partitions,
         "counters": r.counters,
         "last_error": r.last_error,
     }
@@ -89,20 +110,25 @@ def make_server(store: MetaStore, host: str = "127.0.0.1", port: int = 9464) -> 
     registry = CollectorRegistry()
     registry.register(_Collector(store))  # type: ignore[arg-type]
 
+    def route(path: str) -> tuple[bytes, str, int]:
+        if path == "/metrics":
+            return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8", 200
+        if m := re.fullmatch(r"/connectors/([^/]+)", path):
+            try:
+                return json.dumps(connector_json(store, unquote(m.group(1)))).encode(), "application/json", 200
+            except UnknownConnectorError as e:
+                return json.dumps({"error": str(e)}).encode(), "application/json", 404
+        if path == "/connectors":
+            return json.dumps([r.name for r in store.list()]).encode(), "application/json", 200
+        return b"not found: try /metrics or /connectors/<name>\n", "text/plain", 404
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server API
-            if self.path in ("/metrics", "/metrics/"):
-                body, ctype, code = generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8", 200
-            elif m := re.fullmatch(r"/connectors/([a-z][a-z0-9_]*)/?", self.path):
-                try:
-                    body, ctype, code = json.dumps(connector_json(store, m.group(1))).encode(), "application/json", 200
-                except UnknownConnectorError as e:
-                    body, ctype, code = json.dumps({"error": str(e)}).encode(), "application/json", 404
-            elif self.path == "/connectors":
-                body = json.dumps([r.name for r in store.list()]).encode()
-                ctype, code = "application/json", 200
-            else:
-                body, ctype, code = b"not found: try /metrics or /connectors/<name>\n", "text/plain", 404
+            path = urlsplit(self.path).path.rstrip("/") or "/"
+            try:
+                body, ctype, code = route(path)
+            except Exception as e:  # noqa: BLE001 - a scrape must get an answer, not a closed socket
+                body, ctype, code = f"meta store unavailable: {type(e).__name__}: {e}\n".encode(), "text/plain", 503
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
