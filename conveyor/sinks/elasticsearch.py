@@ -436,6 +436,11 @@ class ElasticsearchSink(Sink):
                 f"{h!r}: must be an http:// or https:// URL",
                 field="sink.hosts",
             )
+            require(
+                "@" not in h.split("//", 1)[-1].split("/", 1)[0],
+                "credentials do not belong in a host URL (it is not secret); use username/password or api_key",
+                field="sink.hosts",
+            )
         problems = template_problems(c.index)
         require(not problems, "; ".join(problems), field="sink.index")
         require(

@@ -482,6 +482,11 @@ class GreptimeDBSink(Sink):
             field="sink.url",
         )
         require(
+            "@" not in c.url.split("//", 1)[-1].split("/", 1)[0],
+            "credentials do not belong in the URL (it is not secret); use username/password or token",
+            field="sink.url",
+        )
+        require(
             bool(c.database.strip()) and not re.search(r"[\s&?#/]", c.database),
             "must be a database name",
             field="sink.database",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,19 @@ MAPPINGS = {
 }
 
 
+def _split(url: str) -> tuple[str, str | None, str | None]:
+    """The URL without credentials, and the credentials (the sink takes them as separate, secret fields)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    plain = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    user = urllib.parse.unquote(parts.username) if parts.username else None
+    password = urllib.parse.unquote(parts.password or "") if parts.username else None
+    return plain, user, password
+
+
 def _client() -> Any:
     from elasticsearch import Elasticsearch
 
@@ -61,13 +75,19 @@ class TestElasticsearchContract(SinkContract):
             client.close()
 
     def config(self, target: str) -> dict[str, Any]:
-        return {
+        url, user, password = _split(ES_URL or "http://127.0.0.1:9200")
+        cfg: dict[str, Any] = {
             "type": "elasticsearch",
-            "hosts": [ES_URL or "http://127.0.0.1:9200"],
+            "hosts": [url],
             "index": target,
             "metadata_field": "kafka",
             "max_retries": 0,
         }
+        if user is not None:
+            cfg.update(username=user, password=password)
+        if url.startswith("https://"):
+            cfg["verify_certs"] = False  # test clusters use self-signed certificates
+        return cfg
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         client = _client()

@@ -109,7 +109,7 @@ class TestPulsarContract(SinkContract):
         ({"topic": "{partition}"}, "topic"),
         ({"compression": "GZIP"}, "compression"),
         ({"send_timeout_ms": 0}, "send_timeout_ms"),
-        ({"chunking_enabled": True}, "chunking_enabled"),
+        ({"chunking_enabled": True, "batching_enabled": True}, "chunking_enabled"),
     ]
 
 

@@ -1,6 +1,7 @@
 """Elasticsearch sink without a server: the exact ``_bulk`` body and ``_id``s built for a
 batch, the mapping of bulk response bodies (as the client returns them) and of the
-installed client's own exception types, client options and config validation."""
+installed client's own exception types, client options, config validation, and an
+unreachable server (a closed loopback port, no server)."""
 
 from __future__ import annotations
 
@@ -394,6 +395,7 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
     ({"index": "_hidden"}, "index"),
     ({"hosts": []}, "hosts"),
     ({"hosts": ["127.0.0.1:9200"]}, "hosts"),
+    ({"hosts": ["https://elastic:pw@es:9200"]}, "hosts"),
     ({"op_type": "update"}, "op_type"),
     ({"id_strategy": "uuid"}, "id_strategy"),
     ({"username": "elastic"}, "password"),
@@ -415,3 +417,23 @@ def test_validate_rejects_each_bad_field(override: dict[str, Any], field_name: s
 def test_rejects_unknown_field() -> None:
     with pytest.raises(ConfigError, match="no_such_option"):
         build_sink({**BASE, "no_such_option": 1})
+
+
+def test_an_unreachable_server_is_transient() -> None:
+    # No server: a closed loopback port.
+    from tests.sinks.contract import closed_port
+
+    sink = build_sink(
+        {
+            **BASE,
+            "hosts": [f"http://127.0.0.1:{closed_port()}"],
+            "max_retries": 0,
+            "request_timeout_s": 2,
+        }
+    )
+    try:
+        with pytest.raises(TransientSinkError, match="unreachable"):
+            sink.init_sink()
+    finally:
+        sink.cleanup_sink()
+        sink.cleanup_sink()

@@ -339,6 +339,7 @@ def test_an_unreachable_server_is_transient() -> None:
 
 BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
     ({"url": "127.0.0.1:4000"}, "url"),
+    ({"url": "http://u:p@127.0.0.1:4000"}, "url"),
     ({"measurement": ""}, "measurement"),
     ({"measurement": "m_{partition}"}, "measurement"),
     ({"precision": "m"}, "precision"),

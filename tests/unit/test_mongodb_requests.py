@@ -1,6 +1,6 @@
 """MongoDB sink without a server: the exact operations built for a batch, the mapping of
 real pymongo errors (``BulkWriteError`` with its ``details``, connection and auth errors)
-and config validation."""
+config validation, and an unreachable server (a closed loopback port, no server)."""
 
 from __future__ import annotations
 
@@ -389,3 +389,23 @@ def test_secrets_are_redacted_in_the_config_dump() -> None:
     sink = build_sink({**BASE, "url": "mongodb://alice:s3cret@db:27017"})
     assert "s3cret" not in str(sink.config.redacted()) and "s3cret" not in sink.describe()
     assert sink.config.asset_key_path() == ["mongodb", "db", "orders"]
+
+
+def test_an_unreachable_server_is_transient() -> None:
+    # No server: a closed loopback port. Server selection gives up after 500 ms.
+    from tests.sinks.contract import closed_port
+
+    sink = build_sink(
+        {
+            **BASE,
+            "url": f"mongodb://127.0.0.1:{closed_port()}/?directConnection=true",
+            "server_selection_timeout_ms": 500,
+            "connect_timeout_ms": 500,
+        }
+    )
+    try:
+        with pytest.raises(TransientSinkError, match="ServerSelectionTimeoutError"):
+            sink.init_sink()
+    finally:
+        sink.cleanup_sink()
+        sink.cleanup_sink()
