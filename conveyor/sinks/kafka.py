@@ -263,10 +263,10 @@ def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "pe
         return "data"
     if names & set(_PERMANENT_ERRORS):
         return "permanent"
+    if isinstance(exc, ssl.SSLCertVerificationError):  # (a ValueError too)
+        return "permanent"  # a wrong CA or host name does not fix itself
     if isinstance(exc, (ValueError, TypeError)) and not names & {"KafkaError"}:
         return "data"  # client-side checks: illegal topic, unknown partition, header types
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return "permanent"  # a wrong CA or host name does not fix itself
     return "transient"
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +21,7 @@ import pytest
 from conveyor.core.errors import PermanentSinkError, TransientSinkError
 from conveyor.sinks import build_sink
 from conveyor.sinks.base import ErrorKind
+from conveyor.sinks.rabbitmq import sink_error
 from tests.sinks.contract import BASE_TS, SinkContract, closed_port, make_batch, unique
 
 pytestmark = pytest.mark.integration
@@ -310,3 +317,111 @@ def test_confirms_span_batches_on_one_channel(target: str) -> None:
     finally:
         s.cleanup_sink()
     assert len(drain(target)) == 3 * 1499
+
+
+class CuttingRelay:
+    """A TCP relay to the real RabbitMQ that can cut every connection, at once or after
+    the client sent ``cut_after`` more bytes (a network failure in the middle of a batch)."""
+
+    def __init__(self, upstream: tuple[str, int] = ("127.0.0.1", 5672)):
+        self.upstream = upstream
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.cut_after: int | None = None
+        self.sent = 0
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            with self._lock:
+                self._socks += [client, up]
+            threading.Thread(target=self._pump, args=(client, up, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+                if upstream:
+                    with self._lock:
+                        self.sent += len(data)
+                        cut = self.cut_after is not None and self.sent >= self.cut_after
+                    if cut:
+                        self.cut()
+                        return
+        except OSError:
+            pass
+
+    def cut_in(self, nbytes: int) -> None:
+        with self._lock:
+            self.cut_after = self.sent + nbytes
+
+    def cut(self, *, listener: bool = False) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+        if listener:
+            socks.append(self.listener)  # shutdown wakes the thread blocked in accept()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def test_connection_lost_in_the_middle_of_a_batch_is_transient(target: str) -> None:
+    relay = CuttingRelay()
+    s = _sink(url=f"amqp://guest:guest@127.0.0.1:{relay.port}/%2F", exchange=target, routing_key="${payload.name}")
+    try:
+        assert s.send_batch(make_batch(10)).failed == ()
+        relay.cut_in(50_000)  # a 5,000-row batch is ~1 MB on the wire
+        started = time.monotonic()
+        with pytest.raises(TransientSinkError):
+            s.send_batch(make_batch(5_000, start=10))
+        assert time.monotonic() - started < 10
+        assert s._conn is None  # dropped; the next batch reconnects through the relay
+        relay.cut_after = None
+        assert s.send_batch(make_batch(5, start=10)).failed == ()
+        relay.cut(listener=True)  # now the broker is unreachable
+        with pytest.raises(TransientSinkError):
+            s.send_batch(make_batch(5, start=20))
+    finally:
+        s.cleanup_sink()
+        relay.cut(listener=True)
+    ids = [json.loads(b)["id"] for _, _, b in drain(target)]
+    assert set(range(15)) <= set(ids)  # what was confirmed is there; part of the cut batch may be too
+
+
+@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl to close a connection from the broker side")
+def test_connection_forced_closed_by_the_broker_reconnects(target: str) -> None:
+    s = _sink(exchange=target, routing_key="${payload.name}")
+    try:
+        assert s.send_batch(make_batch(2)).failed == ()
+        listing = subprocess.run(
+            ["rabbitmqctl", "list_connections", "-q", "pid", "client_properties"], capture_output=True, text=True, timeout=30
+        ).stdout
+        mine = [line.split("\t")[0] for line in listing.splitlines() if f"conveyor-sink/{target}" in line]
+        assert len(mine) == 1, listing
+        subprocess.run(["rabbitmqctl", "close_connection", mine[0], "conveyor test"], capture_output=True, timeout=30, check=True)
+        seen = None
+        deadline = time.monotonic() + 5
+        while seen is None and time.monotonic() < deadline:
+            try:
+                s._conn.process_data_events(time_limit=0.05)
+            except pika.exceptions.ConnectionClosedByBroker as e:
+                seen = e
+        assert seen is not None and seen.reply_code == 320
+        # had it arrived during a batch, the batch would have been retried
+        assert isinstance(sink_error(seen, "publishing"), TransientSinkError)
+        assert s.send_batch(make_batch(2, start=2)).failed == ()
+    finally:
+        s.cleanup_sink()
+    assert sorted(json.loads(b)["id"] for _, _, b in drain(target)) == [0, 1, 2, 3]

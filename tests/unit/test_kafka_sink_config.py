@@ -1,0 +1,319 @@
+"""Kafka sink without a server: config, producer arguments, templates, records, error mapping."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from kafka import errors as ke
+
+from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.sinks import build_sink, parse_sink_config
+from conveyor.sinks.base import Record, iter_records
+from conveyor.sinks.kafka import (
+    KafkaSink,
+    KafkaSinkConfig,
+    TemplateError,
+    classify_kafka_error,
+    codec_available,
+    producer_kwargs,
+    render_template,
+    template_problems,
+    timestamp_ms,
+    topic_name_problem,
+)
+from tests.sinks.contract import BASE_TS, make_batch
+
+BASE = {"type": "kafka", "bootstrap_servers": "127.0.0.1:9092", "topic": "orders-out"}
+
+
+def sink(**over: Any) -> KafkaSink:
+    s = build_sink({**BASE, **over})
+    assert isinstance(s, KafkaSink)
+    return s
+
+
+def record(**over: Any) -> Record:
+    fields = {
+        "index": 0,
+        "topic": "orders",
+        "partition": 3,
+        "offset": 42,
+        "timestamp": BASE_TS,
+        "key": b"k1",
+        "headers": [("h", b"1")],
+        "destination": None,
+        "payload": {"id": 1, "name": "a b", "customer": {"region": "eu"}, "flag": True, "none": None},
+    }
+    fields.update(over)
+    return Record(**fields)
+
+
+# -- config --------------------------------------------------------------------------------------
+
+
+def test_defaults_and_producer_kwargs() -> None:
+    cfg = parse_sink_config({**BASE, "bootstrap_servers": "a:9092, b:9093"})
+    assert isinstance(cfg, KafkaSinkConfig)
+    kw = producer_kwargs(cfg)
+    assert kw == {
+        "bootstrap_servers": ["a:9092", "b:9093"],
+        "client_id": "conveyor-sink",
+        "acks": "all",
+        "enable_idempotence": True,
+        "compression_type": None,
+        "linger_ms": 5,
+        "batch_size": 262144,
+        "max_request_size": 1048576,
+        "request_timeout_ms": 30000,
+        "delivery_timeout_ms": 120000,
+        "max_block_ms": 60000,
+        "bootstrap_timeout_ms": 30000,
+        "security_protocol": "PLAINTEXT",
+        "ssl_check_hostname": True,
+    }
+
+
+def test_producer_kwargs_are_all_known_to_kafka_python() -> None:
+    from kafka import KafkaProducer
+
+    cfg = parse_sink_config(
+        {
+            **BASE,
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_username": "svc",
+            "sasl_password": "s3cret",
+            "ssl_cafile": "/etc/ca.pem",
+            "ssl_certfile": "/etc/c.pem",
+            "ssl_keyfile": "/etc/k.pem",
+            "compression": "gzip",
+            "acks": "all",
+        }
+    )
+    kw = producer_kwargs(cfg)
+    assert set(kw) <= set(KafkaProducer.DEFAULT_CONFIG)
+    assert kw["sasl_mechanism"] == "SCRAM-SHA-512" and kw["sasl_plain_username"] == "svc" and kw["sasl_plain_password"] == "s3cret"
+    assert kw["ssl_cafile"] == "/etc/ca.pem" and kw["compression_type"] == "gzip"
+    non_idem = producer_kwargs(parse_sink_config({**BASE, "idempotent": False, "acks": "1"}))
+    assert non_idem["acks"] == 1 and non_idem["enable_idempotence"] is False
+
+
+def test_secrets_are_redacted() -> None:
+    s = sink(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u", sasl_password="hunter2")
+    assert "hunter2" not in repr(s.config) and "hunter2" not in s.describe()
+    assert s.config.redacted()["sasl_password"] == "**********"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"bootstrap_servers": "nohost"}, "bootstrap_servers"),
+        ({"bootstrap_servers": "a:9092,b"}, "bootstrap_servers"),
+        ({"topic": "has space"}, "topic"),
+        ({"topic": "x" * 250}, "topic"),
+        ({"topic": ".."}, "topic"),
+        ({"topic": "t-${unknown}"}, "topic"),
+        ({"topic": "t-${payload.}"}, "topic"),
+        ({"topic": "t-${topic"}, "topic"),
+        ({"key": "${what}"}, "key"),
+        ({"compression": "lzma"}, "compression"),
+        ({"acks": "1"}, "acks"),
+        ({"acks": 0, "idempotent": False}, "acks"),
+        ({"batch_size": 10}, "batch_size"),
+        ({"max_request_size": 100}, "max_request_size"),
+        ({"request_timeout_ms": 10}, "request_timeout_ms"),
+        ({"delivery_timeout_ms": 20_000}, "delivery_timeout_ms"),
+        ({"timestamp": "log_append"}, "timestamp"),
+        ({"partitioning": "round_robin"}, "partitioning"),
+        ({"security_protocol": "SASL_PLAINTEXT"}, "sasl_mechanism"),
+        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN"}, "sasl_username"),
+        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN", "sasl_username": "u"}, "sasl_password"),
+        ({"sasl_mechanism": "GSSAPI"}, "sasl_mechanism"),
+        ({"sasl_password": "x"}, "sasl_password"),
+        ({"ssl_certfile": "/c.pem"}, "ssl_certfile"),
+        ({"security_protocol": "SSL", "ssl_certfile": "/c.pem"}, "ssl_keyfile"),
+        ({"no_such_option": 1}, "no_such_option"),
+    ],
+)
+def test_bad_config_names_the_field(override: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_sink({**BASE, **override})
+    assert field in str(err.value)
+
+
+def test_compression_codecs_follow_installed_libraries() -> None:
+    assert codec_available("none") and codec_available("gzip")
+    for codec in ("snappy", "lz4", "zstd"):
+        if codec_available(codec):
+            sink(compression=codec)
+        else:
+            with pytest.raises(ConfigError, match="compression.*not installed"):
+                sink(compression=codec)
+
+
+def test_asset_key_and_describe() -> None:
+    assert sink().config.asset_key_path() == ["kafka", "orders_out"]
+    assert sink(topic="out-${topic}-${payload.region}").config.asset_key_path() == ["kafka", "out_topic_region"]
+    assert sink().describe() == "kafka/orders-out@127.0.0.1:9092"
+
+
+def test_importing_the_sink_modules_does_not_import_their_clients() -> None:
+    code = "import sys, conveyor.sinks.kafka, conveyor.sinks.rabbitmq; sys.exit(1 if {'kafka', 'pika'} & set(sys.modules) else 0)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# -- templates -----------------------------------------------------------------------------------
+
+
+def test_template_rendering() -> None:
+    r = record()
+    assert render_template("${topic}.${partition}.${offset}", r) == "orders.3.42"
+    assert render_template("k=${key}", r) == "k=k1"
+    assert render_template("${payload.customer.region}-${payload.id}-${payload.flag}", r) == "eu-1-true"
+    assert render_template("${ payload.name }", r) == "a b"
+    assert render_template("${payload.customer}", r) == '{"region":"eu"}'
+    assert render_template("static", r) == "static"
+    assert render_template("${destination}", record(destination="d1")) == "d1"
+
+
+@pytest.mark.parametrize(
+    ("template", "rec", "match"),
+    [
+        ("${payload.missing}", record(), "no field 'missing'"),
+        ("${payload.customer.city}", record(), "customer.city"),
+        ("${payload.none}", record(), "null"),
+        ("${key}", record(key=None), "no key"),
+        ("${destination}", record(), "no destination"),
+        ("${payload.id}", record(payload=b"not json"), "no field"),
+    ],
+)
+def test_template_errors_are_row_errors(template: str, rec: Record, match: str) -> None:
+    with pytest.raises(TemplateError, match=match):
+        render_template(template, rec)
+
+
+def test_template_on_a_json_text_payload() -> None:
+    assert render_template("${payload.id}", record(payload=b'{"id": 9}')) == "9"
+
+
+def test_template_problems() -> None:
+    assert template_problems("a-${topic}-${payload.x.y}") == []
+    assert template_problems("") == ["must not be empty"]
+    assert "unknown placeholder" in template_problems("${nope}")[0]
+    assert template_problems("${topic") == ["unclosed '${'"]
+    assert topic_name_problem("ok.topic_1-x") is None
+    assert topic_name_problem("no/slash")
+
+
+# -- records -------------------------------------------------------------------------------------
+
+
+def test_target_topic_destination_and_illegal_names() -> None:
+    s = sink(topic="out-${topic}")
+    assert s.target_topic(record()) == "out-orders"
+    assert s.target_topic(record(destination="special")) == "special"
+    assert sink(topic="out-${topic}", use_destination=False).target_topic(record(destination="special")) == "out-orders"
+    with pytest.raises(TemplateError, match="legal topic name"):
+        sink(topic="out-${payload.name}").target_topic(record())
+
+
+def test_message_keeps_key_headers_timestamp() -> None:
+    m = sink().message(record())
+    assert m == {
+        "value": b'{"id":1,"name":"a b","customer":{"region":"eu"},"flag":true,"none":null}',
+        "key": b"k1",
+        "headers": [("h", b"1")],
+        "timestamp_ms": timestamp_ms(BASE_TS),
+        "partition": None,
+    }
+    m2 = sink(key="${payload.id}", keep_headers=False, coordinate_headers=True, timestamp="now", partitioning="source").message(record())
+    assert m2["key"] == b"1" and m2["timestamp_ms"] is None and m2["partition"] == 3
+    assert m2["headers"] == [("x-conveyor-topic", b"orders"), ("x-conveyor-partition", b"3"), ("x-conveyor-offset", b"42")]
+    assert sink().message(record(payload=None))["value"] is None  # tombstone
+    assert sink().message(record(headers=[("n", None)]))["headers"] == [("n", b"")]
+
+
+def test_message_from_a_contract_batch() -> None:
+    r = list(iter_records(make_batch(3)))[2]
+    m = sink().message(r)
+    assert m["key"] == b"k2" and m["headers"] == [("h", b"2")] and m["timestamp_ms"] == timestamp_ms(BASE_TS) + 2
+
+
+def test_timestamp_ms_is_exact() -> None:
+    assert timestamp_ms(None) is None
+    assert timestamp_ms(dt.datetime(1970, 1, 1, 0, 0, 0, 1000, tzinfo=dt.timezone.utc)) == 1
+    assert timestamp_ms(dt.datetime(2026, 11, 1, 12, 0, 0, 7000)) == timestamp_ms(BASE_TS) + 7  # naive = UTC
+    t = pa.array([BASE_TS + dt.timedelta(milliseconds=999)], pa.timestamp("ms", tz="UTC")).to_pylist()[0]
+    assert timestamp_ms(t) == timestamp_ms(BASE_TS) + 999
+
+
+# -- error mapping -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (ke.MessageSizeTooLargeError("The message is 20480 bytes"), "data"),
+        (ke.RecordListTooLargeError(), "data"),
+        (ke.InvalidTopicError(), "data"),
+        (ke.CorruptRecordError(), "data"),
+        (ke.InvalidRecordError(), "data"),
+        (ke.InvalidTimestampError(), "data"),
+        (ValueError('Topic name "a b" is illegal'), "data"),
+        (ValueError("Unrecognized partition 7 for topic t"), "data"),
+        (TypeError("All headers items must be (str, bytes) tuples"), "data"),
+        (ke.KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1"), "transient"),
+        (ke.KafkaTimeoutError("Expiring 5 record(s) for t-0: 3001 ms has passed"), "transient"),
+        (ke.KafkaConnectionError("connection reset"), "transient"),
+        (ke.NotLeaderForPartitionError(), "transient"),
+        (ke.LeaderNotAvailableError(), "transient"),
+        (ke.RequestTimedOutError(), "transient"),
+        (ke.NotEnoughReplicasError(), "transient"),
+        (ke.NotEnoughReplicasAfterAppendError(), "transient"),
+        (ke.UnknownTopicOrPartitionError(), "transient"),
+        (ke.NodeNotReadyError(), "transient"),
+        (ke.KafkaStorageError(), "transient"),
+        (ke.ThrottlingQuotaExceededError(), "transient"),
+        (ke.OutOfOrderSequenceNumberError(), "transient"),
+        (ke.UnknownError(), "transient"),
+        (ke.IllegalStateError("KafkaProducer already closed!"), "transient"),
+        (OSError(111, "Connection refused"), "transient"),
+        (ke.TopicAuthorizationFailedError({"t"}), "permanent"),
+        (ke.ClusterAuthorizationFailedError(), "permanent"),
+        (ke.TransactionalIdAuthorizationFailedError(), "permanent"),
+        (ke.SaslAuthenticationFailedError("bad credentials"), "permanent"),
+        (ke.UnsupportedSaslMechanismError(), "permanent"),
+        (ke.IllegalSaslStateError(), "permanent"),
+        (ke.UnsupportedVersionError(), "permanent"),
+        (ke.UnsupportedCompressionTypeError(), "permanent"),
+        (ke.KafkaConfigurationError("enable_idempotence=True is incompatible with acks=1"), "permanent"),
+        (ke.PolicyViolationError(), "permanent"),
+    ],
+)
+def test_classify_kafka_error(exc: BaseException, kind: str) -> None:
+    assert classify_kafka_error(exc) == kind
+
+
+def test_ssl_verification_failure_is_permanent() -> None:
+    import ssl
+
+    assert classify_kafka_error(ssl.SSLCertVerificationError(1, "certificate verify failed")) == "permanent"
+
+
+def test_batch_level_errors_become_sink_errors() -> None:
+    s = sink()
+    assert isinstance(s._error(ke.KafkaTimeoutError("x"), "ctx"), TransientSinkError)
+    assert isinstance(s._error(ke.SaslAuthenticationFailedError("x"), "ctx"), PermanentSinkError)
+    # a content error outside a row (e.g. the cluster refuses the codec) is the config's fault
+    assert isinstance(s._error(ke.UnsupportedCompressionTypeError(), "ctx"), PermanentSinkError)
+    e = s._error(ke.MessageSizeTooLargeError("too big"), "producing")
+    assert isinstance(e, PermanentSinkError) and "MessageSizeTooLargeError" in str(e) and str(e).startswith("producing: ")
+
+
+def test_send_batch_of_nothing_needs_no_connection() -> None:
+    assert sink().send_batch(make_batch(0)).rows == 0
