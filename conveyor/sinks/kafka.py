@@ -417,6 +417,8 @@ class KafkaSink(Sink):
         """The topic a row goes to; TemplateError when the row cannot say."""
         if self.config.use_destination and r.destination:
             topic = r.destination
+        elif is_static(self.config.topic):
+            return self.config.topic  # checked by validate()
         else:
             topic = render_template(self.config.topic, r)
         problem = topic_name_problem(topic)
