@@ -415,22 +415,25 @@ def dead_letters_show(ctx: click.Context, name: str, limit: int) -> None:
 
 @dead_letters.command("replay")
 @click.argument("name")
+@click.option("--batch-size", default=1_000, show_default=True, type=click.IntRange(min=1), help="Letters re-sent per batch.")
 @click.pass_context
 @handles_errors
-def dead_letters_replay(ctx: click.Context, name: str) -> None:
+def dead_letters_replay(ctx: click.Context, name: str, batch_size: int) -> None:
     """Re-send pending dead letters through the connector's transform and sink."""
     from rich.progress import Progress
 
     from conveyor.jobs.replay import replay_dead_letters
 
     ls, dl, _ = _dead_letters_of(ctx, name)
-    with Progress(console=console) as progress:
+    # A Progress needs one Console for its whole life (the lazy module console makes a new
+    # one per call); stderr keeps stdout for the result line.
+    with Progress(console=Console(stderr=True)) as progress:
         task = progress.add_task(f"replaying {name}", total=None)
 
         def update(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = replay_dead_letters(ls, dl.spark, progress=update)
+        result = replay_dead_letters(ls, dl.spark, batch_size=batch_size, progress=update)
     _store(ctx).record(name, f"dead letters replayed from the CLI: {result.delivered} delivered, {result.failed_again} failed again")
     click.echo(f"{name}: {result.attempted} replayed: {result.delivered} delivered, {result.failed_again} failed again, {result.remaining} pending")
     if result.failed_again:

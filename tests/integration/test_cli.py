@@ -114,3 +114,77 @@ def test_broker_list_drain_undrain(meta_url):
     assert MetaStore(meta_url).list_brokers()[0].draining is False
     r = cli(meta_url, "broker", "drain", "nope")
     assert r.exit_code == 1 and "no broker named 'nope'" in r.output
+
+
+# -- dead-letters replay (through a real Spark Connect server) ---------------------------
+
+DL_SPEC = """
+name: orders_dl
+source: {{topics: [orders]}}
+sink: {{type: localfile, path: {out}, rotation: none}}
+failure: {{policy: dead_letter, dead_letter: {{path: {dl}}}}}
+"""
+
+
+def write_letters(directory, spark_remote: str, payloads: list[bytes]) -> None:
+    import time
+
+    from conveyor.core.failure import FailedMessage
+    from conveyor.core.loop import DeadLetter
+    from conveyor.deadletters import SparkParquetDeadLetters
+    from conveyor.spark.transform import spark_session
+
+    now = time.time()
+    letters = [
+        DeadLetter(FailedMessage("orders", 0, i, "sink rejected it", "data", 2), None, p, [], 1_700_000_000_000 + i, now, now)
+        for i, p in enumerate(payloads)
+    ]
+    SparkParquetDeadLetters(directory, lambda: spark_session(spark_remote), connector="orders_dl").write(letters)
+
+
+@pytest.fixture
+def dl_connector(meta_url, tmp_path, spark_remote, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_SPARK_REMOTE", spark_remote)
+    spec = tmp_path / "orders_dl.yaml"
+    spec.write_text(DL_SPEC.format(out=tmp_path / "out", dl=tmp_path / "dl"))
+    r = cli(meta_url, "connector", "apply", "-f", str(spec))
+    assert r.exit_code == 0, r.output
+    return tmp_path
+
+
+def delivered(tmp_path) -> list[dict]:
+    return [json.loads(line) for f in sorted((tmp_path / "out").glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def test_dead_letters_replay_shows_progress_and_delivers(meta_url, dl_connector, spark_remote):
+    tmp_path = dl_connector
+    write_letters(tmp_path / "dl", spark_remote, [json.dumps({"id": i}).encode() for i in range(5)])
+    r = cli(meta_url, "dead-letters", "list")
+    assert r.exit_code == 0 and "orders_dl" in r.output and "5" in r.output
+
+    r = cli(meta_url, "dead-letters", "replay", "orders_dl", "--batch-size", "2")
+    assert r.exit_code == 0, r.output
+    assert "replaying orders_dl" in r.stderr and "100%" in r.stderr  # the progress bar, on stderr
+    assert r.stdout.strip() == "orders_dl: 5 replayed: 5 delivered, 0 failed again, 0 pending"
+    assert sorted(row["id"] for row in delivered(tmp_path)) == [0, 1, 2, 3, 4]
+    assert any("dead letters replayed from the CLI: 5 delivered" in h.reason for h in MetaStore(meta_url).history("orders_dl"))
+
+    # Nothing left: a second replay is a no-op that still exits 0.
+    r = cli(meta_url, "dead-letters", "replay", "orders_dl")
+    assert r.exit_code == 0 and "0 replayed" in r.stdout
+
+
+def test_dead_letters_replay_exits_non_zero_when_letters_fail_again(meta_url, dl_connector, spark_remote):
+    tmp_path = dl_connector
+    write_letters(tmp_path / "dl", spark_remote, [b'{"id": 1}', b"<xml/>", b'{"id": 3}'])
+    r = cli(meta_url, "dead-letters", "replay", "orders_dl")
+    assert r.exit_code == 2, r.output
+    assert r.stdout.strip() == "orders_dl: 3 replayed: 2 delivered, 1 failed again, 1 pending"
+    assert sorted(row["id"] for row in delivered(tmp_path)) == [1, 3]
+    r = cli(meta_url, "dead-letters", "show", "orders_dl")
+    assert r.exit_code == 0 and "orders[0]@1" in r.output and "JSON" in r.output
+
+
+def test_dead_letters_replay_of_unknown_connector_fails(meta_url):
+    r = cli(meta_url, "dead-letters", "replay", "nope")
+    assert r.exit_code == 1 and "no connector named 'nope'" in r.output
