@@ -1,0 +1,686 @@
+"""MySQL / MariaDB sink (pymysql): multi-row INSERT or upsert, one transaction per batch.
+
+Identifiers are backtick-quoted with embedded backticks doubled (``quote_identifier``);
+values always go through pymysql's parameter escaping (``cursor.executemany`` with
+``%s`` placeholders, which pymysql turns into multi-row INSERT statements). The
+session runs with ``STRICT_ALL_TABLES`` so a bad value is an error, never a warning
+and a silently truncated row, and with ``time_zone = '+00:00'``.
+
+A batch is one transaction, committed before ``send_batch`` returns (that is the
+acknowledgement). Rows go out in statements of ``rows_per_statement`` rows, each
+behind a savepoint: a statement the server rejects for a row's content (NOT NULL,
+CHECK, out of range, too long, duplicate key, foreign key...) is rolled back to its
+savepoint and bisected until the guilty rows are found; the good rows are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import re
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import pyarrow as pa
+from pydantic import Field, SecretStr
+
+from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.model import (
+    HEADERS_COL,
+    KEY_COL,
+    OFFSET_COL,
+    PARTITION_COL,
+    TIMESTAMP_COL,
+    TOPIC_COL,
+)
+from conveyor.sinks.base import (
+    RowFailure,
+    SendResult,
+    Sink,
+    SinkConfig,
+    iter_records,
+    json_default,
+    payload_columns,
+    require,
+    secret,
+)
+
+log = logging.getLogger("conveyor.sinks.mysql")
+
+META_SOURCES = {
+    "$key": KEY_COL,
+    "$topic": TOPIC_COL,
+    "$partition": PARTITION_COL,
+    "$offset": OFFSET_COL,
+    "$timestamp": TIMESTAMP_COL,
+    "$headers": HEADERS_COL,
+}
+SOURCES = sorted([*META_SOURCES, "$payload"])
+
+#: The session's sql_mode, set in full: strict for every engine, and without
+#: NO_BACKSLASH_ESCAPES / ANSI_QUOTES, which pymysql's escaping and our backticks rely on.
+SQL_MODE = "STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+
+MAX_IDENTIFIER = 64
+
+
+class MySQLSinkConfig(SinkConfig):
+    """Rows into a MySQL or MariaDB table."""
+
+    type: Literal["mysql"] = "mysql"
+    url: SecretStr | None = Field(
+        default=None,
+        description="mysql://user:pw@host:3306/db (secret; the user and password percent-encoded). One of url, url_env or host.",
+    )
+    url_env: str | None = Field(default=None, description="Name of an environment variable holding the URL (instead of `url`).")
+    host: str | None = Field(default=None, description="Server host, with port/user/password/database (instead of a URL).")
+    port: int = Field(default=3306, ge=1, le=65535, description="Server port (with host).")
+    user: str | None = Field(default=None, description="User name (with host); default root.")
+    password: SecretStr | None = Field(default=None, description="Password (with host; secret).")
+    database: str | None = Field(default=None, description="Database (with host; with a URL the database is the URL's path).")
+    table: str = Field(description="Target table (one identifier; quoted, so any character but NUL is allowed).")
+    columns: dict[str, str] | None = Field(
+        default=None,
+        description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
+        "$payload (the whole payload as JSON). Default: payload columns to same-named columns.",
+    )
+    upsert_keys: list[str] = Field(
+        default_factory=list,
+        description="Columns of the table's PRIMARY KEY or a UNIQUE index: INSERT ... ON DUPLICATE KEY UPDATE the other columns "
+        "(idempotent replays). Empty: plain INSERT.",
+    )
+    create_table: bool = Field(
+        default=False, description="Create the table (InnoDB, upsert_keys as PRIMARY KEY) from the first batch's schema when it does not exist."
+    )
+    rows_per_statement: int = Field(default=1000, ge=1, le=100_000, description="Rows per multi-row INSERT statement.")
+    max_statement_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        le=1 << 30,
+        description="pymysql splits a statement longer than this; keep it under the server's max_allowed_packet.",
+    )
+    connect_timeout_s: int = Field(default=10, ge=1, le=300, description="Connect timeout.")
+    read_timeout_s: int = Field(default=60, ge=1, le=86_400, description="Socket read timeout: how long one statement may take.")
+    write_timeout_s: int = Field(default=60, ge=1, le=86_400, description="Socket write timeout.")
+    lock_wait_timeout_s: int | None = Field(
+        default=None, ge=1, le=86_400, description="Session innodb_lock_wait_timeout (default: the server's, usually 50 s)."
+    )
+    tls_ca_file: str | None = Field(default=None, description="CA bundle (PEM): connect with TLS and verify the server against it.")
+    charset: str = Field(default="utf8mb4", description="Connection character set.")
+
+    def database_name(self) -> str | None:
+        """The database, from `database` or the URL's path (read from the environment for url_env)."""
+        if self.database:
+            return self.database
+        url = secret(self.url) if self.url is not None else os.environ.get(self.url_env or "") if self.url_env else None
+        if not url:
+            return None
+        return urllib.parse.unquote(urllib.parse.urlsplit(url).path.lstrip("/")) or None
+
+    def asset_key_path(self) -> list[str]:
+        return ["mysql", _part(self.database_name() or "default"), _part(self.table)]
+
+    def kind(self) -> str:
+        return "mysql"
+
+
+def _part(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def identifier_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a MySQL identifier, or None."""
+    if not name or not name.strip():
+        return "must not be empty"
+    if "\x00" in name:
+        return "must not contain NUL"
+    if len(name) > MAX_IDENTIFIER:
+        return f"longer than {MAX_IDENTIFIER} characters"
+    if name != name.rstrip(" "):
+        return "must not end with a space"
+    return None
+
+
+def quote_identifier(name: str) -> str:
+    """A backtick-quoted MySQL identifier, embedded backticks doubled."""
+    if "\x00" in name:
+        raise ValueError("identifier contains NUL")
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _q(name: str) -> str:
+    """A quoted identifier inside a statement that pymysql %-formats: '%' doubled."""
+    return quote_identifier(name).replace("%", "%%")
+
+
+def insert_statement(table: str, columns: Sequence[str], upsert_keys: Sequence[str] = ()) -> str:
+    """The parameterized INSERT (or upsert) of one row, for ``cursor.executemany``."""
+    cols = ", ".join(_q(c) for c in columns)
+    stmt = f"INSERT INTO {_q(table)} ({cols}) VALUES ({', '.join(['%s'] * len(columns))})"
+    if upsert_keys:
+        others = [c for c in columns if c not in upsert_keys]
+        # VALUES(col) works on MariaDB and MySQL (MySQL 8.0.20+ deprecates it for an alias,
+        # which MariaDB does not have). A key-only table updates nothing: k = k.
+        sets = ", ".join(f"{_q(c)} = VALUES({_q(c)})" for c in others) or f"{_q(upsert_keys[0])} = {_q(upsert_keys[0])}"
+        stmt += f" ON DUPLICATE KEY UPDATE {sets}"
+    return stmt
+
+
+def create_table_statement(table: str, columns: dict[str, str], upsert_keys: Sequence[str]) -> str:
+    """CREATE TABLE IF NOT EXISTS from target column -> SQL type (executed without parameters)."""
+    q = quote_identifier
+    defs = [f"{q(c)} {t}" for c, t in columns.items()]
+    if upsert_keys:
+        defs.append(f"PRIMARY KEY ({', '.join(q(k) for k in upsert_keys)})")
+    return f"CREATE TABLE IF NOT EXISTS {q(table)} ({', '.join(defs)}) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+
+
+def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
+    """The MySQL column type for an Arrow type (key columns get indexable types)."""
+    if pa.types.is_boolean(t):
+        return "BOOLEAN"
+    if pa.types.is_integer(t):
+        base = {8: "TINYINT", 16: "SMALLINT", 32: "INT", 64: "BIGINT"}[t.bit_width]
+        return base + (" UNSIGNED" if pa.types.is_unsigned_integer(t) else "")
+    if pa.types.is_float16(t) or pa.types.is_float32(t):
+        return "FLOAT"
+    if pa.types.is_floating(t):
+        return "DOUBLE"
+    if pa.types.is_decimal(t):
+        return f"DECIMAL({min(t.precision, 65)},{min(t.scale, 30)})"
+    if pa.types.is_timestamp(t):
+        return "DATETIME" + {"s": "", "ms": "(3)"}.get(t.unit, "(6)")
+    if pa.types.is_date(t):
+        return "DATE"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return "VARBINARY(255)" if key else "LONGBLOB"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "VARCHAR(255)" if key else "LONGTEXT"
+    return "JSON"
+
+
+class RowValueError(ValueError):
+    """A value MySQL cannot store (NaN, infinity): a data error for its row."""
+
+
+def mysql_value(v: Any) -> Any:
+    """A Python value pymysql can escape: aware datetimes to naive UTC, JSON for containers."""
+    if isinstance(v, dt.datetime):
+        if v.tzinfo is not None:
+            v = v.astimezone(dt.timezone.utc).replace(tzinfo=None)
+        return v
+    if isinstance(v, float) and not math.isfinite(v):
+        raise RowValueError(f"{v!r} cannot be stored in MySQL")
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, default=json_default)
+    return v
+
+
+# -- error classification -------------------------------------------------------------------------
+
+#: Server errors caused by one row's content: isolated and reported per row.
+DATA_ERRORS = {
+    1048: "column cannot be null",
+    1062: "duplicate entry",
+    1169: "duplicate entry (unique constraint)",
+    1216: "foreign key: no parent row",
+    1264: "out of range",
+    1265: "data truncated",
+    1292: "incorrect value (truncated)",
+    1300: "invalid character string",
+    1366: "incorrect value",
+    1367: "illegal value",
+    1406: "data too long",
+    1411: "incorrect value for function",
+    1452: "foreign key: no parent row",
+    1586: "duplicate entry",
+    1690: "value out of range",
+    1859: "duplicate entry",
+    3140: "invalid JSON text",
+    3819: "check constraint violated",
+    4025: "constraint failed (MariaDB CHECK)",
+}
+
+#: Outages: connection lost or refused, timeouts, lock waits, deadlocks, overload, failover.
+TRANSIENT_ERRORS = {
+    1021: "disk full",
+    1037: "out of memory",
+    1038: "out of sort memory",
+    1040: "too many connections",
+    1053: "server shutdown in progress",
+    1114: "table is full",
+    1152: "aborted connection",
+    1153: "packet too large",
+    1158: "network read error",
+    1159: "network read timeout",
+    1160: "network write error",
+    1161: "network write timeout",
+    1180: "error during commit",
+    1181: "error during rollback",
+    1203: "max user connections",
+    1205: "lock wait timeout",
+    1213: "deadlock",
+    1226: "user resource limit",
+    1290: "read-only server (--read-only)",
+    1317: "query interrupted",
+    1836: "read-only mode",
+    1927: "connection killed",
+    1969: "statement timeout",
+    2002: "cannot connect (socket)",
+    2003: "cannot connect",
+    2006: "server has gone away",
+    2013: "lost connection",
+    2014: "commands out of sync",
+    2055: "lost connection (system error)",
+    3024: "statement timeout",
+}
+
+#: No retry fixes these: credentials, privileges, a missing database/table/column, our SQL.
+PERMANENT_ERRORS = {
+    1036: "table is read only",
+    1044: "access denied to database",
+    1045: "access denied",
+    1049: "unknown database",
+    1051: "unknown table",
+    1054: "unknown column",
+    1064: "syntax error",
+    1130: "host not allowed",
+    1142: "command denied (privilege)",
+    1143: "column access denied",
+    1146: "table does not exist",
+    1227: "privilege required",
+    1251: "authentication protocol not supported",
+    1364: "a NOT NULL column without default is not mapped",
+    1698: "access denied",
+    2059: "authentication plugin cannot be loaded",
+}
+
+
+def error_code(exc: BaseException) -> int | None:
+    args = getattr(exc, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def error_text(exc: BaseException) -> str:
+    code = error_code(exc)
+    args = getattr(exc, "args", ())
+    msg = str(args[1]) if code is not None and len(args) > 1 else str(exc)
+    return f"({code}) {msg}" if code is not None else f"{type(exc).__name__}: {msg or 'no message'}"
+
+
+def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+    """What an exception from pymysql means for the row / batch (by error code first)."""
+    code = error_code(exc)
+    if code in DATA_ERRORS:
+        return "data"
+    if code in TRANSIENT_ERRORS:
+        return "transient"
+    if code in PERMANENT_ERRORS:
+        return "permanent"
+    try:
+        import pymysql
+    except ImportError:  # pragma: no cover - the sink needs pymysql anyway
+        pymysql = None  # type: ignore[assignment]
+    if pymysql is not None:
+        if isinstance(exc, (pymysql.err.IntegrityError, pymysql.err.DataError)):
+            return "data"
+        if isinstance(exc, (pymysql.err.ProgrammingError, pymysql.err.NotSupportedError)):
+            return "permanent"
+        if isinstance(exc, pymysql.err.InterfaceError):  # (0, '') when the connection is closed
+            return "transient"
+    if isinstance(exc, RowValueError):
+        return "data"
+    # Socket errors and timeouts, OperationalError / InternalError with an unknown code.
+    return "transient"
+
+
+# -- the sink -----------------------------------------------------------------------------------
+
+
+class MySQLSink(Sink):
+    """Writes each batch in one transaction; bad rows are isolated by savepoint bisection."""
+
+    config_class = MySQLSinkConfig
+    config: MySQLSinkConfig
+
+    def __init__(self, config: MySQLSinkConfig):
+        super().__init__(config)
+        self._conn: Any = None
+        self._types: dict[str, str] = {}  # existing columns -> data type
+        self._exists = False
+        self._transactional = True
+        self._columns: list[str] | None = None  # target columns, in order
+        self._sources: list[str] | None = None  # their sources
+        self._stmt: str | None = None
+
+    # -- config -----------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        c = self.config
+        schemes = [n for n, v in (("url", c.url), ("url_env", c.url_env), ("host", c.host)) if v]
+        require(len(schemes) == 1, f"give exactly one of url, url_env and host (got {', '.join(schemes) or 'none'})", field="sink.url")
+        if c.host is not None:
+            require(bool(c.host.strip()), "must not be empty", field="sink.host")
+            require(bool(c.database and c.database.strip()), "a database is required with host", field="sink.database")
+        else:
+            for name in ("user", "password", "database"):
+                require(getattr(c, name) is None, f"{name} goes into the URL when url/url_env is used", field=f"sink.{name}")
+            require("port" not in c.model_fields_set, "port goes into the URL when url/url_env is used", field="sink.port")
+        if c.url_env is not None:
+            require(bool(os.environ.get(c.url_env)), f"environment variable {c.url_env} is not set", field="sink.url_env")
+        if c.host is None:
+            self._check_url(self._url())
+        problem = identifier_problem(c.table)
+        require(problem is None, f"{c.table!r}: {problem}", field="sink.table")
+        if c.columns is not None:
+            require(bool(c.columns), "must map at least one column", field="sink.columns")
+            for target, src in c.columns.items():
+                problem = identifier_problem(target)
+                if problem:
+                    raise ConfigError(f"column {target!r}: {problem}", field="sink.columns")
+                if src.startswith("$") and src not in SOURCES:
+                    raise ConfigError(f"{target}: unknown source {src!r}; one of {SOURCES}", field="sink.columns")
+            for k in c.upsert_keys:
+                require(k in c.columns, f"upsert key {k!r} is not a mapped column", field="sink.upsert_keys")
+        require(len(set(c.upsert_keys)) == len(c.upsert_keys), "duplicate column", field="sink.upsert_keys")
+        require(bool(c.charset.strip()) and c.charset.replace("_", "").isalnum(), f"{c.charset!r} is not a character set name", field="sink.charset")
+
+    def _url(self) -> str:
+        if self.config.url is not None:
+            return secret(self.config.url) or ""
+        return os.environ.get(self.config.url_env or "", "")
+
+    @staticmethod
+    def _check_url(url: str) -> None:
+        field = "sink.url"
+        u = urllib.parse.urlsplit(url)
+        require(u.scheme in ("mysql", "mariadb"), "must start with mysql:// (or mariadb://)", field=field)
+        require(bool(u.hostname), "has no host", field=field)
+        try:
+            u.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ConfigError("has a bad port", field=field) from None
+        require(bool(u.path.lstrip("/")), "has no database (mysql://user:pw@host:3306/<database>)", field=field)
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """pymysql.connect keyword arguments (includes the password: never log it)."""
+        c = self.config
+        if c.host is not None:
+            kw: dict[str, Any] = {
+                "host": c.host,
+                "port": c.port,
+                "user": c.user or "root",
+                "password": secret(c.password) or "",
+                "database": c.database,
+            }
+        else:
+            u = urllib.parse.urlsplit(self._url())
+            kw = {
+                "host": u.hostname,
+                "port": u.port or 3306,
+                "user": urllib.parse.unquote(u.username or "root"),
+                "password": urllib.parse.unquote(u.password or ""),
+                "database": urllib.parse.unquote(u.path.lstrip("/")),
+            }
+        init = [f"sql_mode = '{SQL_MODE}'", "time_zone = '+00:00'"]
+        if c.lock_wait_timeout_s is not None:
+            init.append(f"innodb_lock_wait_timeout = {int(c.lock_wait_timeout_s)}")
+        kw.update(
+            charset=c.charset,
+            connect_timeout=c.connect_timeout_s,
+            read_timeout=c.read_timeout_s,
+            write_timeout=c.write_timeout_s,
+            autocommit=False,
+            init_command="SET SESSION " + ", ".join(init),
+            program_name="conveyor",
+        )
+        if c.tls_ca_file:
+            kw["ssl"] = {"ca": c.tls_ca_file}
+            kw["ssl_verify_cert"] = True
+        return kw
+
+    def endpoint(self) -> str:
+        kw = self.connect_kwargs()
+        return f"{kw['host']}:{kw['port']}/{kw['database']}"
+
+    def describe(self) -> str:
+        return f"mysql {self.endpoint()} table {self.config.table}"
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        import pymysql
+
+        try:
+            return pymysql.connect(**self.connect_kwargs())
+        except (pymysql.err.MySQLError, OSError) as e:
+            raise self._error(e, f"connecting to {self.endpoint()}") from None
+
+    def _error(self, e: BaseException, context: str) -> Exception:
+        """The sink error for a non-data exception."""
+        kind = classify_mysql_error(e)
+        code = error_code(e)
+        if code == 1146:
+            return PermanentSinkError(f"table {quote_identifier(self.config.table)} in database {self.config.database_name()!r} does not exist: {error_text(e)}")
+        if kind == "permanent":
+            return PermanentSinkError(f"MySQL {context}: {error_text(e)}")
+        return TransientSinkError(f"MySQL {context}: {error_text(e)}")
+
+    def init_sink(self) -> None:
+        self._conn = self._connect()
+        try:
+            self._describe_table()
+        except Exception as e:
+            import pymysql
+
+            if isinstance(e, (pymysql.err.MySQLError, OSError)):
+                self.cleanup_sink()
+                raise self._error(e, "reading the table's columns") from None
+            raise
+        c = self.config
+        if not self._exists and not c.create_table:
+            self.cleanup_sink()
+            raise PermanentSinkError(
+                f"table {quote_identifier(c.table)} does not exist in database {c.database_name()!r} (set create_table: true to create it)"
+            )
+        if self._exists:
+            self._check_upsert_keys()
+
+    def _describe_table(self) -> None:
+        with self._conn.cursor() as cur:
+            cur.execute(
+                "SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s "
+                "ORDER BY ORDINAL_POSITION",
+                (self.config.table,),
+            )
+            self._types = {name: typ for name, typ in cur.fetchall()}
+            cur.execute("SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (self.config.table,))
+            row = cur.fetchone()
+            self._exists = row is not None
+            cur.execute("SELECT ENGINE, TRANSACTIONS FROM information_schema.ENGINES")
+            engines = {str(e).upper(): t == "YES" for e, t in cur.fetchall()}
+        self._conn.rollback()
+        self._transactional = row is None or engines.get(str(row[0]).upper(), True)
+        if self._exists and not self._transactional:
+            log.warning(
+                "table %s uses the non-transactional engine %s: rows are written one per statement so that a bad row "
+                "never takes good ones with it; use InnoDB for batches",
+                self.config.table,
+                row[0] if row else "?",
+            )
+
+    def _check_upsert_keys(self) -> None:
+        """ON DUPLICATE KEY fires on any unique index: the keys must be one, or replays duplicate."""
+        keys = self.config.upsert_keys
+        if not keys:
+            return
+        missing = [k for k in keys if k not in self._types]
+        if missing:
+            raise PermanentSinkError(f"table {quote_identifier(self.config.table)} has no column(s) {', '.join(missing)} (upsert_keys)")
+        with self._conn.cursor() as cur:
+            cur.execute(
+                "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s "
+                "AND NON_UNIQUE = 0 ORDER BY INDEX_NAME, SEQ_IN_INDEX",
+                (self.config.table,),
+            )
+            unique: dict[str, list[str]] = {}
+            for index, col in cur.fetchall():
+                unique.setdefault(index, []).append(col)
+        self._conn.rollback()
+        if not any(sorted(cols) == sorted(keys) for cols in unique.values()):
+            have = "; ".join(f"{i}({', '.join(c)})" for i, c in unique.items()) or "none"
+            raise PermanentSinkError(
+                f"upsert_keys ({', '.join(keys)}) are not the PRIMARY KEY or a UNIQUE index of table {quote_identifier(self.config.table)} "
+                f"(unique indexes: {have}); ON DUPLICATE KEY UPDATE needs one"
+            )
+
+    def cleanup_sink(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):  # closing is best effort
+                self._conn.close()
+            self._conn = None
+
+    # -- columns ----------------------------------------------------------------------------
+
+    def _resolve(self, batch: pa.Table) -> None:
+        """Pick target and source columns on the first batch; check them against the table."""
+        c = self.config
+        mapping = dict(c.columns) if c.columns is not None else {col: col for col in payload_columns(batch)}
+        for target, src in mapping.items():
+            if not src.startswith("$") and src not in batch.schema.names:
+                raise ConfigError(f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})", field="sink.columns")
+            if src in META_SOURCES and META_SOURCES[src] not in batch.schema.names:
+                raise ConfigError(f"{target}: the batch has no {META_SOURCES[src]} column for {src}", field="sink.columns")
+        if c.columns is None:
+            for target in mapping:
+                problem = identifier_problem(target)
+                if problem:
+                    raise ConfigError(f"payload column {target!r} cannot be a MySQL column: {problem}; map it with columns", field="sink.columns")
+            for k in c.upsert_keys:
+                require(k in mapping, f"upsert key {k!r} is not a payload column ({', '.join(mapping)})", field="sink.upsert_keys")
+        if not self._exists:
+            self._create_table(batch, mapping)
+        missing = [t for t in mapping if t not in self._types]
+        if missing:
+            raise PermanentSinkError(
+                f"table {quote_identifier(c.table)} has no column(s) {', '.join(missing)} (it has {', '.join(self._types)})"
+            )
+        self._columns = list(mapping)
+        self._sources = [mapping[t] for t in self._columns]
+        self._stmt = insert_statement(c.table, self._columns, c.upsert_keys)
+
+    def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
+        types = {}
+        for target, src in mapping.items():
+            if src in ("$payload", "$headers"):
+                types[target] = "JSON"
+            else:
+                types[target] = mysql_type(batch.schema.field(META_SOURCES.get(src, src)).type, key=target in self.config.upsert_keys)
+        with self._conn.cursor() as cur:
+            cur.execute(create_table_statement(self.config.table, types, self.config.upsert_keys))
+        self._conn.commit()
+        self._describe_table()
+        if not self._exists:
+            raise PermanentSinkError(f"table {quote_identifier(self.config.table)} was not created")
+        self._check_upsert_keys()
+        log.info("created table %s", quote_identifier(self.config.table))
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _rows(self, batch: pa.Table) -> tuple[list[tuple[Any, ...] | None], list[RowFailure]]:
+        """The batch as parameter tuples; rows with values MySQL cannot hold become failures."""
+        assert self._sources is not None
+        sources = self._sources
+        need_records = "$payload" in sources or "$headers" in sources
+        records = list(iter_records(batch)) if need_records else None
+        cols: dict[str, list[Any]] = {}
+        for src in set(sources):
+            if src in ("$payload", "$headers"):
+                continue
+            cols[src] = batch.column(META_SOURCES.get(src, src)).to_pylist()
+        out: list[tuple[Any, ...] | None] = []
+        failures: list[RowFailure] = []
+        for i in range(batch.num_rows):
+            try:
+                row = []
+                for src in sources:
+                    if src == "$payload":
+                        assert records is not None
+                        row.append(json.dumps(records[i].payload_json(), default=json_default))
+                    elif src == "$headers":
+                        assert records is not None
+                        row.append(json.dumps({k: v.decode(errors="replace") if v is not None else None for k, v in records[i].headers}))
+                    else:
+                        row.append(mysql_value(cols[src][i]))
+                out.append(tuple(row))
+            except (RowValueError, TypeError, ValueError) as e:
+                out.append(None)
+                failures.append(RowFailure(i, f"{type(e).__name__}: {e}"))
+        return out, failures
+
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        import pymysql
+
+        if batch.num_rows == 0:
+            return SendResult(rows=0)
+        try:
+            if self._conn is None or not self._conn.open:
+                self.cleanup_sink()
+                self._conn = self._connect()
+                self._describe_table()
+            if self._columns is None:
+                self._resolve(batch)
+            rows, failures = self._rows(batch)
+            good = [i for i, r in enumerate(rows) if r is not None]
+            step = self.config.rows_per_statement if self._transactional else 1
+            with self._conn.cursor() as cur:
+                cur.max_stmt_length = self.config.max_statement_bytes
+                for start in range(0, len(good), step):
+                    failures += self._write_isolating(cur, rows, good[start : start + step])
+            self._conn.commit()
+        except (pymysql.err.MySQLError, OSError) as e:
+            kind = classify_mysql_error(e)
+            err = self._error(e, "write failed" if kind != "data" else "write failed on a row the sink could not isolate")
+            self._rollback()
+            if isinstance(err, TransientSinkError):
+                self.cleanup_sink()
+            raise err from None
+        return SendResult(rows=batch.num_rows, failed=tuple(sorted(failures, key=lambda f: f.index)))
+
+    def _rollback(self) -> None:
+        try:
+            if self._conn is not None:
+                self._conn.rollback()
+        except Exception:  # noqa: BLE001 - the connection is dropped instead
+            self.cleanup_sink()
+
+    def _write_isolating(self, cur: Any, rows: list[tuple[Any, ...] | None], idx: list[int]) -> list[RowFailure]:
+        """Write rows behind a savepoint; on a data error roll back to it and bisect."""
+        import pymysql
+
+        if not idx:
+            return []
+        # One savepoint name: setting it again moves it, so it always marks the start of
+        # the current attempt, after every row already written in this transaction.
+        if self._transactional:
+            cur.execute("SAVEPOINT conveyor_sp")
+        try:
+            cur.executemany(self._stmt, [rows[i] for i in idx])
+            return []
+        except pymysql.err.MySQLError as e:
+            if classify_mysql_error(e) != "data":
+                raise
+            if self._transactional:
+                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+            if len(idx) == 1:
+                return [RowFailure(idx[0], error_text(e))]
+        mid = len(idx) // 2
+        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(cur, rows, idx[mid:])
