@@ -1,17 +1,30 @@
-"""Generates docs/CONFIG.md from the pydantic models: every field, type, default, description.
+"""Generates docs/CONFIG.md: every connector spec field, the brokers file, the environment
+and every sink's fields, with type, constraints, default and description.
 
-``python -m conveyor.configdoc > docs/CONFIG.md``; a test keeps the file in sync.
+``python -m conveyor.configdoc > docs/CONFIG.md``; tests/unit/test_configdoc.py keeps
+the file in sync. Sinks are found through the registry (``conveyor.sinks``); one that
+cannot be imported gets a note instead of its table, so the reference always renders.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import enum
+import inspect
 import sys
-from typing import Any
+import textwrap
+import types
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
+from pydantic.fields import FieldInfo
 
 from conveyor.core.model import (
+    BATCH_PRESETS,
     BatchPolicy,
+    Broker,
     ConnectorSpec,
     DeadLetterSpec,
     FailureSpec,
@@ -19,7 +32,9 @@ from conveyor.core.model import (
     SourceSpec,
     TransformSpec,
 )
-from conveyor.core.model import BATCH_PRESETS
+from conveyor.sinks.base import SinkConfig
+
+REGENERATE = "python -m conveyor.configdoc > docs/CONFIG.md"
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("connector", ConnectorSpec),
@@ -30,52 +45,237 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("failure", FailureSpec),
     ("failure.dead_letter", DeadLetterSpec),
 ]
+_SECTION_OF = {model: title for title, model in SECTIONS}
+
+# The brokers file has no pydantic model (conveyor.resources.conveyor.load_brokers reads it
+# into core.model.Broker); its fields are described here and a test checks they match Broker.
+BROKER_FIELDS: dict[str, str] = {
+    "id": "Broker (executor) name; connectors are placed on brokers by id.",
+    "capacity": "Connectors this broker runs at most (a positive integer).",
+    "spark_remote": "Spark Connect endpoint the broker's connector runs use. Default: `$CONVEYOR_SPARK_REMOTE`.",
+    "run_tags": "Tags merged into the tags of every run placed on this broker (run launcher placement: "
+    "Kubernetes node selectors, Celery queues, ...).",
+    "draining": "A draining broker gets no new connectors and hands its connectors over. "
+    "Kept across restarts once set with `conveyor broker drain`.",
+}
 
 
-def _type(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("conveyor.core.model.", "")
+def _environment() -> list[tuple[str, str, str]]:
+    from conveyor.assets.checks import DEFAULT_LAG_CHECK_MINUTES
+    from conveyor.brokers.kafka import DEFAULT_BOOTSTRAP
+    from conveyor.resources.conveyor import DEFAULT_SPARK_REMOTE
+    from conveyor.store.meta import DEFAULT_HOME
+
+    rows = [
+        ("CONVEYOR_HOME", "state directory (meta store, dead letters, connectors)", f"`{DEFAULT_HOME}`"),
+        ("CONVEYOR_META_URL", "meta store URL (`postgresql://...` in production)", "SQLite `$CONVEYOR_HOME/meta.db`"),
+        ("CONVEYOR_CONNECTORS_DIR", "connector spec directory", "`$CONVEYOR_HOME/connectors`"),
+        ("CONVEYOR_BROKERS_FILE", "broker executors YAML (section Brokers file)", "`$CONVEYOR_HOME/brokers.yaml` (else one broker `local`)"),
+        ("CONVEYOR_BROKER_CAPACITY", "capacity of the default broker `local` when there is no brokers file", "`8`"),
+        ("CONVEYOR_KAFKA_BOOTSTRAP", "bootstrap servers of connectors that set no `source.bootstrap_servers`", f"`{DEFAULT_BOOTSTRAP}`"),
+        ("CONVEYOR_SPARK_REMOTE", "Spark Connect endpoint of the default broker", f"`{DEFAULT_SPARK_REMOTE}`"),
+        (
+            "CONVEYOR_LAG_CHECK_MINUTES",
+            "window of the sink assets' `lag_not_growing` check: it fails when lag grew over this many minutes",
+            f"`{DEFAULT_LAG_CHECK_MINUTES:g}`",
+        ),
+    ]
+    rows += _scheduler_environment()
+    rows += [
+        ("CONVEYOR_DEBUG", "any value: the CLI shows tracebacks instead of one-line errors", "unset"),
+        ("CONVEYOR_DEMO_PG_URL", "`conveyor dev` also installs the PostgreSQL demo connector, writing there", "unset"),
+    ]
+    return rows
 
 
-def _default(field: Any) -> str:
+# Scheduler settings without an attribute docstring in core.scheduler.SchedulerConfig.
+SCHEDULER_FIELDS: dict[str, str] = {
+    "restart_backoff_s": "first wait before an Error connector is restarted; doubles with each restart",
+    "restart_backoff_max_s": "upper bound of that wait",
+    "rebalance_threshold": "load gap (in connector weights) between the most and the least loaded broker above which one connector moves",
+    "rebalance_cooldown_s": "seconds after a move before the next rebalance",
+}
+
+
+def _scheduler_environment() -> list[tuple[str, str, str]]:
+    """``CONVEYOR_SCHEDULER_<FIELD>``: one row per field of the scheduler's config."""
+    from conveyor.core.scheduler import SchedulerConfig
+
+    docs = {**SCHEDULER_FIELDS, **attribute_docs(SchedulerConfig)}
+    return [
+        (f"CONVEYOR_SCHEDULER_{f.name.upper()}", "scheduler: " + docs.get(f.name, f.name.replace("_", " ")), f"`{f.default!r}`")
+        for f in dataclasses.fields(SchedulerConfig)
+    ]
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string literal right after ``name: type = value``) of a class."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    out: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            out[stmt.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+# -- types, constraints, defaults --------------------------------------------------------------
+
+_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", bytes: "bytes", Any: "any"}
+
+
+def type_name(annotation: Any) -> str:
+    """A reader's name for a field type: ``string or null``, ``list of string``, ``'a' or 'b'``."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin is Literal:
+        return " or ".join(f"`{v!r}`" for v in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
+    if origin in (list, tuple, set, frozenset, Sequence):
+        return f"list of {_inner(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {_inner(args[0])} to {_inner(args[1])}" if args else "mapping"
+    if annotation in _SIMPLE:
+        return _SIMPLE[annotation]
+    if annotation is SecretStr:
+        return "secret string"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return " or ".join(f"`{m.value!r}`" for m in annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        title = _SECTION_OF.get(annotation)
+        return f"section `{title}`" if title else "mapping"
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _inner(annotation: Any) -> str:
+    text = type_name(annotation)
+    return f"({text})" if " or " in text else text
+
+
+_BOUNDS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "at least", "max_length": "at most"}
+
+
+def constraints(field: FieldInfo) -> str:
+    """Bounds from the field's metadata, e.g. ``≥ 1, ≤ 1000`` or ``at least 1 item(s)``."""
+    out = []
+    for m in field.metadata:
+        for attr, word in _BOUNDS.items():
+            v = getattr(m, attr, None)
+            if v is not None:
+                out.append(f"{word} {v} item{'' if v == 1 else 's'}" if attr.endswith("length") else f"{word} {v}")
+    return ", ".join(out)
+
+
+def default_text(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     if field.default_factory is not None:
         try:
-            value = field.default_factory()
+            value = field.default_factory()  # type: ignore[call-arg]
         except TypeError:
-            return "(built)"
+            return "(computed)"
         if isinstance(value, BaseModel):
             return "(section defaults)"
         return f"`{value!r}`"
     d = field.default
-    if hasattr(d, "value"):
+    if isinstance(d, enum.Enum):
         d = d.value
+    if isinstance(d, SecretStr):
+        return "(secret)"
     return f"`{d!r}`"
+
+
+def _cell(text: str) -> str:
+    """One table cell: one line, pipes escaped, ``<`` outside code spans escaped (``<name>`` is no HTML tag)."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
 
 
 def model_table(model: type[BaseModel]) -> str:
     lines = ["| field | type | default | description |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
         key = field.alias or name
-        desc = (field.description or "").replace("|", "\\|")
-        typ = _type(field.annotation).replace("|", "or")
-        lines.append(f"| `{key}` | {typ} | {_default(field)} | {desc} |")
+        typ = type_name(field.annotation)
+        bounds = constraints(field)
+        if bounds:
+            typ += f" ({bounds})"
+        desc = field.description or ("Selects this sink." if name == "type" and issubclass(model, SinkConfig) else "")
+        lines.append(f"| `{key}` | {_cell(typ)} | {_cell(default_text(field))} | {_cell(desc)} |")
     return "\n".join(lines)
 
 
-def sink_tables() -> list[str]:
-    from conveyor.sinks import _SINKS, sink_class
-    from conveyor.core.errors import ConfigError
+# -- sections ------------------------------------------------------------------------------
+
+
+def brokers_section() -> list[str]:
+    defaults = {f.name: f for f in dataclasses.fields(Broker)}
+    lines = [
+        "## Brokers file",
+        "",
+        "`$CONVEYOR_BROKERS_FILE` (default `$CONVEYOR_HOME/brokers.yaml`) lists the broker executors under",
+        "`brokers:`. Without the file there is one broker, `local`, with capacity `$CONVEYOR_BROKER_CAPACITY`",
+        "and the Spark Connect endpoint `$CONVEYOR_SPARK_REMOTE`. Unknown fields are rejected.",
+        "",
+        "```yaml",
+        "brokers:",
+        "  - id: spark-a",
+        "    capacity: 8",
+        "    spark_remote: sc://spark-a.internal:15002",
+        "    run_tags: {dagster-celery/queue: spark-a}",
+        "```",
+        "",
+        "| field | type | default | description |",
+        "|---|---|---|---|",
+    ]
+    for name, desc in BROKER_FIELDS.items():
+        f = defaults[name]
+        if f.default is not dataclasses.MISSING:
+            default = f"`{f.default!r}`" if name != "spark_remote" else "`$CONVEYOR_SPARK_REMOTE`"
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f"`{f.default_factory()!r}`"
+        else:
+            default = "required"
+        typ = type_name(_resolve(Broker, f.type))
+        lines.append(f"| `{name}` | {_cell(typ)} | {default} | {_cell(desc)} |")
+    return lines + [""]
+
+
+def _resolve(owner: type, annotation: Any) -> Any:
+    """A dataclass field's type (a string under ``from __future__ import annotations``)."""
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return eval(annotation, vars(sys.modules[owner.__module__]))  # noqa: S307 - our own annotations
+    except Exception:  # noqa: BLE001 - fall back to the text
+        return annotation
+
+
+def sink_sections() -> list[str]:
+    """One section per registered sink type, or a note line for one that cannot be imported."""
+    from conveyor import sinks
 
     out = []
-    for name in sorted(_SINKS):
+    for name in sinks.sink_types():
         try:
-            cls = sink_class(name).config_class
-        except ConfigError as e:
-            out.append(f"### sink `{name}`\n\nnot available: {e}\n")
+            cls = sinks.sink_class(name).config_class
+        except Exception as e:  # noqa: BLE001 - a sink being written must not break the reference
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            out.append(f"### sink `{name}`\n\n> Not documented: this sink could not be imported ({_cell(reason)}).\n")
             continue
-        out.append(f"### sink `{name}`\n\n{(cls.__doc__ or '').strip()}\n\n{model_table(cls)}\n")
+        out.append(f"### sink `{name}`\n\n{_cell(cls.__doc__ or '')}\n\n{model_table(cls)}\n")
     return out
 
 
@@ -83,28 +283,27 @@ def render() -> str:
     parts = [
         "# Configuration reference",
         "",
-        "Generated from the pydantic models by `python -m conveyor.configdoc`; do not edit by hand.",
+        f"Generated from the code by `{REGENERATE}`; do not edit by hand.",
         "",
-        "A connector is one YAML file in `$CONVEYOR_CONNECTORS_DIR` (default `.conveyor/connectors`).",
+        "A connector is one YAML file in `$CONVEYOR_CONNECTORS_DIR` (default `$CONVEYOR_HOME/connectors`).",
         "Unknown fields are rejected, and every error names the file and the field.",
         "",
         "## Environment",
         "",
         "| variable | meaning | default |",
         "|---|---|---|",
-        "| `CONVEYOR_HOME` | state directory (meta store, dead letters, connectors) | `.conveyor` |",
-        "| `CONVEYOR_META_URL` | meta store URL (`postgresql://...` in production) | SQLite `$CONVEYOR_HOME/meta.db` |",
-        "| `CONVEYOR_CONNECTORS_DIR` | connector spec directory | `$CONVEYOR_HOME/connectors` |",
-        "| `CONVEYOR_BROKERS_FILE` | broker executors YAML | `$CONVEYOR_HOME/brokers.yaml` (else one broker `local`) |",
-        "| `CONVEYOR_KAFKA_BOOTSTRAP` | default bootstrap servers | `127.0.0.1:9092` |",
-        "| `CONVEYOR_SPARK_REMOTE` | Spark Connect endpoint of the default broker | `sc://127.0.0.1:15002` |",
-        "",
     ]
+    parts += [f"| `{var}` | {_cell(meaning)} | {default} |" for var, meaning, default in _environment()]
+    parts.append("")
     for title, model in SECTIONS:
-        parts += [f"## `{title}`", "", (model.__doc__ or "").strip(), "", model_table(model), ""]
-    parts += ["Batch presets (`batch: {preset: NAME}` or `batch: NAME`):", ""]
-    parts += [f"- `{k}`: {v}" for k, v in BATCH_PRESETS.items()]
-    parts += ["", "## Sinks", ""] + sink_tables()
+        parts += [f"## `{title}`", "", _cell(model.__doc__ or ""), "", model_table(model), ""]
+        if model is BatchPolicy:
+            parts += ["Batch presets (`batch: {preset: NAME}` or `batch: NAME`):", ""]
+            parts += [f"- `{k}`: {', '.join(f'`{f}: {v}`' for f, v in fields.items())}" for k, fields in BATCH_PRESETS.items()]
+            parts.append("")
+    parts += brokers_section()
+    parts += ["## Sinks", "", "`sink.type` selects one of these; the other `sink` fields are that sink's.", ""]
+    parts += sink_sections()
     return "\n".join(parts).rstrip() + "\n"
 
 
