@@ -1,0 +1,714 @@
+"""Redis sink (redis-py): command templates filled per row, pipelined per chunk of rows.
+
+Each row of a batch runs every command template, e.g. ``HSET orders:${payload.id}
+status ${payload.status}``. A template given as a string is split into arguments
+with ``shlex`` once, when the config is validated; placeholders are then filled
+*inside* each argument, so a value never becomes two arguments, whatever spaces,
+quotes or newlines it holds. Values are sent as bytes.
+
+A chunk of ``pipeline_size`` rows is one round trip (per node in cluster mode), in
+a MULTI/EXEC transaction with ``transaction: true``. ``send_batch`` returns after
+Redis answered every command of the batch. A command Redis rejects (WRONGTYPE, not
+a number...) or a row that cannot fill a template is a data error for that row;
+the other rows are written. The client never retries by itself: an outage raises
+``TransientSinkError`` and the runtime retries the batch, so non-idempotent
+commands (XADD with ``*``, LPUSH, INCR...) may run twice for rows of a replayed
+batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import decimal
+import json
+import logging
+import re
+import shlex
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field, SecretStr
+
+from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.model import (
+    DESTINATION_COL,
+    HEADERS_COL,
+    KEY_COL,
+    OFFSET_COL,
+    PARTITION_COL,
+    TIMESTAMP_COL,
+    TOPIC_COL,
+)
+from conveyor.sinks.base import (
+    RowFailure,
+    SendResult,
+    Sink,
+    SinkConfig,
+    json_default,
+    payload_columns,
+    require,
+    secret,
+)
+
+log = logging.getLogger("conveyor.sinks.redis")
+
+
+class RedisSinkConfig(SinkConfig):
+    """Rows as Redis commands from templates."""
+
+    type: Literal["redis"] = "redis"
+    commands: list[str | list[str]] = Field(
+        min_length=1,
+        description="Command templates run for every row, in order: a list of arguments, or a string split like a shell "
+        "command (once, before substitution). Placeholders inside arguments: ${key}, ${topic}, ${partition}, ${offset}, "
+        "${timestamp} (epoch ms), ${destination}, ${headers} (JSON), ${headers.<name>}, ${payload} (bytes as is, columns "
+        "as JSON), ${payload.<field>[.<field>...]}.",
+    )
+    mode: Literal["standalone", "cluster"] = Field(default="standalone", description="A single Redis server or a Redis Cluster.")
+    host: str = Field(default="127.0.0.1", description="Server host (in cluster mode: a startup node).")
+    port: int = Field(default=6379, ge=1, le=65535, description="Server port (in cluster mode: of the startup node).")
+    startup_nodes: list[str] = Field(default_factory=list, description="Cluster mode: more startup nodes as host:port.")
+    db: int = Field(default=0, ge=0, le=1_000_000, description="Database number (standalone only; a cluster has only db 0).")
+    username: str | None = Field(default=None, description="ACL user name (Redis 6+); default: the default user.")
+    password: SecretStr | None = Field(default=None, description="Password (secret).")
+    tls: bool = Field(default=False, description="Connect with TLS.")
+    tls_ca_file: str | None = Field(default=None, description="CA bundle (PEM) to verify the server (with tls); default: the system CAs.")
+    tls_cert_file: str | None = Field(default=None, description="Client certificate (PEM) for mutual TLS (with tls_key_file).")
+    tls_key_file: str | None = Field(default=None, description="Private key (PEM) of the client certificate.")
+    tls_check_hostname: bool = Field(default=True, description="Check that the server certificate names the host.")
+    socket_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="Socket read/write timeout: how long a round trip may take.")
+    socket_connect_timeout_s: float = Field(default=5.0, gt=0, le=300, description="Socket connect timeout.")
+    pipeline_size: int = Field(default=1000, ge=1, le=1_000_000, description="Rows per pipeline (one round trip).")
+    transaction: bool = Field(default=False, description="Wrap each pipeline in MULTI/EXEC (standalone only).")
+    client_name: str = Field(default="conveyor", description="CLIENT SETNAME of the sink's connections.")
+
+    def asset_key_path(self) -> list[str]:
+        prefix = ""
+        with contextlib.suppress(TemplateSyntaxError):
+            t = parse_command(self.commands[0])
+            if len(t.args) > 1:
+                first = t.args[1]
+                lead = first[0] if first and isinstance(first[0], bytes) else b""
+                prefix = lead.decode(errors="replace").strip(":._- ")
+        return ["redis", re.sub(r"[^A-Za-z0-9_]", "_", prefix) or f"db{self.db}"]
+
+    def kind(self) -> str:
+        return "redis"
+
+
+# -- templates (pure) ---------------------------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+_COMMAND_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.|-]*$")
+SIMPLE_FIELDS = ("key", "topic", "partition", "offset", "timestamp", "destination", "headers", "payload")
+
+#: Commands that would break the pipeline protocol or the connection's state.
+FORBIDDEN_COMMANDS = frozenset(
+    {"MULTI", "EXEC", "DISCARD", "WATCH", "UNWATCH", "SELECT", "AUTH", "HELLO", "QUIT", "RESET", "MONITOR", "SUBSCRIBE",
+     "PSUBSCRIBE", "SSUBSCRIBE", "UNSUBSCRIBE", "PUNSUBSCRIBE", "SUNSUBSCRIBE", "SHUTDOWN", "CLIENT", "SYNC", "PSYNC"}
+)  # fmt: skip
+
+#: Commands that add something on every run: a replayed row adds it again.
+NOT_IDEMPOTENT = frozenset(
+    {"XADD", "LPUSH", "RPUSH", "LPUSHX", "RPUSHX", "LINSERT", "INCR", "INCRBY", "INCRBYFLOAT", "DECR", "DECRBY", "HINCRBY",
+     "HINCRBYFLOAT", "ZINCRBY", "APPEND", "PUBLISH", "SPUBLISH", "SETRANGE", "LMOVE", "RPOPLPUSH"}
+)  # fmt: skip
+
+
+class TemplateSyntaxError(ValueError):
+    """A command template that cannot be parsed (a config error)."""
+
+
+class TemplateError(ValueError):
+    """A row cannot fill a template (missing field, no key...): a data error for that row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placeholder:
+    """``${name}`` inside an argument; ``path`` is the dotted part after payload./headers."""
+
+    name: str
+
+    @property
+    def root(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.name.split(".")[1:])
+
+    @property
+    def rest(self) -> str:
+        return self.name.partition(".")[2]
+
+
+Part = bytes | Placeholder
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandTemplate:
+    """One parsed command: its arguments, each a sequence of literal bytes and placeholders."""
+
+    source: str
+    args: tuple[tuple[Part, ...], ...]
+
+    @property
+    def name(self) -> str:
+        first = self.args[0]
+        return first[0].decode().upper() if first and isinstance(first[0], bytes) else ""
+
+    def placeholders(self) -> set[str]:
+        return {p.name for arg in self.args for p in arg if isinstance(p, Placeholder)}
+
+
+def parse_argument(text: str) -> tuple[Part, ...]:
+    """Literal text and ``${...}`` placeholders of one argument."""
+    parts: list[Part] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(text):
+        if m.start() > pos:
+            parts.append(text[pos : m.start()].encode())
+        parts.append(_placeholder(m.group(1)))
+        pos = m.end()
+    if pos < len(text):
+        parts.append(text[pos:].encode())
+    for p in parts:
+        if isinstance(p, bytes) and b"${" in p:
+            raise TemplateSyntaxError(f"unclosed '${{' in argument {text!r}")
+    return tuple(parts) if parts else (b"",)
+
+
+def _placeholder(inner: str) -> Placeholder:
+    name = inner.strip()
+    root, _, rest = name.partition(".")
+    if root not in SIMPLE_FIELDS:
+        raise TemplateSyntaxError(f"unknown placeholder ${{{inner}}}; use one of {', '.join('${' + f + '}' for f in SIMPLE_FIELDS)}, ${{payload.<field>}} or ${{headers.<name>}}")
+    if "." in name:
+        if root not in ("payload", "headers"):
+            raise TemplateSyntaxError(f"${{{inner}}}: only payload and headers have fields")
+        # A header name may contain dots; a payload path is split on them.
+        empty = not rest if root == "headers" else not all(rest.split("."))
+        if empty:
+            raise TemplateSyntaxError(f"${{{inner}}}: empty field name")
+    return Placeholder(name)
+
+
+def parse_command(spec: str | Sequence[str]) -> CommandTemplate:
+    """Parse one command template (a string is split with shlex, once)."""
+    if isinstance(spec, str):
+        try:
+            words = shlex.split(spec)
+        except ValueError as e:
+            raise TemplateSyntaxError(f"{spec!r}: {e}") from None
+        source = spec
+    else:
+        words = [str(w) for w in spec]
+        source = shlex.join(words)
+    if not words:
+        raise TemplateSyntaxError("empty command")
+    if not _COMMAND_NAME.match(words[0]):
+        raise TemplateSyntaxError(f"{words[0]!r} is not a command name (the command name cannot hold a placeholder)")
+    if words[0].upper() in FORBIDDEN_COMMANDS:
+        raise TemplateSyntaxError(f"{words[0].upper()} cannot be used in a sink template")
+    args = (words[0].encode(),), *(parse_argument(w) for w in words[1:])
+    return CommandTemplate(source=source, args=tuple(args))
+
+
+def value_bytes(v: Any) -> bytes:
+    """One substituted value as an argument's bytes."""
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode()
+    if isinstance(v, bool):
+        return b"true" if v else b"false"
+    if isinstance(v, int):
+        return str(v).encode()
+    if isinstance(v, float):
+        return repr(v).encode()
+    if isinstance(v, decimal.Decimal):
+        return str(v).encode()
+    if isinstance(v, (dt.datetime, dt.date, dt.time)):
+        return v.isoformat().encode()
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, default=json_default, separators=(",", ":"), ensure_ascii=False).encode()
+    return str(v).encode()
+
+
+_MISSING = object()
+
+
+def _timestamps_ms(col: pa.ChunkedArray) -> list[int | None]:
+    unit = col.type.unit
+    ints = pc.cast(col, pa.int64()).to_pylist()
+    div = {"s": None, "ms": 1, "us": 1000, "ns": 1_000_000}[unit]
+    if div is None:
+        return [None if v is None else v * 1000 for v in ints]
+    return [None if v is None else v // div for v in ints]
+
+
+class BatchValues:
+    """The placeholder values of one batch, computed column by column and cached."""
+
+    def __init__(self, batch: pa.Table):
+        self.batch = batch
+        self.n = batch.num_rows
+        self.pcols = payload_columns(batch)
+        self.single = self.pcols == ["value"]
+        self._cache: dict[str, list[Any]] = {}
+
+    def _col(self, name: str, default: Any = None) -> list[Any]:
+        if name in self.batch.schema.names:
+            return self.batch.column(name).to_pylist()
+        return [default(i) if callable(default) else default for i in range(self.n)]
+
+    def _payload_json(self) -> list[Any]:
+        """Row payloads as JSON values (parsed once per batch)."""
+        if "__payload_json" not in self._cache:
+            if self.single:
+                out = []
+                for p in self._col("value"):
+                    if isinstance(p, (bytes, str)):
+                        try:
+                            p = json.loads(p)
+                        except ValueError:
+                            p = _MISSING
+                    out.append(p)
+            else:
+                out = self.batch.select(self.pcols).to_pylist()
+            self._cache["__payload_json"] = out
+        return self._cache["__payload_json"]
+
+    def _headers(self) -> list[list[tuple[str, bytes | None]]]:
+        if "__headers" not in self._cache:
+            self._cache["__headers"] = [[(h["key"], h["value"]) for h in hs] if hs else [] for hs in self._col(HEADERS_COL, None)]
+        return self._cache["__headers"]
+
+    def values(self, ph: Placeholder) -> list[bytes | TemplateError]:
+        """The bytes of ``ph`` for every row, or the TemplateError of a row that lacks it."""
+        if ph.name not in self._cache:
+            self._cache[ph.name] = self._compute(ph)
+        return self._cache[ph.name]
+
+    def _compute(self, ph: Placeholder) -> list[bytes | TemplateError]:
+        name, root = ph.name, ph.root
+        if name == "topic":
+            return [value_bytes(v or "") for v in self._col(TOPIC_COL, "")]
+        if name == "partition":
+            return [value_bytes(v) for v in self._col(PARTITION_COL, 0)]
+        if name == "offset":
+            return [value_bytes(v) for v in self._col(OFFSET_COL, lambda i: i)]
+        if name == "timestamp":
+            if TIMESTAMP_COL not in self.batch.schema.names:
+                return [TemplateError("message has no timestamp (${timestamp})")] * self.n
+            return [TemplateError("message has no timestamp (${timestamp})") if v is None else str(v).encode() for v in _timestamps_ms(self.batch.column(TIMESTAMP_COL))]
+        if name == "key":
+            return [TemplateError("message has no key (${key})") if v is None else value_bytes(v) for v in self._col(KEY_COL, None)]
+        if name == "destination":
+            return [TemplateError("message has no destination (${destination})") if not v else value_bytes(v) for v in self._col(DESTINATION_COL, None)]
+        if name == "headers":
+            return [value_bytes({k: (v.decode(errors="replace") if v is not None else None) for k, v in hs}) for hs in self._headers()]
+        if root == "headers":
+            wanted = ph.rest
+            out: list[bytes | TemplateError] = []
+            for hs in self._headers():
+                found: Any = _MISSING
+                for k, v in hs:
+                    if k == wanted:
+                        found = v  # the last header of that name wins
+                out.append(TemplateError(f"message has no header {wanted!r} (${{{name}}})") if found is _MISSING or found is None else value_bytes(found))
+            return out
+        if name == "payload":
+            if self.single:
+                return [TemplateError("payload is null (${payload})") if v is None else value_bytes(v) for v in self._col("value")]
+            return [value_bytes(row) for row in self._payload_json()]
+        return self._payload_field(ph)
+
+    def _payload_field(self, ph: Placeholder) -> list[bytes | TemplateError]:
+        path = ph.path
+        dotted = ".".join(path)
+        if not self.single and path[0] in self.pcols:
+            firsts: list[Any] = self.batch.column(path[0]).to_pylist()
+            rest = path[1:]
+        elif not self.single:
+            return [TemplateError(f"payload has no field {dotted!r} (${{{ph.name}}})")] * self.n
+        else:
+            firsts = self._payload_json()
+            rest = path
+        out: list[bytes | TemplateError] = []
+        for v in firsts:
+            for part in rest:
+                v = v.get(part, _MISSING) if isinstance(v, dict) else _MISSING
+                if v is _MISSING:
+                    break
+            if v is _MISSING:
+                out.append(TemplateError(f"payload has no field {dotted!r} (${{{ph.name}}})"))
+            elif v is None:
+                out.append(TemplateError(f"payload field {dotted!r} is null (${{{ph.name}}})"))
+            else:
+                out.append(value_bytes(v))
+        return out
+
+
+def render_batch(templates: Sequence[CommandTemplate], batch: pa.Table) -> tuple[list[list[list[bytes | str]] | None], dict[int, str]]:
+    """Every row's commands (name as str, arguments as bytes), and the rows that cannot fill them."""
+    values = BatchValues(batch)
+    n = batch.num_rows
+    failures: dict[int, str] = {}
+    # Per template, per argument: a constant, one value column, or parts to join.
+    compiled = []
+    for t in templates:
+        args: list[tuple[str, Any]] = []
+        for arg in t.args[1:]:
+            if all(isinstance(p, bytes) for p in arg):
+                args.append(("const", b"".join(arg)))  # type: ignore[arg-type]
+            elif len(arg) == 1:
+                args.append(("value", values.values(arg[0])))  # type: ignore[arg-type]
+            else:
+                args.append(("join", [p if isinstance(p, bytes) else values.values(p) for p in arg]))
+        compiled.append((t.name, args))
+    rows: list[list[list[bytes | str]] | None] = []
+    for i in range(n):
+        try:
+            cmds: list[list[bytes | str]] = []
+            for name, args in compiled:
+                cmd: list[bytes | str] = [name]
+                for kind, spec in args:
+                    if kind == "const":
+                        cmd.append(spec)
+                    elif kind == "value":
+                        v = spec[i]
+                        if isinstance(v, TemplateError):
+                            raise v
+                        cmd.append(v)
+                    else:
+                        buf = []
+                        for p in spec:
+                            if isinstance(p, bytes):
+                                buf.append(p)
+                            else:
+                                v = p[i]
+                                if isinstance(v, TemplateError):
+                                    raise v
+                                buf.append(v)
+                        cmd.append(b"".join(buf))
+                cmds.append(cmd)
+            rows.append(cmds)
+        except TemplateError as e:
+            rows.append(None)
+            failures[i] = str(e)
+    return rows, failures
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+#: Error codes (the reply's first word) of outages: loading, busy script, failover, OOM, cluster moves.
+TRANSIENT_CODES = frozenset(
+    {"LOADING", "BUSY", "MISCONF", "OOM", "READONLY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "UNBLOCKED", "EXECABORT"}
+)  # fmt: skip
+#: Error codes no retry fixes: permissions, authentication, a missing script.
+PERMANENT_CODES = frozenset({"NOPERM", "NOAUTH", "WRONGPASS", "NOSCRIPT"})
+#: ``ERR`` replies that mean the template itself is wrong (the same for every row).
+PERMANENT_ERR = ("unknown command", "wrong number of arguments", "unknown subcommand")
+_CERT_ERRORS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "hostname mismatch", "doesn't match")
+
+
+_ANNOTATION = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
+
+
+def redis_error_code(exc: BaseException) -> str | None:
+    """The reply's error code (ERR, WRONGTYPE, NOPERM...): redis-py strips it into status_code."""
+    code = getattr(exc, "status_code", None)
+    if code:
+        return str(code)
+    text = str(exc)
+    first = text.split(" ", 1)[0]
+    return first if first.isupper() and first.isalpha() and len(first) > 1 else None
+
+
+def redis_error_text(exc: BaseException) -> str:
+    """One line: the error code and message as Redis sent them, or the exception's class and text."""
+    # redis-py prefixes errors of a MULTI/EXEC with the whole command, row values included.
+    text = _ANNOTATION.sub("", str(exc).strip()) or type(exc).__name__
+    text = text.splitlines()[0]
+    code = getattr(exc, "status_code", None)
+    if code and not text.startswith(str(code)):
+        return f"{code} {text}"
+    from redis import exceptions as rx
+
+    if not isinstance(exc, rx.ResponseError) and type(exc).__name__ not in text:
+        return f"{type(exc).__name__}: {text}"
+    return text
+
+
+def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+    """What an exception from redis-py (raised, or a pipeline's per-command ResponseError) means."""
+    from redis import exceptions as rx
+
+    if isinstance(exc, (rx.AuthenticationError, rx.AuthorizationError, rx.AuthenticationWrongNumberOfArgsError, rx.NoPermissionError)):
+        return "permanent"
+    if isinstance(exc, rx.CrossSlotTransactionError):
+        return "permanent"
+    if isinstance(exc, (rx.BusyLoadingError, rx.OutOfMemoryError, rx.ReadOnlyError, rx.ClusterDownError, rx.TryAgainError, rx.AskError)):
+        return "transient"
+    if isinstance(exc, rx.ConnectionError):
+        if any(m in str(exc) for m in _CERT_ERRORS):
+            return "permanent"  # a wrong CA or host name does not fix itself
+        return "transient"
+    if isinstance(exc, (rx.TimeoutError, rx.ClusterError, rx.RedisClusterException, OSError)):
+        return "transient"
+    if isinstance(exc, rx.ResponseError):
+        code = redis_error_code(exc)
+        if code in TRANSIENT_CODES or isinstance(exc, rx.ExecAbortError):
+            return "transient"
+        if code in PERMANENT_CODES or isinstance(exc, rx.NoScriptError):
+            return "permanent"
+        text = str(exc).removeprefix("ERR ")
+        if text.startswith(PERMANENT_ERR):
+            return "permanent"
+        return "data"  # WRONGTYPE, not an integer / float, XADD id too small, a syntax error in an argument...
+    if isinstance(exc, rx.DataError):
+        return "data"  # redis-py refused an argument client-side
+    return "transient"
+
+
+# -- client -------------------------------------------------------------------------------------
+
+
+def _node(spec: str) -> tuple[str, int]:
+    host, sep, port = spec.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{spec!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def client_kwargs(c: RedisSinkConfig) -> dict[str, Any]:
+    """Keyword arguments of redis.Redis / redis.cluster.RedisCluster (includes the password: never log it).
+
+    ``retry`` is left out here; the client is built with zero retries (the runtime retries batches).
+    """
+    kw: dict[str, Any] = {
+        "host": c.host,
+        "port": c.port,
+        "username": c.username,
+        "password": secret(c.password),
+        "socket_timeout": c.socket_timeout_s,
+        "socket_connect_timeout": c.socket_connect_timeout_s,
+        "socket_keepalive": True,
+        "client_name": c.client_name,
+    }
+    if c.mode == "standalone":
+        kw["db"] = c.db
+        kw["health_check_interval"] = 30  # PING a connection idle for 30 s before using it
+    else:
+        kw["startup_nodes_spec"] = [(c.host, c.port), *(_node(s) for s in c.startup_nodes)]
+        kw["require_full_coverage"] = True
+    if c.tls:
+        kw.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=c.tls_check_hostname)
+        if c.tls_ca_file:
+            kw["ssl_ca_certs"] = c.tls_ca_file
+        if c.tls_cert_file:
+            kw["ssl_certfile"] = c.tls_cert_file
+            kw["ssl_keyfile"] = c.tls_key_file
+    return kw
+
+
+def make_client(c: RedisSinkConfig) -> Any:
+    """A redis.Redis or RedisCluster for the config, without retries. Cluster mode connects at once."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    kw = client_kwargs(c)
+    no_retry = Retry(NoBackoff(), 0)
+    if c.mode == "standalone":
+        return redis.Redis(retry=no_retry, **kw)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes = [ClusterNode(h, p) for h, p in kw.pop("startup_nodes_spec")]
+    kw.pop("host")
+    kw.pop("port")
+    return RedisCluster(startup_nodes=nodes, retry=no_retry, **kw)
+
+
+# -- the sink -----------------------------------------------------------------------------------
+
+
+class RedisSink(Sink):
+    """Pipelines every row's commands; per-command errors are mapped back to their rows."""
+
+    config_class = RedisSinkConfig
+    config: RedisSinkConfig
+
+    def __init__(self, config: RedisSinkConfig):
+        super().__init__(config)
+        self._client: Any = None
+        self._templates: list[CommandTemplate] | None = None
+
+    def validate(self) -> None:
+        c = self.config
+        templates = []
+        for i, spec in enumerate(c.commands):
+            try:
+                templates.append(parse_command(spec))
+            except TemplateSyntaxError as e:
+                raise_config(f"commands[{i}]", str(e))
+        self._templates = templates
+        require(bool(c.host.strip()), "must not be empty", field="sink.host")
+        if c.mode == "cluster":
+            require(c.db == 0, "a Redis Cluster has only database 0", field="sink.db")
+            require(not c.transaction, "MULTI/EXEC across a chunk of rows would span hash slots; not supported in cluster mode", field="sink.transaction")
+            for s in c.startup_nodes:
+                try:
+                    _node(s)
+                except ValueError as e:
+                    raise_config("startup_nodes", str(e))
+        else:
+            require(not c.startup_nodes, "only in cluster mode", field="sink.startup_nodes")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            require(getattr(c, name) is None or c.tls, "needs tls: true", field=f"sink.{name}")
+        require((c.tls_cert_file is None) == (c.tls_key_file is None), "give tls_cert_file and tls_key_file together", field="sink.tls_cert_file")
+        require(c.password is None or bool(secret(c.password)), "must not be empty (leave it out for no password)", field="sink.password")
+
+    def templates(self) -> list[CommandTemplate]:
+        if self._templates is None:
+            self.validate()
+        assert self._templates is not None
+        return self._templates
+
+    def describe(self) -> str:
+        return f"redis {self.config.mode} {self.config.host}:{self.config.port}/{self.config.db}: {'; '.join(t.name for t in self.templates())}"
+
+    def _error(self, exc: BaseException, context: str) -> Exception:
+        kind = classify_redis_error(exc)
+        where = f"{self.config.host}:{self.config.port}"
+        if kind == "permanent":
+            return PermanentSinkError(f"Redis {where} {context}: {redis_error_text(exc)}")
+        return TransientSinkError(f"Redis {where} {context}: {redis_error_text(exc)}")
+
+    def _connect(self) -> Any:
+        from redis import exceptions as rx
+
+        try:
+            client = make_client(self.config)
+            client.ping()
+            return client
+        except (rx.RedisError, rx.RedisClusterException, OSError) as e:
+            raise self._error(e, "connect failed") from None
+
+    def init_sink(self) -> None:
+        self.templates()
+        self._client = self._connect()
+        try:
+            self._check_commands()
+        except Exception:
+            self.cleanup_sink()
+            raise
+        risky = sorted({t.name for t in self.templates() if t.name in NOT_IDEMPOTENT})
+        if risky:
+            log.info("Redis templates use %s: a replayed batch runs them again (not idempotent)", ", ".join(risky))
+
+    def _check_commands(self) -> None:
+        """Every template's command exists and takes its number of arguments (COMMAND INFO)."""
+        from redis import exceptions as rx
+
+        # One node answers for the cluster; a bytes command name skips redis-py's reply
+        # parser, which fails on the nil entry of an unknown command.
+        node = self._client.get_default_node().redis_connection if self.config.mode == "cluster" else self._client
+        for i, t in enumerate(self.templates()):
+            try:
+                info = node.execute_command(b"COMMAND", b"INFO", t.name)
+            except rx.ResponseError as e:
+                if classify_redis_error(e) == "data":
+                    log.debug("COMMAND INFO not available: %s", e)
+                    return
+                raise self._error(e, f"checking command {t.name}") from None
+            except (rx.RedisError, rx.RedisClusterException, OSError) as e:
+                raise self._error(e, f"checking command {t.name}") from None
+            arity = _arity(info, t.name)
+            if arity is None:
+                raise PermanentSinkError(f"sink.commands[{i}]: Redis does not know the command {t.name!r} ({t.source})")
+            n = len(t.args)
+            if (arity > 0 and n != arity) or (arity < 0 and n < -arity):
+                want = f"exactly {arity}" if arity > 0 else f"at least {-arity}"
+                raise PermanentSinkError(f"sink.commands[{i}]: {t.name} takes {want} words with its name, the template has {n} ({t.source})")
+
+    def cleanup_sink(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):  # closing is best effort
+                self._client.close()
+            self._client = None
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        from redis import exceptions as rx
+
+        if batch.num_rows == 0:
+            return SendResult(rows=0)
+        templates = self.templates()
+        rows, bad = render_batch(templates, batch)
+        failures = {i: RowFailure(i, msg) for i, msg in bad.items()}
+        good = [i for i, r in enumerate(rows) if r is not None]
+        if self._client is None:
+            self._client = self._connect()
+        size = self.config.pipeline_size
+        try:
+            for start in range(0, len(good), size):
+                for f in self._run_chunk(rows, good[start : start + size], templates):
+                    failures[f.index] = f
+        except (rx.RedisError, rx.RedisClusterException, OSError) as e:
+            err = self._error(e, "write failed")
+            self.cleanup_sink()  # a fresh connection for the retry
+            raise err from None
+        return SendResult(rows=batch.num_rows, failed=tuple(failures[i] for i in sorted(failures)))
+
+    def _run_chunk(self, rows: list[list[list[bytes | str]] | None], idx: list[int], templates: list[CommandTemplate]) -> list[RowFailure]:
+        """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
+        from redis import exceptions as rx
+
+        if not idx:
+            return []
+        pipe = self._client.pipeline(transaction=self.config.transaction)
+        for i in idx:
+            for cmd in rows[i]:  # type: ignore[union-attr]
+                pipe.execute_command(*cmd)
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except rx.ResponseError as e:
+            # A command refused while queueing aborts the whole MULTI/EXEC: nothing ran.
+            if not self.config.transaction or classify_redis_error(e) != "data":
+                raise
+            if len(idx) == 1:
+                return [RowFailure(idx[0], redis_error_text(e))]
+            mid = len(idx) // 2
+            return self._run_chunk(rows, idx[:mid], templates) + self._run_chunk(rows, idx[mid:], templates)
+        per_row = len(templates)
+        if len(results) != per_row * len(idx):
+            raise TransientSinkError(f"Redis answered {len(results)} replies for {per_row * len(idx)} commands")
+        out = []
+        for j, i in enumerate(idx):
+            for k in range(per_row):
+                r = results[j * per_row + k]
+                if isinstance(r, Exception):
+                    kind = classify_redis_error(r)
+                    if kind != "data":
+                        raise r
+                    out.append(RowFailure(i, f"{templates[k].name}: {redis_error_text(r)}"))
+                    break
+        return out
+
+
+def raise_config(field: str, message: str) -> None:
+    raise ConfigError(message, field=f"sink.{field}")
+
+
+def _arity(info: Any, name: str) -> int | None:
+    """The arity from a raw COMMAND INFO reply; None for an unknown command."""
+    if isinstance(info, list) and info and isinstance(info[0], list) and len(info[0]) > 1:
+        return int(info[0][1])
+    return None
