@@ -1,0 +1,311 @@
+"""MySQL sink without a server: identifier quoting, statements, types, values, config, error mapping."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pyarrow as pa
+import pymysql
+import pytest
+from pymysql.cursors import RE_INSERT_VALUES
+
+from conveyor.core.errors import ConfigError
+from conveyor.sinks import build_sink, parse_sink_config
+from conveyor.sinks.mysql import (
+    DATA_ERRORS,
+    PERMANENT_ERRORS,
+    TRANSIENT_ERRORS,
+    MySQLSink,
+    MySQLSinkConfig,
+    RowValueError,
+    classify_mysql_error,
+    create_table_statement,
+    error_text,
+    identifier_problem,
+    insert_statement,
+    mysql_type,
+    mysql_value,
+    quote_identifier,
+)
+
+BASE = {"type": "mysql", "url": "mysql://root@127.0.0.1:3306/test", "table": "orders"}
+
+
+def sink(**over: Any) -> MySQLSink:
+    s = build_sink({**BASE, **over})
+    assert isinstance(s, MySQLSink)
+    return s
+
+
+# -- identifiers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "quoted"),
+    [
+        ("orders", "`orders`"),
+        ("weird`name", "`weird``name`"),
+        ("``", "``````"),
+        ("a b.c", "`a b.c`"),
+        ("`; DROP TABLE x; --", "```; DROP TABLE x; --`"),
+        ("ünï", "`ünï`"),
+    ],
+)
+def test_quote_identifier(name: str, quoted: str) -> None:
+    assert quote_identifier(name) == quoted
+
+
+def test_quote_identifier_matches_sqlalchemys_mysql_dialect() -> None:
+    from sqlalchemy.dialects import mysql
+
+    plain = mysql.dialect(paramstyle="named").identifier_preparer  # statements run without parameters
+    pyformat = mysql.dialect(paramstyle="format").identifier_preparer  # statements pymysql %-formats
+    for name in ("orders", "weird`name", "``", "a b", "x%s", "select", "100%"):
+        assert quote_identifier(name) == plain.quote_identifier(name)
+        stmt = insert_statement(name, ["c"])
+        assert stmt[len("INSERT INTO ") : stmt.index(" (`c`)")] == pyformat.quote_identifier(name)
+
+
+def test_quote_identifier_refuses_nul() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        quote_identifier("a\x00b")
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [("", "empty"), ("   ", "empty"), ("a\x00", "NUL"), ("x" * 65, "longer than 64"), ("trailing ", "end with a space")],
+)
+def test_identifier_problems(name: str, problem: str) -> None:
+    assert problem in (identifier_problem(name) or "")
+
+
+def test_identifier_ok() -> None:
+    assert identifier_problem("x" * 64) is None and identifier_problem("a`b %s") is None
+
+
+# -- statements -----------------------------------------------------------------------------------
+
+
+def test_insert_statement() -> None:
+    assert insert_statement("orders", ["id", "name"]) == "INSERT INTO `orders` (`id`, `name`) VALUES (%s, %s)"
+
+
+def test_upsert_statement() -> None:
+    stmt = insert_statement("orders", ["id", "name", "amount"], ["id"])
+    assert stmt == (
+        "INSERT INTO `orders` (`id`, `name`, `amount`) VALUES (%s, %s, %s) "
+        "ON DUPLICATE KEY UPDATE `name` = VALUES(`name`), `amount` = VALUES(`amount`)"
+    )
+    assert insert_statement("t", ["a", "b"], ["a", "b"]).endswith("ON DUPLICATE KEY UPDATE `a` = `a`")
+
+
+@pytest.mark.parametrize("upsert", [(), ("i`d",)])
+def test_statements_with_odd_identifiers_stay_multi_row_inserts(upsert: tuple[str, ...]) -> None:
+    """pymysql's executemany turns the statement into multi-row INSERTs only if its regex matches,
+    and %-formats the prefix: '%' in identifiers must be doubled, backticks doubled."""
+    cols = ["i`d", "na%me", "VALUES (%s)", "x"]
+    stmt = insert_statement("t`a%b %s", cols, upsert)
+    assert stmt.startswith("INSERT INTO `t``a%%b %%s` (`i``d`, `na%%me`, `VALUES (%%s)`, `x`) VALUES (%s, %s, %s, %s)")
+    m = RE_INSERT_VALUES.match(stmt)
+    assert m is not None
+    assert m.group(1) % () == "INSERT INTO `t``a%b %s` (`i``d`, `na%me`, `VALUES (%s)`, `x`) VALUES "
+    assert m.group(2) == "(%s, %s, %s, %s)"
+    if upsert:
+        assert (m.group(3) % ()).strip() == "ON DUPLICATE KEY UPDATE `na%me` = VALUES(`na%me`), `VALUES (%s)` = VALUES(`VALUES (%s)`), `x` = VALUES(`x`)"
+
+
+def test_create_table_statement_is_not_percent_escaped() -> None:
+    stmt = create_table_statement("t%x`y", {"id": "BIGINT", "n%": "LONGTEXT"}, ["id"])
+    assert stmt == "CREATE TABLE IF NOT EXISTS `t%x``y` (`id` BIGINT, `n%` LONGTEXT, PRIMARY KEY (`id`)) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+
+
+# -- types and values -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arrow", "key", "sql"),
+    [
+        (pa.bool_(), False, "BOOLEAN"),
+        (pa.int8(), False, "TINYINT"),
+        (pa.int16(), False, "SMALLINT"),
+        (pa.int32(), False, "INT"),
+        (pa.int64(), False, "BIGINT"),
+        (pa.uint64(), False, "BIGINT UNSIGNED"),
+        (pa.uint8(), False, "TINYINT UNSIGNED"),
+        (pa.float32(), False, "FLOAT"),
+        (pa.float64(), False, "DOUBLE"),
+        (pa.decimal128(10, 2), False, "DECIMAL(10,2)"),
+        (pa.decimal256(70, 40), False, "DECIMAL(65,30)"),
+        (pa.timestamp("s"), False, "DATETIME"),
+        (pa.timestamp("ms", tz="UTC"), False, "DATETIME(3)"),
+        (pa.timestamp("us"), False, "DATETIME(6)"),
+        (pa.timestamp("ns"), False, "DATETIME(6)"),
+        (pa.date32(), False, "DATE"),
+        (pa.string(), False, "LONGTEXT"),
+        (pa.string(), True, "VARCHAR(255)"),
+        (pa.large_string(), False, "LONGTEXT"),
+        (pa.binary(), False, "LONGBLOB"),
+        (pa.binary(), True, "VARBINARY(255)"),
+        (pa.list_(pa.int64()), False, "JSON"),
+        (pa.struct([("a", pa.int64())]), False, "JSON"),
+    ],
+)
+def test_mysql_type(arrow: pa.DataType, key: bool, sql: str) -> None:
+    assert mysql_type(arrow, key=key) == sql
+
+
+def test_mysql_value() -> None:
+    aware = dt.datetime(2026, 11, 1, 13, 0, 0, 123000, tzinfo=dt.timezone(dt.timedelta(hours=1)))
+    assert mysql_value(aware) == dt.datetime(2026, 11, 1, 12, 0, 0, 123000)
+    naive = dt.datetime(2026, 1, 1)
+    assert mysql_value(naive) is naive
+    assert json.loads(mysql_value({"a": [1, 2], "d": dt.date(2026, 1, 2)})) == {"a": [1, 2], "d": "2026-01-02"}
+    assert mysql_value(decimal.Decimal("1.50")) == decimal.Decimal("1.50")
+    assert mysql_value(b"\x00\xff") == b"\x00\xff"
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(RowValueError, match="cannot be stored in MySQL"):
+            mysql_value(bad)
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def test_defaults_alias_and_asset_key() -> None:
+    cfg = parse_sink_config({**BASE, "type": "mariadb"})
+    assert isinstance(cfg, MySQLSinkConfig)
+    assert cfg.rows_per_statement == 1000 and cfg.upsert_keys == [] and cfg.create_table is False
+    assert cfg.connect_timeout_s == 10 and cfg.read_timeout_s == 60 and cfg.write_timeout_s == 60
+    assert cfg.asset_key_path() == ["mysql", "test", "orders"]
+    assert parse_sink_config({"type": "mysql", "host": "h", "database": "shop", "table": "a-b"}).asset_key_path() == ["mysql", "shop", "a_b"]
+
+
+def test_url_is_secret_and_parsed() -> None:
+    s = sink(url="mysql://us%40er:p%3Ass@db.example:3307/sh%2Fop", lock_wait_timeout_s=5, tls_ca_file="/ca.pem")
+    assert "p:ss" not in repr(s.config) and "p%3Ass" not in json.dumps(s.config.redacted())
+    assert "p%3Ass" not in s.describe() and "p:ss" not in s.describe()
+    kw = s.connect_kwargs()
+    assert (kw["host"], kw["port"], kw["user"], kw["password"], kw["database"]) == ("db.example", 3307, "us@er", "p:ss", "sh/op")
+    assert kw["autocommit"] is False and kw["charset"] == "utf8mb4"
+    assert (kw["connect_timeout"], kw["read_timeout"], kw["write_timeout"]) == (10, 60, 60)
+    assert "STRICT_ALL_TABLES" in kw["init_command"] and "time_zone = '+00:00'" in kw["init_command"]
+    assert "innodb_lock_wait_timeout = 5" in kw["init_command"]
+    assert kw["ssl"] == {"ca": "/ca.pem"}
+    assert s.endpoint() == "db.example:3307/sh/op"
+
+
+def test_host_fields() -> None:
+    s = sink(url=None, host="db", user="app", password="pw", database="shop", port=3310)
+    kw = s.connect_kwargs()
+    assert (kw["host"], kw["port"], kw["user"], kw["password"], kw["database"]) == ("db", 3310, "app", "pw", "shop")
+    assert "pw" not in json.dumps(s.config.redacted())
+
+
+def test_url_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MYSQL_SINK_URL", "mysql://u:pw@h/shop")
+    s = sink(url=None, url_env="MYSQL_SINK_URL")
+    assert s.connect_kwargs()["database"] == "shop"
+    assert s.config.asset_key_path() == ["mysql", "shop", "orders"]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"url": None}, "sink.url"),
+        ({"host": "h"}, "sink.url"),
+        ({"url_env": "X"}, "sink.url"),
+        ({"url": "http://h/db"}, "sink.url"),
+        ({"url": "mysql:///db"}, "sink.url"),
+        ({"url": "mysql://h:99999/db"}, "sink.url"),
+        ({"url": "mysql://h:3306"}, "sink.url"),
+        ({"url": None, "url_env": "CONVEYOR_SURELY_UNSET_VAR"}, "sink.url_env"),
+        ({"url": None, "host": "h"}, "sink.database"),
+        ({"url": None, "host": " ", "database": "d"}, "sink.host"),
+        ({"password": "pw"}, "sink.password"),
+        ({"database": "d"}, "sink.database"),
+        ({"port": 3307}, "sink.port"),
+        ({"port": 0}, "port"),
+        ({"table": ""}, "sink.table"),
+        ({"table": "x" * 65}, "sink.table"),
+        ({"table": "a\x00"}, "sink.table"),
+        ({"columns": {}}, "sink.columns"),
+        ({"columns": {"id": "$nope"}}, "sink.columns"),
+        ({"columns": {"bad ": "id"}}, "sink.columns"),
+        ({"columns": {"id": "id"}, "upsert_keys": ["name"]}, "sink.upsert_keys"),
+        ({"upsert_keys": ["id", "id"]}, "sink.upsert_keys"),
+        ({"rows_per_statement": 0}, "rows_per_statement"),
+        ({"rows_per_statement": 100_001}, "rows_per_statement"),
+        ({"max_statement_bytes": 10}, "max_statement_bytes"),
+        ({"read_timeout_s": 0}, "read_timeout_s"),
+        ({"write_timeout_s": 0}, "write_timeout_s"),
+        ({"connect_timeout_s": 301}, "connect_timeout_s"),
+        ({"lock_wait_timeout_s": 0}, "lock_wait_timeout_s"),
+        ({"charset": "utf8mb4; DROP"}, "sink.charset"),
+        ({"nope": 1}, "nope"),
+    ],
+)
+def test_bad_config_names_the_field(override: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_sink({**BASE, **override})
+    assert field in str(err.value)
+
+
+def test_importing_the_module_does_not_import_pymysql() -> None:
+    code = "import sys, conveyor.sinks.mysql; from conveyor.sinks import build_sink; " \
+        "build_sink({'type': 'mysql', 'url': 'mysql://h/db', 'table': 't'}); assert 'pymysql' not in sys.modules"  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- error mapping --------------------------------------------------------------------------------
+
+
+def server_error(code: int, message: str = "message") -> pymysql.err.MySQLError:
+    """The exception pymysql raises for an error packet with this code (same class choice)."""
+    cls = pymysql.err.error_map.get(code, pymysql.err.InternalError if code < 1000 else pymysql.err.OperationalError)
+    return cls(code, message)
+
+
+@pytest.mark.parametrize("code", sorted(DATA_ERRORS))
+def test_data_error_codes(code: int) -> None:
+    assert classify_mysql_error(server_error(code)) == "data"
+
+
+@pytest.mark.parametrize("code", sorted(TRANSIENT_ERRORS))
+def test_transient_error_codes(code: int) -> None:
+    assert classify_mysql_error(server_error(code)) == "transient"
+
+
+@pytest.mark.parametrize("code", sorted(PERMANENT_ERRORS))
+def test_permanent_error_codes(code: int) -> None:
+    assert classify_mysql_error(server_error(code)) == "permanent"
+
+
+def test_the_briefs_codes_are_mapped() -> None:
+    for code in (1048, 1264, 1406, 1366, 3819, 4025, 1062, 1452):
+        assert classify_mysql_error(server_error(code)) == "data", code
+    for code in (2003, 2006, 2013, 1205, 1213):
+        assert classify_mysql_error(server_error(code)) == "transient", code
+    for code in (1045, 1049, 1146):
+        assert classify_mysql_error(server_error(code)) == "permanent", code
+
+
+def test_exceptions_without_a_known_code() -> None:
+    assert classify_mysql_error(pymysql.err.IntegrityError(9999, "new integrity error")) == "data"
+    assert classify_mysql_error(pymysql.err.DataError(9998, "new data error")) == "data"
+    assert classify_mysql_error(pymysql.err.ProgrammingError(9997, "x")) == "permanent"
+    assert classify_mysql_error(pymysql.err.NotSupportedError(9996, "x")) == "permanent"
+    assert classify_mysql_error(pymysql.err.OperationalError(9995, "x")) == "transient"
+    assert classify_mysql_error(pymysql.err.InternalError(0, "x")) == "transient"
+    assert classify_mysql_error(pymysql.err.InterfaceError(0, "")) == "transient"
+    assert classify_mysql_error(TimeoutError("timed out")) == "transient"
+    assert classify_mysql_error(ConnectionResetError(104, "reset")) == "transient"
+    assert classify_mysql_error(RowValueError("nan")) == "data"
+
+
+def test_error_text() -> None:
+    assert error_text(server_error(1048, "Column 'name' cannot be null")) == "(1048) Column 'name' cannot be null"
+    assert error_text(TimeoutError("timed out")) == "TimeoutError: timed out"
