@@ -16,7 +16,6 @@ savepoint and bisected until the guilty rows are found; the good rows are kept.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import logging
 import math
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import Field, SecretStr
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
@@ -207,21 +207,44 @@ def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
     return "JSON"
 
 
-class RowValueError(ValueError):
-    """A value MySQL cannot store (NaN, infinity): a data error for its row."""
+def column_values(col: pa.ChunkedArray | pa.Array) -> tuple[list[Any], dict[int, str]]:
+    """A column as values pymysql can escape, and the rows whose value MySQL cannot hold.
+
+    Aware timestamps become their naive UTC wall time (the session's time zone is UTC);
+    nested values become JSON text; NaN and infinities have no MySQL representation.
+    """
+    t = col.type
+    bad: dict[int, str] = {}
+    if pa.types.is_timestamp(t):
+        if t.tz is not None or t.unit == "ns":
+            col = col.cast(pa.timestamp("us" if t.unit == "ns" else t.unit), safe=False)
+        return col.to_pylist(), bad
+    if pa.types.is_floating(t):
+        values = col.to_pylist()
+        if len(col) and pc.any(pc.invert(pc.is_finite(col))).as_py():
+            for i, v in enumerate(values):
+                if v is not None and not math.isfinite(v):
+                    bad[i] = f"{v!r} cannot be stored in MySQL"
+        return values, bad
+    if pa.types.is_nested(t):
+        return [None if v is None else json.dumps(v, default=json_default) for v in col.to_pylist()], bad
+    return col.to_pylist(), bad
 
 
-def mysql_value(v: Any) -> Any:
-    """A Python value pymysql can escape: aware datetimes to naive UTC, JSON for containers."""
-    if isinstance(v, dt.datetime):
-        if v.tzinfo is not None:
-            v = v.astimezone(dt.timezone.utc).replace(tzinfo=None)
-        return v
-    if isinstance(v, float) and not math.isfinite(v):
-        raise RowValueError(f"{v!r} cannot be stored in MySQL")
-    if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, default=json_default)
-    return v
+def headers_json(col: pa.ChunkedArray | pa.Array) -> list[str]:
+    """The __headers column as JSON objects of text values (the last of a repeated name wins)."""
+    out = []
+    for hs in col.to_pylist():
+        out.append(json.dumps({h["key"]: (h["value"].decode(errors="replace") if h["value"] is not None else None) for h in hs or ()}))
+    return out
+
+
+def payload_json(batch: pa.Table) -> list[str]:
+    """Each row's payload as JSON text: decoded columns as an object, a JSON `value` parsed."""
+    pcols = payload_columns(batch)
+    if pcols == ["value"]:
+        return [json.dumps(r.payload_json(), default=json_default) for r in iter_records(batch.select(["value"]))]
+    return [json.dumps(row, default=json_default) for row in batch.select(pcols).to_pylist()]
 
 
 # -- error classification -------------------------------------------------------------------------
@@ -336,8 +359,6 @@ def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "pe
             return "permanent"
         if isinstance(exc, pymysql.err.InterfaceError):  # (0, '') when the connection is closed
             return "transient"
-    if isinstance(exc, RowValueError):
-        return "data"
     # Socket errors and timeouts, OperationalError / InternalError with an unknown code.
     return "transient"
 
@@ -598,33 +619,22 @@ class MySQLSink(Sink):
     def _rows(self, batch: pa.Table) -> tuple[list[tuple[Any, ...] | None], list[RowFailure]]:
         """The batch as parameter tuples; rows with values MySQL cannot hold become failures."""
         assert self._sources is not None
-        sources = self._sources
-        need_records = "$payload" in sources or "$headers" in sources
-        records = list(iter_records(batch)) if need_records else None
         cols: dict[str, list[Any]] = {}
-        for src in set(sources):
-            if src in ("$payload", "$headers"):
-                continue
-            cols[src] = batch.column(META_SOURCES.get(src, src)).to_pylist()
-        out: list[tuple[Any, ...] | None] = []
-        failures: list[RowFailure] = []
-        for i in range(batch.num_rows):
-            try:
-                row = []
-                for src in sources:
-                    if src == "$payload":
-                        assert records is not None
-                        row.append(json.dumps(records[i].payload_json(), default=json_default))
-                    elif src == "$headers":
-                        assert records is not None
-                        row.append(json.dumps({k: v.decode(errors="replace") if v is not None else None for k, v in records[i].headers}))
-                    else:
-                        row.append(mysql_value(cols[src][i]))
-                out.append(tuple(row))
-            except (RowValueError, TypeError, ValueError) as e:
-                out.append(None)
-                failures.append(RowFailure(i, f"{type(e).__name__}: {e}"))
-        return out, failures
+        bad: dict[int, str] = {}
+        for src in dict.fromkeys(self._sources):
+            if src == "$payload":
+                cols[src] = payload_json(batch)
+            elif src == "$headers":
+                cols[src] = headers_json(batch.column(HEADERS_COL))
+            else:
+                values, col_bad = column_values(batch.column(META_SOURCES.get(src, src)))
+                cols[src] = values
+                for i, msg in col_bad.items():
+                    bad.setdefault(i, msg)
+        rows: list[tuple[Any, ...] | None] = list(zip(*(cols[src] for src in self._sources), strict=True))
+        for i in bad:
+            rows[i] = None
+        return rows, [RowFailure(i, msg) for i, msg in sorted(bad.items())]
 
     def send_batch(self, batch: pa.Table) -> SendResult:
         import pymysql

@@ -22,16 +22,18 @@ from conveyor.sinks.mysql import (
     TRANSIENT_ERRORS,
     MySQLSink,
     MySQLSinkConfig,
-    RowValueError,
     classify_mysql_error,
+    column_values,
     create_table_statement,
     error_text,
+    headers_json,
     identifier_problem,
     insert_statement,
     mysql_type,
-    mysql_value,
+    payload_json,
     quote_identifier,
 )
+from tests.sinks.contract import HEADERS_TYPE, make_batch
 
 BASE = {"type": "mysql", "url": "mysql://root@127.0.0.1:3306/test", "table": "orders"}
 
@@ -159,17 +161,38 @@ def test_mysql_type(arrow: pa.DataType, key: bool, sql: str) -> None:
     assert mysql_type(arrow, key=key) == sql
 
 
-def test_mysql_value() -> None:
-    aware = dt.datetime(2026, 11, 1, 13, 0, 0, 123000, tzinfo=dt.timezone(dt.timedelta(hours=1)))
-    assert mysql_value(aware) == dt.datetime(2026, 11, 1, 12, 0, 0, 123000)
-    naive = dt.datetime(2026, 1, 1)
-    assert mysql_value(naive) is naive
-    assert json.loads(mysql_value({"a": [1, 2], "d": dt.date(2026, 1, 2)})) == {"a": [1, 2], "d": "2026-01-02"}
-    assert mysql_value(decimal.Decimal("1.50")) == decimal.Decimal("1.50")
-    assert mysql_value(b"\x00\xff") == b"\x00\xff"
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        with pytest.raises(RowValueError, match="cannot be stored in MySQL"):
-            mysql_value(bad)
+def test_column_values_timestamps_become_naive_utc() -> None:
+    paris = pa.array([dt.datetime(2026, 11, 1, 12, 0, 0, 123000)], pa.timestamp("ms")).cast(pa.timestamp("ms", tz="Europe/Paris"))
+    values, bad = column_values(paris)
+    assert values == [dt.datetime(2026, 11, 1, 12, 0, 0, 123000)] and bad == {}
+    ns = pa.array([1_700_000_000_123_456_789, None], pa.timestamp("ns", tz="UTC"))
+    assert column_values(ns)[0] == [dt.datetime(2023, 11, 14, 22, 13, 20, 123456), None]
+    naive = pa.array([dt.datetime(2026, 1, 1)], pa.timestamp("us"))
+    assert column_values(naive)[0] == [dt.datetime(2026, 1, 1)]
+
+
+def test_column_values_non_finite_floats_are_row_errors() -> None:
+    values, bad = column_values(pa.chunked_array([[1.5, float("nan")], [None, float("inf"), -float("inf")]]))
+    assert values[0] == 1.5 and values[2] is None
+    assert bad == {1: "nan cannot be stored in MySQL", 3: "inf cannot be stored in MySQL", 4: "-inf cannot be stored in MySQL"}
+    assert column_values(pa.array([], pa.float64())) == ([], {})
+
+
+def test_column_values_nested_become_json_and_others_pass() -> None:
+    nested = pa.array([{"a": [1, 2], "d": dt.date(2026, 1, 2)}, None])
+    values, _ = column_values(nested)
+    assert json.loads(values[0]) == {"a": [1, 2], "d": "2026-01-02"} and values[1] is None
+    assert column_values(pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)))[0] == [decimal.Decimal("1.50")]
+    assert column_values(pa.array([b"\x00\xff"], pa.binary()))[0] == [b"\x00\xff"]
+    assert column_values(pa.array(["a", "b", "a"]).dictionary_encode())[0] == ["a", "b", "a"]
+
+
+def test_headers_and_payload_json() -> None:
+    headers = pa.array([[{"key": "h", "value": b"1"}, {"key": "h", "value": b"2"}, {"key": "b", "value": b"\xff"}], None], HEADERS_TYPE)
+    assert [json.loads(x) for x in headers_json(headers)] == [{"h": "2", "b": "\ufffd"}, {}]
+    assert [json.loads(x) for x in payload_json(make_batch(1))] == [{"id": 0, "name": "name 0", "amount": 0.0}]
+    raw = pa.table({"value": pa.array([b'{"a": 1}', b"not json"])})
+    assert [json.loads(x) for x in payload_json(raw)] == [{"a": 1}, "not json"]
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -303,7 +326,6 @@ def test_exceptions_without_a_known_code() -> None:
     assert classify_mysql_error(pymysql.err.InterfaceError(0, "")) == "transient"
     assert classify_mysql_error(TimeoutError("timed out")) == "transient"
     assert classify_mysql_error(ConnectionResetError(104, "reset")) == "transient"
-    assert classify_mysql_error(RowValueError("nan")) == "data"
 
 
 def test_error_text() -> None:
