@@ -67,6 +67,7 @@ SOURCES = sorted([*META_SOURCES, "$payload"])
 SQL_MODE = "STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
 
 MAX_IDENTIFIER = 64
+PACKET_MARGIN = 4096  # room for the statement's text around a row's values
 
 
 class MySQLSinkConfig(SinkConfig):
@@ -281,7 +282,6 @@ TRANSIENT_ERRORS = {
     1053: "server shutdown in progress",
     1114: "table is full",
     1152: "aborted connection",
-    1153: "packet too large",
     1158: "network read error",
     1159: "network read timeout",
     1160: "network write error",
@@ -319,6 +319,7 @@ PERMANENT_ERRORS = {
     1142: "command denied (privilege)",
     1143: "column access denied",
     1146: "table does not exist",
+    1153: "packet larger than max_allowed_packet (rows that large are caught before sending)",
     1227: "privilege required",
     1251: "authentication protocol not supported",
     1364: "a NOT NULL column without default is not mapped",
@@ -381,6 +382,7 @@ class MySQLSink(Sink):
         self._columns: list[str] | None = None  # target columns, in order
         self._sources: list[str] | None = None  # their sources
         self._stmt: str | None = None
+        self._max_packet = 16 << 20  # the server's max_allowed_packet, read at start
 
     # -- config -----------------------------------------------------------------------------
 
@@ -528,6 +530,8 @@ class MySQLSink(Sink):
             self._exists = row is not None
             cur.execute("SELECT ENGINE, TRANSACTIONS FROM information_schema.ENGINES")
             engines = {str(e).upper(): t == "YES" for e, t in cur.fetchall()}
+            cur.execute("SELECT @@max_allowed_packet")
+            self._max_packet = int(cur.fetchone()[0])
         self._conn.rollback()
         self._transactional = row is None or engines.get(str(row[0]).upper(), True)
         if self._exists and not self._transactional:
@@ -649,10 +653,12 @@ class MySQLSink(Sink):
             if self._columns is None:
                 self._resolve(batch)
             rows, failures = self._rows(batch)
+            failures += self._oversized(rows)
             good = [i for i, r in enumerate(rows) if r is not None]
             step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
-                cur.max_stmt_length = self.config.max_statement_bytes
+                # A statement above max_allowed_packet makes the server drop the connection.
+                cur.max_stmt_length = min(self.config.max_statement_bytes, self._max_packet - PACKET_MARGIN)
                 for start in range(0, len(good), step):
                     failures += self._write_isolating(cur, rows, good[start : start + step])
             self._conn.commit()
@@ -664,6 +670,23 @@ class MySQLSink(Sink):
                 self.cleanup_sink()
             raise err from None
         return SendResult(rows=batch.num_rows, failed=tuple(sorted(failures, key=lambda f: f.index)))
+
+    def _oversized(self, rows: list[tuple[Any, ...] | None]) -> list[RowFailure]:
+        """Rows whose INSERT alone would exceed max_allowed_packet (sets them to None)."""
+        limit = self._max_packet - PACKET_MARGIN
+        out = []
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            # Cheap upper bound first (escaping at most doubles a value, UTF-8 at most 4 bytes a character).
+            bound = sum(8 * len(v) if isinstance(v, str) else 2 * len(v) if isinstance(v, bytes) else 64 for v in row)
+            if bound <= limit:
+                continue
+            size = sum(len(self._conn.literal(v).encode(errors="surrogateescape")) + 2 for v in row)
+            if size > limit:
+                rows[i] = None
+                out.append(RowFailure(i, f"row of {size} bytes exceeds the server's max_allowed_packet ({self._max_packet} bytes)"))
+        return out
 
     def _rollback(self) -> None:
         try:

@@ -519,3 +519,19 @@ def test_concurrent_sinks_on_one_table(table: str) -> None:
         t.join()
     assert not errors
     assert _count(table) == 450
+
+
+def test_a_row_above_max_allowed_packet_is_a_data_error(table: str) -> None:
+    """The server would drop the connection (1153) and every retry would fail again."""
+    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name LONGTEXT, amount DOUBLE)")
+    limit = int(_exec("SELECT @@max_allowed_packet", fetch=True)[0][0])
+    s = _sink(table, max_statement_bytes=1 << 30)  # capped to the server's limit
+    s.init_sink()
+    try:
+        result = s.send_batch(make_batch(5, names={1: "x" * (limit + 1), 3: "y" * (limit // 2)}))
+        assert [f.index for f in result.failed] == [1]
+        assert "exceeds the server's max_allowed_packet" in result.failed[0].message
+        assert s.send_batch(make_batch(1, start=5)).failed == ()  # same connection, still fine
+    finally:
+        s.cleanup_sink()
+    assert sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)) == [0, 2, 3, 4, 5]

@@ -331,3 +331,17 @@ def test_exceptions_without_a_known_code() -> None:
 def test_error_text() -> None:
     assert error_text(server_error(1048, "Column 'name' cannot be null")) == "(1048) Column 'name' cannot be null"
     assert error_text(TimeoutError("timed out")) == "TimeoutError: timed out"
+
+
+def test_the_docs_example_is_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pathlib
+    import re
+
+    import yaml
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "sinks" / "mysql.md").read_text()
+    (block,) = re.findall(r"```yaml\n(sink:.*?)```", doc, re.S)
+    raw = yaml.safe_load(block)["sink"]
+    monkeypatch.setenv(raw["url_env"], "mysql://conveyor:pw@db-1:3306/shop")
+    s = build_sink(raw)
+    assert isinstance(s, MySQLSink) and s.config.asset_key_path() == ["mysql", "shop", "orders"]

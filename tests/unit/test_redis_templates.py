@@ -455,3 +455,19 @@ def test_error_code_and_text() -> None:
     assert redis_error_text(n) == "NOPERM this user has no permissions to run the 'hset' command"
     assert redis_error_text(rx.TimeoutError("Timeout reading from socket")) == "TimeoutError: Timeout reading from socket"
     assert redis_error_code(rx.ConnectionError("Connection closed by server.")) is None
+
+
+def test_the_docs_examples_are_valid_configs() -> None:
+    import pathlib
+    import re
+
+    import yaml
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "sinks" / "redis.md").read_text()
+    blocks = [yaml.safe_load(b)["sink"] for b in re.findall(r"```yaml\n(sink:.*?)```", doc, re.S)]
+    assert len(blocks) == 2
+    for raw in blocks:
+        s = build_sink(raw)
+        assert isinstance(s, RedisSink) and s.templates()
+    cluster = build_sink(blocks[1])
+    assert cluster.templates()[0].args[1] == (b"session:{", Placeholder("payload.user"), b"}:last")
