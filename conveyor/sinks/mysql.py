@@ -625,20 +625,30 @@ class MySQLSink(Sink):
         assert self._sources is not None
         cols: dict[str, list[Any]] = {}
         bad: dict[int, str] = {}
+        text_bytes = 0  # bytes of text and binary values, for the max_allowed_packet check
         for src in dict.fromkeys(self._sources):
-            if src == "$payload":
-                cols[src] = payload_json(batch)
-            elif src == "$headers":
-                cols[src] = headers_json(batch.column(HEADERS_COL))
+            if src in ("$payload", "$headers"):
+                cols[src] = payload_json(batch) if src == "$payload" else headers_json(batch.column(HEADERS_COL))
+                text_bytes += 4 * sum(map(len, cols[src]))
             else:
-                values, col_bad = column_values(batch.column(META_SOURCES.get(src, src)))
+                col = batch.column(META_SOURCES.get(src, src))
+                values, col_bad = column_values(col)
                 cols[src] = values
                 for i, msg in col_bad.items():
                     bad.setdefault(i, msg)
+                if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+                    text_bytes += pc.sum(pc.binary_length(col)).as_py() or 0
+                elif pa.types.is_nested(col.type):
+                    text_bytes += 4 * sum(len(v) for v in values if v is not None)
         rows: list[tuple[Any, ...] | None] = list(zip(*(cols[src] for src in self._sources), strict=True))
         for i in bad:
             rows[i] = None
-        return rows, [RowFailure(i, msg) for i, msg in sorted(bad.items())]
+        failures = [RowFailure(i, msg) for i, msg in sorted(bad.items())]
+        # Escaping at most doubles a value; other values are short. Only a batch that could
+        # hold a row above the limit is checked row by row.
+        if 2 * text_bytes + 64 * len(self._sources) * batch.num_rows > self._max_packet - PACKET_MARGIN:
+            failures = sorted(failures + self._oversized(rows), key=lambda f: f.index)
+        return rows, failures
 
     def send_batch(self, batch: pa.Table) -> SendResult:
         import pymysql
@@ -653,7 +663,6 @@ class MySQLSink(Sink):
             if self._columns is None:
                 self._resolve(batch)
             rows, failures = self._rows(batch)
-            failures += self._oversized(rows)
             good = [i for i, r in enumerate(rows) if r is not None]
             step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
@@ -678,7 +687,7 @@ class MySQLSink(Sink):
         for i, row in enumerate(rows):
             if row is None:
                 continue
-            # Cheap upper bound first (escaping at most doubles a value, UTF-8 at most 4 bytes a character).
+            # A cheap upper bound first (escaping at most doubles a value, UTF-8 takes at most 4 bytes a character).
             bound = sum(8 * len(v) if isinstance(v, str) else 2 * len(v) if isinstance(v, bytes) else 64 for v in row)
             if bound <= limit:
                 continue
