@@ -623,8 +623,10 @@ class RedisSink(Sink):
             try:
                 info = node.execute_command(b"COMMAND", b"INFO", t.name)
             except rx.ResponseError as e:
-                if classify_redis_error(e) == "data":
-                    log.debug("COMMAND INFO not available: %s", e)
+                # A proxy or managed service without COMMAND, or an ACL user without it:
+                # skip the check (a wrong template then fails on the first batch instead).
+                if isinstance(e, rx.NoPermissionError) or classify_redis_error(e) == "data" or "unknown command" in str(e):
+                    log.info("cannot check the templates' commands (COMMAND INFO: %s)", redis_error_text(e))
                     return
                 raise self._error(e, f"checking command {t.name}") from None
             except (rx.RedisError, rx.RedisClusterException, OSError) as e:
@@ -665,6 +667,9 @@ class RedisSink(Sink):
             err = self._error(e, "write failed")
             self.cleanup_sink()  # a fresh connection for the retry
             raise err from None
+        except TransientSinkError:
+            self.cleanup_sink()
+            raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures[i] for i in sorted(failures)))
 
     def _run_chunk(self, rows: list[list[list[bytes | str]] | None], idx: list[int], templates: list[CommandTemplate]) -> list[RowFailure]:
