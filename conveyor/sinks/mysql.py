@@ -329,13 +329,15 @@ PERMANENT_ERRORS = {
 
 
 def error_code(exc: BaseException) -> int | None:
-    args = getattr(exc, "args", ())
+    """The MySQL error number pymysql puts first in ``args``."""
+    args: tuple[Any, ...] = tuple(getattr(exc, "args", ()))
     return args[0] if args and isinstance(args[0], int) else None
 
 
 def error_text(exc: BaseException) -> str:
+    """``(code) message`` for server errors, ``Class: message`` for the rest."""
     code = error_code(exc)
-    args = getattr(exc, "args", ())
+    args: tuple[Any, ...] = tuple(getattr(exc, "args", ()))
     msg = str(args[1]) if code is not None and len(args) > 1 else str(exc)
     return f"({code}) {msg}" if code is not None else f"{type(exc).__name__}: {msg or 'no message'}"
 
@@ -352,7 +354,7 @@ def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "pe
     try:
         import pymysql
     except ImportError:  # pragma: no cover - the sink needs pymysql anyway
-        pymysql = None  # type: ignore[assignment]
+        pymysql = None
     if pymysql is not None:
         if isinstance(exc, (pymysql.err.IntegrityError, pymysql.err.DataError)):
             return "data"
