@@ -68,22 +68,39 @@ def test_bench_kafka_sink_vs_bare_producer(tansu: str) -> None:
     create_topic(tansu, t_sink)
     create_topic(tansu, t_bare)
     settings = {"linger_ms": 5, "batch_size": 256 * 1024}
-    print(f"\nKafka -> tansu at {tansu}: {BATCHES} batches x {ROWS} rows, acks=all, idempotent, linger 5 ms, batch 256 KiB")
+    print(
+        f"\nKafka -> tansu at {tansu}: {BATCHES} batches x {ROWS} rows, acks=all, idempotent, linger 5 ms, batch 256 KiB"
+    )
     try:
-        sink = build_sink({"type": "kafka", "bootstrap_servers": tansu, "topic": t_sink, **settings})
+        sink = build_sink(
+            {"type": "kafka", "bootstrap_servers": tansu, "topic": t_sink, **settings}
+        )
         sink.init_sink()
 
         def via_sink(b: pa.Table) -> None:
             assert sink.send_batch(b).failed == ()
 
-        producer = KafkaProducer(bootstrap_servers=tansu, acks="all", enable_idempotence=True, **settings)
+        producer = KafkaProducer(
+            bootstrap_servers=tansu, acks="all", enable_idempotence=True, **settings
+        )
 
         def bare(b: pa.Table) -> None:
             futures = []
             for row in b.to_pylist():
-                value = json.dumps({"id": row["id"], "name": row["name"], "amount": row["amount"]}, separators=(",", ":")).encode()
+                value = json.dumps(
+                    {"id": row["id"], "name": row["name"], "amount": row["amount"]},
+                    separators=(",", ":"),
+                ).encode()
                 headers = [(h["key"], h["value"]) for h in row["__headers"]]
-                futures.append(producer.send(t_bare, value=value, key=row["__key"], headers=headers, timestamp_ms=timestamp_ms(row["__timestamp"])))
+                futures.append(
+                    producer.send(
+                        t_bare,
+                        value=value,
+                        key=row["__key"],
+                        headers=headers,
+                        timestamp_ms=timestamp_ms(row["__timestamp"]),
+                    )
+                )
             producer.flush()
             assert all(f.succeeded() for f in futures)
 
@@ -125,7 +142,9 @@ def test_bench_rabbitmq_sink_vs_bare_pika() -> None:
     admin = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
     admin.channel().queue_declare(queue, arguments={"x-expires": 600_000})
     admin.close()
-    print(f"\nRabbitMQ at {AMQP_URL.rsplit('@', 1)[-1]}: {BATCHES} batches x {ROWS} rows, default exchange -> one queue, persistent, confirms")
+    print(
+        f"\nRabbitMQ at {AMQP_URL.rsplit('@', 1)[-1]}: {BATCHES} batches x {ROWS} rows, default exchange -> one queue, persistent, confirms"
+    )
     total = BATCHES * ROWS
     try:
         conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
@@ -134,7 +153,10 @@ def test_bench_rabbitmq_sink_vs_bare_pika() -> None:
 
         def bare(b: pa.Table) -> None:
             for row in b.to_pylist():
-                body = json.dumps({"id": row["id"], "name": row["name"], "amount": row["amount"]}, separators=(",", ":")).encode()
+                body = json.dumps(
+                    {"id": row["id"], "name": row["name"], "amount": row["amount"]},
+                    separators=(",", ":"),
+                ).encode()
                 headers = {h["key"]: h["value"].decode() for h in row["__headers"]}
                 props = pika.BasicProperties(
                     content_type="application/json",
@@ -153,7 +175,15 @@ def test_bench_rabbitmq_sink_vs_bare_pika() -> None:
 
         rates = {}
         for mode in ("pipelined", "per_message"):
-            sink = build_sink({"type": "rabbitmq", "url": AMQP_URL, "exchange": "", "routing_key": queue, "confirm_mode": mode})
+            sink = build_sink(
+                {
+                    "type": "rabbitmq",
+                    "url": AMQP_URL,
+                    "exchange": "",
+                    "routing_key": queue,
+                    "confirm_mode": mode,
+                }
+            )
             sink.init_sink()
 
             def via_sink(b: pa.Table, sink=sink) -> None:

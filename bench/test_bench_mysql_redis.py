@@ -91,15 +91,27 @@ def _mysql_exec(sql: str) -> list[tuple]:
 
 
 DDL = "CREATE TABLE {t} (id BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL, amount DOUBLE, k VARBINARY(255), h JSON, ts DATETIME(3)) ENGINE=InnoDB"
-COLUMNS = {"id": "id", "name": "name", "amount": "amount", "k": "$key", "h": "$headers", "ts": "$timestamp"}
+COLUMNS = {
+    "id": "id",
+    "name": "name",
+    "amount": "amount",
+    "k": "$key",
+    "h": "$headers",
+    "ts": "$timestamp",
+}
 
 
 def test_bench_mysql_sink_vs_bare_executemany() -> None:
     data = batches()
-    tables = {name: f"bench_{name}_{uuid.uuid4().hex[:8]}" for name in ("bare", "insert", "upsert", "bare2")}
+    tables = {
+        name: f"bench_{name}_{uuid.uuid4().hex[:8]}"
+        for name in ("bare", "insert", "upsert", "bare2")
+    }
     for t in tables.values():
         _mysql_exec(DDL.format(t=quote_identifier(t)))
-    print(f"\nMySQL (MariaDB) at {MYSQL_URL.rsplit('@', 1)[-1]}: {BATCHES} batches x {ROWS} rows, {CHUNK} rows per statement, one commit per batch")
+    print(
+        f"\nMySQL (MariaDB) at {MYSQL_URL.rsplit('@', 1)[-1]}: {BATCHES} batches x {ROWS} rows, {CHUNK} rows per statement, one commit per batch"
+    )
     try:
         conn = _mysql()
         target = {"table": tables["bare"]}
@@ -125,7 +137,13 @@ def test_bench_mysql_sink_vs_bare_executemany() -> None:
         rates = {}
         rates["bare"] = timed("bare pymysql executemany (first)", bare, data)
         for mode in ("insert", "upsert"):
-            cfg = {"type": "mysql", "url": MYSQL_URL, "table": tables[mode], "columns": COLUMNS, "rows_per_statement": CHUNK}
+            cfg = {
+                "type": "mysql",
+                "url": MYSQL_URL,
+                "table": tables[mode],
+                "columns": COLUMNS,
+                "rows_per_statement": CHUNK,
+            }
             if mode == "upsert":
                 cfg["upsert_keys"] = ["id"]
             sink = build_sink(cfg)
@@ -143,14 +161,25 @@ def test_bench_mysql_sink_vs_bare_executemany() -> None:
             rates["bare2"] = timed("bare pymysql executemany (again, last)", bare, data)
         finally:
             conn.close()
-        bare_rate = (rates["bare"] + rates["bare2"]) / 2  # before and after the sinks: no warm-up bias
+        bare_rate = (
+            rates["bare"] + rates["bare2"]
+        ) / 2  # before and after the sinks: no warm-up bias
         report("MySQL plain INSERT vs bare", rates["insert"], bare_rate)
         report("MySQL upsert (ON DUPLICATE KEY) vs bare INSERT", rates["upsert"], bare_rate)
         for t in tables.values():
-            assert _mysql_exec(f"SELECT COUNT(*) FROM {quote_identifier(t)}")[0][0] == BATCHES * ROWS
-        a = _mysql_exec(f"SELECT id, name, amount, k, h, ts FROM {quote_identifier(tables['bare'])} ORDER BY id LIMIT 5")
+            assert (
+                _mysql_exec(f"SELECT COUNT(*) FROM {quote_identifier(t)}")[0][0] == BATCHES * ROWS
+            )
+        a = _mysql_exec(
+            f"SELECT id, name, amount, k, h, ts FROM {quote_identifier(tables['bare'])} ORDER BY id LIMIT 5"
+        )
         for t in ("insert", "upsert"):
-            assert _mysql_exec(f"SELECT id, name, amount, k, h, ts FROM {quote_identifier(tables[t])} ORDER BY id LIMIT 5") == a
+            assert (
+                _mysql_exec(
+                    f"SELECT id, name, amount, k, h, ts FROM {quote_identifier(tables[t])} ORDER BY id LIMIT 5"
+                )
+                == a
+            )
     finally:
         for t in tables.values():
             _mysql_exec(f"DROP TABLE IF EXISTS {quote_identifier(t)}")
@@ -172,9 +201,14 @@ def _delete(r: redis.Redis, prefix: str) -> None:
 def test_bench_redis_sink_vs_bare_pipeline() -> None:
     data = batches()
     r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT)
-    prefixes = {name: f"bench_{name}_{uuid.uuid4().hex[:8]}" for name in ("bare", "pipeline", "multi", "bare2")}
+    prefixes = {
+        name: f"bench_{name}_{uuid.uuid4().hex[:8]}"
+        for name in ("bare", "pipeline", "multi", "bare2")
+    }
     target = {"prefix": prefixes["bare"]}
-    print(f"\nRedis at {REDIS_HOST}:{REDIS_PORT}: {BATCHES} batches x {ROWS} rows, one HSET (6 fields) per row, {CHUNK} rows per pipeline")
+    print(
+        f"\nRedis at {REDIS_HOST}:{REDIS_PORT}: {BATCHES} batches x {ROWS} rows, one HSET (6 fields) per row, {CHUNK} rows per pipeline"
+    )
     try:
 
         def bare(b: pa.Table) -> None:
@@ -184,9 +218,25 @@ def test_bench_redis_sink_vs_bare_pipeline() -> None:
                 pipe = r.pipeline(transaction=False)
                 for row in rows[i : i + CHUNK]:
                     ts = int(row["__timestamp"].timestamp() * 1000)
-                    headers = json.dumps({h["key"]: h["value"].decode() for h in row["__headers"]}, separators=(",", ":"))
+                    headers = json.dumps(
+                        {h["key"]: h["value"].decode() for h in row["__headers"]},
+                        separators=(",", ":"),
+                    )
                     pipe.execute_command(
-                        "HSET", f"{prefix}:{row['id']}", "id", row["id"], "name", row["name"], "key", row["__key"], "ts", ts, "headers", headers, "amount", row["amount"]
+                        "HSET",
+                        f"{prefix}:{row['id']}",
+                        "id",
+                        row["id"],
+                        "name",
+                        row["name"],
+                        "key",
+                        row["__key"],
+                        "ts",
+                        ts,
+                        "headers",
+                        headers,
+                        "amount",
+                        row["amount"],
                     )
                 results = pipe.execute(raise_on_error=False)
                 assert not any(isinstance(x, Exception) for x in results)
@@ -197,25 +247,44 @@ def test_bench_redis_sink_vs_bare_pipeline() -> None:
                 f"HSET {prefixes[mode]}:${{payload.id}} id ${{payload.id}} name ${{payload.name}} key ${{key}} ts ${{timestamp}} "
                 "headers ${headers} amount ${payload.amount}"
             )
-            sink = build_sink({"type": "redis", "host": REDIS_HOST, "port": REDIS_PORT, "commands": [template], "pipeline_size": CHUNK, "transaction": mode == "multi"})
+            sink = build_sink(
+                {
+                    "type": "redis",
+                    "host": REDIS_HOST,
+                    "port": REDIS_PORT,
+                    "commands": [template],
+                    "pipeline_size": CHUNK,
+                    "transaction": mode == "multi",
+                }
+            )
             sink.init_sink()
 
             def via_sink(b: pa.Table, sink=sink) -> None:
                 assert sink.send_batch(b).failed == ()
 
             try:
-                rates[mode] = timed(f"RedisSink.send_batch ({'MULTI/EXEC' if mode == 'multi' else 'pipeline'})", via_sink, data)
+                rates[mode] = timed(
+                    f"RedisSink.send_batch ({'MULTI/EXEC' if mode == 'multi' else 'pipeline'})",
+                    via_sink,
+                    data,
+                )
             finally:
                 sink.cleanup_sink()
         target["prefix"] = prefixes["bare2"]
         rates["bare2"] = timed("bare redis-py pipeline (again, last)", bare, data)
-        bare_rate = (rates["bare"] + rates["bare2"]) / 2  # before and after the sinks: no warm-up bias
+        bare_rate = (
+            rates["bare"] + rates["bare2"]
+        ) / 2  # before and after the sinks: no warm-up bias
         report("Redis pipeline vs bare pipeline", rates["pipeline"], bare_rate)
         report("Redis MULTI/EXEC vs bare pipeline", rates["multi"], bare_rate)
         for p in prefixes.values():
             assert _count_keys(r, p) == BATCHES * ROWS
         key = 12345 % (BATCHES * ROWS)
-        assert r.hgetall(f"{prefixes['bare']}:{key}") == r.hgetall(f"{prefixes['pipeline']}:{key}") == r.hgetall(f"{prefixes['multi']}:{key}")
+        assert (
+            r.hgetall(f"{prefixes['bare']}:{key}")
+            == r.hgetall(f"{prefixes['pipeline']}:{key}")
+            == r.hgetall(f"{prefixes['multi']}:{key}")
+        )
     finally:
         for p in prefixes.values():
             _delete(r, p)

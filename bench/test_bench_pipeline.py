@@ -37,7 +37,9 @@ BATCH = int(os.environ.get("CONVEYOR_BENCH_BATCH", "10000"))
 SCHEMA = "id BIGINT, name STRING, amount DOUBLE"
 
 
-def produce(bootstrap: str, topic: str, n: int, partitions: int = 2, rate: float | None = None) -> None:
+def produce(
+    bootstrap: str, topic: str, n: int, partitions: int = 2, rate: float | None = None
+) -> None:
     from kafka import KafkaProducer
     from kafka.admin import KafkaAdminClient, NewTopic
 
@@ -47,7 +49,12 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int = 2, rate: float
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
     start = time.monotonic()
     for i in range(n):
-        p.send(topic, key=str(i).encode(), value=json.dumps({"id": i, "name": f"name {i}", "amount": i * 0.5}).encode(), partition=i % partitions)
+        p.send(
+            topic,
+            key=str(i).encode(),
+            value=json.dumps({"id": i, "name": f"name {i}", "amount": i * 0.5}).encode(),
+            partition=i % partitions,
+        )
         if rate:
             due = start + i / rate
             delay = due - time.monotonic()
@@ -59,7 +66,9 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int = 2, rate: float
 
 def create_table(pg_url: str, schema: str, table: str) -> None:
     with psycopg2.connect(pg_url) as c, c.cursor() as cur:
-        cur.execute(f'CREATE TABLE "{schema}"."{table}" (id BIGINT, name TEXT, amount DOUBLE PRECISION)')
+        cur.execute(
+            f'CREATE TABLE "{schema}"."{table}" (id BIGINT, name TEXT, amount DOUBLE PRECISION)'
+        )
 
 
 def count(pg_url: str, schema: str, table: str) -> int:
@@ -87,15 +96,25 @@ class LatencySink:
         return result
 
 
-def run_connector(bootstrap, spark, pg_url, schema, table, topic, expect, tmp_path: Path) -> tuple[float, list[float]]:
+def run_connector(
+    bootstrap, spark, pg_url, schema, table, topic, expect, tmp_path: Path
+) -> tuple[float, list[float]]:
     store = MetaStore(f"sqlite:///{tmp_path / f'meta-{uuid.uuid4().hex[:6]}.db'}")
     name = f"bench_{uuid.uuid4().hex[:6]}"
     store.sync_spec(name, spec_json="{}", spec_hash="x", source="bench", error=None)
-    claim = store.claim(name, run_id="bench", expected_generation=None, holder_alive=lambda r: False)
+    claim = store.claim(
+        name, run_id="bench", expected_generation=None, holder_alive=lambda r: False
+    )
     source = KafkaSource(SourceSpec(topics=[topic], bootstrap_servers=bootstrap), group_id=name)
-    sink = LatencySink(build_sink({"type": "postgres", "url": pg_url, "schema": schema, "table": table}))
+    sink = LatencySink(
+        build_sink({"type": "postgres", "url": pg_url, "schema": schema, "table": table})
+    )
     loop = ConnectorLoop(
-        LoopConfig(name=name, batch=BatchPolicy(max_records=BATCH, max_wait_ms=200), progress_interval_s=3600),
+        LoopConfig(
+            name=name,
+            batch=BatchPolicy(max_records=BATCH, max_wait_ms=200),
+            progress_interval_s=3600,
+        ),
         source=source,
         transform=SparkTransformer(TransformSpec(decode="json", schema=SCHEMA), lambda: spark),
         sink=sink,
@@ -136,7 +155,12 @@ def run_bare(bootstrap, pg_url, schema, table, topic, expect) -> tuple[float, li
             d = json.loads(r.value)
             rows.append((d["id"], d["name"], d["amount"]))
         with conn.cursor() as cur:
-            psycopg2.extras.execute_values(cur, f'INSERT INTO "{schema}"."{table}" (id, name, amount) VALUES %s', rows, page_size=BATCH)
+            psycopg2.extras.execute_values(
+                cur,
+                f'INSERT INTO "{schema}"."{table}" (id, name, amount) VALUES %s',
+                rows,
+                page_size=BATCH,
+            )
         conn.commit()
         now = time.time()
         latencies.extend(now - r.timestamp / 1000 for r in records)
@@ -153,7 +177,9 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1000 if s else float("nan")
 
 
-def test_throughput_and_latency_vs_bare_loop(tansu, spark_remote, pg_url, pg_schema, tmp_path, capsys):
+def test_throughput_and_latency_vs_bare_loop(
+    tansu, spark_remote, pg_url, pg_schema, tmp_path, capsys
+):
     spark = spark_session(spark_remote)
     results = {}
     # Throughput: drain a backlog of N messages.
@@ -191,7 +217,9 @@ def test_throughput_and_latency_vs_bare_loop(tansu, spark_remote, pg_url, pg_sch
     with capsys.disabled():
         print(f"\n{N} messages, batches of {BATCH}, 2 partitions")
         for label, r in results.items():
-            print(f"  {label:9s} {r['msgs_per_s']:9.0f} msgs/s   p50 {r['p50_ms']:7.1f} ms   p99 {r['p99_ms']:7.1f} ms (at {rate:.0f} msgs/s)")
+            print(
+                f"  {label:9s} {r['msgs_per_s']:9.0f} msgs/s   p50 {r['p50_ms']:7.1f} ms   p99 {r['p99_ms']:7.1f} ms (at {rate:.0f} msgs/s)"
+            )
         print(f"  ratio connector/bare throughput: {ratio:.2f}")
     assert results["connector"]["msgs_per_s"] > 0
 
@@ -202,7 +230,12 @@ def _produce_existing(bootstrap: str, topic: str, n: int, rate: float) -> None:
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=1)
     start = time.monotonic()
     for i in range(n):
-        p.send(topic, key=str(i).encode(), value=json.dumps({"id": i, "name": f"name {i}", "amount": 1.0}).encode(), partition=i % 2)
+        p.send(
+            topic,
+            key=str(i).encode(),
+            value=json.dumps({"id": i, "name": f"name {i}", "amount": 1.0}).encode(),
+            partition=i % 2,
+        )
         delay = start + i / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)

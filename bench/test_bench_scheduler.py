@@ -40,14 +40,35 @@ def cluster(n_conn: int, n_brokers: int, seed: int = 7):
         name = f"c{i:04d}"
         if kind < 0.7:  # running, a few with stale heartbeats
             b = brokers[rnd.randrange(n_brokers)].id
-            c = s.ConnectorView(name, status=ConnectorStatus.RUNNING, broker_id=b, generation=3, run_id=f"r{i}",
-                                heartbeat_at=NOW - (60 if rnd.random() < 0.02 else 1), msgs_per_s=rnd.uniform(0, 20_000),
-                                status_since=NOW - 100, updated_at=NOW - 1)
+            c = s.ConnectorView(
+                name,
+                status=ConnectorStatus.RUNNING,
+                broker_id=b,
+                generation=3,
+                run_id=f"r{i}",
+                heartbeat_at=NOW - (60 if rnd.random() < 0.02 else 1),
+                msgs_per_s=rnd.uniform(0, 20_000),
+                status_since=NOW - 100,
+                updated_at=NOW - 1,
+            )
             runs.append(s.RunView(f"r{i}", name, generation=3, status="STARTED", broker_id=b))
         elif kind < 0.9:
-            c = s.ConnectorView(name, status=ConnectorStatus.IDLE, generation=1, status_since=NOW - 10, updated_at=NOW - 10)
+            c = s.ConnectorView(
+                name,
+                status=ConnectorStatus.IDLE,
+                generation=1,
+                status_since=NOW - 10,
+                updated_at=NOW - 10,
+            )
         else:
-            c = s.ConnectorView(name, status=ConnectorStatus.ERROR, generation=2, restarts=rnd.randrange(6), status_since=NOW - 50, updated_at=NOW - 50)
+            c = s.ConnectorView(
+                name,
+                status=ConnectorStatus.ERROR,
+                generation=2,
+                restarts=rnd.randrange(6),
+                status_since=NOW - 50,
+                updated_at=NOW - 50,
+            )
         conns.append(c)
     return conns, brokers, runs
 
@@ -66,8 +87,13 @@ def test_bench_pure_scheduler_1000_connectors_50_brokers():
         base.append(time.perf_counter() - t)
     assert p.of(s.Assign) and not any(a.broker_id == "b00" for a in p.of(s.Assign))
     med = statistics.median(times) * 1000
-    record("scheduler_plan_1000x50", median_ms=round(med, 2), p90_ms=round(sorted(times)[26] * 1000, 2),
-           decisions=len(p.decisions), ratio_vs_10_connectors=round(med / (statistics.median(base) * 1000), 1))
+    record(
+        "scheduler_plan_1000x50",
+        median_ms=round(med, 2),
+        p90_ms=round(sorted(times)[26] * 1000, 2),
+        decisions=len(p.decisions),
+        ratio_vs_10_connectors=round(med / (statistics.median(base) * 1000), 1),
+    )
 
 
 def test_bench_sensor_tick_100_connectors(tmp_path, monkeypatch):
@@ -82,14 +108,24 @@ def test_bench_sensor_tick_100_connectors(tmp_path, monkeypatch):
     store = MetaStore(url)
     store.ensure_schema()
     for i in range(100):
-        store.sync_spec(f"c{i:03d}", spec_json=json.dumps({"name": f"c{i:03d}"}), spec_hash="h", source="bench", error=None)
+        store.sync_spec(
+            f"c{i:03d}",
+            spec_json=json.dumps({"name": f"c{i:03d}"}),
+            spec_hash="h",
+            source="bench",
+            error=None,
+        )
     sensor = scheduler_sensor(None)
     with instance_for_test() as instance:
         ticks = []
         for _ in range(10):
-            ctx = build_sensor_context(instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)})
+            ctx = build_sensor_context(
+                instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)}
+            )
             t = time.perf_counter()
             sensor(ctx)
             ticks.append(time.perf_counter() - t)
     first, steady = ticks[0] * 1000, statistics.median(ticks[1:]) * 1000
-    record("sensor_tick_100_connectors", first_tick_ms=round(first, 1), steady_tick_ms=round(steady, 1))
+    record(
+        "sensor_tick_100_connectors", first_tick_ms=round(first, 1), steady_tick_ms=round(steady, 1)
+    )

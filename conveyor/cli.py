@@ -24,6 +24,7 @@ from conveyor.core.errors import ConveyorError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
 from conveyor.store.meta import MetaStore, StoreError
 
+
 class _LazyConsole:
     """A rich Console bound at print time (so redirected stdout is honoured); wide when not a TTY."""
 
@@ -72,7 +73,12 @@ def _ago(ts: float | None) -> str:
 
 
 @click.group()
-@click.option("--meta-url", envvar="CONVEYOR_META_URL", default=None, help="Meta store URL (default: SQLite in $CONVEYOR_HOME).")
+@click.option(
+    "--meta-url",
+    envvar="CONVEYOR_META_URL",
+    default=None,
+    help="Meta store URL (default: SQLite in $CONVEYOR_HOME).",
+)
 @click.pass_context
 def main(ctx: click.Context, meta_url: str | None) -> None:
     """Conveyor: message connectors on Dagster."""
@@ -84,19 +90,44 @@ def main(ctx: click.Context, meta_url: str | None) -> None:
 
 
 @main.command()
-@click.option("--home", type=click.Path(path_type=Path), default=None, help="State directory (default: $CONVEYOR_HOME or ./.conveyor).")
+@click.option(
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="State directory (default: $CONVEYOR_HOME or ./.conveyor).",
+)
 @click.option("--kafka-port", default=9092, show_default=True, help="Port of the embedded broker.")
-@click.option("--spark-port", default=15002, show_default=True, help="Port of the local Spark Connect server.")
-@click.option("--port", "dagster_port", default=3000, show_default=True, help="Port of the Dagster UI.")
+@click.option(
+    "--spark-port", default=15002, show_default=True, help="Port of the local Spark Connect server."
+)
+@click.option(
+    "--port", "dagster_port", default=3000, show_default=True, help="Port of the Dagster UI."
+)
 @click.option("--rate", default=50.0, show_default=True, help="Demo producer messages per second.")
 @click.option("--no-demo", is_flag=True, help="Do not start the demo producer and connector.")
 @handles_errors
-def dev(home: Path | None, kafka_port: int, spark_port: int, dagster_port: int, rate: float, no_demo: bool) -> None:
+def dev(
+    home: Path | None,
+    kafka_port: int,
+    spark_port: int,
+    dagster_port: int,
+    rate: float,
+    no_demo: bool,
+) -> None:
     """Start the embedded broker, Spark Connect, a demo, and `dagster dev`."""
     from conveyor.devserver import run_dev
 
     home = (home or Path(os.environ.get("CONVEYOR_HOME", ".conveyor"))).resolve()
-    sys.exit(run_dev(home=home, kafka_port=kafka_port, spark_port=spark_port, dagster_port=dagster_port, producer_rate=rate, demo=not no_demo))
+    sys.exit(
+        run_dev(
+            home=home,
+            kafka_port=kafka_port,
+            spark_port=spark_port,
+            dagster_port=dagster_port,
+            producer_rate=rate,
+            demo=not no_demo,
+        )
+    )
 
 
 # -- connectors ----------------------------------------------------------------------
@@ -118,9 +149,26 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps([_row_dict(r) for r in rows], indent=2))
         return
     table = Table(title="connectors")
-    for col in ("name", "state", "desired", "broker", "gen", "lag", "msgs/s", "delivered", "heartbeat", "last error"):
+    for col in (
+        "name",
+        "state",
+        "desired",
+        "broker",
+        "gen",
+        "lag",
+        "msgs/s",
+        "delivered",
+        "heartbeat",
+        "last error",
+    ):
         table.add_column(col, overflow="fold")
-    colors = {"Running": "green", "Degraded": "yellow", "Error": "red", "Stopped": "dim", "Idle": "blue"}
+    colors = {
+        "Running": "green",
+        "Degraded": "yellow",
+        "Error": "red",
+        "Stopped": "dim",
+        "Idle": "blue",
+    }
     for r in rows:
         c = r.counters
         table.add_row(
@@ -178,12 +226,20 @@ def _redacted_spec(spec: dict[str, Any] | None) -> dict[str, Any] | None:
     try:
         out["sink"] = parse_sink_config(spec["sink"]).redacted()
     except Exception:  # noqa: BLE001 - unparseable: mask every value but the type
-        out["sink"] = {k: (v if k == "type" else "**********") for k, v in (spec.get("sink") or {}).items()}
+        out["sink"] = {
+            k: (v if k == "type" else "**********") for k, v in (spec.get("sink") or {}).items()
+        }
     return out
 
 
 @connector.command("apply")
-@click.option("-f", "--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True)
+@click.option(
+    "-f",
+    "--file",
+    "path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+)
 @click.pass_context
 @handles_errors
 def connector_apply(ctx: click.Context, path: Path) -> None:
@@ -194,8 +250,17 @@ def connector_apply(ctx: click.Context, path: Path) -> None:
     if not ls.ok:
         _fail(ls.error or "invalid spec")
     assert ls.spec is not None
-    row = _store(ctx).sync_spec(ls.name, spec_json=ls.spec_json(), spec_hash=ls.spec_hash(), source="cli", error=None, desired=ls.spec.desired)
-    click.echo(f"connector {row.name} applied ({row.status.value}, desired {row.desired.value}); reload the code location to see its job")
+    row = _store(ctx).sync_spec(
+        ls.name,
+        spec_json=ls.spec_json(),
+        spec_hash=ls.spec_hash(),
+        source="cli",
+        error=None,
+        desired=ls.spec.desired,
+    )
+    click.echo(
+        f"connector {row.name} applied ({row.status.value}, desired {row.desired.value}); reload the code location to see its job"
+    )
 
 
 @connector.command("start")
@@ -229,7 +294,9 @@ def connector_restart(ctx: click.Context, name: str) -> None:
     """Fence the current run and let the scheduler start a fresh one."""
     store = _store(ctx)
     store.set_desired(name, DesiredState.RUNNING, reason="restart from the CLI")
-    store.set_status(name, ConnectorStatus.IDLE, "restart from the CLI", bump_generation=True, clear_broker=True)
+    store.set_status(
+        name, ConnectorStatus.IDLE, "restart from the CLI", bump_generation=True, clear_broker=True
+    )
     click.echo(f"{name}: restarting (the old run is fenced; the scheduler launches a new one)")
 
 
@@ -301,15 +368,25 @@ def offsets_show(ctx: click.Context, name: str) -> None:
 
 @offsets.command("reset")
 @click.argument("name")
-@click.option("--to", "to", required=True, help="earliest, latest, or TOPIC:PARTITION:OFFSET (repeatable with commas).")
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    help="earliest, latest, or TOPIC:PARTITION:OFFSET (repeatable with commas).",
+)
 @click.pass_context
 @handles_errors
 def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
     """Reset offsets of a STOPPED connector (as Kafka Connect's KIP-875)."""
     store = _store(ctx)
     row = store.get(name)
-    if row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR) or row.desired != DesiredState.STOPPED:
-        _fail(f"{name} is {row.status.value} (desired {row.desired.value}); run `conveyor connector stop {name}` first")
+    if (
+        row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
+        or row.desired != DesiredState.STOPPED
+    ):
+        _fail(
+            f"{name} is {row.status.value} (desired {row.desired.value}); run `conveyor connector stop {name}` first"
+        )
     spec = row.spec or {}
     if to in ("earliest", "latest"):
         from conveyor.brokers.kafka import KafkaSource
@@ -335,7 +412,9 @@ def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
             except ValueError:
                 _fail(f"{item!r} is not TOPIC:PARTITION:OFFSET")
     store.reset_offsets(name, new)
-    click.echo(f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items())))
+    click.echo(
+        f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items()))
+    )
 
 
 # -- dead letters ------------------------------------------------------------------------
@@ -344,8 +423,8 @@ def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
 def _dead_letters_of(ctx: click.Context, name: str) -> tuple[Any, Any, str]:
     from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
     from conveyor.resources.conveyor import default_spark_remote
-    from conveyor.specs import from_store_row
     from conveyor.spark.transform import spark_session
+    from conveyor.specs import from_store_row
 
     store = _store(ctx)
     row = store.get(name)
@@ -415,7 +494,13 @@ def dead_letters_show(ctx: click.Context, name: str, limit: int) -> None:
 
 @dead_letters.command("replay")
 @click.argument("name")
-@click.option("--batch-size", default=1_000, show_default=True, type=click.IntRange(min=1), help="Letters re-sent per batch.")
+@click.option(
+    "--batch-size",
+    default=1_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Letters re-sent per batch.",
+)
 @click.pass_context
 @handles_errors
 def dead_letters_replay(ctx: click.Context, name: str, batch_size: int) -> None:
@@ -434,8 +519,13 @@ def dead_letters_replay(ctx: click.Context, name: str, batch_size: int) -> None:
             progress.update(task, completed=done, total=total)
 
         result = replay_dead_letters(ls, dl.spark, batch_size=batch_size, progress=update)
-    _store(ctx).record(name, f"dead letters replayed from the CLI: {result.delivered} delivered, {result.failed_again} failed again")
-    click.echo(f"{name}: {result.attempted} replayed: {result.delivered} delivered, {result.failed_again} failed again, {result.remaining} pending")
+    _store(ctx).record(
+        name,
+        f"dead letters replayed from the CLI: {result.delivered} delivered, {result.failed_again} failed again",
+    )
+    click.echo(
+        f"{name}: {result.attempted} replayed: {result.delivered} delivered, {result.failed_again} failed again, {result.remaining} pending"
+    )
     if result.failed_again:
         sys.exit(2)
 
@@ -459,8 +549,22 @@ def broker_list(ctx: click.Context) -> None:
     for col in ("id", "capacity", "assigned", "draining", "spark_remote", "run_tags"):
         table.add_column(col)
     for b in store.list_brokers():
-        assigned = sum(1 for r in rows if r.broker_id == b.id and r.status in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.IDLE) and r.desired == DesiredState.RUNNING)
-        table.add_row(b.id, str(b.capacity), str(assigned), "yes" if b.draining else "no", b.spark_remote, json.dumps(b.run_tags))
+        assigned = sum(
+            1
+            for r in rows
+            if r.broker_id == b.id
+            and r.status
+            in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.IDLE)
+            and r.desired == DesiredState.RUNNING
+        )
+        table.add_row(
+            b.id,
+            str(b.capacity),
+            str(assigned),
+            "yes" if b.draining else "no",
+            b.spark_remote,
+            json.dumps(b.run_tags),
+        )
     console.print(table)
 
 

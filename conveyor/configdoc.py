@@ -67,13 +67,37 @@ def _environment() -> list[tuple[str, str, str]]:
     from conveyor.store.meta import DEFAULT_HOME
 
     rows = [
-        ("CONVEYOR_HOME", "state directory (meta store, dead letters, connectors)", f"`{DEFAULT_HOME}`"),
-        ("CONVEYOR_META_URL", "meta store URL (`postgresql://...` in production)", "SQLite `$CONVEYOR_HOME/meta.db`"),
+        (
+            "CONVEYOR_HOME",
+            "state directory (meta store, dead letters, connectors)",
+            f"`{DEFAULT_HOME}`",
+        ),
+        (
+            "CONVEYOR_META_URL",
+            "meta store URL (`postgresql://...` in production)",
+            "SQLite `$CONVEYOR_HOME/meta.db`",
+        ),
         ("CONVEYOR_CONNECTORS_DIR", "connector spec directory", "`$CONVEYOR_HOME/connectors`"),
-        ("CONVEYOR_BROKERS_FILE", "broker executors YAML (section Brokers file)", "`$CONVEYOR_HOME/brokers.yaml` (else one broker `local`)"),
-        ("CONVEYOR_BROKER_CAPACITY", "capacity of the default broker `local` when there is no brokers file", "`8`"),
-        ("CONVEYOR_KAFKA_BOOTSTRAP", "bootstrap servers of connectors that set no `source.bootstrap_servers`", f"`{DEFAULT_BOOTSTRAP}`"),
-        ("CONVEYOR_SPARK_REMOTE", "Spark Connect endpoint of the default broker", f"`{DEFAULT_SPARK_REMOTE}`"),
+        (
+            "CONVEYOR_BROKERS_FILE",
+            "broker executors YAML (section Brokers file)",
+            "`$CONVEYOR_HOME/brokers.yaml` (else one broker `local`)",
+        ),
+        (
+            "CONVEYOR_BROKER_CAPACITY",
+            "capacity of the default broker `local` when there is no brokers file",
+            "`8`",
+        ),
+        (
+            "CONVEYOR_KAFKA_BOOTSTRAP",
+            "bootstrap servers of connectors that set no `source.bootstrap_servers`",
+            f"`{DEFAULT_BOOTSTRAP}`",
+        ),
+        (
+            "CONVEYOR_SPARK_REMOTE",
+            "Spark Connect endpoint of the default broker",
+            f"`{DEFAULT_SPARK_REMOTE}`",
+        ),
         (
             "CONVEYOR_LAG_CHECK_MINUTES",
             "window of the sink assets' `lag_not_growing` check: it fails when lag grew over this many minutes",
@@ -82,8 +106,16 @@ def _environment() -> list[tuple[str, str, str]]:
     ]
     rows += _scheduler_environment()
     rows += [
-        ("CONVEYOR_DEBUG", "any value: the CLI shows tracebacks instead of one-line errors", "unset"),
-        ("CONVEYOR_DEMO_PG_URL", "`conveyor dev` also installs the PostgreSQL demo connector, writing there", "unset"),
+        (
+            "CONVEYOR_DEBUG",
+            "any value: the CLI shows tracebacks instead of one-line errors",
+            "unset",
+        ),
+        (
+            "CONVEYOR_DEMO_PG_URL",
+            "`conveyor dev` also installs the PostgreSQL demo connector, writing there",
+            "unset",
+        ),
     ]
     return rows
 
@@ -103,7 +135,11 @@ def _scheduler_environment() -> list[tuple[str, str, str]]:
 
     docs = {**SCHEDULER_FIELDS, **attribute_docs(SchedulerConfig)}
     return [
-        (f"CONVEYOR_SCHEDULER_{f.name.upper()}", "scheduler: " + docs.get(f.name, f.name.replace("_", " ")), f"`{f.default!r}`")
+        (
+            f"CONVEYOR_SCHEDULER_{f.name.upper()}",
+            "scheduler: " + docs.get(f.name, f.name.replace("_", " ")),
+            f"`{f.default!r}`",
+        )
         for f in dataclasses.fields(SchedulerConfig)
     ]
 
@@ -130,7 +166,14 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 # -- types, constraints, defaults --------------------------------------------------------------
 
-_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", bytes: "bytes", Any: "any"}
+_SIMPLE = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    bytes: "bytes",
+    Any: "any",
+}
 
 
 def type_name(annotation: Any) -> str:
@@ -165,7 +208,14 @@ def _inner(annotation: Any) -> str:
     return f"({text})" if " or " in text else text
 
 
-_BOUNDS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "at least", "max_length": "at most"}
+_BOUNDS = {
+    "gt": ">",
+    "ge": "≥",
+    "lt": "<",
+    "le": "≤",
+    "min_length": "at least",
+    "max_length": "at most",
+}
 
 
 def constraints(field: FieldInfo) -> str:
@@ -175,7 +225,11 @@ def constraints(field: FieldInfo) -> str:
         for attr, word in _BOUNDS.items():
             v = getattr(m, attr, None)
             if v is not None:
-                out.append(f"{word} {v} item{'' if v == 1 else 's'}" if attr.endswith("length") else f"{word} {v}")
+                out.append(
+                    f"{word} {v} item{'' if v == 1 else 's'}"
+                    if attr.endswith("length")
+                    else f"{word} {v}"
+                )
     return ", ".join(out)
 
 
@@ -212,7 +266,9 @@ def model_table(model: type[BaseModel]) -> str:
         bounds = constraints(field)
         if bounds:
             typ += f" ({bounds})"
-        desc = field.description or ("Selects this sink." if name == "type" and issubclass(model, SinkConfig) else "")
+        desc = field.description or (
+            "Selects this sink." if name == "type" and issubclass(model, SinkConfig) else ""
+        )
         lines.append(f"| `{key}` | {_cell(typ)} | {_cell(default_text(field))} | {_cell(desc)} |")
     return "\n".join(lines)
 
@@ -273,7 +329,9 @@ def sink_sections() -> list[str]:
             cls = sinks.sink_class(name).config_class
         except Exception as e:  # noqa: BLE001 - a sink being written must not break the reference
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            out.append(f"### sink `{name}`\n\n> Not documented: this sink could not be imported ({_cell(reason)}).\n")
+            out.append(
+                f"### sink `{name}`\n\n> Not documented: this sink could not be imported ({_cell(reason)}).\n"
+            )
             continue
         out.append(f"### sink `{name}`\n\n{_cell(cls.__doc__ or '')}\n\n{model_table(cls)}\n")
     return out
@@ -293,16 +351,26 @@ def render() -> str:
         "| variable | meaning | default |",
         "|---|---|---|",
     ]
-    parts += [f"| `{var}` | {_cell(meaning)} | {default} |" for var, meaning, default in _environment()]
+    parts += [
+        f"| `{var}` | {_cell(meaning)} | {default} |" for var, meaning, default in _environment()
+    ]
     parts.append("")
     for title, model in SECTIONS:
         parts += [f"## `{title}`", "", _cell(model.__doc__ or ""), "", model_table(model), ""]
         if model is BatchPolicy:
             parts += ["Batch presets (`batch: {preset: NAME}` or `batch: NAME`):", ""]
-            parts += [f"- `{k}`: {', '.join(f'`{f}: {v}`' for f, v in fields.items())}" for k, fields in BATCH_PRESETS.items()]
+            parts += [
+                f"- `{k}`: {', '.join(f'`{f}: {v}`' for f, v in fields.items())}"
+                for k, fields in BATCH_PRESETS.items()
+            ]
             parts.append("")
     parts += brokers_section()
-    parts += ["## Sinks", "", "`sink.type` selects one of these; the other `sink` fields are that sink's.", ""]
+    parts += [
+        "## Sinks",
+        "",
+        "`sink.type` selects one of these; the other `sink` fields are that sink's.",
+        "",
+    ]
     parts += sink_sections()
     return "\n".join(parts).rstrip() + "\n"
 

@@ -122,13 +122,20 @@ class SparkParquetDeadLetters:
         try:
             self.spark().createDataFrame(table).write.mode("append").parquet(self.letters_path)
         except Exception as e:
-            raise TransientSinkError(f"dead-letter store {self.letters_path}: {str(e).splitlines()[0][:300]}") from e
+            raise TransientSinkError(
+                f"dead-letter store {self.letters_path}: {str(e).splitlines()[0][:300]}"
+            ) from e
 
     def mark_replayed(self, ids: list[str], at: float | None = None) -> None:
         if not ids:
             return
         at = at or time.time()
-        table = pa.table({"id": pa.array(ids, pa.string()), "replayed_at": pa.array([at] * len(ids), pa.float64())})
+        table = pa.table(
+            {
+                "id": pa.array(ids, pa.string()),
+                "replayed_at": pa.array([at] * len(ids), pa.float64()),
+            }
+        )
         self.spark().createDataFrame(table).write.mode("append").parquet(self.replayed_path)
 
     def _exists(self, path: str) -> bool:
@@ -145,9 +152,9 @@ class SparkParquetDeadLetters:
         if self._exists(self.replayed_path):
             spark.read.parquet(self.replayed_path).createOrReplaceTempView("conveyor_replayed")
         else:
-            spark.sql("SELECT CAST(NULL AS STRING) AS id, CAST(NULL AS DOUBLE) AS replayed_at WHERE false").createOrReplaceTempView(
-                "conveyor_replayed"
-            )
+            spark.sql(
+                "SELECT CAST(NULL AS STRING) AS id, CAST(NULL AS DOUBLE) AS replayed_at WHERE false"
+            ).createOrReplaceTempView("conveyor_replayed")
         return spark.sql(
             """
             SELECT l.* FROM (
@@ -187,7 +194,9 @@ class KafkaDeadLetters:
         if self._producer is None:
             from kafka import KafkaProducer
 
-            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap.split(","), acks="all", linger_ms=5)
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap.split(","), acks="all", linger_ms=5
+            )
         return self._producer
 
     def write(self, letters: list[DeadLetter]) -> None:
@@ -212,7 +221,15 @@ class KafkaDeadLetters:
                     ("conveyor.first_failure_at", repr(d.first_failure_at).encode()),
                     ("conveyor.last_failure_at", repr(d.last_failure_at).encode()),
                 ]
-                futures.append(p.send(self.topic, key=d.key, value=d.value, headers=headers, timestamp_ms=d.timestamp_ms))
+                futures.append(
+                    p.send(
+                        self.topic,
+                        key=d.key,
+                        value=d.value,
+                        headers=headers,
+                        timestamp_ms=d.timestamp_ms,
+                    )
+                )
             p.flush()
             for fut in futures:
                 fut.get(timeout=30)
@@ -225,11 +242,17 @@ class KafkaDeadLetters:
             self._producer = None
 
 
-def dead_letter_writer(spec: ConnectorSpec, generation: int, *, spark: Callable[[], Any], bootstrap: str) -> Any:
+def dead_letter_writer(
+    spec: ConnectorSpec, generation: int, *, spark: Callable[[], Any], bootstrap: str
+) -> Any:
     """The dead-letter store the connector's config asks for."""
     if spec.failure.dead_letter.store == "kafka":
-        return KafkaDeadLetters(bootstrap, dlq_topic(spec.name), connector=spec.name, generation=generation)
-    return SparkParquetDeadLetters(dead_letter_dir(spec), spark, connector=spec.name, generation=generation)
+        return KafkaDeadLetters(
+            bootstrap, dlq_topic(spec.name), connector=spec.name, generation=generation
+        )
+    return SparkParquetDeadLetters(
+        dead_letter_dir(spec), spark, connector=spec.name, generation=generation
+    )
 
 
 def letters_as_source_batch(table: pa.Table) -> pa.Table:

@@ -21,7 +21,11 @@ def build_defs() -> Definitions:
     return Definitions(
         assets=lineage_specs(catalog.specs),
         jobs=connector_jobs + [replay_job(ls) for ls in valid],
-        sensors=[scheduler_sensor(connector_jobs), conveyor_run_failures, conveyor_dead_letter_replay],
+        sensors=[
+            scheduler_sensor(connector_jobs),
+            conveyor_run_failures,
+            conveyor_dead_letter_replay,
+        ],
         resources={"conveyor": ConveyorResource()},
         asset_checks=lag_checks(catalog.specs),
         schedules=lag_check_schedules(catalog.specs),

@@ -50,9 +50,13 @@ telemetry:
 
 
 def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
-    limits = "\n".join(
-        f"      - key: conveyor/broker\n        value: {bid}\n        limit: {cap}" for bid, cap in brokers
-    ) or "      []"
+    limits = (
+        "\n".join(
+            f"      - key: conveyor/broker\n        value: {bid}\n        limit: {cap}"
+            for bid, cap in brokers
+        )
+        or "      []"
+    )
     return DAGSTER_YAML.format(limits=limits)
 
 
@@ -60,7 +64,15 @@ def _say(msg: str) -> None:
     click.secho(f"conveyor dev: {msg}", fg="cyan", err=True)
 
 
-def run_dev(*, home: Path, kafka_port: int, spark_port: int, dagster_port: int, producer_rate: float, demo: bool) -> int:
+def run_dev(
+    *,
+    home: Path,
+    kafka_port: int,
+    spark_port: int,
+    dagster_port: int,
+    producer_rate: float,
+    demo: bool,
+) -> int:
     home.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(exist_ok=True)
     connectors = home / "connectors"
@@ -84,7 +96,9 @@ def run_dev(*, home: Path, kafka_port: int, spark_port: int, dagster_port: int, 
         else:
             broker = start_embedded_broker(kafka_port, log_path=home / "logs" / "tansu.log")
             bootstrap = broker.bootstrap
-            _say(f"embedded broker (tansu) at {bootstrap}: IN MEMORY, its data is lost when conveyor dev stops")
+            _say(
+                f"embedded broker (tansu) at {bootstrap}: IN MEMORY, its data is lost when conveyor dev stops"
+            )
         remote = os.environ.get("CONVEYOR_SPARK_REMOTE")
         if remote:
             _say(f"using Spark Connect at {remote} (CONVEYOR_SPARK_REMOTE)")
@@ -92,7 +106,9 @@ def run_dev(*, home: Path, kafka_port: int, spark_port: int, dagster_port: int, 
             remote = f"sc://127.0.0.1:{spark_port}"
             _say(f"a Spark Connect server already listens on {remote}; using it")
         else:
-            _say(f"starting Spark Connect on 127.0.0.1:{spark_port} (about 10 s; log in {home / 'logs'})")
+            _say(
+                f"starting Spark Connect on 127.0.0.1:{spark_port} (about 10 s; log in {home / 'logs'})"
+            )
             spark = start_spark_connect(spark_port, work_dir=home / "spark")
             remote = spark.remote
             _say(f"Spark Connect ready at {remote}")
@@ -109,7 +125,15 @@ def run_dev(*, home: Path, kafka_port: int, spark_port: int, dagster_port: int, 
             _install_demo(connectors)
             children.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "conveyor.demo.producer", "--bootstrap", bootstrap, "--rate", str(producer_rate)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "conveyor.demo.producer",
+                        "--bootstrap",
+                        bootstrap,
+                        "--rate",
+                        str(producer_rate),
+                    ],
                     env=env,
                     stdout=open(home / "logs" / "producer.log", "ab"),  # noqa: SIM115
                     stderr=subprocess.STDOUT,
@@ -117,7 +141,16 @@ def run_dev(*, home: Path, kafka_port: int, spark_port: int, dagster_port: int, 
             )
             _say(f"demo producer: {producer_rate:g} orders/s into topic 'orders'")
         dagster = shutil.which("dagster") or str(Path(sys.executable).parent / "dagster")
-        cmd = [dagster, "dev", "-m", "conveyor.definitions", "-p", str(dagster_port), "-h", "127.0.0.1"]
+        cmd = [
+            dagster,
+            "dev",
+            "-m",
+            "conveyor.definitions",
+            "-p",
+            str(dagster_port),
+            "-h",
+            "127.0.0.1",
+        ]
         _say(f"starting Dagster UI on http://127.0.0.1:{dagster_port} (connectors in {connectors})")
         proc = subprocess.Popen(cmd, env=env)
         children.append(proc)

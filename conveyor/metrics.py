@@ -20,12 +20,30 @@ from conveyor.core.model import ConnectorStatus
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 
 COUNTERS = {
-    "messages_out": ("conveyor_connector_messages_sent", "Messages delivered to the sink (current run)."),
-    "failed": ("conveyor_connector_messages_failed", "Messages that failed delivery or decoding (current run)."),
-    "discarded": ("conveyor_connector_messages_discarded", "Messages discarded by the failure policy (current run)."),
-    "dead_lettered": ("conveyor_connector_messages_dead_lettered", "Messages written to the dead-letter store (current run)."),
-    "retries": ("conveyor_connector_retries", "Retries of outages and failed messages (current run)."),
-    "commit_failures": ("conveyor_connector_offset_commit_failures", "Offset commits that failed (current run)."),
+    "messages_out": (
+        "conveyor_connector_messages_sent",
+        "Messages delivered to the sink (current run).",
+    ),
+    "failed": (
+        "conveyor_connector_messages_failed",
+        "Messages that failed delivery or decoding (current run).",
+    ),
+    "discarded": (
+        "conveyor_connector_messages_discarded",
+        "Messages discarded by the failure policy (current run).",
+    ),
+    "dead_lettered": (
+        "conveyor_connector_messages_dead_lettered",
+        "Messages written to the dead-letter store (current run).",
+    ),
+    "retries": (
+        "conveyor_connector_retries",
+        "Retries of outages and failed messages (current run).",
+    ),
+    "commit_failures": (
+        "conveyor_connector_offset_commit_failures",
+        "Offset commits that failed (current run).",
+    ),
 }
 
 
@@ -34,12 +52,33 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
 
     now = now or time.time()
     rows = store.list()
-    families = {k: CounterMetricFamily(name, doc, labels=["connector"]) for k, (name, doc) in COUNTERS.items()}
-    lag = GaugeMetricFamily("conveyor_connector_lag", "Messages behind the log's high watermark.", labels=["connector"])
-    rate = GaugeMetricFamily("conveyor_connector_msgs_per_second", "Delivery rate over the last minute.", labels=["connector"])
-    up = GaugeMetricFamily("conveyor_connector_up", "1 if Running or Degraded with a fresh heartbeat.", labels=["connector"])
-    state = GaugeMetricFamily("conveyor_connector_state", "1 for the connector's current state.", labels=["connector", "state"])
-    heartbeat = GaugeMetricFamily("conveyor_connector_heartbeat_age_seconds", "Seconds since the last heartbeat.", labels=["connector"])
+    families = {
+        k: CounterMetricFamily(name, doc, labels=["connector"])
+        for k, (name, doc) in COUNTERS.items()
+    }
+    lag = GaugeMetricFamily(
+        "conveyor_connector_lag", "Messages behind the log's high watermark.", labels=["connector"]
+    )
+    rate = GaugeMetricFamily(
+        "conveyor_connector_msgs_per_second",
+        "Delivery rate over the last minute.",
+        labels=["connector"],
+    )
+    up = GaugeMetricFamily(
+        "conveyor_connector_up",
+        "1 if Running or Degraded with a fresh heartbeat.",
+        labels=["connector"],
+    )
+    state = GaugeMetricFamily(
+        "conveyor_connector_state",
+        "1 for the connector's current state.",
+        labels=["connector", "state"],
+    )
+    heartbeat = GaugeMetricFamily(
+        "conveyor_connector_heartbeat_age_seconds",
+        "Seconds since the last heartbeat.",
+        labels=["connector"],
+    )
     for r in rows:
         c = r.counters
         for key, fam in families.items():
@@ -48,7 +87,10 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
             lag.add_metric([r.name], float(c["lag"]))
         rate.add_metric([r.name], float(c.get("msgs_per_s", 0) or 0))
         timeout = float((r.spec or {}).get("heartbeat_timeout_s", 30))
-        alive = r.status in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED) and r.heartbeat_fresh(now, timeout)
+        alive = r.status in (
+            ConnectorStatus.RUNNING,
+            ConnectorStatus.DEGRADED,
+        ) and r.heartbeat_fresh(now, timeout)
         up.add_metric([r.name], 1.0 if alive else 0.0)
         for s in ConnectorStatus:
             state.add_metric([r.name, s.value], 1.0 if r.status == s else 0.0)
@@ -80,7 +122,13 @@ def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
     for tp, off in sorted(offsets.items()):
         hw = highwaters.get(str(tp))
         partitions.append(
-            {"topic": tp.topic, "partition": tp.partition, "committed": off, "highwater": hw, "lag": None if hw is None else max(0, hw - off)}
+            {
+                "topic": tp.topic,
+                "partition": tp.partition,
+                "committed": off,
+                "highwater": hw,
+                "lag": None if hw is None else max(0, hw - off),
+            }
         )
     return {
         "name": r.name,
@@ -115,7 +163,11 @@ def make_server(store: MetaStore, host: str = "127.0.0.1", port: int = 9464) -> 
             return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8", 200
         if m := re.fullmatch(r"/connectors/([^/]+)", path):
             try:
-                return json.dumps(connector_json(store, unquote(m.group(1)))).encode(), "application/json", 200
+                return (
+                    json.dumps(connector_json(store, unquote(m.group(1)))).encode(),
+                    "application/json",
+                    200,
+                )
             except UnknownConnectorError as e:
                 return json.dumps({"error": str(e)}).encode(), "application/json", 404
         if path == "/connectors":
@@ -128,7 +180,11 @@ def make_server(store: MetaStore, host: str = "127.0.0.1", port: int = 9464) -> 
             try:
                 body, ctype, code = route(path)
             except Exception as e:  # noqa: BLE001 - a scrape must get an answer, not a closed socket
-                body, ctype, code = f"meta store unavailable: {type(e).__name__}: {e}\n".encode(), "text/plain", 503
+                body, ctype, code = (
+                    f"meta store unavailable: {type(e).__name__}: {e}\n".encode(),
+                    "text/plain",
+                    503,
+                )
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))

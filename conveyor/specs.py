@@ -47,7 +47,9 @@ class LoadedSpec:
 
 
 def connectors_dir() -> Path:
-    return Path(os.environ.get("CONVEYOR_CONNECTORS_DIR") or (conveyor_home() / "connectors")).resolve()
+    return Path(
+        os.environ.get("CONVEYOR_CONNECTORS_DIR") or (conveyor_home() / "connectors")
+    ).resolve()
 
 
 def parse_spec(data: Any, *, source: str = "<spec>") -> tuple[ConnectorSpec, SinkConfig]:
@@ -97,14 +99,20 @@ def load_dir(directory: Path | None = None) -> list[LoadedSpec]:
     for f in files:
         ls = load_file(f)
         if ls.name in seen:
-            ls = LoadedSpec(ls.name, ls.source, error=f"{f}: connector name {ls.name!r} is already defined in {seen[ls.name]}")
+            ls = LoadedSpec(
+                ls.name,
+                ls.source,
+                error=f"{f}: connector name {ls.name!r} is already defined in {seen[ls.name]}",
+            )
         else:
             seen[ls.name] = ls.source
         out.append(ls)
     return out
 
 
-def from_store_row(name: str, spec_json: str | None, source: str | None, error: str | None) -> LoadedSpec:
+def from_store_row(
+    name: str, spec_json: str | None, source: str | None, error: str | None
+) -> LoadedSpec:
     if error or not spec_json:
         return LoadedSpec(name, source or "store", error=error or "no spec stored")
     try:
@@ -135,5 +143,7 @@ def all_specs(store: MetaStore | None, directory: Path | None = None) -> list[Lo
     if store is not None:
         for row in store.list():
             if row.name not in names and row.spec_source == "cli":
-                extra.append(from_store_row(row.name, row.spec_json, row.spec_source, row.spec_error))
+                extra.append(
+                    from_store_row(row.name, row.spec_json, row.spec_source, row.spec_error)
+                )
     return files + extra

@@ -13,8 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from conveyor.brokers.embedded import start_embedded_broker
+
+# Property tests: a quick profile in the default run, HYPOTHESIS_PROFILE=thorough for many more cases.
+settings.register_profile("default", max_examples=60, deadline=None)
+settings.register_profile("thorough", max_examples=2_000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 PG_URL = os.environ.get("CONVEYOR_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -28,6 +28,7 @@ from dagster import (
     ScheduleDefinition,
     asset_check,
     define_asset_job,
+    in_process_executor,
 )
 
 from conveyor.specs import LoadedSpec
@@ -200,6 +201,9 @@ def lag_check_schedules(specs: Sequence[LoadedSpec]) -> list[ScheduleDefinition]
         LAG_CHECKS_JOB,
         selection=AssetSelection.checks(*(k for c in checks for k in c.check_keys)),
         description="Runs the lag_not_growing check of every sink asset.",
+        # The checks only read the event log: one process, not one per check (Dagster's
+        # default multiprocess executor would start a process for every sink asset).
+        executor_def=in_process_executor,
     )
     return [
         ScheduleDefinition(

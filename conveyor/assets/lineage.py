@@ -6,10 +6,9 @@ All are external ``AssetSpec``s: connector runs record materializations on them
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections import defaultdict
-
-import datetime as dt
 
 from dagster import AssetKey, AssetSpec, FreshnessPolicy
 
@@ -56,21 +55,31 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
     for key, users in sinks.items():
         first = users[0]
         assert first.spec is not None and first.sink is not None
-        deps = sorted({topic_key(t) for u in users if u.spec for t in u.spec.source.topics}, key=lambda k: k.to_user_string())
+        deps = sorted(
+            {topic_key(t) for u in users if u.spec for t in u.spec.source.topics},
+            key=lambda k: k.to_user_string(),
+        )
         owners = sorted({o for u in users if u.spec for o in u.spec.owners})
         latency = min(u.spec.expected_latency_s for u in users if u.spec)
         out.append(
             AssetSpec(
                 key=key,
                 deps=deps,
-                description=(first.spec.description or f"{first.sink.kind()} target written by connector(s) {', '.join(u.name for u in users)}."),
+                description=(
+                    first.spec.description
+                    or f"{first.sink.kind()} target written by connector(s) {', '.join(u.name for u in users)}."
+                ),
                 group_name=group_of(first.name) if len(users) == 1 else "sinks",
                 kinds={first.sink.kind()},
                 owners=owners,
                 tags={"conveyor/connector": first.name} if len(users) == 1 else {},
-                metadata={"connectors": ", ".join(u.name for u in users), "sink": first.sink.redacted()},
+                metadata={
+                    "connectors": ", ".join(u.name for u in users),
+                    "sink": first.sink.redacted(),
+                },
                 freshness_policy=FreshnessPolicy.time_window(
-                    fail_window=dt.timedelta(seconds=max(latency * 2, 120)), warn_window=dt.timedelta(seconds=max(latency, 60))
+                    fail_window=dt.timedelta(seconds=max(latency * 2, 120)),
+                    warn_window=dt.timedelta(seconds=max(latency, 60)),
                 ),
             )
         )
@@ -81,7 +90,9 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                     deps=[key],
                     description=f"Messages connector {u.name} could not deliver, with their errors (replayable).",
                     group_name=group_of(u.name),
-                    kinds={"parquet"} if u.spec and u.spec.failure.dead_letter.store == "parquet" else {"kafka"},
+                    kinds={"parquet"}
+                    if u.spec and u.spec.failure.dead_letter.store == "parquet"
+                    else {"kafka"},
                     owners=sorted(u.spec.owners) if u.spec else [],
                     tags={"conveyor/connector": u.name},
                 )

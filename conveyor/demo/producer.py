@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import signal
@@ -24,10 +25,8 @@ def main() -> None:
     from kafka.errors import TopicAlreadyExistsError
 
     admin = KafkaAdminClient(bootstrap_servers=args.bootstrap)
-    try:
+    with contextlib.suppress(TopicAlreadyExistsError):
         admin.create_topics([NewTopic(args.topic, args.partitions, 1)])
-    except TopicAlreadyExistsError:
-        pass
     admin.close()
     producer = KafkaProducer(bootstrap_servers=args.bootstrap, linger_ms=20)
     stop = False
@@ -50,7 +49,12 @@ def main() -> None:
             "status": rng.choice(["new", "paid", "shipped"]),
             "created_at": datetime.now(timezone.utc).isoformat(),
         }
-        producer.send(args.topic, key=str(i).encode(), value=json.dumps(order).encode(), headers=[("source", b"demo")])
+        producer.send(
+            args.topic,
+            key=str(i).encode(),
+            value=json.dumps(order).encode(),
+            headers=[("source", b"demo")],
+        )
         i += 1
         if interval:
             next_at += interval

@@ -50,8 +50,8 @@ from conveyor.core.loop import (
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, FailurePolicyName, Offsets
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
-from conveyor.specs import LoadedSpec, from_store_row
 from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.specs import LoadedSpec, from_store_row
 from conveyor.store.meta import ConnectorRow, MetaStore
 
 TAG_CONNECTOR = "conveyor/connector"
@@ -81,7 +81,9 @@ class StoreCommitter:
         self.source.mirror_commit(offsets)
 
     def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> bool:
-        desired = self.store.heartbeat(self.name, self.generation, counters.as_dict(), status=status, reason=reason)
+        desired = self.store.heartbeat(
+            self.name, self.generation, counters.as_dict(), status=status, reason=reason
+        )
         return desired == DesiredState.RUNNING
 
 
@@ -146,7 +148,8 @@ def _progress_logger(context: OpExecutionContext, ls: LoadedSpec, dead_letters: 
         context.log_event(
             AssetMaterialization(
                 asset_key=sink_key,
-                description=f"connector {ls.name}: {c.messages_out} messages delivered" + (" (final)" if p.final else ""),
+                description=f"connector {ls.name}: {c.messages_out} messages delivered"
+                + (" (final)" if p.final else ""),
                 metadata=metadata,
                 tags={TAG_CONNECTOR: ls.name},
             )
@@ -166,15 +169,24 @@ def _log_dead_letters(context: OpExecutionContext, name: str, writer: Any, writt
             metadata["count"] = MetadataValue.int(pending.num_rows)
             if pending.num_rows:
                 newest = max(pending.to_pylist(), key=lambda r: r["last_failure_at"])
-                metadata["newest_error"] = MetadataValue.text(f"{newest['topic']}[{newest['partition']}]@{newest['offset']}: {newest['error']}")
+                metadata["newest_error"] = MetadataValue.text(
+                    f"{newest['topic']}[{newest['partition']}]@{newest['offset']}: {newest['error']}"
+                )
                 rows = sample_rows(pending, 5)
                 md = "| where | class | attempts | error |\n|---|---|---|---|\n" + "\n".join(
-                    f"| {r['where']} | {r['error_class']} | {r['attempts']} | {r['error'].replace('|', '/')} |" for r in rows
+                    f"| {r['where']} | {r['error_class']} | {r['attempts']} | {r['error'].replace('|', '/')} |"
+                    for r in rows
                 )
                 metadata["sample"] = MetadataValue.md(md)
         except Exception as e:  # noqa: BLE001 - metadata must never stop the connector
             context.log.warning(f"could not summarise dead letters: {e}")
-    context.log_event(AssetMaterialization(asset_key=dead_letter_key(name), description=f"{written} dead letters written by this run", metadata=metadata))
+    context.log_event(
+        AssetMaterialization(
+            asset_key=dead_letter_key(name),
+            description=f"{written} dead letters written by this run",
+            metadata=metadata,
+        )
+    )
 
 
 def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name: str) -> None:
@@ -209,14 +221,19 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
     context.log.info(
         f"connector {name} generation {gen} on broker {claim.broker_id or '-'} (Spark {remote}); "
         f"sink {'/'.join(ls.sink.asset_key_path())}; resuming from "
-        + (", ".join(f"{tp}@{off}" for tp, off in sorted(claim.offsets.items())) or spec.source.start_from)
+        + (
+            ", ".join(f"{tp}@{off}" for tp, off in sorted(claim.offsets.items()))
+            or spec.source.start_from
+        )
     )
     source = KafkaSource(source_spec, group_id=name, client_id=f"conveyor-{name}")
     dead_letters = None
     if spec.failure.policy == FailurePolicyName.DEAD_LETTER:
         from conveyor.deadletters import dead_letter_writer
 
-        dead_letters = dead_letter_writer(spec, gen, spark=lambda: spark_session(remote), bootstrap=source.bootstrap)
+        dead_letters = dead_letter_writer(
+            spec, gen, spark=lambda: spark_session(remote), bootstrap=source.bootstrap
+        )
     try:
         sink = build_sink(ls.sink)
     except ConfigError as e:
@@ -232,34 +249,55 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         dead_letters=dead_letters,
         on_progress=_progress_logger(context, ls, dead_letters),
     )
+
     def final() -> dict[str, Any]:
         return loop.counters.as_dict()
 
     try:
         counters = run_loop(loop)
     except DagsterExecutionInterruptedError:
-        store.release(name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final())
-        context.log.info(f"connector {name} stopped by terminate; offsets committed up to the last acknowledged batch")
+        store.release(
+            name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final()
+        )
+        context.log.info(
+            f"connector {name} stopped by terminate; offsets committed up to the last acknowledged batch"
+        )
         raise
     except FencedError as e:
         context.log.warning(f"{e}. Another run owns the connector now; exiting without committing.")
         return
     except (ConfigError, PermanentSinkError, DataPolicyError, DeadLetterLimitError) as e:
-        store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e), counters=final())
+        store.release(
+            name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e), counters=final()
+        )
         raise Failure(description=f"connector {name} stopped with an error: {e}") from None
     except OutageBudgetExceeded as e:
         if context.retry_number < OUTAGE_RUN_RETRIES:
-            store.set_status(name, ConnectorStatus.DEGRADED, f"outage budget spent, op retry {context.retry_number + 1}", generation=gen, error=str(e))
-            raise RetryRequested(max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay) from e
-        store.release(name, gen, ConnectorStatus.ERROR, "outage budget spent", error=str(e), counters=final())
+            store.set_status(
+                name,
+                ConnectorStatus.DEGRADED,
+                f"outage budget spent, op retry {context.retry_number + 1}",
+                generation=gen,
+                error=str(e),
+            )
+            raise RetryRequested(
+                max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay
+            ) from e
+        store.release(
+            name, gen, ConnectorStatus.ERROR, "outage budget spent", error=str(e), counters=final()
+        )
         raise Failure(description=f"connector {name}: {e}") from None
     except ConveyorError as e:
         store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e))
         raise Failure(description=f"connector {name}: {e}") from None
     except Exception as e:
-        store.release(name, gen, ConnectorStatus.ERROR, "unexpected error", error=f"{type(e).__name__}: {e}")
+        store.release(
+            name, gen, ConnectorStatus.ERROR, "unexpected error", error=f"{type(e).__name__}: {e}"
+        )
         raise
-    store.release(name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped", counters=final())
+    store.release(
+        name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped", counters=final()
+    )
     context.log.info(f"connector {name} stopped: {json.dumps(counters.as_dict())}")
 
 
@@ -268,7 +306,9 @@ def connector_job(ls: LoadedSpec) -> JobDefinition:
     name = ls.name
     target = "/".join(ls.sink.asset_key_path()) if ls.sink else "?"
     topics = ", ".join(ls.spec.source.topics) if ls.spec else "?"
-    desc = (ls.spec.description if ls.spec and ls.spec.description else None) or f"Connector {name}: {topics} -> {target}"
+    desc = (
+        ls.spec.description if ls.spec and ls.spec.description else None
+    ) or f"Connector {name}: {topics} -> {target}"
     if ls.error:
         desc = f"Connector {name} has an invalid spec: {ls.error}"
 

@@ -14,7 +14,15 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from dagster import AssetMaterialization, Failure, JobDefinition, MetadataValue, OpExecutionContext, in_process_executor, job, op
+from dagster import (
+    AssetMaterialization,
+    Failure,
+    JobDefinition,
+    MetadataValue,
+    in_process_executor,
+    job,
+    op,
+)
 
 from conveyor.assets.lineage import dead_letter_key
 from conveyor.core.loop import send_isolating
@@ -28,8 +36,8 @@ from conveyor.deadletters import (
 )
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
-from conveyor.specs import LoadedSpec, from_store_row
 from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.specs import LoadedSpec, from_store_row
 
 TAG_REPLAY = "conveyor/replay"
 
@@ -80,12 +88,20 @@ def replay_dead_letters(
                 mask = pc.is_in(letters.column("id"), pa.array(list(failures), pa.string()))
                 again = letters.filter(mask)
                 again = again.set_column(
-                    again.schema.get_field_index("attempts"), "attempts", pc.add(again.column("attempts"), pa.scalar(1, pa.int32()))
+                    again.schema.get_field_index("attempts"),
+                    "attempts",
+                    pc.add(again.column("attempts"), pa.scalar(1, pa.int32())),
                 )
                 again = again.set_column(
-                    again.schema.get_field_index("error"), "error", pa.array([failures[i] for i in again.column("id").to_pylist()], pa.string())
+                    again.schema.get_field_index("error"),
+                    "error",
+                    pa.array([failures[i] for i in again.column("id").to_pylist()], pa.string()),
                 )
-                again = again.set_column(again.schema.get_field_index("last_failure_at"), "last_failure_at", pa.array([t] * again.num_rows, pa.float64()))
+                again = again.set_column(
+                    again.schema.get_field_index("last_failure_at"),
+                    "last_failure_at",
+                    pa.array([t] * again.num_rows, pa.float64()),
+                )
                 store.append(again.cast(DEAD_LETTER_SCHEMA))
             store.mark_replayed(ok_ids, at=now())
             delivered += len(ok_ids)
@@ -100,7 +116,11 @@ def replay_dead_letters(
 def replay_job(ls: LoadedSpec) -> JobDefinition:
     name = ls.name
 
-    @op(name=f"replay__{name}", description=f"Re-send connector {name}'s dead letters through its sink.", tags={"kind": "spark"})
+    @op(
+        name=f"replay__{name}",
+        description=f"Re-send connector {name}'s dead letters through its sink.",
+        tags={"kind": "spark"},
+    )
     def replay_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         store = conveyor.store()
         row = store.get(name)
@@ -114,8 +134,14 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
             lambda: spark_session(remote),
             progress=lambda done, total: context.log.info(f"replayed {done}/{total}"),
         )
-        store.record(name, f"dead letters replayed: {result.delivered} delivered, {result.failed_again} failed again, {result.remaining} remain", run_id=context.run_id)
-        dl = SparkParquetDeadLetters(dead_letter_dir(current.spec), lambda: spark_session(remote), connector=name)
+        store.record(
+            name,
+            f"dead letters replayed: {result.delivered} delivered, {result.failed_again} failed again, {result.remaining} remain",
+            run_id=context.run_id,
+        )
+        dl = SparkParquetDeadLetters(
+            dead_letter_dir(current.spec), lambda: spark_session(remote), connector=name
+        )
         sample = sample_rows(dl.pending(limit=5)) if result.remaining else []
         context.log_event(
             AssetMaterialization(
@@ -130,7 +156,11 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
             )
         )
 
-    @job(name=f"replay_dead_letters__{name}", executor_def=in_process_executor, tags={TAG_REPLAY: name, "conveyor/connector": name})
+    @job(
+        name=f"replay_dead_letters__{name}",
+        executor_def=in_process_executor,
+        tags={TAG_REPLAY: name, "conveyor/connector": name},
+    )
     def replay_job_def() -> None:
         replay_op()
 

@@ -33,14 +33,22 @@ def default_spark_remote() -> str:
 
 
 def brokers_file() -> Path:
-    return Path(os.environ.get("CONVEYOR_BROKERS_FILE") or (conveyor_home() / "brokers.yaml")).resolve()
+    return Path(
+        os.environ.get("CONVEYOR_BROKERS_FILE") or (conveyor_home() / "brokers.yaml")
+    ).resolve()
 
 
 def load_brokers(path: Path | None = None) -> list[Broker]:
     """Broker executors from YAML (a list under ``brokers:``), or the one default broker."""
     path = path or brokers_file()
     if not path.exists():
-        return [Broker(id=DEFAULT_BROKER_ID, capacity=int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8")), spark_remote=default_spark_remote())]
+        return [
+            Broker(
+                id=DEFAULT_BROKER_ID,
+                capacity=int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8")),
+                spark_remote=default_spark_remote(),
+            )
+        ]
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -120,9 +128,17 @@ def load_catalog(store_url: str | None = None) -> Catalog:
 class ConveyorResource(ConfigurableResource):
     """Conveyor's settings: meta store, connectors directory, Kafka and Spark defaults."""
 
-    meta_url: str | None = Field(default=None, description="Meta store URL; default $CONVEYOR_META_URL or SQLite in $CONVEYOR_HOME.")
-    kafka_bootstrap: str | None = Field(default=None, description="Default bootstrap servers; default $CONVEYOR_KAFKA_BOOTSTRAP.")
-    spark_remote: str | None = Field(default=None, description="Spark Connect endpoint when the broker has none; default $CONVEYOR_SPARK_REMOTE.")
+    meta_url: str | None = Field(
+        default=None,
+        description="Meta store URL; default $CONVEYOR_META_URL or SQLite in $CONVEYOR_HOME.",
+    )
+    kafka_bootstrap: str | None = Field(
+        default=None, description="Default bootstrap servers; default $CONVEYOR_KAFKA_BOOTSTRAP."
+    )
+    spark_remote: str | None = Field(
+        default=None,
+        description="Spark Connect endpoint when the broker has none; default $CONVEYOR_SPARK_REMOTE.",
+    )
 
     _store: MetaStore | None = PrivateAttr(default=None)
 

@@ -17,7 +17,9 @@ from conveyor.resources.conveyor import ConveyorResource
 from conveyor.specs import from_store_row
 
 
-def replay_requests(rows: list, cursor: dict[str, int], now: float) -> tuple[list[tuple[str, int]], dict[str, int]]:
+def replay_requests(
+    rows: list, cursor: dict[str, int], now: float
+) -> tuple[list[tuple[str, int]], dict[str, int]]:
     """Pure: (connector, dead_lettered) pairs to replay now, and the new cursor."""
     out = []
     new_cursor = dict(cursor)
@@ -47,6 +49,10 @@ def conveyor_dead_letter_replay(context: SensorEvaluationContext, conveyor: Conv
     if not todo:
         return SkipReason("no connector with new dead letters is due for a replay")
     return [
-        RunRequest(run_key=f"replay:{name}:{dead}", job_name=f"replay_dead_letters__{name}", tags={"conveyor/connector": name})
+        RunRequest(
+            run_key=f"replay:{name}:{dead}",
+            job_name=f"replay_dead_letters__{name}",
+            tags={"conveyor/connector": name},
+        )
         for name, dead in todo
     ]

@@ -35,5 +35,11 @@ def conveyor_run_failures(context: RunFailureSensorContext, conveyor: ConveyorRe
     if row.run_id != run.run_id or row.status in (ConnectorStatus.ERROR, ConnectorStatus.STOPPED):
         return
     message = context.failure_event.message or "run failed"
-    store.set_status(name, ConnectorStatus.ERROR, f"run {run.run_id} failed", generation=row.generation, error=message)
+    store.set_status(
+        name,
+        ConnectorStatus.ERROR,
+        f"run {run.run_id} failed",
+        generation=row.generation,
+        error=message,
+    )
     context.log.info(f"connector {name}: run {run.run_id} failed -> Error: {message}")

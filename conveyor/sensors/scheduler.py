@@ -14,15 +14,15 @@ import os
 import signal
 import socket
 import time
-from dataclasses import fields
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 from urllib.parse import urlparse
 
 from dagster import (
     DagsterRunStatus,
-    JobDefinition,
     DefaultSensorStatus,
+    JobDefinition,
     RunRequest,
     RunsFilter,
     SensorDefinition,
@@ -95,7 +95,9 @@ def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.
         canceling_since = None
         if run.status == DagsterRunStatus.CANCELING:
             rec = instance.get_run_record_by_id(run.run_id)
-            canceling_since = rec.update_timestamp.timestamp() if rec and rec.update_timestamp else now
+            canceling_since = (
+                rec.update_timestamp.timestamp() if rec and rec.update_timestamp else now
+            )
         out.append(
             core.RunView(
                 run_id=run.run_id,
@@ -115,13 +117,24 @@ def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.
 def broker_views(store: MetaStore) -> list[core.BrokerView]:
     return [
         core.BrokerView(
-            id=b.id, capacity=b.capacity, spark_remote=b.spark_remote, run_tags=b.run_tags, draining=b.draining, endpoint_up=endpoint_up(b.spark_remote)
+            id=b.id,
+            capacity=b.capacity,
+            spark_remote=b.spark_remote,
+            run_tags=b.run_tags,
+            draining=b.draining,
+            endpoint_up=endpoint_up(b.spark_remote),
         )
         for b in store.list_brokers()
     ]
 
 
-def apply_plan(context: Any, store: MetaStore, plan: core.Plan, views: dict[str, core.ConnectorView], now: float) -> list[RunRequest]:
+def apply_plan(
+    context: Any,
+    store: MetaStore,
+    plan: core.Plan,
+    views: dict[str, core.ConnectorView],
+    now: float,
+) -> list[RunRequest]:
     """Carry out decisions; each in its own try so one failure never stops the others."""
     requests: list[RunRequest] = []
     instance = context.instance
@@ -132,7 +145,9 @@ def apply_plan(context: Any, store: MetaStore, plan: core.Plan, views: dict[str,
         except Exception as e:  # noqa: BLE001 - reported per decision
             context.log.error(f"{d.name}: {type(d).__name__} failed: {type(e).__name__}: {e}")
             with contextlib.suppress(Exception):  # the connector may be gone
-                store.record(d.name, f"scheduler: {type(d).__name__} failed: {type(e).__name__}: {e}")
+                store.record(
+                    d.name, f"scheduler: {type(d).__name__} failed: {type(e).__name__}: {e}"
+                )
     return requests
 
 
@@ -145,21 +160,42 @@ def _terminate(instance: Any, run_id: str | None) -> bool:
     return bool(instance.run_launcher.terminate(run_id))
 
 
-def _apply(instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None, now: float) -> list[RunRequest]:
+def _apply(
+    instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None, now: float
+) -> list[RunRequest]:
     """One decision. Store writes are fenced on the generation the decision was based on."""
     gen = view.generation if view is not None else None
     reason = f"scheduler: {d.reason}"
     if isinstance(d, core.Reset):
-        store.set_status(d.name, ConnectorStatus.IDLE, reason, generation=gen, bump_generation=True, clear_broker=True)
+        store.set_status(
+            d.name,
+            ConnectorStatus.IDLE,
+            reason,
+            generation=gen,
+            bump_generation=True,
+            clear_broker=True,
+        )
     elif isinstance(d, core.Move):
         row = store.set_status(
-            d.name, ConnectorStatus.IDLE, reason, generation=gen, bump_generation=True, clear_broker=True, extra={"last_moved_at": now}
+            d.name,
+            ConnectorStatus.IDLE,
+            reason,
+            generation=gen,
+            bump_generation=True,
+            clear_broker=True,
+            extra={"last_moved_at": now},
         )
         if row is not None:
             _terminate(instance, d.run_id)
     elif isinstance(d, core.Stop):
         store.set_status(
-            d.name, ConnectorStatus.STOPPED, reason, generation=gen, bump_generation=True, clear_broker=True, extra={"desired": DesiredState.STOPPED.value}
+            d.name,
+            ConnectorStatus.STOPPED,
+            reason,
+            generation=gen,
+            bump_generation=True,
+            clear_broker=True,
+            extra={"desired": DesiredState.STOPPED.value},
         )
     elif isinstance(d, core.Restart):
         store.set_status(
@@ -189,10 +225,17 @@ def _apply(instance: Any, store: MetaStore, d: core.Decision, view: core.Connect
             store.record(d.name, reason, run_id=d.run_id)
     elif isinstance(d, core.Assign):
         # The plan may have reset the connector earlier in this tick: expect the generation it planned on.
-        new_gen = store.assign(d.name, d.broker_id, expected_generation=d.generation - 1, reason=reason)
+        new_gen = store.assign(
+            d.name, d.broker_id, expected_generation=d.generation - 1, reason=reason
+        )
         if new_gen is None:
             return []
-        tags = {**d.tags, TAG_CONNECTOR: d.name, TAG_BROKER: d.broker_id, TAG_GENERATION: str(new_gen)}
+        tags = {
+            **d.tags,
+            TAG_CONNECTOR: d.name,
+            TAG_BROKER: d.broker_id,
+            TAG_GENERATION: str(new_gen),
+        }
         return [RunRequest(run_key=f"{d.name}:{new_gen}", job_name=job_name(d.name), tags=tags)]
     elif isinstance(d, core.Failed):
         store.record(d.name, f"scheduler could not decide: {d.error}")
@@ -219,7 +262,13 @@ def tick(
     now = time.time() if now is None else now
     rows = store.list()
     views = {r.name: connector_view(r, launchable) for r in rows}
-    plan = core.plan(list(views.values()), broker_views(store), run_views(context.instance, rows, now), now, scheduler_config())
+    plan = core.plan(
+        list(views.values()),
+        broker_views(store),
+        run_views(context.instance, rows, now),
+        now,
+        scheduler_config(),
+    )
     return plan, apply_plan(context, store, plan, views, now)
 
 
@@ -239,7 +288,9 @@ def scheduler_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDefinition:
         minimum_interval_seconds=5,
         jobs=list(jobs) if jobs else None,
     )
-    def conveyor_scheduler(context: SensorEvaluationContext, conveyor: ConveyorResource) -> SensorResult:
+    def conveyor_scheduler(
+        context: SensorEvaluationContext, conveyor: ConveyorResource
+    ) -> SensorResult:
         store = conveyor.store()
         conveyor.sync_brokers(store)
         plan, requests = tick(context, store, launchable=launchable)

@@ -55,7 +55,9 @@ def canonical_type(name: str) -> str:
         return key
     close = difflib.get_close_matches(key, list(_SINKS) + list(_ALIASES), n=1, cutoff=0.5)
     hint = f"; did you mean {_ALIASES.get(close[0], close[0])!r}?" if close else ""
-    raise ConfigError(f"unknown sink type {name!r}{hint} (known: {', '.join(sink_types())})", field="sink.type")
+    raise ConfigError(
+        f"unknown sink type {name!r}{hint} (known: {', '.join(sink_types())})", field="sink.type"
+    )
 
 
 def sink_class(name: str) -> type[Sink]:

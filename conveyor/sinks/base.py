@@ -120,7 +120,7 @@ class Sink(abc.ABC):
     def __init__(self, config: SinkConfig):
         self.config = config
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: B027 - optional hook: most configs need no cross-field rule
         """Check the config beyond its model (cross-field rules). No I/O. Raises ConfigError."""
 
     @abc.abstractmethod

@@ -58,7 +58,9 @@ def template_problems(template: str, *, allowed: tuple[str, ...] = TEMPLATE_FIEL
             if not all(name[len("payload.") :].split(".")):
                 problems.append(f"${{{ph}}}: empty field name")
         elif name not in allowed:
-            problems.append(f"unknown placeholder ${{{ph}}}; use one of {', '.join('${' + a + '}' for a in allowed)} or ${{payload.<field>}}")
+            problems.append(
+                f"unknown placeholder ${{{ph}}}; use one of {', '.join('${' + a + '}' for a in allowed)} or ${{payload.<field>}}"
+            )
     rest = _PLACEHOLDER.sub("", template)
     if "${" in rest:
         problems.append("unclosed '${'")
@@ -83,7 +85,11 @@ def render_template(template: str, record: Record) -> str:
         if name == "key":
             if record.key is None:
                 raise TemplateError("message has no key (${key} in the template)")
-            return record.key.decode(errors="replace") if isinstance(record.key, bytes) else str(record.key)
+            return (
+                record.key.decode(errors="replace")
+                if isinstance(record.key, bytes)
+                else str(record.key)
+            )
         if name == "destination":
             if not record.destination:
                 raise TemplateError("message has no destination (${destination} in the template)")
@@ -92,10 +98,14 @@ def render_template(template: str, record: Record) -> str:
         value: Any = record.payload_json()
         for part in path:
             if not isinstance(value, dict) or part not in value:
-                raise TemplateError(f"payload has no field {'.'.join(path)!r} (${{{name}}} in the template)")
+                raise TemplateError(
+                    f"payload has no field {'.'.join(path)!r} (${{{name}}} in the template)"
+                )
             value = value[part]
         if value is None:
-            raise TemplateError(f"payload field {'.'.join(path)!r} is null (${{{name}}} in the template)")
+            raise TemplateError(
+                f"payload field {'.'.join(path)!r} is null (${{{name}}} in the template)"
+            )
         if isinstance(value, (dict, list)):
             return json.dumps(value, default=json_default, separators=(",", ":"))
         if isinstance(value, bool):
@@ -128,28 +138,38 @@ def codec_available(codec: str) -> bool:
     if importlib.util.find_spec(mod) is not None:
         return True
     # kafka-python also accepts these alternative lz4 bindings
-    return codec == "lz4" and any(importlib.util.find_spec(m) is not None for m in ("lz4f", "lz4framed"))
+    return codec == "lz4" and any(
+        importlib.util.find_spec(m) is not None for m in ("lz4f", "lz4framed")
+    )
 
 
 class KafkaSinkConfig(SinkConfig):
     """Rows as records on a Kafka(-protocol) topic."""
 
     type: Literal["kafka"] = "kafka"
-    bootstrap_servers: str = Field(description="Comma-separated host:port list of the target cluster's brokers.")
+    bootstrap_servers: str = Field(
+        description="Comma-separated host:port list of the target cluster's brokers."
+    )
     topic: str = Field(
         description="Target topic, or a template: ${topic} (source topic), ${key}, ${partition}, ${offset}, "
         "${destination}, ${payload.<field>} (dotted path). A row's __destination, when set, wins (see use_destination)."
     )
-    use_destination: bool = Field(default=True, description="A row with a __destination column value goes to that topic instead of `topic`.")
+    use_destination: bool = Field(
+        default=True,
+        description="A row with a __destination column value goes to that topic instead of `topic`.",
+    )
     key: str | None = Field(
-        default=None, description="Message key template (same placeholders as `topic`); default: the source message's key bytes, unchanged."
+        default=None,
+        description="Message key template (same placeholders as `topic`); default: the source message's key bytes, unchanged.",
     )
     keep_headers: bool = Field(default=True, description="Copy the source message's headers.")
     coordinate_headers: bool = Field(
-        default=False, description="Add headers x-conveyor-topic, x-conveyor-partition, x-conveyor-offset (the source coordinates)."
+        default=False,
+        description="Add headers x-conveyor-topic, x-conveyor-partition, x-conveyor-offset (the source coordinates).",
     )
     timestamp: Literal["source", "now"] = Field(
-        default="source", description="Record timestamp: the source message's timestamp, or the producer's clock."
+        default="source",
+        description="Record timestamp: the source message's timestamp, or the producer's clock.",
     )
     partitioning: Literal["key", "source"] = Field(
         default="key",
@@ -157,37 +177,76 @@ class KafkaSinkConfig(SinkConfig):
         "`source`: the source partition number (the target topic needs at least as many partitions).",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
-        default="none", description="Compression codec; snappy, lz4 and zstd need their Python library installed."
+        default="none",
+        description="Compression codec; snappy, lz4 and zstd need their Python library installed.",
     )
     idempotent: bool = Field(
-        default=True, description="Idempotent producer (InitProducerId; no duplicates from the producer's own retries). Requires acks=all."
+        default=True,
+        description="Idempotent producer (InitProducerId; no duplicates from the producer's own retries). Requires acks=all.",
     )
-    acks: Literal["all", "1"] = Field(default="all", description="Acknowledgement level: all in-sync replicas, or the leader only.")
-    linger_ms: int = Field(default=5, ge=0, le=60_000, description="How long the producer waits to fill a batch.")
-    batch_size: int = Field(default=256 * 1024, ge=1024, le=64 << 20, description="Producer batch size per partition, bytes.")
+    acks: Literal["all", "1"] = Field(
+        default="all",
+        description="Acknowledgement level: all in-sync replicas, or the leader only.",
+    )
+    linger_ms: int = Field(
+        default=5, ge=0, le=60_000, description="How long the producer waits to fill a batch."
+    )
+    batch_size: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        le=64 << 20,
+        description="Producer batch size per partition, bytes.",
+    )
     max_request_size: int = Field(
-        default=1 << 20, ge=1024, le=1 << 30, description="Largest record (key + value + headers) accepted; a larger row is a data error."
+        default=1 << 20,
+        ge=1024,
+        le=1 << 30,
+        description="Largest record (key + value + headers) accepted; a larger row is a data error.",
     )
-    request_timeout_ms: int = Field(default=30_000, ge=100, description="Timeout of one produce request.")
+    request_timeout_ms: int = Field(
+        default=30_000, ge=100, description="Timeout of one produce request."
+    )
     delivery_timeout_ms: int = Field(
-        default=120_000, ge=100, description="Upper bound for a record to be acknowledged, retries included; bounds send_batch."
+        default=120_000,
+        ge=100,
+        description="Upper bound for a record to be acknowledged, retries included; bounds send_batch.",
     )
-    max_block_ms: int = Field(default=60_000, ge=100, description="How long send() may block waiting for topic metadata.")
-    connect_timeout_ms: int = Field(default=30_000, ge=100, description="How long to try to reach a bootstrap server at start.")
-    client_id: str = Field(default="conveyor-sink", description="Client id shown in broker logs and quotas.")
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(default="PLAINTEXT", description="Transport security.")
+    max_block_ms: int = Field(
+        default=60_000, ge=100, description="How long send() may block waiting for topic metadata."
+    )
+    connect_timeout_ms: int = Field(
+        default=30_000, ge=100, description="How long to try to reach a bootstrap server at start."
+    )
+    client_id: str = Field(
+        default="conveyor-sink", description="Client id shown in broker logs and quotas."
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="Transport security."
+    )
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
         default=None, description="SASL mechanism (with SASL_PLAINTEXT / SASL_SSL)."
     )
     sasl_username: str | None = Field(default=None, description="SASL user name.")
     sasl_password: SecretStr | None = Field(default=None, description="SASL password (secret).")
-    ssl_cafile: str | None = Field(default=None, description="CA bundle (PEM) to verify the brokers (with SSL / SASL_SSL).")
-    ssl_certfile: str | None = Field(default=None, description="Client certificate (PEM) for mutual TLS.")
-    ssl_keyfile: str | None = Field(default=None, description="Client private key (PEM) for mutual TLS.")
-    ssl_check_hostname: bool = Field(default=True, description="Check the broker certificate's host name.")
+    ssl_cafile: str | None = Field(
+        default=None, description="CA bundle (PEM) to verify the brokers (with SSL / SASL_SSL)."
+    )
+    ssl_certfile: str | None = Field(
+        default=None, description="Client certificate (PEM) for mutual TLS."
+    )
+    ssl_keyfile: str | None = Field(
+        default=None, description="Client private key (PEM) for mutual TLS."
+    )
+    ssl_check_hostname: bool = Field(
+        default=True, description="Check the broker certificate's host name."
+    )
 
     def asset_key_path(self) -> list[str]:
-        name = self.topic if is_static(self.topic) else _PLACEHOLDER.sub(lambda m: m.group(1).strip().replace("payload.", ""), self.topic)
+        name = (
+            self.topic
+            if is_static(self.topic)
+            else _PLACEHOLDER.sub(lambda m: m.group(1).strip().replace("payload.", ""), self.topic)
+        )
         return ["kafka", re.sub(r"[^A-Za-z0-9_]", "_", name)]
 
     def kind(self) -> str:
@@ -305,7 +364,11 @@ class KafkaSink(Sink):
         c = self.config
         for hp in c.bootstrap_servers.split(","):
             host, _, port = hp.strip().rpartition(":")
-            require(bool(host) and port.isdigit(), f"{hp.strip()!r} is not host:port", field="sink.bootstrap_servers")
+            require(
+                bool(host) and port.isdigit(),
+                f"{hp.strip()!r} is not host:port",
+                field="sink.bootstrap_servers",
+            )
         problems = template_problems(c.topic)
         require(not problems, "; ".join(problems), field="sink.topic")
         if is_static(c.topic):
@@ -319,7 +382,11 @@ class KafkaSink(Sink):
             f"{c.compression} needs the Python package {_CODEC_MODULES.get(c.compression)!r}, which is not installed",
             field="sink.compression",
         )
-        require(not (c.idempotent and c.acks != "all"), "the idempotent producer needs acks: all (or set idempotent: false)", field="sink.acks")
+        require(
+            not (c.idempotent and c.acks != "all"),
+            "the idempotent producer needs acks: all (or set idempotent: false)",
+            field="sink.acks",
+        )
         require(
             c.delivery_timeout_ms >= c.linger_ms + c.request_timeout_ms,
             "must be at least linger_ms + request_timeout_ms",
@@ -327,16 +394,40 @@ class KafkaSink(Sink):
         )
         sasl = c.security_protocol.startswith("SASL")
         if sasl:
-            require(c.sasl_mechanism is not None, f"required with security_protocol {c.security_protocol}", field="sink.sasl_mechanism")
-            require(bool(c.sasl_username), f"required with security_protocol {c.security_protocol}", field="sink.sasl_username")
-            require(c.sasl_password is not None, f"required with security_protocol {c.security_protocol}", field="sink.sasl_password")
+            require(
+                c.sasl_mechanism is not None,
+                f"required with security_protocol {c.security_protocol}",
+                field="sink.sasl_mechanism",
+            )
+            require(
+                bool(c.sasl_username),
+                f"required with security_protocol {c.security_protocol}",
+                field="sink.sasl_username",
+            )
+            require(
+                c.sasl_password is not None,
+                f"required with security_protocol {c.security_protocol}",
+                field="sink.sasl_password",
+            )
         else:
             for name in ("sasl_mechanism", "sasl_username", "sasl_password"):
-                require(getattr(c, name) is None, "only with security_protocol SASL_PLAINTEXT or SASL_SSL", field=f"sink.{name}")
+                require(
+                    getattr(c, name) is None,
+                    "only with security_protocol SASL_PLAINTEXT or SASL_SSL",
+                    field=f"sink.{name}",
+                )
         if not c.security_protocol.endswith("SSL"):
             for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-                require(getattr(c, name) is None, "only with security_protocol SSL or SASL_SSL", field=f"sink.{name}")
-        require(bool(c.ssl_certfile) == bool(c.ssl_keyfile), "give both ssl_certfile and ssl_keyfile, or neither", field="sink.ssl_keyfile")
+                require(
+                    getattr(c, name) is None,
+                    "only with security_protocol SSL or SASL_SSL",
+                    field=f"sink.{name}",
+                )
+        require(
+            bool(c.ssl_certfile) == bool(c.ssl_keyfile),
+            "give both ssl_certfile and ssl_keyfile, or neither",
+            field="sink.ssl_keyfile",
+        )
 
     def describe(self) -> str:
         return f"kafka/{self.config.topic}@{self.config.bootstrap_servers}"
@@ -353,7 +444,9 @@ class KafkaSink(Sink):
                 try:
                     open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
                 except OSError as e:
-                    raise PermanentSinkError(f"{name} {path!r} cannot be read: {e.strerror}") from None
+                    raise PermanentSinkError(
+                        f"{name} {path!r} cannot be read: {e.strerror}"
+                    ) from None
         try:
             return KafkaProducer(**producer_kwargs(c))
         except Exception as e:  # noqa: BLE001 - classified below
@@ -388,7 +481,9 @@ class KafkaSink(Sink):
             self._drop_producer()
             raise self._error(e, f"metadata of topic {topic!r}") from None
         if not parts and at_start:
-            raise PermanentSinkError(f"topic {topic!r} has no partitions on {self.config.bootstrap_servers}")
+            raise PermanentSinkError(
+                f"topic {topic!r} has no partitions on {self.config.bootstrap_servers}"
+            )
         self._partitions[topic] = parts
         return parts
 
@@ -432,7 +527,10 @@ class KafkaSink(Sink):
         key = r.key if c.key is None else render_template(c.key, r).encode()
         headers: list[tuple[str, bytes]] = []
         if c.keep_headers:
-            headers.extend((str(k), v if isinstance(v, bytes) else (b"" if v is None else str(v).encode())) for k, v in r.headers)
+            headers.extend(
+                (str(k), v if isinstance(v, bytes) else (b"" if v is None else str(v).encode()))
+                for k, v in r.headers
+            )
         if c.coordinate_headers:
             headers += [
                 ("x-conveyor-topic", r.topic.encode()),

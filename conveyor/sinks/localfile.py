@@ -24,14 +24,23 @@ class LocalFileSinkConfig(SinkConfig):
 
     type: Literal["localfile"] = "localfile"
     path: str = Field(description="Directory of the files (created if missing).")
-    prefix: str = Field(default="data", description="File name prefix: <prefix>-YYYYMMDD[-HH][-NNNN].jsonl.")
-    rotation: Literal["none", "size", "hourly", "daily"] = Field(default="daily", description="When a new file starts.")
-    max_bytes: int = Field(default=128 << 20, ge=1024, description="Size rotation threshold in bytes.")
+    prefix: str = Field(
+        default="data", description="File name prefix: <prefix>-YYYYMMDD[-HH][-NNNN].jsonl."
+    )
+    rotation: Literal["none", "size", "hourly", "daily"] = Field(
+        default="daily", description="When a new file starts."
+    )
+    max_bytes: int = Field(
+        default=128 << 20, ge=1024, description="Size rotation threshold in bytes."
+    )
     fields: Literal["payload", "envelope"] = Field(
         default="payload",
         description="payload: the payload as one JSON value per line; envelope: topic, partition, offset, timestamp, key, headers and payload.",
     )
-    fsync: bool = Field(default=True, description="fsync each batch before acknowledging it (durability on power loss).")
+    fsync: bool = Field(
+        default=True,
+        description="fsync each batch before acknowledging it (durability on power loss).",
+    )
 
     def asset_key_path(self) -> list[str]:
         name = re.sub(r"[^A-Za-z0-9_]", "_", Path(self.path).name or "root").strip("_") or "root"
@@ -56,7 +65,9 @@ class LocalFileSink(Sink):
     config_class = LocalFileSinkConfig
     config: LocalFileSinkConfig
 
-    def __init__(self, config: LocalFileSinkConfig, *, clock: Callable[[], dt.datetime] | None = None):
+    def __init__(
+        self, config: LocalFileSinkConfig, *, clock: Callable[[], dt.datetime] | None = None
+    ):
         super().__init__(config)
         self._clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
         self._file: Any = None
@@ -65,7 +76,11 @@ class LocalFileSink(Sink):
 
     def validate(self) -> None:
         require(bool(self.config.path.strip()), "must not be empty", field="sink.path")
-        require(bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.config.prefix)), "letters, digits, '.', '_' and '-' only", field="sink.prefix")
+        require(
+            bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.config.prefix)),
+            "letters, digits, '.', '_' and '-' only",
+            field="sink.prefix",
+        )
 
     def init_sink(self) -> None:
         try:
@@ -79,7 +94,9 @@ class LocalFileSink(Sink):
 
     def _target(self, incoming: int) -> Path:
         now = self._clock()
-        stamp = {"daily": now.strftime("%Y%m%d"), "hourly": now.strftime("%Y%m%d-%H")}.get(self.config.rotation, "")
+        stamp = {"daily": now.strftime("%Y%m%d"), "hourly": now.strftime("%Y%m%d-%H")}.get(
+            self.config.rotation, ""
+        )
         base = f"{self.config.prefix}-{stamp}" if stamp else self.config.prefix
         if self.config.rotation != "size":
             return self._dir / f"{base}.jsonl"

@@ -78,13 +78,23 @@ class MySQLSinkConfig(SinkConfig):
         default=None,
         description="mysql://user:pw@host:3306/db (secret; the user and password percent-encoded). One of url, url_env or host.",
     )
-    url_env: str | None = Field(default=None, description="Name of an environment variable holding the URL (instead of `url`).")
-    host: str | None = Field(default=None, description="Server host, with port/user/password/database (instead of a URL).")
+    url_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding the URL (instead of `url`).",
+    )
+    host: str | None = Field(
+        default=None,
+        description="Server host, with port/user/password/database (instead of a URL).",
+    )
     port: int = Field(default=3306, ge=1, le=65535, description="Server port (with host).")
     user: str | None = Field(default=None, description="User name (with host); default root.")
     password: SecretStr | None = Field(default=None, description="Password (with host; secret).")
-    database: str | None = Field(default=None, description="Database (with host; with a URL the database is the URL's path).")
-    table: str = Field(description="Target table (one identifier; quoted, so any character but NUL is allowed).")
+    database: str | None = Field(
+        default=None, description="Database (with host; with a URL the database is the URL's path)."
+    )
+    table: str = Field(
+        description="Target table (one identifier; quoted, so any character but NUL is allowed)."
+    )
     columns: dict[str, str] | None = Field(
         default=None,
         description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
@@ -96,9 +106,12 @@ class MySQLSinkConfig(SinkConfig):
         "(idempotent replays). Empty: plain INSERT.",
     )
     create_table: bool = Field(
-        default=False, description="Create the table (InnoDB, upsert_keys as PRIMARY KEY) from the first batch's schema when it does not exist."
+        default=False,
+        description="Create the table (InnoDB, upsert_keys as PRIMARY KEY) from the first batch's schema when it does not exist.",
     )
-    rows_per_statement: int = Field(default=1000, ge=1, le=100_000, description="Rows per multi-row INSERT statement.")
+    rows_per_statement: int = Field(
+        default=1000, ge=1, le=100_000, description="Rows per multi-row INSERT statement."
+    )
     max_statement_bytes: int = Field(
         default=1 << 20,
         ge=1024,
@@ -106,19 +119,36 @@ class MySQLSinkConfig(SinkConfig):
         description="pymysql splits a statement longer than this; keep it under the server's max_allowed_packet.",
     )
     connect_timeout_s: int = Field(default=10, ge=1, le=300, description="Connect timeout.")
-    read_timeout_s: int = Field(default=60, ge=1, le=86_400, description="Socket read timeout: how long one statement may take.")
+    read_timeout_s: int = Field(
+        default=60,
+        ge=1,
+        le=86_400,
+        description="Socket read timeout: how long one statement may take.",
+    )
     write_timeout_s: int = Field(default=60, ge=1, le=86_400, description="Socket write timeout.")
     lock_wait_timeout_s: int | None = Field(
-        default=None, ge=1, le=86_400, description="Session innodb_lock_wait_timeout (default: the server's, usually 50 s)."
+        default=None,
+        ge=1,
+        le=86_400,
+        description="Session innodb_lock_wait_timeout (default: the server's, usually 50 s).",
     )
-    tls_ca_file: str | None = Field(default=None, description="CA bundle (PEM): connect with TLS and verify the server against it.")
+    tls_ca_file: str | None = Field(
+        default=None,
+        description="CA bundle (PEM): connect with TLS and verify the server against it.",
+    )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
 
     def database_name(self) -> str | None:
         """The database, from `database` or the URL's path (read from the environment for url_env)."""
         if self.database:
             return self.database
-        url = secret(self.url) if self.url is not None else os.environ.get(self.url_env or "") if self.url_env else None
+        url = (
+            secret(self.url)
+            if self.url is not None
+            else os.environ.get(self.url_env or "")
+            if self.url_env
+            else None
+        )
         if not url:
             return None
         return urllib.parse.unquote(urllib.parse.urlsplit(url).path.lstrip("/")) or None
@@ -170,7 +200,10 @@ def insert_statement(table: str, columns: Sequence[str], upsert_keys: Sequence[s
         others = [c for c in columns if c not in upsert_keys]
         # VALUES(col) works on MariaDB and MySQL (MySQL 8.0.20+ deprecates it for an alias,
         # which MariaDB does not have). A key-only table updates nothing: k = k.
-        sets = ", ".join(f"{_q(c)} = VALUES({_q(c)})" for c in others) or f"{_q(upsert_keys[0])} = {_q(upsert_keys[0])}"
+        sets = (
+            ", ".join(f"{_q(c)} = VALUES({_q(c)})" for c in others)
+            or f"{_q(upsert_keys[0])} = {_q(upsert_keys[0])}"
+        )
         stmt += f" ON DUPLICATE KEY UPDATE {sets}"
     return stmt
 
@@ -228,7 +261,9 @@ def column_values(col: pa.ChunkedArray | pa.Array) -> tuple[list[Any], dict[int,
                     bad[i] = f"{v!r} cannot be stored in MySQL"
         return values, bad
     if pa.types.is_nested(t):
-        return [None if v is None else json.dumps(v, default=json_default) for v in col.to_pylist()], bad
+        return [
+            None if v is None else json.dumps(v, default=json_default) for v in col.to_pylist()
+        ], bad
     return col.to_pylist(), bad
 
 
@@ -236,7 +271,16 @@ def headers_json(col: pa.ChunkedArray | pa.Array) -> list[str]:
     """The __headers column as JSON objects of text values (the last of a repeated name wins)."""
     out = []
     for hs in col.to_pylist():
-        out.append(json.dumps({h["key"]: (h["value"].decode(errors="replace") if h["value"] is not None else None) for h in hs or ()}))
+        out.append(
+            json.dumps(
+                {
+                    h["key"]: (
+                        h["value"].decode(errors="replace") if h["value"] is not None else None
+                    )
+                    for h in hs or ()
+                }
+            )
+        )
     return out
 
 
@@ -244,7 +288,10 @@ def payload_json(batch: pa.Table) -> list[str]:
     """Each row's payload as JSON text: decoded columns as an object, a JSON `value` parsed."""
     pcols = payload_columns(batch)
     if pcols == ["value"]:
-        return [json.dumps(r.payload_json(), default=json_default) for r in iter_records(batch.select(["value"]))]
+        return [
+            json.dumps(r.payload_json(), default=json_default)
+            for r in iter_records(batch.select(["value"]))
+        ]
     return [json.dumps(row, default=json_default) for row in batch.select(pcols).to_pylist()]
 
 
@@ -391,16 +438,36 @@ class MySQLSink(Sink):
     def validate(self) -> None:
         c = self.config
         schemes = [n for n, v in (("url", c.url), ("url_env", c.url_env), ("host", c.host)) if v]
-        require(len(schemes) == 1, f"give exactly one of url, url_env and host (got {', '.join(schemes) or 'none'})", field="sink.url")
+        require(
+            len(schemes) == 1,
+            f"give exactly one of url, url_env and host (got {', '.join(schemes) or 'none'})",
+            field="sink.url",
+        )
         if c.host is not None:
             require(bool(c.host.strip()), "must not be empty", field="sink.host")
-            require(bool(c.database and c.database.strip()), "a database is required with host", field="sink.database")
+            require(
+                bool(c.database and c.database.strip()),
+                "a database is required with host",
+                field="sink.database",
+            )
         else:
             for name in ("user", "password", "database"):
-                require(getattr(c, name) is None, f"{name} goes into the URL when url/url_env is used", field=f"sink.{name}")
-            require("port" not in c.model_fields_set, "port goes into the URL when url/url_env is used", field="sink.port")
+                require(
+                    getattr(c, name) is None,
+                    f"{name} goes into the URL when url/url_env is used",
+                    field=f"sink.{name}",
+                )
+            require(
+                "port" not in c.model_fields_set,
+                "port goes into the URL when url/url_env is used",
+                field="sink.port",
+            )
         if c.url_env is not None:
-            require(bool(os.environ.get(c.url_env)), f"environment variable {c.url_env} is not set", field="sink.url_env")
+            require(
+                bool(os.environ.get(c.url_env)),
+                f"environment variable {c.url_env} is not set",
+                field="sink.url_env",
+            )
         if c.host is None:
             self._check_url(self._url())
         problem = identifier_problem(c.table)
@@ -412,11 +479,25 @@ class MySQLSink(Sink):
                 if problem:
                     raise ConfigError(f"column {target!r}: {problem}", field="sink.columns")
                 if src.startswith("$") and src not in SOURCES:
-                    raise ConfigError(f"{target}: unknown source {src!r}; one of {SOURCES}", field="sink.columns")
+                    raise ConfigError(
+                        f"{target}: unknown source {src!r}; one of {SOURCES}", field="sink.columns"
+                    )
             for k in c.upsert_keys:
-                require(k in c.columns, f"upsert key {k!r} is not a mapped column", field="sink.upsert_keys")
-        require(len(set(c.upsert_keys)) == len(c.upsert_keys), "duplicate column", field="sink.upsert_keys")
-        require(bool(c.charset.strip()) and c.charset.replace("_", "").isalnum(), f"{c.charset!r} is not a character set name", field="sink.charset")
+                require(
+                    k in c.columns,
+                    f"upsert key {k!r} is not a mapped column",
+                    field="sink.upsert_keys",
+                )
+        require(
+            len(set(c.upsert_keys)) == len(c.upsert_keys),
+            "duplicate column",
+            field="sink.upsert_keys",
+        )
+        require(
+            bool(c.charset.strip()) and c.charset.replace("_", "").isalnum(),
+            f"{c.charset!r} is not a character set name",
+            field="sink.charset",
+        )
 
     def _url(self) -> str:
         if self.config.url is not None:
@@ -427,13 +508,21 @@ class MySQLSink(Sink):
     def _check_url(url: str) -> None:
         field = "sink.url"
         u = urllib.parse.urlsplit(url)
-        require(u.scheme in ("mysql", "mariadb"), "must start with mysql:// (or mariadb://)", field=field)
+        require(
+            u.scheme in ("mysql", "mariadb"),
+            "must start with mysql:// (or mariadb://)",
+            field=field,
+        )
         require(bool(u.hostname), "has no host", field=field)
         try:
             u.port  # noqa: B018 - raises on a bad port
         except ValueError:
             raise ConfigError("has a bad port", field=field) from None
-        require(bool(u.path.lstrip("/")), "has no database (mysql://user:pw@host:3306/<database>)", field=field)
+        require(
+            bool(u.path.lstrip("/")),
+            "has no database (mysql://user:pw@host:3306/<database>)",
+            field=field,
+        )
 
     def connect_kwargs(self) -> dict[str, Any]:
         """pymysql.connect keyword arguments (includes the password: never log it)."""
@@ -494,7 +583,9 @@ class MySQLSink(Sink):
         kind = classify_mysql_error(e)
         code = error_code(e)
         if code == 1146:
-            return PermanentSinkError(f"table {quote_identifier(self.config.table)} in database {self.config.database_name()!r} does not exist: {error_text(e)}")
+            return PermanentSinkError(
+                f"table {quote_identifier(self.config.table)} in database {self.config.database_name()!r} does not exist: {error_text(e)}"
+            )
         if kind == "permanent":
             return PermanentSinkError(f"MySQL {context}: {error_text(e)}")
         return TransientSinkError(f"MySQL {context}: {error_text(e)}")
@@ -527,7 +618,10 @@ class MySQLSink(Sink):
                 (self.config.table,),
             )
             self._types = {name: typ for name, typ in cur.fetchall()}
-            cur.execute("SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (self.config.table,))
+            cur.execute(
+                "SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+                (self.config.table,),
+            )
             row = cur.fetchone()
             self._exists = row is not None
             cur.execute("SELECT ENGINE, TRANSACTIONS FROM information_schema.ENGINES")
@@ -551,7 +645,9 @@ class MySQLSink(Sink):
             return
         missing = [k for k in keys if k not in self._types]
         if missing:
-            raise PermanentSinkError(f"table {quote_identifier(self.config.table)} has no column(s) {', '.join(missing)} (upsert_keys)")
+            raise PermanentSinkError(
+                f"table {quote_identifier(self.config.table)} has no column(s) {', '.join(missing)} (upsert_keys)"
+            )
         with self._conn.cursor() as cur:
             cur.execute(
                 "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s "
@@ -580,19 +676,36 @@ class MySQLSink(Sink):
     def _resolve(self, batch: pa.Table) -> None:
         """Pick target and source columns on the first batch; check them against the table."""
         c = self.config
-        mapping = dict(c.columns) if c.columns is not None else {col: col for col in payload_columns(batch)}
+        mapping = (
+            dict(c.columns)
+            if c.columns is not None
+            else {col: col for col in payload_columns(batch)}
+        )
         for target, src in mapping.items():
             if not src.startswith("$") and src not in batch.schema.names:
-                raise ConfigError(f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})", field="sink.columns")
+                raise ConfigError(
+                    f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
+                    field="sink.columns",
+                )
             if src in META_SOURCES and META_SOURCES[src] not in batch.schema.names:
-                raise ConfigError(f"{target}: the batch has no {META_SOURCES[src]} column for {src}", field="sink.columns")
+                raise ConfigError(
+                    f"{target}: the batch has no {META_SOURCES[src]} column for {src}",
+                    field="sink.columns",
+                )
         if c.columns is None:
             for target in mapping:
                 problem = identifier_problem(target)
                 if problem:
-                    raise ConfigError(f"payload column {target!r} cannot be a MySQL column: {problem}; map it with columns", field="sink.columns")
+                    raise ConfigError(
+                        f"payload column {target!r} cannot be a MySQL column: {problem}; map it with columns",
+                        field="sink.columns",
+                    )
             for k in c.upsert_keys:
-                require(k in mapping, f"upsert key {k!r} is not a payload column ({', '.join(mapping)})", field="sink.upsert_keys")
+                require(
+                    k in mapping,
+                    f"upsert key {k!r} is not a payload column ({', '.join(mapping)})",
+                    field="sink.upsert_keys",
+                )
         if not self._exists:
             self._create_table(batch, mapping)
         missing = [t for t in mapping if t not in self._types]
@@ -610,7 +723,10 @@ class MySQLSink(Sink):
             if src in ("$payload", "$headers"):
                 types[target] = "JSON"
             else:
-                types[target] = mysql_type(batch.schema.field(META_SOURCES.get(src, src)).type, key=target in self.config.upsert_keys)
+                types[target] = mysql_type(
+                    batch.schema.field(META_SOURCES.get(src, src)).type,
+                    key=target in self.config.upsert_keys,
+                )
         with self._conn.cursor() as cur:
             cur.execute(create_table_statement(self.config.table, types, self.config.upsert_keys))
         self._conn.commit()
@@ -630,7 +746,11 @@ class MySQLSink(Sink):
         text_bytes = 0  # bytes of text and binary values, for the max_allowed_packet check
         for src in dict.fromkeys(self._sources):
             if src in ("$payload", "$headers"):
-                cols[src] = payload_json(batch) if src == "$payload" else headers_json(batch.column(HEADERS_COL))
+                cols[src] = (
+                    payload_json(batch)
+                    if src == "$payload"
+                    else headers_json(batch.column(HEADERS_COL))
+                )
                 text_bytes += 4 * sum(map(len, cols[src]))
             else:
                 col = batch.column(META_SOURCES.get(src, src))
@@ -638,17 +758,27 @@ class MySQLSink(Sink):
                 cols[src] = values
                 for i, msg in col_bad.items():
                     bad.setdefault(i, msg)
-                if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+                if (
+                    pa.types.is_string(col.type)
+                    or pa.types.is_large_string(col.type)
+                    or pa.types.is_binary(col.type)
+                    or pa.types.is_large_binary(col.type)
+                ):
                     text_bytes += pc.sum(pc.binary_length(col)).as_py() or 0
                 elif pa.types.is_nested(col.type):
                     text_bytes += 4 * sum(len(v) for v in values if v is not None)
-        rows: list[tuple[Any, ...] | None] = list(zip(*(cols[src] for src in self._sources), strict=True))
+        rows: list[tuple[Any, ...] | None] = list(
+            zip(*(cols[src] for src in self._sources), strict=True)
+        )
         for i in bad:
             rows[i] = None
         failures = [RowFailure(i, msg) for i, msg in sorted(bad.items())]
         # Escaping at most doubles a value; other values are short. Only a batch that could
         # hold a row above the limit is checked row by row.
-        if 2 * text_bytes + 64 * len(self._sources) * batch.num_rows > self._max_packet - PACKET_MARGIN:
+        if (
+            2 * text_bytes + 64 * len(self._sources) * batch.num_rows
+            > self._max_packet - PACKET_MARGIN
+        ):
             failures = sorted(failures + self._oversized(rows), key=lambda f: f.index)
         return rows, failures
 
@@ -669,18 +799,27 @@ class MySQLSink(Sink):
             step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
                 # A statement above max_allowed_packet makes the server drop the connection.
-                cur.max_stmt_length = min(self.config.max_statement_bytes, self._max_packet - PACKET_MARGIN)
+                cur.max_stmt_length = min(
+                    self.config.max_statement_bytes, self._max_packet - PACKET_MARGIN
+                )
                 for start in range(0, len(good), step):
                     failures += self._write_isolating(cur, rows, good[start : start + step])
             self._conn.commit()
         except (pymysql.err.MySQLError, OSError) as e:
             kind = classify_mysql_error(e)
-            err = self._error(e, "write failed" if kind != "data" else "write failed on a row the sink could not isolate")
+            err = self._error(
+                e,
+                "write failed"
+                if kind != "data"
+                else "write failed on a row the sink could not isolate",
+            )
             self._rollback()
             if isinstance(err, TransientSinkError):
                 self.cleanup_sink()
             raise err from None
-        return SendResult(rows=batch.num_rows, failed=tuple(sorted(failures, key=lambda f: f.index)))
+        return SendResult(
+            rows=batch.num_rows, failed=tuple(sorted(failures, key=lambda f: f.index))
+        )
 
     def _oversized(self, rows: list[tuple[Any, ...] | None]) -> list[RowFailure]:
         """Rows whose INSERT alone would exceed max_allowed_packet (sets them to None)."""
@@ -690,13 +829,21 @@ class MySQLSink(Sink):
             if row is None:
                 continue
             # A cheap upper bound first (escaping at most doubles a value, UTF-8 takes at most 4 bytes a character).
-            bound = sum(8 * len(v) if isinstance(v, str) else 2 * len(v) if isinstance(v, bytes) else 64 for v in row)
+            bound = sum(
+                8 * len(v) if isinstance(v, str) else 2 * len(v) if isinstance(v, bytes) else 64
+                for v in row
+            )
             if bound <= limit:
                 continue
             size = sum(len(self._conn.literal(v).encode(errors="surrogateescape")) + 2 for v in row)
             if size > limit:
                 rows[i] = None
-                out.append(RowFailure(i, f"row of {size} bytes exceeds the server's max_allowed_packet ({self._max_packet} bytes)"))
+                out.append(
+                    RowFailure(
+                        i,
+                        f"row of {size} bytes exceeds the server's max_allowed_packet ({self._max_packet} bytes)",
+                    )
+                )
         return out
 
     def _rollback(self) -> None:
@@ -706,7 +853,9 @@ class MySQLSink(Sink):
         except Exception:  # noqa: BLE001 - the connection is dropped instead
             self.cleanup_sink()
 
-    def _write_isolating(self, cur: Any, rows: list[tuple[Any, ...] | None], idx: list[int]) -> list[RowFailure]:
+    def _write_isolating(
+        self, cur: Any, rows: list[tuple[Any, ...] | None], idx: list[int]
+    ) -> list[RowFailure]:
         """Write rows behind a savepoint; on a data error roll back to it and bisect."""
         import pymysql
 
@@ -727,4 +876,6 @@ class MySQLSink(Sink):
             if len(idx) == 1:
                 return [RowFailure(idx[0], error_text(e))]
         mid = len(idx) // 2
-        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(cur, rows, idx[mid:])
+        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(
+            cur, rows, idx[mid:]
+        )

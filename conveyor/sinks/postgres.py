@@ -9,6 +9,7 @@ inside savepoints, so the good rows of the batch still go through.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import json
@@ -21,8 +22,25 @@ import pyarrow as pa
 from pydantic import Field, SecretStr
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
-from conveyor.core.model import HEADERS_COL, KEY_COL, OFFSET_COL, PARTITION_COL, TIMESTAMP_COL, TOPIC_COL
-from conveyor.sinks.base import RowFailure, SendResult, Sink, SinkConfig, iter_records, json_default, payload_columns, require, secret
+from conveyor.core.model import (
+    HEADERS_COL,
+    KEY_COL,
+    OFFSET_COL,
+    PARTITION_COL,
+    TIMESTAMP_COL,
+    TOPIC_COL,
+)
+from conveyor.sinks.base import (
+    RowFailure,
+    SendResult,
+    Sink,
+    SinkConfig,
+    iter_records,
+    json_default,
+    payload_columns,
+    require,
+    secret,
+)
 
 log = logging.getLogger("conveyor.sinks.postgres")
 
@@ -40,8 +58,13 @@ class PostgresSinkConfig(SinkConfig):
     """Rows into a PostgreSQL table."""
 
     type: Literal["postgres"] = "postgres"
-    url: SecretStr | None = Field(default=None, description="libpq URL, e.g. postgresql://user:pw@127.0.0.1:5432/db (secret).")
-    url_env: str | None = Field(default=None, description="Name of an environment variable holding the URL (instead of `url`).")
+    url: SecretStr | None = Field(
+        default=None, description="libpq URL, e.g. postgresql://user:pw@127.0.0.1:5432/db (secret)."
+    )
+    url_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding the URL (instead of `url`).",
+    )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")
     columns: dict[str, str] | None = Field(
@@ -49,11 +72,22 @@ class PostgresSinkConfig(SinkConfig):
         description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
         "$payload (the whole payload as JSON). Default: payload columns to same-named columns.",
     )
-    upsert_keys: list[str] = Field(default_factory=list, description="Key columns: INSERT ... ON CONFLICT (keys) DO UPDATE (idempotent replays).")
-    create_table: bool = Field(default=False, description="Create the table from the first batch's schema when it does not exist.")
-    write_method: Literal["copy", "values"] = Field(default="copy", description="COPY (fast) or multi-row INSERT; upserts always go through a COPY into a temporary table.")
+    upsert_keys: list[str] = Field(
+        default_factory=list,
+        description="Key columns: INSERT ... ON CONFLICT (keys) DO UPDATE (idempotent replays).",
+    )
+    create_table: bool = Field(
+        default=False,
+        description="Create the table from the first batch's schema when it does not exist.",
+    )
+    write_method: Literal["copy", "values"] = Field(
+        default="copy",
+        description="COPY (fast) or multi-row INSERT; upserts always go through a COPY into a temporary table.",
+    )
     connect_timeout_s: int = Field(default=10, ge=1, le=300, description="Connect timeout.")
-    statement_timeout_ms: int = Field(default=60_000, ge=0, description="Statement timeout (0 = none).")
+    statement_timeout_ms: int = Field(
+        default=60_000, ge=0, description="Statement timeout (0 = none)."
+    )
 
     def asset_key_path(self) -> list[str]:
         return ["postgres", _part(self.schema_), _part(self.table)]
@@ -101,15 +135,24 @@ class PostgresSink(Sink):
 
     def validate(self) -> None:
         c = self.config
-        require(bool(c.url) != bool(c.url_env), "give exactly one of url and url_env", field="sink.url")
+        require(
+            bool(c.url) != bool(c.url_env), "give exactly one of url and url_env", field="sink.url"
+        )
         require(bool(c.table.strip()), "must not be empty", field="sink.table")
         if c.columns is not None:
             require(bool(c.columns), "must map at least one column", field="sink.columns")
             for target, src in c.columns.items():
                 if src.startswith("$") and src not in META_SOURCES and src != "$payload":
-                    raise ConfigError(f"{target}: unknown source {src!r}; one of {sorted([*META_SOURCES, '$payload'])}", field="sink.columns")
+                    raise ConfigError(
+                        f"{target}: unknown source {src!r}; one of {sorted([*META_SOURCES, '$payload'])}",
+                        field="sink.columns",
+                    )
             for k in c.upsert_keys:
-                require(k in c.columns, f"upsert key {k!r} is not a mapped column", field="sink.upsert_keys")
+                require(
+                    k in c.columns,
+                    f"upsert key {k!r} is not a mapped column",
+                    field="sink.upsert_keys",
+                )
         if c.url_env and not os.environ.get(c.url_env):
             raise ConfigError(f"environment variable {c.url_env} is not set", field="sink.url_env")
 
@@ -123,7 +166,12 @@ class PostgresSink(Sink):
 
         opts = f"-c statement_timeout={self.config.statement_timeout_ms}"
         try:
-            conn = psycopg2.connect(self._dsn(), connect_timeout=self.config.connect_timeout_s, options=opts, application_name="conveyor")
+            conn = psycopg2.connect(
+                self._dsn(),
+                connect_timeout=self.config.connect_timeout_s,
+                options=opts,
+                application_name="conveyor",
+            )
         except psycopg2.OperationalError as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else "connection failed"
             if any(p in msg for p in _PERMANENT_CONNECT_ERRORS):
@@ -160,14 +208,21 @@ class PostgresSink(Sink):
             mapping = {col: col for col in payload_columns(batch)}
         for target, src in mapping.items():
             if not src.startswith("$") and src not in batch.schema.names:
-                raise ConfigError(f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})", field="sink.columns")
+                raise ConfigError(
+                    f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
+                    field="sink.columns",
+                )
         if not self._types:
             if not c.create_table:
-                raise PermanentSinkError(f'table "{c.schema_}"."{c.table}" does not exist (set create_table: true to create it)')
+                raise PermanentSinkError(
+                    f'table "{c.schema_}"."{c.table}" does not exist (set create_table: true to create it)'
+                )
             self._create_table(batch, mapping)
         missing = [t for t in mapping if t not in self._types]
         if missing:
-            raise PermanentSinkError(f'table "{c.schema_}"."{c.table}" has no column(s) {", ".join(missing)} (it has {", ".join(self._types)})')
+            raise PermanentSinkError(
+                f'table "{c.schema_}"."{c.table}" has no column(s) {", ".join(missing)} (it has {", ".join(self._types)})'
+            )
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
 
@@ -183,10 +238,20 @@ class PostgresSink(Sink):
                 pg = _pg_type(field.type)
             defs.append(sql.SQL("{} {}").format(sql.Identifier(target), sql.SQL(pg)))
         if self.config.upsert_keys:
-            defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, self.config.upsert_keys))))
-        stmt = sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self._fq(), sql.SQL(", ").join(defs))
+            defs.append(
+                sql.SQL("PRIMARY KEY ({})").format(
+                    sql.SQL(", ").join(map(sql.Identifier, self.config.upsert_keys))
+                )
+            )
+        stmt = sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+            self._fq(), sql.SQL(", ").join(defs)
+        )
         with self._conn.cursor() as cur:
-            cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.config.schema_)))
+            cur.execute(
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                    sql.Identifier(self.config.schema_)
+                )
+            )
             cur.execute(stmt)
         self._conn.commit()
         self._describe_table()
@@ -194,10 +259,8 @@ class PostgresSink(Sink):
 
     def cleanup_sink(self) -> None:
         if self._conn is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing is best effort
                 self._conn.close()
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
             self._conn = None
 
     # -- writing --------------------------------------------------------------------
@@ -207,8 +270,16 @@ class PostgresSink(Sink):
         out = []
         need_records = "$payload" in self._sources or "$headers" in self._sources
         records = list(iter_records(batch)) if need_records else None
-        cols = {name: batch.column(name).to_pylist() for name in set(self._sources) if not name.startswith("$")}
-        meta = {src: batch.column(col).to_pylist() for src, col in META_SOURCES.items() if src in self._sources and col in batch.schema.names and src != "$headers"}
+        cols = {
+            name: batch.column(name).to_pylist()
+            for name in set(self._sources)
+            if not name.startswith("$")
+        }
+        meta = {
+            src: batch.column(col).to_pylist()
+            for src, col in META_SOURCES.items()
+            if src in self._sources and col in batch.schema.names and src != "$headers"
+        }
         for i in range(batch.num_rows):
             row = []
             for src in self._sources:
@@ -217,7 +288,9 @@ class PostgresSink(Sink):
                     row.append(json.dumps(records[i].payload_json(), default=json_default))
                 elif src == "$headers":
                     assert records is not None
-                    row.append(json.dumps({k: v.decode(errors="replace") for k, v in records[i].headers}))
+                    row.append(
+                        json.dumps({k: v.decode(errors="replace") for k, v in records[i].headers})
+                    )
                 elif src.startswith("$"):
                     row.append(meta[src][i])
                 else:
@@ -241,10 +314,14 @@ class PostgresSink(Sink):
             self._conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             self.cleanup_sink()
-            raise TransientSinkError(f"PostgreSQL connection lost: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+            raise TransientSinkError(
+                f"PostgreSQL connection lost: {str(e).strip().splitlines()[0] if str(e).strip() else e}"
+            ) from None
         except psycopg2.errors.UndefinedTable as e:
             self._rollback()
-            raise PermanentSinkError(f'table "{self.config.schema_}"."{self.config.table}" is gone: {e.pgerror or e}') from None
+            raise PermanentSinkError(
+                f'table "{self.config.schema_}"."{self.config.table}" is gone: {e.pgerror or e}'
+            ) from None
         except psycopg2.errors.InsufficientPrivilege as e:
             self._rollback()
             raise PermanentSinkError(f"permission denied: {e.pgerror or e}") from None
@@ -262,7 +339,9 @@ class PostgresSink(Sink):
         except Exception:  # noqa: BLE001
             self.cleanup_sink()
 
-    def _write_isolating(self, rows: list[tuple[Any, ...]], idx: list[int], *, top: bool = False) -> list[RowFailure]:
+    def _write_isolating(
+        self, rows: list[tuple[Any, ...]], idx: list[int], *, top: bool = False
+    ) -> list[RowFailure]:
         """Write rows inside a savepoint; on a data error, bisect to the guilty rows."""
         import psycopg2
 
@@ -294,7 +373,10 @@ class PostgresSink(Sink):
             keys = sql.SQL(", ").join(map(sql.Identifier, self.config.upsert_keys))
             others = [c for c in self._columns if c not in self.config.upsert_keys]
             action = (
-                sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others)
+                sql.SQL("DO UPDATE SET ")
+                + sql.SQL(", ").join(
+                    sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others
+                )
                 if others
                 else sql.SQL("DO NOTHING")
             )
@@ -304,7 +386,12 @@ class PostgresSink(Sink):
             last: dict[tuple[Any, ...], tuple[Any, ...]] = {}
             for r in rows:
                 last[tuple(r[p] for p in key_pos)] = r
-            stmt = sql.SQL("INSERT INTO {} ({}) VALUES %s ON CONFLICT ({}) ").format(self._fq(), cols, keys) + action
+            stmt = (
+                sql.SQL("INSERT INTO {} ({}) VALUES %s ON CONFLICT ({}) ").format(
+                    self._fq(), cols, keys
+                )
+                + action
+            )
             execute_values(cur, stmt.as_string(cur), list(last.values()), page_size=len(last) or 1)
         elif self.config.write_method == "values":
             stmt = sql.SQL("INSERT INTO {} ({}) VALUES %s").format(self._fq(), cols)

@@ -53,59 +53,92 @@ class RabbitMQSinkConfig(SinkConfig):
 
     type: Literal["rabbitmq"] = "rabbitmq"
     url: SecretStr | None = Field(
-        default=None, description="AMQP URL, e.g. amqp://user:pw@127.0.0.1:5672/%2F (secret). Instead of host/port/vhost/username/password."
+        default=None,
+        description="AMQP URL, e.g. amqp://user:pw@127.0.0.1:5672/%2F (secret). Instead of host/port/vhost/username/password.",
     )
     host: str | None = Field(default=None, description="Broker host (when no url is given).")
-    port: int | None = Field(default=None, ge=1, le=65535, description="Broker port; default 5672, or 5671 with tls.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="Broker port; default 5672, or 5671 with tls."
+    )
     vhost: str | None = Field(default=None, description="Virtual host; default '/'.")
     username: str | None = Field(default=None, description="User name; default 'guest'.")
-    password: SecretStr | None = Field(default=None, description="Password (secret); default 'guest'.")
-    tls: bool = Field(default=False, description="Connect with TLS (host/port form; with url use amqps://).")
-    ssl_cafile: str | None = Field(default=None, description="CA bundle (PEM) to verify the broker, with tls or amqps://.")
-    exchange: str = Field(default="", description="Exchange to publish to; '' is the default exchange (routing key = queue name).")
+    password: SecretStr | None = Field(
+        default=None, description="Password (secret); default 'guest'."
+    )
+    tls: bool = Field(
+        default=False, description="Connect with TLS (host/port form; with url use amqps://)."
+    )
+    ssl_cafile: str | None = Field(
+        default=None, description="CA bundle (PEM) to verify the broker, with tls or amqps://."
+    )
+    exchange: str = Field(
+        default="",
+        description="Exchange to publish to; '' is the default exchange (routing key = queue name).",
+    )
     routing_key: str = Field(
         default="${topic}",
         description="Routing key template: ${topic}, ${key}, ${partition}, ${offset}, ${destination}, ${payload.<field>}.",
     )
-    use_destination: bool = Field(default=True, description="A row with a __destination value uses it as its routing key.")
-    declare_exchange: bool = Field(
-        default=False, description="Declare the exchange at start (else it must exist: a passive declare checks it)."
+    use_destination: bool = Field(
+        default=True, description="A row with a __destination value uses it as its routing key."
     )
-    exchange_type: Literal["direct", "topic", "fanout", "headers"] = Field(default="direct", description="Type of a declared exchange.")
-    exchange_durable: bool = Field(default=True, description="A declared exchange survives a broker restart.")
+    declare_exchange: bool = Field(
+        default=False,
+        description="Declare the exchange at start (else it must exist: a passive declare checks it).",
+    )
+    exchange_type: Literal["direct", "topic", "fanout", "headers"] = Field(
+        default="direct", description="Type of a declared exchange."
+    )
+    exchange_durable: bool = Field(
+        default=True, description="A declared exchange survives a broker restart."
+    )
     mandatory: bool = Field(
-        default=False, description="Publish with the mandatory flag: a message no queue takes is returned and its row is a data error."
+        default=False,
+        description="Publish with the mandatory flag: a message no queue takes is returned and its row is a data error.",
     )
     delivery_mode: Literal["persistent", "transient"] = Field(
-        default="persistent", description="persistent (delivery mode 2: written to disk in durable queues) or transient (1)."
+        default="persistent",
+        description="persistent (delivery mode 2: written to disk in durable queues) or transient (1).",
     )
     content_type: str | None = Field(
         default=None,
         description="content_type property; default by payload: application/json (columns), text/plain (text), application/octet-stream (bytes).",
     )
-    keep_headers: bool = Field(default=True, description="Copy the source message's headers into the AMQP headers.")
+    keep_headers: bool = Field(
+        default=True, description="Copy the source message's headers into the AMQP headers."
+    )
     coordinate_headers: bool = Field(
         default=True,
         description="Add headers x-conveyor-topic, x-conveyor-partition, x-conveyor-offset, x-conveyor-timestamp (epoch ms) "
         "and x-conveyor-key (the source key).",
     )
     header_values: Literal["text", "bytes"] = Field(
-        default="text", description="text: header values that are UTF-8 become AMQP strings (others byte arrays); bytes: always byte arrays."
+        default="text",
+        description="text: header values that are UTF-8 become AMQP strings (others byte arrays); bytes: always byte arrays.",
     )
     confirm_mode: Literal["pipelined", "per_message"] = Field(
         default="pipelined",
         description="pipelined: publish the batch, then collect the confirms (fast); per_message: wait for each confirm (pika's public API).",
     )
-    confirm_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="How long to wait for the batch's confirms; then it is an outage.")
+    confirm_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="How long to wait for the batch's confirms; then it is an outage.",
+    )
     max_message_bytes: int = Field(
         default=16 << 20,
         ge=1,
         description="Largest body published; a larger row is a data error (a body above the broker's max_message_size would close the channel).",
     )
-    connect_timeout_s: float = Field(default=10.0, gt=0, le=300, description="Socket connect / handshake timeout.")
+    connect_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="Socket connect / handshake timeout."
+    )
     heartbeat_s: int = Field(default=60, ge=0, le=3600, description="AMQP heartbeat (0 = off).")
     blocked_connection_timeout_s: float = Field(
-        default=60.0, gt=0, description="How long the broker may block publishing (memory / disk alarm) before the batch counts as an outage."
+        default=60.0,
+        gt=0,
+        description="How long the broker may block publishing (memory / disk alarm) before the batch counts as an outage.",
     )
     app_id: str = Field(default="conveyor", description="app_id property of every message.")
 
@@ -235,9 +268,20 @@ def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "per
 
     if isinstance(exc, px.UnroutableError):
         return "data"
-    if isinstance(exc, (px.ShortStringTooLong, px.UnsupportedAMQPFieldException, TypeError, ValueError, UnicodeEncodeError)):
+    if isinstance(
+        exc,
+        (
+            px.ShortStringTooLong,
+            px.UnsupportedAMQPFieldException,
+            TypeError,
+            ValueError,
+            UnicodeEncodeError,
+        ),
+    ):
         return "data"
-    if isinstance(exc, (px.ProbableAuthenticationError, px.ProbableAccessDeniedError, px.AuthenticationError)):
+    if isinstance(
+        exc, (px.ProbableAuthenticationError, px.ProbableAccessDeniedError, px.AuthenticationError)
+    ):
         return "permanent"
     if isinstance(exc, (px.ConnectionClosedByBroker, px.ChannelClosedByBroker)):
         return "permanent" if reply_code(exc) in _PERMANENT_CODES else "transient"
@@ -250,14 +294,20 @@ def _describe(exc: BaseException) -> str:
     if code is not None:
         return f"{type(exc).__name__} ({code}) {text}"
     s = str(exc).strip()
-    return f"{type(exc).__name__}: {s}" if s and type(exc).__name__ not in s else (s or type(exc).__name__)
+    return (
+        f"{type(exc).__name__}: {s}"
+        if s and type(exc).__name__ not in s
+        else (s or type(exc).__name__)
+    )
 
 
 def sink_error(exc: BaseException, context: str, *, exchange: str = "") -> SinkError:
     """The SinkError a connection / channel failure becomes."""
     detail = _describe(exc)
     if reply_code(exc) == 404 and exchange:
-        return PermanentSinkError(f"{context}: exchange {exchange!r} not found ({detail}); create it or set declare_exchange: true")
+        return PermanentSinkError(
+            f"{context}: exchange {exchange!r} not found ({detail}); create it or set declare_exchange: true"
+        )
     if classify_amqp_error(exc) in ("permanent", "data"):
         return PermanentSinkError(f"{context}: {detail}")
     return TransientSinkError(f"{context}: {detail}")
@@ -343,12 +393,24 @@ class RabbitMQSink(Sink):
     def validate(self) -> None:
         c = self.config
         by_parts = any(v is not None for v in (c.host, c.port, c.vhost, c.username, c.password))
-        require(c.url is not None or by_parts, "give url, or host (with port, vhost, username, password)", field="sink.url")
-        require(not (c.url is not None and by_parts), "give either url or host/port/vhost/username/password, not both", field="sink.url")
+        require(
+            c.url is not None or by_parts,
+            "give url, or host (with port, vhost, username, password)",
+            field="sink.url",
+        )
+        require(
+            not (c.url is not None and by_parts),
+            "give either url or host/port/vhost/username/password, not both",
+            field="sink.url",
+        )
         if c.url is not None:
             raw = secret(c.url) or ""
             u = urllib.parse.urlsplit(raw)
-            require(u.scheme in ("amqp", "amqps") and bool(u.hostname), "must be amqp://[user:pw@]host[:port][/vhost]", field="sink.url")
+            require(
+                u.scheme in ("amqp", "amqps") and bool(u.hostname),
+                "must be amqp://[user:pw@]host[:port][/vhost]",
+                field="sink.url",
+            )
         else:
             require(bool(c.host and c.host.strip()), "must not be empty", field="sink.host")
         require(
@@ -356,14 +418,34 @@ class RabbitMQSink(Sink):
             "exchange names are up to 255 characters of letters, digits, - _ . :",
             field="sink.exchange",
         )
-        require(not (c.declare_exchange and not c.exchange), "the default exchange ('') cannot be declared", field="sink.declare_exchange")
-        require(not c.exchange.startswith("amq.") or not c.declare_exchange, "amq.* exchanges cannot be declared", field="sink.declare_exchange")
+        require(
+            not (c.declare_exchange and not c.exchange),
+            "the default exchange ('') cannot be declared",
+            field="sink.declare_exchange",
+        )
+        require(
+            not c.exchange.startswith("amq.") or not c.declare_exchange,
+            "amq.* exchanges cannot be declared",
+            field="sink.declare_exchange",
+        )
         problems = template_problems(c.routing_key)
-        if not problems and is_static(c.routing_key) and len(c.routing_key.encode()) > MAX_SHORT_STRING:
+        if (
+            not problems
+            and is_static(c.routing_key)
+            and len(c.routing_key.encode()) > MAX_SHORT_STRING
+        ):
             problems = [f"longer than {MAX_SHORT_STRING} bytes"]
         require(not problems, "; ".join(problems), field="sink.routing_key")
-        require(not (c.ssl_cafile and not (c.tls or (secret(c.url) or "").startswith("amqps://"))), "only with tls or an amqps:// url", field="sink.ssl_cafile")
-        require(not (c.tls and c.url is not None), "with url, use the amqps:// scheme instead", field="sink.tls")
+        require(
+            not (c.ssl_cafile and not (c.tls or (secret(c.url) or "").startswith("amqps://"))),
+            "only with tls or an amqps:// url",
+            field="sink.ssl_cafile",
+        )
+        require(
+            not (c.tls and c.url is not None),
+            "with url, use the amqps:// scheme instead",
+            field="sink.tls",
+        )
 
     def describe(self) -> str:
         return f"rabbitmq/{self.config.exchange or '(default)'}@{endpoint(self.config)}"
@@ -385,18 +467,27 @@ class RabbitMQSink(Sink):
             self._conn = pika.BlockingConnection(params)
             ch = self._conn.channel()
             if c.exchange:
-                ch.exchange_declare(c.exchange, exchange_type=c.exchange_type, durable=c.exchange_durable, passive=not c.declare_exchange)
+                ch.exchange_declare(
+                    c.exchange,
+                    exchange_type=c.exchange_type,
+                    durable=c.exchange_durable,
+                    passive=not c.declare_exchange,
+                )
             self._channel_closed = None
             if c.confirm_mode == "pipelined":
                 # pika's BlockingChannel waits for each confirm; the underlying channel lets the
                 # batch's confirms be collected after publishing it (same connection, same thread).
                 impl = ch._impl
                 ready: list[bool] = []
-                impl.confirm_delivery(ack_nack_callback=self._on_confirm, callback=lambda _frame: ready.append(True))
+                impl.confirm_delivery(
+                    ack_nack_callback=self._on_confirm, callback=lambda _frame: ready.append(True)
+                )
                 deadline = time.monotonic() + c.connect_timeout_s
                 while not ready:
                     if ch.is_closed or time.monotonic() > deadline:
-                        raise TransientSinkError(f"RabbitMQ at {endpoint(c)} did not enable publisher confirms")
+                        raise TransientSinkError(
+                            f"RabbitMQ at {endpoint(c)} did not enable publisher confirms"
+                        )
                     self._conn.process_data_events(time_limit=0.002)
                 impl.add_on_return_callback(self._on_return)
                 impl.add_on_close_callback(self._on_channel_close)
@@ -424,13 +515,23 @@ class RabbitMQSink(Sink):
 
     def _ensure_open(self) -> None:
         """Reconnect if the connection died between batches (idle past the heartbeat, broker restart)."""
-        if self._conn is not None and self._conn.is_open and self._channel is not None and self._channel.is_open:
+        if (
+            self._conn is not None
+            and self._conn.is_open
+            and self._channel is not None
+            and self._channel.is_open
+        ):
             try:
-                self._conn.process_data_events(time_limit=0)  # services heartbeats, notices a dead socket
+                self._conn.process_data_events(
+                    time_limit=0
+                )  # services heartbeats, notices a dead socket
                 if self._conn.is_open and self._channel.is_open:
                     return
             except Exception:  # noqa: BLE001 - reconnect below
-                log.info("RabbitMQ connection to %s lost between batches; reconnecting", endpoint(self.config))
+                log.info(
+                    "RabbitMQ connection to %s lost between batches; reconnecting",
+                    endpoint(self.config),
+                )
         self._close()
         self._open()
 
@@ -441,7 +542,9 @@ class RabbitMQSink(Sink):
 
         m = frame.method
         if self._tracker is not None:
-            self._tracker.confirm(m.delivery_tag, ack=isinstance(m, pika.spec.Basic.Ack), multiple=bool(m.multiple))
+            self._tracker.confirm(
+                m.delivery_tag, ack=isinstance(m, pika.spec.Basic.Ack), multiple=bool(m.multiple)
+            )
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         if self._tracker is not None:
@@ -492,7 +595,9 @@ class RabbitMQSink(Sink):
         rk = self.routing_key_for(r)
         body = b"" if r.payload is None else r.payload_bytes()
         if len(body) > self.config.max_message_bytes:
-            raise TemplateError(f"message body is {len(body)} bytes, above max_message_bytes {self.config.max_message_bytes}")
+            raise TemplateError(
+                f"message body is {len(body)} bytes, above max_message_bytes {self.config.max_message_bytes}"
+            )
         return rk, body, self.properties(r)
 
     def send_batch(self, batch: pa.Table) -> SendResult:
@@ -509,7 +614,11 @@ class RabbitMQSink(Sink):
             raise
         except Exception as e:  # noqa: BLE001 - classified
             self._close()
-            raise sink_error(e, f"publishing to RabbitMQ at {endpoint(self.config)}", exchange=self.config.exchange) from None
+            raise sink_error(
+                e,
+                f"publishing to RabbitMQ at {endpoint(self.config)}",
+                exchange=self.config.exchange,
+            ) from None
         failures.sort(key=lambda f: f.index)
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
 
@@ -525,7 +634,9 @@ class RabbitMQSink(Sink):
                 try:
                     rk, body, props = self._prepare(r)
                     mid = props["message_id"]
-                    impl.basic_publish(c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory)
+                    impl.basic_publish(
+                        c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
+                    )
                 except TemplateError as e:
                     failures.append(RowFailure(r.index, str(e)))
                     continue
@@ -565,7 +676,11 @@ class RabbitMQSink(Sink):
     def _raise_if_closed(self) -> None:
         if self._channel_closed is not None:
             reason, self._channel_closed = self._channel_closed, None
-            raise sink_error(reason, f"RabbitMQ closed the channel at {endpoint(self.config)}", exchange=self.config.exchange)
+            raise sink_error(
+                reason,
+                f"RabbitMQ closed the channel at {endpoint(self.config)}",
+                exchange=self.config.exchange,
+            )
 
     def _send_per_message(self, batch: pa.Table) -> list[RowFailure]:
         import pika
@@ -576,15 +691,23 @@ class RabbitMQSink(Sink):
         for r in iter_records(batch):
             try:
                 rk, body, props = self._prepare(r)
-                self._channel.basic_publish(c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory)
+                self._channel.basic_publish(
+                    c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
+                )
             except TemplateError as e:
                 failures.append(RowFailure(r.index, str(e)))
             except px.UnroutableError as e:
                 m = e.messages[0].method if e.messages else None
-                reason = f"unroutable: ({m.reply_code}) {m.reply_text}, exchange {m.exchange!r}, routing key {m.routing_key!r}" if m else "unroutable"
+                reason = (
+                    f"unroutable: ({m.reply_code}) {m.reply_text}, exchange {m.exchange!r}, routing key {m.routing_key!r}"
+                    if m
+                    else "unroutable"
+                )
                 failures.append(RowFailure(r.index, reason))
             except px.NackError:
-                raise TransientSinkError(f"RabbitMQ nacked the message of row {r.index}; the batch is retried") from None
+                raise TransientSinkError(
+                    f"RabbitMQ nacked the message of row {r.index}; the batch is retried"
+                ) from None
             except Exception as e:  # noqa: BLE001 - classified
                 if classify_amqp_error(e) != "data" or self._channel.is_closed:
                     raise

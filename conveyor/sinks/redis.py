@@ -68,23 +68,63 @@ class RedisSinkConfig(SinkConfig):
         "${timestamp} (epoch ms), ${destination}, ${headers} (JSON), ${headers.<name>}, ${payload} (bytes as is, columns "
         "as JSON), ${payload.<field>[.<field>...]}.",
     )
-    mode: Literal["standalone", "cluster"] = Field(default="standalone", description="A single Redis server or a Redis Cluster.")
-    host: str = Field(default="127.0.0.1", description="Server host (in cluster mode: a startup node).")
-    port: int = Field(default=6379, ge=1, le=65535, description="Server port (in cluster mode: of the startup node).")
-    startup_nodes: list[str] = Field(default_factory=list, description="Cluster mode: more startup nodes as host:port.")
-    db: int = Field(default=0, ge=0, le=1_000_000, description="Database number (standalone only; a cluster has only db 0).")
-    username: str | None = Field(default=None, description="ACL user name (Redis 6+); default: the default user.")
+    mode: Literal["standalone", "cluster"] = Field(
+        default="standalone", description="A single Redis server or a Redis Cluster."
+    )
+    host: str = Field(
+        default="127.0.0.1", description="Server host (in cluster mode: a startup node)."
+    )
+    port: int = Field(
+        default=6379,
+        ge=1,
+        le=65535,
+        description="Server port (in cluster mode: of the startup node).",
+    )
+    startup_nodes: list[str] = Field(
+        default_factory=list, description="Cluster mode: more startup nodes as host:port."
+    )
+    db: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Database number (standalone only; a cluster has only db 0).",
+    )
+    username: str | None = Field(
+        default=None, description="ACL user name (Redis 6+); default: the default user."
+    )
     password: SecretStr | None = Field(default=None, description="Password (secret).")
     tls: bool = Field(default=False, description="Connect with TLS.")
-    tls_ca_file: str | None = Field(default=None, description="CA bundle (PEM) to verify the server (with tls); default: the system CAs.")
-    tls_cert_file: str | None = Field(default=None, description="Client certificate (PEM) for mutual TLS (with tls_key_file).")
-    tls_key_file: str | None = Field(default=None, description="Private key (PEM) of the client certificate.")
-    tls_check_hostname: bool = Field(default=True, description="Check that the server certificate names the host.")
-    socket_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="Socket read/write timeout: how long a round trip may take.")
-    socket_connect_timeout_s: float = Field(default=5.0, gt=0, le=300, description="Socket connect timeout.")
-    pipeline_size: int = Field(default=1000, ge=1, le=1_000_000, description="Rows per pipeline (one round trip).")
-    transaction: bool = Field(default=False, description="Wrap each pipeline in MULTI/EXEC (standalone only).")
-    client_name: str = Field(default="conveyor", description="CLIENT SETNAME of the sink's connections.")
+    tls_ca_file: str | None = Field(
+        default=None,
+        description="CA bundle (PEM) to verify the server (with tls); default: the system CAs.",
+    )
+    tls_cert_file: str | None = Field(
+        default=None, description="Client certificate (PEM) for mutual TLS (with tls_key_file)."
+    )
+    tls_key_file: str | None = Field(
+        default=None, description="Private key (PEM) of the client certificate."
+    )
+    tls_check_hostname: bool = Field(
+        default=True, description="Check that the server certificate names the host."
+    )
+    socket_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="Socket read/write timeout: how long a round trip may take.",
+    )
+    socket_connect_timeout_s: float = Field(
+        default=5.0, gt=0, le=300, description="Socket connect timeout."
+    )
+    pipeline_size: int = Field(
+        default=1000, ge=1, le=1_000_000, description="Rows per pipeline (one round trip)."
+    )
+    transaction: bool = Field(
+        default=False, description="Wrap each pipeline in MULTI/EXEC (standalone only)."
+    )
+    client_name: str = Field(
+        default="conveyor", description="CLIENT SETNAME of the sink's connections."
+    )
 
     def asset_key_path(self) -> list[str]:
         prefix = ""
@@ -104,7 +144,16 @@ class RedisSinkConfig(SinkConfig):
 
 _PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _COMMAND_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.|-]*$")
-SIMPLE_FIELDS = ("key", "topic", "partition", "offset", "timestamp", "destination", "headers", "payload")
+SIMPLE_FIELDS = (
+    "key",
+    "topic",
+    "partition",
+    "offset",
+    "timestamp",
+    "destination",
+    "headers",
+    "payload",
+)
 
 #: Commands that would break the pipeline protocol or the connection's state.
 FORBIDDEN_COMMANDS = frozenset(
@@ -186,7 +235,9 @@ def _placeholder(inner: str) -> Placeholder:
     name = inner.strip()
     root, _, rest = name.partition(".")
     if root not in SIMPLE_FIELDS:
-        raise TemplateSyntaxError(f"unknown placeholder ${{{inner}}}; use one of {', '.join('${' + f + '}' for f in SIMPLE_FIELDS)}, ${{payload.<field>}} or ${{headers.<name>}}")
+        raise TemplateSyntaxError(
+            f"unknown placeholder ${{{inner}}}; use one of {', '.join('${' + f + '}' for f in SIMPLE_FIELDS)}, ${{payload.<field>}} or ${{headers.<name>}}"
+        )
     if "." in name:
         if root not in ("payload", "headers"):
             raise TemplateSyntaxError(f"${{{inner}}}: only payload and headers have fields")
@@ -211,7 +262,9 @@ def parse_command(spec: str | Sequence[str]) -> CommandTemplate:
     if not words:
         raise TemplateSyntaxError("empty command")
     if not _COMMAND_NAME.match(words[0]):
-        raise TemplateSyntaxError(f"{words[0]!r} is not a command name (the command name cannot hold a placeholder)")
+        raise TemplateSyntaxError(
+            f"{words[0]!r} is not a command name (the command name cannot hold a placeholder)"
+        )
     if words[0].upper() in FORBIDDEN_COMMANDS:
         raise TemplateSyntaxError(f"{words[0].upper()} cannot be used in a sink template")
     args = (words[0].encode(),), *(parse_argument(w) for w in words[1:])
@@ -235,7 +288,9 @@ def value_bytes(v: Any) -> bytes:
     if isinstance(v, (dt.datetime, dt.date, dt.time)):
         return v.isoformat().encode()
     if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, default=json_default, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(
+            v, default=json_default, separators=(",", ":"), ensure_ascii=False
+        ).encode()
     return str(v).encode()
 
 
@@ -285,7 +340,10 @@ class BatchValues:
 
     def _headers(self) -> list[list[tuple[str, bytes | None]]]:
         if "__headers" not in self._cache:
-            self._cache["__headers"] = [[(h["key"], h["value"]) for h in hs] if hs else [] for hs in self._col(HEADERS_COL, None)]
+            self._cache["__headers"] = [
+                [(h["key"], h["value"]) for h in hs] if hs else []
+                for hs in self._col(HEADERS_COL, None)
+            ]
         return self._cache["__headers"]
 
     def values(self, ph: Placeholder) -> list[bytes | TemplateError]:
@@ -305,13 +363,31 @@ class BatchValues:
         if name == "timestamp":
             if TIMESTAMP_COL not in self.batch.schema.names:
                 return [TemplateError("message has no timestamp (${timestamp})")] * self.n
-            return [TemplateError("message has no timestamp (${timestamp})") if v is None else str(v).encode() for v in _timestamps_ms(self.batch.column(TIMESTAMP_COL))]
+            return [
+                TemplateError("message has no timestamp (${timestamp})")
+                if v is None
+                else str(v).encode()
+                for v in _timestamps_ms(self.batch.column(TIMESTAMP_COL))
+            ]
         if name == "key":
-            return [TemplateError("message has no key (${key})") if v is None else value_bytes(v) for v in self._col(KEY_COL, None)]
+            return [
+                TemplateError("message has no key (${key})") if v is None else value_bytes(v)
+                for v in self._col(KEY_COL, None)
+            ]
         if name == "destination":
-            return [TemplateError("message has no destination (${destination})") if not v else value_bytes(v) for v in self._col(DESTINATION_COL, None)]
+            return [
+                TemplateError("message has no destination (${destination})")
+                if not v
+                else value_bytes(v)
+                for v in self._col(DESTINATION_COL, None)
+            ]
         if name == "headers":
-            return [value_bytes({k: (v.decode(errors="replace") if v is not None else None) for k, v in hs}) for hs in self._headers()]
+            return [
+                value_bytes(
+                    {k: (v.decode(errors="replace") if v is not None else None) for k, v in hs}
+                )
+                for hs in self._headers()
+            ]
         if root == "headers":
             wanted = ph.rest
             out: list[bytes | TemplateError] = []
@@ -320,11 +396,18 @@ class BatchValues:
                 for k, v in hs:
                     if k == wanted:
                         found = v  # the last header of that name wins
-                out.append(TemplateError(f"message has no header {wanted!r} (${{{name}}})") if found is _MISSING or found is None else value_bytes(found))
+                out.append(
+                    TemplateError(f"message has no header {wanted!r} (${{{name}}})")
+                    if found is _MISSING or found is None
+                    else value_bytes(found)
+                )
             return out
         if name == "payload":
             if self.single:
-                return [TemplateError("payload is null (${payload})") if v is None else value_bytes(v) for v in self._col("value")]
+                return [
+                    TemplateError("payload is null (${payload})") if v is None else value_bytes(v)
+                    for v in self._col("value")
+                ]
             return [value_bytes(row) for row in self._payload_json()]
         return self._payload_field(ph)
 
@@ -354,7 +437,9 @@ class BatchValues:
         return out
 
 
-def render_batch(templates: Sequence[CommandTemplate], batch: pa.Table) -> tuple[list[list[list[bytes | str]] | None], dict[int, str]]:
+def render_batch(
+    templates: Sequence[CommandTemplate], batch: pa.Table
+) -> tuple[list[list[list[bytes | str]] | None], dict[int, str]]:
     """Every row's commands (name as str, arguments as bytes), and the rows that cannot fill them."""
     values = BatchValues(batch)
     n = batch.num_rows
@@ -369,7 +454,9 @@ def render_batch(templates: Sequence[CommandTemplate], batch: pa.Table) -> tuple
             elif len(arg) == 1:
                 args.append(("value", values.values(arg[0])))  # type: ignore[arg-type]
             else:
-                args.append(("join", [p if isinstance(p, bytes) else values.values(p) for p in arg]))
+                args.append(
+                    ("join", [p if isinstance(p, bytes) else values.values(p) for p in arg])
+                )
         compiled.append((t.name, args))
     rows: list[list[list[bytes | str]] | None] = []
     for i in range(n):
@@ -414,7 +501,12 @@ TRANSIENT_CODES = frozenset(
 PERMANENT_CODES = frozenset({"NOPERM", "NOAUTH", "WRONGPASS", "NOSCRIPT"})
 #: ``ERR`` replies that mean the template itself is wrong (the same for every row).
 PERMANENT_ERR = ("unknown command", "wrong number of arguments", "unknown subcommand")
-_CERT_ERRORS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "hostname mismatch", "doesn't match")
+_CERT_ERRORS = (
+    "CERTIFICATE_VERIFY_FAILED",
+    "certificate verify failed",
+    "hostname mismatch",
+    "doesn't match",
+)
 
 
 _ANNOTATION = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
@@ -449,11 +541,29 @@ def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "pe
     """What an exception from redis-py (raised, or a pipeline's per-command ResponseError) means."""
     from redis import exceptions as rx
 
-    if isinstance(exc, (rx.AuthenticationError, rx.AuthorizationError, rx.AuthenticationWrongNumberOfArgsError, rx.NoPermissionError)):
+    if isinstance(
+        exc,
+        (
+            rx.AuthenticationError,
+            rx.AuthorizationError,
+            rx.AuthenticationWrongNumberOfArgsError,
+            rx.NoPermissionError,
+        ),
+    ):
         return "permanent"
     if isinstance(exc, rx.CrossSlotTransactionError):
         return "permanent"
-    if isinstance(exc, (rx.BusyLoadingError, rx.OutOfMemoryError, rx.ReadOnlyError, rx.ClusterDownError, rx.TryAgainError, rx.AskError)):
+    if isinstance(
+        exc,
+        (
+            rx.BusyLoadingError,
+            rx.OutOfMemoryError,
+            rx.ReadOnlyError,
+            rx.ClusterDownError,
+            rx.TryAgainError,
+            rx.AskError,
+        ),
+    ):
         return "transient"
     if isinstance(exc, rx.ConnectionError):
         if any(m in str(exc) for m in _CERT_ERRORS):
@@ -561,7 +671,11 @@ class RedisSink(Sink):
         require(bool(c.host.strip()), "must not be empty", field="sink.host")
         if c.mode == "cluster":
             require(c.db == 0, "a Redis Cluster has only database 0", field="sink.db")
-            require(not c.transaction, "MULTI/EXEC across a chunk of rows would span hash slots; not supported in cluster mode", field="sink.transaction")
+            require(
+                not c.transaction,
+                "MULTI/EXEC across a chunk of rows would span hash slots; not supported in cluster mode",
+                field="sink.transaction",
+            )
             for s in c.startup_nodes:
                 try:
                     _node(s)
@@ -571,8 +685,16 @@ class RedisSink(Sink):
             require(not c.startup_nodes, "only in cluster mode", field="sink.startup_nodes")
         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             require(getattr(c, name) is None or c.tls, "needs tls: true", field=f"sink.{name}")
-        require((c.tls_cert_file is None) == (c.tls_key_file is None), "give tls_cert_file and tls_key_file together", field="sink.tls_cert_file")
-        require(c.password is None or bool(secret(c.password)), "must not be empty (leave it out for no password)", field="sink.password")
+        require(
+            (c.tls_cert_file is None) == (c.tls_key_file is None),
+            "give tls_cert_file and tls_key_file together",
+            field="sink.tls_cert_file",
+        )
+        require(
+            c.password is None or bool(secret(c.password)),
+            "must not be empty (leave it out for no password)",
+            field="sink.password",
+        )
 
     def templates(self) -> list[CommandTemplate]:
         if self._templates is None:
@@ -610,7 +732,10 @@ class RedisSink(Sink):
             raise
         risky = sorted({t.name for t in self.templates() if t.name in NOT_IDEMPOTENT})
         if risky:
-            log.info("Redis templates use %s: a replayed batch runs them again (not idempotent)", ", ".join(risky))
+            log.info(
+                "Redis templates use %s: a replayed batch runs them again (not idempotent)",
+                ", ".join(risky),
+            )
 
     def _check_commands(self) -> None:
         """Every template's command exists and takes its number of arguments (COMMAND INFO)."""
@@ -618,26 +743,41 @@ class RedisSink(Sink):
 
         # One node answers for the cluster; a bytes command name skips redis-py's reply
         # parser, which fails on the nil entry of an unknown command.
-        node = self._client.get_default_node().redis_connection if self.config.mode == "cluster" else self._client
+        node = (
+            self._client.get_default_node().redis_connection
+            if self.config.mode == "cluster"
+            else self._client
+        )
         for i, t in enumerate(self.templates()):
             try:
                 info = node.execute_command(b"COMMAND", b"INFO", t.name)
             except rx.ResponseError as e:
                 # A proxy or managed service without COMMAND, or an ACL user without it:
                 # skip the check (a wrong template then fails on the first batch instead).
-                if isinstance(e, rx.NoPermissionError) or classify_redis_error(e) == "data" or "unknown command" in str(e):
-                    log.info("cannot check the templates' commands (COMMAND INFO: %s)", redis_error_text(e))
+                if (
+                    isinstance(e, rx.NoPermissionError)
+                    or classify_redis_error(e) == "data"
+                    or "unknown command" in str(e)
+                ):
+                    log.info(
+                        "cannot check the templates' commands (COMMAND INFO: %s)",
+                        redis_error_text(e),
+                    )
                     return
                 raise self._error(e, f"checking command {t.name}") from None
             except (rx.RedisError, rx.RedisClusterException, OSError) as e:
                 raise self._error(e, f"checking command {t.name}") from None
             arity = _arity(info, t.name)
             if arity is None:
-                raise PermanentSinkError(f"sink.commands[{i}]: Redis does not know the command {t.name!r} ({t.source})")
+                raise PermanentSinkError(
+                    f"sink.commands[{i}]: Redis does not know the command {t.name!r} ({t.source})"
+                )
             n = len(t.args)
             if (arity > 0 and n != arity) or (arity < 0 and n < -arity):
                 want = f"exactly {arity}" if arity > 0 else f"at least {-arity}"
-                raise PermanentSinkError(f"sink.commands[{i}]: {t.name} takes {want} words with its name, the template has {n} ({t.source})")
+                raise PermanentSinkError(
+                    f"sink.commands[{i}]: {t.name} takes {want} words with its name, the template has {n} ({t.source})"
+                )
 
     def cleanup_sink(self) -> None:
         if self._client is not None:
@@ -672,7 +812,12 @@ class RedisSink(Sink):
             raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures[i] for i in sorted(failures)))
 
-    def _run_chunk(self, rows: list[list[list[bytes | str]] | None], idx: list[int], templates: list[CommandTemplate]) -> list[RowFailure]:
+    def _run_chunk(
+        self,
+        rows: list[list[list[bytes | str]] | None],
+        idx: list[int],
+        templates: list[CommandTemplate],
+    ) -> list[RowFailure]:
         """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
         from redis import exceptions as rx
 
@@ -691,10 +836,14 @@ class RedisSink(Sink):
             if len(idx) == 1:
                 return [RowFailure(idx[0], redis_error_text(e))]
             mid = len(idx) // 2
-            return self._run_chunk(rows, idx[:mid], templates) + self._run_chunk(rows, idx[mid:], templates)
+            return self._run_chunk(rows, idx[:mid], templates) + self._run_chunk(
+                rows, idx[mid:], templates
+            )
         per_row = len(templates)
         if len(results) != per_row * len(idx):
-            raise TransientSinkError(f"Redis answered {len(results)} replies for {per_row * len(idx)} commands")
+            raise TransientSinkError(
+                f"Redis answered {len(results)} replies for {per_row * len(idx)} commands"
+            )
         out = []
         for j, i in enumerate(idx):
             for k in range(per_row):

@@ -76,7 +76,9 @@ def start_spark_connect(
 ) -> SparkConnectServer:
     """Run ``sbin/start-connect-server.sh`` in the foreground and wait for its port."""
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        raise SparkServerError("Java is not installed: Spark Connect needs Java 17 (set JAVA_HOME or put java on PATH)")
+        raise SparkServerError(
+            "Java is not installed: Spark Connect needs Java 17 (set JAVA_HOME or put java on PATH)"
+        )
     port = port or free_port(host)
     if port_open(host, port):
         raise SparkServerError(f"port {host}:{port} is already in use")
@@ -95,25 +97,39 @@ def start_spark_connect(
     cmd = [
         "bash",
         str(home / "sbin" / "start-connect-server.sh"),
-        "--master", master,
-        "--driver-memory", driver_memory,
-        "--conf", f"spark.connect.grpc.binding.address={host}",
-        "--conf", f"spark.connect.grpc.binding.port={port}",
-        "--conf", "spark.ui.enabled=false",
-        "--conf", "spark.sql.shuffle.partitions=2",
-        "--conf", f"spark.sql.warehouse.dir={work_dir / 'warehouse'}",
-        "--conf", f"spark.driver.extraJavaOptions=-Dderby.system.home={work_dir}",
+        "--master",
+        master,
+        "--driver-memory",
+        driver_memory,
+        "--conf",
+        f"spark.connect.grpc.binding.address={host}",
+        "--conf",
+        f"spark.connect.grpc.binding.port={port}",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.sql.shuffle.partitions=2",
+        "--conf",
+        f"spark.sql.warehouse.dir={work_dir / 'warehouse'}",
+        "--conf",
+        f"spark.driver.extraJavaOptions=-Dderby.system.home={work_dir}",
     ]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work_dir, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work_dir, start_new_session=True
+        )
     server = SparkConnectServer(host, port, proc, log_path)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:]
-            raise SparkServerError(f"Spark Connect server exited with code {proc.returncode}; log {log_path}:\n{tail}")
+            raise SparkServerError(
+                f"Spark Connect server exited with code {proc.returncode}; log {log_path}:\n{tail}"
+            )
         if port_open(host, port, timeout=0.2):
             return server
         time.sleep(0.2)
     server.stop()
-    raise SparkServerError(f"Spark Connect server did not listen on {host}:{port} within {ready_timeout}s; log {log_path}")
+    raise SparkServerError(
+        f"Spark Connect server did not listen on {host}:{port} within {ready_timeout}s; log {log_path}"
+    )

@@ -8,7 +8,10 @@ pass and split off locally, so a batch costs one Spark round trip.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,17 +29,76 @@ BAD_COL = "__bad"
 ROW_COL = "__row"
 
 
+_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+_sessions_lock = threading.Lock()
+_atexit_registered = False
+
+
 def spark_session(remote: str) -> Any:
-    """A Spark Connect session for ``remote`` (sc://host:port), created through dagster-pyspark."""
+    """A Spark Connect session for ``remote`` (sc://host:port), created through dagster-pyspark.
+
+    Every session is closed when the process exits (see ``close_spark_sessions``).
+    """
+    global _atexit_registered
     from dagster_pyspark import LazyPySparkResource
 
-    return LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
+    session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
+    with _sessions_lock:
+        _sessions.add(session)
+        if not _atexit_registered:
+            # Registered after pyspark's own client hook, so it runs first (atexit is LIFO).
+            atexit.register(close_spark_sessions)
+            _atexit_registered = True
+    return session
+
+
+def _endpoint_reachable(session: Any) -> bool:
+    from conveyor.brokers.embedded import port_open
+
+    try:
+        url = session.client._builder.url  # pyspark's parsed sc:// URL
+        host, port = url.hostname, int(url.port or 15002)
+    except Exception:  # noqa: BLE001 - a client without a known endpoint: treat as unreachable
+        return False
+    return port_open(host, port, timeout=1.0)
+
+
+def close_spark_sessions() -> None:
+    """Close every Spark Connect session this process opened.
+
+    pyspark's client cleans up at interpreter exit with an RPC (ML cache, session
+    release) that it retries with backoff for minutes when the server is gone: a run
+    whose Spark endpoint went down would hang on exit. A session whose endpoint still
+    answers is stopped (its server-side session released); one whose endpoint is gone
+    only closes its channel, with no RPC.
+    """
+    with _sessions_lock:
+        sessions = list(_sessions)
+        _sessions.clear()
+    for session in sessions:
+        try:
+            if _endpoint_reachable(session):
+                session.stop()
+            else:
+                session.client.close()
+        except Exception as e:  # noqa: BLE001 - best effort at shutdown
+            log.debug("closing a Spark session failed: %s", e)
 
 
 def is_connect_outage(e: BaseException) -> bool:
     """True for errors meaning the Spark Connect endpoint is unreachable."""
     text = f"{type(e).__name__}: {e}"
-    return any(s in text for s in ("UNAVAILABLE", "Connection refused", "failed to connect", "DEADLINE_EXCEEDED", "Socket closed", "RetriesExceeded"))
+    return any(
+        s in text
+        for s in (
+            "UNAVAILABLE",
+            "Connection refused",
+            "failed to connect",
+            "DEADLINE_EXCEEDED",
+            "Socket closed",
+            "RetriesExceeded",
+        )
+    )
 
 
 class SparkTransformer:
@@ -67,7 +129,12 @@ class SparkTransformer:
         else:
             bad = f"(__value IS NULL OR try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
-                df = df.selectExpr(*meta, ROW_COL, f"{bad} AS __bad", f"from_json({value_str}, '{_sql_str(spec.json_schema)}') AS __d")
+                df = df.selectExpr(
+                    *meta,
+                    ROW_COL,
+                    f"{bad} AS __bad",
+                    f"from_json({value_str}, '{_sql_str(spec.json_schema)}') AS __d",
+                )
                 df = df.selectExpr(*meta, ROW_COL, BAD_COL, "__d.*")
                 payload = [c for c in df.columns if c not in (*meta, ROW_COL, BAD_COL)]
             else:
@@ -97,7 +164,9 @@ class SparkTransformer:
         except Exception as e:
             if is_connect_outage(e):
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
-            raise ConfigError(f"Spark rejected the transform: {_short(e)}", field="transform") from None
+            raise ConfigError(
+                f"Spark rejected the transform: {_short(e)}", field="transform"
+            ) from None
         return [c for c in cols if c not in (*META_COLUMNS, ROW_COL, BAD_COL)]
 
     def prepare(self) -> None:
@@ -119,7 +188,11 @@ class SparkTransformer:
 
         bad_rows = out.filter(bad_mask).column(ROW_COL).to_pylist()
         good = out.filter(pc.invert(bad_mask)).drop_columns([BAD_COL, ROW_COL])
-        how = {Decode.JSON: "not valid JSON", Decode.TEXT: "null payload", Decode.RAW: "undecodable"}[self.spec.decode]
+        how = {
+            Decode.JSON: "not valid JSON",
+            Decode.TEXT: "null payload",
+            Decode.RAW: "undecodable",
+        }[self.spec.decode]
         rejected = tuple(Rejected(i, f"undecodable payload: {how}") for i in bad_rows)
         filtered = n - out.num_rows
         return Transformed(table=good, rejected=rejected, filtered=filtered)

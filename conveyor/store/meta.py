@@ -146,7 +146,9 @@ class MetaStore:
             sa.event.listen(self.engine, "connect", _sqlite_on_connect)
             sa.event.listen(self.engine, "begin", _sqlite_on_begin)
         else:
-            self.engine = sa.create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4)
+            self.engine = sa.create_engine(
+                self.url, pool_pre_ping=True, pool_size=2, max_overflow=4
+            )
         self._schema_ready = False
 
     def __repr__(self) -> str:
@@ -164,9 +166,15 @@ class MetaStore:
         try:
             t.metadata.create_all(self.engine, checkfirst=True)
             with self.engine.begin() as c:
-                row = c.execute(sa.select(t.schema_version.c.version).where(t.schema_version.c.id == 1)).first()
+                row = c.execute(
+                    sa.select(t.schema_version.c.version).where(t.schema_version.c.id == 1)
+                ).first()
                 if row is None:
-                    c.execute(t.schema_version.insert().values(id=1, version=t.SCHEMA_VERSION, migrated_at=self.clock()))
+                    c.execute(
+                        t.schema_version.insert().values(
+                            id=1, version=t.SCHEMA_VERSION, migrated_at=self.clock()
+                        )
+                    )
                 elif row.version > t.SCHEMA_VERSION:
                     raise StoreError(
                         f"meta store schema is version {row.version}, newer than this Conveyor "
@@ -233,21 +241,50 @@ class MetaStore:
                         updated_at=now,
                     )
                 )
-                self._history(c, name, None, status, "created" + (f": {error}" if error else ""), None, 0)
+                self._history(
+                    c, name, None, status, "created" + (f": {error}" if error else ""), None, 0
+                )
             else:
                 row = _row(cur)
                 values: dict[str, Any] = {"spec_source": source, "spec_error": error}
                 if error is None:
                     values.update(spec_json=spec_json, spec_hash=spec_hash)
-                if row.spec_error == error and row.spec_hash == spec_hash and row.spec_source == source:
+                if (
+                    row.spec_error == error
+                    and row.spec_hash == spec_hash
+                    and row.spec_source == source
+                ):
                     return row
                 values["updated_at"] = now
                 if error and row.status != ConnectorStatus.ERROR:
-                    values.update(status=ConnectorStatus.ERROR.value, status_since=now, last_error=error)
-                    self._history(c, name, row.status, ConnectorStatus.ERROR, f"invalid spec: {error}", row.run_id, row.generation)
+                    values.update(
+                        status=ConnectorStatus.ERROR.value, status_since=now, last_error=error
+                    )
+                    self._history(
+                        c,
+                        name,
+                        row.status,
+                        ConnectorStatus.ERROR,
+                        f"invalid spec: {error}",
+                        row.run_id,
+                        row.generation,
+                    )
                 elif not error and row.spec_error and row.status == ConnectorStatus.ERROR:
-                    values.update(status=ConnectorStatus.IDLE.value, status_since=now, last_error=None, restarts=0)
-                    self._history(c, name, row.status, ConnectorStatus.IDLE, "spec fixed", row.run_id, row.generation)
+                    values.update(
+                        status=ConnectorStatus.IDLE.value,
+                        status_since=now,
+                        last_error=None,
+                        restarts=0,
+                    )
+                    self._history(
+                        c,
+                        name,
+                        row.status,
+                        ConnectorStatus.IDLE,
+                        "spec fixed",
+                        row.run_id,
+                        row.generation,
+                    )
                 c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
@@ -260,7 +297,9 @@ class MetaStore:
 
     def list(self) -> list[ConnectorRow]:
         with self._tx() as c:
-            return [_row(r) for r in c.execute(sa.select(t.connectors).order_by(t.connectors.c.name))]
+            return [
+                _row(r) for r in c.execute(sa.select(t.connectors).order_by(t.connectors.c.name))
+            ]
 
     def delete(self, name: str) -> None:
         with self._tx() as c:
@@ -273,10 +312,27 @@ class MetaStore:
         with self._tx() as c:
             row = self._get_for_update(c, name)
             values: dict[str, Any] = {"desired": desired.value, "updated_at": now}
-            if desired == DesiredState.RUNNING and row.status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR):
+            if desired == DesiredState.RUNNING and row.status in (
+                ConnectorStatus.STOPPED,
+                ConnectorStatus.ERROR,
+            ):
                 # A user start clears the error and the restart budget.
-                values.update(status=ConnectorStatus.IDLE.value, status_since=now, restarts=0, next_restart_at=None, broker_id=None)
-                self._history(c, name, row.status, ConnectorStatus.IDLE, reason or "started by user", row.run_id, row.generation)
+                values.update(
+                    status=ConnectorStatus.IDLE.value,
+                    status_since=now,
+                    restarts=0,
+                    next_restart_at=None,
+                    broker_id=None,
+                )
+                self._history(
+                    c,
+                    name,
+                    row.status,
+                    ConnectorStatus.IDLE,
+                    reason or "started by user",
+                    row.run_id,
+                    row.generation,
+                )
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
@@ -314,16 +370,28 @@ class MetaStore:
                 values.update(broker_id=None)
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
             if status != row.status or bump_generation:
-                self._history(c, name, row.status, status, reason, row.run_id, values.get("generation", row.generation))
+                self._history(
+                    c,
+                    name,
+                    row.status,
+                    status,
+                    reason,
+                    row.run_id,
+                    values.get("generation", row.generation),
+                )
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
-    def assign(self, name: str, broker_id: str, *, expected_generation: int, reason: str) -> int | None:
+    def assign(
+        self, name: str, broker_id: str, *, expected_generation: int, reason: str
+    ) -> int | None:
         """Scheduler: bump the generation and place the connector on a broker (compare-and-set)."""
         now = self.clock()
         with self._tx() as c:
             res = c.execute(
                 t.connectors.update()
-                .where(t.connectors.c.name == name, t.connectors.c.generation == expected_generation)
+                .where(
+                    t.connectors.c.name == name, t.connectors.c.generation == expected_generation
+                )
                 .values(
                     generation=expected_generation + 1,
                     broker_id=broker_id,
@@ -335,7 +403,15 @@ class MetaStore:
             )
             if res.rowcount == 0:
                 return None
-            self._history(c, name, ConnectorStatus.IDLE, ConnectorStatus.IDLE, reason, None, expected_generation + 1)
+            self._history(
+                c,
+                name,
+                ConnectorStatus.IDLE,
+                ConnectorStatus.IDLE,
+                reason,
+                None,
+                expected_generation + 1,
+            )
             return expected_generation + 1
 
     def claim(
@@ -362,7 +438,9 @@ class MetaStore:
         with self._tx() as c:
             row = self._get_for_update(c, name)
             if row.spec_error:
-                raise AlreadyClaimedError(f"connector {name!r} has an invalid spec: {row.spec_error}")
+                raise AlreadyClaimedError(
+                    f"connector {name!r} has an invalid spec: {row.spec_error}"
+                )
             if expected_generation is not None:
                 if row.generation != expected_generation:
                     raise FencedError(
@@ -394,7 +472,9 @@ class MetaStore:
                     updated_at=now,
                 )
             )
-            self._history(c, name, row.status, row.status, f"claimed by run {run_id}", run_id, generation)
+            self._history(
+                c, name, row.status, row.status, f"claimed by run {run_id}", run_id, generation
+            )
             offs = self._offsets(c, name)
         return Claim(name=name, generation=generation, broker_id=broker, offsets=offs)
 
@@ -420,7 +500,9 @@ class MetaStore:
                 .values(updated_at=now)
             )
             if res.rowcount == 0:
-                raise FencedError(f"connector {name!r}: generation {generation} is no longer current; not committing")
+                raise FencedError(
+                    f"connector {name!r}: generation {generation} is no longer current; not committing"
+                )
             self._upsert_offsets(c, name, generation, offsets, now)
 
     def heartbeat(
@@ -440,18 +522,32 @@ class MetaStore:
         now = self.clock()
         with self._tx() as c:
             cur = c.execute(
-                sa.select(t.connectors.c.status, t.connectors.c.run_id, t.connectors.c.desired).where(
-                    t.connectors.c.name == name, t.connectors.c.generation == generation
-                )
+                sa.select(
+                    t.connectors.c.status, t.connectors.c.run_id, t.connectors.c.desired
+                ).where(t.connectors.c.name == name, t.connectors.c.generation == generation)
             ).first()
             if cur is None:
-                raise FencedError(f"connector {name!r}: generation {generation} is no longer current")
-            values: dict[str, Any] = {"heartbeat_at": now, "counters_json": json.dumps(counters), "updated_at": now}
+                raise FencedError(
+                    f"connector {name!r}: generation {generation} is no longer current"
+                )
+            values: dict[str, Any] = {
+                "heartbeat_at": now,
+                "counters_json": json.dumps(counters),
+                "updated_at": now,
+            }
             if cur.status != status.value:
                 values.update(status=status.value, status_since=now)
                 if status == ConnectorStatus.RUNNING:
                     values["last_error"] = None
-                self._history(c, name, ConnectorStatus(cur.status), status, reason or "heartbeat", cur.run_id, generation)
+                self._history(
+                    c,
+                    name,
+                    ConnectorStatus(cur.status),
+                    status,
+                    reason or "heartbeat",
+                    cur.run_id,
+                    generation,
+                )
             if error is not None:
                 values["last_error"] = error
             c.execute(
@@ -479,7 +575,15 @@ class MetaStore:
             extra["desired"] = DesiredState.STOPPED.value
         # A stopped or failed connector holds no slot on its broker.
         clear = status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
-        row = self.set_status(name, status, reason, generation=generation, error=error, extra=extra, clear_broker=clear)
+        row = self.set_status(
+            name,
+            status,
+            reason,
+            generation=generation,
+            error=error,
+            extra=extra,
+            clear_broker=clear,
+        )
         return row is not None
 
     # -- offsets --------------------------------------------------------------------
@@ -497,7 +601,10 @@ class MetaStore:
         now = self.clock()
         with self._tx() as c:
             row = self._get_for_update(c, name)
-            if row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR) or row.desired != DesiredState.STOPPED:
+            if (
+                row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
+                or row.desired != DesiredState.STOPPED
+            ):
                 raise ConveyorError(
                     f"connector {name!r} is {row.status.value} (desired {row.desired.value}); "
                     "stop it first (`conveyor connector stop`), then reset offsets"
@@ -505,13 +612,30 @@ class MetaStore:
             if replace:
                 c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
             self._upsert_offsets(c, name, row.generation, offsets, now)
-            self._history(c, name, row.status, row.status, f"offsets reset: {_fmt_offsets(offsets)}", None, row.generation)
+            self._history(
+                c,
+                name,
+                row.status,
+                row.status,
+                f"offsets reset: {_fmt_offsets(offsets)}",
+                None,
+                row.generation,
+            )
 
-    def _upsert_offsets(self, c: sa.Connection, name: str, generation: int, offsets: Offsets, now: float) -> None:
+    def _upsert_offsets(
+        self, c: sa.Connection, name: str, generation: int, offsets: Offsets, now: float
+    ) -> None:
         if not offsets:
             return
         rows = [
-            {"connector": name, "topic": tp.topic, "partition": tp.partition, "next_offset": off, "generation": generation, "committed_at": now}
+            {
+                "connector": name,
+                "topic": tp.topic,
+                "partition": tp.partition,
+                "next_offset": off,
+                "generation": generation,
+                "committed_at": now,
+            }
             for tp, off in offsets.items()
         ]
         if self.dialect == "postgresql":
@@ -521,7 +645,11 @@ class MetaStore:
         stmt = insert(t.offsets).values(rows)
         stmt = stmt.on_conflict_do_update(
             index_elements=["connector", "topic", "partition"],
-            set_={"next_offset": stmt.excluded.next_offset, "generation": stmt.excluded.generation, "committed_at": stmt.excluded.committed_at},
+            set_={
+                "next_offset": stmt.excluded.next_offset,
+                "generation": stmt.excluded.generation,
+                "committed_at": stmt.excluded.committed_at,
+            },
         )
         c.execute(stmt)
 
@@ -538,7 +666,9 @@ class MetaStore:
                 "updated_at": now,
             }
             if cur is None:
-                c.execute(t.brokers.insert().values(id=broker.id, draining=broker.draining, **values))
+                c.execute(
+                    t.brokers.insert().values(id=broker.id, draining=broker.draining, **values)
+                )
             else:
                 if not keep_draining:
                     values["draining"] = broker.draining
@@ -563,7 +693,9 @@ class MetaStore:
     def set_draining(self, broker_id: str, draining: bool) -> None:
         with self._tx() as c:
             res = c.execute(
-                t.brokers.update().where(t.brokers.c.id == broker_id).values(draining=draining, updated_at=self.clock())
+                t.brokers.update()
+                .where(t.brokers.c.id == broker_id)
+                .values(draining=draining, updated_at=self.clock())
             )
             if res.rowcount == 0:
                 raise ConveyorError(f"no broker named {broker_id!r}")
@@ -604,14 +736,20 @@ class MetaStore:
             q = q.where(t.state_history.c.connector == name)
         with self._tx() as c:
             return [
-                HistoryRow(r.connector, r.at, r.from_status, r.to_status, r.reason, r.run_id, r.generation)
+                HistoryRow(
+                    r.connector, r.at, r.from_status, r.to_status, r.reason, r.run_id, r.generation
+                )
                 for r in c.execute(q)
             ]
 
     def update_fields(self, name: str, **values: Any) -> None:
         """Scheduler bookkeeping (restarts, next_restart_at, last_moved_at, run_id)."""
         with self._tx() as c:
-            c.execute(t.connectors.update().where(t.connectors.c.name == name).values(updated_at=self.clock(), **values))
+            c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name)
+                .values(updated_at=self.clock(), **values)
+            )
 
 
 def _with_driver(url: str) -> str:

@@ -7,6 +7,7 @@ GraphQL API (as the UI does) and read results from the real sink.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,7 +73,9 @@ class DagsterHarness:
         assert info.status == ReloadRepositoryLocationStatus.SUCCESS, info.message
 
     def launch(self, connector: str, tags: dict[str, str] | None = None) -> str:
-        return self.client.submit_job_execution(f"connector__{connector}", repository_location_name=LOCATION, tags=tags)
+        return self.client.submit_job_execution(
+            f"connector__{connector}", repository_location_name=LOCATION, tags=tags
+        )
 
     def terminate(self, run_id: str) -> None:
         self.client.terminate_run(run_id)
@@ -88,7 +91,9 @@ class DagsterHarness:
             if status in statuses:
                 return status
             time.sleep(0.5)
-        raise AssertionError(f"run {run_id} still {status} after {timeout}s; wanted {statuses}\n{self.run_log(run_id)}")
+        raise AssertionError(
+            f"run {run_id} still {status} after {timeout}s; wanted {statuses}\n{self.run_log(run_id)}"
+        )
 
     def run_log(self, run_id: str, tail: int = 40) -> str:
         inst = self.instance()
@@ -118,7 +123,9 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.5) -
 
 
 @pytest.fixture(scope="session")
-def dagster(tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: str) -> Iterator[DagsterHarness]:
+def dagster(
+    tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: str
+) -> Iterator[DagsterHarness]:
     home = tmp_path_factory.mktemp("conveyor_home")
     dagster_home = home / "dagster"
     connectors = home / "connectors"
@@ -126,7 +133,18 @@ def dagster(tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: 
         d.mkdir(parents=True)
     (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)
     (home / "workspace.yaml").write_text(
-        yaml.safe_dump({"load_from": [{"python_module": {"module_name": "conveyor.definitions", "location_name": LOCATION}}]})
+        yaml.safe_dump(
+            {
+                "load_from": [
+                    {
+                        "python_module": {
+                            "module_name": "conveyor.definitions",
+                            "location_name": LOCATION,
+                        }
+                    }
+                ]
+            }
+        )
     )
     meta_url = f"sqlite:///{home / 'meta.db'}"
     env = {
@@ -150,9 +168,15 @@ def dagster(tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: 
         start_new_session=True,
     )
     try:
-        wait_for(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 120, "dagster-webserver")
+        wait_for(
+            lambda: port_open("127.0.0.1", port) or proc.poll() is not None,
+            120,
+            "dagster-webserver",
+        )
         if proc.poll() is not None:
-            raise RuntimeError(f"dagster-webserver exited: {(home / 'webserver.log').read_text()[-3000:]}")
+            raise RuntimeError(
+                f"dagster-webserver exited: {(home / 'webserver.log').read_text()[-3000:]}"
+            )
         yield DagsterHarness(home, dagster_home, connectors, env, port, proc, meta_url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -163,21 +187,25 @@ def dagster(tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: 
         log.close()
 
 
-def produce(bootstrap: str, topic: str, n: int, *, partitions: int = 2, start: int = 0, payload: Any = None) -> None:
+def produce(
+    bootstrap: str, topic: str, n: int, *, partitions: int = 2, start: int = 0, payload: Any = None
+) -> None:
     """Create ``topic`` (if new) and produce ``n`` JSON messages with ids start..start+n-1."""
     from kafka import KafkaProducer
     from kafka.admin import KafkaAdminClient, NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    try:
+    with contextlib.suppress(TopicAlreadyExistsError):
         admin.create_topics([NewTopic(topic, partitions, 1)])
-    except TopicAlreadyExistsError:
-        pass
     admin.close()
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=10)
     for i in range(start, start + n):
-        value = payload(i) if payload else json.dumps({"id": i, "name": f"name {i}", "amount": i * 1.5}).encode()
+        value = (
+            payload(i)
+            if payload
+            else json.dumps({"id": i, "name": f"name {i}", "amount": i * 1.5}).encode()
+        )
         p.send(topic, key=str(i).encode(), value=value, partition=i % partitions)
     p.flush()
     p.close()

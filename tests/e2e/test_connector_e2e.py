@@ -28,7 +28,13 @@ def pg_spec(name: str, topic: str, pg_url: str, schema: str, **extra) -> dict:
         "source": {"topics": [topic]},
         "batch": {"max_records": BATCH, "max_wait_ms": 200},
         "transform": {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"},
-        "sink": {"type": "postgres", "url": pg_url, "schema": schema, "table": "orders", "create_table": True},
+        "sink": {
+            "type": "postgres",
+            "url": pg_url,
+            "schema": schema,
+            "table": "orders",
+            "create_table": True,
+        },
         "heartbeat_timeout_s": 10,
     }
     for k, v in extra.items():
@@ -54,30 +60,15 @@ def name() -> str:
     return f"e2e_{uuid.uuid4().hex[:8]}"
 
 
-def test_launch_delivers_every_message_and_terminate_stops_cleanly(dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name):
+def test_terminate_midstream_then_relaunch_loses_nothing(
+    dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name
+):
     produce(tansu, topic_name, N)
-    dagster.write_spec(pg_spec(name, topic_name, pg_url, pg_schema))
-    dagster.reload()
-    run_id = dagster.launch(name)
-    wait_for(lambda: counts(pg_url, pg_schema)[1] == N, 180, f"{N} rows in PostgreSQL")
-    store = dagster.store
-    wait_for(lambda: store.get(name).status == ConnectorStatus.RUNNING, 30, "Running")
-    wait_for(lambda: sum(store.committed_offsets(name).values()) == N, 30, "offsets committed")
-    assert store.committed_offsets(name) == {TopicPartition(topic_name, 0): N // 2, TopicPartition(topic_name, 1): N // 2}
-    assert counts(pg_url, pg_schema) == (N, N)
-
-    dagster.terminate(run_id)
-    assert dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, 60) == "CANCELED"
-    row = store.get(name)
-    assert row.status == ConnectorStatus.STOPPED and row.desired == DesiredState.STOPPED
-    assert row.counters["messages_out"] == N
-    reasons = [h.reason for h in store.history(name)]
-    assert any("terminated" in r for r in reasons)
-
-
-def test_terminate_midstream_then_relaunch_loses_nothing(dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name):
-    produce(tansu, topic_name, N)
-    dagster.write_spec(pg_spec(name, topic_name, pg_url, pg_schema, batch={"max_records": BATCH, "max_wait_ms": 200}))
+    dagster.write_spec(
+        pg_spec(
+            name, topic_name, pg_url, pg_schema, batch={"max_records": BATCH, "max_wait_ms": 200}
+        )
+    )
     dagster.reload()
     run1 = dagster.launch(name)
     wait_for(lambda: counts(pg_url, pg_schema)[0] >= 2_000, 180, "first rows")
@@ -86,18 +77,49 @@ def test_terminate_midstream_then_relaunch_loses_nothing(dagster: DagsterHarness
     rows_at_stop, _ = counts(pg_url, pg_schema)
     assert rows_at_stop < N, "terminated too late to test a mid-stream stop"
     assert dagster.store.get(name).status == ConnectorStatus.STOPPED
+    committed_at_stop = sum(dagster.store.committed_offsets(name).values())
 
     run2 = dagster.launch(name)
     wait_for(lambda: counts(pg_url, pg_schema)[1] == N, 180, "all rows after relaunch")
-    wait_for(lambda: sum(dagster.store.committed_offsets(name).values()) == N, 30, "offsets committed")
+    wait_for(
+        lambda: sum(dagster.store.committed_offsets(name).values()) == N, 30, "offsets committed"
+    )
+    store = dagster.store
+    assert store.committed_offsets(name) == {
+        TopicPartition(topic_name, 0): N // 2,
+        TopicPartition(topic_name, 1): N // 2,
+    }
     total, distinct = counts(pg_url, pg_schema)
     assert distinct == N
     assert total - N <= BATCH, f"{total - N} duplicates: more than one batch"
+    assert store.get(name).status == ConnectorStatus.RUNNING
+    # per-partition high watermarks reach the meta store (/connectors/<name> lag per partition)
+    wait_for(
+        lambda: (
+            store.get(name).counters.get("highwaters")
+            == {f"{topic_name}[0]": N // 2, f"{topic_name}[1]": N // 2}
+        ),
+        10,
+        "high watermarks in the heartbeat",
+    )
+    # the second run read exactly from the last commit to the end
+    wait_for(
+        lambda: store.get(name).counters.get("messages_out") == N - committed_at_stop,
+        10,
+        "run counters",
+    )
+
     dagster.terminate(run2)
-    dagster.wait_status(run2, {"CANCELED"}, 60)
+    assert dagster.wait_status(run2, {"CANCELED", "FAILURE", "SUCCESS"}, 60) == "CANCELED"
+    row = store.get(name)
+    assert row.status == ConnectorStatus.STOPPED and row.desired == DesiredState.STOPPED
+    reasons = [h.reason for h in store.history(name)]
+    assert sum("terminated" in r for r in reasons) >= 2, reasons
 
 
-def test_kill_9_mid_batch_then_relaunch_loses_nothing(dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name):
+def test_kill_9_mid_batch_then_relaunch_loses_nothing(
+    dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name
+):
     produce(tansu, topic_name, N)
     dagster.write_spec(pg_spec(name, topic_name, pg_url, pg_schema))
     dagster.reload()
@@ -118,7 +140,9 @@ def test_kill_9_mid_batch_then_relaunch_loses_nothing(dagster: DagsterHarness, t
     del run1
 
 
-def test_second_launch_while_live_is_refused_with_a_message(dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name):
+def test_second_launch_while_live_is_refused_with_a_message(
+    dagster: DagsterHarness, tansu, topic_name, pg_url, pg_schema, name
+):
     produce(tansu, topic_name, 100)
     dagster.write_spec(pg_spec(name, topic_name, pg_url, pg_schema))
     dagster.reload()

@@ -31,7 +31,11 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
             "name": name,
             "source": {"topics": [topic_name]},
             "batch": {"max_records": 1000, "max_wait_ms": 200},
-            "transform": {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE", "filter": "id % 2 = 0"},
+            "transform": {
+                "decode": "json",
+                "schema": "id BIGINT, name STRING, amount DOUBLE",
+                "filter": "id % 2 = 0",
+            },
             "sink": {"type": "localfile", "path": str(out), "fields": "envelope"},
         }
     )
@@ -39,12 +43,21 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
     run_id = dagster.launch(name)
     wait_for(lambda: len(lines(out)) >= n // 2, 120, "half the messages (even ids) in files")
     store = dagster.store
-    wait_for(lambda: sum(store.committed_offsets(name).values()) == n, 30, "offsets of every message committed (filtered ones too)")
+    wait_for(
+        lambda: sum(store.committed_offsets(name).values()) == n,
+        30,
+        "offsets of every message committed (filtered ones too)",
+    )
     got = lines(out)
     assert sorted(r["payload"]["id"] for r in got) == list(range(0, n, 2))
     assert {r["topic"] for r in got} == {topic_name}
-    assert store.committed_offsets(name) == {TopicPartition(topic_name, 0): n // 2, TopicPartition(topic_name, 1): n // 2}
-    row = wait_for(lambda: (r := store.get(name)).counters.get("filtered") == n // 2 and r, 10, "counters")
+    assert store.committed_offsets(name) == {
+        TopicPartition(topic_name, 0): n // 2,
+        TopicPartition(topic_name, 1): n // 2,
+    }
+    row = wait_for(
+        lambda: (r := store.get(name)).counters.get("filtered") == n // 2 and r, 10, "counters"
+    )
     assert row.status == ConnectorStatus.RUNNING and row.counters["messages_out"] == n // 2
 
     dagster.terminate(run_id)

@@ -30,9 +30,22 @@ from tests.e2e.conftest import LOCATION, DagsterHarness, produce, wait_for
 
 CHROMIUM = shutil.which("chromium")
 # Skip before the session's servers start when there is no browser.
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)"
+    ),
+]
 
-IMG_DIR = Path(__file__).resolve().parents[2] / "docs" / "img"
+# The screenshots kept for the README; a test run writes them there only when asked
+# (CONVEYOR_UPDATE_SCREENSHOTS=1), so running the tests never dirties the checkout.
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+
+
+def img_dir(tmp_path: Path) -> Path:
+    return DOCS_IMG if os.environ.get("CONVEYOR_UPDATE_SCREENSHOTS") == "1" else tmp_path
+
+
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -58,9 +71,22 @@ class Chromium:
         # there (copies at 10+ so no number collides with 3 or 4).
         child_in = fcntl.fcntl(cmd_r, fcntl.F_DUPFD_CLOEXEC, 10)
         child_out = fcntl.fcntl(res_w, fcntl.F_DUPFD_CLOEXEC, 10)
-        argv = [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", "--remote-debugging-pipe", "about:blank"]
+        argv = [
+            binary,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={WIDTH},{HEIGHT}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         self.process = subprocess.Popen(
-            ["bash", "-c", f'exec "$@" 3<&{child_in} 4>&{child_out} {child_in}<&- {child_out}>&-', "bash", *argv],
+            [
+                "bash",
+                "-c",
+                f'exec "$@" 3<&{child_in} 4>&{child_out} {child_in}<&- {child_out}>&-',
+                "bash",
+                *argv,
+            ],
             pass_fds=(child_in, child_out),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -72,14 +98,24 @@ class Chromium:
         self._buf = b""
         self._ids = itertools.count(1)
         target = self._call("Target.createTarget", url="about:blank")["targetId"]
-        self._session = self._call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        self.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
+        self._session = self._call("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=WIDTH,
+            height=HEIGHT,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
 
     def _recv(self) -> dict[str, Any]:
         while b"\0" not in self._buf:
             chunk = self._in.read(1 << 16)
             if not chunk:
-                raise RuntimeError(f"chromium closed the DevTools pipe (exit code {self.process.poll()})")
+                raise RuntimeError(
+                    f"chromium closed the DevTools pipe (exit code {self.process.poll()})"
+                )
             self._buf += chunk
         msg, self._buf = self._buf.split(b"\0", 1)
         return json.loads(msg)
@@ -104,7 +140,9 @@ class Chromium:
         self.call("Page.navigate", url=url)
 
     def js(self, expression: str) -> Any:
-        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        r = self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in r:
             raise RuntimeError(f"{expression}: {r['exceptionDetails']}")
         return r["result"].get("value")
@@ -117,7 +155,9 @@ class Chromium:
 
     def screenshot(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+        path.write_bytes(
+            base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+        )
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # the browser may already be gone
@@ -143,7 +183,9 @@ def chromium(tmp_path: Path):
 
 def graphql(dagster: DagsterHarness, query: str) -> dict[str, Any]:
     req = urllib.request.Request(
-        f"http://127.0.0.1:{dagster.port}/graphql", json.dumps({"query": query}).encode(), {"Content-Type": "application/json"}
+        f"http://127.0.0.1:{dagster.port}/graphql",
+        json.dumps({"query": query}).encode(),
+        {"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
@@ -157,7 +199,9 @@ def has_tooltips(*names: str) -> str:
     return " && ".join(f"!!document.querySelector('[data-tooltip={json.dumps(n)}]')" for n in names)
 
 
-def test_asset_graph_and_metadata_plots_in_the_browser(dagster: DagsterHarness, chromium: Chromium, tansu, topic_name, tmp_path):
+def test_asset_graph_and_metadata_plots_in_the_browser(
+    dagster: DagsterHarness, chromium: Chromium, tansu, topic_name, tmp_path
+):
     name = f"ui_{uuid.uuid4().hex[:6]}"
     sink_dir = tmp_path / f"{name}_out"
     sink_path = ["localfile", f"{name}_out"]
@@ -179,7 +223,11 @@ def test_asset_graph_and_metadata_plots_in_the_browser(dagster: DagsterHarness, 
     # final one become two materializations with different values to plot.
     run_id = dagster.launch(name)
     wait_for(lambda: files_lines(sink_dir) == 1_000, 60, "the first 1000 messages in files")
-    wait_for(lambda: dagster.store.get(name).counters.get("messages_out") == 1_000, 20, "heartbeat counters")
+    wait_for(
+        lambda: dagster.store.get(name).counters.get("messages_out") == 1_000,
+        20,
+        "heartbeat counters",
+    )
     produce(tansu, topic_name, 1_500, start=1_000)
     wait_for(lambda: files_lines(sink_dir) == 2_500, 60, "all 2500 messages in files")
     dagster.terminate(run_id)
@@ -187,10 +235,15 @@ def test_asset_graph_and_metadata_plots_in_the_browser(dagster: DagsterHarness, 
     from dagster import AssetKey
 
     records = dagster.instance().fetch_materializations(AssetKey(sink_path), limit=10).records
-    assert len(records) >= 2 and records[0].asset_materialization.metadata["messages_out"].value == 2_500
+    assert (
+        len(records) >= 2
+        and records[0].asset_materialization.metadata["messages_out"].value == 2_500
+    )
     # Evaluate the lag checks so the graph shows their result too.
     check_run = dagster.client.submit_job_execution("lag_checks", repository_location_name=LOCATION)
-    assert dagster.wait_status(check_run, {"SUCCESS", "FAILURE"}, 60) == "SUCCESS", dagster.run_log(check_run)
+    assert dagster.wait_status(check_run, {"SUCCESS", "FAILURE"}, 60) == "SUCCESS", dagster.run_log(
+        check_run
+    )
 
     # The community pop-up shows on 127.0.0.1 until dismissed; dismiss it as the UI does.
     assert graphql(dagster, "mutation { setNuxSeen }")["data"]["setNuxSeen"] is True
@@ -199,9 +252,12 @@ def test_asset_graph_and_metadata_plots_in_the_browser(dagster: DagsterHarness, 
     # 1. The connector's group in the asset graph: topic -> sink -> dead letters.
     chromium.goto(f"{base}/locations/__repository__@{LOCATION}/asset-groups/connector_{name}")
     chromium.wait_js(has_tooltips(topic_name, f"{name}_out", name), 30, "the three asset nodes")
-    chromium.wait_js("document.body.innerText.includes('Materialized')", 30, "the sink's latest materialization")
+    chromium.wait_js(
+        "document.body.innerText.includes('Materialized')", 30, "the sink's latest materialization"
+    )
     time.sleep(1)  # let the graph finish its layout animation
-    chromium.screenshot(IMG_DIR / "asset-graph.png")
+    chromium.screenshot(img_dir(tmp_path) / "asset-graph.png")
+    assert (img_dir(tmp_path) / "asset-graph.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = chromium.js("document.body.innerText")
     dom = chromium.dom()
     for label in (topic_name, f"{name}_out", name):
@@ -209,14 +265,20 @@ def test_asset_graph_and_metadata_plots_in_the_browser(dagster: DagsterHarness, 
     assert f"connector_{name}" in text
     for kind in ("Kafka", "File", "Parquet"):
         assert kind in text, kind
-    assert "1 / 1 Passed" in text or "1/1 Passed" in text.replace(" ", ""), "the lag check's result on the sink node"
+    assert "1 / 1 Passed" in text or "1/1 Passed" in text.replace(" ", ""), (
+        "the lag check's result on the sink node"
+    )
 
     # 2. The sink asset's page: switch the metadata section to Plots.
     chromium.goto(f"{base}/assets/{'/'.join(sink_path)}")
     plots_button = "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Plots')"
     chromium.wait_js(f"!!{plots_button}", 30, "the metadata Plots toggle")
     chromium.js(f"{plots_button}.scrollIntoView({{block: 'start'}}); {plots_button}.click()")
-    chromium.wait_js(f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}", 30, "one plot per numeric metadata key")
+    chromium.wait_js(
+        f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}",
+        30,
+        "one plot per numeric metadata key",
+    )
     # Each plot's title is the nearest text above its canvas: the metadata key.
     plots = chromium.js(
         "Array.from(document.querySelectorAll('canvas')).map(c => {"
@@ -226,9 +288,12 @@ def test_asset_graph_and_metadata_plots_in_the_browser(dagster: DagsterHarness, 
     # Plots are sorted by key: bring the row holding `lag` to the top, so lag, messages
     # in/out and msgs/s fill the screenshot.
     first = plots.index("lag") // 2 * 2 if "lag" in plots else plots.index("messages_in") // 2 * 2
-    chromium.js(f"document.querySelectorAll('canvas')[{first}].parentElement.parentElement.parentElement.scrollIntoView({{block: 'start'}})")
+    chromium.js(
+        f"document.querySelectorAll('canvas')[{first}].parentElement.parentElement.parentElement.scrollIntoView({{block: 'start'}})"
+    )
     time.sleep(1.5)  # chart animations
-    chromium.screenshot(IMG_DIR / "asset-plots.png")
+    chromium.screenshot(img_dir(tmp_path) / "asset-plots.png")
+    assert (img_dir(tmp_path) / "asset-plots.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for key in PLOTTED:
         assert key in plots, (key, plots)
     assert "offsets" not in plots  # JSON metadata is not plotted

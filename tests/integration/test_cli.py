@@ -21,7 +21,9 @@ def meta_url(request, tmp_path, pg_url) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'meta.db'}"
         return
     db = f"conveyor_cli_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(pg_url.replace("postgresql://", "postgresql+psycopg2://"), isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(
+        pg_url.replace("postgresql://", "postgresql+psycopg2://"), isolation_level="AUTOCOMMIT"
+    )
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{db}"')
     yield sa.make_url(pg_url).set(database=db).render_as_string(hide_password=False)
@@ -31,7 +33,9 @@ def meta_url(request, tmp_path, pg_url) -> Iterator[str]:
 
 
 def cli(meta_url: str, *args: str, input: str | None = None):
-    return CliRunner().invoke(main, ["--meta-url", meta_url, *args], input=input, catch_exceptions=False)
+    return CliRunner().invoke(
+        main, ["--meta-url", meta_url, *args], input=input, catch_exceptions=False
+    )
 
 
 SPEC = """
@@ -66,7 +70,11 @@ def test_apply_list_show_start_stop_history_delete(meta_url, tmp_path):
     assert r.exit_code == 0 and MetaStore(meta_url).get("orders").generation == 1
 
     r = cli(meta_url, "connector", "history", "orders")
-    assert r.exit_code == 0 and "stopped from the CLI" in r.output and "started from the CLI" in r.output
+    assert (
+        r.exit_code == 0
+        and "stopped from the CLI" in r.output
+        and "started from the CLI" in r.output
+    )
 
     r = cli(meta_url, "connector", "delete", "orders", "--yes")
     assert r.exit_code == 0
@@ -88,7 +96,9 @@ def test_offsets_show_and_reset_refused_while_running(meta_url, tmp_path):
     spec.write_text(SPEC)
     cli(meta_url, "connector", "apply", "-f", str(spec))
     store = MetaStore(meta_url)
-    g = store.claim("orders", run_id="r1", expected_generation=None, holder_alive=lambda r: False).generation
+    g = store.claim(
+        "orders", run_id="r1", expected_generation=None, holder_alive=lambda r: False
+    ).generation
     store.commit("orders", g, {TopicPartition("orders", 0): 42})
     store.heartbeat("orders", g, {})
     r = cli(meta_url, "offsets", "show", "orders")
@@ -136,10 +146,20 @@ def write_letters(directory, spark_remote: str, payloads: list[bytes]) -> None:
 
     now = time.time()
     letters = [
-        DeadLetter(FailedMessage("orders", 0, i, "sink rejected it", "data", 2), None, p, [], 1_700_000_000_000 + i, now, now)
+        DeadLetter(
+            FailedMessage("orders", 0, i, "sink rejected it", "data", 2),
+            None,
+            p,
+            [],
+            1_700_000_000_000 + i,
+            now,
+            now,
+        )
         for i, p in enumerate(payloads)
     ]
-    SparkParquetDeadLetters(directory, lambda: spark_session(spark_remote), connector="orders_dl").write(letters)
+    SparkParquetDeadLetters(
+        directory, lambda: spark_session(spark_remote), connector="orders_dl"
+    ).write(letters)
 
 
 @pytest.fixture
@@ -153,7 +173,11 @@ def dl_connector(meta_url, tmp_path, spark_remote, monkeypatch):
 
 
 def delivered(tmp_path) -> list[dict]:
-    return [json.loads(line) for f in sorted((tmp_path / "out").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    return [
+        json.loads(line)
+        for f in sorted((tmp_path / "out").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
 
 
 def test_dead_letters_replay_shows_progress_and_delivers(meta_url, dl_connector, spark_remote):
@@ -167,14 +191,19 @@ def test_dead_letters_replay_shows_progress_and_delivers(meta_url, dl_connector,
     assert "replaying orders_dl" in r.stderr and "100%" in r.stderr  # the progress bar, on stderr
     assert r.stdout.strip() == "orders_dl: 5 replayed: 5 delivered, 0 failed again, 0 pending"
     assert sorted(row["id"] for row in delivered(tmp_path)) == [0, 1, 2, 3, 4]
-    assert any("dead letters replayed from the CLI: 5 delivered" in h.reason for h in MetaStore(meta_url).history("orders_dl"))
+    assert any(
+        "dead letters replayed from the CLI: 5 delivered" in h.reason
+        for h in MetaStore(meta_url).history("orders_dl")
+    )
 
     # Nothing left: a second replay is a no-op that still exits 0.
     r = cli(meta_url, "dead-letters", "replay", "orders_dl")
     assert r.exit_code == 0 and "0 replayed" in r.stdout
 
 
-def test_dead_letters_replay_exits_non_zero_when_letters_fail_again(meta_url, dl_connector, spark_remote):
+def test_dead_letters_replay_exits_non_zero_when_letters_fail_again(
+    meta_url, dl_connector, spark_remote
+):
     tmp_path = dl_connector
     write_letters(tmp_path / "dl", spark_remote, [b'{"id": 1}', b"<xml/>", b'{"id": 3}'])
     r = cli(meta_url, "dead-letters", "replay", "orders_dl")

@@ -34,11 +34,19 @@ def build():
 
 
 def test_code_location_loads_with_broken_specs_and_reports_them(env: Path, tmp_path: Path):
-    (env / "orders.yaml").write_text(GOOD.format(name="orders", topic="orders", path=tmp_path / "out1"))
-    (env / "clicks.yaml").write_text(GOOD.format(name="clicks", topic="clicks", path=tmp_path / "out2"))
+    (env / "orders.yaml").write_text(
+        GOOD.format(name="orders", topic="orders", path=tmp_path / "out1")
+    )
+    (env / "clicks.yaml").write_text(
+        GOOD.format(name="clicks", topic="clicks", path=tmp_path / "out2")
+    )
     (env / "broken_yaml.yaml").write_text("name: broken_yaml\nsource: {topics: [x]\n")
-    (env / "missing_field.yaml").write_text("name: missing_field\nsink: {type: localfile, path: /tmp/x}\n")
-    (env / "unknown_sink.yaml").write_text("name: unknown_sink\nsource: {topics: [x]}\nsink: {type: postgress, table: t}\n")
+    (env / "missing_field.yaml").write_text(
+        "name: missing_field\nsink: {type: localfile, path: /tmp/x}\n"
+    )
+    (env / "unknown_sink.yaml").write_text(
+        "name: unknown_sink\nsource: {topics: [x]}\nsink: {type: postgress, table: t}\n"
+    )
     defs = build()
     jobs = {j.name for j in defs.resolve_all_job_defs()}
     assert {"connector__orders", "connector__clicks"} <= jobs
@@ -48,13 +56,22 @@ def test_code_location_loads_with_broken_specs_and_reports_them(env: Path, tmp_p
     bad = {n: rows[n] for n in ("broken_yaml", "missing_field", "unknown_sink")}
     assert all(r.status == ConnectorStatus.ERROR for r in bad.values())
     assert "broken_yaml.yaml: invalid YAML at line" in bad["broken_yaml"].last_error
-    assert "missing_field.yaml" in bad["missing_field"].last_error and "source: Field required" in bad["missing_field"].last_error
-    assert "unknown sink type 'postgress'; did you mean 'postgres'?" in bad["unknown_sink"].last_error
+    assert (
+        "missing_field.yaml" in bad["missing_field"].last_error
+        and "source: Field required" in bad["missing_field"].last_error
+    )
+    assert (
+        "unknown sink type 'postgress'; did you mean 'postgres'?" in bad["unknown_sink"].last_error
+    )
 
 
 def test_asset_graph_for_two_connectors(env: Path, tmp_path: Path):
-    (env / "orders.yaml").write_text(GOOD.format(name="orders", topic="orders", path=tmp_path / "o"))
-    (env / "clicks.yaml").write_text(GOOD.format(name="clicks", topic="clicks", path=tmp_path / "c"))
+    (env / "orders.yaml").write_text(
+        GOOD.format(name="orders", topic="orders", path=tmp_path / "o")
+    )
+    (env / "clicks.yaml").write_text(
+        GOOD.format(name="clicks", topic="clicks", path=tmp_path / "c")
+    )
     defs = build()
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}

@@ -34,7 +34,9 @@ ORDERS_COUNTERS = {
 
 
 def claim(store: MetaStore, name: str) -> int:
-    return store.claim(name, run_id=f"run_{name}", expected_generation=None, holder_alive=lambda r: False).generation
+    return store.claim(
+        name, run_id=f"run_{name}", expected_generation=None, holder_alive=lambda r: False
+    ).generation
 
 
 @pytest.fixture
@@ -43,7 +45,13 @@ def meta_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'meta.db'}"
     store = MetaStore(url)
     for name in ("orders", "clicks", "fresh", "done"):
-        store.sync_spec(name, spec_json=json.dumps({"name": name, "heartbeat_timeout_s": 30}), spec_hash=name, source=f"{name}.yaml", error=None)
+        store.sync_spec(
+            name,
+            spec_json=json.dumps({"name": name, "heartbeat_timeout_s": 30}),
+            spec_hash=name,
+            source=f"{name}.yaml",
+            error=None,
+        )
     # orders: running, 2000 messages delivered, offsets on two partitions.
     g = claim(store, "orders")
     store.commit("orders", g, {TopicPartition("orders", 0): 1234, TopicPartition("orders", 1): 766})
@@ -57,7 +65,9 @@ def meta_url(tmp_path: Path) -> str:
     g = claim(store, "done")
     store.commit("done", g, {TopicPartition("done", 0): 50})
     store.heartbeat("done", g, {"messages_out": 50, "lag": 0})
-    store.release("done", g, ConnectorStatus.STOPPED, "stopped", counters={"messages_out": 50, "lag": 0})
+    store.release(
+        "done", g, ConnectorStatus.STOPPED, "stopped", counters={"messages_out": 50, "lag": 0}
+    )
     # fresh: never ran (Idle).
     store.close()
     return url
@@ -67,7 +77,17 @@ def meta_url(tmp_path: Path) -> str:
 def server(meta_url: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.cli", "--meta-url", meta_url, "metrics", "serve", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "conveyor.cli",
+            "--meta-url",
+            meta_url,
+            "metrics",
+            "serve",
+            "--port",
+            str(port),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -91,7 +111,9 @@ def get(url: str) -> tuple[int, str, bytes]:
         return e.code, e.headers["Content-Type"], e.read()
 
 
-def scrape(base: str) -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], dict[str, str]]:
+def scrape(
+    base: str,
+) -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], dict[str, str]]:
     """Samples keyed by (name, sorted labels), and each family's type."""
     status, ctype, body = get(f"{base}/metrics")
     assert status == 200 and ctype.startswith("text/plain")
@@ -123,7 +145,9 @@ def test_metrics_reflect_the_meta_store(server: str):
     for name, v in expected.items():
         assert value(samples, name, "orders") == v, name
     for state in STATES:
-        assert value(samples, "conveyor_connector_state", "orders", state=state) == (1.0 if state == "Running" else 0.0), state
+        assert value(samples, "conveyor_connector_state", "orders", state=state) == (
+            1.0 if state == "Running" else 0.0
+        ), state
     assert 0 <= value(samples, "conveyor_connector_heartbeat_age_seconds", "orders") < 30
 
     # Stale heartbeat: still Running in the store, but not up; lag unknown -> no lag series.
@@ -146,10 +170,14 @@ def test_metrics_reflect_the_meta_store(server: str):
     for (name, labels), _ in samples.items():
         assert name.startswith("conveyor_connector_"), name
         keys = {k for k, _ in labels}
-        assert keys == ({"connector", "state"} if name == "conveyor_connector_state" else {"connector"}), (name, keys)
+        assert keys == (
+            {"connector", "state"} if name == "conveyor_connector_state" else {"connector"}
+        ), (name, keys)
     assert types["conveyor_connector_messages_sent"] == "counter"
     assert types["conveyor_connector_lag"] == "gauge"
-    assert sum(1 for (name, _), _ in samples.items() if name == "conveyor_connector_state") == 4 * len(STATES)
+    assert sum(
+        1 for (name, _), _ in samples.items() if name == "conveyor_connector_state"
+    ) == 4 * len(STATES)
 
 
 def test_connector_endpoint_returns_partitions_with_offsets_and_lag(server: str):
@@ -168,9 +196,16 @@ def test_connector_endpoint_returns_partitions_with_offsets_and_lag(server: str)
     # Without reported high watermarks the per-partition lag is unknown, not invented.
     detail = json.loads(get(f"{server}/connectors/done/")[2])
     assert detail["status"] == "Stopped"
-    assert detail["partitions"] == [{"topic": "done", "partition": 0, "committed": 50, "highwater": None, "lag": None}]
+    assert detail["partitions"] == [
+        {"topic": "done", "partition": 0, "committed": 50, "highwater": None, "lag": None}
+    ]
 
-    assert sorted(json.loads(get(f"{server}/connectors")[2])) == ["clicks", "done", "fresh", "orders"]
+    assert sorted(json.loads(get(f"{server}/connectors")[2])) == [
+        "clicks",
+        "done",
+        "fresh",
+        "orders",
+    ]
     status, _, body = get(f"{server}/connectors/nope")
     assert status == 404 and "nope" in json.loads(body)["error"]
     assert get(f"{server}/metrics?format=text")[0] == 200

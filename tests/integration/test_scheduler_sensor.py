@@ -22,7 +22,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DagsterInstance, MetaStore, str]]:
+def env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[DagsterInstance, MetaStore, str]]:
     url = f"sqlite:///{tmp_path / 'meta.db'}"
     brokers = tmp_path / "brokers.yaml"
     # Endpoints that accept connections: the sensor probes them (a closed one would count as down).
@@ -35,13 +37,22 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Dagst
         s.bind(("127.0.0.1", 0))
         s.listen()
         listeners.append(s)
-        entries.append({"id": bid, "capacity": 2, "spark_remote": f"sc://127.0.0.1:{s.getsockname()[1]}", "run_tags": {"pool": bid}})
+        entries.append(
+            {
+                "id": bid,
+                "capacity": 2,
+                "spark_remote": f"sc://127.0.0.1:{s.getsockname()[1]}",
+                "run_tags": {"pool": bid},
+            }
+        )
     brokers.write_text(json.dumps({"brokers": entries}))
     monkeypatch.setenv("CONVEYOR_BROKERS_FILE", str(brokers))
     store = MetaStore(url)
     store.ensure_schema()
     for name in ("alpha", "beta", "gamma"):
-        store.sync_spec(name, spec_json=json.dumps({"name": name}), spec_hash="h", source="test", error=None)
+        store.sync_spec(
+            name, spec_json=json.dumps({"name": name}), spec_hash="h", source="test", error=None
+        )
     with instance_for_test() as instance:
         yield instance, store, url
     for s in listeners:
@@ -49,7 +60,9 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Dagst
 
 
 def tick(instance: DagsterInstance, url: str):
-    ctx = build_sensor_context(instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)})
+    ctx = build_sensor_context(
+        instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)}
+    )
     return scheduler_sensor(None)(ctx)
 
 
@@ -60,21 +73,32 @@ def test_launch_assigns_by_least_load_with_run_keys_and_tags(env):
     assert [r.run_key for r in reqs] == ["alpha:1", "beta:1", "gamma:1"]
     assert [r.job_name for r in reqs] == [job_name(n) for n in ("alpha", "beta", "gamma")]
     assert [r.tags[TAG_BROKER] for r in reqs] == ["b1", "b2", "b1"]
-    assert all(r.tags[TAG_CONNECTOR] == r.run_key.split(":")[0] and r.tags[TAG_GENERATION] == "1" for r in reqs)
+    assert all(
+        r.tags[TAG_CONNECTOR] == r.run_key.split(":")[0] and r.tags[TAG_GENERATION] == "1"
+        for r in reqs
+    )
     assert reqs[1].tags["pool"] == "b2"
     rows = {r.name: r for r in store.list()}
-    assert {n: (r.broker_id, r.generation) for n, r in rows.items()} == {"alpha": ("b1", 1), "beta": ("b2", 1), "gamma": ("b1", 1)}
+    assert {n: (r.broker_id, r.generation) for n, r in rows.items()} == {
+        "alpha": ("b1", 1),
+        "beta": ("b2", 1),
+        "gamma": ("b1", 1),
+    }
     assert any("assigned to b2" in h.reason for h in store.history("beta"))
     # Next tick: the runs are pending (queued) -> nothing new is launched.
     for r in reqs:
-        create_run_for_test(instance, job_name=r.job_name, status=DagsterRunStatus.STARTING, tags=r.tags)
+        create_run_for_test(
+            instance, job_name=r.job_name, status=DagsterRunStatus.STARTING, tags=r.tags
+        )
     assert tick(instance, url).run_requests == []
 
 
 def test_capacity_leaves_the_rest_waiting(env):
     instance, store, url = env
     for n in ("delta", "epsilon"):
-        store.sync_spec(n, spec_json=json.dumps({"name": n}), spec_hash="h", source="test", error=None)
+        store.sync_spec(
+            n, spec_json=json.dumps({"name": n}), spec_hash="h", source="test", error=None
+        )
     result = tick(instance, url)
     assert len(result.run_requests) == 4  # 2 brokers x capacity 2
     waiting = [r for r in store.list() if r.broker_id is None]
@@ -107,9 +131,15 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
         instance,
         job_name=job_name("beta"),
         status=DagsterRunStatus.STARTED,
-        tags={TAG_CONNECTOR: "beta", TAG_GENERATION: str(row.generation), TAG_BROKER: row.broker_id},
+        tags={
+            TAG_CONNECTOR: "beta",
+            TAG_GENERATION: str(row.generation),
+            TAG_BROKER: row.broker_id,
+        },
     )
-    store.claim("beta", run_id=run.run_id, expected_generation=row.generation, holder_alive=lambda r: True)
+    store.claim(
+        "beta", run_id=run.run_id, expected_generation=row.generation, holder_alive=lambda r: True
+    )
     store.heartbeat("beta", row.generation, {})
     store.set_desired("beta", DesiredState.STOPPED, reason="test stop")
     # The run was not launched by this instance's launcher, so terminate() cannot reach it; the
@@ -117,9 +147,13 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
     from conveyor.core import scheduler as core
     from conveyor.sensors.scheduler import tick as sched_tick
 
-    ctx = build_sensor_context(instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)})
+    ctx = build_sensor_context(
+        instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)}
+    )
     plan, _ = sched_tick(ctx, store)
-    assert [(type(d).__name__, d.run_id) for d in plan.of(core.Terminate)] == [("Terminate", run.run_id)]
+    assert [(type(d).__name__, d.run_id) for d in plan.of(core.Terminate)] == [
+        ("Terminate", run.run_id)
+    ]
     # The run ends as the op does on a stop: Stopped, desired stopped.
     store.release("beta", row.generation, ConnectorStatus.STOPPED, "stopped")
     instance.report_run_canceled(instance.get_run_by_id(run.run_id))
@@ -132,14 +166,24 @@ def test_hand_launched_run_is_adopted_and_an_older_generation_run_is_reclaimed(e
     instance, store, url = env
     tick(instance, url)  # alpha, beta, gamma at generation 1
     store.set_status("gamma", ConnectorStatus.IDLE, "test", bump_generation=True, clear_broker=True)
-    ui = create_run_for_test(instance, job_name=job_name("gamma"), status=DagsterRunStatus.STARTING, tags={TAG_CONNECTOR: "gamma"})
+    ui = create_run_for_test(
+        instance,
+        job_name=job_name("gamma"),
+        status=DagsterRunStatus.STARTING,
+        tags={TAG_CONNECTOR: "gamma"},
+    )
     stale = create_run_for_test(
-        instance, job_name=job_name("alpha"), status=DagsterRunStatus.STARTED, tags={TAG_CONNECTOR: "alpha", TAG_GENERATION: "0"}
+        instance,
+        job_name=job_name("alpha"),
+        status=DagsterRunStatus.STARTED,
+        tags={TAG_CONNECTOR: "alpha", TAG_GENERATION: "0"},
     )
     from conveyor.core import scheduler as core
     from conveyor.sensors.scheduler import tick as sched_tick
 
-    ctx = build_sensor_context(instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)})
+    ctx = build_sensor_context(
+        instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)}
+    )
     plan, reqs = sched_tick(ctx, store)
     assert "gamma" not in {r.tags[TAG_CONNECTOR] for r in reqs}  # adopted, not launched twice
     assert store.get("gamma").broker_id is None
@@ -151,7 +195,12 @@ def test_drain_moves_connectors_and_undrain_takes_new_ones(env):
     instance, store, url = env
     tick(instance, url)
     for r in store.list():
-        c = store.claim(r.name, run_id=f"run-{r.name}", expected_generation=r.generation, holder_alive=lambda r: True)
+        c = store.claim(
+            r.name,
+            run_id=f"run-{r.name}",
+            expected_generation=r.generation,
+            holder_alive=lambda r: True,
+        )
         store.heartbeat(r.name, c.generation, {})
     store.set_draining("b1", True)
     tick(instance, url)
@@ -164,5 +213,8 @@ def test_drain_moves_connectors_and_undrain_takes_new_ones(env):
 def test_broker_list_in_store_matches_the_yaml(env):
     instance, store, url = env
     tick(instance, url)
-    assert [(b.id, b.capacity, b.run_tags) for b in store.list_brokers()] == [("b1", 2, {"pool": "b1"}), ("b2", 2, {"pool": "b2"})]
+    assert [(b.id, b.capacity, b.run_tags) for b in store.list_brokers()] == [
+        ("b1", 2, {"pool": "b1"}),
+        ("b2", 2, {"pool": "b2"}),
+    ]
     assert isinstance(store.list_brokers()[0], Broker)

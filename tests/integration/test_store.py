@@ -25,7 +25,9 @@ def store(request, tmp_path, pg_url) -> Iterator[MetaStore]:
         return
     # A private database per test keeps PostgreSQL runs independent.
     db = f"conveyor_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(pg_url.replace("postgresql://", "postgresql+psycopg2://"), isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(
+        pg_url.replace("postgresql://", "postgresql+psycopg2://"), isolation_level="AUTOCOMMIT"
+    )
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{db}"')
     url = sa.make_url(pg_url).set(database=db).render_as_string(hide_password=False)
@@ -38,14 +40,26 @@ def store(request, tmp_path, pg_url) -> Iterator[MetaStore]:
 
 
 def add(store: MetaStore, name: str = "c1", error: str | None = None):
-    return store.sync_spec(name, spec_json=None if error else '{"name": "%s"}' % name, spec_hash="h1", source="f.yaml", error=error)
+    return store.sync_spec(
+        name,
+        spec_json=None if error else f'{{"name": "{name}"}}',
+        spec_hash="h1",
+        source="f.yaml",
+        error=error,
+    )
 
 
 def test_schema_is_created_and_versioned(store):
     store.ensure_schema()
     assert store.schema_version() == t.SCHEMA_VERSION
     insp = sa.inspect(store.engine)
-    assert {"conveyor_connectors", "conveyor_brokers", "conveyor_offsets", "conveyor_state_history", "conveyor_schema"} <= set(insp.get_table_names())
+    assert {
+        "conveyor_connectors",
+        "conveyor_brokers",
+        "conveyor_offsets",
+        "conveyor_state_history",
+        "conveyor_schema",
+    } <= set(insp.get_table_names())
 
 
 def test_newer_schema_is_refused(store):
@@ -60,13 +74,23 @@ def test_newer_schema_is_refused(store):
 
 def test_new_connector_is_idle_and_history_records_creation(store):
     row = add(store)
-    assert row.status == ConnectorStatus.IDLE and row.desired == DesiredState.RUNNING and row.generation == 0
+    assert (
+        row.status == ConnectorStatus.IDLE
+        and row.desired == DesiredState.RUNNING
+        and row.generation == 0
+    )
     assert [h.reason for h in store.history("c1")] == ["created"]
 
 
 def test_spec_error_shows_error_and_fix_returns_to_idle(store):
     add(store)
-    row = store.sync_spec("c1", spec_json=None, spec_hash=None, source="f.yaml", error="f.yaml: sink.table: Field required")
+    row = store.sync_spec(
+        "c1",
+        spec_json=None,
+        spec_hash=None,
+        source="f.yaml",
+        error="f.yaml: sink.table: Field required",
+    )
     assert row.status == ConnectorStatus.ERROR and "sink.table" in row.last_error
     row = add(store)
     assert row.status == ConnectorStatus.IDLE and row.last_error is None
@@ -107,7 +131,9 @@ def test_scheduler_launched_run_adopts_its_generation_or_is_superseded(store):
 
 def test_release_records_final_state_and_stopped_sets_desired(store):
     add(store)
-    g = store.claim("c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False).generation
+    g = store.claim(
+        "c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False
+    ).generation
     store.heartbeat("c1", g, {})
     assert store.release("c1", g, ConnectorStatus.STOPPED, "run terminated")
     row = store.get("c1")
@@ -119,7 +145,9 @@ def test_release_records_final_state_and_stopped_sets_desired(store):
 
 def test_heartbeat_returns_desired_state(store):
     add(store)
-    g = store.claim("c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False).generation
+    g = store.claim(
+        "c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False
+    ).generation
     assert store.heartbeat("c1", g, {}) == DesiredState.RUNNING
     store.set_desired("c1", DesiredState.STOPPED)
     assert store.heartbeat("c1", g, {}) == DesiredState.STOPPED
@@ -127,7 +155,9 @@ def test_heartbeat_returns_desired_state(store):
 
 def test_offsets_reset_only_when_stopped(store):
     add(store)
-    g = store.claim("c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False).generation
+    g = store.claim(
+        "c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False
+    ).generation
     store.heartbeat("c1", g, {})
     with pytest.raises(ConveyorError, match="stop it first"):
         store.reset_offsets("c1", {TP: 0})
@@ -137,7 +167,9 @@ def test_offsets_reset_only_when_stopped(store):
 
 
 def test_brokers_roundtrip_and_drain(store):
-    store.upsert_broker(Broker(id="b1", capacity=3, spark_remote="sc://127.0.0.1:1", run_tags={"q": "a"}))
+    store.upsert_broker(
+        Broker(id="b1", capacity=3, spark_remote="sc://127.0.0.1:1", run_tags={"q": "a"})
+    )
     store.set_draining("b1", True)
     store.upsert_broker(Broker(id="b1", capacity=4, spark_remote="sc://127.0.0.1:1"))
     [b] = store.list_brokers()

@@ -67,9 +67,13 @@ def make_batch(
             "__topic": pa.array([topic] * n, pa.string()),
             "__partition": pa.array([partition] * n, pa.int32()),
             "__offset": pa.array(ids, pa.int64()),
-            "__timestamp": pa.array([BASE_TS + dt.timedelta(milliseconds=i) for i in ids], pa.timestamp("ms", tz="UTC")),
+            "__timestamp": pa.array(
+                [BASE_TS + dt.timedelta(milliseconds=i) for i in ids], pa.timestamp("ms", tz="UTC")
+            ),
             "__key": pa.array([f"k{i}".encode() for i in ids], pa.binary()),
-            "__headers": pa.array([[{"key": "h", "value": str(i).encode()}] for i in ids], HEADERS_TYPE),
+            "__headers": pa.array(
+                [[{"key": "h", "value": str(i).encode()}] for i in ids], HEADERS_TYPE
+            ),
             "__destination": pa.nulls(n, pa.string()),
         }
     )

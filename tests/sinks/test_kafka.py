@@ -50,7 +50,9 @@ def consume_all(bootstrap: str, topic: str, timeout_s: float = 15.0) -> list[Any
     """
     from kafka import KafkaConsumer, TopicPartition
 
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=50)
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=50
+    )
     try:
         parts = c.partitions_for_topic(topic) or set()
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
@@ -62,9 +64,13 @@ def consume_all(bootstrap: str, topic: str, timeout_s: float = 15.0) -> list[Any
             for msgs in c.poll(timeout_ms=200).values():
                 out.extend(msgs)
             hws = [c.highwater(tp) for tp in tps]
-            if all(hw is not None for hw in hws) and all(c.position(tp) >= hw for tp, hw in zip(tps, hws, strict=True)):
+            if all(hw is not None for hw in hws) and all(
+                c.position(tp) >= hw for tp, hw in zip(tps, hws, strict=True)
+            ):
                 return out
-        raise AssertionError(f"could not read {topic} to its end within {timeout_s}s ({len(out)} records read)")
+        raise AssertionError(
+            f"could not read {topic} to its end within {timeout_s}s ({len(out)} records read)"
+        )
     finally:
         c.close()
 
@@ -120,7 +126,11 @@ class TestKafkaContract(SinkContract):
         return make_batch(500, names={250: huge, 400: huge + "y"}), {250, 400}
 
     def outage_config(self, target: str) -> dict[str, Any]:
-        return {**self.config(target), "bootstrap_servers": f"127.0.0.1:{closed_port()}", "connect_timeout_ms": 1_000}
+        return {
+            **self.config(target),
+            "bootstrap_servers": f"127.0.0.1:{closed_port()}",
+            "connect_timeout_ms": 1_000,
+        }
 
     bad_fields = [
         ({"topic": "bad topic!"}, "topic"),
@@ -152,7 +162,15 @@ def kafka_topic(tansu: str) -> Iterator[str]:
 
 
 def _sink(**cfg: Any) -> Any:
-    s = build_sink({"type": "kafka", "linger_ms": 1, "request_timeout_ms": 5_000, "delivery_timeout_ms": 15_000, **cfg})
+    s = build_sink(
+        {
+            "type": "kafka",
+            "linger_ms": 1,
+            "request_timeout_ms": 5_000,
+            "delivery_timeout_ms": 15_000,
+            **cfg,
+        }
+    )
     s.init_sink()
     return s
 
@@ -202,11 +220,15 @@ def test_topic_template_destination_and_missing_field(tansu: str) -> None:
         bad = s.send_batch(make_batch(2).drop_columns(["id"]))  # ${payload.id} cannot be filled
         assert [f.index for f in bad.failed] == [0, 1] and "id" in bad.failed[0].message
         assert all(f.kind is ErrorKind.DATA for f in bad.failed)
-        illegal = build_sink({"type": "kafka", "bootstrap_servers": tansu, "topic": prefix + "-${payload.name}"})
+        illegal = build_sink(
+            {"type": "kafka", "bootstrap_servers": tansu, "topic": prefix + "-${payload.name}"}
+        )
         illegal.init_sink()
         try:
             res = illegal.send_batch(make_batch(2))  # "name 0" has a space: not a legal topic name
-            assert {f.index for f in res.failed} == {0, 1} and "legal topic name" in res.failed[0].message
+            assert {f.index for f in res.failed} == {0, 1} and "legal topic name" in res.failed[
+                0
+            ].message
         finally:
             illegal.cleanup_sink()
     finally:
@@ -219,14 +241,25 @@ def test_topic_template_destination_and_missing_field(tansu: str) -> None:
 
 def test_key_template_timestamp_now_and_coordinate_headers(tansu: str, kafka_topic: str) -> None:
     before = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1)
-    s = _sink(bootstrap_servers=tansu, topic=kafka_topic, key="id-${payload.id}", timestamp="now", coordinate_headers=True, keep_headers=False)
+    s = _sink(
+        bootstrap_servers=tansu,
+        topic=kafka_topic,
+        key="id-${payload.id}",
+        timestamp="now",
+        coordinate_headers=True,
+        keep_headers=False,
+    )
     try:
         assert s.send_batch(make_batch(3, topic="src", partition=0)).failed == ()
     finally:
         s.cleanup_sink()
     recs = {as_row(r)["id"]: r for r in consume_all(tansu, kafka_topic)}
     assert recs[2].key == b"id-2"
-    assert dict(recs[2].headers) == {"x-conveyor-topic": b"src", "x-conveyor-partition": b"0", "x-conveyor-offset": b"2"}
+    assert dict(recs[2].headers) == {
+        "x-conveyor-topic": b"src",
+        "x-conveyor-partition": b"0",
+        "x-conveyor-offset": b"2",
+    }
     assert as_row(recs[2])["timestamp"] >= before > BASE_TS
 
 
@@ -236,20 +269,33 @@ def test_partitioning_source_keeps_partition_numbers(tansu: str) -> None:
     try:
         s = _sink(bootstrap_servers=tansu, topic=topic, partitioning="source")
         try:
-            b = pa.concat_tables([make_batch(4, start=0, partition=0), make_batch(4, start=4, partition=2)])
+            b = pa.concat_tables(
+                [make_batch(4, start=0, partition=0), make_batch(4, start=4, partition=2)]
+            )
             assert s.send_batch(b).failed == ()
             with pytest.raises(PermanentSinkError, match="partition"):
                 s.send_batch(make_batch(1, start=10, partition=7))
         finally:
             s.cleanup_sink()
         rows = [as_row(r) for r in consume_all(tansu, topic)]
-        assert {r["id"]: r["partition"] for r in rows} == {0: 0, 1: 0, 2: 0, 3: 0, 4: 2, 5: 2, 6: 2, 7: 2}
+        assert {r["id"]: r["partition"] for r in rows} == {
+            0: 0,
+            1: 0,
+            2: 0,
+            3: 0,
+            4: 2,
+            5: 2,
+            6: 2,
+            7: 2,
+        }
     finally:
         delete_topics(tansu, topic)
 
 
 def test_tombstone_for_a_null_value(tansu: str, kafka_topic: str) -> None:
-    batch = pa.table({"value": pa.array([b"v", None], pa.binary()), "__key": pa.array([b"a", b"b"], pa.binary())})
+    batch = pa.table(
+        {"value": pa.array([b"v", None], pa.binary()), "__key": pa.array([b"a", b"b"], pa.binary())}
+    )
     s = _sink(bootstrap_servers=tansu, topic=kafka_topic)
     try:
         assert s.send_batch(batch).failed == ()
@@ -269,7 +315,13 @@ def test_broker_lost_after_start_is_transient_and_bounded(tmp_path: Any) -> None
     try:
         topic = unique("kl")
         create_topic(broker.bootstrap, topic)
-        s = _sink(bootstrap_servers=broker.bootstrap, topic=topic, request_timeout_ms=1_000, delivery_timeout_ms=3_000, max_block_ms=3_000)
+        s = _sink(
+            bootstrap_servers=broker.bootstrap,
+            topic=topic,
+            request_timeout_ms=1_000,
+            delivery_timeout_ms=3_000,
+            max_block_ms=3_000,
+        )
         assert s.send_batch(make_batch(5)).failed == ()
         broker.process.kill()  # tansu waits ~5 s on SIGTERM while clients are connected
         broker.process.wait(5)
@@ -285,7 +337,15 @@ def test_broker_lost_after_start_is_transient_and_bounded(tmp_path: Any) -> None
 
 
 def test_missing_ssl_file_is_permanent(tansu: str) -> None:
-    s = build_sink({"type": "kafka", "bootstrap_servers": tansu, "topic": "t", "security_protocol": "SSL", "ssl_cafile": "/nonexistent/ca.pem"})
+    s = build_sink(
+        {
+            "type": "kafka",
+            "bootstrap_servers": tansu,
+            "topic": "t",
+            "security_protocol": "SSL",
+            "ssl_cafile": "/nonexistent/ca.pem",
+        }
+    )
     with pytest.raises(PermanentSinkError, match="ssl_cafile"):
         s.init_sink()
     s.cleanup_sink()

@@ -18,7 +18,9 @@ class TestLocalFileContract(SinkContract):
     idempotent = False  # an append-only file: a replayed batch is appended again
     keeps_keys = keeps_headers = keeps_timestamps = True
     poison_skip_reason = "JSONL accepts every decoded row; LocalFile has no per-message data errors"
-    outage_skip_reason = "a local directory has no server to lose (I/O errors are unit-tested in the loop)"
+    outage_skip_reason = (
+        "a local directory has no server to lose (I/O errors are unit-tested in the loop)"
+    )
 
     def make_target(self) -> Iterator[str]:
         with tempfile.TemporaryDirectory(prefix="conveyor-lf-") as d:

@@ -70,7 +70,14 @@ class TestMySQLContract(SinkContract):
             "type": "mysql",
             "url": MYSQL_URL,
             "table": target,
-            "columns": {"id": "id", "name": "name", "amount": "amount", "k": "$key", "h": "$headers", "ts": "$timestamp"},
+            "columns": {
+                "id": "id",
+                "name": "name",
+                "amount": "amount",
+                "k": "$key",
+                "h": "$headers",
+                "ts": "$timestamp",
+            },
             "upsert_keys": ["id"],
         }
 
@@ -92,7 +99,11 @@ class TestMySQLContract(SinkContract):
         return make_batch(500, names={250: None}, amounts={400: -1.0}), {250, 400}
 
     def outage_config(self, target: str) -> dict[str, Any]:
-        return {**self.config(target), "url": f"mysql://root@127.0.0.1:{closed_port()}/test", "connect_timeout_s": 2}
+        return {
+            **self.config(target),
+            "url": f"mysql://root@127.0.0.1:{closed_port()}/test",
+            "connect_timeout_s": 2,
+        }
 
     bad_fields = [
         ({"table": ""}, "table"),
@@ -150,7 +161,18 @@ def test_create_table_from_the_first_batch(table: str) -> None:
     s = _sink(
         table,
         create_table=True,
-        columns={"id": "id", "name": "name", "amount": "amount", "k": "$key", "ts": "$timestamp", "h": "$headers", "doc": "$payload", "off": "$offset", "topic": "$topic", "part": "$partition"},
+        columns={
+            "id": "id",
+            "name": "name",
+            "amount": "amount",
+            "k": "$key",
+            "ts": "$timestamp",
+            "h": "$headers",
+            "doc": "$payload",
+            "off": "$offset",
+            "topic": "$topic",
+            "part": "$partition",
+        },
         upsert_keys=["topic", "part", "off"],
     )
     s.init_sink()
@@ -159,9 +181,17 @@ def test_create_table_from_the_first_batch(table: str) -> None:
         assert s.send_batch(make_batch(20)).failed == ()  # replay: upsert on (topic, part, off)
     finally:
         s.cleanup_sink()
-    cols = dict(_exec("SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", table, fetch=True))
+    cols = dict(
+        _exec(
+            "SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+            table,
+            fetch=True,
+        )
+    )
     assert cols["id"] == "bigint(20)" and cols["name"] == "longtext" and cols["amount"] == "double"
-    assert cols["k"] == "longblob" and cols["ts"] == "datetime(3)" and cols["topic"] == "varchar(255)"
+    assert (
+        cols["k"] == "longblob" and cols["ts"] == "datetime(3)" and cols["topic"] == "varchar(255)"
+    )
     assert cols["part"] == "int(11)" and cols["off"] == "bigint(20)"
     pk = _exec(
         "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s AND INDEX_NAME = 'PRIMARY' ORDER BY SEQ_IN_INDEX",
@@ -170,7 +200,9 @@ def test_create_table_from_the_first_batch(table: str) -> None:
     )
     assert [r[0] for r in pk] == ["topic", "part", "off"]
     assert _count(table) == 20
-    doc, h, ts = _exec(f"SELECT doc, h, ts FROM {quote_identifier(table)} WHERE id = 7", fetch=True)[0]
+    doc, h, ts = _exec(
+        f"SELECT doc, h, ts FROM {quote_identifier(table)} WHERE id = 7", fetch=True
+    )[0]
     assert json.loads(doc) == {"id": 7, "name": "name 7", "amount": 10.5}
     assert json.loads(h) == {"h": "7"}
     assert ts == (BASE_TS + dt.timedelta(milliseconds=7)).replace(tzinfo=None)
@@ -183,37 +215,64 @@ def test_create_table_default_columns_without_keys(table: str) -> None:
         assert s.send_batch(make_batch(5)).failed == ()
     finally:
         s.cleanup_sink()
-    assert sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)) == list(range(5))
+    assert sorted(
+        r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)
+    ) == list(range(5))
 
 
 def test_upsert_updates_existing_rows_and_later_rows_win(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name VARCHAR(100) NOT NULL, amount DOUBLE)")
-    s = _sink(table, columns={"id": "id", "name": "name", "amount": "amount"}, upsert_keys=["id"], rows_per_statement=7)
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name VARCHAR(100) NOT NULL, amount DOUBLE)"
+    )
+    s = _sink(
+        table,
+        columns={"id": "id", "name": "name", "amount": "amount"},
+        upsert_keys=["id"],
+        rows_per_statement=7,
+    )
     s.init_sink()
     try:
         s.send_batch(make_batch(30))
         s.send_batch(make_batch(30, names={3: "renamed"}, amounts={4: 99.0}))
         # The same key twice in one batch: the later row wins.
-        dup = pa.concat_tables([make_batch(1, start=5, names={5: "first"}), make_batch(1, start=5, names={5: "second"})])
+        dup = pa.concat_tables(
+            [
+                make_batch(1, start=5, names={5: "first"}),
+                make_batch(1, start=5, names={5: "second"}),
+            ]
+        )
         assert s.send_batch(dup).failed == ()
     finally:
         s.cleanup_sink()
-    rows = dict((i, (n, a)) for i, n, a in _exec(f"SELECT id, name, amount FROM {quote_identifier(table)}", fetch=True))
+    rows = dict(
+        (i, (n, a))
+        for i, n, a in _exec(f"SELECT id, name, amount FROM {quote_identifier(table)}", fetch=True)
+    )
     assert len(rows) == 30
     assert rows[3] == ("renamed", 4.5) and rows[4] == ("name 4", 99.0) and rows[5][0] == "second"
 
 
 def test_upsert_keys_must_be_a_unique_index(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name VARCHAR(100), amount DOUBLE, KEY (id))")
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name VARCHAR(100), amount DOUBLE, KEY (id))"
+    )
     s = _sink(table, upsert_keys=["id"], columns={"id": "id", "name": "name", "amount": "amount"})
-    with pytest.raises(PermanentSinkError, match=r"upsert_keys \(id\) are not the PRIMARY KEY or a UNIQUE index"):
+    with pytest.raises(
+        PermanentSinkError, match=r"upsert_keys \(id\) are not the PRIMARY KEY or a UNIQUE index"
+    ):
         s.init_sink()
     s.cleanup_sink()
 
 
 def test_upsert_on_a_composite_unique_index(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (seq BIGINT AUTO_INCREMENT PRIMARY KEY, topic VARCHAR(100), off BIGINT, name TEXT, UNIQUE KEY (topic, off))")
-    s = _sink(table, columns={"topic": "$topic", "off": "$offset", "name": "name"}, upsert_keys=["off", "topic"])
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (seq BIGINT AUTO_INCREMENT PRIMARY KEY, topic VARCHAR(100), off BIGINT, name TEXT, UNIQUE KEY (topic, off))"
+    )
+    s = _sink(
+        table,
+        columns={"topic": "$topic", "off": "$offset", "name": "name"},
+        upsert_keys=["off", "topic"],
+    )
     s.init_sink()
     try:
         s.send_batch(make_batch(10))
@@ -221,12 +280,16 @@ def test_upsert_on_a_composite_unique_index(table: str) -> None:
     finally:
         s.cleanup_sink()
     assert _count(table) == 10
-    assert _exec(f"SELECT name FROM {quote_identifier(table)} WHERE off = 2", fetch=True) == [("again",)]
+    assert _exec(f"SELECT name FROM {quote_identifier(table)} WHERE off = 2", fetch=True) == [
+        ("again",)
+    ]
 
 
 def test_missing_table_is_permanent_and_named(table: str) -> None:
     s = _sink(table)
-    with pytest.raises(PermanentSinkError, match=f"`{table}` does not exist in database 'test'.*create_table"):
+    with pytest.raises(
+        PermanentSinkError, match=f"`{table}` does not exist in database 'test'.*create_table"
+    ):
         s.init_sink()
     s.cleanup_sink()
 
@@ -249,21 +312,27 @@ def test_wrong_columns_are_listed(table: str) -> None:
     s = _sink(table)
     s.init_sink()
     try:
-        with pytest.raises(PermanentSinkError, match=r"has no column\(s\) name, amount \(it has id, label\)"):
+        with pytest.raises(
+            PermanentSinkError, match=r"has no column\(s\) name, amount \(it has id, label\)"
+        ):
             s.send_batch(make_batch(3))
     finally:
         s.cleanup_sink()
     s = _sink(table, columns={"id": "nope"})
     s.init_sink()
     try:
-        with pytest.raises(ConfigError, match="source column 'nope' is not in the transformed batch"):
+        with pytest.raises(
+            ConfigError, match="source column 'nope' is not in the transformed batch"
+        ):
             s.send_batch(make_batch(3))
     finally:
         s.cleanup_sink()
 
 
 def test_unmapped_not_null_column_is_permanent(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name TEXT, amount DOUBLE, required_col INT NOT NULL)")
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name TEXT, amount DOUBLE, required_col INT NOT NULL)"
+    )
     s = _sink(table)
     s.init_sink()
     try:
@@ -277,16 +346,33 @@ def test_unmapped_not_null_column_is_permanent(table: str) -> None:
 def test_identifiers_with_backticks_and_percent_signs(table: str) -> None:
     name = table + "`we%ird %s"
     try:
-        _exec(f"CREATE TABLE {quote_identifier(name)} ({quote_identifier('i`d')} BIGINT PRIMARY KEY, {quote_identifier('na%me')} TEXT, {quote_identifier('VALUES (%s)')} DOUBLE)")
-        s = _sink(name, columns={"i`d": "id", "na%me": "name", "VALUES (%s)": "amount"}, upsert_keys=["i`d"])
+        _exec(
+            f"CREATE TABLE {quote_identifier(name)} ({quote_identifier('i`d')} BIGINT PRIMARY KEY, {quote_identifier('na%me')} TEXT, {quote_identifier('VALUES (%s)')} DOUBLE)"
+        )
+        s = _sink(
+            name,
+            columns={"i`d": "id", "na%me": "name", "VALUES (%s)": "amount"},
+            upsert_keys=["i`d"],
+        )
         s.init_sink()
         try:
             assert s.send_batch(make_batch(5)).failed == ()
             assert s.send_batch(make_batch(5, names={1: "it's \\ 'quoted' %s"})).failed == ()
         finally:
             s.cleanup_sink()
-        rows = dict(_exec(f"SELECT {quote_identifier('i`d')}, {quote_identifier('na%me')} FROM {quote_identifier(name)}", fetch=True))
-        assert rows == {0: "name 0", 1: "it's \\ 'quoted' %s", 2: "name 2", 3: "name 3", 4: "name 4"}
+        rows = dict(
+            _exec(
+                f"SELECT {quote_identifier('i`d')}, {quote_identifier('na%me')} FROM {quote_identifier(name)}",
+                fetch=True,
+            )
+        )
+        assert rows == {
+            0: "name 0",
+            1: "it's \\ 'quoted' %s",
+            2: "name 2",
+            3: "name 3",
+            4: "name 4",
+        }
     finally:
         _drop(name)
 
@@ -315,7 +401,9 @@ def test_every_data_error_is_isolated_to_its_row(table: str) -> None:
         amounts[140] = float("nan")
         batch = pa.table(
             {
-                "id": pa.array([5 if i == 160 else i for i in range(n)], pa.int64()),  # 160 repeats id 5: duplicate key
+                "id": pa.array(
+                    [5 if i == 160 else i for i in range(n)], pa.int64()
+                ),  # 160 repeats id 5: duplicate key
                 "name": pa.array([names[i] for i in range(n)], pa.string()),
                 "amount": pa.array([amounts[i] for i in range(n)], pa.float64()),
                 "small": pa.array([small[i] for i in range(n)], pa.int64()),
@@ -339,7 +427,9 @@ def test_every_data_error_is_isolated_to_its_row(table: str) -> None:
         assert "(1452)" in by_index[120]
         assert "nan" in by_index[140]
         assert "(1062)" in by_index[160]
-        stored = sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True))
+        stored = sorted(
+            r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)
+        )
         assert stored == [i for i in range(n) if i not in by_index]
     finally:
         _drop(table)
@@ -360,11 +450,15 @@ def test_strict_mode_is_on_for_the_session(table: str) -> None:
     finally:
         s.cleanup_sink()
     assert [f.index for f in result.failed] == [1]
-    assert sorted(r[0] for r in _exec(f"SELECT name FROM {quote_identifier(table)}", fetch=True)) == ["ab", "abc"]
+    assert sorted(
+        r[0] for r in _exec(f"SELECT name FROM {quote_identifier(table)}", fetch=True)
+    ) == ["ab", "abc"]
 
 
 def test_non_transactional_engine_keeps_good_rows_exactly_once(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name VARCHAR(20) NOT NULL, amount DOUBLE) ENGINE=MyISAM")
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name VARCHAR(20) NOT NULL, amount DOUBLE) ENGINE=MyISAM"
+    )
     s = _sink(table)
     s.init_sink()
     try:
@@ -372,7 +466,9 @@ def test_non_transactional_engine_keeps_good_rows_exactly_once(table: str) -> No
     finally:
         s.cleanup_sink()
     assert {f.index for f in result.failed} == {20, 21}
-    assert sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)) == [i for i in range(50) if i not in (20, 21)]
+    assert sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)) == [
+        i for i in range(50) if i not in (20, 21)
+    ]
 
 
 def test_rows_per_statement_makes_multi_row_inserts(table: str) -> None:
@@ -406,7 +502,9 @@ def test_max_statement_bytes_splits_large_statements(table: str) -> None:
 
 
 def test_connection_killed_between_batches_is_transient_then_recovers(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name TEXT, amount DOUBLE)")
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name TEXT, amount DOUBLE)"
+    )
     s = _sink(table, upsert_keys=["id"])
     s.init_sink()
     try:
@@ -421,11 +519,15 @@ def test_connection_killed_between_batches_is_transient_then_recovers(table: str
 
 
 def test_lock_wait_timeout_is_transient_and_nothing_is_committed(table: str) -> None:
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name TEXT, amount DOUBLE) ENGINE=InnoDB")
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name TEXT, amount DOUBLE) ENGINE=InnoDB"
+    )
     holder = _connect(autocommit=False)
     try:
         with holder.cursor() as cur:
-            cur.execute(f"INSERT INTO {quote_identifier(table)} VALUES (300, 'held', 0)")  # row lock, not committed
+            cur.execute(
+                f"INSERT INTO {quote_identifier(table)} VALUES (300, 'held', 0)"
+            )  # row lock, not committed
         s = _sink(table, upsert_keys=["id"], rows_per_statement=100, lock_wait_timeout_s=1)
         s.init_sink()
         try:
@@ -441,7 +543,9 @@ def test_lock_wait_timeout_is_transient_and_nothing_is_committed(table: str) -> 
 
 def test_read_timeout_is_transient(table: str) -> None:
     _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name TEXT, amount DOUBLE)")
-    _exec(f"CREATE TRIGGER {quote_identifier(table + '_slow')} BEFORE INSERT ON {quote_identifier(table)} FOR EACH ROW SET @conveyor_slept = SLEEP(3)")
+    _exec(
+        f"CREATE TRIGGER {quote_identifier(table + '_slow')} BEFORE INSERT ON {quote_identifier(table)} FOR EACH ROW SET @conveyor_slept = SLEEP(3)"
+    )
     s = _sink(table, read_timeout_s=1)
     s.init_sink()
     try:
@@ -453,9 +557,18 @@ def test_read_timeout_is_transient(table: str) -> None:
 
 def test_wrong_password_and_unknown_database_are_permanent(table: str) -> None:
     with pytest.raises(PermanentSinkError, match="1045"):
-        build_sink({"type": "mysql", "url": "mysql://root:wrong@127.0.0.1:3306/test", "table": table}).init_sink()
+        build_sink(
+            {"type": "mysql", "url": "mysql://root:wrong@127.0.0.1:3306/test", "table": table}
+        ).init_sink()
     with pytest.raises(PermanentSinkError, match="1049"):
-        build_sink({"type": "mysql", "host": "127.0.0.1", "database": f"no_such_db_{uuid.uuid4().hex[:6]}", "table": table}).init_sink()
+        build_sink(
+            {
+                "type": "mysql",
+                "host": "127.0.0.1",
+                "database": f"no_such_db_{uuid.uuid4().hex[:6]}",
+                "table": table,
+            }
+        ).init_sink()
 
 
 def test_missing_insert_privilege_is_permanent(table: str) -> None:
@@ -466,7 +579,16 @@ def test_missing_insert_privilege_is_permanent(table: str) -> None:
     try:
         for host in ("%", "localhost"):
             _exec(f"GRANT SELECT ON test.* TO '{user}'@'{host}'")
-        s = build_sink({"type": "mysql", "host": "127.0.0.1", "user": user, "password": pw, "database": "test", "table": table})
+        s = build_sink(
+            {
+                "type": "mysql",
+                "host": "127.0.0.1",
+                "user": user,
+                "password": pw,
+                "database": "test",
+                "table": table,
+            }
+        )
         assert "s3cret" not in repr(s.config) and "s3cret" not in json.dumps(s.config.redacted())
         s.init_sink()
         try:
@@ -482,7 +604,10 @@ def test_missing_insert_privilege_is_permanent(table: str) -> None:
 def test_url_env_and_host_fields(table: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name TEXT, amount DOUBLE)")
     monkeypatch.setenv("CONVEYOR_TEST_MYSQL_SINK_URL", MYSQL_URL)
-    for cfg in ({"url_env": "CONVEYOR_TEST_MYSQL_SINK_URL"}, {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}):
+    for cfg in (
+        {"url_env": "CONVEYOR_TEST_MYSQL_SINK_URL"},
+        {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"},
+    ):
         s = _sink(table, **{"url": None, **cfg})
         assert s.config.asset_key_path() == ["mysql", "test", table]
         s.init_sink()
@@ -495,7 +620,9 @@ def test_url_env_and_host_fields(table: str, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_concurrent_sinks_on_one_table(table: str) -> None:
     """Two connectors upserting overlapping keys: InnoDB serializes them, nothing is lost."""
-    _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name TEXT, amount DOUBLE)")
+    _exec(
+        f"CREATE TABLE {quote_identifier(table)} (id BIGINT PRIMARY KEY, name TEXT, amount DOUBLE)"
+    )
     errors: list[BaseException] = []
 
     def run(start: int) -> None:
@@ -534,4 +661,10 @@ def test_a_row_above_max_allowed_packet_is_a_data_error(table: str) -> None:
         assert s.send_batch(make_batch(1, start=5)).failed == ()  # same connection, still fine
     finally:
         s.cleanup_sink()
-    assert sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)) == [0, 2, 3, 4, 5]
+    assert sorted(r[0] for r in _exec(f"SELECT id FROM {quote_identifier(table)}", fetch=True)) == [
+        0,
+        2,
+        3,
+        4,
+        5,
+    ]

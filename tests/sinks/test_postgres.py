@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,14 +48,27 @@ class TestPostgresContract(SinkContract):
             "url": PG_URL,
             "schema": SCHEMA,
             "table": target,
-            "columns": {"id": "id", "name": "name", "amount": "amount", "k": "$key", "h": "$headers", "ts": "$timestamp"},
+            "columns": {
+                "id": "id",
+                "name": "name",
+                "amount": "amount",
+                "k": "$key",
+                "h": "$headers",
+                "ts": "$timestamp",
+            },
             "upsert_keys": ["id"],
         }
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         rows = _exec(f'SELECT id, name, k, h, ts FROM "{SCHEMA}"."{target}"', fetch=True)
         return [
-            {"id": i, "name": n, "key": bytes(k) if k is not None else None, "headers": {a: b.encode() for a, b in (h or {}).items()}, "timestamp": ts}
+            {
+                "id": i,
+                "name": n,
+                "key": bytes(k) if k is not None else None,
+                "headers": {a: b.encode() for a, b in (h or {}).items()},
+                "timestamp": ts,
+            }
             for i, n, k, h, ts in rows
         ]
 
@@ -65,7 +77,11 @@ class TestPostgresContract(SinkContract):
         return make_batch(500, names={250: None}, amounts={400: -1.0}), {250, 400}
 
     def outage_config(self, target: str) -> dict[str, Any]:
-        return {**self.config(target), "url": f"postgresql://postgres@127.0.0.1:{closed_port()}/test", "connect_timeout_s": 2}
+        return {
+            **self.config(target),
+            "url": f"postgresql://postgres@127.0.0.1:{closed_port()}/test",
+            "connect_timeout_s": 2,
+        }
 
     bad_fields = [
         ({"table": ""}, "table"),
@@ -84,7 +100,9 @@ class TestPostgresAppendContract(TestPostgresContract):
     def make_target(self) -> Iterator[str]:
         table = unique("orders")
         _exec(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
-        _exec(f'CREATE TABLE "{SCHEMA}"."{table}" (id bigint, name text NOT NULL, amount double precision CHECK (amount >= 0), k bytea, h jsonb, ts timestamptz)')
+        _exec(
+            f'CREATE TABLE "{SCHEMA}"."{table}" (id bigint, name text NOT NULL, amount double precision CHECK (amount >= 0), k bytea, h jsonb, ts timestamptz)'
+        )
         yield table
         _exec(f'DROP TABLE IF EXISTS "{SCHEMA}"."{table}"')
 

@@ -83,7 +83,9 @@ def as_row(props: Any, body: bytes) -> dict[str, Any]:
         "name": value["name"],
         "key": _b(h.get("x-conveyor-key")),
         "headers": {k: _b(v) for k, v in h.items() if not k.startswith("x-conveyor-")},
-        "timestamp": dt.datetime.fromtimestamp(h["x-conveyor-timestamp"] / 1000, dt.timezone.utc) if "x-conveyor-timestamp" in h else None,
+        "timestamp": dt.datetime.fromtimestamp(h["x-conveyor-timestamp"] / 1000, dt.timezone.utc)
+        if "x-conveyor-timestamp" in h
+        else None,
         "props": props,
     }
 
@@ -162,7 +164,15 @@ def target() -> Iterator[str]:
 
 
 def _sink(**cfg: Any) -> Any:
-    s = build_sink({"type": "rabbitmq", "url": AMQP_URL, "confirm_timeout_s": 10, "connect_timeout_s": 3, **cfg})
+    s = build_sink(
+        {
+            "type": "rabbitmq",
+            "url": AMQP_URL,
+            "confirm_timeout_s": 10,
+            "connect_timeout_s": 3,
+            **cfg,
+        }
+    )
     s.init_sink()
     return s
 
@@ -200,7 +210,9 @@ def test_default_exchange_routes_to_queue_by_name_and_destination_wins(target: s
     try:
         batch = make_batch(4)
         dest = pa.array([None, other, None, None], pa.string())
-        batch = batch.set_column(batch.schema.get_field_index("__destination"), "__destination", dest)
+        batch = batch.set_column(
+            batch.schema.get_field_index("__destination"), "__destination", dest
+        )
         s = _sink(routing_key=target, header_values="bytes", delivery_mode="transient")
         try:
             assert s.send_batch(batch).failed == ()
@@ -217,10 +229,18 @@ def test_default_exchange_routes_to_queue_by_name_and_destination_wins(target: s
 def test_declare_exchange_and_type_mismatch_is_permanent() -> None:
     name = unique("rqx")
     try:
-        s = _sink(exchange=name, declare_exchange=True, exchange_type="fanout", exchange_durable=False, routing_key="ignored")
+        s = _sink(
+            exchange=name,
+            declare_exchange=True,
+            exchange_type="fanout",
+            exchange_durable=False,
+            routing_key="ignored",
+        )
         s.cleanup_sink()
         with pytest.raises(PermanentSinkError, match="406"):
-            _sink(exchange=name, declare_exchange=True, exchange_type="direct", exchange_durable=False)
+            _sink(
+                exchange=name, declare_exchange=True, exchange_type="direct", exchange_durable=False
+            )
     finally:
         conn = amqp()
         conn.channel().exchange_delete(name)
@@ -258,9 +278,13 @@ def test_wrong_password_is_permanent() -> None:
 @pytest.mark.parametrize("mode", ["pipelined", "per_message"])
 def test_row_level_data_errors(target: str, mode: str) -> None:
     batch = make_batch(5)
-    dest = pa.array([None, "a" * 300, None, None, None], pa.string())  # a routing key above 255 bytes
+    dest = pa.array(
+        [None, "a" * 300, None, None, None], pa.string()
+    )  # a routing key above 255 bytes
     batch = batch.set_column(batch.schema.get_field_index("__destination"), "__destination", dest)
-    s = _sink(exchange=target, routing_key="${payload.id}", confirm_mode=mode, max_message_bytes=1_000)
+    s = _sink(
+        exchange=target, routing_key="${payload.id}", confirm_mode=mode, max_message_bytes=1_000
+    )
     try:
         big = make_batch(3, start=10, names={11: "b" * 2_000})
         r1 = s.send_batch(batch)
@@ -270,7 +294,9 @@ def test_row_level_data_errors(target: str, mode: str) -> None:
         s.cleanup_sink()
     assert [f.index for f in r1.failed] == [1] and "255" in r1.failed[0].message
     assert [f.index for f in r2.failed] == [1] and "max_message_bytes" in r2.failed[0].message
-    assert [f.index for f in r3.failed] == [0, 1] and all(f.kind is ErrorKind.DATA for f in r3.failed)
+    assert [f.index for f in r3.failed] == [0, 1] and all(
+        f.kind is ErrorKind.DATA for f in r3.failed
+    )
     assert sorted(json.loads(b)["id"] for _, _, b in drain(target)) == [0, 2, 3, 4, 10, 12]
 
 
@@ -278,7 +304,9 @@ def test_nack_from_a_full_reject_publish_queue_is_transient() -> None:
     name = unique("rqfull")
     conn = amqp()
     ch = conn.channel()
-    ch.queue_declare(name, arguments={"x-max-length": 3, "x-overflow": "reject-publish", "x-expires": 600_000})
+    ch.queue_declare(
+        name, arguments={"x-max-length": 3, "x-overflow": "reject-publish", "x-expires": 600_000}
+    )
     conn.close()
     try:
         for mode in ("pipelined", "per_message"):
@@ -287,7 +315,9 @@ def test_nack_from_a_full_reject_publish_queue_is_transient() -> None:
                 with pytest.raises(TransientSinkError, match="nacked"):
                     s.send_batch(make_batch(10))
                 assert len(drain(name)) == 3
-                assert s.send_batch(make_batch(2)).failed == ()  # the same sink goes on once there is room
+                assert (
+                    s.send_batch(make_batch(2)).failed == ()
+                )  # the same sink goes on once there is room
                 assert len(drain(name)) == 2
             finally:
                 s.cleanup_sink()
@@ -379,7 +409,11 @@ class CuttingRelay:
 
 def test_connection_lost_in_the_middle_of_a_batch_is_transient(target: str) -> None:
     relay = CuttingRelay()
-    s = _sink(url=f"amqp://guest:guest@127.0.0.1:{relay.port}/%2F", exchange=target, routing_key="${payload.name}")
+    s = _sink(
+        url=f"amqp://guest:guest@127.0.0.1:{relay.port}/%2F",
+        exchange=target,
+        routing_key="${payload.name}",
+    )
     try:
         assert s.send_batch(make_batch(10)).failed == ()
         relay.cut_in(50_000)  # a 5,000-row batch is ~1 MB on the wire
@@ -397,20 +431,37 @@ def test_connection_lost_in_the_middle_of_a_batch_is_transient(target: str) -> N
         s.cleanup_sink()
         relay.cut(listener=True)
     ids = [json.loads(b)["id"] for _, _, b in drain(target)]
-    assert set(range(15)) <= set(ids)  # what was confirmed is there; part of the cut batch may be too
+    assert set(range(15)) <= set(
+        ids
+    )  # what was confirmed is there; part of the cut batch may be too
 
 
-@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl to close a connection from the broker side")
+@pytest.mark.skipif(
+    shutil.which("rabbitmqctl") is None,
+    reason="needs rabbitmqctl to close a connection from the broker side",
+)
 def test_connection_forced_closed_by_the_broker_reconnects(target: str) -> None:
     s = _sink(exchange=target, routing_key="${payload.name}")
     try:
         assert s.send_batch(make_batch(2)).failed == ()
         listing = subprocess.run(
-            ["rabbitmqctl", "list_connections", "-q", "pid", "client_properties"], capture_output=True, text=True, timeout=30
+            ["rabbitmqctl", "list_connections", "-q", "pid", "client_properties"],
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout
-        mine = [line.split("\t")[0] for line in listing.splitlines() if f"conveyor-sink/{target}" in line]
+        mine = [
+            line.split("\t")[0]
+            for line in listing.splitlines()
+            if f"conveyor-sink/{target}" in line
+        ]
         assert len(mine) == 1, listing
-        subprocess.run(["rabbitmqctl", "close_connection", mine[0], "conveyor test"], capture_output=True, timeout=30, check=True)
+        subprocess.run(
+            ["rabbitmqctl", "close_connection", mine[0], "conveyor test"],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
         seen = None
         deadline = time.monotonic() + 5
         while seen is None and time.monotonic() < deadline:

@@ -85,7 +85,12 @@ class TestRedisContract(SinkContract):
         delete_prefix(self.redis(), prefix)
 
     def config(self, target: str) -> dict[str, Any]:
-        return {"type": "redis", "host": HOST, "port": PORT, "commands": [HASH_TEMPLATE.format(t=target)]}
+        return {
+            "type": "redis",
+            "host": HOST,
+            "port": PORT,
+            "commands": [HASH_TEMPLATE.format(t=target)],
+        }
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         return hash_read_back(self.redis(), target)
@@ -127,7 +132,9 @@ class TestRedisTransactionContract(TestRedisContract):
     def config(self, target: str) -> dict[str, Any]:
         return {**super().config(target), "transaction": True, "pipeline_size": 64}
 
-    bad_fields = [b for b in TestRedisContract.bad_fields if b[0].get("mode") != "cluster"] + [({"mode": "cluster"}, "transaction")]
+    bad_fields = [b for b in TestRedisContract.bad_fields if b[0].get("mode") != "cluster"] + [
+        ({"mode": "cluster"}, "transaction")
+    ]
 
 
 class TestRedisStreamContract(TestRedisContract):
@@ -140,7 +147,23 @@ class TestRedisStreamContract(TestRedisContract):
             "type": "redis",
             "host": HOST,
             "port": PORT,
-            "commands": [["XADD", target, "*", "id", "${payload.id}", "name", "${payload.name}", "key", "${key}", "ts", "${timestamp}", "headers", "${headers}"]],
+            "commands": [
+                [
+                    "XADD",
+                    target,
+                    "*",
+                    "id",
+                    "${payload.id}",
+                    "name",
+                    "${payload.name}",
+                    "key",
+                    "${key}",
+                    "ts",
+                    "${timestamp}",
+                    "headers",
+                    "${headers}",
+                ]
+            ],
         }
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
@@ -152,7 +175,9 @@ class TestRedisStreamContract(TestRedisContract):
                     "name": h[b"name"].decode(),
                     "key": h[b"key"],
                     "headers": {a: b.encode() for a, b in json.loads(h[b"headers"]).items()},
-                    "timestamp": dt.datetime.fromtimestamp(int(h[b"ts"]) / 1000, tz=dt.timezone.utc),
+                    "timestamp": dt.datetime.fromtimestamp(
+                        int(h[b"ts"]) / 1000, tz=dt.timezone.utc
+                    ),
                 }
             )
         return out
@@ -194,7 +219,9 @@ def _wait(pred: Any, timeout: float, what: str) -> None:
 
 
 def _start_redis(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["redis-server", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        ["redis-server", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -224,7 +251,11 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         node = redis.Redis(host="127.0.0.1", port=port)
         _wait(node.ping, 20, "redis cluster node")
         node.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        _wait(lambda: b"cluster_state:ok" in node.execute_command("CLUSTER", "INFO"), 30, "cluster state ok")
+        _wait(
+            lambda: b"cluster_state:ok" in node.execute_command("CLUSTER", "INFO"),
+            30,
+            "cluster state ok",
+        )
         node.close()
         CLUSTER["port"] = port
         yield port
@@ -253,7 +284,13 @@ class TestRedisClusterContract(TestRedisContract):
         r.close()
 
     def config(self, target: str) -> dict[str, Any]:
-        return {"type": "redis", "mode": "cluster", "host": "127.0.0.1", "port": CLUSTER.get("port", 7000), "commands": [HASH_TEMPLATE.format(t=target)]}
+        return {
+            "type": "redis",
+            "mode": "cluster",
+            "host": "127.0.0.1",
+            "port": CLUSTER.get("port", 7000),
+            "commands": [HASH_TEMPLATE.format(t=target)],
+        }
 
     def outage_config(self, target: str) -> dict[str, Any]:
         return {**self.config(target), "port": closed_port(), "socket_connect_timeout_s": 2}
@@ -278,12 +315,60 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         pytest.skip("redis-server or openssl is not installed: cannot start a TLS server")
     d = tmp_path_factory.mktemp("redis-tls")
     for name in ("ca", "other-ca"):
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=conveyor test {name}", "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=d)
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=conveyor test {name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.crt",
+            cwd=d,
+        )
     for name, cn in (("server", "localhost"), ("client", "conveyor-client")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={cn}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
         ext = d / f"{name}.ext"
-        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n" if name == "server" else "extendedKeyUsage=clientAuth\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2", "-extfile", ext.name, "-out", f"{name}.crt", cwd=d)
+        ext.write_text(
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+            if name == "server"
+            else "extendedKeyUsage=clientAuth\n"
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            ext.name,
+            "-out",
+            f"{name}.crt",
+            cwd=d,
+        )
     port = _free_port_pair()
     proc = _start_redis(
         ["--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--tls-cert-file", str(d / "server.crt"),
@@ -292,7 +377,14 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         d / "redis.log",
     )  # fmt: skip
     try:
-        probe = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(d / "ca.crt"), ssl_certfile=str(d / "client.crt"), ssl_keyfile=str(d / "client.key"))
+        probe = redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            ssl=True,
+            ssl_ca_certs=str(d / "ca.crt"),
+            ssl_certfile=str(d / "client.crt"),
+            ssl_keyfile=str(d / "client.key"),
+        )
         _wait(probe.ping, 20, "TLS redis")
         probe.close()
         yield {"port": port, "dir": d}
@@ -319,7 +411,14 @@ def test_tls_with_client_certificate(tls_redis: dict[str, Any]) -> None:
         assert s.send_batch(make_batch(10)).failed == ()
     finally:
         s.cleanup_sink()
-    r = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(d / "ca.crt"), ssl_certfile=str(d / "client.crt"), ssl_keyfile=str(d / "client.key"))
+    r = redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        ssl=True,
+        ssl_ca_certs=str(d / "ca.crt"),
+        ssl_certfile=str(d / "client.crt"),
+        ssl_keyfile=str(d / "client.key"),
+    )
     assert r.get(f"{prefix}:7") == b"name 7"
     r.close()
 
@@ -329,7 +428,15 @@ def test_tls_with_client_certificate(tls_redis: dict[str, Any]) -> None:
         bad.init_sink()
     bad.cleanup_sink()
     # Without TLS the TLS port does not answer as Redis: an outage-like failure, not a hang.
-    plain = build_sink({"type": "redis", "host": "127.0.0.1", "port": port, "commands": cfg["commands"], "socket_timeout_s": 2})
+    plain = build_sink(
+        {
+            "type": "redis",
+            "host": "127.0.0.1",
+            "port": port,
+            "commands": cfg["commands"],
+            "socket_timeout_s": 2,
+        }
+    )
     with pytest.raises((TransientSinkError, PermanentSinkError)):
         plain.init_sink()
     plain.cleanup_sink()
@@ -346,7 +453,9 @@ def prefix() -> Iterator[str]:
 
 
 def _sink(*commands: Any, **over: Any) -> RedisSink:
-    s = build_sink({"type": "redis", "host": HOST, "port": PORT, "commands": list(commands), **over})
+    s = build_sink(
+        {"type": "redis", "host": HOST, "port": PORT, "commands": list(commands), **over}
+    )
     assert isinstance(s, RedisSink)
     return s
 
@@ -359,20 +468,34 @@ def _send(s: RedisSink, batch: pa.Table) -> Any:
         s.cleanup_sink()
 
 
-TRICKY = 'a "quoted" value\nwith spaces,\ttabs, \'single\' quotes, ${payload.id} and ünïcödé'
+TRICKY = "a \"quoted\" value\nwith spaces,\ttabs, 'single' quotes, ${payload.id} and ünïcödé"
 
 
 def test_values_never_split_into_two_arguments(prefix: str) -> None:
     batch = make_batch(3, names={1: TRICKY, 2: ""})
-    result = _send(_sink(f"HSET {prefix}:${{payload.id}} name ${{payload.name}} label 'fixed text with spaces'"), batch)
+    result = _send(
+        _sink(
+            f"HSET {prefix}:${{payload.id}} name ${{payload.name}} label 'fixed text with spaces'"
+        ),
+        batch,
+    )
     assert result.failed == ()
     r = client()
-    assert r.hgetall(f"{prefix}:1") == {b"name": TRICKY.encode(), b"label": b"fixed text with spaces"}
+    assert r.hgetall(f"{prefix}:1") == {
+        b"name": TRICKY.encode(),
+        b"label": b"fixed text with spaces",
+    }
     assert r.hget(f"{prefix}:2", "name") == b""
 
 
 def test_text_around_placeholders_concatenates(prefix: str) -> None:
-    s = _sink(["SET", f"{prefix}:${{topic}}/${{partition}}/${{offset}}:${{payload.name}}", "v=${payload.amount};k=${key}"])
+    s = _sink(
+        [
+            "SET",
+            f"{prefix}:${{topic}}/${{partition}}/${{offset}}:${{payload.name}}",
+            "v=${payload.amount};k=${key}",
+        ]
+    )
     assert _send(s, make_batch(2, names={1: TRICKY})).failed == ()
     r = client()
     assert r.get(f"{prefix}:orders/0/0:name 0") == b"v=0.0;k=k0"
@@ -406,11 +529,15 @@ def test_raw_bytes_payload_is_stored_as_is(prefix: str) -> None:
 def test_nested_struct_fields_and_headers(prefix: str) -> None:
     batch = pa.table(
         {
-            "order": pa.array([{"id": 1, "customer": {"name": "Ann Lee"}}, {"id": 2, "customer": None}]),
+            "order": pa.array(
+                [{"id": 1, "customer": {"name": "Ann Lee"}}, {"id": 2, "customer": None}]
+            ),
             "__headers": pa.array([[{"key": "trace.id", "value": b"t 1"}], []], HEADERS_TYPE),
         }
     )
-    s = _sink(f"HSET {prefix}:${{payload.order.id}} customer ${{payload.order.customer.name}} trace ${{headers.trace.id}}")
+    s = _sink(
+        f"HSET {prefix}:${{payload.order.id}} customer ${{payload.order.customer.name}} trace ${{headers.trace.id}}"
+    )
     result = _send(s, batch)
     assert [f.index for f in result.failed] == [1]
     assert "payload has no field 'order.customer.name'" in result.failed[0].message
@@ -423,11 +550,20 @@ def test_per_command_errors_map_to_their_rows(prefix: str) -> None:
     names.update({3: "three", 50: "1e", 99: "nan"})
     for transaction in (False, True):
         key = f"{prefix}:{transaction}"
-        s = _sink(["HINCRBYFLOAT", key, "total", "${payload.name}"], pipeline_size=16, transaction=transaction)
+        s = _sink(
+            ["HINCRBYFLOAT", key, "total", "${payload.name}"],
+            pipeline_size=16,
+            transaction=transaction,
+        )
         result = _send(s, make_batch(100, names=names))
         assert {f.index for f in result.failed} == {3, 50, 99}
-        assert all(f.message.startswith("HINCRBYFLOAT: ERR value is not a valid float") for f in result.failed)
-        assert float(client().hget(key, "total")) == sum(i for i in range(100) if i not in (3, 50, 99))
+        assert all(
+            f.message.startswith("HINCRBYFLOAT: ERR value is not a valid float")
+            for f in result.failed
+        )
+        assert float(client().hget(key, "total")) == sum(
+            i for i in range(100) if i not in (3, 50, 99)
+        )
 
 
 def test_several_commands_per_row(prefix: str) -> None:
@@ -445,7 +581,10 @@ def test_several_commands_per_row(prefix: str) -> None:
     assert r.smembers(f"{prefix}:idx:1.5") == {b"1"}
     assert not r.exists(f"{prefix}:2")  # row 2 could not fill its templates: nothing was sent
     # WRONGTYPE in the last command of a row: the row fails, its HSET stays.
-    s = _sink(f"HSET {prefix}:w${{payload.id}} name ${{payload.name}}", f"SADD {prefix}:idx ${{payload.id}}")
+    s = _sink(
+        f"HSET {prefix}:w${{payload.id}} name ${{payload.name}}",
+        f"SADD {prefix}:idx ${{payload.id}}",
+    )
     result = _send(s, make_batch(2))
     assert [f.index for f in result.failed] == [0, 1]
     assert all(f.message.startswith("SADD: WRONGTYPE") for f in result.failed)
@@ -459,7 +598,9 @@ def test_transactions_use_multi_exec(prefix: str) -> None:
         return int(r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
 
     before = execs()
-    s = _sink(f"SET {prefix}:${{payload.id}} ${{payload.name}}", transaction=True, pipeline_size=100)
+    s = _sink(
+        f"SET {prefix}:${{payload.id}} ${{payload.name}}", transaction=True, pipeline_size=100
+    )
     assert _send(s, make_batch(450)).failed == ()
     assert execs() - before >= 5  # one MULTI/EXEC per chunk of 100 rows
     assert len(list(r.scan_iter(match=f"{prefix}:*", count=1000))) == 450
@@ -483,7 +624,9 @@ def test_db_number(prefix: str) -> None:
 
 
 def test_unknown_command_or_wrong_arity_fails_at_start() -> None:
-    with pytest.raises(PermanentSinkError, match=r"commands\[1\]: Redis does not know the command 'HSETX'"):
+    with pytest.raises(
+        PermanentSinkError, match=r"commands\[1\]: Redis does not know the command 'HSETX'"
+    ):
         _sink("SET a b", "HSETX k f v").init_sink()
     with pytest.raises(PermanentSinkError, match=r"commands\[0\]: HSET takes at least 4 words"):
         _sink("HSET k f").init_sink()
@@ -506,7 +649,11 @@ def acl_user() -> Iterator[tuple[str, str]]:
 def test_acl_user_password_and_permissions(prefix: str, acl_user: tuple[str, str]) -> None:
     user, pw = acl_user
     ok = _sink(f"SET {prefix}:${{payload.id}} ${{payload.name}}", username=user, password=pw)
-    assert pw not in repr(ok.config) and pw not in json.dumps(ok.config.redacted()) and pw not in ok.describe()
+    assert (
+        pw not in repr(ok.config)
+        and pw not in json.dumps(ok.config.redacted())
+        and pw not in ok.describe()
+    )
     assert _send(ok, make_batch(3)).failed == ()
     assert client().get(f"{prefix}:2") == b"name 2"
 
@@ -516,10 +663,18 @@ def test_acl_user_password_and_permissions(prefix: str, acl_user: tuple[str, str
     wrong.cleanup_sink()
 
     for transaction in (False, True):  # NOPERM: per command in a pipeline, at queueing in MULTI
-        denied = _sink(f"HSET {prefix}:${{payload.id}} n ${{payload.name}}", username=user, password=pw, transaction=transaction)
+        denied = _sink(
+            f"HSET {prefix}:${{payload.id}} n ${{payload.name}}",
+            username=user,
+            password=pw,
+            transaction=transaction,
+        )
         denied.init_sink()
         try:
-            with pytest.raises(PermanentSinkError, match="NOPERM this user has no permissions to run the 'hset' command"):
+            with pytest.raises(
+                PermanentSinkError,
+                match="NOPERM this user has no permissions to run the 'hset' command",
+            ):
                 denied.send_batch(make_batch(3))
         finally:
             denied.cleanup_sink()
@@ -536,7 +691,11 @@ def test_timeout_is_transient(prefix: str) -> None:
 
 
 def test_connection_killed_mid_batch_is_transient_then_recovers(prefix: str) -> None:
-    s = _sink(f"SET {prefix}:${{payload.id}} ${{payload.name}}", f"BLPOP {prefix}:never 3", client_name="conveyor-kill-me")
+    s = _sink(
+        f"SET {prefix}:${{payload.id}} ${{payload.name}}",
+        f"BLPOP {prefix}:never 3",
+        client_name="conveyor-kill-me",
+    )
     s.init_sink()
     r = client()
 
@@ -577,5 +736,7 @@ def test_idle_connection_closed_by_the_server_is_reopened(prefix: str) -> None:
 
 
 def test_unknown_field_names_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match=r"sink.commands\[0\]: unknown placeholder \$\{paylod.id\}"):
+    with pytest.raises(
+        ConfigError, match=r"sink.commands\[0\]: unknown placeholder \$\{paylod.id\}"
+    ):
         _sink("SET ${paylod.id} x")

@@ -23,9 +23,19 @@ def test_config_md_is_in_sync_with_the_code():
     actual = CONFIG_MD.read_text() if CONFIG_MD.exists() else ""
     if actual != expected:
         diff = "".join(
-            list(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True), "docs/CONFIG.md", "generated"))[:60]
+            list(
+                difflib.unified_diff(
+                    actual.splitlines(True),
+                    expected.splitlines(True),
+                    "docs/CONFIG.md",
+                    "generated",
+                )
+            )[:60]
         )
-        pytest.fail(f"docs/CONFIG.md is out of date; regenerate with: {configdoc.REGENERATE}\n{diff}", pytrace=False)
+        pytest.fail(
+            f"docs/CONFIG.md is out of date; regenerate with: {configdoc.REGENERATE}\n{diff}",
+            pytrace=False,
+        )
 
 
 def test_every_spec_section_field_is_documented():
@@ -53,7 +63,10 @@ def test_a_sink_that_cannot_be_imported_gets_a_note(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(sinks, "sink_class", broken)
     doc = configdoc.render()
     section = doc.split("### sink `localfile`", 1)[1].split("### sink", 1)[0]
-    assert "> Not documented: this sink could not be imported (invalid syntax (localfile.py, line 3))." in section
+    assert (
+        "> Not documented: this sink could not be imported (invalid syntax (localfile.py, line 3))."
+        in section
+    )
     assert "| `path` |" not in section
     assert "### sink `postgres`" in doc and "| `table` |" in doc.split("### sink `postgres`", 1)[1]
 
@@ -74,7 +87,9 @@ def test_every_environment_variable_the_code_reads_is_documented():
         used |= set(re.findall(r"CONVEYOR_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
     used.discard("CONVEYOR_SCHEDULER")  # the prefix of CONVEYOR_SCHEDULER_<FIELD>
     missing = sorted(v for v in used if f"`{v}`" not in env_section)
-    assert not missing, f"undocumented environment variables: {missing}; add them to conveyor/configdoc.py"
+    assert not missing, (
+        f"undocumented environment variables: {missing}; add them to conveyor/configdoc.py"
+    )
     from conveyor.core.scheduler import SchedulerConfig
 
     for f in dataclasses.fields(SchedulerConfig):
@@ -97,7 +112,10 @@ def test_model_table_renders_types_bounds_defaults_and_escapes():
     assert table[2] == "| `name` | string | required | A \\| B &lt;name>, `<kept>` |"
     assert table[3] == "| `mode` | `'a'` or `'b'` | `'a'` |  |"
     assert table[4] == "| `tags` | mapping of string to string | `{}` |  |"
-    assert table[5] == "| `items` | list of (string or list of string) (at least 1 item) | required |  |"
+    assert (
+        table[5]
+        == "| `items` | list of (string or list of string) (at least 1 item) | required |  |"
+    )
     assert table[6] == "| `count` | integer (≥ 1, ≤ 10) | `3` |  |"
     assert table[7] == "| `secret` | secret string or null | `None` |  |"
 

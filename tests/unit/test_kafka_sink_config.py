@@ -47,7 +47,13 @@ def record(**over: Any) -> Record:
         "key": b"k1",
         "headers": [("h", b"1")],
         "destination": None,
-        "payload": {"id": 1, "name": "a b", "customer": {"region": "eu"}, "flag": True, "none": None},
+        "payload": {
+            "id": 1,
+            "name": "a b",
+            "customer": {"region": "eu"},
+            "flag": True,
+            "none": None,
+        },
     }
     fields.update(over)
     return Record(**fields)
@@ -97,14 +103,23 @@ def test_producer_kwargs_are_all_known_to_kafka_python() -> None:
     )
     kw = producer_kwargs(cfg)
     assert set(kw) <= set(KafkaProducer.DEFAULT_CONFIG)
-    assert kw["sasl_mechanism"] == "SCRAM-SHA-512" and kw["sasl_plain_username"] == "svc" and kw["sasl_plain_password"] == "s3cret"
+    assert (
+        kw["sasl_mechanism"] == "SCRAM-SHA-512"
+        and kw["sasl_plain_username"] == "svc"
+        and kw["sasl_plain_password"] == "s3cret"
+    )
     assert kw["ssl_cafile"] == "/etc/ca.pem" and kw["compression_type"] == "gzip"
     non_idem = producer_kwargs(parse_sink_config({**BASE, "idempotent": False, "acks": "1"}))
     assert non_idem["acks"] == 1 and non_idem["enable_idempotence"] is False
 
 
 def test_secrets_are_redacted() -> None:
-    s = sink(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u", sasl_password="hunter2")
+    s = sink(
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="PLAIN",
+        sasl_username="u",
+        sasl_password="hunter2",
+    )
     assert "hunter2" not in repr(s.config) and "hunter2" not in s.describe()
     assert s.config.redacted()["sasl_password"] == "**********"
 
@@ -132,7 +147,14 @@ def test_secrets_are_redacted() -> None:
         ({"partitioning": "round_robin"}, "partitioning"),
         ({"security_protocol": "SASL_PLAINTEXT"}, "sasl_mechanism"),
         ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN"}, "sasl_username"),
-        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN", "sasl_username": "u"}, "sasl_password"),
+        (
+            {
+                "security_protocol": "SASL_PLAINTEXT",
+                "sasl_mechanism": "PLAIN",
+                "sasl_username": "u",
+            },
+            "sasl_password",
+        ),
         ({"sasl_mechanism": "GSSAPI"}, "sasl_mechanism"),
         ({"sasl_password": "x"}, "sasl_password"),
         ({"ssl_certfile": "/c.pem"}, "ssl_certfile"),
@@ -158,7 +180,10 @@ def test_compression_codecs_follow_installed_libraries() -> None:
 
 def test_asset_key_and_describe() -> None:
     assert sink().config.asset_key_path() == ["kafka", "orders_out"]
-    assert sink(topic="out-${topic}-${payload.region}").config.asset_key_path() == ["kafka", "out_topic_region"]
+    assert sink(topic="out-${topic}-${payload.region}").config.asset_key_path() == [
+        "kafka",
+        "out_topic_region",
+    ]
     assert sink().describe() == "kafka/orders-out@127.0.0.1:9092"
 
 
@@ -174,7 +199,10 @@ def test_template_rendering() -> None:
     r = record()
     assert render_template("${topic}.${partition}.${offset}", r) == "orders.3.42"
     assert render_template("k=${key}", r) == "k=k1"
-    assert render_template("${payload.customer.region}-${payload.id}-${payload.flag}", r) == "eu-1-true"
+    assert (
+        render_template("${payload.customer.region}-${payload.id}-${payload.flag}", r)
+        == "eu-1-true"
+    )
     assert render_template("${ payload.name }", r) == "a b"
     assert render_template("${payload.customer}", r) == '{"region":"eu"}'
     assert render_template("static", r) == "static"
@@ -217,7 +245,12 @@ def test_target_topic_destination_and_illegal_names() -> None:
     s = sink(topic="out-${topic}")
     assert s.target_topic(record()) == "out-orders"
     assert s.target_topic(record(destination="special")) == "special"
-    assert sink(topic="out-${topic}", use_destination=False).target_topic(record(destination="special")) == "out-orders"
+    assert (
+        sink(topic="out-${topic}", use_destination=False).target_topic(
+            record(destination="special")
+        )
+        == "out-orders"
+    )
     with pytest.raises(TemplateError, match="legal topic name"):
         sink(topic="out-${payload.name}").target_topic(record())
 
@@ -231,9 +264,19 @@ def test_message_keeps_key_headers_timestamp() -> None:
         "timestamp_ms": timestamp_ms(BASE_TS),
         "partition": None,
     }
-    m2 = sink(key="${payload.id}", keep_headers=False, coordinate_headers=True, timestamp="now", partitioning="source").message(record())
+    m2 = sink(
+        key="${payload.id}",
+        keep_headers=False,
+        coordinate_headers=True,
+        timestamp="now",
+        partitioning="source",
+    ).message(record())
     assert m2["key"] == b"1" and m2["timestamp_ms"] is None and m2["partition"] == 3
-    assert m2["headers"] == [("x-conveyor-topic", b"orders"), ("x-conveyor-partition", b"3"), ("x-conveyor-offset", b"42")]
+    assert m2["headers"] == [
+        ("x-conveyor-topic", b"orders"),
+        ("x-conveyor-partition", b"3"),
+        ("x-conveyor-offset", b"42"),
+    ]
     assert sink().message(record(payload=None))["value"] is None  # tombstone
     assert sink().message(record(headers=[("n", None)]))["headers"] == [("n", b"")]
 
@@ -241,14 +284,22 @@ def test_message_keeps_key_headers_timestamp() -> None:
 def test_message_from_a_contract_batch() -> None:
     r = list(iter_records(make_batch(3)))[2]
     m = sink().message(r)
-    assert m["key"] == b"k2" and m["headers"] == [("h", b"2")] and m["timestamp_ms"] == timestamp_ms(BASE_TS) + 2
+    assert (
+        m["key"] == b"k2"
+        and m["headers"] == [("h", b"2")]
+        and m["timestamp_ms"] == timestamp_ms(BASE_TS) + 2
+    )
 
 
 def test_timestamp_ms_is_exact() -> None:
     assert timestamp_ms(None) is None
     assert timestamp_ms(dt.datetime(1970, 1, 1, 0, 0, 0, 1000, tzinfo=dt.timezone.utc)) == 1
-    assert timestamp_ms(dt.datetime(2026, 11, 1, 12, 0, 0, 7000)) == timestamp_ms(BASE_TS) + 7  # naive = UTC
-    t = pa.array([BASE_TS + dt.timedelta(milliseconds=999)], pa.timestamp("ms", tz="UTC")).to_pylist()[0]
+    assert (
+        timestamp_ms(dt.datetime(2026, 11, 1, 12, 0, 0, 7000)) == timestamp_ms(BASE_TS) + 7
+    )  # naive = UTC
+    t = pa.array(
+        [BASE_TS + dt.timedelta(milliseconds=999)], pa.timestamp("ms", tz="UTC")
+    ).to_pylist()[0]
     assert timestamp_ms(t) == timestamp_ms(BASE_TS) + 999
 
 
@@ -291,7 +342,10 @@ def test_timestamp_ms_is_exact() -> None:
         (ke.IllegalSaslStateError(), "permanent"),
         (ke.UnsupportedVersionError(), "permanent"),
         (ke.UnsupportedCompressionTypeError(), "permanent"),
-        (ke.KafkaConfigurationError("enable_idempotence=True is incompatible with acks=1"), "permanent"),
+        (
+            ke.KafkaConfigurationError("enable_idempotence=True is incompatible with acks=1"),
+            "permanent",
+        ),
         (ke.PolicyViolationError(), "permanent"),
     ],
 )
@@ -302,7 +356,10 @@ def test_classify_kafka_error(exc: BaseException, kind: str) -> None:
 def test_ssl_verification_failure_is_permanent() -> None:
     import ssl
 
-    assert classify_kafka_error(ssl.SSLCertVerificationError(1, "certificate verify failed")) == "permanent"
+    assert (
+        classify_kafka_error(ssl.SSLCertVerificationError(1, "certificate verify failed"))
+        == "permanent"
+    )
 
 
 def test_batch_level_errors_become_sink_errors() -> None:
@@ -312,7 +369,11 @@ def test_batch_level_errors_become_sink_errors() -> None:
     # a content error outside a row (e.g. the cluster refuses the codec) is the config's fault
     assert isinstance(s._error(ke.UnsupportedCompressionTypeError(), "ctx"), PermanentSinkError)
     e = s._error(ke.MessageSizeTooLargeError("too big"), "producing")
-    assert isinstance(e, PermanentSinkError) and "MessageSizeTooLargeError" in str(e) and str(e).startswith("producing: ")
+    assert (
+        isinstance(e, PermanentSinkError)
+        and "MessageSizeTooLargeError" in str(e)
+        and str(e).startswith("producing: ")
+    )
 
 
 def test_send_batch_of_nothing_needs_no_connection() -> None:

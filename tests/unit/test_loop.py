@@ -9,7 +9,12 @@ import pyarrow.compute as pc
 import pytest
 
 from conveyor.brokers.kafka import SOURCE_SCHEMA
-from conveyor.core.errors import BatchRejected, DeadLetterLimitError, FencedError, TransientSinkError
+from conveyor.core.errors import (
+    BatchRejected,
+    DeadLetterLimitError,
+    FencedError,
+    TransientSinkError,
+)
 from conveyor.core.loop import (
     ConnectorLoop,
     DataPolicyError,
@@ -86,12 +91,18 @@ def json_transform(batch: pa.Table) -> Transformed:
             keep.append(i)
         except ValueError:
             rejected.append(Rejected(i, "undecodable payload: not valid JSON"))
-    out = batch.take(pa.array(keep, pa.int64())).drop_columns(["__value"]).append_column("id", pa.array(ids, pa.int64()))
+    out = (
+        batch.take(pa.array(keep, pa.int64()))
+        .drop_columns(["__value"])
+        .append_column("id", pa.array(ids, pa.int64()))
+    )
     return Transformed(table=out, rejected=tuple(rejected))
 
 
 class FakeSink:
-    def __init__(self, events, *, reject_ids=(), transient_failures=0, whole_request=False, fail_times=None):
+    def __init__(
+        self, events, *, reject_ids=(), transient_failures=0, whole_request=False, fail_times=None
+    ):
         self.events = events
         self.rows: list[int] = []
         self.reject_ids = set(reject_ids)
@@ -129,14 +140,18 @@ class FakeSink:
         good = [v for i, v in enumerate(ids) if i not in bad]
         self.rows.extend(good)
         self.events.append(("send", len(good)))
-        return SendResult(rows=len(ids), failed=tuple(RowFailure(i, f"bad id {ids[i]}") for i in bad))
+        return SendResult(
+            rows=len(ids), failed=tuple(RowFailure(i, f"bad id {ids[i]}") for i in bad)
+        )
 
     def cleanup_sink(self):
         self.cleanups += 1
 
 
 class FakeCommitter:
-    def __init__(self, events, *, fence_after=None, interrupt_first_commit=False, desired_running=True):
+    def __init__(
+        self, events, *, fence_after=None, interrupt_first_commit=False, desired_running=True
+    ):
         self.events = events
         self.offsets: dict = {}
         self.heartbeats: list = []
@@ -148,7 +163,10 @@ class FakeCommitter:
         if self.interrupt_first_commit:
             self.interrupt_first_commit = False
             raise KeyboardInterrupt  # stands for DagsterExecutionInterruptedError, a BaseException
-        if self.fence_after is not None and len([e for e in self.events if e[0] == "commit"]) >= self.fence_after:
+        if (
+            self.fence_after is not None
+            and len([e for e in self.events if e[0] == "commit"]) >= self.fence_after
+        ):
             raise FencedError("stale generation")
         self.offsets.update(offsets)
         self.events.append(("commit", dict(offsets)))
@@ -168,7 +186,17 @@ class FakeDeadLetters:
         self.events.append(("dead-letter", len(letters)))
 
 
-def make_loop(batches, *, sink=None, committer=None, failure=None, retry=None, dead=None, events=None, stop_when_drained=True):
+def make_loop(
+    batches,
+    *,
+    sink=None,
+    committer=None,
+    failure=None,
+    retry=None,
+    dead=None,
+    events=None,
+    stop_when_drained=True,
+):
     events = events if events is not None else Events()
     source = FakeSource(batches, events)
     sink = sink or FakeSink(events)
@@ -184,7 +212,13 @@ def make_loop(batches, *, sink=None, committer=None, failure=None, retry=None, d
         clock[0] += s
 
     loop = ConnectorLoop(
-        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), retry=retry or RetrySpec(delay=1, jitter="none"), failure=failure or FailureSpec(), prefetch=False),
+        LoopConfig(
+            name="c",
+            batch=BatchPolicy(max_wait_ms=10),
+            retry=retry or RetrySpec(delay=1, jitter="none"),
+            failure=failure or FailureSpec(),
+            prefetch=False,
+        ),
         source=source,
         transform=json_transform,
         sink=sink,
@@ -192,7 +226,9 @@ def make_loop(batches, *, sink=None, committer=None, failure=None, retry=None, d
         committed={},
         dead_letters=dead,
         # "drained" = everything read and the last batch committed, or it failed for good
-        stop_requested=(lambda: not source.batches and (committer.offsets == final or not loop._outage.active))
+        stop_requested=(
+            lambda: not source.batches and (committer.offsets == final or not loop._outage.active)
+        )
         if stop_when_drained
         else (lambda: False),
         clock=lambda: clock[0],
@@ -202,7 +238,9 @@ def make_loop(batches, *, sink=None, committer=None, failure=None, retry=None, d
 
 
 def test_delivers_every_message_and_commits_after_each_send():
-    loop, source, sink, committer, events, _ = make_loop([source_batch(0, 100), source_batch(100, 50)])
+    loop, source, sink, committer, events, _ = make_loop(
+        [source_batch(0, 100), source_batch(100, 50)]
+    )
     counters = run_loop(loop)
     assert sink.rows == list(range(150))
     assert committer.offsets == {TP0: 150}
@@ -215,7 +253,9 @@ def test_delivers_every_message_and_commits_after_each_send():
 def test_outage_retries_with_backoff_commits_nothing_meanwhile_and_shows_degraded():
     events = Events()
     sink = FakeSink(events, transient_failures=3)
-    loop, _, sink, committer, events, sleeps = make_loop([source_batch(0, 10)], sink=sink, events=events)
+    loop, _, sink, committer, events, sleeps = make_loop(
+        [source_batch(0, 10)], sink=sink, events=events
+    )
     run_loop(loop)
     assert sleeps == [1.0, 2.0, 4.0]  # exponential, no jitter
     kinds = [e[0] for e in events]
@@ -230,7 +270,12 @@ def test_outage_retries_with_backoff_commits_nothing_meanwhile_and_shows_degrade
 def test_outage_budget_exhausted_raises_without_commit():
     events = Events()
     sink = FakeSink(events, transient_failures=100)
-    loop, _, _, committer, _, _ = make_loop([source_batch(0, 10)], sink=sink, events=events, retry=RetrySpec(max_retries=3, delay=1, jitter="none"))
+    loop, _, _, committer, _, _ = make_loop(
+        [source_batch(0, 10)],
+        sink=sink,
+        events=events,
+        retry=RetrySpec(max_retries=3, delay=1, jitter="none"),
+    )
     with pytest.raises(OutageBudgetExceeded, match="4 attempts"):
         run_loop(loop)
     assert committer.offsets == {}
@@ -249,12 +294,18 @@ def test_dead_letter_policy_isolates_poison_row_and_commits_after_dead_letters()
     dead = FakeDeadLetters(events)
     sink = FakeSink(events, reject_ids={500})
     loop, _, sink, committer, events, _ = make_loop(
-        [source_batch(0, 1000)], sink=sink, dead=dead, events=events, failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=2)
+        [source_batch(0, 1000)],
+        sink=sink,
+        dead=dead,
+        events=events,
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=2),
     )
     counters = run_loop(loop)
     assert len(sink.rows) == 999 and 500 not in sink.rows
     assert [(d.failed.offset, d.failed.attempts) for d in dead.letters] == [(500, 3)]
-    assert dead.letters[0].value == json.dumps({"id": 500}).encode() and dead.letters[0].key == b"500"
+    assert (
+        dead.letters[0].value == json.dumps({"id": 500}).encode() and dead.letters[0].key == b"500"
+    )
     kinds = [e[0] for e in events]
     assert kinds.index("dead-letter") < kinds.index("commit")
     assert committer.offsets == {TP0: 1000}
@@ -265,7 +316,10 @@ def test_discard_after_retry_delivers_a_row_that_succeeds_on_retry():
     events = Events()
     sink = FakeSink(events, reject_ids={3, 7}, fail_times={3: 1, 7: 99})
     loop, _, sink, committer, _, _ = make_loop(
-        [source_batch(0, 10)], sink=sink, events=events, failure=FailureSpec(policy=FailurePolicyName.DISCARD_AFTER_RETRY, retries=2)
+        [source_batch(0, 10)],
+        sink=sink,
+        events=events,
+        failure=FailureSpec(policy=FailurePolicyName.DISCARD_AFTER_RETRY, retries=2),
     )
     counters = run_loop(loop)
     assert sorted(sink.rows) == [0, 1, 2, 3, 4, 5, 6, 8, 9]
@@ -276,7 +330,12 @@ def test_discard_after_retry_delivers_a_row_that_succeeds_on_retry():
 def test_discard_policy_counts_and_moves_on():
     events = Events()
     sink = FakeSink(events, reject_ids={1})
-    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 20, bad={4})], sink=sink, events=events, failure=FailureSpec(policy=FailurePolicyName.DISCARD))
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 20, bad={4})],
+        sink=sink,
+        events=events,
+        failure=FailureSpec(policy=FailurePolicyName.DISCARD),
+    )
     counters = run_loop(loop)
     assert counters.discarded == 2 and counters.messages_out == 18
     assert committer.offsets == {TP0: 20}
@@ -286,7 +345,13 @@ def test_whole_request_rejection_is_bisected_to_the_bad_row():
     events = Events()
     dead = FakeDeadLetters(events)
     sink = FakeSink(events, reject_ids={37}, whole_request=True)
-    loop, _, sink, _, events, _ = make_loop([source_batch(0, 64)], sink=sink, dead=dead, events=events, failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0))
+    loop, _, sink, _, events, _ = make_loop(
+        [source_batch(0, 64)],
+        sink=sink,
+        dead=dead,
+        events=events,
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0),
+    )
     run_loop(loop)
     assert sorted(sink.rows) == [i for i in range(64) if i != 37]
     assert [d.failed.offset for d in dead.letters] == [37]
@@ -304,7 +369,11 @@ def test_dead_letter_limit_stops_instead_of_draining():
         sink=sink,
         dead=dead,
         events=events,
-        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0, dead_letter=DeadLetterSpec(max_ratio=0.5)),
+        failure=FailureSpec(
+            policy=FailurePolicyName.DEAD_LETTER,
+            retries=0,
+            dead_letter=DeadLetterSpec(max_ratio=0.5),
+        ),
     )
     with pytest.raises(DeadLetterLimitError, match="100 of 100"):
         run_loop(loop)
@@ -314,7 +383,12 @@ def test_dead_letter_limit_stops_instead_of_draining():
 def test_interrupt_between_ack_and_commit_still_commits_what_was_acknowledged():
     events = Events()
     committer = FakeCommitter(events, interrupt_first_commit=True)
-    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], committer=committer, events=events, stop_when_drained=False)
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 10), source_batch(10, 10)],
+        committer=committer,
+        events=events,
+        stop_when_drained=False,
+    )
     with pytest.raises(KeyboardInterrupt):
         run_loop(loop)
     assert committer.offsets == {TP0: 10}  # the acknowledged batch, and nothing of the next
@@ -331,7 +405,12 @@ def test_interrupt_during_send_commits_nothing_of_that_batch():
             return super().send_batch(batch)
 
     sink = InterruptingSink(events)
-    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], sink=sink, events=events, stop_when_drained=False)
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 10), source_batch(10, 10)],
+        sink=sink,
+        events=events,
+        stop_when_drained=False,
+    )
     with pytest.raises(KeyboardInterrupt):
         run_loop(loop)
     assert committer.offsets == {TP0: 10}
@@ -341,7 +420,12 @@ def test_interrupt_during_send_commits_nothing_of_that_batch():
 def test_fenced_run_stops_without_committing_further():
     events = Events()
     committer = FakeCommitter(events, fence_after=1)
-    loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], committer=committer, events=events, stop_when_drained=False)
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 10), source_batch(10, 10)],
+        committer=committer,
+        events=events,
+        stop_when_drained=False,
+    )
     with pytest.raises(FencedError):
         run_loop(loop)
     assert committer.offsets == {TP0: 10}
@@ -351,7 +435,12 @@ def test_fenced_run_stops_without_committing_further():
 def test_desired_stopped_seen_in_heartbeat_stops_the_loop():
     events = Events()
     committer = FakeCommitter(events, desired_running=False)
-    loop, source, _, _, _, _ = make_loop([source_batch(0, 10), source_batch(10, 10)], committer=committer, events=events, stop_when_drained=False)
+    loop, source, _, _, _, _ = make_loop(
+        [source_batch(0, 10), source_batch(10, 10)],
+        committer=committer,
+        events=events,
+        stop_when_drained=False,
+    )
     run_loop(loop)
     assert source.batches  # it stopped before reading everything
 
@@ -378,7 +467,24 @@ def test_prefetch_reads_ahead_and_delivers_in_order():
 
 def test_next_offsets_per_partition():
     t = pa.Table.from_pylist(
-        [{"__topic": "a", "__partition": 1, "__offset": 5}, {"__topic": "a", "__partition": 1, "__offset": 9}, {"__topic": "b", "__partition": 0, "__offset": 2}]
+        [
+            {"__topic": "a", "__partition": 1, "__offset": 5},
+            {"__topic": "a", "__partition": 1, "__offset": 9},
+            {"__topic": "b", "__partition": 0, "__offset": 2},
+        ]
     )
     assert next_offsets_of(t) == {TopicPartition("a", 1): 10, TopicPartition("b", 0): 3}
     assert pc.sum(t.column("__offset")).as_py() == 16
+
+
+def test_heartbeat_reports_high_watermarks_per_partition_when_the_source_knows_them():
+    loop, source, _, committer, _, _ = make_loop([source_batch(0, 100)])
+    source.highwaters = lambda: {TP0: 120}  # type: ignore[attr-defined]
+    counters = run_loop(loop)
+    assert counters.highwaters == {str(TP0): 120}
+    assert committer.heartbeats[-1][2].highwaters == {str(TP0): 120}
+
+
+def test_heartbeat_has_no_high_watermarks_when_the_source_has_none():
+    loop, _, _, _, _, _ = make_loop([source_batch(0, 10)])
+    assert run_loop(loop).highwaters is None

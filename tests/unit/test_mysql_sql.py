@@ -65,8 +65,12 @@ def test_quote_identifier(name: str, quoted: str) -> None:
 def test_quote_identifier_matches_sqlalchemys_mysql_dialect() -> None:
     from sqlalchemy.dialects import mysql
 
-    plain = mysql.dialect(paramstyle="named").identifier_preparer  # statements run without parameters
-    pyformat = mysql.dialect(paramstyle="format").identifier_preparer  # statements pymysql %-formats
+    plain = mysql.dialect(
+        paramstyle="named"
+    ).identifier_preparer  # statements run without parameters
+    pyformat = mysql.dialect(
+        paramstyle="format"
+    ).identifier_preparer  # statements pymysql %-formats
     for name in ("orders", "weird`name", "``", "a b", "x%s", "select", "100%"):
         assert quote_identifier(name) == plain.quote_identifier(name)
         stmt = insert_statement(name, ["c"])
@@ -80,7 +84,13 @@ def test_quote_identifier_refuses_nul() -> None:
 
 @pytest.mark.parametrize(
     ("name", "problem"),
-    [("", "empty"), ("   ", "empty"), ("a\x00", "NUL"), ("x" * 65, "longer than 64"), ("trailing ", "end with a space")],
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("a\x00", "NUL"),
+        ("x" * 65, "longer than 64"),
+        ("trailing ", "end with a space"),
+    ],
 )
 def test_identifier_problems(name: str, problem: str) -> None:
     assert problem in (identifier_problem(name) or "")
@@ -94,7 +104,10 @@ def test_identifier_ok() -> None:
 
 
 def test_insert_statement() -> None:
-    assert insert_statement("orders", ["id", "name"]) == "INSERT INTO `orders` (`id`, `name`) VALUES (%s, %s)"
+    assert (
+        insert_statement("orders", ["id", "name"])
+        == "INSERT INTO `orders` (`id`, `name`) VALUES (%s, %s)"
+    )
 
 
 def test_upsert_statement() -> None:
@@ -103,7 +116,9 @@ def test_upsert_statement() -> None:
         "INSERT INTO `orders` (`id`, `name`, `amount`) VALUES (%s, %s, %s) "
         "ON DUPLICATE KEY UPDATE `name` = VALUES(`name`), `amount` = VALUES(`amount`)"
     )
-    assert insert_statement("t", ["a", "b"], ["a", "b"]).endswith("ON DUPLICATE KEY UPDATE `a` = `a`")
+    assert insert_statement("t", ["a", "b"], ["a", "b"]).endswith(
+        "ON DUPLICATE KEY UPDATE `a` = `a`"
+    )
 
 
 @pytest.mark.parametrize("upsert", [(), ("i`d",)])
@@ -112,18 +127,28 @@ def test_statements_with_odd_identifiers_stay_multi_row_inserts(upsert: tuple[st
     and %-formats the prefix: '%' in identifiers must be doubled, backticks doubled."""
     cols = ["i`d", "na%me", "VALUES (%s)", "x"]
     stmt = insert_statement("t`a%b %s", cols, upsert)
-    assert stmt.startswith("INSERT INTO `t``a%%b %%s` (`i``d`, `na%%me`, `VALUES (%%s)`, `x`) VALUES (%s, %s, %s, %s)")
+    assert stmt.startswith(
+        "INSERT INTO `t``a%%b %%s` (`i``d`, `na%%me`, `VALUES (%%s)`, `x`) VALUES (%s, %s, %s, %s)"
+    )
     m = RE_INSERT_VALUES.match(stmt)
     assert m is not None
-    assert m.group(1) % () == "INSERT INTO `t``a%b %s` (`i``d`, `na%me`, `VALUES (%s)`, `x`) VALUES "
+    assert (
+        m.group(1) % () == "INSERT INTO `t``a%b %s` (`i``d`, `na%me`, `VALUES (%s)`, `x`) VALUES "
+    )
     assert m.group(2) == "(%s, %s, %s, %s)"
     if upsert:
-        assert (m.group(3) % ()).strip() == "ON DUPLICATE KEY UPDATE `na%me` = VALUES(`na%me`), `VALUES (%s)` = VALUES(`VALUES (%s)`), `x` = VALUES(`x`)"
+        assert (
+            (m.group(3) % ()).strip()
+            == "ON DUPLICATE KEY UPDATE `na%me` = VALUES(`na%me`), `VALUES (%s)` = VALUES(`VALUES (%s)`), `x` = VALUES(`x`)"
+        )
 
 
 def test_create_table_statement_is_not_percent_escaped() -> None:
     stmt = create_table_statement("t%x`y", {"id": "BIGINT", "n%": "LONGTEXT"}, ["id"])
-    assert stmt == "CREATE TABLE IF NOT EXISTS `t%x``y` (`id` BIGINT, `n%` LONGTEXT, PRIMARY KEY (`id`)) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+    assert (
+        stmt
+        == "CREATE TABLE IF NOT EXISTS `t%x``y` (`id` BIGINT, `n%` LONGTEXT, PRIMARY KEY (`id`)) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+    )
 
 
 # -- types and values -----------------------------------------------------------------------------
@@ -162,7 +187,9 @@ def test_mysql_type(arrow: pa.DataType, key: bool, sql: str) -> None:
 
 
 def test_column_values_timestamps_become_naive_utc() -> None:
-    paris = pa.array([dt.datetime(2026, 11, 1, 12, 0, 0, 123000)], pa.timestamp("ms")).cast(pa.timestamp("ms", tz="Europe/Paris"))
+    paris = pa.array([dt.datetime(2026, 11, 1, 12, 0, 0, 123000)], pa.timestamp("ms")).cast(
+        pa.timestamp("ms", tz="Europe/Paris")
+    )
     values, bad = column_values(paris)
     assert values == [dt.datetime(2026, 11, 1, 12, 0, 0, 123000)] and bad == {}
     ns = pa.array([1_700_000_000_123_456_789, None], pa.timestamp("ns", tz="UTC"))
@@ -172,9 +199,15 @@ def test_column_values_timestamps_become_naive_utc() -> None:
 
 
 def test_column_values_non_finite_floats_are_row_errors() -> None:
-    values, bad = column_values(pa.chunked_array([[1.5, float("nan")], [None, float("inf"), -float("inf")]]))
+    values, bad = column_values(
+        pa.chunked_array([[1.5, float("nan")], [None, float("inf"), -float("inf")]])
+    )
     assert values[0] == 1.5 and values[2] is None
-    assert bad == {1: "nan cannot be stored in MySQL", 3: "inf cannot be stored in MySQL", 4: "-inf cannot be stored in MySQL"}
+    assert bad == {
+        1: "nan cannot be stored in MySQL",
+        3: "inf cannot be stored in MySQL",
+        4: "-inf cannot be stored in MySQL",
+    }
     assert column_values(pa.array([], pa.float64())) == ([], {})
 
 
@@ -182,15 +215,29 @@ def test_column_values_nested_become_json_and_others_pass() -> None:
     nested = pa.array([{"a": [1, 2], "d": dt.date(2026, 1, 2)}, None])
     values, _ = column_values(nested)
     assert json.loads(values[0]) == {"a": [1, 2], "d": "2026-01-02"} and values[1] is None
-    assert column_values(pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)))[0] == [decimal.Decimal("1.50")]
+    assert column_values(pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)))[0] == [
+        decimal.Decimal("1.50")
+    ]
     assert column_values(pa.array([b"\x00\xff"], pa.binary()))[0] == [b"\x00\xff"]
     assert column_values(pa.array(["a", "b", "a"]).dictionary_encode())[0] == ["a", "b", "a"]
 
 
 def test_headers_and_payload_json() -> None:
-    headers = pa.array([[{"key": "h", "value": b"1"}, {"key": "h", "value": b"2"}, {"key": "b", "value": b"\xff"}], None], HEADERS_TYPE)
+    headers = pa.array(
+        [
+            [
+                {"key": "h", "value": b"1"},
+                {"key": "h", "value": b"2"},
+                {"key": "b", "value": b"\xff"},
+            ],
+            None,
+        ],
+        HEADERS_TYPE,
+    )
     assert [json.loads(x) for x in headers_json(headers)] == [{"h": "2", "b": "\ufffd"}, {}]
-    assert [json.loads(x) for x in payload_json(make_batch(1))] == [{"id": 0, "name": "name 0", "amount": 0.0}]
+    assert [json.loads(x) for x in payload_json(make_batch(1))] == [
+        {"id": 0, "name": "name 0", "amount": 0.0}
+    ]
     raw = pa.table({"value": pa.array([b'{"a": 1}', b"not json"])})
     assert [json.loads(x) for x in payload_json(raw)] == [{"a": 1}, "not json"]
 
@@ -204,18 +251,32 @@ def test_defaults_alias_and_asset_key() -> None:
     assert cfg.rows_per_statement == 1000 and cfg.upsert_keys == [] and cfg.create_table is False
     assert cfg.connect_timeout_s == 10 and cfg.read_timeout_s == 60 and cfg.write_timeout_s == 60
     assert cfg.asset_key_path() == ["mysql", "test", "orders"]
-    assert parse_sink_config({"type": "mysql", "host": "h", "database": "shop", "table": "a-b"}).asset_key_path() == ["mysql", "shop", "a_b"]
+    assert parse_sink_config(
+        {"type": "mysql", "host": "h", "database": "shop", "table": "a-b"}
+    ).asset_key_path() == ["mysql", "shop", "a_b"]
 
 
 def test_url_is_secret_and_parsed() -> None:
-    s = sink(url="mysql://us%40er:p%3Ass@db.example:3307/sh%2Fop", lock_wait_timeout_s=5, tls_ca_file="/ca.pem")
+    s = sink(
+        url="mysql://us%40er:p%3Ass@db.example:3307/sh%2Fop",
+        lock_wait_timeout_s=5,
+        tls_ca_file="/ca.pem",
+    )
     assert "p:ss" not in repr(s.config) and "p%3Ass" not in json.dumps(s.config.redacted())
     assert "p%3Ass" not in s.describe() and "p:ss" not in s.describe()
     kw = s.connect_kwargs()
-    assert (kw["host"], kw["port"], kw["user"], kw["password"], kw["database"]) == ("db.example", 3307, "us@er", "p:ss", "sh/op")
+    assert (kw["host"], kw["port"], kw["user"], kw["password"], kw["database"]) == (
+        "db.example",
+        3307,
+        "us@er",
+        "p:ss",
+        "sh/op",
+    )
     assert kw["autocommit"] is False and kw["charset"] == "utf8mb4"
     assert (kw["connect_timeout"], kw["read_timeout"], kw["write_timeout"]) == (10, 60, 60)
-    assert "STRICT_ALL_TABLES" in kw["init_command"] and "time_zone = '+00:00'" in kw["init_command"]
+    assert (
+        "STRICT_ALL_TABLES" in kw["init_command"] and "time_zone = '+00:00'" in kw["init_command"]
+    )
     assert "innodb_lock_wait_timeout = 5" in kw["init_command"]
     assert kw["ssl"] == {"ca": "/ca.pem"}
     assert s.endpoint() == "db.example:3307/sh/op"
@@ -224,7 +285,13 @@ def test_url_is_secret_and_parsed() -> None:
 def test_host_fields() -> None:
     s = sink(url=None, host="db", user="app", password="pw", database="shop", port=3310)
     kw = s.connect_kwargs()
-    assert (kw["host"], kw["port"], kw["user"], kw["password"], kw["database"]) == ("db", 3310, "app", "pw", "shop")
+    assert (kw["host"], kw["port"], kw["user"], kw["password"], kw["database"]) == (
+        "db",
+        3310,
+        "app",
+        "pw",
+        "shop",
+    )
     assert "pw" not in json.dumps(s.config.redacted())
 
 
@@ -288,7 +355,9 @@ def test_importing_the_module_does_not_import_pymysql() -> None:
 
 def server_error(code: int, message: str = "message") -> pymysql.err.MySQLError:
     """The exception pymysql raises for an error packet with this code (same class choice)."""
-    cls = pymysql.err.error_map.get(code, pymysql.err.InternalError if code < 1000 else pymysql.err.OperationalError)
+    cls = pymysql.err.error_map.get(
+        code, pymysql.err.InternalError if code < 1000 else pymysql.err.OperationalError
+    )
     return cls(code, message)
 
 
@@ -329,7 +398,10 @@ def test_exceptions_without_a_known_code() -> None:
 
 
 def test_error_text() -> None:
-    assert error_text(server_error(1048, "Column 'name' cannot be null")) == "(1048) Column 'name' cannot be null"
+    assert (
+        error_text(server_error(1048, "Column 'name' cannot be null"))
+        == "(1048) Column 'name' cannot be null"
+    )
     assert error_text(TimeoutError("timed out")) == "TimeoutError: timed out"
 
 

@@ -57,8 +57,16 @@ def record(**over: Any) -> Record:
 def test_alias_and_defaults() -> None:
     cfg = parse_sink_config({**BASE, "type": "amqp"})
     assert isinstance(cfg, RabbitMQSinkConfig)
-    assert cfg.routing_key == "${topic}" and cfg.delivery_mode == "persistent" and cfg.confirm_mode == "pipelined"
-    assert cfg.mandatory is False and cfg.declare_exchange is False and cfg.max_message_bytes == 16 << 20
+    assert (
+        cfg.routing_key == "${topic}"
+        and cfg.delivery_mode == "persistent"
+        and cfg.confirm_mode == "pipelined"
+    )
+    assert (
+        cfg.mandatory is False
+        and cfg.declare_exchange is False
+        and cfg.max_message_bytes == 16 << 20
+    )
     assert cfg.asset_key_path() == ["rabbitmq", "orders"]
     assert parse_sink_config({**BASE, "exchange": ""}).asset_key_path() == ["rabbitmq", "default"]
 
@@ -108,18 +116,38 @@ def test_secrets_are_redacted_and_never_in_messages() -> None:
 def test_endpoint() -> None:
     assert endpoint(parse_sink_config(BASE)) == "127.0.0.1:5672//"
     assert endpoint(parse_sink_config({**BASE, "url": "amqps://u:p@h/v%2Fx"})) == "h:5671/v/x"
-    assert endpoint(parse_sink_config({**BASE, "url": None, "host": "h", "tls": True})) == "h:5671//"
+    assert (
+        endpoint(parse_sink_config({**BASE, "url": None, "host": "h", "tls": True})) == "h:5671//"
+    )
 
 
 def test_connection_settings_and_parameters_from_parts() -> None:
-    cfg = parse_sink_config({**BASE, "url": None, "host": "mq", "vhost": "v", "username": "u", "password": "p", "heartbeat_s": 30})
+    cfg = parse_sink_config(
+        {
+            **BASE,
+            "url": None,
+            "host": "mq",
+            "vhost": "v",
+            "username": "u",
+            "password": "p",
+            "heartbeat_s": 30,
+        }
+    )
     s = connection_settings(cfg)
-    assert s["host"] == "mq" and s["port"] == 5672 and s["virtual_host"] == "v" and s["username"] == "u" and s["password"] == "p"
+    assert (
+        s["host"] == "mq"
+        and s["port"] == 5672
+        and s["virtual_host"] == "v"
+        and s["username"] == "u"
+        and s["password"] == "p"
+    )
     params = connection_parameters(cfg)
     assert isinstance(params, pika.ConnectionParameters)
     assert (params.host, params.port, params.virtual_host) == ("mq", 5672, "v")
     assert params.credentials.username == "u" and params.credentials.password == "p"
-    assert params.heartbeat == 30 and params.connection_attempts == 1 and params.socket_timeout == 10.0
+    assert (
+        params.heartbeat == 30 and params.connection_attempts == 1 and params.socket_timeout == 10.0
+    )
     assert params.blocked_connection_timeout == 60.0 and params.ssl_options is None
     assert params.client_properties == {"connection_name": "conveyor-sink/orders"}
     guest = connection_settings(parse_sink_config({**BASE, "url": None, "host": "mq"}))
@@ -127,17 +155,34 @@ def test_connection_settings_and_parameters_from_parts() -> None:
 
 
 def test_connection_parameters_from_url_keep_the_configured_timeouts() -> None:
-    cfg = parse_sink_config({**BASE, "url": "amqp://u:p@mq:5673/%2Fv", "connect_timeout_s": 3, "blocked_connection_timeout_s": 9})
+    cfg = parse_sink_config(
+        {
+            **BASE,
+            "url": "amqp://u:p@mq:5673/%2Fv",
+            "connect_timeout_s": 3,
+            "blocked_connection_timeout_s": 9,
+        }
+    )
     params = connection_parameters(cfg)
     assert (params.host, params.port, params.virtual_host) == ("mq", 5673, "/v")
-    assert params.socket_timeout == 3 and params.blocked_connection_timeout == 9 and params.connection_attempts == 1
+    assert (
+        params.socket_timeout == 3
+        and params.blocked_connection_timeout == 9
+        and params.connection_attempts == 1
+    )
 
 
 def test_tls_parameters() -> None:
-    params = connection_parameters(parse_sink_config({**BASE, "url": None, "host": "mq", "tls": True}))
+    params = connection_parameters(
+        parse_sink_config({**BASE, "url": None, "host": "mq", "tls": True})
+    )
     assert params.port == 5671 and params.ssl_options is not None
     with pytest.raises(FileNotFoundError):
-        connection_parameters(parse_sink_config({**BASE, "url": "amqps://u:p@mq/", "ssl_cafile": "/nonexistent/ca.pem"}))
+        connection_parameters(
+            parse_sink_config(
+                {**BASE, "url": "amqps://u:p@mq/", "ssl_cafile": "/nonexistent/ca.pem"}
+            )
+        )
 
 
 def test_unreadable_ca_file_is_permanent_at_start() -> None:
@@ -154,7 +199,10 @@ def test_routing_key() -> None:
     s = sink(routing_key="${topic}.${payload.region}.${partition}")
     assert s.routing_key_for(record()) == "orders.eu.1"
     assert s.routing_key_for(record(destination="dest.key")) == "dest.key"
-    assert sink(routing_key="${topic}", use_destination=False).routing_key_for(record(destination="d")) == "orders"
+    assert (
+        sink(routing_key="${topic}", use_destination=False).routing_key_for(record(destination="d"))
+        == "orders"
+    )
     with pytest.raises(TemplateError, match="255"):
         sink(routing_key="${payload.long}").routing_key_for(record(payload={"long": "x" * 256}))
     with pytest.raises(TemplateError, match="region"):
@@ -180,9 +228,12 @@ def test_properties() -> None:
             "x-conveyor-key": "k1",
         },
     }
-    bare = sink(keep_headers=False, coordinate_headers=False, delivery_mode="transient", content_type="application/x-ndjson").properties(
-        record(timestamp=None)
-    )
+    bare = sink(
+        keep_headers=False,
+        coordinate_headers=False,
+        delivery_mode="transient",
+        content_type="application/x-ndjson",
+    ).properties(record(timestamp=None))
     assert bare["headers"] is None and bare["delivery_mode"] == 1 and bare["timestamp"] is None
     assert bare["content_type"] == "application/x-ndjson"
     assert sink(header_values="bytes").properties(record())["headers"]["h"] == b"1"
@@ -210,7 +261,11 @@ def test_prepare_limits_the_body() -> None:
 def test_properties_of_a_contract_batch() -> None:
     r = list(iter_records(make_batch(3, topic="t", partition=4)))[2]
     p = sink().properties(r)
-    assert p["message_id"] == "t-4-2" and p["headers"]["x-conveyor-key"] == "k2" and p["headers"]["h"] == "2"
+    assert (
+        p["message_id"] == "t-4-2"
+        and p["headers"]["x-conveyor-key"] == "k2"
+        and p["headers"]["h"] == "2"
+    )
 
 
 # -- publisher confirms --------------------------------------------------------------------------
@@ -218,7 +273,9 @@ def test_properties_of_a_contract_batch() -> None:
 
 def test_confirm_tracker_single_and_multiple() -> None:
     t = ConfirmTracker(base=11)
-    tags = [t.published(row, f"m{row}") for row in (0, 1, 3, 4, 5)]  # row 2 was a data error, never published
+    tags = [
+        t.published(row, f"m{row}") for row in (0, 1, 3, 4, 5)
+    ]  # row 2 was a data error, never published
     assert tags == [11, 12, 13, 14, 15]
     t.confirm(12, ack=True, multiple=False)
     assert t.settled == 1 and t.low == 0 and not t.done
@@ -260,7 +317,9 @@ def test_confirm_tracker_large_batch_multiple_acks_are_linear() -> None:
 
 
 def _returned(code: int = 312, text: str = "NO_ROUTE") -> ReturnedMessage:
-    method = pika.spec.Basic.Return(reply_code=code, reply_text=text, exchange="orders", routing_key="rk")
+    method = pika.spec.Basic.Return(
+        reply_code=code, reply_text=text, exchange="orders", routing_key="rk"
+    )
     return ReturnedMessage(method, pika.BasicProperties(message_id="t-0-1"), b"{}")
 
 
@@ -272,26 +331,71 @@ def _returned(code: int = 312, text: str = "NO_ROUTE") -> ReturnedMessage:
         (px.UnsupportedAMQPFieldException(b"", object()), "data"),
         (TypeError("unsupported header value"), "data"),
         (px.NackError([_returned()]), "transient"),
-        (px.AMQPConnectionError("AMQPConnectorSocketConnectError: ConnectionRefusedError(111)"), "transient"),
+        (
+            px.AMQPConnectionError("AMQPConnectorSocketConnectError: ConnectionRefusedError(111)"),
+            "transient",
+        ),
         (px.StreamLostError("Stream connection lost: ConnectionResetError(104)"), "transient"),
-        (px.ConnectionClosedByBroker(320, "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'"), "transient"),
+        (
+            px.ConnectionClosedByBroker(
+                320, "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'"
+            ),
+            "transient",
+        ),
         (px.ConnectionClosedByBroker(541, "INTERNAL_ERROR"), "transient"),
-        (px.AMQPHeartbeatTimeout("No activity or too many missed heartbeats in the last 60 seconds"), "transient"),
+        (
+            px.AMQPHeartbeatTimeout(
+                "No activity or too many missed heartbeats in the last 60 seconds"
+            ),
+            "transient",
+        ),
         (px.ConnectionBlockedTimeout("Blocked connection timeout expired."), "transient"),
         (px.ConnectionWrongStateError("Connection is closed."), "transient"),
         (px.ChannelWrongStateError("Channel is closed."), "transient"),
         (px.IncompatibleProtocolError("StreamLostError: EOF"), "transient"),
-        (px.ChannelClosedByBroker(405, "RESOURCE_LOCKED - cannot obtain exclusive access"), "transient"),
+        (
+            px.ChannelClosedByBroker(405, "RESOURCE_LOCKED - cannot obtain exclusive access"),
+            "transient",
+        ),
         (px.ChannelClosedByBroker(506, "RESOURCE_ERROR"), "transient"),
         (OSError(104, "Connection reset by peer"), "transient"),
-        (px.ProbableAuthenticationError("ConnectionClosedByBroker: (403) 'ACCESS_REFUSED - Login was refused'"), "permanent"),
-        (px.ProbableAccessDeniedError("ConnectionClosedByBroker: (530) 'NOT_ALLOWED - vhost x not found'"), "permanent"),
+        (
+            px.ProbableAuthenticationError(
+                "ConnectionClosedByBroker: (403) 'ACCESS_REFUSED - Login was refused'"
+            ),
+            "permanent",
+        ),
+        (
+            px.ProbableAccessDeniedError(
+                "ConnectionClosedByBroker: (530) 'NOT_ALLOWED - vhost x not found'"
+            ),
+            "permanent",
+        ),
         (px.AuthenticationError("PLAIN"), "permanent"),
         (px.ConnectionClosedByBroker(403, "ACCESS_REFUSED - Login was refused"), "permanent"),
-        (px.ConnectionClosedByBroker(530, "NOT_ALLOWED - access to vhost 'v' refused for user 'u'"), "permanent"),
-        (px.ChannelClosedByBroker(404, "NOT_FOUND - no exchange 'orders' in vhost '/'"), "permanent"),
-        (px.ChannelClosedByBroker(403, "ACCESS_REFUSED - write access to exchange 'orders' refused"), "permanent"),
-        (px.ChannelClosedByBroker(406, "PRECONDITION_FAILED - message size 200000000 is larger than configured max size"), "permanent"),
+        (
+            px.ConnectionClosedByBroker(
+                530, "NOT_ALLOWED - access to vhost 'v' refused for user 'u'"
+            ),
+            "permanent",
+        ),
+        (
+            px.ChannelClosedByBroker(404, "NOT_FOUND - no exchange 'orders' in vhost '/'"),
+            "permanent",
+        ),
+        (
+            px.ChannelClosedByBroker(
+                403, "ACCESS_REFUSED - write access to exchange 'orders' refused"
+            ),
+            "permanent",
+        ),
+        (
+            px.ChannelClosedByBroker(
+                406,
+                "PRECONDITION_FAILED - message size 200000000 is larger than configured max size",
+            ),
+            "permanent",
+        ),
     ],
 )
 def test_classify_amqp_error(exc: BaseException, kind: str) -> None:
@@ -299,10 +403,18 @@ def test_classify_amqp_error(exc: BaseException, kind: str) -> None:
 
 
 def test_sink_error_names_a_missing_exchange() -> None:
-    e = sink_error(px.ChannelClosedByBroker(404, "NOT_FOUND - no exchange 'orders' in vhost '/'"), "publishing", exchange="orders")
+    e = sink_error(
+        px.ChannelClosedByBroker(404, "NOT_FOUND - no exchange 'orders' in vhost '/'"),
+        "publishing",
+        exchange="orders",
+    )
     assert isinstance(e, PermanentSinkError)
     assert "exchange 'orders' not found" in str(e) and "declare_exchange" in str(e)
-    e2 = sink_error(px.ConnectionClosedByBroker(320, "CONNECTION_FORCED - shutdown"), "publishing", exchange="orders")
+    e2 = sink_error(
+        px.ConnectionClosedByBroker(320, "CONNECTION_FORCED - shutdown"),
+        "publishing",
+        exchange="orders",
+    )
     assert isinstance(e2, TransientSinkError) and "(320) CONNECTION_FORCED" in str(e2)
     e3 = sink_error(px.ProbableAuthenticationError("ACCESS_REFUSED"), "RabbitMQ at h:5672//")
     assert isinstance(e3, PermanentSinkError) and "ACCESS_REFUSED" in str(e3)

@@ -52,7 +52,9 @@ def render(template: str | list[str], batch: pa.Table) -> tuple[list[Any], dict[
 
 
 def test_string_template_is_split_once_with_shlex() -> None:
-    t = parse_command("HSET orders:${payload.id} status ${payload.status} note 'two words' \"${payload.a} and ${key}\"")
+    t = parse_command(
+        "HSET orders:${payload.id} status ${payload.status} note 'two words' \"${payload.a} and ${key}\""
+    )
     assert t.name == "HSET"
     assert t.args == (
         (b"HSET",),
@@ -78,7 +80,12 @@ def test_parse_argument() -> None:
     assert parse_argument("") == (b"",)
     assert parse_argument("plain") == (b"plain",)
     assert parse_argument("${offset}") == (Placeholder("offset"),)
-    assert parse_argument("a${topic}b${partition}") == (b"a", Placeholder("topic"), b"b", Placeholder("partition"))
+    assert parse_argument("a${topic}b${partition}") == (
+        b"a",
+        Placeholder("topic"),
+        b"b",
+        Placeholder("partition"),
+    )
     assert parse_argument("${ payload.x }") == (Placeholder("payload.x"),)
     assert parse_argument("${headers.trace.id}") == (Placeholder("headers.trace.id"),)
     assert Placeholder("headers.trace.id").rest == "trace.id"
@@ -112,13 +119,18 @@ def test_bad_templates(template: str, message: str) -> None:
 # -- substitution -------------------------------------------------------------------------------------
 
 
-NASTY = 'He said "hi"\nthen \'left\'  \t with  spaces; ${payload.id} $(rm -rf) `x` \\ end'
+NASTY = "He said \"hi\"\nthen 'left'  \t with  spaces; ${payload.id} $(rm -rf) `x` \\ end"
 
 
 def test_a_value_never_splits_into_two_arguments() -> None:
-    rows, bad = render("HSET k:${payload.id} name ${payload.name} tag x${payload.name}y", make_batch(2, names={1: NASTY}))
+    rows, bad = render(
+        "HSET k:${payload.id} name ${payload.name} tag x${payload.name}y",
+        make_batch(2, names={1: NASTY}),
+    )
     assert bad == {}
-    assert rows[1] == [["HSET", b"k:1", b"name", NASTY.encode(), b"tag", b"x" + NASTY.encode() + b"y"]]
+    assert rows[1] == [
+        ["HSET", b"k:1", b"name", NASTY.encode(), b"tag", b"x" + NASTY.encode() + b"y"]
+    ]
     assert len(rows[0][0]) == len(rows[1][0]) == 6
 
 
@@ -129,18 +141,42 @@ def test_substitution_is_one_pass() -> None:
 
 
 def test_metadata_placeholders() -> None:
-    rows, bad = render(["X", "${topic}", "${partition}", "${offset}", "${timestamp}", "${key}", "${headers}", "${headers.h}"], make_batch(3, start=5, partition=2))
+    rows, bad = render(
+        [
+            "X",
+            "${topic}",
+            "${partition}",
+            "${offset}",
+            "${timestamp}",
+            "${key}",
+            "${headers}",
+            "${headers.h}",
+        ],
+        make_batch(3, start=5, partition=2),
+    )
     assert bad == {}
     ts = int((BASE_TS - dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)).total_seconds() * 1000) + 6
     assert rows[1][0] == ["X", b"orders", b"2", b"6", str(ts).encode(), b"k6", b'{"h":"6"}', b"6"]
 
 
-@pytest.mark.parametrize(("unit", "value"), [("s", 1_700_000_000), ("ms", 1_700_000_000_123), ("us", 1_700_000_000_123_456), ("ns", 1_700_000_000_123_456_789)])
+@pytest.mark.parametrize(
+    ("unit", "value"),
+    [
+        ("s", 1_700_000_000),
+        ("ms", 1_700_000_000_123),
+        ("us", 1_700_000_000_123_456),
+        ("ns", 1_700_000_000_123_456_789),
+    ],
+)
 def test_timestamp_is_epoch_milliseconds_for_every_unit(unit: str, value: int) -> None:
     for tz in (None, "UTC", "Europe/Paris"):
-        batch = pa.table({"value": pa.array([b"x"]), "__timestamp": pa.array([value], pa.timestamp(unit, tz=tz))})
+        batch = pa.table(
+            {"value": pa.array([b"x"]), "__timestamp": pa.array([value], pa.timestamp(unit, tz=tz))}
+        )
         rows, _ = render("SET k ${timestamp}", batch)
-        expected = {"s": value * 1000, "ms": value, "us": value // 1000, "ns": value // 1_000_000}[unit]
+        expected = {"s": value * 1000, "ms": value, "us": value // 1000, "ns": value // 1_000_000}[
+            unit
+        ]
         assert rows[0][0][2] == str(expected).encode()
 
 
@@ -157,10 +193,19 @@ def test_payload_whole() -> None:
 
 
 def test_nested_fields_from_struct_columns_and_json_values() -> None:
-    structs = pa.table({"order": pa.array([{"id": 1, "c": {"n": "A B"}}, {"id": 2, "c": None}, {"id": 3, "c": {"n": None}}])})
+    structs = pa.table(
+        {
+            "order": pa.array(
+                [{"id": 1, "c": {"n": "A B"}}, {"id": 2, "c": None}, {"id": 3, "c": {"n": None}}]
+            )
+        }
+    )
     rows, bad = render("SET o:${payload.order.id} ${payload.order.c.n}", structs)
     assert rows[0][0][1:] == [b"o:1", b"A B"]
-    assert bad == {1: "payload has no field 'order.c.n' (${payload.order.c.n})", 2: "payload field 'order.c.n' is null (${payload.order.c.n})"}
+    assert bad == {
+        1: "payload has no field 'order.c.n' (${payload.order.c.n})",
+        2: "payload field 'order.c.n' is null (${payload.order.c.n})",
+    }
     js = pa.table({"value": pa.array([b'{"a": {"b": [1, 2]}}', b"not json", b'{"a": 1}'])})
     rows, bad = render("SET k ${payload.a.b}", js)
     assert rows[0][0][2] == b"[1,2]"
@@ -178,21 +223,35 @@ def test_missing_key_header_destination_and_metadata_defaults() -> None:
         {
             "value": pa.array([b"a", b"b"]),
             "__key": pa.array([None, b"k"], pa.binary()),
-            "__headers": pa.array([[{"key": "x", "value": b"1"}, {"key": "x", "value": b"2"}], None], HEADERS_TYPE),
+            "__headers": pa.array(
+                [[{"key": "x", "value": b"1"}, {"key": "x", "value": b"2"}], None], HEADERS_TYPE
+            ),
             "__destination": pa.array([None, "dest"], pa.string()),
         }
     )
     assert render("SET ${key} v", batch)[1] == {0: "message has no key (${key})"}
     rows, bad = render("SET k ${headers.x}", batch)
-    assert rows[0][0][2] == b"2" and bad == {1: "message has no header 'x' (${headers.x})"}  # the last x wins
-    assert render("SET k ${destination}", batch)[1] == {0: "message has no destination (${destination})"}
-    assert render("SET k ${timestamp}", batch)[1] == {0: "message has no timestamp (${timestamp})", 1: "message has no timestamp (${timestamp})"}
-    rows, bad = render("SET ${topic}:${partition}:${offset} ${headers}", batch)  # hand-made batch: defaults
+    assert rows[0][0][2] == b"2" and bad == {
+        1: "message has no header 'x' (${headers.x})"
+    }  # the last x wins
+    assert render("SET k ${destination}", batch)[1] == {
+        0: "message has no destination (${destination})"
+    }
+    assert render("SET k ${timestamp}", batch)[1] == {
+        0: "message has no timestamp (${timestamp})",
+        1: "message has no timestamp (${timestamp})",
+    }
+    rows, bad = render(
+        "SET ${topic}:${partition}:${offset} ${headers}", batch
+    )  # hand-made batch: defaults
     assert bad == {} and rows[1][0][1:] == [b":0:1", b"{}"]
 
 
 def test_several_templates_and_a_failing_row() -> None:
-    templates = [parse_command("HSET h:${payload.id} n ${payload.name}"), parse_command("SADD s ${payload.id}")]
+    templates = [
+        parse_command("HSET h:${payload.id} n ${payload.name}"),
+        parse_command("SADD s ${payload.id}"),
+    ]
     rows, bad = render_batch(templates, make_batch(3, names={1: None}))
     assert rows[1] is None and set(bad) == {1}
     assert rows[2] == [["HSET", b"h:2", b"n", b"name 2"], ["SADD", b"s", b"2"]]
@@ -225,11 +284,24 @@ def test_value_bytes(value: Any, expected: bytes) -> None:
 def test_defaults_and_asset_key() -> None:
     cfg = parse_sink_config(BASE)
     assert isinstance(cfg, RedisSinkConfig)
-    assert (cfg.mode, cfg.host, cfg.port, cfg.db, cfg.pipeline_size, cfg.transaction, cfg.tls) == ("standalone", "127.0.0.1", 6379, 0, 1000, False, False)
+    assert (cfg.mode, cfg.host, cfg.port, cfg.db, cfg.pipeline_size, cfg.transaction, cfg.tls) == (
+        "standalone",
+        "127.0.0.1",
+        6379,
+        0,
+        1000,
+        False,
+        False,
+    )
     assert (cfg.socket_timeout_s, cfg.socket_connect_timeout_s) == (10.0, 5.0)
     assert cfg.asset_key_path() == ["redis", "k"]
-    assert parse_sink_config({**BASE, "commands": ["XADD orders.stream * d ${payload}"]}).asset_key_path() == ["redis", "orders_stream"]
-    assert parse_sink_config({**BASE, "commands": ["SET ${key} v"], "db": 2}).asset_key_path() == ["redis", "db2"]
+    assert parse_sink_config(
+        {**BASE, "commands": ["XADD orders.stream * d ${payload}"]}
+    ).asset_key_path() == ["redis", "orders_stream"]
+    assert parse_sink_config({**BASE, "commands": ["SET ${key} v"], "db": 2}).asset_key_path() == [
+        "redis",
+        "db2",
+    ]
 
 
 def test_templates_are_parsed_at_validation() -> None:
@@ -271,7 +343,11 @@ def test_bad_config_names_the_field(override: dict[str, Any], field: str) -> Non
 
 def test_password_is_secret() -> None:
     s = sink(username="app", password="s3cret")
-    assert "s3cret" not in repr(s.config) and "s3cret" not in json.dumps(s.config.redacted()) and "s3cret" not in s.describe()
+    assert (
+        "s3cret" not in repr(s.config)
+        and "s3cret" not in json.dumps(s.config.redacted())
+        and "s3cret" not in s.describe()
+    )
     assert client_kwargs(s.config)["password"] == "s3cret"
 
 
@@ -285,7 +361,16 @@ def test_importing_the_module_does_not_import_redis() -> None:
 
 
 def test_standalone_client_kwargs_and_no_retries() -> None:
-    cfg = sink(host="r1", port=6380, db=4, username="u", password="p", socket_timeout_s=3, socket_connect_timeout_s=1, client_name="c").config
+    cfg = sink(
+        host="r1",
+        port=6380,
+        db=4,
+        username="u",
+        password="p",
+        socket_timeout_s=3,
+        socket_connect_timeout_s=1,
+        client_name="c",
+    ).config
     kw = client_kwargs(cfg)
     assert kw == {
         "host": "r1",
@@ -301,15 +386,34 @@ def test_standalone_client_kwargs_and_no_retries() -> None:
     }
     client = make_client(cfg)  # redis.Redis connects lazily
     pool_kw = client.connection_pool.connection_kwargs
-    assert (pool_kw["host"], pool_kw["port"], pool_kw["db"], pool_kw["username"], pool_kw["password"]) == ("r1", 6380, 4, "u", "p")
+    assert (
+        pool_kw["host"],
+        pool_kw["port"],
+        pool_kw["db"],
+        pool_kw["username"],
+        pool_kw["password"],
+    ) == ("r1", 6380, 4, "u", "p")
     assert pool_kw["retry"].get_retries() == 0
     client.close()
 
 
 def test_tls_kwargs() -> None:
-    cfg = sink(tls=True, tls_ca_file="/ca.pem", tls_cert_file="/c.pem", tls_key_file="/k.pem", tls_check_hostname=False).config
+    cfg = sink(
+        tls=True,
+        tls_ca_file="/ca.pem",
+        tls_cert_file="/c.pem",
+        tls_key_file="/k.pem",
+        tls_check_hostname=False,
+    ).config
     kw = client_kwargs(cfg)
-    assert (kw["ssl"], kw["ssl_cert_reqs"], kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"], kw["ssl_check_hostname"]) == (True, "required", "/ca.pem", "/c.pem", "/k.pem", False)
+    assert (
+        kw["ssl"],
+        kw["ssl_cert_reqs"],
+        kw["ssl_ca_certs"],
+        kw["ssl_certfile"],
+        kw["ssl_keyfile"],
+        kw["ssl_check_hostname"],
+    ) == (True, "required", "/ca.pem", "/c.pem", "/k.pem", False)
     client = make_client(cfg)
     from redis.connection import SSLConnection
 
@@ -321,7 +425,16 @@ def test_tls_kwargs() -> None:
 def test_cluster_kwargs_are_all_accepted_by_redis_cluster() -> None:
     from redis.cluster import KWARGS_DISABLED_KEYS, REDIS_ALLOWED_KEYS, RedisCluster
 
-    cfg = sink(mode="cluster", host="n1", port=7000, startup_nodes=["n2:7001", "[::1]:7002"], tls=True, tls_ca_file="/ca.pem", username="u", password="p").config
+    cfg = sink(
+        mode="cluster",
+        host="n1",
+        port=7000,
+        startup_nodes=["n2:7001", "[::1]:7002"],
+        tls=True,
+        tls_ca_file="/ca.pem",
+        username="u",
+        password="p",
+    ).config
     kw = client_kwargs(cfg)
     assert kw["startup_nodes_spec"] == [("n1", 7000), ("n2", 7001), ("::1", 7002)]
     assert "db" not in kw and "health_check_interval" not in kw
@@ -420,7 +533,9 @@ def test_client_side_exceptions() -> None:
         rx.MovedError("3999 127.0.0.1:6381"),
         rx.AskError("3999 127.0.0.1:6381"),
         rx.SlotNotCoveredError("Command # 1 (SET) requested a slot that is not covered"),
-        rx.RedisClusterException("Redis Cluster cannot be connected. Please provide at least one reachable node"),
+        rx.RedisClusterException(
+            "Redis Cluster cannot be connected. Please provide at least one reachable node"
+        ),
         rx.ClusterError("TTL exhausted."),
         rx.ExecAbortError("Transaction discarded because of previous errors."),
         rx.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
@@ -436,8 +551,12 @@ def test_client_side_exceptions() -> None:
         rx.AuthenticationWrongNumberOfArgsError("wrong number of arguments for 'auth' command"),
         rx.NoPermissionError("this user has no permissions"),
         rx.NoScriptError("No matching script"),
-        rx.CrossSlotTransactionError("All keys involved in a cluster transaction must map to the same slot"),
-        rx.ConnectionError("Error 1 connecting to r:6380. [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate."),
+        rx.CrossSlotTransactionError(
+            "All keys involved in a cluster transaction must map to the same slot"
+        ),
+        rx.ConnectionError(
+            "Error 1 connecting to r:6380. [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate."
+        ),
     ]
     for e in permanent:
         assert classify_redis_error(e) == "permanent", repr(e)
@@ -451,9 +570,14 @@ def test_error_code_and_text() -> None:
     w = reply("WRONGTYPE Operation against a key holding the wrong kind of value")
     assert redis_error_code(w) == "WRONGTYPE" and redis_error_text(w) == str(w)
     n = reply("NOPERM this user has no permissions to run the 'hset' command")
-    n.args = (f"Command # 1 (HSET k:1 n {NASTY}) of pipeline caused error: {n.args[0]}",)  # what redis-py does in MULTI
+    n.args = (
+        f"Command # 1 (HSET k:1 n {NASTY}) of pipeline caused error: {n.args[0]}",
+    )  # what redis-py does in MULTI
     assert redis_error_text(n) == "NOPERM this user has no permissions to run the 'hset' command"
-    assert redis_error_text(rx.TimeoutError("Timeout reading from socket")) == "TimeoutError: Timeout reading from socket"
+    assert (
+        redis_error_text(rx.TimeoutError("Timeout reading from socket"))
+        == "TimeoutError: Timeout reading from socket"
+    )
     assert redis_error_code(rx.ConnectionError("Connection closed by server.")) is None
 
 

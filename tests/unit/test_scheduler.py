@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conveyor.core import scheduler as s
@@ -28,13 +28,23 @@ def conn(name: str, **kw) -> s.ConnectorView:
 
 
 def running(name: str, broker: str, gen: int = 1, hb_age: float = 1.0, **kw) -> s.ConnectorView:
-    return conn(name, status=RUNNING, broker_id=broker, generation=gen, run_id=f"run-{name}-{gen}", heartbeat_at=NOW - hb_age, **kw)
+    return conn(
+        name,
+        status=RUNNING,
+        broker_id=broker,
+        generation=gen,
+        run_id=f"run-{name}-{gen}",
+        heartbeat_at=NOW - hb_age,
+        **kw,
+    )
 
 
 def run_of(c: s.ConnectorView, status: str = "STARTED", **kw) -> s.RunView:
     kw.setdefault("generation", c.generation)
     kw.setdefault("broker_id", c.broker_id)
-    return s.RunView(run_id=c.run_id or f"run-{c.name}-{c.generation}", connector=c.name, status=status, **kw)
+    return s.RunView(
+        run_id=c.run_id or f"run-{c.name}-{c.generation}", connector=c.name, status=status, **kw
+    )
 
 
 def brokers(*ids: str, capacity: int = 8, **kw) -> list[s.BrokerView]:
@@ -60,7 +70,10 @@ def test_idle_connectors_spread_evenly_in_name_order_with_generation_tags():
 def test_assignment_is_stable_for_the_same_input():
     cs = [conn(f"c{i}") for i in range(7)]
     bs = brokers("b1", "b2", "b3")
-    assert s.plan(cs, bs, [], NOW).decisions == s.plan(list(reversed(cs)), list(reversed(bs)), [], NOW).decisions
+    assert (
+        s.plan(cs, bs, [], NOW).decisions
+        == s.plan(list(reversed(cs)), list(reversed(bs)), [], NOW).decisions
+    )
 
 
 def test_least_loaded_is_weighted_by_throughput():
@@ -78,7 +91,11 @@ def test_capacity_is_respected_and_the_rest_wait():
 
 
 def test_draining_and_down_brokers_get_nothing_new():
-    bs = [s.BrokerView("drain", 8, draining=True), s.BrokerView("down", 8, endpoint_up=False), s.BrokerView("ok", 8)]
+    bs = [
+        s.BrokerView("drain", 8, draining=True),
+        s.BrokerView("down", 8, endpoint_up=False),
+        s.BrokerView("ok", 8),
+    ]
     p = s.plan([conn("a"), conn("b")], bs, [], NOW)
     assert {a.broker_id for a in p.of(s.Assign)} == {"ok"}
     assert p.down_brokers == {"down"}
@@ -134,7 +151,11 @@ def test_runs_of_older_generations_and_stopped_or_deleted_connectors_are_termina
     s_run = s.RunView("s-run", "s", generation=2, status="STARTED")
     ghost = s.RunView("ghost", "deleted", generation=1, status="STARTED")
     p = s.plan([c, stopped], brokers("b1"), [run_of(c), old, s_run, ghost], NOW)
-    assert {(t.run_id, t.reason.split()[0]) for t in p.of(s.Terminate)} == {("old", "run"), ("s-run", "connector"), ("ghost", "connector")}
+    assert {(t.run_id, t.reason.split()[0]) for t in p.of(s.Terminate)} == {
+        ("old", "run"),
+        ("s-run", "connector"),
+        ("ghost", "connector"),
+    }
 
 
 def test_run_left_on_the_old_broker_after_reassignment_is_terminated():
@@ -163,7 +184,10 @@ def test_canceling_past_grace_is_reported_canceled():
     r = run_of(c, status="CANCELING", canceling_since=NOW - 61)
     p = s.plan([c], brokers("b1"), [r], NOW)
     assert ("ReportCanceled", "a") in kinds(p)
-    assert s.plan([c], brokers("b1"), [replace(r, canceling_since=NOW - 10)], NOW).of(s.ReportCanceled) == []
+    assert (
+        s.plan([c], brokers("b1"), [replace(r, canceling_since=NOW - 10)], NOW).of(s.ReportCanceled)
+        == []
+    )
 
 
 def test_assignment_whose_run_never_came_is_reset_after_launch_timeout():
@@ -255,8 +279,13 @@ def test_rebalance_moves_one_connector_per_tick_with_cooldown_and_no_flapping():
 def test_moved_connector_is_reassigned_to_the_least_loaded_broker_next_tick():
     cs = [running(f"c{i}", "b1") for i in range(4)]
     (m,) = s.plan(cs, brokers("b1", "b2"), [run_of(c) for c in cs], NOW).of(s.Move)
-    after = [conn(c.name, generation=c.generation + 1, last_moved_at=NOW) if c.name == m.name else c for c in cs]
-    (a,) = s.plan(after, brokers("b1", "b2"), [run_of(c) for c in after if c.name != m.name], NOW + 5).of(s.Assign)
+    after = [
+        conn(c.name, generation=c.generation + 1, last_moved_at=NOW) if c.name == m.name else c
+        for c in cs
+    ]
+    (a,) = s.plan(
+        after, brokers("b1", "b2"), [run_of(c) for c in after if c.name != m.name], NOW + 5
+    ).of(s.Assign)
     assert (a.name, a.broker_id) == (m.name, "b2")
 
 
@@ -304,7 +333,11 @@ def clusters(draw):
                     c.run_id,
                     c.name,
                     generation=draw(st.one_of(st.none(), st.integers(0, gen))),
-                    status=draw(st.sampled_from(["QUEUED", "STARTED", "CANCELING", "CANCELED", "FAILURE", "SUCCESS"])),
+                    status=draw(
+                        st.sampled_from(
+                            ["QUEUED", "STARTED", "CANCELING", "CANCELED", "FAILURE", "SUCCESS"]
+                        )
+                    ),
                     broker_id=c.broker_id,
                     pid=1234,
                     local=draw(st.booleans()),
@@ -321,7 +354,6 @@ def _settled(cs, p):
     return list(by.values())
 
 
-@settings(max_examples=300, deadline=None)
 @given(clusters())
 def test_property_capacity_never_exceeded_by_assignments(cluster):
     cs, bs, runs = cluster
@@ -335,7 +367,6 @@ def test_property_capacity_never_exceeded_by_assignments(cluster):
         assert n >= 1
 
 
-@settings(max_examples=300, deadline=None)
 @given(clusters())
 def test_property_never_assigned_to_a_draining_or_down_broker(cluster):
     cs, bs, runs = cluster
@@ -344,7 +375,6 @@ def test_property_never_assigned_to_a_draining_or_down_broker(cluster):
     assert not any(a.broker_id in bad for a in p.of(s.Assign))
 
 
-@settings(max_examples=300, deadline=None)
 @given(clusters())
 def test_property_generations_only_grow_and_each_connector_gets_one_ownership_change(cluster):
     cs, bs, runs = cluster
@@ -354,11 +384,12 @@ def test_property_generations_only_grow_and_each_connector_gets_one_ownership_ch
         assert c.generation >= before[c.name]
     for a in p.of(s.Assign):
         assert a.generation > before[a.name]
-    owners = Counter(d.name for d in p.decisions if isinstance(d, (s.Reset, s.Move, s.Stop, s.Restart)))
+    owners = Counter(
+        d.name for d in p.decisions if isinstance(d, (s.Reset, s.Move, s.Stop, s.Restart))
+    )
     assert all(n == 1 for n in owners.values())
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 8), st.integers(0, 40))
 def test_property_equal_weights_spread_within_one(nb, nc):
     bs = brokers(*[f"b{i}" for i in range(nb)], capacity=100)
@@ -369,7 +400,6 @@ def test_property_equal_weights_spread_within_one(nb, nc):
     assert max(per) - min(per) <= 1
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.integers(2, 5), st.integers(2, 20))
 def test_property_rebalance_converges_without_flapping(nb, nc):
     """Start with everything on one broker; apply plans tick by tick until quiet."""
@@ -388,7 +418,15 @@ def test_property_rebalance_converges_without_flapping(nb, nc):
                 moves[d.name] += 1
                 cs[d.name] = replace(s._after(c, [d]), last_moved_at=now)
             elif isinstance(d, s.Assign):
-                cs[d.name] = replace(c, broker_id=d.broker_id, generation=d.generation, status=RUNNING, heartbeat_at=now, run_id=f"r{d.generation}", status_since=now)
+                cs[d.name] = replace(
+                    c,
+                    broker_id=d.broker_id,
+                    generation=d.generation,
+                    status=RUNNING,
+                    heartbeat_at=now,
+                    run_id=f"r{d.generation}",
+                    status_since=now,
+                )
         now += 200  # past the cool-down
         cs = {k: replace(v, heartbeat_at=now) if v.status == RUNNING else v for k, v in cs.items()}
     else:
@@ -402,7 +440,9 @@ def test_lost_run_whose_process_is_gone_is_reported_canceled_not_terminated():
     c = running("a", "b1", hb_age=31)
     p = s.plan([c], brokers("b1"), [run_of(c, pid=77, local=True, process_alive=False)], NOW)
     assert ("ReportCanceled", "a") in kinds(p) and p.of(s.Terminate) == []
-    stuck = run_of(c, status="CANCELING", canceling_since=NOW - 1, pid=77, local=True, process_alive=False)
+    stuck = run_of(
+        c, status="CANCELING", canceling_since=NOW - 1, pid=77, local=True, process_alive=False
+    )
     assert ("ReportCanceled", "a") in kinds(s.plan([c], brokers("b1"), [stuck], NOW))
 
 
