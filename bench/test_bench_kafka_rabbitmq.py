@@ -12,7 +12,7 @@ same Arrow batch, as a hand-written consumer would after decoding:
 
 Only counts are asserted; throughputs and ratios are printed. Run with::
 
-    /work/venv/bin/python -m pytest bench/test_bench_kafka_rabbitmq.py -m bench -s
+    /work/venv/bin/python -m pytest bench/test_bench_kafka_rabbitmq.py -m bench -s -n 0
 """
 
 from __future__ import annotations

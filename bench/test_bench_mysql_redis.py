@@ -18,7 +18,7 @@ column; that is why the sinks come out ahead.
 
 Only counts are asserted; throughputs and ratios are printed. Run with::
 
-    /work/venv/bin/python -m pytest bench/test_bench_mysql_redis.py -m bench -s
+    /work/venv/bin/python -m pytest bench/test_bench_mysql_redis.py -m bench -s -n 0
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The bare loop is what a hand-written consumer does: kafka-python poll, json.load
 psycopg2 ``execute_values``, commit. Both are measured in the same run on the same
 servers, and reported as a ratio. Run with::
 
-    .venv/bin/python -m pytest bench/test_bench_pipeline.py -m bench -s
+    .venv/bin/python -m pytest bench/test_bench_pipeline.py -m bench -s -n 0
 
 Results go to docs/BENCHMARKS.md by hand, with the command.
 """

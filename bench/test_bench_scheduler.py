@@ -1,6 +1,6 @@
 """Scheduler cost: pure-core decision time (1,000 connectors, 50 brokers) and a real sensor tick (100 connectors).
 
-Run: python -m pytest bench/test_bench_scheduler.py -m bench -s
+Run: python -m pytest bench/test_bench_scheduler.py -m bench -s -n 0
 Figures are printed and, when $CONVEYOR_BENCH_OUT is set, appended to that JSON-lines file.
 """
 

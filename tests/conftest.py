@@ -22,6 +22,24 @@ settings.register_profile("default", max_examples=60, deadline=None)
 settings.register_profile("thorough", max_examples=2_000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# pytest-xdist runs the suite on two workers with `--dist loadfile`: a file's tests run
+# in order on one worker (they may share fixed resources), files run side by side. Each
+# worker starts its own tansu, Spark Connect server and, for e2e files, Dagster webserver.
+# The longest files start first so that the two workers finish together.
+SLOW_FIRST = [
+    "tests/e2e/test_scheduler_e2e.py",
+    "tests/e2e/test_sinks_e2e.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file is kept
+
+
 PG_URL = os.environ.get("CONVEYOR_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 

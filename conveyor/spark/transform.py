@@ -63,26 +63,34 @@ def _endpoint_reachable(session: Any) -> bool:
     return port_open(host, port, timeout=1.0)
 
 
-def close_spark_sessions() -> None:
-    """Close every Spark Connect session this process opened.
+def close_spark_sessions(timeout_s: float = 5.0) -> None:
+    """Close every Spark Connect session this process opened, in bounded time.
 
-    pyspark's client cleans up at interpreter exit with an RPC (ML cache, session
-    release) that it retries with backoff for minutes when the server is gone: a run
-    whose Spark endpoint went down would hang on exit. A session whose endpoint still
-    answers is stopped (its server-side session released); one whose endpoint is gone
-    only closes its channel, with no RPC.
+    pyspark's client cleans up at interpreter exit with RPCs (ML cache, session
+    release) that it retries with backoff for minutes when the server is gone or
+    shutting down: a run whose Spark endpoint went down would hang on exit. Here a
+    session whose endpoint answers is stopped (its server-side session released)
+    within ``timeout_s``; otherwise, or when that takes longer, only its channel is
+    closed, which also turns pyspark's own exit hook into a no-op.
     """
     with _sessions_lock:
         sessions = list(_sessions)
         _sessions.clear()
     for session in sessions:
-        try:
-            if _endpoint_reachable(session):
-                session.stop()
-            else:
-                session.client.close()
-        except Exception as e:  # noqa: BLE001 - best effort at shutdown
-            log.debug("closing a Spark session failed: %s", e)
+        client = session.client
+        if _endpoint_reachable(session):
+            stopper = threading.Thread(target=_quietly, args=(session.stop,), daemon=True)
+            stopper.start()
+            stopper.join(timeout_s)
+        if not client.is_closed:
+            _quietly(client.close)
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - best effort at shutdown
+        log.debug("closing a Spark session: %s", e)
 
 
 def is_connect_outage(e: BaseException) -> bool:

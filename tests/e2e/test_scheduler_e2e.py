@@ -231,7 +231,7 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
     store = h.store
 
     # 1. spread: 3 brokers x capacity 3, six good connectors (and a bad one) -> 2/2/2, all running, no hand launch
-    wait_for(lambda: running(store, names), 240, "six connectors Running")
+    wait_for(lambda: running(store, names), 360, "six connectors Running")
     timings["six_connectors_running_s"] = time.monotonic() - t0
     rows = {r.name: r for r in store.list()}
     assert sorted(Counter(rows[n].broker_id for n in names).values()) == [2, 2, 2]

@@ -33,7 +33,8 @@ def meta_url(request, tmp_path, pg_url) -> Iterator[str]:
 
 
 def cli(meta_url: str, *args: str, input: str | None = None):
-    return CliRunner().invoke(
+    # A wide, fixed terminal: tables are not folded whatever runs the tests.
+    return CliRunner(env={"COLUMNS": "200"}).invoke(
         main, ["--meta-url", meta_url, *args], input=input, catch_exceptions=False
     )
 

@@ -7,6 +7,7 @@ server went down would hang on exit (and a test session would too).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -31,6 +32,16 @@ def run(remote: str, mode: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_process_whose_spark_endpoint_is_gone_exits() -> None:
     r = run(f"sc://127.0.0.1:{free_port()}", "idle")
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+
+
+def test_a_process_whose_spark_endpoint_accepts_but_never_answers_exits() -> None:
+    # A port that accepts connections and says nothing (a server shutting down, a wrong
+    # service): stopping the session cannot complete, the exit must still be bounded.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        r = run(f"sc://127.0.0.1:{mute.getsockname()[1]}", "idle")
     assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
 
 
