@@ -330,14 +330,10 @@ def plan(
         move = _rebalance(list(settled.values()), brokers, healthy, now, cfg)
         if move is not None:
             out.decisions.append(move)
-    out.loads = _loads(
-        [
-            _after(c, [d for d in out.decisions if getattr(d, "name", None) == c.name])
-            for c in settled.values()
-        ],
-        brokers,
-        cfg,
-    )
+    decided: dict[str, list[Decision]] = defaultdict(list)
+    for d in out.decisions:
+        decided[getattr(d, "name", "")].append(d)
+    out.loads = _loads([_after(c, decided.get(c.name, [])) for c in settled.values()], brokers, cfg)
     return out
 
 

@@ -240,13 +240,14 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
 
     # 2. bad connector: Error, restarted with backoff up to max_restarts=2, then left alone
     # (that it is then left alone is checked at the end, minutes later)
-    wait_for(
-        lambda: store.get(bad).status == ConnectorStatus.ERROR and store.get(bad).restarts >= 2,
-        180,
+    # (one snapshot per check: restarts is counted when the restart is decided)
+    bad_row = wait_for(
+        lambda: (r := store.get(bad)).status == ConnectorStatus.ERROR and r.restarts >= 2 and r,
+        300,
         "bad connector exhausted its restarts",
     )
-    bad_gen = store.get(bad).generation
-    assert "no_such_table" in (store.get(bad).last_error or "")
+    bad_gen = bad_row.generation
+    assert "no_such_table" in (bad_row.last_error or ""), bad_row
     assert running(store, names)  # the others are unaffected
 
     # 3. crash recovery: kill -9 one connector's run process while messages flow
