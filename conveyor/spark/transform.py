@@ -128,12 +128,12 @@ class SparkTransformer:
         spec = self.spec
         meta = [c for c in META_COLUMNS]
         value_str = "CAST(__value AS STRING)"
+        # No DataFrame property that needs the schema (``df.columns``) may be read here: on
+        # Spark Connect each is an analysis round trip that uploads the whole batch again.
         if spec.decode == Decode.RAW:
             df = df.selectExpr(*meta, ROW_COL, "false AS __bad", "__value AS value")
-            payload = ["value"]
         elif spec.decode == Decode.TEXT:
             df = df.selectExpr(*meta, ROW_COL, "__value IS NULL AS __bad", f"{value_str} AS value")
-            payload = ["value"]
         else:
             bad = f"(__value IS NULL OR try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
@@ -144,17 +144,14 @@ class SparkTransformer:
                     f"from_json({value_str}, '{_sql_str(spec.json_schema)}') AS __d",
                 )
                 df = df.selectExpr(*meta, ROW_COL, BAD_COL, "__d.*")
-                payload = [c for c in df.columns if c not in (*meta, ROW_COL, BAD_COL)]
             else:
                 df = df.selectExpr(*meta, ROW_COL, f"{bad} AS __bad", f"{value_str} AS value")
-                payload = ["value"]
         if spec.filter:
             df = df.where(f"__bad OR coalesce(({spec.filter}), false)")
         if spec.select:
             df = df.selectExpr(*meta, ROW_COL, BAD_COL, *spec.select)
         if spec.rename:
             df = df.withColumnsRenamed(dict(spec.rename))
-        del payload
         return df
 
     def check(self, source_schema: pa.Schema) -> list[str]:
