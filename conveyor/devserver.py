@@ -7,6 +7,7 @@ default broker executor), the demo producer and connector specs, then
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -159,6 +160,9 @@ def run_dev(
         _say("stopping")
         return 0
     finally:
+        # Connector runs are grandchildren of `dagster dev` (its code server starts them)
+        # and outlive it: stop them first, the way Dagster's terminate does.
+        _stop_connector_runs()
         for p in reversed(children):
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -173,6 +177,51 @@ def run_dev(
         if broker:
             broker.stop()
         _say("all processes stopped")
+
+
+def _stop_connector_runs(timeout_s: float = 30.0) -> None:
+    """Interrupt the connector runs of this machine; they commit, clean up and exit.
+
+    A run that stops this way records its connector as Stopped (as a terminate from
+    the UI does); the ones that were meant to run are set back to desired running, so
+    the next ``conveyor dev`` resumes them from their last commit.
+    """
+    import socket
+
+    from conveyor.core.model import DesiredState
+    from conveyor.jobs.connector import pid_alive
+    from conveyor.store.meta import MetaStore
+
+    try:
+        store = MetaStore()
+        rows = store.list()
+    except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+        _say(f"could not read the meta store to stop connector runs: {e}")
+        return
+    host = socket.gethostname()
+    live = [r for r in rows if r.run_pid and (r.run_host in (None, host)) and pid_alive(r.run_pid)]
+    for r in live:
+        _say(f"stopping connector {r.name} (run {r.run_id}, pid {r.run_pid})")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(r.run_pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid_alive(r.run_pid) for r in live if r.run_pid):
+        time.sleep(0.2)
+    for r in live:
+        if r.run_pid and pid_alive(r.run_pid):
+            _say(
+                f"connector {r.name}: run did not stop in {timeout_s:g} s; killing pid {r.run_pid}"
+            )
+            os.kill(r.run_pid, signal.SIGKILL)
+        if r.desired == DesiredState.RUNNING:
+            try:
+                store.set_desired(
+                    r.name,
+                    DesiredState.RUNNING,
+                    reason="conveyor dev stopped; resumes at the next start",
+                )
+            except Exception as e:  # noqa: BLE001
+                _say(f"connector {r.name}: could not keep it desired running: {e}")
 
 
 def _install_demo(connectors: Path) -> None:

@@ -1,0 +1,146 @@
+"""The README's demo: ``conveyor dev`` as a new user runs it, on free loopback ports.
+
+It starts the embedded tansu broker, a Spark Connect server, the demo producer and
+``dagster dev``; the ``conveyor_scheduler`` sensor launches the demo connector by
+itself; orders land in JSONL files; the code location shows the demo's lineage;
+Ctrl-C (SIGINT) stops every process it started, connector run included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conveyor.brokers.embedded import free_port, port_open
+from conveyor.core.model import ConnectorStatus
+from conveyor.jobs.connector import pid_alive
+from conveyor.store.meta import MetaStore
+from tests.e2e.conftest import wait_for
+
+pytestmark = pytest.mark.e2e
+
+DEMO = "demo_orders"
+
+
+class Dev:
+    def __init__(self, cwd: Path, proc: subprocess.Popen[bytes], ports: dict[str, int]):
+        self.cwd, self.proc, self.ports = cwd, proc, ports
+        self.home = cwd / ".conveyor"
+        self.store = MetaStore(f"sqlite:///{self.home / 'meta.db'}")
+        self.env = {**os.environ, "CONVEYOR_HOME": str(self.home)}
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        exe = str(Path(sys.executable).parent / "conveyor")
+        return subprocess.run(
+            [exe, *args], env=self.env, cwd=self.cwd, capture_output=True, text=True, timeout=60
+        )
+
+    def log(self) -> str:
+        return (self.cwd / "conveyor-dev.log").read_text(errors="replace")[-4000:]
+
+    def lines(self) -> int:
+        out = self.home / "out" / "orders"
+        return (
+            sum(len(f.read_text().splitlines()) for f in out.glob("*.jsonl")) if out.exists() else 0
+        )
+
+
+@pytest.fixture(scope="module")
+def dev() -> Iterator[Dev]:
+    cwd = Path(tempfile.mkdtemp(prefix="conveyor-dev-"))
+    ports = {"kafka": free_port(), "spark": free_port(), "ui": free_port()}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CONVEYOR_", "DAGSTER_HOME")) or k == "CONVEYOR_TEST_PG_URL"
+    }
+    exe = str(Path(sys.executable).parent / "conveyor")
+    log = open(cwd / "conveyor-dev.log", "wb")  # noqa: SIM115
+    # The README's second command, on free ports, from a fresh directory.
+    proc = subprocess.Popen(
+        [exe, "dev", "--kafka-port", str(ports["kafka"]), "--spark-port", str(ports["spark"])]
+        + ["--port", str(ports["ui"]), "--rate", "200"],
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    dev = Dev(cwd, proc, ports)
+    try:
+        wait_for(
+            lambda: port_open("127.0.0.1", ports["ui"]) or proc.poll() is not None,
+            240,
+            "the Dagster UI",
+        )
+        assert proc.poll() is None, dev.log()
+        yield dev
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def graphql(dev: Dev, query: str) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{dev.ports['ui']}/graphql",
+        json.dumps({"query": query}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: Dev) -> None:
+    # Nobody launches anything: the scheduler sensor assigns the demo to broker `local`.
+    wait_for(
+        lambda: (r := dev.store.get(DEMO)).status == ConnectorStatus.RUNNING and r.heartbeat_at,
+        180,
+        f"{DEMO} Running\n{dev.log()}",
+    )
+    row = dev.store.get(DEMO)
+    assert row.broker_id == "local" and row.run_id
+    wait_for(lambda: dev.lines() >= 200, 60, "demo orders in .conveyor/out/orders")
+    wait_for(lambda: sum(dev.store.committed_offsets(DEMO).values()) > 0, 30, "offsets committed")
+    # The CLI shows it, as the README says.
+    r = dev.cli("connector", "list")
+    assert r.returncode == 0 and DEMO in r.stdout and "Running" in r.stdout, r.stdout + r.stderr
+    # The lineage is in the code location: topic -> files -> dead letters.
+    keys = {
+        "/".join(n["assetKey"]["path"])
+        for n in graphql(dev, "{ assetNodes { assetKey { path } } }")["data"]["assetNodes"]
+    }
+    assert {"kafka/orders", f"dead_letters/{DEMO}"} <= keys
+    assert any(k.startswith("localfile/") for k in keys), keys
+
+
+def test_ctrl_c_stops_every_process_it_started(dev: Dev) -> None:
+    run_pid = dev.store.get(DEMO).run_pid
+    assert run_pid and pid_alive(run_pid)
+    dev.proc.send_signal(signal.SIGINT)
+    assert dev.proc.wait(90) == 0, dev.log()
+    assert "all processes stopped" in dev.log()
+    # Nothing is orphaned: the connector run, the broker, Spark and the UI are gone.
+    wait_for(lambda: not pid_alive(run_pid), 30, "the connector run process gone")
+    for name, port in dev.ports.items():
+        assert not port_open("127.0.0.1", port), f"{name} still listening on {port}"
+
+    def session_left() -> str:
+        r = subprocess.run(["pgrep", "-a", "-s", str(dev.proc.pid)], capture_output=True, text=True)
+        return r.stdout.strip()
+
+    # Servers finish exiting shortly after their stop (the Spark JVM, dagster's code servers).
+    wait_for(lambda: session_left() == "", 30, "every process of conveyor dev's session gone")
+    # The demo connector was stopped by the shutdown, and stays meant to run next time.
+    row = dev.store.get(DEMO)
+    assert row.desired.value == "running" and row.status != ConnectorStatus.RUNNING, row
