@@ -2,8 +2,10 @@
 
 It starts the embedded tansu broker, the demo producer and ``dagster dev`` (on the
 tests' Spark Connect server, given as ``CONVEYOR_SPARK_REMOTE``); the ``conveyor_scheduler`` sensor launches the demo connector by
-itself; orders land in JSONL files; the code location shows the demo's lineage;
-Ctrl-C (SIGINT) stops every process it started, connector run included.
+itself; orders land in JSONL files; the UI shows the demo's lineage and its plotted
+metadata (headless Chromium; screenshots go to docs/img with
+CONVEYOR_UPDATE_SCREENSHOTS=1); Ctrl-C (SIGINT) stops every process it started,
+connector run included.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,7 @@ from conveyor.core.model import ConnectorStatus
 from conveyor.jobs.connector import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import wait_for
+from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -126,6 +130,55 @@ def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: D
     }
     assert {"kafka/orders", f"dead_letters/{DEMO}"} <= keys
     assert any(k.startswith("localfile/") for k in keys), keys
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -> None:
+    # Two materializations to plot: the run's first progress event and its final one
+    # (a stop from the CLI); then the demo is started again for the Ctrl-C test.
+    wait_for(lambda: dev.store.get(DEMO).counters.get("messages_out", 0) > 0, 60, "progress")
+    assert dev.cli("connector", "stop", DEMO).returncode == 0
+    wait_for(lambda: dev.store.get(DEMO).status == ConnectorStatus.STOPPED, 60, "demo stopped")
+    assert dev.cli("connector", "start", DEMO).returncode == 0
+    sink_key = next(
+        n["assetKey"]["path"]
+        for n in graphql(dev, "{ assetNodes { assetKey { path } } }")["data"]["assetNodes"]
+        if n["assetKey"]["path"][0] == "localfile"
+    )
+    assert graphql(dev, "mutation { setNuxSeen }")["data"]["setNuxSeen"] is True
+    base = f"http://127.0.0.1:{dev.ports['ui']}"
+    browser = Chromium(CHROMIUM, Path(tempfile.mkdtemp(prefix="chromium-", dir=tmp_path)))
+    try:
+        # `dagster dev -m conveyor.definitions` names the code location after the module.
+        browser.goto(
+            f"{base}/locations/__repository__@conveyor.definitions/asset-groups/connector_{DEMO}"
+        )
+        browser.wait_js(has_tooltips("orders", sink_key[-1], DEMO), 60, "the demo's asset nodes")
+        browser.wait_js("!document.body.innerText.includes('Loading')", 30, "node details loaded")
+        time.sleep(1)  # layout animation
+        graph = img_dir(tmp_path) / "demo-asset-graph.png"
+        browser.screenshot(graph)
+        assert graph.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        text = browser.js("document.body.innerText")
+        for kind in ("Kafka", "File", "Parquet"):
+            assert kind in text, kind
+
+        browser.goto(f"{base}/assets/{'/'.join(sink_key)}")
+        plots = "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Plots')"
+        browser.wait_js(f"!!{plots}", 30, "the metadata Plots toggle")
+        browser.js(f"{plots}.scrollIntoView({{block: 'start'}}); {plots}.click()")
+        browser.wait_js(
+            f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}", 30, "the plots"
+        )
+        time.sleep(1.5)  # chart animations
+        shot = img_dir(tmp_path) / "demo-asset-plots.png"
+        browser.screenshot(shot)
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        browser.close()
+    wait_for(
+        lambda: dev.store.get(DEMO).status == ConnectorStatus.RUNNING, 120, "demo Running again"
+    )
 
 
 def test_ctrl_c_stops_every_process_it_started(dev: Dev) -> None:
