@@ -215,11 +215,18 @@ class SinkContract:
     def test_cleanup_twice(self, target: str) -> None:
         s = build_sink(self.config(target))
         s.init_sink()
-        s.send_batch(make_batch(3))
+        assert s.send_batch(make_batch(3)).failed == ()
         s.cleanup_sink()
         s.cleanup_sink()
         # and cleanup of a sink that never started
         build_sink(self.config(target)).cleanup_sink()
+        # the target is still usable afterwards by a new sink
+        again = build_sink(self.config(target))
+        again.init_sink()
+        try:
+            assert again.send_batch(make_batch(3)).failed == ()
+        finally:
+            again.cleanup_sink()
 
     def test_validate_rejects_each_bad_field(self) -> None:
         assert self.bad_fields, "list at least one bad field"
