@@ -179,6 +179,10 @@ class KafkaSource:
         first_at: float | None = None
         wait_s = policy.max_wait_ms / 1000
         poll_deadline = time.monotonic() + wait_s
+        # Where this read starts: a failed read rewinds here, so that records polled
+        # before the error are read again instead of being skipped (the consumer's
+        # position has already moved past them).
+        start = {tp: self._consumer.position(tp) for tp in self._consumer.assignment()}
         try:
             while len(records) < policy.max_records and nbytes < policy.max_bytes:
                 now = time.monotonic()
@@ -195,6 +199,9 @@ class KafkaSource:
                 if records and first_at is None:
                     first_at = time.monotonic()
         except KafkaError as e:
+            for tp, pos in start.items():
+                if pos is not None:
+                    self._consumer.seek(tp, pos)
             raise TransientSourceError(f"reading from {self.bootstrap} failed: {e}") from e
         self._refresh_highwater()
         if not records:
