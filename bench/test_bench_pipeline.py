@@ -78,22 +78,29 @@ def count(pg_url: str, schema: str, table: str) -> int:
 
 
 class LatencySink:
-    """Wraps a sink and records produce-to-acknowledged latency per row."""
+    """Wraps a sink and records produce-to-acknowledged latency per row (vectorised, so
+    that measuring costs the connector about what it costs the bare loop)."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.latencies: list[float] = []
+        self._chunks: list = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def send_batch(self, batch):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         result = self.inner.send_batch(batch)
-        now = time.time()
-        for ts in batch.column("__timestamp").to_pylist():
-            if ts is not None:
-                self.latencies.append(now - ts.timestamp())
+        now_ms = time.time() * 1000
+        ts = batch.column("__timestamp").cast(pa.timestamp("ms", tz="UTC")).cast(pa.int64())
+        self._chunks.append(pc.subtract(now_ms, pc.cast(ts, pa.float64())))
         return result
+
+    @property
+    def latencies(self) -> list[float]:
+        return [ms / 1000 for c in self._chunks for ms in c.to_pylist() if ms is not None]
 
 
 def run_connector(

@@ -3,13 +3,17 @@
 Records become a DataFrame through Arrow (``createDataFrame`` from an Arrow
 table), decoding, filters and projections are Spark SQL expressions, and the
 result comes back with ``toArrow()``. Undecodable rows are flagged in the same
-pass and split off locally, so a batch costs one Spark round trip.
+pass and split off locally, so a batch costs one Spark round trip. Only the
+payload and the message columns an expression uses make that trip; the rest
+(topic, partition, offset, timestamp, key, headers) are joined back locally by
+row number.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -19,7 +23,7 @@ import pyarrow as pa
 
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.loop import Rejected, Transformed
-from conveyor.core.model import META_COLUMNS, Decode, TransformSpec
+from conveyor.core.model import META_COLUMNS, VALUE_COL, Decode, TransformSpec
 
 log = logging.getLogger("conveyor.spark")
 # pyspark logs every failed analysis as a multi-kilobyte JSON error; we report it ourselves.
@@ -43,6 +47,7 @@ def spark_session(remote: str) -> Any:
     from dagster_pyspark import LazyPySparkResource
 
     session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
+    _cache_static_confs(session)
     with _sessions_lock:
         _sessions.add(session)
         if not _atexit_registered:
@@ -50,6 +55,49 @@ def spark_session(remote: str) -> Any:
             atexit.register(close_spark_sessions)
             _atexit_registered = True
     return session
+
+
+# The SQL confs pyspark's ``createDataFrame`` reads on every call (one Config RPC per
+# batch). Conveyor never sets them on its sessions, so they are read once per session.
+_CREATE_DATAFRAME_CONFS = frozenset(
+    {
+        "spark.sql.timestampType",
+        "spark.sql.session.timeZone",
+        "spark.sql.session.localRelationCacheThreshold",
+        "spark.sql.session.localRelationSizeLimit",
+        "spark.sql.session.localRelationChunkSizeRows",
+        "spark.sql.session.localRelationChunkSizeBytes",
+        "spark.sql.session.localRelationBatchOfChunksSizeBytes",
+        "spark.sql.execution.pandas.convertToArrowArraySafely",
+        "spark.sql.execution.pandas.inferPandasDictAsMap",
+        "spark.sql.pyspark.inferNestedDictAsStruct.enabled",
+        "spark.sql.pyspark.legacy.inferArrayTypeFromFirstElement.enabled",
+        "spark.sql.pyspark.legacy.inferMapTypeFromFirstPair.enabled",
+        "spark.sql.execution.arrow.useLargeVarTypes",
+    }
+)
+
+
+def _cache_static_confs(session: Any) -> None:
+    """Answer ``createDataFrame``'s per-call conf lookup from a per-session cache.
+
+    Saves one RPC per batch. Only lookups made entirely of the confs above are cached;
+    if pyspark's client changes shape, nothing is patched and every call goes through.
+    """
+    client = getattr(session, "client", None)
+    fetch = getattr(client, "get_config_dict", None)
+    if fetch is None:
+        return
+    cache: dict[tuple[str, ...], Any] = {}
+
+    def get_config_dict(*keys: str) -> Any:
+        if not keys or not _CREATE_DATAFRAME_CONFS.issuperset(keys):
+            return fetch(*keys)
+        if keys not in cache:
+            cache[keys] = fetch(*keys)
+        return dict(cache[keys])
+
+    client.get_config_dict = get_config_dict
 
 
 def _endpoint_reachable(session: Any) -> bool:
@@ -116,6 +164,9 @@ class SparkTransformer:
         self.spec = spec
         self._session_or_factory = session
         self._session: Any = None
+        self._out_schema: pa.Schema | None = (
+            None  # the pipeline's Arrow output, known after one batch
+        )
 
     @property
     def session(self) -> Any:
@@ -125,34 +176,70 @@ class SparkTransformer:
         return self._session
 
     def _pipeline(self, df: Any) -> Any:
+        """The Spark SQL plan. Its input holds ``__value``, ``__row`` and the message columns
+        the expressions use; its output holds ``__row``, ``__bad`` and the payload columns."""
         spec = self.spec
-        meta = [c for c in META_COLUMNS]
+        used = self._meta_used
         value_str = "CAST(__value AS STRING)"
         # No DataFrame property that needs the schema (``df.columns``) may be read here: on
         # Spark Connect each is an analysis round trip that uploads the whole batch again.
         if spec.decode == Decode.RAW:
-            df = df.selectExpr(*meta, ROW_COL, "false AS __bad", "__value AS value")
+            df = df.selectExpr(ROW_COL, *used, "false AS __bad", "__value AS value")
         elif spec.decode == Decode.TEXT:
-            df = df.selectExpr(*meta, ROW_COL, "__value IS NULL AS __bad", f"{value_str} AS value")
+            df = df.selectExpr(ROW_COL, *used, "__value IS NULL AS __bad", f"{value_str} AS value")
         else:
             bad = f"(__value IS NULL OR try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
                 df = df.selectExpr(
-                    *meta,
                     ROW_COL,
+                    *used,
                     f"{bad} AS __bad",
                     f"from_json({value_str}, '{_sql_str(spec.json_schema)}') AS __d",
                 )
-                df = df.selectExpr(*meta, ROW_COL, BAD_COL, "__d.*")
+                df = df.selectExpr(ROW_COL, *used, BAD_COL, "__d.*")
             else:
-                df = df.selectExpr(*meta, ROW_COL, f"{bad} AS __bad", f"{value_str} AS value")
+                df = df.selectExpr(ROW_COL, *used, f"{bad} AS __bad", f"{value_str} AS value")
         if spec.filter:
             df = df.where(f"__bad OR coalesce(({spec.filter}), false)")
         if spec.select:
-            df = df.selectExpr(*meta, ROW_COL, BAD_COL, *spec.select)
+            df = df.selectExpr(ROW_COL, BAD_COL, *spec.select)
+        elif used:
+            df = df.drop(*used)
         if spec.rename:
             df = df.withColumnsRenamed(dict(spec.rename))
         return df
+
+    @property
+    def _meta_used(self) -> list[str]:
+        """The message columns (``__key``, ``__offset``...) the filter or select refer to.
+
+        Only these, with the payload, cross to Spark and back; the others stay here and
+        are joined back to each output row by its row number. A mention inside a string
+        literal ships a column for nothing, which is harmless.
+        """
+        text = " ".join([self.spec.filter or "", *(self.spec.select or [])])
+        return [
+            c for c in META_COLUMNS if re.search(rf"(?<![A-Za-z0-9_]){c}(?![A-Za-z0-9_])", text)
+        ]
+
+    def _shipped(self, batch: pa.Table) -> pa.Table:
+        cols = [c for c in (VALUE_COL, *self._meta_used) if c in batch.column_names]
+        return batch.select(cols).append_column(
+            ROW_COL, pa.array(range(batch.num_rows), pa.int64())
+        )
+
+    def _collect(self, df: Any) -> pa.Table:
+        """The result as Arrow. ``toArrow()`` asks the server for the schema first (an
+        analysis RPC that uploads the batch a second time); the output schema never
+        changes between batches, so after the first it is reused and the result fetched
+        with one RPC. Falls back to ``toArrow()`` if pyspark's internals change."""
+        to_table = getattr(df, "_to_table", None)
+        if self._out_schema is None or to_table is None:
+            out: pa.Table = df.toArrow()
+            self._out_schema = out.schema
+            return out
+        table: pa.Table = to_table()[0]
+        return table if table.schema.equals(self._out_schema) else table.cast(self._out_schema)
 
     def check(self, source_schema: pa.Schema) -> list[str]:
         """Analyse the pipeline on an empty batch: bad expressions become ConfigError. Returns output columns."""
@@ -160,9 +247,9 @@ class SparkTransformer:
         # (analysis only; nothing is executed).
         sample = pa.Table.from_pylist(
             [{f.name: _sample_value(f.type) for f in source_schema}], schema=source_schema
-        ).append_column(ROW_COL, pa.array([0], pa.int64()))
+        )
         try:
-            df = self._pipeline(self.session.createDataFrame(sample))
+            df = self._pipeline(self.session.createDataFrame(self._shipped(sample)))
             # Spark Connect may answer .schema without analysing a Filter's condition;
             # executing on zero rows forces full analysis at negligible cost.
             cols = df.limit(0).toArrow().schema.names
@@ -180,19 +267,35 @@ class SparkTransformer:
         self.check(SOURCE_SCHEMA)
 
     def __call__(self, batch: pa.Table) -> Transformed:
+        """One Spark round trip for the batch.
+
+        Only the payload (and the message columns the expressions use) goes to Spark;
+        the output rows carry their source row number, by which the message columns
+        (topic, partition, offset, timestamp, key, headers) are taken back from the
+        batch here. A payload column named like a message column (``__destination``
+        from a select, say) replaces it.
+        """
+        import pyarrow.compute as pc
+
         n = batch.num_rows
-        table = batch.append_column(ROW_COL, pa.array(range(n), pa.int64()))
         try:
-            out = self._pipeline(self.session.createDataFrame(table)).toArrow()
+            out = self._collect(self._pipeline(self.session.createDataFrame(self._shipped(batch))))
         except Exception as e:
             if is_connect_outage(e):
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
             raise
         bad_mask = out.column(BAD_COL)
-        import pyarrow.compute as pc
-
         bad_rows = out.filter(bad_mask).column(ROW_COL).to_pylist()
-        good = out.filter(pc.invert(bad_mask)).drop_columns([BAD_COL, ROW_COL])
+        good = out.filter(pc.invert(bad_mask))
+        payload = good.drop_columns([BAD_COL, ROW_COL])
+        meta = [
+            c for c in META_COLUMNS if c in batch.column_names and c not in payload.column_names
+        ]
+        carried = batch.select(meta).take(good.column(ROW_COL))
+        table = pa.Table.from_arrays(
+            [*carried.columns, *payload.columns],
+            schema=pa.schema([*carried.schema, *payload.schema]),
+        )
         how = {
             Decode.JSON: "not valid JSON",
             Decode.TEXT: "null payload",
@@ -200,7 +303,7 @@ class SparkTransformer:
         }[self.spec.decode]
         rejected = tuple(Rejected(i, f"undecodable payload: {how}") for i in bad_rows)
         filtered = n - out.num_rows
-        return Transformed(table=good, rejected=rejected, filtered=filtered)
+        return Transformed(table=table, rejected=rejected, filtered=filtered)
 
 
 def _sample_value(t: pa.DataType) -> Any:

@@ -1,0 +1,197 @@
+"""The transform on a real Spark Connect server: decoding, filters, selects, renames.
+
+Each batch is built in the source layout (``records_to_table``'s schema) and goes
+through ``SparkTransformer`` exactly as in the loop. What comes back is checked row
+by row: payload columns, the message's own columns (topic, partition, offset,
+timestamp, key, headers), undecodable rows reported by index, filtered rows counted.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from conveyor.brokers.kafka import SOURCE_SCHEMA
+from conveyor.core.errors import ConfigError
+from conveyor.core.model import TransformSpec
+from conveyor.spark.transform import SparkTransformer, spark_session
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = "id BIGINT, name STRING, amount DOUBLE"
+
+
+@pytest.fixture(scope="module")
+def spark(spark_remote: str) -> Any:
+    return spark_session(spark_remote)
+
+
+def source(values: list[bytes | None], *, partition_of=lambda i: i % 2) -> pa.Table:
+    n = len(values)
+    return pa.Table.from_pylist(
+        [
+            {
+                "__topic": "orders",
+                "__partition": partition_of(i),
+                "__offset": 100 + i,
+                "__timestamp": datetime(2026, 11, 23, 12, 0, i % 60, tzinfo=UTC),
+                "__key": f"k{i}".encode(),
+                "__headers": [{"key": "h", "value": f"v{i}".encode()}],
+                "__destination": None,
+                "__value": v,
+            }
+            for i, v in enumerate(values)
+        ],
+        schema=SOURCE_SCHEMA,
+    ).slice(0, n)
+
+
+def order(i: int) -> bytes:
+    return json.dumps({"id": i, "name": f"name {i}", "amount": i * 0.5}).encode()
+
+
+def transform(spark: Any, **spec: Any) -> SparkTransformer:
+    t = SparkTransformer(TransformSpec.model_validate(spec), spark)
+    t.prepare()
+    return t
+
+
+def test_json_with_schema_keeps_each_message_with_its_own_metadata(spark):
+    values: list[bytes | None] = [order(i) for i in range(1_000)]
+    values[10] = b"not json"
+    values[20] = None
+    values[30] = b'{"id": 30, "name": "unterminated'
+    out = transform(spark, decode="json", schema=SCHEMA)(source(values))
+
+    assert [(r.index, r.message) for r in out.rejected] == [
+        (10, "undecodable payload: not valid JSON"),
+        (20, "undecodable payload: not valid JSON"),
+        (30, "undecodable payload: not valid JSON"),
+    ]
+    assert out.filtered == 0
+    t = out.table
+    assert t.num_rows == 997
+    assert t.column_names == [
+        "__topic",
+        "__partition",
+        "__offset",
+        "__timestamp",
+        "__key",
+        "__headers",
+        "__destination",
+        "id",
+        "name",
+        "amount",
+    ]
+    rows = t.to_pylist()
+    kept = [i for i in range(1_000) if i not in (10, 20, 30)]
+    assert [r["id"] for r in rows] == kept
+    for r, i in zip(rows, kept, strict=True):  # every payload stays with its own message
+        assert r["name"] == f"name {i}" and r["amount"] == i * 0.5
+        assert r["__offset"] == 100 + i and r["__partition"] == i % 2
+        assert r["__key"] == f"k{i}".encode()
+        assert r["__headers"] == [{"key": "h", "value": f"v{i}".encode()}]
+        assert r["__timestamp"] == datetime(2026, 11, 23, 12, 0, i % 60, tzinfo=UTC)
+        assert r["__topic"] == "orders" and r["__destination"] is None
+    assert t.schema.field("id").type == pa.int64()
+    ts = t.schema.field("__timestamp").type
+    assert pa.types.is_timestamp(ts) and ts.tz == "UTC"
+
+
+def test_json_without_schema_keeps_the_document_as_one_validated_string(spark):
+    out = transform(spark, decode="json")(source([b'{"a": [1, 2]}', b"{oops", b"[1]"]))
+    assert [r.index for r in out.rejected] == [1]
+    assert out.table.column("value").to_pylist() == ['{"a": [1, 2]}', "[1]"]
+
+
+def test_text_and_raw_decoding(spark):
+    batch = source([b"caf\xc3\xa9", None, b"\x00\x01"])
+    text = transform(spark, decode="text")(batch)
+    assert [(r.index, r.message) for r in text.rejected] == [
+        (1, "undecodable payload: null payload")
+    ]
+    assert text.table.column("value").to_pylist()[0] == "café"
+    raw = transform(spark, decode="raw")(batch)
+    assert raw.rejected == ()
+    assert raw.table.column("value").to_pylist() == [b"caf\xc3\xa9", None, b"\x00\x01"]
+
+
+def test_filter_on_a_payload_field_counts_what_it_skips(spark):
+    values: list[bytes | None] = [order(i) for i in range(100)]
+    values[3] = b"garbage"  # undecodable rows are reported even when the filter would drop them
+    out = transform(spark, decode="json", schema=SCHEMA, filter="amount >= 25")(source(values))
+    assert [r.index for r in out.rejected] == [3]
+    assert out.table.column("id").to_pylist() == list(range(50, 100))
+    assert out.table.column("__offset").to_pylist() == [100 + i for i in range(50, 100)]
+    assert out.filtered == 49  # 100 in, 50 out, 1 rejected: a rejected row is not also "filtered"
+
+
+def test_filter_and_select_on_message_columns(spark):
+    values = [order(i) for i in range(40)]
+    out = transform(
+        spark,
+        decode="json",
+        schema=SCHEMA,
+        filter="__partition = 1 AND id < 30",
+        select=[
+            "id",
+            "upper(name) AS name",
+            "CAST(__key AS STRING) AS k",
+            "__offset AS src_offset",
+        ],
+        rename={"k": "message_key"},
+    )(source(values))
+    rows = out.table.to_pylist()
+    odd = [i for i in range(30) if i % 2 == 1]
+    assert [r["id"] for r in rows] == odd
+    assert [r["name"] for r in rows] == [f"NAME {i}" for i in odd]
+    assert [r["message_key"] for r in rows] == [f"k{i}" for i in odd]
+    assert [r["src_offset"] for r in rows] == [100 + i for i in odd]
+    assert [r["__offset"] for r in rows] == [100 + i for i in odd]
+    assert [r["__key"] for r in rows] == [f"k{i}".encode() for i in odd]
+    assert out.table.column_names[-4:] == ["id", "name", "message_key", "src_offset"]
+    assert out.filtered == 40 - len(odd)
+
+
+def test_a_select_can_route_each_row_with_destination(spark):
+    values = [json.dumps({"id": i, "region": "eu" if i % 2 else "us"}).encode() for i in range(6)]
+    out = transform(
+        spark,
+        decode="json",
+        schema="id BIGINT, region STRING",
+        select=["id", "concat('orders.', region) AS __destination"],
+    )(source(values))
+    t = out.table
+    assert t.column_names.count("__destination") == 1
+    assert t.column("__destination").to_pylist() == [
+        f"orders.{'eu' if i % 2 else 'us'}" for i in range(6)
+    ]
+    assert t.column("id").to_pylist() == list(range(6))
+    assert t.column("__key").to_pylist() == [f"k{i}".encode() for i in range(6)]
+
+
+def test_every_row_undecodable(spark):
+    out = transform(spark, decode="json", schema=SCHEMA)(source([b"x", b"y", None]))
+    assert [r.index for r in out.rejected] == [0, 1, 2]
+    assert out.table.num_rows == 0
+    assert "id" in out.table.column_names
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"schema": "id BIGINT", "filter": "no_such_column > 1"}, "no_such_column"),
+        ({"schema": "id BIGINT", "select": ["id +"]}, "Spark rejected the transform"),
+        ({"schema": "id NOT_A_TYPE"}, "Spark rejected the transform"),
+    ],
+)
+def test_a_bad_expression_is_a_config_error_naming_the_transform(spark, spec, words):
+    t = SparkTransformer(TransformSpec.model_validate({"decode": "json", **spec}), spark)
+    with pytest.raises(ConfigError) as e:
+        t.prepare()
+    assert e.value.field == "transform"
+    assert words in str(e.value)
