@@ -2,8 +2,10 @@
 
 Order inside one batch, always: transform, send, failed messages follow the
 failure policy (dead letters flushed), then offsets committed, then heartbeat.
-Nothing is committed before the sink acknowledged. The next batch is read on a
-background thread while the current one is in Spark and the sink.
+Nothing is committed before the sink acknowledged. Batches flow through a
+three-stage pipeline: while batch N is in the sink, N+1 is transformed (Spark)
+and N+2 is read, each stage on its own thread holding one batch. Sending,
+committing and every error decision stay on the loop's thread, in order.
 
 Interrupts (Dagster raises ``DagsterExecutionInterruptedError``, a
 ``BaseException``, in the op's thread) may land anywhere. The shutdown path
@@ -115,7 +117,8 @@ class Transformer(Protocol):
         """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage.
 
         A transformer may also define ``prepare()``, called once before the first batch,
-        to check its expressions (raising ConfigError).
+        to check its expressions (raising ConfigError). It is called from one thread at a
+        time, but not always the same one (see ``LoopConfig.transform_ahead``).
         """
 
 
@@ -165,7 +168,9 @@ class LoopConfig:
     failure: FailureSpec = field(default_factory=FailureSpec)
     heartbeat_interval_s: float = 1.0
     progress_interval_s: float = 60.0
-    prefetch: bool = True
+    prefetch: bool = True  # read the next batch on a thread
+    # With prefetch: also transform the next batch on a thread, while this one is sent.
+    transform_ahead: bool = True
 
 
 @dataclass
@@ -240,13 +245,14 @@ class ConnectorLoop:
                 self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
             self._heartbeat(force=True)
             if self.cfg.prefetch:
-                reader = _Prefetcher(self.source, self.cfg.batch)
+                ahead = self.transform if self.cfg.transform_ahead else None
+                reader = _Prefetcher(self.source, self.cfg.batch, ahead)
             while not self._should_stop():
-                sb = reader.next() if reader else self.source.read(self.cfg.batch)
-                if sb is None:
+                item = reader.next() if reader else _Ahead.of(self.source.read(self.cfg.batch))
+                if item is None:
                     self._heartbeat()
                     continue
-                self._process(sb)
+                self._process(item)
             return self.counters
         except FencedError:
             self._acked = None  # never commit after losing the assignment
@@ -262,10 +268,15 @@ class ConnectorLoop:
 
     # -- one batch --------------------------------------------------------------
 
-    def _process(self, sb: SourceBatch) -> None:
+    def _process(self, item: _Ahead) -> None:
         started = self.clock()
+        sb = item.batch
         n_in = sb.table.num_rows
-        tr = self._with_outage_retry("transform", lambda: self.transform(sb.table))
+        tr = item.transformed
+        if tr is None:
+            tr = self._with_outage_retry(
+                "transform", lambda: self.transform(sb.table), failed_first=item.outage
+            )
         failures = [
             FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode")
             for r in tr.rejected
@@ -389,9 +400,17 @@ class ConnectorLoop:
 
     # -- outages ------------------------------------------------------------------
 
-    def _with_outage_retry(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _with_outage_retry(
+        self, what: str, fn: Callable[[], Any], *, failed_first: Exception | None = None
+    ) -> Any:
+        """``fn()`` until it succeeds, retrying outages. ``failed_first``: an outage ``fn``
+        already ran into elsewhere (a transform ahead), counted as the first attempt."""
+        pending = failed_first
         while True:
             try:
+                if pending is not None:
+                    error, pending = pending, None
+                    raise error
                 return fn()
             except (TransientSinkError, TransientSourceError) as e:
                 now = self.clock()
@@ -511,35 +530,92 @@ def run_loop(loop: ConnectorLoop) -> Counters:
         return loop.counters
 
 
-class _Prefetcher:
-    """Reads the next batch on a thread while the current one is processed (one in flight)."""
+@dataclass(frozen=True)
+class _Ahead:
+    """A batch handed to the loop's thread, transformed ahead when that succeeded."""
 
-    def __init__(self, source: Source, policy: BatchPolicy):
+    batch: SourceBatch
+    transformed: Transformed | None = None  # None: the loop's thread transforms it
+    outage: Exception | None = None  # the transform ahead hit an outage: the first attempt
+
+    @staticmethod
+    def of(batch: SourceBatch | None) -> _Ahead | None:
+        return None if batch is None else _Ahead(batch)
+
+
+class _Prefetcher:
+    """Reads ahead on one thread and, given a transform, transforms ahead on another.
+
+    Each stage holds at most one batch, so at most three are in memory: the one being
+    sent, the one being transformed and the one being read. Reading errors are handed
+    to the loop's thread (and end the reading). A transform that fails ahead is not
+    reported from here: the batch goes on untransformed and the loop's thread runs the
+    transform again under its retry policy, where every error is handled as usual. An
+    outage met ahead counts there as the first failed attempt, so that detecting one
+    does not take twice as long.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        policy: BatchPolicy,
+        transform: Callable[[pa.Table], Transformed] | None = None,
+    ):
         self._source = source
         self._policy = policy
-        self._q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._transform = transform
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="conveyor-prefetch", daemon=True)
-        self._thread.start()
+        self._out: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._threads = [threading.Thread(target=self._read, name="conveyor-prefetch", daemon=True)]
+        self._read_q = self._out
+        if transform is not None:
+            self._read_q = queue.Queue(maxsize=1)
+            self._threads.append(
+                threading.Thread(
+                    target=self._transform_ahead, name="conveyor-transform", daemon=True
+                )
+            )
+        for t in self._threads:
+            t.start()
 
-    def _run(self) -> None:
+    def _put(self, q: queue.Queue[tuple[str, Any]], item: tuple[str, Any]) -> bool:
         while not self._stop.is_set():
             try:
-                item: tuple[str, Any] = ("batch", self._source.read(self._policy))
+                q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item: tuple[str, Any] = ("batch", _Ahead.of(self._source.read(self._policy)))
             except BaseException as e:  # handed to the consumer thread
                 item = ("error", e)
-            while not self._stop.is_set():
-                try:
-                    self._q.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-            if item[0] == "error":
+            if not self._put(self._read_q, item) or item[0] == "error":
                 return
 
-    def next(self) -> SourceBatch | None:
+    def _transform_ahead(self) -> None:
+        assert self._transform is not None
+        while not self._stop.is_set():
+            try:
+                kind, value = self._read_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "batch" and value is not None:
+                try:
+                    value = _Ahead(value.batch, self._transform(value.batch.table))
+                except (TransientSinkError, TransientSourceError) as e:
+                    value = _Ahead(value.batch, outage=e)
+                except Exception as e:  # noqa: BLE001 - run again on the loop's thread
+                    log.debug("transform ahead failed (the loop runs it again): %s", e)
+            if not self._put(self._out, (kind, value)) or kind == "error":
+                return
+
+    def next(self) -> _Ahead | None:
         try:
-            kind, value = self._q.get(timeout=max(self._policy.max_wait_ms / 1000 * 2, 1.0))
+            kind, value = self._out.get(timeout=max(self._policy.max_wait_ms / 1000 * 2, 1.0))
         except queue.Empty:
             return None
         if kind == "error":
@@ -548,7 +624,8 @@ class _Prefetcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
+        for t in self._threads:
+            t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
 
 
 def send_isolating(sink: SinkLike, table: pa.Table) -> list[RowFailureView]:

@@ -9,7 +9,7 @@ timestamp, key, headers), undecodable rows reported by index, filtered rows coun
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
@@ -38,7 +38,7 @@ def source(values: list[bytes | None], *, partition_of=lambda i: i % 2) -> pa.Ta
                 "__topic": "orders",
                 "__partition": partition_of(i),
                 "__offset": 100 + i,
-                "__timestamp": datetime(2026, 11, 23, 12, 0, i % 60, tzinfo=UTC),
+                "__timestamp": datetime(2026, 11, 23, 12, 0, i % 60, tzinfo=timezone.utc),
                 "__key": f"k{i}".encode(),
                 "__headers": [{"key": "h", "value": f"v{i}".encode()}],
                 "__destination": None,
@@ -95,7 +95,7 @@ def test_json_with_schema_keeps_each_message_with_its_own_metadata(spark):
         assert r["__offset"] == 100 + i and r["__partition"] == i % 2
         assert r["__key"] == f"k{i}".encode()
         assert r["__headers"] == [{"key": "h", "value": f"v{i}".encode()}]
-        assert r["__timestamp"] == datetime(2026, 11, 23, 12, 0, i % 60, tzinfo=UTC)
+        assert r["__timestamp"] == datetime(2026, 11, 23, 12, 0, i % 60, tzinfo=timezone.utc)
         assert r["__topic"] == "orders" and r["__destination"] is None
     assert t.schema.field("id").type == pa.int64()
     ts = t.schema.field("__timestamp").type

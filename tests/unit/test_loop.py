@@ -465,6 +465,113 @@ def test_prefetch_reads_ahead_and_delivers_in_order():
     assert committer.offsets == {TP0: 200}
 
 
+def test_transform_ahead_overlaps_the_next_batch_with_this_send_and_keeps_order():
+    import threading
+
+    events = Events()
+    batches = [source_batch(i * 10, 10) for i in range(30)]
+    source = FakeSource(batches, events)
+    committer = FakeCommitter(events)
+    in_send = threading.Event()
+    overlapped = []
+
+    class SlowSink(FakeSink):
+        def send_batch(self, batch):
+            in_send.set()
+            try:
+                threading.Event().wait(0.005)
+                return super().send_batch(batch)
+            finally:
+                in_send.clear()
+
+    def transform(batch):
+        overlapped.append(in_send.is_set())  # a transform while a send is under way
+        return json_transform(batch)
+
+    sink = SlowSink(events)
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10)),  # prefetch + transform ahead
+        source=source,
+        transform=transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        stop_requested=lambda: committer.offsets.get(TP0) == 300,
+    )
+    run_loop(loop)
+    assert sink.rows == list(range(300))
+    commits = [e[1][TP0] for e in events if e[0] == "commit"]
+    assert commits == list(range(10, 301, 10))  # one commit per batch, in order
+    assert any(overlapped)  # the next batch was in the transform while this one was sent
+
+
+def test_a_transform_that_fails_ahead_is_retried_on_the_loops_thread():
+    import threading
+
+    events = Events()
+    batches = [source_batch(i * 10, 10) for i in range(5)]
+    source = FakeSource(batches, events)
+    committer = FakeCommitter(events)
+    sink = FakeSink(events)
+    calls: list[tuple[int, str]] = []
+    fail_first = {20: 1}  # the batch starting at offset 20 fails its first transform
+
+    def transform(batch):
+        first = batch.column("__offset")[0].as_py()
+        calls.append((first, threading.current_thread().name))
+        if fail_first.get(first):
+            fail_first[first] -= 1
+            raise TransientSinkError("Spark Connect unreachable")
+        return json_transform(batch)
+
+    loop = ConnectorLoop(
+        LoopConfig(
+            name="c", batch=BatchPolicy(max_wait_ms=10), retry=RetrySpec(delay=0, jitter="none")
+        ),
+        source=source,
+        transform=transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        stop_requested=lambda: committer.offsets.get(TP0) == 50,
+        sleep=lambda s: None,
+    )
+    counters = run_loop(loop)
+    assert sink.rows == list(range(50))
+    assert committer.offsets == {TP0: 50}
+    assert counters.messages_out == 50 and counters.batches == 5
+    assert counters.retries == 1  # the outage met ahead was the first attempt, not an extra one
+    # Batch 20 failed ahead, then ran again on the loop's (main) thread and passed.
+    assert [t for first, t in calls if first == 20] == ["conveyor-transform", "MainThread"]
+    assert all(t == "conveyor-transform" for first, t in calls if first != 20)
+
+
+def test_a_transform_error_ahead_surfaces_from_the_loops_thread_with_nothing_committed():
+    events = Events()
+    batches = [source_batch(i * 10, 10) for i in range(3)]
+    source = FakeSource(batches, events)
+    committer = FakeCommitter(events)
+    sink = FakeSink(events)
+
+    def transform(batch):
+        if batch.column("__offset")[0].as_py() == 10:
+            raise ValueError("Spark rejected the plan")
+        return json_transform(batch)
+
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10)),
+        source=source,
+        transform=transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+    )
+    with pytest.raises(ValueError, match="Spark rejected the plan"):
+        run_loop(loop)
+    assert sink.rows == list(range(10))
+    assert committer.offsets == {TP0: 10}  # batch 0 only; nothing past the failed batch
+
+
 def test_next_offsets_per_partition():
     t = pa.Table.from_pylist(
         [
