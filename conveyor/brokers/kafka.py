@@ -58,14 +58,21 @@ def records_to_table(records: list[Any]) -> pa.Table:
                 pa.timestamp("ms", tz="UTC"),
             ),
             "__key": pa.array([r.key for r in records], pa.binary()),
-            "__headers": pa.array(
-                [[{"key": k, "value": v} for k, v in (r.headers or [])] for r in records],
-                SOURCE_SCHEMA.field("__headers").type,
-            ),
+            "__headers": _headers_array(records),
             "__destination": pa.nulls(len(records), pa.string()),
             "__value": pa.array([r.value for r in records], pa.binary()),
         },
         schema=SOURCE_SCHEMA,
+    )
+
+
+def _headers_array(records: list[Any]) -> pa.Array:
+    htype = SOURCE_SCHEMA.field("__headers").type
+    if not any(r.headers for r in records):  # the common case: empty lists, built in Arrow
+        offsets = pa.array([0] * (len(records) + 1), pa.int32())
+        return pa.ListArray.from_arrays(offsets, pa.array([], htype.value_type), type=htype)
+    return pa.array(
+        [[{"key": k, "value": v} for k, v in (r.headers or [])] for r in records], htype
     )
 
 

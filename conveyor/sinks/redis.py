@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import decimal
+import itertools
 import json
 import logging
 import re
@@ -458,37 +459,50 @@ def render_batch(
                     ("join", [p if isinstance(p, bytes) else values.values(p) for p in arg])
                 )
         compiled.append((t.name, args))
-    rows: list[list[list[bytes | str]] | None] = []
-    for i in range(n):
-        try:
-            cmds: list[list[bytes | str]] = []
-            for name, args in compiled:
-                cmd: list[bytes | str] = [name]
-                for kind, spec in args:
-                    if kind == "const":
-                        cmd.append(spec)
-                    elif kind == "value":
-                        v = spec[i]
-                        if isinstance(v, TemplateError):
-                            raise v
-                        cmd.append(v)
+    # Column by column: each argument becomes one list over the rows, then rows are zipped.
+    per_template: list[list[list[bytes | str]]] = []
+    for name, args in compiled:
+        columns: list[Any] = []
+        for kind, spec in args:
+            if kind == "const":
+                columns.append(itertools.repeat(spec, n))
+            elif kind == "value":
+                _note_errors(spec, failures)
+                columns.append(spec)
+            else:
+                parts = []
+                for p in spec:
+                    if isinstance(p, bytes):
+                        parts.append(itertools.repeat(p, n))
                     else:
-                        buf = []
-                        for p in spec:
-                            if isinstance(p, bytes):
-                                buf.append(p)
-                            else:
-                                v = p[i]
-                                if isinstance(v, TemplateError):
-                                    raise v
-                                buf.append(v)
-                        cmd.append(b"".join(buf))
-                cmds.append(cmd)
-            rows.append(cmds)
-        except TemplateError as e:
-            rows.append(None)
-            failures[i] = str(e)
+                        _note_errors(p, failures)
+                        parts.append(p)
+                if failures:  # a row with an error cannot be joined; it is dropped below
+                    columns.append(
+                        [
+                            b"" if i in failures else b"".join(ps)
+                            for i, ps in enumerate(zip(*parts, strict=False))
+                        ]
+                    )
+                else:
+                    columns.append([b"".join(ps) for ps in zip(*parts, strict=False)])
+        if columns:
+            per_template.append([[name, *a] for a in zip(*columns, strict=False)])
+        else:
+            per_template.append([[name] for _ in range(n)])
+    rows: list[list[list[bytes | str]] | None]
+    if len(per_template) == 1 and not failures:
+        rows = [[cmd] for cmd in per_template[0]]
+    else:
+        rows = [None if i in failures else [cmds[i] for cmds in per_template] for i in range(n)]
     return rows, failures
+
+
+def _note_errors(values: list[Any], failures: dict[int, str]) -> None:
+    """Record the rows whose value is a TemplateError (the first error of a row wins)."""
+    for i, v in enumerate(values):
+        if isinstance(v, TemplateError) and i not in failures:
+            failures[i] = str(v)
 
 
 # -- errors -------------------------------------------------------------------------------------
