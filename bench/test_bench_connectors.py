@@ -215,9 +215,9 @@ TARGETS = {
 
 @pytest.mark.parametrize("sink", list(TARGETS))
 def test_connector_vs_bare_loop(
-    sink: str, tansu: str, spark_remote: str, tmp_path: Path, capsys: Any
+    sink: str, tansu: str, warm_spark_remote: str, tmp_path: Path, capsys: Any
 ) -> None:
-    spark = spark_session(spark_remote)
+    spark = spark_session(warm_spark_remote)
     current: dict[str, Target] = {}
 
     def fresh() -> tuple[str, Target]:

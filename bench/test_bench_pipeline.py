@@ -100,9 +100,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def test_throughput_and_latency_vs_bare_loop(
-    tansu: str, spark_remote: str, pg_url: str, pg_schema: str, tmp_path: Path, capsys: Any
+    tansu: str,
+    warm_spark_remote: str,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    capsys: Any,
 ) -> None:
-    spark = spark_session(spark_remote)
+    spark = spark_session(warm_spark_remote)
     state: dict[str, str] = {}
 
     def sink_config(table: str) -> dict[str, Any]:

@@ -153,7 +153,9 @@ class TransformSpec(_Spec):
     )
     select: list[str] | None = Field(
         default=None,
-        description="Spark SQL expressions for the output columns (default: all payload columns).",
+        description="Spark SQL expressions for the output columns (default: all payload columns). They may use "
+        "the message columns __topic, __partition, __offset, __timestamp, __key and __headers; "
+        "an expression named __destination routes the row (sinks with use_destination or ${destination}).",
     )
     rename: dict[str, str] = Field(
         default_factory=dict, description="Output column renames, old -> new."
