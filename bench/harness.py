@@ -6,9 +6,10 @@ tansu topic, produced before the clock starts) in batches of ``BATCH``:
 - the **connector**: the real loop (``core/loop.py``) with the Kafka source, the Spark
   Connect transform (``decode: json`` with the schema), the sink under test, and the
   fenced commit in a SQLite meta store;
-- the **bare loop**: what a hand-written consumer does. kafka-python ``poll`` in a
-  consumer group, ``json.loads`` of each value, the same writes with the same client
-  library, then ``consumer.commit()``.
+- the **bare loop**: what a hand-written consumer does. kafka-python ``poll`` on the
+  topic's partitions (assigned by hand, like the connector), ``json.loads`` of each
+  value, the same writes with the same client library, then ``consumer.commit()``
+  to its consumer group.
 
 Each records the time of every commit and the messages acknowledged so far. Two figures
 come out of that:
@@ -147,20 +148,26 @@ class Run:
 def run_bare(
     bootstrap: str, topic: str, n: int, write: Callable[[list[dict[str, Any]], list[Any]], None]
 ) -> Run:
-    """kafka-python consumer group -> ``json.loads`` -> ``write(rows, records)`` -> commit."""
+    """kafka-python -> ``json.loads`` -> ``write(rows, records)`` -> commit to its group.
+
+    Partitions are assigned by hand, as the connector does (a group join would add
+    seconds of start-up that are not the loop's cost)."""
     from kafka import KafkaConsumer
+    from kafka import TopicPartition as KTP
 
     consumer = KafkaConsumer(
-        topic,
         bootstrap_servers=bootstrap,
         group_id=f"bare_{uuid.uuid4().hex[:6]}",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        session_timeout_ms=6000,
         max_poll_records=BATCH,
         fetch_max_bytes=64 << 20,
         max_partition_fetch_bytes=16 << 20,
     )
+    parts = [KTP(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+    assert parts, f"topic {topic} has no partitions"
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
     run = Run(n)
     done = 0
     try:
