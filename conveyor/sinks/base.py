@@ -168,7 +168,7 @@ class Record:
             return p
         if isinstance(p, str):
             return p.encode()
-        return json.dumps(p, default=json_default, separators=(",", ":")).encode()
+        return _JSON.encode(p).encode()
 
     def payload_json(self) -> Any:
         """The payload as a JSON value: a JSON string column is parsed, columns are a dict."""
@@ -189,6 +189,27 @@ def json_default(o: Any) -> Any:
     if hasattr(o, "as_tuple"):  # Decimal
         return str(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+# One encoder for every row (``json.dumps`` with arguments builds a new one per call).
+_JSON = json.JSONEncoder(default=json_default, separators=(",", ":"))
+
+
+def payload_values(batch: pa.Table) -> list[bytes | None]:
+    """Every row's ``Record.payload_bytes()`` (None for a null single ``value``), column-wise."""
+    pcols = payload_columns(batch)
+    encode = _JSON.encode
+    if pcols == ["value"]:
+        out: list[bytes | None] = []
+        for v in batch.column("value").to_pylist():
+            if v is None or isinstance(v, bytes):
+                out.append(v)
+            elif isinstance(v, str):
+                out.append(v.encode())
+            else:
+                out.append(encode(v).encode())
+        return out
+    return [encode(d).encode() for d in batch.select(pcols).to_pylist()]
 
 
 def iter_records(batch: pa.Table) -> Iterator[Record]:

@@ -17,12 +17,22 @@ import json
 import logging
 import re
 import ssl
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
 from conveyor.core.errors import PermanentSinkError, TransientSinkError
+from conveyor.core.model import (
+    DESTINATION_COL,
+    HEADERS_COL,
+    KEY_COL,
+    OFFSET_COL,
+    PARTITION_COL,
+    TIMESTAMP_COL,
+    TOPIC_COL,
+)
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -31,6 +41,7 @@ from conveyor.sinks.base import (
     SinkConfig,
     iter_records,
     json_default,
+    payload_values,
     require,
     secret,
 )
@@ -345,6 +356,24 @@ def timestamp_ms(ts: dt.datetime | None) -> int | None:
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
+_PER_MS = {"s": None, "ms": 1, "us": 1_000, "ns": 1_000_000}
+
+
+def epoch_ms(column: pa.ChunkedArray | pa.Array) -> list[int | None]:
+    """A timestamp column as epoch milliseconds (floored, as ``timestamp_ms``)."""
+    unit = column.type.unit
+    raw = column.cast(pa.int64()).to_pylist()
+    per_ms = _PER_MS[unit]
+    if per_ms is None:
+        return [None if v is None else v * 1000 for v in raw]
+    if per_ms == 1:
+        return raw
+    return [None if v is None else v // per_ms for v in raw]
+
+
+def _header_bytes(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else (b"" if v is None else str(v).encode())
+
 
 # -- the sink -------------------------------------------------------------------------------
 
@@ -546,6 +575,73 @@ class KafkaSink(Sink):
             "partition": r.partition if c.partitioning == "source" else None,
         }
 
+    def messages(
+        self, batch: pa.Table
+    ) -> Iterator[tuple[int, str | TemplateError, dict[str, Any]]]:
+        """Each row's target topic (or why it has none) and ``producer.send`` arguments.
+
+        Column by column when the topic is fixed (or the row's ``__destination``) and the
+        key is the source key, the common case; row by row through ``message`` otherwise.
+        Both give the same messages (tests/unit/test_kafka_sink_config.py).
+        """
+        c = self.config
+        if c.key is not None or not is_static(c.topic):
+            for r in iter_records(batch):
+                try:
+                    yield r.index, self.target_topic(r), self.message(r)
+                except TemplateError as e:
+                    yield r.index, e, {}
+            return
+        n = batch.num_rows
+        names = batch.schema.names
+
+        def col(name: str) -> list[Any]:
+            return batch.column(name).to_pylist() if name in names else [None] * n
+
+        keys = col(KEY_COL)
+        values = payload_values(batch)
+        stamps = (
+            epoch_ms(batch.column(TIMESTAMP_COL))
+            if c.timestamp == "source" and TIMESTAMP_COL in names
+            else [None] * n
+        )
+        partitions = col(PARTITION_COL)
+        headers = col(HEADERS_COL) if c.keep_headers else [None] * n
+        dests = col(DESTINATION_COL) if c.use_destination else [None] * n
+        topics = col(TOPIC_COL) if c.coordinate_headers else None
+        offsets = col(OFFSET_COL) if c.coordinate_headers else None
+        for i in range(n):
+            topic = c.topic
+            if dests[i]:
+                problem = topic_name_problem(dests[i])
+                if problem:
+                    yield i, TemplateError(problem), {}
+                    continue
+                topic = dests[i]
+            hs: list[tuple[str, bytes]] = []
+            if headers[i]:
+                hs.extend((str(h["key"]), _header_bytes(h["value"])) for h in headers[i])
+            if topics is not None and offsets is not None:
+                hs += [
+                    ("x-conveyor-topic", (topics[i] or "").encode()),
+                    ("x-conveyor-partition", str(partitions[i] or 0).encode()),
+                    (
+                        "x-conveyor-offset",
+                        str(offsets[i] if offsets[i] is not None else i).encode(),
+                    ),
+                ]
+            yield (
+                i,
+                topic,
+                {
+                    "value": values[i],
+                    "key": keys[i],
+                    "headers": hs,
+                    "timestamp_ms": stamps[i],
+                    "partition": (partitions[i] or 0) if c.partitioning == "source" else None,
+                },
+            )
+
     def send_batch(self, batch: pa.Table) -> SendResult:
         if batch.num_rows == 0:
             return SendResult(rows=0)
@@ -553,12 +649,9 @@ class KafkaSink(Sink):
             self._producer = self._connect()
         failures: list[RowFailure] = []
         futures: list[tuple[int, Any]] = []
-        for r in iter_records(batch):
-            try:
-                topic = self.target_topic(r)
-                msg = self.message(r)
-            except TemplateError as e:
-                failures.append(RowFailure(r.index, str(e)))
+        for index, topic, msg in self.messages(batch):
+            if isinstance(topic, TemplateError):
+                failures.append(RowFailure(index, str(topic)))
                 continue
             if msg["partition"] is not None:
                 parts = self._topic_partitions(topic)
@@ -567,10 +660,10 @@ class KafkaSink(Sink):
                         f"topic {topic!r} has {len(parts)} partition(s); partitioning: source needs partition {msg['partition']}"
                     )
             try:
-                futures.append((r.index, self._producer.send(topic, **msg)))
+                futures.append((index, self._producer.send(topic, **msg)))
             except Exception as e:  # noqa: BLE001 - classified
                 if classify_kafka_error(e) == "data":
-                    failures.append(RowFailure(r.index, _describe(e)))
+                    failures.append(RowFailure(index, _describe(e)))
                     continue
                 self._drop_producer()
                 raise self._error(e, f"producing to {topic!r} failed") from None

@@ -265,6 +265,25 @@ class PostgresSink(Sink):
 
     # -- writing --------------------------------------------------------------------
 
+    def _copy_lines(self, batch: pa.Table) -> list[str] | None:
+        """COPY text lines built column by column in Arrow, when the write is a plain COPY
+        of columns and message fields (None otherwise: ``_rows`` then goes row by row).
+
+        Integers, booleans, floats and strings are cast and escaped by Arrow; any other
+        type goes through ``_copy_value`` value by value, as in the row path."""
+        assert self._sources is not None
+        if self.config.upsert_keys or self.config.write_method != "copy":
+            return None
+        if "$payload" in self._sources or "$headers" in self._sources:
+            return None
+        columns: list[list[str]] = []
+        for src in self._sources:
+            name = META_SOURCES.get(src, src) if src.startswith("$") else src
+            if name not in batch.schema.names:
+                return None
+            columns.append(_copy_column(batch.column(name)))
+        return list(map("\t".join, zip(*columns, strict=True)))
+
     def _rows(self, batch: pa.Table) -> list[tuple[Any, ...]]:
         assert self._sources is not None
         out = []
@@ -308,7 +327,7 @@ class PostgresSink(Sink):
             self._describe_table()
         if self._columns is None:
             self._resolve(batch)
-        rows = self._rows(batch)
+        rows: list[Any] = self._copy_lines(batch) or self._rows(batch)
         try:
             failures = self._write_isolating(rows, list(range(len(rows))), top=True)
             self._conn.commit()
@@ -399,11 +418,32 @@ class PostgresSink(Sink):
         else:
             buf = io.StringIO()
             for r in rows:
-                buf.write("\t".join(_copy_value(v) for v in r))
+                buf.write(r if isinstance(r, str) else "\t".join(_copy_value(v) for v in r))
                 buf.write("\n")
             buf.seek(0)
             stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self._fq(), cols)
             cur.copy_expert(stmt.as_string(cur), buf)
+
+
+_COPY_ESCAPES = (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r"))
+
+
+def _copy_column(column: pa.ChunkedArray) -> list[str]:
+    """A column's values in COPY's text format (``\\N`` for null), like ``_copy_value``."""
+    import pyarrow.compute as pc
+
+    t = column.type
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        text = pc.cast(column, pa.string())
+    elif pa.types.is_boolean(t):
+        text = pc.if_else(column, "t", "f")
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        text = column
+        for old, new in _COPY_ESCAPES:
+            text = pc.replace_substring(text, old, new)
+    else:
+        return [_copy_value(v) for v in column.to_pylist()]
+    return pc.fill_null(text, "\\N").to_pylist()  # type: ignore[no-any-return]
 
 
 def _copy_value(v: Any) -> str:

@@ -291,6 +291,80 @@ def test_message_from_a_contract_batch() -> None:
     )
 
 
+def _row_by_row(s: KafkaSink, batch: pa.Table) -> list[tuple[int, str, dict[str, Any]]]:
+    out = []
+    for r in iter_records(batch):
+        try:
+            out.append((r.index, s.target_topic(r), s.message(r)))
+        except TemplateError as e:
+            out.append((r.index, f"error: {e}", {}))
+    return out
+
+
+def _columnar(s: KafkaSink, batch: pa.Table) -> list[tuple[int, str, dict[str, Any]]]:
+    return [
+        (i, f"error: {t}" if isinstance(t, TemplateError) else t, m)
+        for i, t, m in s.messages(batch)
+    ]
+
+
+def _odd_batch() -> pa.Table:
+    """Single ``value`` column: bytes, text, a null (tombstone), a number; missing keys,
+    null and empty headers, destinations (one illegal), microsecond timestamps before
+    and after the epoch, a null timestamp."""
+    us = pa.timestamp("us", tz="UTC")
+    return pa.table(
+        {
+            "value": pa.array(['{"a": 1}', "plain text", None, "x"], pa.string()),
+            "__topic": pa.array(["orders", "orders", None, "orders"], pa.string()),
+            "__partition": pa.array([0, 1, None, 2], pa.int32()),
+            "__offset": pa.array([5, 6, 7, 8], pa.int64()),
+            "__timestamp": pa.array(
+                [
+                    dt.datetime(1969, 12, 31, 23, 59, 59, 999_500, tzinfo=dt.timezone.utc),
+                    BASE_TS + dt.timedelta(microseconds=1_999),
+                    None,
+                    BASE_TS,
+                ],
+                us,
+            ),
+            "__key": pa.array([b"k", None, b"", b"k3"], pa.binary()),
+            "__headers": pa.array(
+                [[{"key": "h", "value": None}], None, [], [{"key": "a", "value": b"1"}]],
+                make_batch(1).schema.field("__headers").type,
+            ),
+            "__destination": pa.array([None, "routed", "bad topic!", None], pa.string()),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"keep_headers": False, "coordinate_headers": True},
+        {"timestamp": "now", "partitioning": "source"},
+        {"use_destination": False},
+        {"key": "${payload.id}"},  # a key template: row by row
+        {"topic": "out-${topic}"},  # a topic template: row by row
+    ],
+)
+@pytest.mark.parametrize("batch", [make_batch(50), _odd_batch()], ids=["columns", "value"])
+def test_columnar_messages_equal_the_row_by_row_ones(over: dict[str, Any], batch: pa.Table) -> None:
+    s = sink(**over)
+    assert _columnar(s, batch) == _row_by_row(s, batch)
+
+
+def test_columnar_messages_of_odd_rows() -> None:
+    got = _columnar(sink(), _odd_batch())
+    assert [t for _, t, _ in got] == ["orders-out", "routed", got[2][1], "orders-out"]
+    assert got[2][1].startswith("error: ")  # an illegal destination is that row's error
+    assert [m.get("value") for _, _, m in got] == [b'{"a": 1}', b"plain text", None, b"x"]
+    assert got[0][2]["timestamp_ms"] == -1  # floored, like timestamp_ms
+    assert got[1][2]["timestamp_ms"] == timestamp_ms(BASE_TS) + 1
+    assert got[0][2]["headers"] == [("h", b"")]
+
+
 def test_timestamp_ms_is_exact() -> None:
     assert timestamp_ms(None) is None
     assert timestamp_ms(dt.datetime(1970, 1, 1, 0, 0, 0, 1000, tzinfo=dt.timezone.utc)) == 1
