@@ -1,11 +1,11 @@
 """The README's demo: ``conveyor dev`` as a new user runs it, on free loopback ports.
 
-It starts the embedded tansu broker, the demo producer and ``dagster dev`` (on the
-tests' Spark Connect server, given as ``CONVEYOR_SPARK_REMOTE``); the ``conveyor_scheduler`` sensor launches the demo connector by
-itself; orders land in JSONL files; the UI shows the demo's lineage and its plotted
+It starts the embedded tansu broker, its own Spark Connect server (on a free port), the
+demo producer and ``dagster dev``; the ``conveyor_scheduler`` sensor launches the demo
+connector by itself; orders land in JSONL files; the UI shows the demo's lineage and its plotted
 metadata (headless Chromium; screenshots go to docs/img with
 CONVEYOR_UPDATE_SCREENSHOTS=1); Ctrl-C (SIGINT) stops every process it started,
-connector run included.
+connector run and Spark server included.
 """
 
 from __future__ import annotations
@@ -61,23 +61,20 @@ class Dev:
 
 
 @pytest.fixture(scope="module")
-def dev(spark_remote: str) -> Iterator[Dev]:
+def dev() -> Iterator[Dev]:
     cwd = Path(tempfile.mkdtemp(prefix="conveyor-dev-"))
-    ports = {"kafka": free_port(), "ui": free_port()}
+    ports = {"kafka": free_port(), "ui": free_port(), "spark": free_port()}
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("CONVEYOR_", "DAGSTER_HOME")) or k == "CONVEYOR_TEST_PG_URL"
     }
-    # The tests' Spark Connect server (conveyor dev uses one it is given, as documented)
-    # instead of a third JVM on this 2-CPU machine; everything else is conveyor dev's own.
-    env["CONVEYOR_SPARK_REMOTE"] = spark_remote
     exe = str(Path(sys.executable).parent / "conveyor")
     log = open(cwd / "conveyor-dev.log", "wb")  # noqa: SIM115
     # The README's second command, on free ports, from a fresh directory.
     proc = subprocess.Popen(
         [exe, "dev", "--kafka-port", str(ports["kafka"]), "--port", str(ports["ui"])]
-        + ["--rate", "200"],
+        + ["--spark-port", str(ports["spark"]), "--rate", "200"],
         cwd=cwd,
         env=env,
         stdout=log,
@@ -118,6 +115,9 @@ def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: D
     )
     row = dev.store.get(DEMO)
     assert row.broker_id == "local" and row.run_id
+    # Through conveyor dev's own Spark Connect server.
+    full_log = (dev.cwd / "conveyor-dev.log").read_text(errors="replace")
+    assert f"Spark Connect ready at sc://127.0.0.1:{dev.ports['spark']}" in full_log, dev.log()
     wait_for(lambda: dev.lines() >= 200, 60, "demo orders in .conveyor/out/orders")
     wait_for(lambda: sum(dev.store.committed_offsets(DEMO).values()) > 0, 30, "offsets committed")
     # The CLI shows it, as the README says.
@@ -184,11 +184,19 @@ def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -
 def test_ctrl_c_stops_every_process_it_started(dev: Dev) -> None:
     run_pid = dev.store.get(DEMO).run_pid
     assert run_pid and pid_alive(run_pid)
+    # The Spark server runs in a session of its own: find its JVM by its port.
+    jvm = subprocess.run(
+        ["pgrep", "-f", f"spark.connect.grpc.binding.port={dev.ports['spark']}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert jvm, "conveyor dev's Spark Connect server is not running"
     dev.proc.send_signal(signal.SIGINT)
     assert dev.proc.wait(90) == 0, dev.log()
     assert "all processes stopped" in dev.log()
     # Nothing is orphaned: the connector run, the broker and the UI are gone.
     wait_for(lambda: not pid_alive(run_pid), 30, "the connector run process gone")
+    wait_for(lambda: not any(pid_alive(int(p)) for p in jvm), 30, "the Spark server's JVM gone")
     for name, port in dev.ports.items():
         assert not port_open("127.0.0.1", port), f"{name} still listening on {port}"
 
