@@ -9,7 +9,7 @@ from conveyor.assets.lineage import lineage_specs
 from conveyor.jobs.connector import connector_job
 from conveyor.jobs.replay import replay_job
 from conveyor.resources.conveyor import ConveyorResource, load_catalog
-from conveyor.sensors.dead_letters import conveyor_dead_letter_replay
+from conveyor.sensors.dead_letters import dead_letter_replay_sensor
 from conveyor.sensors.run_status import conveyor_run_failures
 from conveyor.sensors.scheduler import scheduler_sensor
 
@@ -18,13 +18,14 @@ def build_defs() -> Definitions:
     catalog = load_catalog()
     valid = [ls for ls in catalog.specs if ls.ok]
     connector_jobs = [connector_job(ls) for ls in catalog.specs]
+    replay_jobs = [replay_job(ls) for ls in valid]
     return Definitions(
         assets=lineage_specs(catalog.specs),
-        jobs=connector_jobs + [replay_job(ls) for ls in valid],
+        jobs=connector_jobs + replay_jobs,
         sensors=[
             scheduler_sensor(connector_jobs),
             conveyor_run_failures,
-            conveyor_dead_letter_replay,
+            dead_letter_replay_sensor(replay_jobs),
         ],
         resources={"conveyor": ConveyorResource()},
         asset_checks=lag_checks(catalog.specs),

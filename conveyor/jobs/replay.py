@@ -113,6 +113,10 @@ def replay_dead_letters(
     return ReplayResult(total, delivered, failed_again, filtered, store.count())
 
 
+def replay_job_name(connector: str) -> str:
+    return f"replay_dead_letters__{connector}"
+
+
 def replay_job(ls: LoadedSpec) -> JobDefinition:
     name = ls.name
 
@@ -157,7 +161,7 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
         )
 
     @job(
-        name=f"replay_dead_letters__{name}",
+        name=replay_job_name(name),
         executor_def=in_process_executor,
         tags={TAG_REPLAY: name, "conveyor/connector": name},
     )

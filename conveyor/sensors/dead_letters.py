@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 
-from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
+from dagster import (
+    DefaultSensorStatus,
+    JobDefinition,
+    RunRequest,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SkipReason,
+    sensor,
+)
 
 from conveyor.core.model import ConnectorStatus
+from conveyor.jobs.replay import replay_job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.specs import from_store_row
 
@@ -36,23 +46,42 @@ def replay_requests(
     return out, new_cursor
 
 
-@sensor(
-    name="conveyor_dead_letter_replay",
-    description="Replays dead letters automatically for connectors with failure.dead_letter.auto_replay.",
-    default_status=DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=30,
-)
-def conveyor_dead_letter_replay(context: SensorEvaluationContext, conveyor: ConveyorResource):  # type: ignore[no-untyped-def]
-    cursor = json.loads(context.cursor) if context.cursor else {}
-    todo, cursor = replay_requests(conveyor.store().list(), cursor, time.time())
-    context.update_cursor(json.dumps(cursor))
-    if not todo:
-        return SkipReason("no connector with new dead letters is due for a replay")
-    return [
-        RunRequest(
-            run_key=f"replay:{name}:{dead}",
-            job_name=f"replay_dead_letters__{name}",
-            tags={"conveyor/connector": name},
-        )
-        for name, dead in todo
-    ]
+def dead_letter_replay_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDefinition:
+    """The ``conveyor_dead_letter_replay`` sensor, targeting the replay jobs of this location.
+
+    Dagster refuses a RunRequest from a sensor without declared targets, so the replay
+    jobs are its targets; a connector whose replay job is not in the location yet (spec
+    added, location not reloaded) waits for the reload. ``None`` (tests): no target check.
+    """
+    launchable = None if jobs is None else {j.name for j in jobs}
+
+    @sensor(
+        name="conveyor_dead_letter_replay",
+        description="Replays dead letters automatically for connectors with failure.dead_letter.auto_replay.",
+        default_status=DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=30,
+        jobs=list(jobs) if jobs else None,
+    )
+    def conveyor_dead_letter_replay(  # type: ignore[no-untyped-def]
+        context: SensorEvaluationContext, conveyor: ConveyorResource
+    ):
+        rows = [
+            r
+            for r in conveyor.store().list()
+            if launchable is None or replay_job_name(r.name) in launchable
+        ]
+        cursor = json.loads(context.cursor) if context.cursor else {}
+        todo, cursor = replay_requests(rows, cursor, time.time())
+        context.update_cursor(json.dumps(cursor))
+        if not todo:
+            return SkipReason("no connector with new dead letters is due for a replay")
+        return [
+            RunRequest(
+                run_key=f"replay:{name}:{dead}",
+                job_name=replay_job_name(name),
+                tags={"conveyor/connector": name},
+            )
+            for name, dead in todo
+        ]
+
+    return conveyor_dead_letter_replay
