@@ -12,6 +12,7 @@ row number.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import re
 import threading
@@ -209,7 +210,7 @@ class SparkTransformer:
             df = df.withColumnsRenamed(dict(spec.rename))
         return df
 
-    @property
+    @functools.cached_property
     def _meta_used(self) -> list[str]:
         """The message columns (``__key``, ``__offset``...) the filter or select refer to.
 

@@ -20,17 +20,12 @@ import yaml
 from conveyor.core.model import ConnectorStatus
 from tests.e2e.conftest import produce, wait_for
 from tests.e2e.test_scheduler_e2e import dev, spec  # noqa: F401 - the dagster dev fixture
+from tests.integration.test_failure_policies import rows
 
 pytestmark = pytest.mark.e2e
 
 N = 200
 POISON = 100
-
-
-def rows(pg_url: str, schema: str) -> list[int]:
-    with psycopg2.connect(pg_url) as c, c.cursor() as cur:
-        cur.execute(f'SELECT id FROM "{schema}".orders ORDER BY id')
-        return [r[0] for r in cur.fetchall()]
 
 
 def test_dead_letters_are_replayed_by_the_sensor_once_the_connector_is_healthy(
