@@ -13,12 +13,14 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dagster import (
     AssetKey,
     AssetMaterialization,
     DagsterExecutionInterruptedError,
+    DagsterRunStatus,
     Failure,
     JobDefinition,
     MetadataValue,
@@ -189,6 +191,38 @@ def _log_dead_letters(context: OpExecutionContext, name: str, writer: Any, writt
     )
 
 
+def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Callable[[], bool]:
+    """True once this run is CANCELING or CANCELED (checked at most every ``every_s``).
+
+    Dagster delivers a terminate as an exception raised by its signal handler in the
+    op's thread. If that handler runs inside a garbage-collection callback (a weakref
+    finalizer, say), the interpreter prints "Exception ignored in ..." and swallows it:
+    the run would go on until a second terminate. Polling the run's own status makes
+    a terminate stop the loop within a batch either way.
+    """
+    state = {"checked": 0.0, "seen": False}
+
+    def check() -> bool:
+        if state["seen"]:
+            return True
+        now = time.monotonic()
+        if now - state["checked"] < every_s:
+            return False
+        state["checked"] = now
+        try:
+            run = context.instance.get_run_by_id(context.run_id)
+        except Exception as e:  # noqa: BLE001 - the instance may be briefly unreachable
+            context.log.debug(f"reading this run's status failed: {e}")
+            return False
+        state["seen"] = run is not None and run.status in (
+            DagsterRunStatus.CANCELING,
+            DagsterRunStatus.CANCELED,
+        )
+        return bool(state["seen"])
+
+    return check
+
+
 def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name: str) -> None:
     """The op body: claim, run the loop, record the final state."""
     store = conveyor.store()
@@ -248,6 +282,7 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         committed=claim.offsets,
         dead_letters=dead_letters,
         on_progress=_progress_logger(context, ls, dead_letters),
+        stop_requested=(canceled := cancel_requested(context)),
     )
 
     def final() -> dict[str, Any]:
@@ -255,6 +290,8 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
 
     try:
         counters = run_loop(loop)
+        if canceled():  # a terminate whose interrupt never reached the op (see cancel_requested)
+            raise DagsterExecutionInterruptedError()
     except DagsterExecutionInterruptedError:
         store.release(
             name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final()
