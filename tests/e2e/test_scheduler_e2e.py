@@ -327,12 +327,16 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
     )
 
     # 6b. zombie: the run is marked CANCELED but the terminate never reached its process
-    # (what a force-terminate leaves when the code server is gone); it keeps heartbeating
-    # until the scheduler fences it and kills it by pid.
+    # (what a force-terminate leaves when the code server is gone), and the process is
+    # hung (SIGSTOP), so it cannot notice its run's status either (a live one stops by
+    # itself: tests/e2e/test_connector_e2e.py). Its heartbeat is still fresh: the
+    # scheduler fences it and kills it by pid.
     from dagster import DagsterInstance
 
     zombie = names[3]
     zrow = store.get(zombie)
+    assert zrow.run_pid
+    os.kill(zrow.run_pid, signal.SIGSTOP)
     with DagsterInstance.from_config(str(h.env["DAGSTER_HOME"])) as instance:
         run = instance.get_run_by_id(zrow.run_id)
         assert run is not None
