@@ -6,6 +6,7 @@ production each broker's endpoint is a Spark Connect server in front of a cluste
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -52,17 +53,32 @@ class SparkConnectServer:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout)
+        # The script may exit before the JVM it started has finished its shutdown: wait
+        # for the whole process group, not only the script.
+        deadline = time.monotonic() + timeout
+        while _group_alive(self.process.pid) and time.monotonic() < deadline:
+            self.process.poll()  # reap the script so that it does not count as alive
+            time.sleep(0.1)
+        if _group_alive(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout)
 
     def __enter__(self) -> SparkConnectServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def start_spark_connect(
