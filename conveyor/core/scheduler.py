@@ -14,8 +14,9 @@ decision and never stops the others):
    adopted: the op claims the connector itself. A run stuck in CANCELING past
    ``cancel_grace_s`` is reported canceled.
 2. **zombie**: the connector's current run is CANCELED (a force-terminate from the
-   UI) but its heartbeat is fresh: the connector is stopped and fenced (generation
-   bumped), and the process is killed when the run launcher is local.
+   UI) but the connector is still Running or Degraded (its heartbeat fresh, or stale
+   because the process hangs): the connector is stopped and fenced (generation
+   bumped), and a process still alive is killed when the run launcher is local.
 3. **heartbeat check**: a Running or Degraded connector whose heartbeat is older
    than its ``heartbeat_timeout_s`` goes back to Idle, its broker cleared, its
    generation bumped (which fences the lost run), and its old run terminated. A
@@ -402,15 +403,16 @@ def _connector(
             return [MarkError(c.name, "invalid spec", c.spec_error)]
         return []
 
-    # zombie: force-terminated in the UI, process still heartbeating
-    if current is not None and current.status == "CANCELED" and c.status in LIVE and fresh:
+    # zombie: the current run is CANCELED (a force-terminate in the UI, or a run reported
+    # canceled after its grace period) but the connector was never released. Whether its
+    # heartbeat is still fresh does not matter: a hung process stops heartbeating, and a
+    # tick that comes late must still stop it, fence it and kill what is left of it.
+    if current is not None and current.status == "CANCELED" and c.status in LIVE:
+        state = "still heartbeats" if fresh else "was never released"
         out: list[Decision] = [
-            Stop(
-                c.name,
-                f"run {current.run_id} was canceled but still heartbeats: fenced as a zombie",
-            )
+            Stop(c.name, f"run {current.run_id} was canceled but {state}: fenced as a zombie")
         ]
-        if current.local and current.pid:
+        if current.local and current.pid and current.process_alive is not False:
             out.append(
                 KillZombie(
                     c.name,

@@ -111,6 +111,33 @@ class DagsterHarness:
         return self.run_log(run_id, tail=200)
 
 
+def processes_of(home: Path) -> list[int]:
+    """Pids of the processes started for the test home ``home`` (CONVEYOR_HOME in their environment).
+
+    Connector runs are grandchildren of the code server, in their own process groups, so
+    killing the webserver's group does not reach them; a SIGSTOPped run ignores SIGTERM.
+    """
+    needle = f"CONVEYOR_HOME={home}".encode() + b"\0"
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env + b"\0":
+            out.append(int(entry.name))
+    return out
+
+
+def kill_processes_of(home: Path) -> None:
+    """SIGKILL whatever is left of a test home's processes (teardown, also after a failure)."""
+    for pid in processes_of(home):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
     last = None
@@ -184,6 +211,7 @@ def dagster(
             proc.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        kill_processes_of(home)
         log.close()
 
 

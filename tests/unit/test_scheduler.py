@@ -179,6 +179,22 @@ def test_zombie_on_a_remote_launcher_is_fenced_but_not_killed():
     assert kinds(p) == [("Stop", "a")]
 
 
+def test_zombie_whose_heartbeat_went_stale_is_still_stopped_and_killed():
+    # A hung (SIGSTOPped) process stops heartbeating; a tick that comes after the heartbeat
+    # timeout must not merely reset the connector and leave the process alive (CI, 2026-11-23).
+    c = running("a", "b1", hb_age=45)
+    z = run_of(c, status="CANCELED", pid=4242, local=True, process_alive=True)
+    p = s.plan([c], brokers("b1", "b2"), [z], NOW)
+    assert kinds(p) == [("Stop", "a"), ("KillZombie", "a")]
+    assert p.of(s.Assign) == []
+
+
+def test_zombie_whose_process_is_gone_is_stopped_without_a_kill():
+    c = running("a", "b1", hb_age=45)
+    z = run_of(c, status="CANCELED", pid=4242, local=True, process_alive=False)
+    assert kinds(s.plan([c], brokers("b1"), [z], NOW)) == [("Stop", "a")]
+
+
 def test_canceling_past_grace_is_reported_canceled():
     c = running("a", "b1", hb_age=100)
     r = run_of(c, status="CANCELING", canceling_since=NOW - 61)
