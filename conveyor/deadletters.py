@@ -199,23 +199,25 @@ class KafkaDeadLetters:
         if self._producer is None:
             from kafka import KafkaProducer
 
-            from conveyor.brokers.connection import kafka_python_options
+            from conveyor.brokers.connection import kafka_python_options, tls_problem
             from conveyor.brokers.kafka import default_bootstrap
 
-            self._producer = KafkaProducer(
-                **{
-                    "acks": "all",
-                    "linger_ms": 5,
-                    "compression_type": None if self.compression == "none" else self.compression,
-                    "client_id": f"conveyor-{self.connector}-dlq",
-                    **kafka_python_options(
-                        self.connection,
-                        "producer",
-                        prefix="source",
-                        default_bootstrap=default_bootstrap,
-                    ),
-                }
-            )
+            options = {
+                "acks": "all",
+                "linger_ms": 5,
+                "compression_type": None if self.compression == "none" else self.compression,
+                "client_id": f"conveyor-{self.connector}-dlq",
+                **kafka_python_options(
+                    self.connection,
+                    "producer",
+                    prefix="source",
+                    default_bootstrap=default_bootstrap,
+                ),
+            }
+            problem = tls_problem(options)
+            if problem:
+                raise PermanentSinkError(f"dead-letter topic {self.topic}: {problem}")
+            self._producer = KafkaProducer(**options)
         return self._producer
 
     def write(self, letters: list[DeadLetter]) -> None:

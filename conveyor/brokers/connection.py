@@ -245,6 +245,46 @@ def librdkafka_config(
     return conf
 
 
+def tls_problem(options: dict[str, Any], timeout_s: float = 10.0) -> str | None:
+    """Why a TLS connection with these kafka-python options cannot work, or None.
+
+    kafka-python retries a bootstrap whose TLS handshake fails until its timeout and then
+    reports only "Unable to bootstrap". This handshake, with the context kafka-python
+    builds from the same options, names the problem at once: a certificate the CA does
+    not sign, a host name the certificate does not hold, key files that do not load. A
+    server that cannot be reached is not a TLS problem (the client reports the outage).
+    """
+    if not str(options.get("security_protocol", "")).endswith("SSL"):
+        return None
+    import socket
+
+    from kafka.net.transport import KafkaSSLTransport
+
+    settings = dict(KafkaSSLTransport.DEFAULT_CONFIG)
+    settings.update({k: v for k, v in options.items() if k in settings})
+    try:
+        ctx = KafkaSSLTransport._build_ssl_context(settings)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        return f"the TLS files cannot be loaded: {e}"
+    for hp in options.get("bootstrap_servers") or ():
+        host, _, port = str(hp).rpartition(":")
+        host = host.strip("[]")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except (OSError, ValueError):
+            continue
+        try:
+            with ctx.wrap_socket(sock, server_hostname=host):
+                return None
+        except ssl.SSLCertVerificationError as e:
+            return f"TLS certificate of {hp} rejected: {e.verify_message or e.reason or e}"
+        except (ssl.SSLError, OSError) as e:
+            return f"TLS handshake with {hp} failed: {e}"
+        finally:
+            sock.close()
+    return None
+
+
 # -- error classes ------------------------------------------------------------------------
 
 # A record the cluster (or the client, before sending) refuses for its content.

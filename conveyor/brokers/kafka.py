@@ -30,6 +30,7 @@ from conveyor.brokers.connection import (
     classify_kafka_error,
     describe_kafka_error,
     kafka_python_options,
+    tls_problem,
 )
 from conveyor.core.errors import (
     ConfigError,
@@ -195,6 +196,9 @@ class KafkaSource:
             request_timeout_ms=self.request_timeout_ms,
             metadata_max_age_ms=int(self.spec.discovery_interval_s * 1000),
         )
+        problem = tls_problem(options)
+        if problem:
+            raise PermanentSourceError(f"cannot connect to Kafka at {self.bootstrap}: {problem}")
         try:
             self._consumer = KafkaConsumer(**options)
         except Exception as e:  # noqa: BLE001 - classified
@@ -466,29 +470,30 @@ class KafkaSource:
             raise source_error(e, f"finding offsets at {to}") from None
 
     def group_offsets(self, group: str) -> Offsets:
-        """The committed offsets of consumer group ``group`` for this source's partitions."""
-        from kafka.admin import KafkaAdminClient
+        """The committed offsets of consumer group ``group`` for this source's partitions
+        (an OffsetFetch: the group is read, never joined)."""
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KTP
 
-        conn = kafka_python_options(
-            self.spec,
-            "admin",
-            prefix="source",
-            default_bootstrap=default_bootstrap,
-            client_id=f"{self.client_id}-admin",
-        )
         try:
-            admin = KafkaAdminClient(**conn)
+            reader = KafkaConsumer(
+                **consumer_options(
+                    self.spec,
+                    client_id=f"{self.client_id}-takeover",
+                    group_id=group,
+                    enable_auto_commit=False,
+                    request_timeout_ms=self.request_timeout_ms,
+                )
+            )
             try:
-                got = admin.list_consumer_group_offsets(group)
+                found = {
+                    tp: reader.committed(KTP(tp.topic, tp.partition)) for tp in self._partitions
+                }
             finally:
-                admin.close()
+                reader.close(autocommit=False)
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"reading the offsets of consumer group {group!r}") from None
-        return {
-            TopicPartition(k.topic, k.partition): v.offset
-            for k, v in got.items()
-            if v.offset is not None and v.offset >= 0 and self.spec.matches(k.topic)
-        }
+        return {tp: off for tp, off in found.items() if off is not None and off >= 0}
 
 
 def source_time(value: str) -> dt.datetime:

@@ -26,6 +26,7 @@ from conveyor.brokers.connection import (
     classify_kafka_error,
     describe_kafka_error,
     kafka_python_options,
+    tls_problem,
 )
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
@@ -365,6 +366,9 @@ class KafkaSink(Sink):
             kwargs = producer_kwargs(c)
         except ConfigError as e:
             raise PermanentSinkError(str(e)) from None
+        problem = tls_problem(kwargs)
+        if problem:
+            raise PermanentSinkError(f"cannot connect to Kafka at {c.bootstrap_servers}: {problem}")
         try:
             return KafkaProducer(**kwargs)
         except Exception as e:  # noqa: BLE001 - classified below
