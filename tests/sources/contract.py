@@ -132,7 +132,11 @@ class SourceContract:
             produce(
                 tansu,
                 t,
-                [Msg(b'{"codec": "%s", "i": %d}' % (codec.encode(), i)) for i in range(50)]
+                # compressible payloads: librdkafka sends a batch uncompressed when that is smaller
+                [
+                    Msg(b'{"codec": "%s", "i": %d, "pad": "%s"}' % (codec.encode(), i, b"ab" * 100))
+                    for i in range(50)
+                ]
                 + [Msg(big, key=codec.encode())],
                 **{
                     "compression.type": codec,
