@@ -434,6 +434,10 @@ class _Delete(tuple):  # type: ignore[type-arg]
     """A tombstone's key values (upsert_keys order): a DELETE, not a write."""
 
 
+_INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer", "bigint"})
+_NUMERIC_TYPES = _INTEGER_TYPES | {"decimal", "numeric", "float", "double", "real"}
+
+
 class MySQLSink(Sink):
     """Writes each batch in one transaction; bad rows are isolated by savepoint bisection."""
 
@@ -885,11 +889,28 @@ class MySQLSink(Sink):
                 continue
             try:
                 values = dict(zip(self._columns, row, strict=True))
-                rows[i] = _Delete(delete_key(self.config.upsert_keys, values, key))
+                found = delete_key(self.config.upsert_keys, values, key)
+                rows[i] = _Delete(
+                    self._typed_key(k, v)
+                    for k, v in zip(self.config.upsert_keys, found, strict=True)
+                )
             except DeleteKeyError as e:
                 rows[i] = None
                 failures.append(RowFailure(i, str(e)))
         return failures
+
+    def _typed_key(self, column: str, value: Any) -> Any:
+        """A key value from a message key, as the column's type: MySQL would compare a text
+        that is not a number with a numeric column as 0 (and delete row 0)."""
+        typ = self._types.get(column, "").lower()
+        if not isinstance(value, str) or typ not in _NUMERIC_TYPES:
+            return value
+        try:
+            return int(value) if typ in _INTEGER_TYPES else float(value)
+        except ValueError:
+            raise DeleteKeyError(
+                f"tombstone key {value[:60]!r} is not a number for {typ} column {column}"
+            ) from None
 
     def _execute(self, cur: Any, rows: list[Any]) -> None:
         """The rows' statements in order: runs of writes (one executemany) and of deletes."""
