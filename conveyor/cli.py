@@ -22,6 +22,7 @@ from rich.table import Table
 
 from conveyor.core.errors import ConveyorError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.state import StateChange
 from conveyor.store.meta import MetaStore, StoreError
 
 
@@ -282,7 +283,7 @@ def connector_stop(ctx: click.Context, name: str) -> None:
     store = _store(ctx)
     r = store.set_desired(name, DesiredState.STOPPED, reason="stopped from the CLI")
     if r.run_id is None or r.status in (ConnectorStatus.IDLE, ConnectorStatus.ERROR):
-        store.set_status(name, ConnectorStatus.STOPPED, "stopped from the CLI")
+        store.apply(name, None, StateChange(status=ConnectorStatus.STOPPED), "stopped from the CLI")
     click.echo(f"{name}: desired stopped (now {r.status.value})")
 
 
@@ -294,9 +295,7 @@ def connector_restart(ctx: click.Context, name: str) -> None:
     """Fence the current run and let the scheduler start a fresh one."""
     store = _store(ctx)
     store.set_desired(name, DesiredState.RUNNING, reason="restart from the CLI")
-    store.set_status(
-        name, ConnectorStatus.IDLE, "restart from the CLI", bump_generation=True, clear_broker=True
-    )
+    store.apply(name, None, StateChange.reset(), "restart from the CLI")
     click.echo(f"{name}: restarting (the old run is fenced; the scheduler launches a new one)")
 
 

@@ -50,6 +50,7 @@ from conveyor.core.loop import (
     run_loop,
 )
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, FailurePolicyName, Offsets
+from conveyor.core.state import StateChange
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
 from conveyor.spark.transform import SparkTransformer, spark_session
@@ -310,12 +311,11 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         raise Failure(description=f"connector {name} stopped with an error: {e}") from None
     except OutageBudgetExceeded as e:
         if context.retry_number < OUTAGE_RUN_RETRIES:
-            store.set_status(
+            store.apply(
                 name,
-                ConnectorStatus.DEGRADED,
+                gen,
+                StateChange(status=ConnectorStatus.DEGRADED, error=str(e)),
                 f"outage budget spent, op retry {context.retry_number + 1}",
-                generation=gen,
-                error=str(e),
             )
             raise RetryRequested(
                 max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay
