@@ -432,7 +432,7 @@ def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
 def _dead_letters_of(ctx: click.Context, name: str) -> tuple[Any, Any, str]:
     from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
     from conveyor.resources.conveyor import default_spark_remote
-    from conveyor.spark.transform import spark_session
+    from conveyor.spark.session import spark_session
     from conveyor.specs import from_store_row
 
     store = _store(ctx)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import click
 
-from conveyor.brokers.embedded import EmbeddedBroker, port_open, start_embedded_broker
+from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
+from conveyor.ports import port_open
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
 
@@ -202,7 +203,7 @@ def _stop_connector_runs(timeout_s: float = 30.0) -> None:
     import socket
 
     from conveyor.core.model import DesiredState
-    from conveyor.jobs.connector import pid_alive
+    from conveyor.processes import pid_alive
     from conveyor.store.meta import MetaStore
 
     try:

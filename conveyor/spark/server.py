@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.brokers.embedded import free_port, port_open
 from conveyor.core.errors import ConveyorError
+from conveyor.ports import free_port, port_open
 
 
 class SparkServerError(ConveyorError):

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conveyor.brokers.embedded import free_port, port_open
+from conveyor.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 
 LOCATION = "conveyor"

@@ -27,10 +27,10 @@ import psycopg2
 import pytest
 import yaml
 
-from conveyor.brokers.embedded import free_port, port_open
 from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.devserver import dagster_yaml
-from conveyor.jobs.connector import pid_alive
+from conveyor.ports import free_port, port_open
+from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, produce, wait_for
 
