@@ -1,12 +1,12 @@
-"""quixstreams' ``Application`` with its ``PostgreSQLSink``, default settings."""
+"""quixstreams' ``Application`` with its ``PostgreSQLSink``, default settings.
+
+It runs until stopped: the benchmark sends SIGTERM (a graceful stop) once every row is in.
+"""
 
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 
-import psycopg2
 from quixstreams import Application
 from quixstreams.sinks.community.postgresql import PostgreSQLSink
 
@@ -22,7 +22,6 @@ def main() -> None:
     a.add_argument("--pg-user", default="postgres")
     a.add_argument("--schema", required=True)
     a.add_argument("--table", required=True)
-    a.add_argument("--n", type=int, required=True)
     args = a.parse_args()
     app = Application(
         broker_address=args.bootstrap,
@@ -42,20 +41,6 @@ def main() -> None:
     sdf = app.dataframe(app.topic(args.topic, value_deserializer="json"))
     sdf.sink(sink)
 
-    def stop_when_done() -> None:  # the app runs forever; stop it once every row is in
-        conn = psycopg2.connect(
-            host=args.pg_host, port=args.pg_port, dbname=args.pg_db, user=args.pg_user
-        )
-        conn.autocommit = True
-        while True:
-            with conn.cursor() as cur:
-                cur.execute(f'SELECT count(*) FROM "{args.schema}"."{args.table}"')
-                if cur.fetchone()[0] >= args.n:
-                    app.stop()
-                    return
-            time.sleep(0.2)
-
-    threading.Thread(target=stop_when_done, daemon=True).start()
     app.run()
 
 
