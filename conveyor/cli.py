@@ -22,6 +22,7 @@ from rich.table import Table
 
 from conveyor.core.errors import ConveyorError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.state import StateChange
 from conveyor.store.meta import MetaStore, StoreError
 
 
@@ -105,6 +106,14 @@ def main(ctx: click.Context, meta_url: str | None) -> None:
 )
 @click.option("--rate", default=50.0, show_default=True, help="Demo producer messages per second.")
 @click.option("--no-demo", is_flag=True, help="Do not start the demo producer and connector.")
+@click.option(
+    "--spark-workers",
+    type=click.IntRange(min=0, max=16),
+    default=0,
+    show_default=True,
+    help="Run the broker executor's Spark Connect server in front of a Spark standalone "
+    "cluster (a master and this many workers, 1 core each) instead of local[*].",
+)
 @handles_errors
 def dev(
     home: Path | None,
@@ -113,6 +122,7 @@ def dev(
     dagster_port: int,
     rate: float,
     no_demo: bool,
+    spark_workers: int,
 ) -> None:
     """Start the embedded broker, Spark Connect, a demo, and `dagster dev`."""
     from conveyor.devserver import run_dev
@@ -126,6 +136,7 @@ def dev(
             dagster_port=dagster_port,
             producer_rate=rate,
             demo=not no_demo,
+            spark_workers=spark_workers,
         )
     )
 
@@ -282,7 +293,7 @@ def connector_stop(ctx: click.Context, name: str) -> None:
     store = _store(ctx)
     r = store.set_desired(name, DesiredState.STOPPED, reason="stopped from the CLI")
     if r.run_id is None or r.status in (ConnectorStatus.IDLE, ConnectorStatus.ERROR):
-        store.set_status(name, ConnectorStatus.STOPPED, "stopped from the CLI")
+        store.apply(name, None, StateChange(status=ConnectorStatus.STOPPED), "stopped from the CLI")
     click.echo(f"{name}: desired stopped (now {r.status.value})")
 
 
@@ -294,9 +305,7 @@ def connector_restart(ctx: click.Context, name: str) -> None:
     """Fence the current run and let the scheduler start a fresh one."""
     store = _store(ctx)
     store.set_desired(name, DesiredState.RUNNING, reason="restart from the CLI")
-    store.set_status(
-        name, ConnectorStatus.IDLE, "restart from the CLI", bump_generation=True, clear_broker=True
-    )
+    store.apply(name, None, StateChange.reset(), "restart from the CLI")
     click.echo(f"{name}: restarting (the old run is fenced; the scheduler launches a new one)")
 
 
@@ -453,7 +462,7 @@ def offsets_reset(
 def _dead_letters_of(ctx: click.Context, name: str) -> tuple[Any, Any, str]:
     from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
     from conveyor.resources.conveyor import default_spark_remote
-    from conveyor.spark.transform import spark_session
+    from conveyor.spark.session import spark_session
     from conveyor.specs import from_store_row
 
     store = _store(ctx)

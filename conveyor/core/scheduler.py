@@ -44,10 +44,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.core.model import ConnectorStatus, DesiredState
+from conveyor.core.state import StateChange
 
 ACTIVE_RUN_STATUSES = frozenset({"QUEUED", "NOT_STARTED", "STARTING", "STARTED", "CANCELING"})
 LIVE = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED)
@@ -138,25 +139,47 @@ class SchedulerConfig:
 
 
 # -- decisions -----------------------------------------------------------------------
+#
+# A decision that changes the connector's state carries that change (``change``), which
+# the store applies fenced on the generation the decision was based on and the planner
+# applies to its view; the others are side effects only (terminate, kill, report).
+
+
+class _Decision:
+    name: str
+    reason: str
+
+    @property
+    def change(self) -> StateChange | None:
+        """The state change this decision writes, or None for a side effect only."""
+        return None
+
+    def expected_generation(self, planned_on: int) -> int:
+        """The generation the store must still hold for the change to apply."""
+        return planned_on
 
 
 @dataclass(frozen=True)
-class Reset:
+class Reset(_Decision):
     """To Idle, broker cleared, generation bumped (fences the old run)."""
 
     name: str
     reason: str
 
+    @property
+    def change(self) -> StateChange:
+        return StateChange.reset()
+
 
 @dataclass(frozen=True)
-class Terminate:
+class Terminate(_Decision):
     name: str
     run_id: str
     reason: str
 
 
 @dataclass(frozen=True)
-class KillZombie:
+class KillZombie(_Decision):
     name: str
     run_id: str
     pid: int
@@ -164,54 +187,75 @@ class KillZombie:
 
 
 @dataclass(frozen=True)
-class ReportCanceled:
+class ReportCanceled(_Decision):
     name: str
     run_id: str
     reason: str
 
 
 @dataclass(frozen=True)
-class Stop:
+class Stop(_Decision):
     """To Stopped with desired stopped, generation bumped, broker cleared."""
 
     name: str
     reason: str
 
+    @property
+    def change(self) -> StateChange:
+        return StateChange.stop()
+
 
 @dataclass(frozen=True)
-class MarkError:
+class MarkError(_Decision):
     name: str
     reason: str
     message: str
 
+    @property
+    def change(self) -> StateChange:
+        return StateChange.mark_error(self.message)
+
 
 @dataclass(frozen=True)
-class Restart:
+class Restart(_Decision):
     """Error -> Idle (unassigned) after the backoff; counts one restart."""
 
     name: str
     reason: str
     restarts: int
 
+    @property
+    def change(self) -> StateChange:
+        return StateChange.restart(self.restarts)
+
 
 @dataclass(frozen=True)
-class ClearRestarts:
+class ClearRestarts(_Decision):
     name: str
     reason: str
 
+    @property
+    def change(self) -> StateChange:
+        return StateChange(restarts=0)
+
 
 @dataclass(frozen=True)
-class Move:
+class Move(_Decision):
     """Off its broker (drain, down, rebalance): Reset plus terminating its run."""
 
     name: str
     from_broker: str
     run_id: str | None
     reason: str
+    at: float = 0.0  # when: starts the rebalance cool-down
+
+    @property
+    def change(self) -> StateChange:
+        return StateChange.reset(moved_at=self.at)
 
 
 @dataclass(frozen=True)
-class Assign:
+class Assign(_Decision):
     """Place on a broker with generation ``generation`` (current + 1) and launch a run."""
 
     name: str
@@ -220,9 +264,17 @@ class Assign:
     tags: Mapping[str, str]
     reason: str
 
+    @property
+    def change(self) -> StateChange:
+        return StateChange.assign(self.broker_id)
+
+    def expected_generation(self, planned_on: int) -> int:
+        # The plan may have reset the connector earlier in this tick (one bump already).
+        return self.generation - 1
+
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(_Decision):
     name: str
     error: str
     reason: str = "scheduler error"
@@ -311,11 +363,10 @@ def plan(
     settled: dict[str, ConnectorView] = {}  # connector state after this tick's decisions
     healthy = {b.id for b in brokers if not b.draining and b.id not in down}
     room = _room(connectors, brokers, healthy)
+    tick = _Tick(runs_of, run_by_id, broker_ids, down, room, brokers, now, cfg)
     for c in sorted(connectors, key=lambda c: c.name):
         try:
-            decisions = _connector(
-                c, runs_of.get(c.name, []), run_by_id, broker_ids, down, room, brokers, now, cfg
-            )
+            decisions = _connector(c, tick)
         except Exception as e:  # noqa: BLE001
             out.decisions.append(Failed(c.name, f"{type(e).__name__}: {e}"))
             continue
@@ -382,185 +433,233 @@ def _reclaim(
     return []
 
 
-def _connector(
-    c: ConnectorView,
-    runs: list[RunView],
-    run_by_id: Mapping[str, RunView],
-    broker_ids: set[str],
-    down: set[str],
-    room: Mapping[str, int],
-    brokers: Sequence[BrokerView],
-    now: float,
-    cfg: SchedulerConfig,
-) -> list[Decision]:
-    current = run_by_id.get(c.run_id) if c.run_id else None
-    active_current = current is not None and current.active
-    age = c.heartbeat_age(now)
-    fresh = age is not None and age <= c.heartbeat_timeout_s
+@dataclass(frozen=True)
+class _Tick:
+    """What every per-connector step may look at, besides the connector itself."""
 
-    if c.spec_error:
-        if c.status in (ConnectorStatus.IDLE,) and c.desired == DesiredState.RUNNING:
-            return [MarkError(c.name, "invalid spec", c.spec_error)]
-        return []
+    runs_of: Mapping[str, list[RunView]]
+    run_by_id: Mapping[str, RunView]
+    broker_ids: set[str]
+    down: set[str]
+    room: Mapping[str, int]
+    brokers: Sequence[BrokerView]
+    now: float
+    cfg: SchedulerConfig
 
-    # zombie: the current run is CANCELED (a force-terminate in the UI, or a run reported
-    # canceled after its grace period) but the connector was never released. Whether its
-    # heartbeat is still fresh does not matter: a hung process stops heartbeating, and a
-    # tick that comes late must still stop it, fence it and kill what is left of it.
-    if current is not None and current.status == "CANCELED" and c.status in LIVE:
-        state = "still heartbeats" if fresh else "was never released"
-        out: list[Decision] = [
-            Stop(c.name, f"run {current.run_id} was canceled but {state}: fenced as a zombie")
-        ]
-        if current.local and current.pid and current.process_alive is not False:
-            out.append(
-                KillZombie(
-                    c.name,
-                    current.run_id,
-                    current.pid,
-                    f"zombie run {current.run_id} (pid {current.pid})",
-                )
+
+@dataclass(frozen=True)
+class _Connector:
+    """One connector in one tick, with its runs and heartbeat age worked out once."""
+
+    c: ConnectorView
+    runs: list[RunView]
+    current: RunView | None
+    age: float | None
+
+    @property
+    def active_current(self) -> bool:
+        return self.current is not None and self.current.active
+
+    @property
+    def fresh(self) -> bool:
+        return self.age is not None and self.age <= self.c.heartbeat_timeout_s
+
+    @property
+    def any_active(self) -> bool:
+        return any(r.active for r in self.runs)
+
+
+# Each step returns None when its rule does not apply (the next step is asked), else the
+# decisions (possibly none) and no later step runs. The order is the module docstring's.
+Step = Callable[[_Connector, _Tick], "list[Decision] | None"]
+
+
+def _invalid_spec(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
+    if not c.spec_error:
+        return None
+    if c.status == ConnectorStatus.IDLE and c.desired == DesiredState.RUNNING:
+        return [MarkError(c.name, "invalid spec", c.spec_error)]
+    return []
+
+
+def _zombie(x: _Connector, t: _Tick) -> list[Decision] | None:
+    """The current run is CANCELED (a force-terminate in the UI, or a run reported canceled
+    after its grace period) but the connector was never released. Whether its heartbeat is
+    still fresh does not matter: a hung process stops heartbeating, and a tick that comes
+    late must still stop it, fence it and kill what is left of it."""
+    c, current = x.c, x.current
+    if current is None or current.status != "CANCELED" or c.status not in LIVE:
+        return None
+    state = "still heartbeats" if x.fresh else "was never released"
+    out: list[Decision] = [
+        Stop(c.name, f"run {current.run_id} was canceled but {state}: fenced as a zombie")
+    ]
+    if current.local and current.pid and current.process_alive is not False:
+        out.append(
+            KillZombie(
+                c.name,
+                current.run_id,
+                current.pid,
+                f"zombie run {current.run_id} (pid {current.pid})",
             )
-        return out
+        )
+    return out
 
-    if c.desired == DesiredState.STOPPED:
-        if (
-            c.status in (*LIVE, ConnectorStatus.IDLE)
-            and not active_current
-            and not any(r.active for r in runs)
-        ):
-            return [Stop(c.name, "desired stopped and no run is active")]
-        return []
 
-    # heartbeat check
-    if c.status in LIVE:
-        if age is not None and age > c.heartbeat_timeout_s:
-            out = [
-                Reset(
-                    c.name,
-                    f"heartbeat {age:.0f}s old (timeout {c.heartbeat_timeout_s:.0f}s) on broker {c.broker_id or '-'}",
-                )
-            ]
-            for r in runs:
-                if not r.active:
-                    continue
-                if r.process_alive is False:
-                    # Its process is gone (kill -9, OOM): nobody can acknowledge a terminate.
-                    out.append(
-                        ReportCanceled(c.name, r.run_id, f"run {r.run_id}: process {r.pid} is gone")
-                    )
-                else:
-                    out.append(Terminate(c.name, r.run_id, "lost run (heartbeat timed out)"))
-            return out
-        if (
-            age is None
-            and now - c.status_since > cfg.launch_timeout_s
-            and not any(r.active for r in runs)
-        ):
-            return [
-                Reset(
-                    c.name,
-                    f"no heartbeat {now - c.status_since:.0f}s after start and no active run",
-                )
-            ]
-        if current is not None and current.status == "FAILURE":
-            return [
-                MarkError(
-                    c.name,
-                    f"run {current.run_id} failed",
-                    c.last_error or f"run {current.run_id} failed",
-                )
-            ]
+def _desired_stopped(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
+    if c.desired != DesiredState.STOPPED:
+        return None
+    if c.status in (*LIVE, ConnectorStatus.IDLE) and not x.active_current and not x.any_active:
+        return [Stop(c.name, "desired stopped and no run is active")]
+    return []
 
-    # an assignment whose run never came
-    if c.status == ConnectorStatus.IDLE and c.broker_id is not None:
-        pending = [
-            r for r in runs if r.active and (r.generation is None or r.generation == c.generation)
-        ]
-        if not pending and now - c.updated_at > cfg.launch_timeout_s:
-            return [
-                Reset(
-                    c.name,
-                    f"assigned to {c.broker_id} {now - c.updated_at:.0f}s ago but no run started",
-                )
-            ]
 
-    if c.status == ConnectorStatus.ERROR:
-        if any(r.active for r in runs):
-            return []
-        if c.restarts >= c.max_restarts:
-            return []
-        wait = cfg.restart_backoff(c.restarts)
-        if now - c.status_since >= wait:
-            return [
-                Restart(
-                    c.name,
-                    f"automatic restart {c.restarts + 1}/{c.max_restarts} after {wait:.0f}s backoff",
-                    c.restarts + 1,
-                )
-            ]
-        return []
+def _lost_heartbeat(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c, age = x.c, x.age
+    if c.status not in LIVE or age is None or age <= c.heartbeat_timeout_s:
+        return None
+    out: list[Decision] = [
+        Reset(
+            c.name,
+            f"heartbeat {age:.0f}s old (timeout {c.heartbeat_timeout_s:.0f}s) on broker {c.broker_id or '-'}",
+        )
+    ]
+    for r in x.runs:
+        if not r.active:
+            continue
+        if r.process_alive is False:
+            # Its process is gone (kill -9, OOM): nobody can acknowledge a terminate.
+            out.append(ReportCanceled(c.name, r.run_id, f"run {r.run_id}: process {r.pid} is gone"))
+        else:
+            out.append(Terminate(c.name, r.run_id, "lost run (heartbeat timed out)"))
+    return out
 
+
+def _never_heartbeated(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
     if (
-        c.status == ConnectorStatus.RUNNING
-        and c.restarts > 0
-        and now - c.status_since > cfg.healthy_reset_s
+        c.status not in LIVE
+        or x.age is not None
+        or t.now - c.status_since <= t.cfg.launch_timeout_s
+        or x.any_active
     ):
-        return [
-            ClearRestarts(
-                c.name, f"running for {now - c.status_since:.0f}s: restart budget restored"
-            )
-        ]
+        return None
+    return [
+        Reset(c.name, f"no heartbeat {t.now - c.status_since:.0f}s after start and no active run")
+    ]
 
-    # drain / gone / down broker
-    if c.broker_id is not None and c.status in (*LIVE, ConnectorStatus.IDLE):
-        b = next((b for b in brokers if b.id == c.broker_id), None)
-        run_id = current.run_id if active_current and current else None
-        if c.broker_id not in broker_ids:
-            return [Move(c.name, c.broker_id, run_id, f"broker {c.broker_id} no longer exists")]
-        if b is not None and b.draining:
-            return [Move(c.name, c.broker_id, run_id, f"broker {c.broker_id} is draining")]
-        if c.broker_id in down and any(n > 0 for bid, n in room.items() if bid != c.broker_id):
-            return [Move(c.name, c.broker_id, run_id, f"broker {c.broker_id} is down")]
+
+def _run_failed(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c, current = x.c, x.current
+    if c.status not in LIVE or current is None or current.status != "FAILURE":
+        return None
+    return [
+        MarkError(
+            c.name, f"run {current.run_id} failed", c.last_error or f"run {current.run_id} failed"
+        )
+    ]
+
+
+def _launch_never_came(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
+    if c.status != ConnectorStatus.IDLE or c.broker_id is None:
+        return None
+    pending = [
+        r for r in x.runs if r.active and (r.generation is None or r.generation == c.generation)
+    ]
+    if pending or t.now - c.updated_at <= t.cfg.launch_timeout_s:
+        return None
+    return [
+        Reset(
+            c.name, f"assigned to {c.broker_id} {t.now - c.updated_at:.0f}s ago but no run started"
+        )
+    ]
+
+
+def _restart_after_error(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
+    if c.status != ConnectorStatus.ERROR:
+        return None
+    if x.any_active or c.restarts >= c.max_restarts:
+        return []
+    wait = t.cfg.restart_backoff(c.restarts)
+    if t.now - c.status_since < wait:
+        return []
+    return [
+        Restart(
+            c.name,
+            f"automatic restart {c.restarts + 1}/{c.max_restarts} after {wait:.0f}s backoff",
+            c.restarts + 1,
+        )
+    ]
+
+
+def _healthy_again(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
+    if (
+        c.status != ConnectorStatus.RUNNING
+        or c.restarts <= 0
+        or t.now - c.status_since <= t.cfg.healthy_reset_s
+    ):
+        return None
+    return [
+        ClearRestarts(c.name, f"running for {t.now - c.status_since:.0f}s: restart budget restored")
+    ]
+
+
+def _off_a_bad_broker(x: _Connector, t: _Tick) -> list[Decision] | None:
+    c = x.c
+    if c.broker_id is None or c.status not in (*LIVE, ConnectorStatus.IDLE):
+        return None
+    b = next((b for b in t.brokers if b.id == c.broker_id), None)
+    run_id = x.current.run_id if x.active_current and x.current else None
+    if c.broker_id not in t.broker_ids:
+        why = f"broker {c.broker_id} no longer exists"
+    elif b is not None and b.draining:
+        why = f"broker {c.broker_id} is draining"
+    elif c.broker_id in t.down and any(n > 0 for bid, n in t.room.items() if bid != c.broker_id):
+        why = f"broker {c.broker_id} is down"
+    else:
+        return None
+    return [Move(c.name, c.broker_id, run_id, why, at=t.now)]
+
+
+STEPS: tuple[Step, ...] = (
+    _invalid_spec,
+    _zombie,
+    _desired_stopped,
+    _lost_heartbeat,
+    _never_heartbeated,
+    _run_failed,
+    _launch_never_came,
+    _restart_after_error,
+    _healthy_again,
+    _off_a_bad_broker,
+)
+
+
+def _connector(c: ConnectorView, t: _Tick) -> list[Decision]:
+    """The first step whose rule applies decides (see STEPS)."""
+    x = _Connector(
+        c=c,
+        runs=t.runs_of.get(c.name, []),
+        current=t.run_by_id.get(c.run_id) if c.run_id else None,
+        age=c.heartbeat_age(t.now),
+    )
+    for step in STEPS:
+        decided = step(x, t)
+        if decided is not None:
+            return decided
     return []
 
 
 def _after(c: ConnectorView, decisions: Sequence[Decision]) -> ConnectorView:
     """The connector as the store will hold it once ``decisions`` are applied."""
-    from dataclasses import replace
-
     for d in decisions:
-        if isinstance(d, (Reset, Move)):
-            c = replace(
-                c,
-                status=ConnectorStatus.IDLE,
-                broker_id=None,
-                generation=c.generation + 1,
-                heartbeat_at=None,
-                run_id=None,
-            )
-        elif isinstance(d, Restart):
-            c = replace(
-                c,
-                status=ConnectorStatus.IDLE,
-                broker_id=None,
-                generation=c.generation + 1,
-                restarts=d.restarts,
-                heartbeat_at=None,
-                run_id=None,
-            )
-        elif isinstance(d, Stop):
-            c = replace(
-                c,
-                status=ConnectorStatus.STOPPED,
-                desired=DesiredState.STOPPED,
-                broker_id=None,
-                generation=c.generation + 1,
-            )
-        elif isinstance(d, MarkError):
-            c = replace(c, status=ConnectorStatus.ERROR)
-        elif isinstance(d, Assign):
-            c = replace(c, broker_id=d.broker_id, generation=d.generation)
+        if d.change is not None:
+            c = d.change.applied_to(c)
     return c
 
 
@@ -692,4 +791,5 @@ def _rebalance(
         hi.id,
         pick.run_id,
         f"rebalance: {hi.id} load {loads[hi.id]:.2f} vs {lo.id} {loads[lo.id]:.2f}",
+        at=now,
     )

@@ -10,7 +10,6 @@ cleans up, and the run ends CANCELED.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -51,9 +50,12 @@ from conveyor.core.loop import (
     run_loop,
 )
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, FailurePolicyName, Offsets
+from conveyor.core.state import StateChange
+from conveyor.processes import pid_alive
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
-from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
 from conveyor.specs import LoadedSpec, from_store_row
 from conveyor.store.meta import ConnectorRow, MetaStore
 
@@ -88,21 +90,6 @@ class StoreCommitter:
             self.name, self.generation, counters.as_dict(), status=status, reason=reason
         )
         return desired == DesiredState.RUNNING
-
-
-def pid_alive(pid: int) -> bool:
-    """True if the process exists and is not a zombie awaiting its parent."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return True  # no procfs: trust kill(0)
 
 
 def _holder_alive(context: OpExecutionContext, timeout_s: float):  # type: ignore[no-untyped-def]
@@ -317,12 +304,11 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         raise Failure(description=f"connector {name} stopped with an error: {e}") from None
     except OutageBudgetExceeded as e:
         if context.retry_number < OUTAGE_RUN_RETRIES:
-            store.set_status(
+            store.apply(
                 name,
-                ConnectorStatus.DEGRADED,
+                gen,
+                StateChange(status=ConnectorStatus.DEGRADED, error=str(e)),
                 f"outage budget spent, op retry {context.retry_number + 1}",
-                generation=gen,
-                error=str(e),
             )
             raise RetryRequested(
                 max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_sensor
 
 from conveyor.core.model import ConnectorStatus
+from conveyor.core.state import StateChange
 from conveyor.jobs.connector import TAG_CONNECTOR
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import UnknownConnectorError
@@ -35,11 +36,5 @@ def conveyor_run_failures(context: RunFailureSensorContext, conveyor: ConveyorRe
     if row.run_id != run.run_id or row.status in (ConnectorStatus.ERROR, ConnectorStatus.STOPPED):
         return
     message = context.failure_event.message or "run failed"
-    store.set_status(
-        name,
-        ConnectorStatus.ERROR,
-        f"run {run.run_id} failed",
-        generation=row.generation,
-        error=message,
-    )
+    store.apply(name, row.generation, StateChange.mark_error(message), f"run {run.run_id} failed")
     context.log.info(f"connector {name}: run {run.run_id} failed -> Error: {message}")

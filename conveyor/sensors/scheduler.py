@@ -31,10 +31,10 @@ from dagster import (
     sensor,
 )
 
-from conveyor.brokers.embedded import port_open
 from conveyor.core import scheduler as core
-from conveyor.core.model import ConnectorStatus, DesiredState
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name, pid_alive
+from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
+from conveyor.ports import port_open
+from conveyor.processes import pid_alive
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import ConnectorRow, MetaStore
 
@@ -133,14 +133,13 @@ def apply_plan(
     store: MetaStore,
     plan: core.Plan,
     views: dict[str, core.ConnectorView],
-    now: float,
 ) -> list[RunRequest]:
     """Carry out decisions; each in its own try so one failure never stops the others."""
     requests: list[RunRequest] = []
     instance = context.instance
     for d in plan.decisions:
         try:
-            requests.extend(_apply(instance, store, d, views.get(d.name), now))
+            requests.extend(_apply(instance, store, d, views.get(d.name)))
             context.log.info(f"{d.name}: {type(d).__name__}: {d.reason}")
         except Exception as e:  # noqa: BLE001 - reported per decision
             context.log.error(f"{d.name}: {type(d).__name__} failed: {type(e).__name__}: {e}")
@@ -161,84 +160,45 @@ def _terminate(instance: Any, run_id: str | None) -> bool:
 
 
 def _apply(
-    instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None, now: float
+    instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None
 ) -> list[RunRequest]:
-    """One decision. Store writes are fenced on the generation the decision was based on."""
-    gen = view.generation if view is not None else None
+    """One decision: its state change (fenced, in the store), then its side effects."""
     reason = f"scheduler: {d.reason}"
-    if isinstance(d, core.Reset):
-        store.set_status(
-            d.name,
-            ConnectorStatus.IDLE,
-            reason,
-            generation=gen,
-            bump_generation=True,
-            clear_broker=True,
-        )
-    elif isinstance(d, core.Move):
-        row = store.set_status(
-            d.name,
-            ConnectorStatus.IDLE,
-            reason,
-            generation=gen,
-            bump_generation=True,
-            clear_broker=True,
-            extra={"last_moved_at": now},
-        )
-        if row is not None:
+    row = None
+    if d.change is not None:
+        expected = d.expected_generation(view.generation) if view is not None else None
+        row = store.apply(d.name, expected, d.change, reason)
+        if row is None:
+            return []  # fenced: the connector moved on since the snapshot; nothing else to do
+    match d:
+        case core.Move():
             _terminate(instance, d.run_id)
-    elif isinstance(d, core.Stop):
-        store.set_status(
-            d.name,
-            ConnectorStatus.STOPPED,
-            reason,
-            generation=gen,
-            bump_generation=True,
-            clear_broker=True,
-            extra={"desired": DesiredState.STOPPED.value},
-        )
-    elif isinstance(d, core.Restart):
-        store.set_status(
-            d.name,
-            ConnectorStatus.IDLE,
-            reason,
-            generation=gen,
-            bump_generation=True,
-            clear_broker=True,
-            extra={"restarts": d.restarts, "next_restart_at": None},
-        )
-    elif isinstance(d, core.ClearRestarts):
-        store.update_fields(d.name, restarts=0)
-        store.record(d.name, reason)
-    elif isinstance(d, core.MarkError):
-        store.set_status(d.name, ConnectorStatus.ERROR, reason, generation=gen, error=d.message)
-    elif isinstance(d, core.Terminate):
-        if _terminate(instance, d.run_id):
-            store.record(d.name, f"{reason} (run {d.run_id} terminated)", run_id=d.run_id)
-    elif isinstance(d, core.KillZombie):
-        os.kill(d.pid, signal.SIGKILL)
-        store.record(d.name, f"{reason}: killed", run_id=d.run_id)
-    elif isinstance(d, core.ReportCanceled):
-        run = instance.get_run_by_id(d.run_id)
-        if run is not None and not run.is_finished:
-            instance.report_run_canceled(run, message=d.reason)
-            store.record(d.name, reason, run_id=d.run_id)
-    elif isinstance(d, core.Assign):
-        # The plan may have reset the connector earlier in this tick: expect the generation it planned on.
-        new_gen = store.assign(
-            d.name, d.broker_id, expected_generation=d.generation - 1, reason=reason
-        )
-        if new_gen is None:
-            return []
-        tags = {
-            **d.tags,
-            TAG_CONNECTOR: d.name,
-            TAG_BROKER: d.broker_id,
-            TAG_GENERATION: str(new_gen),
-        }
-        return [RunRequest(run_key=f"{d.name}:{new_gen}", job_name=job_name(d.name), tags=tags)]
-    elif isinstance(d, core.Failed):
-        store.record(d.name, f"scheduler could not decide: {d.error}")
+        case core.Assign():
+            assert row is not None
+            tags = {
+                **d.tags,
+                TAG_CONNECTOR: d.name,
+                TAG_BROKER: d.broker_id,
+                TAG_GENERATION: str(row.generation),
+            }
+            return [
+                RunRequest(
+                    run_key=f"{d.name}:{row.generation}", job_name=job_name(d.name), tags=tags
+                )
+            ]
+        case core.Terminate():
+            if _terminate(instance, d.run_id):
+                store.record(d.name, f"{reason} (run {d.run_id} terminated)", run_id=d.run_id)
+        case core.KillZombie():
+            os.kill(d.pid, signal.SIGKILL)
+            store.record(d.name, f"{reason}: killed", run_id=d.run_id)
+        case core.ReportCanceled():
+            run = instance.get_run_by_id(d.run_id)
+            if run is not None and not run.is_finished:
+                instance.report_run_canceled(run, message=d.reason)
+                store.record(d.name, reason, run_id=d.run_id)
+        case core.Failed():
+            store.record(d.name, f"scheduler could not decide: {d.error}")
     return []
 
 
@@ -269,7 +229,7 @@ def tick(
         now,
         scheduler_config(),
     )
-    return plan, apply_plan(context, store, plan, views, now)
+    return plan, apply_plan(context, store, plan, views)
 
 
 def scheduler_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDefinition:

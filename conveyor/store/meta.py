@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import AlreadyClaimedError, ConveyorError, FencedError
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, Offsets, TopicPartition
+from conveyor.core.state import StateChange
 from conveyor.store import schema as t
 
 DEFAULT_HOME = ".conveyor"
@@ -336,47 +337,59 @@ class MetaStore:
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
-    def set_status(
+    def apply(
         self,
         name: str,
-        status: ConnectorStatus,
+        expected_generation: int | None,
+        change: StateChange,
         reason: str,
-        *,
-        generation: int | None = None,
-        error: str | None = None,
-        bump_generation: bool = False,
-        clear_broker: bool = False,
-        extra: dict[str, Any] | None = None,
     ) -> ConnectorRow | None:
-        """Change status (fenced on ``generation`` when given); records history.
+        """Write one state transition, fenced on ``expected_generation`` (None: unfenced).
 
-        Returns the new row, or None when the generation no longer matches.
+        The one place where a ``StateChange`` becomes an UPDATE. Records a history line
+        when the status, the generation or the restart budget changes. Returns the new
+        row, or None when the generation no longer matches (someone else moved it on).
         """
         now = self.clock()
         with self._tx() as c:
             row = self._get_for_update(c, name)
-            if generation is not None and row.generation != generation:
+            if expected_generation is not None and row.generation != expected_generation:
                 return None
-            values: dict[str, Any] = {"updated_at": now, **(extra or {})}
+            values: dict[str, Any] = {"updated_at": now}
+            status = change.status if change.status is not None else row.status
             if status != row.status:
                 values.update(status=status.value, status_since=now)
-            if error is not None:
-                values["last_error"] = error
+            if change.error is not None:
+                values["last_error"] = change.error
             elif status in (ConnectorStatus.RUNNING, ConnectorStatus.IDLE) and status != row.status:
                 values["last_error"] = None
-            if bump_generation:
+            if change.desired is not None:
+                values["desired"] = change.desired.value
+            if change.bump_generation:
                 values["generation"] = row.generation + 1
-            if clear_broker:
-                values.update(broker_id=None)
+            if change.clear_broker:
+                values["broker_id"] = None
+            if change.broker_id is not None:
+                values["broker_id"] = change.broker_id
+            if change.clear_run:
+                values.update(run_id=None, run_pid=None, heartbeat_at=None)
+            if change.clear_pid:
+                values["run_pid"] = None
+            if change.restarts is not None:
+                values.update(restarts=change.restarts, next_restart_at=None)
+            if change.moved_at is not None:
+                values["last_moved_at"] = change.moved_at
+            if change.counters is not None:
+                values["counters_json"] = json.dumps(change.counters)
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
-            if status != row.status or bump_generation:
+            if change.is_recorded(row.status):
                 self._history(
                     c,
                     name,
                     row.status,
                     status,
                     reason,
-                    row.run_id,
+                    None if change.clear_run else row.run_id,
                     values.get("generation", row.generation),
                 )
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
@@ -385,34 +398,8 @@ class MetaStore:
         self, name: str, broker_id: str, *, expected_generation: int, reason: str
     ) -> int | None:
         """Scheduler: bump the generation and place the connector on a broker (compare-and-set)."""
-        now = self.clock()
-        with self._tx() as c:
-            res = c.execute(
-                t.connectors.update()
-                .where(
-                    t.connectors.c.name == name, t.connectors.c.generation == expected_generation
-                )
-                .values(
-                    generation=expected_generation + 1,
-                    broker_id=broker_id,
-                    run_id=None,
-                    run_pid=None,
-                    heartbeat_at=None,
-                    updated_at=now,
-                )
-            )
-            if res.rowcount == 0:
-                return None
-            self._history(
-                c,
-                name,
-                ConnectorStatus.IDLE,
-                ConnectorStatus.IDLE,
-                reason,
-                None,
-                expected_generation + 1,
-            )
-            return expected_generation + 1
+        row = self.apply(name, expected_generation, StateChange.assign(broker_id), reason)
+        return row.generation if row is not None else None
 
     def claim(
         self,
@@ -568,23 +555,8 @@ class MetaStore:
         counters: dict[str, Any] | None = None,
     ) -> bool:
         """The run ends: final status (and counters) for its generation. False if already fenced."""
-        extra: dict[str, Any] = {"run_pid": None}
-        if counters is not None:
-            extra["counters_json"] = json.dumps(counters)
-        if status == ConnectorStatus.STOPPED:
-            extra["desired"] = DesiredState.STOPPED.value
-        # A stopped or failed connector holds no slot on its broker.
-        clear = status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
-        row = self.set_status(
-            name,
-            status,
-            reason,
-            generation=generation,
-            error=error,
-            extra=extra,
-            clear_broker=clear,
-        )
-        return row is not None
+        change = StateChange.release(status, error=error, counters=counters)
+        return self.apply(name, generation, change, reason) is not None
 
     # -- offsets --------------------------------------------------------------------
 
@@ -741,15 +713,6 @@ class MetaStore:
                 )
                 for r in c.execute(q)
             ]
-
-    def update_fields(self, name: str, **values: Any) -> None:
-        """Scheduler bookkeeping (restarts, next_restart_at, last_moved_at, run_id)."""
-        with self._tx() as c:
-            c.execute(
-                t.connectors.update()
-                .where(t.connectors.c.name == name)
-                .values(updated_at=self.clock(), **values)
-            )
 
 
 def _with_driver(url: str) -> str:

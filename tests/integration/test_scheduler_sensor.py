@@ -13,6 +13,7 @@ from dagster._core.test_utils import create_run_for_test
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.state import StateChange
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sensors.scheduler import scheduler_sensor
@@ -165,7 +166,7 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
 def test_hand_launched_run_is_adopted_and_an_older_generation_run_is_reclaimed(env):
     instance, store, url = env
     tick(instance, url)  # alpha, beta, gamma at generation 1
-    store.set_status("gamma", ConnectorStatus.IDLE, "test", bump_generation=True, clear_broker=True)
+    store.apply("gamma", None, StateChange.reset(), "test")
     ui = create_run_for_test(
         instance,
         job_name=job_name("gamma"),

@@ -23,7 +23,8 @@ from conveyor.core.loop import ConnectorLoop, DataPolicyError, LoopConfig, run_l
 from conveyor.core.model import ConnectorSpec, Counters
 from conveyor.jobs.connector import StoreCommitter
 from conveyor.sinks import build_sink
-from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
 from conveyor.store.meta import MetaStore
 from tests.sinks.contract import make_batch
 from tests.sources.producers import Msg, create_topic, produce

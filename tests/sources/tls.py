@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.brokers.embedded import free_port, port_open, tansu_binary
+from conveyor.brokers.embedded import tansu_binary
+from conveyor.ports import free_port, port_open
 
 
 @dataclass(frozen=True)
