@@ -380,13 +380,32 @@ def offsets_show(ctx: click.Context, name: str) -> None:
 @click.option(
     "--to",
     "to",
-    required=True,
+    default=None,
     help="earliest, latest, or TOPIC:PARTITION:OFFSET (repeatable with commas).",
+)
+@click.option(
+    "--to-datetime",
+    "to_datetime",
+    default=None,
+    help="ISO 8601 time (e.g. 2026-11-01T00:00:00Z, naive = UTC): each partition's first record "
+    "stamped at or after it (the end when there is none).",
+)
+@click.option(
+    "--from-group",
+    "from_group",
+    default=None,
+    help="Take over the committed offsets of this Kafka consumer group (e.g. connect-<name> of a "
+    "Kafka Connect connector); partitions the group has no offset for keep theirs.",
 )
 @click.pass_context
 @handles_errors
-def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
-    """Reset offsets of a STOPPED connector (as Kafka Connect's KIP-875)."""
+def offsets_reset(
+    ctx: click.Context, name: str, to: str | None, to_datetime: str | None, from_group: str | None
+) -> None:
+    """Reset offsets of a STOPPED connector (as Kafka Connect's KIP-875).
+
+    The cluster is reached with the connector's source connection (TLS, SASL).
+    """
     store = _store(ctx)
     row = store.get(name)
     if (
@@ -396,30 +415,41 @@ def offsets_reset(ctx: click.Context, name: str, to: str) -> None:
         _fail(
             f"{name} is {row.status.value} (desired {row.desired.value}); run `conveyor connector stop {name}` first"
         )
+    given = [
+        o
+        for o, v in (("--to", to), ("--to-datetime", to_datetime), ("--from-group", from_group))
+        if v
+    ]
+    if len(given) != 1:
+        _fail("give exactly one of --to, --to-datetime and --from-group")
     spec = row.spec or {}
-    if to in ("earliest", "latest"):
-        from conveyor.brokers.kafka import KafkaSource
-        from conveyor.core.model import SourceSpec
-
-        source = KafkaSource(SourceSpec.model_validate(spec["source"]), group_id=name)
-        parts = source.open({}, wait_for_topics_s=5)
-        from kafka import TopicPartition as KTP
-
-        consumer = source._consumer
-        if to == "earliest":
-            consumer.seek_to_beginning()
-        else:
-            consumer.seek_to_end()
-        new = {tp: consumer.position(KTP(tp.topic, tp.partition)) for tp in parts}
-        source.close()
-    else:
-        new = {}
+    new: dict[TopicPartition, int] = {}
+    if to is not None and to not in ("earliest", "latest"):
         for item in to.split(","):
             try:
                 topic, part, off = item.rsplit(":", 2)
                 new[TopicPartition(topic, int(part))] = int(off)
             except ValueError:
                 _fail(f"{item!r} is not TOPIC:PARTITION:OFFSET")
+    else:
+        from conveyor.brokers.kafka import KafkaSource, source_time
+        from conveyor.core.model import SourceSpec
+
+        if to_datetime is not None:
+            source_time(to_datetime)
+        source = KafkaSource(SourceSpec.model_validate(spec["source"]), group_id=name)
+        try:
+            source.open(store.committed_offsets(name), wait_for_topics_s=5)
+            if from_group is not None:
+                new = source.group_offsets(from_group)
+                if not new:
+                    _fail(
+                        f"consumer group {from_group!r} has no committed offsets for {name}'s topics"
+                    )
+            else:
+                new = source.offsets_at(to or to_datetime or "earliest")
+        finally:
+            source.close()
     store.reset_offsets(name, new)
     click.echo(
         f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items()))

@@ -27,7 +27,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from conveyor.core.errors import TransientSinkError
+from conveyor.core.connection import KafkaConnection
+from conveyor.core.errors import ConveyorError, PermanentSinkError, TransientSinkError
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
 from conveyor.store.meta import conveyor_home
@@ -182,27 +183,47 @@ class SparkParquetDeadLetters:
 @dataclass
 class KafkaDeadLetters:
     """Dead letters produced to ``<connector>.dlq``: original key, value and headers,
-    plus ``conveyor.*`` headers with the source coordinates and the error."""
+    plus ``conveyor.*`` headers with the source coordinates and the error.
 
-    bootstrap: str
+    The topic lives on the source's cluster and is reached with the source's
+    connection (TLS, SASL); ``compression`` is the producer's codec."""
+
+    connection: KafkaConnection
     topic: str
     connector: str = ""
     generation: int = 0
+    compression: str = "none"
     _producer: Any = None
 
     def _get_producer(self) -> Any:
         if self._producer is None:
             from kafka import KafkaProducer
 
-            self._producer = KafkaProducer(
-                bootstrap_servers=self.bootstrap.split(","), acks="all", linger_ms=5
-            )
+            from conveyor.brokers.connection import kafka_python_options, tls_problem
+            from conveyor.brokers.kafka import default_bootstrap
+
+            options = {
+                "acks": "all",
+                "linger_ms": 5,
+                "compression_type": None if self.compression == "none" else self.compression,
+                "client_id": f"conveyor-{self.connector}-dlq",
+                **kafka_python_options(
+                    self.connection,
+                    "producer",
+                    prefix="source",
+                    default_bootstrap=default_bootstrap,
+                ),
+            }
+            problem = tls_problem(options)
+            if problem:
+                raise PermanentSinkError(f"dead-letter topic {self.topic}: {problem}")
+            self._producer = KafkaProducer(**options)
         return self._producer
 
     def write(self, letters: list[DeadLetter]) -> None:
         if not letters:
             return
-        from kafka.errors import KafkaError
+        from conveyor.brokers.connection import classify_kafka_error, describe_kafka_error
 
         try:
             p = self._get_producer()
@@ -233,22 +254,35 @@ class KafkaDeadLetters:
             p.flush()
             for fut in futures:
                 fut.get(timeout=30)
-        except KafkaError as e:
-            raise TransientSinkError(f"dead-letter topic {self.topic}: {e}") from e
+        except ConveyorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified
+            self.close()
+            text = f"dead-letter topic {self.topic}: {describe_kafka_error(e)}"
+            if classify_kafka_error(e) == "transient":
+                raise TransientSinkError(text) from e
+            raise PermanentSinkError(text) from None
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.close()
-            self._producer = None
+        p, self._producer = self._producer, None
+        if p is not None:
+            try:
+                p.close(timeout=5)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("error closing the dead-letter producer", exc_info=True)
 
 
 def dead_letter_writer(
-    spec: ConnectorSpec, generation: int, *, spark: Callable[[], Any], bootstrap: str
+    spec: ConnectorSpec, generation: int, *, spark: Callable[[], Any], connection: KafkaConnection
 ) -> Any:
-    """The dead-letter store the connector's config asks for."""
+    """The dead-letter store the connector's config asks for (``connection``: the source's)."""
     if spec.failure.dead_letter.store == "kafka":
         return KafkaDeadLetters(
-            bootstrap, dlq_topic(spec.name), connector=spec.name, generation=generation
+            connection,
+            dlq_topic(spec.name),
+            connector=spec.name,
+            generation=generation,
+            compression=spec.failure.dead_letter.compression,
         )
     return SparkParquetDeadLetters(
         dead_letter_dir(spec), spark, connector=spec.name, generation=generation
@@ -266,6 +300,7 @@ def letters_as_source_batch(table: pa.Table) -> pa.Table:
             "__partition": table.column("partition").cast(pa.int32()),
             "__offset": table.column("offset").cast(pa.int64()),
             "__timestamp": pa.array(ts, pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
+            "__timestamp_type": pa.nulls(table.num_rows, pa.string()),
             "__key": table.column("key").cast(pa.binary()),
             "__headers": table.column("headers").cast(HEADERS_TYPE),
             "__destination": pa.nulls(table.num_rows, pa.string()),

@@ -10,6 +10,8 @@ The loop decides what to do from the *class* of an error, never from its text:
   shutting down). The whole batch is unacknowledged; the loop retries it with
   backoff and commits nothing meanwhile. Never dead-lettered.
 - Data errors are *not* raised: a sink reports them per row in ``SendResult``.
+- ``PermanentSourceError``: the log cannot be read and no retry fixes it (auth,
+  certificate, unsupported codec). The connector goes to ``Error``.
 - ``FencedError``: this run lost its assignment (its generation is stale). It must
   stop at once without committing.
 """
@@ -57,6 +59,11 @@ class SourceError(ConveyorError):
 
 class TransientSourceError(SourceError):
     """The broker is unreachable; retry later."""
+
+
+class PermanentSourceError(SourceError):
+    """The log cannot be read for a reason a retry cannot fix (credentials refused, a TLS
+    certificate rejected, a codec the client lacks, an error the client marks non-retriable)."""
 
 
 class FencedError(ConveyorError):

@@ -100,6 +100,10 @@ class Source(Protocol):
     def read(self, policy: BatchPolicy) -> SourceBatch | None:
         """Block up to ``policy.max_wait_ms`` (long poll); None when nothing arrived.
 
+        A batch without rows only moves offsets (past transaction markers): the loop
+        commits it without transforming or sending anything. TransientSourceError is an
+        outage (retried); PermanentSourceError stops the connector.
+
         A source may also define ``open(committed: Offsets)``, called once (with outage
         retries) before the first read, to assign partitions and seek.
         """
@@ -272,6 +276,13 @@ class ConnectorLoop:
         started = self.clock()
         sb = item.batch
         n_in = sb.table.num_rows
+        if n_in == 0:
+            # Positions moved without records (over transaction markers): nothing to send,
+            # the offsets are committed so that the partition shows no lag.
+            self._acked = sb.next_offsets
+            self._commit_acknowledged()
+            self._heartbeat()
+            return
         tr = item.transformed
         if tr is None:
             tr = self._with_outage_retry(
@@ -603,7 +614,7 @@ class _Prefetcher:
                 kind, value = self._read_q.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if kind == "batch" and value is not None:
+            if kind == "batch" and value is not None and value.batch.table.num_rows:
                 try:
                     value = _Ahead(value.batch, self._transform(value.batch.table))
                 except (TransientSinkError, TransientSourceError) as e:

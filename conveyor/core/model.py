@@ -6,12 +6,15 @@ values are frozen dataclasses. Nothing here performs I/O.
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from conveyor.core.connection import KafkaConnection
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -23,18 +26,25 @@ TOPIC_COL = "__topic"
 PARTITION_COL = "__partition"
 OFFSET_COL = "__offset"
 TIMESTAMP_COL = "__timestamp"
+# How the log stamped __timestamp: 'create' (the producer's clock) or 'log_append' (the broker's).
+TIMESTAMP_TYPE_COL = "__timestamp_type"
 KEY_COL = "__key"
 HEADERS_COL = "__headers"
 DESTINATION_COL = "__destination"
+# True for a message without a payload (a tombstone: null value, or an empty one), on rows
+# that transform.null_values 'pass' lets through; sinks with delete_enabled delete by key.
+TOMBSTONE_COL = "__tombstone"
 VALUE_COL = "__value"  # the raw payload bytes; only in source batches, before decoding
 META_COLUMNS = (
     TOPIC_COL,
     PARTITION_COL,
     OFFSET_COL,
     TIMESTAMP_COL,
+    TIMESTAMP_TYPE_COL,
     KEY_COL,
     HEADERS_COL,
     DESTINATION_COL,
+    TOMBSTONE_COL,
 )
 
 
@@ -68,20 +78,50 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class SourceSpec(_Spec):
-    """Where a connector reads from."""
+class NullValues(str, enum.Enum):
+    SKIP = "skip"
+    PASS = "pass"
+    FAIL = "fail"
+
+
+def parse_start_timestamp(value: str) -> dt.datetime:
+    """An ISO 8601 date-time (naive = UTC) as an aware datetime; ValueError otherwise."""
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    ts = dt.datetime.fromisoformat(text)
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=dt.timezone.utc)
+
+
+class SourceSpec(KafkaConnection, _Spec):
+    """Where a connector reads from: topics and the connection to their cluster."""
 
     topics: list[str] = Field(
-        min_length=1, description="Topics to read; every partition of each is read."
+        default_factory=list,
+        description="Topics to read; every partition of each is read. Give topics, topics_regex, or both.",
     )
-    bootstrap_servers: str | None = Field(
+    topics_regex: str | None = Field(
         default=None,
-        description="Kafka bootstrap servers 'host:port[,host:port]'. Default: $CONVEYOR_KAFKA_BOOTSTRAP, "
-        "else the embedded broker started by `conveyor dev`.",
+        description="Also read every topic whose whole name matches this regular expression (Python syntax), "
+        "including topics created while the connector runs. Names starting with '__' (internal topics) "
+        "never match.",
     )
-    start_from: Literal["earliest", "latest"] = Field(
+    start_from: str = Field(
         default="earliest",
-        description="Where to start on a partition that has no committed offset.",
+        description="Where to start on a partition without a committed offset: earliest, latest, or an "
+        "ISO 8601 time (e.g. 2026-11-01T00:00:00Z; naive = UTC): the first record stamped at or after it.",
+    )
+    isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
+        default="read_committed",
+        description="read_committed: records of aborted transactions are skipped and those of open "
+        "transactions wait for their commit. read_uncommitted: everything in the log.",
+    )
+    discovery_interval_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3_600,
+        description="How often the running connector looks for new partitions of its topics and new topics "
+        "matching topics_regex; what it finds is read from the earliest offset.",
     )
 
     @field_validator("topics")
@@ -93,6 +133,51 @@ class SourceSpec(_Spec):
         if len(set(v)) != len(v):
             raise ValueError("topics must be unique")
         return v
+
+    @field_validator("topics_regex")
+    @classmethod
+    def _regex_valid(cls, v: str | None) -> str | None:
+        if v is not None:
+            if not v.strip():
+                raise ValueError("must not be empty")
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression: {e}") from None
+        return v
+
+    @field_validator("start_from")
+    @classmethod
+    def _start_valid(cls, v: str) -> str:
+        if v in ("earliest", "latest"):
+            return v
+        try:
+            parse_start_timestamp(v)
+        except ValueError:
+            raise ValueError(
+                f"{v!r} is not earliest, latest or an ISO 8601 time such as 2026-11-01T00:00:00Z"
+            ) from None
+        return v
+
+    @model_validator(mode="after")
+    def _some_topic(self) -> SourceSpec:
+        if not self.topics and self.topics_regex is None:
+            raise ValueError("give topics, topics_regex, or both")
+        return self
+
+    def matches(self, topic: str) -> bool:
+        """Whether the connector reads ``topic`` (listed, or matching topics_regex)."""
+        if topic in self.topics:
+            return True
+        if self.topics_regex is None or topic.startswith("__"):
+            return False
+        return re.fullmatch(self.topics_regex, topic) is not None
+
+    def describe_topics(self) -> str:
+        parts = list(self.topics)
+        if self.topics_regex is not None:
+            parts.append(f"/{self.topics_regex}/")
+        return ", ".join(parts)
 
 
 BATCH_PRESETS: dict[str, dict[str, int]] = {
@@ -141,6 +226,13 @@ class TransformSpec(_Spec):
     decode: Decode = Field(
         default=Decode.JSON, description="Payload decoding: json, raw (bytes) or text (UTF-8)."
     )
+    null_values: NullValues = Field(
+        default=NullValues.SKIP,
+        description="Messages without a payload (a null value: a tombstone, as compacted topics and "
+        "Debezium deletes write; or an empty one): skip (dropped and counted as filtered), pass (sent on "
+        "with null payload columns and __tombstone true; sinks with delete_enabled delete by key), or "
+        "fail (a failed message, handled by failure.policy).",
+    )
     json_schema: str | None = Field(
         default=None,
         alias="schema",
@@ -154,7 +246,8 @@ class TransformSpec(_Spec):
     select: list[str] | None = Field(
         default=None,
         description="Spark SQL expressions for the output columns (default: all payload columns). They may use "
-        "the message columns __topic, __partition, __offset, __timestamp, __key and __headers; "
+        "the message columns __topic, __partition, __offset, __timestamp, __timestamp_type, __key, __headers "
+        "and (with null_values: pass) __tombstone; "
         "an expression named __destination routes the row (sinks with use_destination or ${destination}).",
     )
     rename: dict[str, str] = Field(
@@ -198,6 +291,9 @@ class DeadLetterSpec(_Spec):
     )
     path: str | None = Field(
         default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>."
+    )
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="none", description="With store: kafka, the producer's compression codec."
     )
     max_ratio: float = Field(
         default=0.5,

@@ -39,6 +39,7 @@ from conveyor.core.errors import (
     DeadLetterLimitError,
     FencedError,
     PermanentSinkError,
+    PermanentSourceError,
 )
 from conveyor.core.loop import (
     ConnectorLoop,
@@ -247,13 +248,13 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
             or spec.source.start_from
         )
     )
-    source = KafkaSource(source_spec, group_id=name, client_id=f"conveyor-{name}")
+    source = KafkaSource(source_spec, group_id=name)
     dead_letters = None
     if spec.failure.policy == FailurePolicyName.DEAD_LETTER:
         from conveyor.deadletters import dead_letter_writer
 
         dead_letters = dead_letter_writer(
-            spec, gen, spark=lambda: spark_session(remote), bootstrap=source.bootstrap
+            spec, gen, spark=lambda: spark_session(remote), connection=source_spec
         )
     try:
         sink = build_sink(ls.sink)
@@ -290,7 +291,13 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
     except FencedError as e:
         context.log.warning(f"{e}. Another run owns the connector now; exiting without committing.")
         return
-    except (ConfigError, PermanentSinkError, DataPolicyError, DeadLetterLimitError) as e:
+    except (
+        ConfigError,
+        PermanentSinkError,
+        PermanentSourceError,
+        DataPolicyError,
+        DeadLetterLimitError,
+    ) as e:
         store.release(
             name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e), counters=final()
         )
@@ -328,7 +335,7 @@ def connector_job(ls: LoadedSpec) -> JobDefinition:
     """``connector__<name>``: one op, in-process executor, no retries (the scheduler relaunches)."""
     name = ls.name
     target = "/".join(ls.sink.asset_key_path()) if ls.sink else "?"
-    topics = ", ".join(ls.spec.source.topics) if ls.spec else "?"
+    topics = ls.spec.source.describe_topics() if ls.spec else "?"
     desc = (
         ls.spec.description if ls.spec and ls.spec.description else None
     ) or f"Connector {name}: {topics} -> {target}"

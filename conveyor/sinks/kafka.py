@@ -16,14 +16,20 @@ import importlib.util
 import json
 import logging
 import re
-import ssl
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr
+from pydantic import Field
 
-from conveyor.core.errors import PermanentSinkError, TransientSinkError
+from conveyor.brokers.connection import (
+    classify_kafka_error,
+    describe_kafka_error,
+    kafka_python_options,
+    tls_problem,
+)
+from conveyor.core.connection import KafkaConnection
+from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -43,7 +49,6 @@ from conveyor.sinks.base import (
     json_default,
     payload_values,
     require,
-    secret,
 )
 
 log = logging.getLogger("conveyor.sinks.kafka")
@@ -154,11 +159,12 @@ def codec_available(codec: str) -> bool:
     )
 
 
-class KafkaSinkConfig(SinkConfig):
-    """Rows as records on a Kafka(-protocol) topic."""
+class KafkaSinkConfig(SinkConfig, KafkaConnection):
+    """Rows as records on a Kafka(-protocol) topic. The connection fields (TLS, SASL, client
+    options) are the same as the source's."""
 
     type: Literal["kafka"] = "kafka"
-    bootstrap_servers: str = Field(
+    bootstrap_servers: str = Field(  # type: ignore[assignment]
         description="Comma-separated host:port list of the target cluster's brokers."
     )
     topic: str = Field(
@@ -228,28 +234,8 @@ class KafkaSinkConfig(SinkConfig):
     connect_timeout_ms: int = Field(
         default=30_000, ge=100, description="How long to try to reach a bootstrap server at start."
     )
-    client_id: str = Field(
+    client_id: str | None = Field(
         default="conveyor-sink", description="Client id shown in broker logs and quotas."
-    )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
-        default="PLAINTEXT", description="Transport security."
-    )
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
-        default=None, description="SASL mechanism (with SASL_PLAINTEXT / SASL_SSL)."
-    )
-    sasl_username: str | None = Field(default=None, description="SASL user name.")
-    sasl_password: SecretStr | None = Field(default=None, description="SASL password (secret).")
-    ssl_cafile: str | None = Field(
-        default=None, description="CA bundle (PEM) to verify the brokers (with SSL / SASL_SSL)."
-    )
-    ssl_certfile: str | None = Field(
-        default=None, description="Client certificate (PEM) for mutual TLS."
-    )
-    ssl_keyfile: str | None = Field(
-        default=None, description="Client private key (PEM) for mutual TLS."
-    )
-    ssl_check_hostname: bool = Field(
-        default=True, description="Check the broker certificate's host name."
     )
 
     def asset_key_path(self) -> list[str]:
@@ -265,10 +251,10 @@ class KafkaSinkConfig(SinkConfig):
 
 
 def producer_kwargs(c: KafkaSinkConfig) -> dict[str, Any]:
-    """The KafkaProducer keyword arguments for a config (secrets included: never log them)."""
+    """The KafkaProducer keyword arguments for a config (secrets resolved: never log them).
+
+    Raises ConfigError naming the field for a missing secret or an unreadable file."""
     kw: dict[str, Any] = {
-        "bootstrap_servers": [s.strip() for s in c.bootstrap_servers.split(",") if s.strip()],
-        "client_id": c.client_id,
         "acks": "all" if c.acks == "all" else 1,
         "enable_idempotence": c.idempotent,
         "compression_type": None if c.compression == "none" else c.compression,
@@ -279,70 +265,15 @@ def producer_kwargs(c: KafkaSinkConfig) -> dict[str, Any]:
         "delivery_timeout_ms": c.delivery_timeout_ms,
         "max_block_ms": c.max_block_ms,
         "bootstrap_timeout_ms": c.connect_timeout_ms,
-        "security_protocol": c.security_protocol,
-        "ssl_check_hostname": c.ssl_check_hostname,
     }
-    if c.security_protocol.startswith("SASL"):
-        kw["sasl_mechanism"] = c.sasl_mechanism
-        kw["sasl_plain_username"] = c.sasl_username
-        kw["sasl_plain_password"] = secret(c.sasl_password)
-    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-        value = getattr(c, name)
-        if value:
-            kw[name] = value
-    return kw
+    return {**kw, **kafka_python_options(c, "producer", prefix="sink")}
 
 
 # -- error mapping --------------------------------------------------------------------------
 
-# A record the cluster (or the client, before sending) refuses for its content.
-_DATA_ERRORS = (
-    "MessageSizeTooLargeError",
-    "RecordListTooLargeError",
-    "InvalidTopicError",
-    "CorruptRecordError",
-    "InvalidRecordError",
-    "InvalidTimestampError",
-    "UnsupportedForMessageFormatError",
-)
-# Refusals no retry can fix.
-_PERMANENT_ERRORS = (
-    "AuthorizationError",  # topic / cluster / transactional-id authorization
-    "SaslAuthenticationFailedError",
-    "UnsupportedSaslMechanismError",
-    "IllegalSaslStateError",
-    "SecurityDisabledError",
-    "UnsupportedVersionError",
-    "UnsupportedCompressionTypeError",
-    "KafkaConfigurationError",
-    "PolicyViolationError",
-    "InvalidRequiredAcksError",
-)
-
-
-def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
-    """What an exception from kafka-python means for the row / batch.
-
-    Data: the record's content (too large, bad topic, bad record). Permanent: auth,
-    unsupported feature or config. Everything else, retriable or not (timeouts,
-    connection errors, no leader, unknown broker errors), is an outage: the batch is
-    retried, never dead-lettered.
-    """
-    names = {k.__name__ for k in type(exc).__mro__}
-    if names & set(_DATA_ERRORS):
-        return "data"
-    if names & set(_PERMANENT_ERRORS):
-        return "permanent"
-    if isinstance(exc, ssl.SSLCertVerificationError):  # (a ValueError too)
-        return "permanent"  # a wrong CA or host name does not fix itself
-    if isinstance(exc, (ValueError, TypeError)) and not names & {"KafkaError"}:
-        return "data"  # client-side checks: illegal topic, unknown partition, header types
-    return "transient"
-
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
+    return describe_kafka_error(exc)
 
 
 def timestamp_ms(ts: dt.datetime | None) -> int | None:
@@ -421,42 +352,6 @@ class KafkaSink(Sink):
             "must be at least linger_ms + request_timeout_ms",
             field="sink.delivery_timeout_ms",
         )
-        sasl = c.security_protocol.startswith("SASL")
-        if sasl:
-            require(
-                c.sasl_mechanism is not None,
-                f"required with security_protocol {c.security_protocol}",
-                field="sink.sasl_mechanism",
-            )
-            require(
-                bool(c.sasl_username),
-                f"required with security_protocol {c.security_protocol}",
-                field="sink.sasl_username",
-            )
-            require(
-                c.sasl_password is not None,
-                f"required with security_protocol {c.security_protocol}",
-                field="sink.sasl_password",
-            )
-        else:
-            for name in ("sasl_mechanism", "sasl_username", "sasl_password"):
-                require(
-                    getattr(c, name) is None,
-                    "only with security_protocol SASL_PLAINTEXT or SASL_SSL",
-                    field=f"sink.{name}",
-                )
-        if not c.security_protocol.endswith("SSL"):
-            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-                require(
-                    getattr(c, name) is None,
-                    "only with security_protocol SSL or SASL_SSL",
-                    field=f"sink.{name}",
-                )
-        require(
-            bool(c.ssl_certfile) == bool(c.ssl_keyfile),
-            "give both ssl_certfile and ssl_keyfile, or neither",
-            field="sink.ssl_keyfile",
-        )
 
     def describe(self) -> str:
         return f"kafka/{self.config.topic}@{self.config.bootstrap_servers}"
@@ -467,17 +362,15 @@ class KafkaSink(Sink):
         from kafka import KafkaProducer
 
         c = self.config
-        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-            path = getattr(c, name)
-            if path:
-                try:
-                    open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
-                except OSError as e:
-                    raise PermanentSinkError(
-                        f"{name} {path!r} cannot be read: {e.strerror}"
-                    ) from None
         try:
-            return KafkaProducer(**producer_kwargs(c))
+            kwargs = producer_kwargs(c)
+        except ConfigError as e:
+            raise PermanentSinkError(str(e)) from None
+        problem = tls_problem(kwargs)
+        if problem:
+            raise PermanentSinkError(f"cannot connect to Kafka at {c.bootstrap_servers}: {problem}")
+        try:
+            return KafkaProducer(**kwargs)
         except Exception as e:  # noqa: BLE001 - classified below
             raise self._error(e, f"cannot connect to Kafka at {c.bootstrap_servers}") from None
 

@@ -61,6 +61,7 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
+from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
 
 log = logging.getLogger("conveyor.sinks.mongodb")
 
@@ -126,6 +127,11 @@ class MongoDBSinkConfig(SinkConfig):
         pattern=ID_STRATEGY_PATTERN,
         description="Where _id comes from: coordinates ('<topic>-<partition>-<offset>'), key (the message key), "
         "field:<path> (a payload field, dotted path allowed), or none (the payload's _id, else an ObjectId; replays may duplicate).",
+    )
+    delete_enabled: bool = Field(
+        default=False,
+        description="A tombstone (transform.null_values: pass) deletes the document with its _id (DeleteOne). "
+        "Needs write_mode upsert and id_strategy key or field:<name> (a tombstone's field comes from its JSON key).",
     )
     metadata_field: str | None = Field(
         default=None,
@@ -287,13 +293,24 @@ def metadata_of(record: Record) -> dict[str, Any]:
     }
 
 
-def build_operations(records: Iterable[Record], config: MongoDBSinkConfig) -> MongoPlan:
-    """The pymongo write operations for a batch (no I/O)."""
-    from pymongo import InsertOne, ReplaceOne
+def build_operations(
+    records: Iterable[Record],
+    config: MongoDBSinkConfig,
+    tombstones: frozenset[int] = frozenset(),
+) -> MongoPlan:
+    """The pymongo write operations for a batch (no I/O). With delete_enabled, the rows in
+    ``tombstones`` delete their ``_id`` (the latest operation per ``_id`` wins)."""
+    from pymongo import DeleteOne, InsertOne, ReplaceOne
 
     plan = MongoPlan()
-    staged: list[tuple[int, Any, dict[str, Any]]] = []
+    staged: list[tuple[int, Any, dict[str, Any] | None]] = []
     for rec in records:
+        if config.delete_enabled and rec.index in tombstones:
+            try:
+                staged.append((rec.index, tombstone_id(rec, config.id_strategy), None))
+            except (ValueError, TypeError) as e:
+                plan.failures.append(RowFailure(rec.index, f"{type(e).__name__}: {e}"))
+            continue
         try:
             doc = document_of(rec)
             _id = document_id(rec, doc, config.id_strategy)
@@ -317,7 +334,10 @@ def build_operations(records: Iterable[Record], config: MongoDBSinkConfig) -> Mo
             if last[_hashable(_id)] != pos:
                 plan.superseded.append(row)
                 continue
-            plan.ops.append(ReplaceOne({"_id": _id}, doc, upsert=True))
+            if doc is None:
+                plan.ops.append(DeleteOne({"_id": _id}))
+            else:
+                plan.ops.append(ReplaceOne({"_id": _id}, doc, upsert=True))
             plan.rows.append(row)
     else:
         seen: set[Any] = set()
@@ -332,6 +352,14 @@ def build_operations(records: Iterable[Record], config: MongoDBSinkConfig) -> Mo
             plan.ops.append(InsertOne(doc))
             plan.rows.append(row)
     return plan
+
+
+def tombstone_id(record: Record, id_strategy: str) -> Any:
+    """The ``_id`` a tombstone deletes: its key, or the id field of its JSON key."""
+    if id_strategy.startswith("field:"):
+        (value,) = delete_key([id_strategy.split(":", 1)[1]], {}, record.key)
+        return value
+    return document_id(record, {}, id_strategy)
 
 
 def _hashable(v: Any) -> Any:
@@ -463,6 +491,17 @@ class MongoDBSink(Sink):
 
     def validate(self) -> None:
         c = self.config
+        if c.delete_enabled:
+            require(
+                c.write_mode == "upsert",
+                "deletes need write_mode: upsert (the latest operation per _id wins)",
+                field="sink.delete_enabled",
+            )
+            require(
+                c.id_strategy == "key" or c.id_strategy.startswith("field:"),
+                "a tombstone names its document by key: use id_strategy key or field:<name>",
+                field="sink.delete_enabled",
+            )
         require(
             bool(c.url) != bool(c.url_env), "give exactly one of url and url_env", field="sink.url"
         )
@@ -577,7 +616,11 @@ class MongoDBSink(Sink):
             return SendResult(rows=0)
         if self._collection is None:
             self.init_sink()
-        plan = build_operations(iter_records(batch), self.config)
+        plan = build_operations(
+            iter_records(batch),
+            self.config,
+            frozenset(i for i, t in enumerate(tombstone_flags(batch)) if t),
+        )
         failures = list(plan.failures)
         if plan.ops:
             failures.extend(self._bulk(plan, isolate=True))

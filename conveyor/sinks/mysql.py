@@ -16,6 +16,7 @@ savepoint and bisected until the guilty rows are found; the good rows are kept.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -48,6 +49,13 @@ from conveyor.sinks.base import (
     payload_columns,
     require,
     secret,
+)
+from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
+    DeleteKeyError,
+    delete_key,
+    has_tombstones,
+    message_keys,
+    tombstone_flags,
 )
 
 log = logging.getLogger("conveyor.sinks.mysql")
@@ -108,6 +116,12 @@ class MySQLSinkConfig(SinkConfig):
     create_table: bool = Field(
         default=False,
         description="Create the table (InnoDB, upsert_keys as PRIMARY KEY) from the first batch's schema when it does not exist.",
+    )
+    delete_enabled: bool = Field(
+        default=False,
+        description="A tombstone (transform.null_values: pass) deletes the row with its upsert_keys instead of "
+        "being written (Kafka Connect's delete.enabled). The keys come from the row, else from the message key "
+        "(see docs/sinks). Needs upsert_keys.",
     )
     rows_per_statement: int = Field(
         default=1000, ge=1, le=100_000, description="Rows per multi-row INSERT statement."
@@ -416,6 +430,14 @@ def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "pe
 # -- the sink -----------------------------------------------------------------------------------
 
 
+class _Delete(tuple):  # type: ignore[type-arg]
+    """A tombstone's key values (upsert_keys order): a DELETE, not a write."""
+
+
+_INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer", "bigint"})
+_NUMERIC_TYPES = _INTEGER_TYPES | {"decimal", "numeric", "float", "double", "real"}
+
+
 class MySQLSink(Sink):
     """Writes each batch in one transaction; bad rows are isolated by savepoint bisection."""
 
@@ -492,6 +514,11 @@ class MySQLSink(Sink):
             len(set(c.upsert_keys)) == len(c.upsert_keys),
             "duplicate column",
             field="sink.upsert_keys",
+        )
+        require(
+            not c.delete_enabled or bool(c.upsert_keys),
+            "a delete needs the key columns: set upsert_keys",
+            field="sink.delete_enabled",
         )
         require(
             bool(c.charset.strip()) and c.charset.replace("_", "").isalnum(),
@@ -795,6 +822,7 @@ class MySQLSink(Sink):
             if self._columns is None:
                 self._resolve(batch)
             rows, failures = self._rows(batch)
+            failures += self._deletes(batch, rows)
             good = [i for i, r in enumerate(rows) if r is not None]
             step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
@@ -846,6 +874,56 @@ class MySQLSink(Sink):
                 )
         return out
 
+    def _deletes(self, batch: pa.Table, rows: list[tuple[Any, ...] | None]) -> list[RowFailure]:
+        """With delete_enabled, tombstone rows become ``_Delete`` keys (in place); the rows
+        whose key cannot be found become failures (and None)."""
+        if not self.config.delete_enabled or not has_tombstones(batch):
+            return []
+        assert self._columns is not None
+        failures = []
+        for i, (tomb, key) in enumerate(
+            zip(tombstone_flags(batch), message_keys(batch), strict=True)
+        ):
+            row = rows[i]
+            if not tomb or row is None:
+                continue
+            try:
+                values = dict(zip(self._columns, row, strict=True))
+                found = delete_key(self.config.upsert_keys, values, key)
+                rows[i] = _Delete(
+                    self._typed_key(k, v)
+                    for k, v in zip(self.config.upsert_keys, found, strict=True)
+                )
+            except DeleteKeyError as e:
+                rows[i] = None
+                failures.append(RowFailure(i, str(e)))
+        return failures
+
+    def _typed_key(self, column: str, value: Any) -> Any:
+        """A key value from a message key, as the column's type: MySQL would compare a text
+        that is not a number with a numeric column as 0 (and delete row 0)."""
+        typ = self._types.get(column, "").lower()
+        if not isinstance(value, str) or typ not in _NUMERIC_TYPES:
+            return value
+        try:
+            return int(value) if typ in _INTEGER_TYPES else float(value)
+        except ValueError:
+            raise DeleteKeyError(
+                f"tombstone key {value[:60]!r} is not a number for {typ} column {column}"
+            ) from None
+
+    def _execute(self, cur: Any, rows: list[Any]) -> None:
+        """The rows' statements in order: runs of writes (one executemany) and of deletes."""
+        for is_delete, run in itertools.groupby(rows, key=lambda r: isinstance(r, _Delete)):
+            part = list(run)
+            if is_delete:
+                where = " AND ".join(f"{_q(k)} = %s" for k in self.config.upsert_keys)
+                cur.executemany(
+                    f"DELETE FROM {_q(self.config.table)} WHERE {where}", [tuple(k) for k in part]
+                )
+            else:
+                cur.executemany(self._stmt, part)
+
     def _rollback(self) -> None:
         try:
             if self._conn is not None:
@@ -866,7 +944,7 @@ class MySQLSink(Sink):
         if self._transactional:
             cur.execute("SAVEPOINT conveyor_sp")
         try:
-            cur.executemany(self._stmt, [rows[i] for i in idx])
+            self._execute(cur, [rows[i] for i in idx])
             return []
         except pymysql.err.MySQLError as e:
             if classify_mysql_error(e) != "data":

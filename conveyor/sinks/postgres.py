@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import io
+import itertools
 import json
 import logging
 import os
@@ -40,6 +41,13 @@ from conveyor.sinks.base import (
     payload_columns,
     require,
     secret,
+)
+from conveyor.sinks.tombstones import (
+    DeleteKeyError,
+    delete_key,
+    has_tombstones,
+    message_keys,
+    tombstone_flags,
 )
 
 log = logging.getLogger("conveyor.sinks.postgres")
@@ -79,6 +87,12 @@ class PostgresSinkConfig(SinkConfig):
     create_table: bool = Field(
         default=False,
         description="Create the table from the first batch's schema when it does not exist.",
+    )
+    delete_enabled: bool = Field(
+        default=False,
+        description="A tombstone (transform.null_values: pass) deletes the row with its upsert_keys instead of "
+        "being written (Kafka Connect's delete.enabled). The keys come from the row, else from the message key "
+        "(see docs/sinks). Needs upsert_keys.",
     )
     write_method: Literal["copy", "values"] = Field(
         default="copy",
@@ -153,6 +167,11 @@ class PostgresSink(Sink):
                     f"upsert key {k!r} is not a mapped column",
                     field="sink.upsert_keys",
                 )
+        require(
+            not c.delete_enabled or bool(c.upsert_keys),
+            "a delete needs the key columns: set upsert_keys",
+            field="sink.delete_enabled",
+        )
         if c.url_env and not os.environ.get(c.url_env):
             raise ConfigError(f"environment variable {c.url_env} is not set", field="sink.url_env")
 
@@ -328,8 +347,10 @@ class PostgresSink(Sink):
         if self._columns is None:
             self._resolve(batch)
         rows: list[Any] = self._copy_lines(batch) or self._rows(batch)
+        failures, todo = self._deletes(batch, rows)
         try:
-            failures = self._write_isolating(rows, list(range(len(rows))), top=True)
+            failures += self._write_isolating(rows, todo, top=True)
+            failures.sort(key=lambda f: f.index)
             self._conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             self.cleanup_sink()
@@ -351,6 +372,28 @@ class PostgresSink(Sink):
                 raise TransientSinkError(f"PostgreSQL unavailable: {e.pgerror or e}") from None
             raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _deletes(self, batch: pa.Table, rows: list[Any]) -> tuple[list[RowFailure], list[int]]:
+        """With delete_enabled, tombstone rows become ``_Delete`` keys (in place); returns the
+        rows whose key cannot be found and the indexes left to write."""
+        todo = list(range(len(rows)))
+        if not self.config.delete_enabled or not has_tombstones(batch):
+            return [], todo
+        assert self._columns is not None
+        keys = self.config.upsert_keys
+        failures = []
+        for i, (tomb, key) in enumerate(
+            zip(tombstone_flags(batch), message_keys(batch), strict=True)
+        ):
+            if tomb:
+                try:
+                    rows[i] = _Delete(
+                        delete_key(keys, dict(zip(self._columns, rows[i], strict=True)), key)
+                    )
+                except DeleteKeyError as e:
+                    failures.append(RowFailure(i, str(e)))
+        bad = {f.index for f in failures}
+        return failures, [i for i in todo if i not in bad]
 
     def _rollback(self) -> None:
         try:
@@ -382,12 +425,31 @@ class PostgresSink(Sink):
         mid = len(idx) // 2
         return self._write_isolating(rows, idx[:mid]) + self._write_isolating(rows, idx[mid:])
 
+    def _delete(self, cur: Any, keys: list[tuple[Any, ...]]) -> None:
+        from psycopg2 import sql
+        from psycopg2.extras import execute_batch
+
+        where = sql.SQL(" AND ").join(
+            sql.SQL("{} = %s").format(sql.Identifier(k)) for k in self.config.upsert_keys
+        )
+        stmt = sql.SQL("DELETE FROM {} WHERE ").format(self._fq()) + where
+        execute_batch(cur, stmt.as_string(cur), [tuple(k) for k in keys], page_size=500)
+
     def _write(self, cur: Any, rows: list[tuple[Any, ...]]) -> None:
         from psycopg2 import sql
         from psycopg2.extras import execute_values
 
         assert self._columns is not None
         cols = sql.SQL(", ").join(map(sql.Identifier, self._columns))
+        if self.config.delete_enabled and any(isinstance(r, _Delete) for r in rows):
+            # In order, run by run: a delete then a write of one key leaves the new row.
+            for is_delete, run in itertools.groupby(rows, key=lambda r: isinstance(r, _Delete)):
+                part = list(run)
+                if is_delete:
+                    self._delete(cur, part)
+                else:
+                    self._write(cur, part)
+            return
         if self.config.upsert_keys:
             keys = sql.SQL(", ").join(map(sql.Identifier, self.config.upsert_keys))
             others = [c for c in self._columns if c not in self.config.upsert_keys]
@@ -423,6 +485,10 @@ class PostgresSink(Sink):
             buf.seek(0)
             stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self._fq(), cols)
             cur.copy_expert(stmt.as_string(cur), buf)
+
+
+class _Delete(tuple):  # type: ignore[type-arg]
+    """A tombstone's key values (upsert_keys order): a DELETE, not a write."""
 
 
 _COPY_ESCAPES = (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r"))

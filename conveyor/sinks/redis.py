@@ -54,6 +54,7 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
+from conveyor.sinks.tombstones import has_tombstones, tombstone_flags  # noqa: E402
 
 log = logging.getLogger("conveyor.sinks.redis")
 
@@ -68,6 +69,17 @@ class RedisSinkConfig(SinkConfig):
         "command (once, before substitution). Placeholders inside arguments: ${key}, ${topic}, ${partition}, ${offset}, "
         "${timestamp} (epoch ms), ${destination}, ${headers} (JSON), ${headers.<name>}, ${payload} (bytes as is, columns "
         "as JSON), ${payload.<field>[.<field>...]}.",
+    )
+    delete_enabled: bool = Field(
+        default=False,
+        description="A tombstone (transform.null_values: pass) runs delete_commands instead of commands "
+        "(Kafka Connect's delete.enabled).",
+    )
+    delete_commands: list[str | list[str]] | None = Field(
+        default=None,
+        description="Command templates run for a tombstone with delete_enabled (same placeholders; a tombstone's "
+        "payload is null, so keys come from ${key}, ${headers.<name>}...). Default: DEL of the first argument "
+        "(the key) of each command template.",
     )
     mode: Literal["standalone", "cluster"] = Field(
         default="standalone", description="A single Redis server or a Redis Cluster."
@@ -672,6 +684,7 @@ class RedisSink(Sink):
         super().__init__(config)
         self._client: Any = None
         self._templates: list[CommandTemplate] | None = None
+        self._delete_templates: list[CommandTemplate] | None = None
 
     def validate(self) -> None:
         c = self.config
@@ -682,6 +695,26 @@ class RedisSink(Sink):
             except TemplateSyntaxError as e:
                 raise_config(f"commands[{i}]", str(e))
         self._templates = templates
+        self._delete_templates = None
+        if c.delete_commands is not None:
+            require(
+                c.delete_enabled, "only with delete_enabled: true", field="sink.delete_commands"
+            )
+            require(bool(c.delete_commands), "must not be empty", field="sink.delete_commands")
+            deletes = []
+            for i, spec in enumerate(c.delete_commands):
+                try:
+                    deletes.append(parse_command(spec))
+                except TemplateSyntaxError as e:
+                    raise_config(f"delete_commands[{i}]", str(e))
+            self._delete_templates = deletes
+        elif c.delete_enabled:
+            self._delete_templates = default_delete_commands(templates)
+            require(
+                bool(self._delete_templates),
+                "no command template has a key argument to DEL; give delete_commands",
+                field="sink.delete_enabled",
+            )
         require(bool(c.host.strip()), "must not be empty", field="sink.host")
         if c.mode == "cluster":
             require(c.db == 0, "a Redis Cluster has only database 0", field="sink.db")
@@ -715,6 +748,11 @@ class RedisSink(Sink):
             self.validate()
         assert self._templates is not None
         return self._templates
+
+    def delete_templates(self) -> list[CommandTemplate] | None:
+        """The templates a tombstone runs (None without delete_enabled)."""
+        self.templates()
+        return self._delete_templates
 
     def describe(self) -> str:
         return f"redis {self.config.mode} {self.config.host}:{self.config.port}/{self.config.db}: {'; '.join(t.name for t in self.templates())}"
@@ -762,7 +800,11 @@ class RedisSink(Sink):
             if self.config.mode == "cluster"
             else self._client
         )
-        for i, t in enumerate(self.templates()):
+        checked = [(f"commands[{i}]", t) for i, t in enumerate(self.templates())]
+        checked += [
+            (f"delete_commands[{i}]", t) for i, t in enumerate(self.delete_templates() or [])
+        ]
+        for i, t in checked:
             try:
                 info = node.execute_command(b"COMMAND", b"INFO", t.name)
             except rx.ResponseError as e:
@@ -784,13 +826,13 @@ class RedisSink(Sink):
             arity = _arity(info, t.name)
             if arity is None:
                 raise PermanentSinkError(
-                    f"sink.commands[{i}]: Redis does not know the command {t.name!r} ({t.source})"
+                    f"sink.{i}: Redis does not know the command {t.name!r} ({t.source})"
                 )
             n = len(t.args)
             if (arity > 0 and n != arity) or (arity < 0 and n < -arity):
                 want = f"exactly {arity}" if arity > 0 else f"at least {-arity}"
                 raise PermanentSinkError(
-                    f"sink.commands[{i}]: {t.name} takes {want} words with its name, the template has {n} ({t.source})"
+                    f"sink.{i}: {t.name} takes {want} words with its name, the template has {n} ({t.source})"
                 )
 
     def cleanup_sink(self) -> None:
@@ -808,6 +850,16 @@ class RedisSink(Sink):
             return SendResult(rows=0)
         templates = self.templates()
         rows, bad = render_batch(templates, batch)
+        deletes = self.delete_templates()
+        if deletes is not None and has_tombstones(batch):
+            # A tombstone runs the delete templates; each row keeps its own errors only.
+            drows, dbad = render_batch(deletes, batch)
+            for i, tomb in enumerate(tombstone_flags(batch)):
+                if tomb:
+                    rows[i] = drows[i]
+                    bad.pop(i, None)
+                    if i in dbad:
+                        bad[i] = dbad[i]
         failures = {i: RowFailure(i, msg) for i, msg in bad.items()}
         good = [i for i, r in enumerate(rows) if r is not None]
         if self._client is None:
@@ -853,22 +905,37 @@ class RedisSink(Sink):
             return self._run_chunk(rows, idx[:mid], templates) + self._run_chunk(
                 rows, idx[mid:], templates
             )
-        per_row = len(templates)
-        if len(results) != per_row * len(idx):
+        counts = [len(rows[i]) for i in idx]  # type: ignore[arg-type]
+        if len(results) != sum(counts):
             raise TransientSinkError(
-                f"Redis answered {len(results)} replies for {per_row * len(idx)} commands"
+                f"Redis answered {len(results)} replies for {sum(counts)} commands"
             )
         out = []
-        for j, i in enumerate(idx):
-            for k in range(per_row):
-                r = results[j * per_row + k]
+        pos = 0
+        for i, count in zip(idx, counts, strict=True):
+            for k in range(count):
+                r = results[pos + k]
                 if isinstance(r, Exception):
                     kind = classify_redis_error(r)
                     if kind != "data":
                         raise r
-                    out.append(RowFailure(i, f"{templates[k].name}: {redis_error_text(r)}"))
+                    name = str(rows[i][k][0]).upper()  # type: ignore[index]
+                    out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
                     break
+            pos += count
         return out
+
+
+def default_delete_commands(templates: Sequence[CommandTemplate]) -> list[CommandTemplate]:
+    """``DEL <key>`` for the key argument (the first) of each template, each key once."""
+    out: list[CommandTemplate] = []
+    seen: set[tuple[Part, ...]] = set()
+    for t in templates:
+        if len(t.args) < 2 or t.args[1] in seen:
+            continue
+        seen.add(t.args[1])
+        out.append(CommandTemplate(source=f"DEL <key of {t.source}>", args=((b"DEL",), t.args[1])))
+    return out
 
 
 def raise_config(field: str, message: str) -> None:

@@ -21,7 +21,14 @@ import pyarrow as pa
 
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.loop import Rejected, Transformed
-from conveyor.core.model import META_COLUMNS, VALUE_COL, Decode, TransformSpec
+from conveyor.core.model import (
+    META_COLUMNS,
+    TOMBSTONE_COL,
+    VALUE_COL,
+    Decode,
+    NullValues,
+    TransformSpec,
+)
 from conveyor.spark.session import fetch_arrow, is_connect_outage
 
 log = logging.getLogger("conveyor.spark")
@@ -56,14 +63,17 @@ class SparkTransformer:
         spec = self.spec
         used = self._meta_used
         value_str = "CAST(__value AS STRING)"
+        # A message without a payload only gets here under null_values: pass (see
+        # ``__call__``): it is no decoding error, and its payload columns are null.
+        tomb = "(__value IS NULL OR length(__value) = 0)"
         # No DataFrame property that needs the schema (``df.columns``) may be read here: on
         # Spark Connect each is an analysis round trip that uploads the whole batch again.
         if spec.decode == Decode.RAW:
             df = df.selectExpr(ROW_COL, *used, "false AS __bad", "__value AS value")
         elif spec.decode == Decode.TEXT:
-            df = df.selectExpr(ROW_COL, *used, "__value IS NULL AS __bad", f"{value_str} AS value")
+            df = df.selectExpr(ROW_COL, *used, "false AS __bad", f"{value_str} AS value")
         else:
-            bad = f"(__value IS NULL OR try_parse_json({value_str}) IS NULL)"
+            bad = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
                 df = df.selectExpr(
                     ROW_COL,
@@ -73,7 +83,12 @@ class SparkTransformer:
                 )
                 df = df.selectExpr(ROW_COL, *used, BAD_COL, "__d.*")
             else:
-                df = df.selectExpr(ROW_COL, *used, f"{bad} AS __bad", f"{value_str} AS value")
+                df = df.selectExpr(
+                    ROW_COL,
+                    *used,
+                    f"{bad} AS __bad",
+                    f"CASE WHEN {tomb} THEN NULL ELSE {value_str} END AS value",
+                )
         if spec.filter:
             df = df.where(f"__bad OR coalesce(({spec.filter}), false)")
         if spec.select:
@@ -97,11 +112,16 @@ class SparkTransformer:
             c for c in META_COLUMNS if re.search(rf"(?<![A-Za-z0-9_]){c}(?![A-Za-z0-9_])", text)
         ]
 
-    def _shipped(self, batch: pa.Table) -> pa.Table:
+    def _shipped(self, batch: pa.Table, tombstones: pa.Array | None = None) -> pa.Table:
+        """The columns that go to Spark, with each row's number in the batch."""
         cols = [c for c in (VALUE_COL, *self._meta_used) if c in batch.column_names]
-        return batch.select(cols).append_column(
+        shipped = batch.select(cols).append_column(
             ROW_COL, pa.array(range(batch.num_rows), pa.int64())
         )
+        if TOMBSTONE_COL in self._meta_used and TOMBSTONE_COL not in cols:
+            mask = tombstones if tombstones is not None else without_payload(batch)
+            shipped = shipped.append_column(TOMBSTONE_COL, mask)
+        return shipped
 
     def _collect(self, df: Any) -> pa.Table:
         """The result as Arrow. ``toArrow()`` asks the server for the schema first (an
@@ -151,9 +171,37 @@ class SparkTransformer:
         """
         import pyarrow.compute as pc
 
-        n = batch.num_rows
+        tombstones = without_payload(batch)
+        shipped = self._shipped(batch, tombstones)
+        held: list[Rejected] = []
+        skipped = 0
+        if self.spec.null_values != NullValues.PASS and pc.any(tombstones).as_py():
+            # Messages without a payload never reach Spark: skipped, or failed messages.
+            rows = pc.indices_nonzero(tombstones).to_pylist()
+            if self.spec.null_values == NullValues.SKIP:
+                skipped = len(rows)
+            else:
+                values = batch.column(VALUE_COL)
+                held = [
+                    Rejected(
+                        i,
+                        (
+                            "null payload (a tombstone)"
+                            if values[i].as_py() is None
+                            else "empty payload"
+                        )
+                        + "; transform.null_values is 'fail'",
+                    )
+                    for i in rows
+                ]
+            shipped = shipped.filter(pc.invert(tombstones))
+        meta = [c for c in META_COLUMNS if c in batch.column_names]
+        if shipped.num_rows == 0:
+            return Transformed(
+                table=batch.select(meta).slice(0, 0), rejected=tuple(held), filtered=skipped
+            )
         try:
-            out = self._collect(self._pipeline(self.session.createDataFrame(self._shipped(batch))))
+            out = self._collect(self._pipeline(self.session.createDataFrame(shipped)))
         except Exception as e:
             if is_connect_outage(e):
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
@@ -162,22 +210,33 @@ class SparkTransformer:
         bad_rows = out.filter(bad_mask).column(ROW_COL).to_pylist()
         good = out.filter(pc.invert(bad_mask))
         payload = good.drop_columns([BAD_COL, ROW_COL])
-        meta = [
-            c for c in META_COLUMNS if c in batch.column_names and c not in payload.column_names
-        ]
-        carried = batch.select(meta).take(good.column(ROW_COL))
+        meta = [c for c in meta if c not in payload.column_names]
+        rows = good.column(ROW_COL)
+        carried = batch.select(meta).take(rows)
+        if self.spec.null_values == NullValues.PASS and TOMBSTONE_COL not in payload.column_names:
+            carried = carried.append_column(TOMBSTONE_COL, tombstones.take(rows))
         table = pa.Table.from_arrays(
             [*carried.columns, *payload.columns],
             schema=pa.schema([*carried.schema, *payload.schema]),
         )
-        how = {
-            Decode.JSON: "not valid JSON",
-            Decode.TEXT: "null payload",
-            Decode.RAW: "undecodable",
-        }[self.spec.decode]
-        rejected = tuple(Rejected(i, f"undecodable payload: {how}") for i in bad_rows)
-        filtered = n - out.num_rows
+        rejected = tuple(
+            sorted(
+                [*held, *(Rejected(i, "undecodable payload: not valid JSON") for i in bad_rows)],
+                key=lambda r: r.index,
+            )
+        )
+        filtered = skipped + shipped.num_rows - out.num_rows
         return Transformed(table=table, rejected=rejected, filtered=filtered)
+
+
+def without_payload(batch: pa.Table) -> pa.Array:
+    """Per row: the message has no payload (a null value, a tombstone; or an empty one)."""
+    import pyarrow.compute as pc
+
+    if VALUE_COL not in batch.column_names:
+        return pa.array([False] * batch.num_rows, pa.bool_())
+    value = batch.column(VALUE_COL).combine_chunks()
+    return pc.fill_null(pc.equal(pc.binary_length(value), 0), True)
 
 
 def _sample_value(t: pa.DataType) -> Any:

@@ -218,3 +218,45 @@ def test_dead_letters_replay_exits_non_zero_when_letters_fail_again(
 def test_dead_letters_replay_of_unknown_connector_fails(meta_url):
     r = cli(meta_url, "dead-letters", "replay", "nope")
     assert r.exit_code == 1 and "no connector named 'nope'" in r.output
+
+
+def test_offsets_reset_to_the_end_or_from_another_consumer_group(tmp_path, tansu):
+    """``--to latest`` and ``--from-group`` read the cluster through the connector's source
+    connection; a Kafka Connect group's commits are taken over as they are."""
+    from confluent_kafka import Consumer
+    from confluent_kafka import TopicPartition as CTP
+
+    from tests.sources.producers import Msg, create_topic, produce
+
+    meta_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    topic = f"reset_{uuid.uuid4().hex[:8]}"
+    create_topic(tansu, topic, 2)
+    produce(tansu, topic, [Msg(b"%d" % i, partition=i % 2) for i in range(10)], one_per_batch=True)
+    spec = tmp_path / "orders.yaml"
+    spec.write_text(
+        f"name: orders\nsource: {{topics: [{topic}], bootstrap_servers: '{tansu}'}}\n"
+        "sink: {type: localfile, path: /tmp/unused}\ndesired: stopped\n"
+    )
+    assert cli(meta_url, "connector", "apply", "-f", str(spec)).exit_code == 0
+    cli(meta_url, "connector", "stop", "orders")
+    r = cli(meta_url, "offsets", "reset", "orders")
+    assert (
+        r.exit_code == 1 and "give exactly one of --to, --to-datetime and --from-group" in r.output
+    )
+    r = cli(meta_url, "offsets", "reset", "orders", "--to-datetime", "yesterday")
+    assert r.exit_code == 1 and "is not an ISO 8601 time" in r.output
+    r = cli(meta_url, "offsets", "reset", "orders", "--to", "latest")
+    assert r.exit_code == 0, r.output
+    store = MetaStore(meta_url)
+    tp0, tp1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
+    assert store.committed_offsets("orders") == {tp0: 5, tp1: 5}
+    other = Consumer(
+        {"bootstrap.servers": tansu, "group.id": "connect-orders", "log.connection.close": False}
+    )
+    other.commit(offsets=[CTP(topic, 0, 2), CTP(topic, 1, 3)], asynchronous=False)
+    other.close()
+    r = cli(meta_url, "offsets", "reset", "orders", "--from-group", "connect-orders")
+    assert r.exit_code == 0, r.output
+    assert store.committed_offsets("orders") == {tp0: 2, tp1: 3}
+    r = cli(meta_url, "offsets", "reset", "orders", "--from-group", "nobody")
+    assert r.exit_code == 1 and "has no committed offsets" in r.output

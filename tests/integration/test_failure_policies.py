@@ -69,7 +69,7 @@ def run_connector(
     spark = spark_session(spark_remote)
     source = KafkaSource(spec.source, group_id=name)
     dead = (
-        dead_letter_writer(spec, claim.generation, spark=lambda: spark, bootstrap=tansu)
+        dead_letter_writer(spec, claim.generation, spark=lambda: spark, connection=spec.source)
         if spec.failure.policy.value == "dead_letter"
         else None
     )

@@ -7,6 +7,7 @@ import uuid
 import pytest
 from kafka import KafkaConsumer
 
+from conveyor.core.connection import KafkaConnection
 from conveyor.core.failure import FailedMessage
 from conveyor.core.loop import DeadLetter
 from conveyor.deadletters import KafkaDeadLetters
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.integration
 def test_letters_keep_the_original_message_and_carry_where_and_why(tansu):
     connector = f"dl_{uuid.uuid4().hex[:6]}"
     topic = f"{connector}.dlq"
-    store = KafkaDeadLetters(bootstrap=tansu, topic=topic, connector=connector, generation=4)
+    store = KafkaDeadLetters(
+        KafkaConnection(bootstrap_servers=tansu), topic, connector=connector, generation=4
+    )
     letters = [
         DeadLetter(
             failed=FailedMessage("orders", 1, 100 + i, f"violates check {i}", "data", attempts=3),

@@ -70,10 +70,9 @@ def test_json_with_schema_keeps_each_message_with_its_own_metadata(spark):
 
     assert [(r.index, r.message) for r in out.rejected] == [
         (10, "undecodable payload: not valid JSON"),
-        (20, "undecodable payload: not valid JSON"),
         (30, "undecodable payload: not valid JSON"),
     ]
-    assert out.filtered == 0
+    assert out.filtered == 1  # the tombstone at 20: null_values skip (the default)
     t = out.table
     assert t.num_rows == 997
     assert t.column_names == [
@@ -81,6 +80,7 @@ def test_json_with_schema_keeps_each_message_with_its_own_metadata(spark):
         "__partition",
         "__offset",
         "__timestamp",
+        "__timestamp_type",
         "__key",
         "__headers",
         "__destination",
@@ -112,13 +112,12 @@ def test_json_without_schema_keeps_the_document_as_one_validated_string(spark):
 def test_text_and_raw_decoding(spark):
     batch = source([b"caf\xc3\xa9", None, b"\x00\x01"])
     text = transform(spark, decode="text")(batch)
-    assert [(r.index, r.message) for r in text.rejected] == [
-        (1, "undecodable payload: null payload")
-    ]
-    assert text.table.column("value").to_pylist()[0] == "café"
-    raw = transform(spark, decode="raw")(batch)
-    assert raw.rejected == ()
+    assert text.rejected == () and text.filtered == 1  # the null payload is skipped
+    assert text.table.column("value").to_pylist() == ["café", "\x00\x01"]
+    raw = transform(spark, decode="raw", null_values="pass")(batch)
+    assert raw.rejected == () and raw.filtered == 0
     assert raw.table.column("value").to_pylist() == [b"caf\xc3\xa9", None, b"\x00\x01"]
+    assert raw.table.column("__tombstone").to_pylist() == [False, True, False]
 
 
 def test_filter_on_a_payload_field_counts_what_it_skips(spark):
@@ -177,7 +176,7 @@ def test_a_select_can_route_each_row_with_destination(spark):
 
 def test_every_row_undecodable(spark):
     out = transform(spark, decode="json", schema=SCHEMA)(source([b"x", b"y", None]))
-    assert [r.index for r in out.rejected] == [0, 1, 2]
+    assert [r.index for r in out.rejected] == [0, 1] and out.filtered == 1
     assert out.table.num_rows == 0
     assert "id" in out.table.column_names
 
@@ -196,3 +195,42 @@ def test_a_bad_expression_is_a_config_error_naming_the_transform(spark, spec, wo
         t.prepare()
     assert e.value.field == "transform"
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("decode", ["json", "text", "raw"])
+def test_null_values_modes_for_tombstones_and_empty_payloads(spark, decode):
+    values = [order(0), None, b"", order(3)]
+    schema = {"schema": SCHEMA} if decode == "json" else {}
+    skip = transform(spark, decode=decode, **schema)(source(values))
+    assert skip.table.num_rows == 2 and skip.filtered == 2 and skip.rejected == ()
+    assert "__tombstone" not in skip.table.column_names
+    fail = transform(spark, decode=decode, null_values="fail", **schema)(source(values))
+    assert [(r.index, r.message) for r in fail.rejected] == [
+        (1, "null payload (a tombstone); transform.null_values is 'fail'"),
+        (2, "empty payload; transform.null_values is 'fail'"),
+    ]
+    assert fail.filtered == 0 and fail.table.num_rows == 2
+    passed = transform(spark, decode=decode, null_values="pass", **schema)(source(values))
+    t = passed.table
+    assert passed.rejected == () and passed.filtered == 0 and t.num_rows == 4
+    assert t.column("__tombstone").to_pylist() == [False, True, True, False]
+    assert t.column("__key").to_pylist() == [b"k0", b"k1", b"k2", b"k3"]  # deletes find their key
+    if decode == "json":
+        assert t.column("id").to_pylist() == [0, None, None, 3]
+
+
+def test_a_filter_and_select_can_use_tombstone(spark):
+    values = [order(0), None, order(2)]
+    out = transform(
+        spark,
+        decode="json",
+        schema=SCHEMA,
+        null_values="pass",
+        filter="__tombstone OR id > 0",
+        select=[
+            "coalesce(CAST(id AS STRING), CAST(__key AS STRING)) AS ref",
+            "__tombstone AS gone",
+        ],
+    )(source(values))
+    assert out.table.column("ref").to_pylist() == ["k1", "2"]
+    assert out.table.column("gone").to_pylist() == [True, False]

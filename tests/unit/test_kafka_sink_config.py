@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -80,23 +81,27 @@ def test_defaults_and_producer_kwargs() -> None:
         "max_block_ms": 60000,
         "bootstrap_timeout_ms": 30000,
         "security_protocol": "PLAINTEXT",
-        "ssl_check_hostname": True,
     }
 
 
-def test_producer_kwargs_are_all_known_to_kafka_python() -> None:
+def test_producer_kwargs_are_all_known_to_kafka_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kafka import KafkaProducer
 
+    for name in ("ca.pem", "c.pem", "k.pem"):
+        (tmp_path / name).write_text("PEM")
+    monkeypatch.setenv("SINK_KAFKA_PW", "s3cret")
     cfg = parse_sink_config(
         {
             **BASE,
             "security_protocol": "SASL_SSL",
             "sasl_mechanism": "SCRAM-SHA-512",
             "sasl_username": "svc",
-            "sasl_password": "s3cret",
-            "ssl_cafile": "/etc/ca.pem",
-            "ssl_certfile": "/etc/c.pem",
-            "ssl_keyfile": "/etc/k.pem",
+            "sasl_password": "${env:SINK_KAFKA_PW}",
+            "ssl_cafile": str(tmp_path / "ca.pem"),
+            "ssl_certfile": str(tmp_path / "c.pem"),
+            "ssl_keyfile": str(tmp_path / "k.pem"),
             "compression": "gzip",
             "acks": "all",
         }
@@ -108,20 +113,35 @@ def test_producer_kwargs_are_all_known_to_kafka_python() -> None:
         and kw["sasl_plain_username"] == "svc"
         and kw["sasl_plain_password"] == "s3cret"
     )
-    assert kw["ssl_cafile"] == "/etc/ca.pem" and kw["compression_type"] == "gzip"
+    assert kw["ssl_cafile"] == str(tmp_path / "ca.pem") and kw["compression_type"] == "gzip"
     non_idem = producer_kwargs(parse_sink_config({**BASE, "idempotent": False, "acks": "1"}))
     assert non_idem["acks"] == 1 and non_idem["enable_idempotence"] is False
 
 
-def test_secrets_are_redacted() -> None:
+def test_passwords_are_references_never_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"sink.sasl_password: .*reference"):
+        sink(
+            security_protocol="SASL_PLAINTEXT",
+            sasl_mechanism="PLAIN",
+            sasl_username="u",
+            sasl_password="hunter2",
+        )
     s = sink(
         security_protocol="SASL_PLAINTEXT",
         sasl_mechanism="PLAIN",
         sasl_username="u",
-        sasl_password="hunter2",
+        sasl_password="${env:SINK_KAFKA_PW2}",
     )
+    # The reference is what the spec (and so the meta store) holds; the value stays in the run.
+    assert s.config.redacted()["sasl_password"] == "${env:SINK_KAFKA_PW2}"
+    monkeypatch.setenv("SINK_KAFKA_PW2", "hunter2")
+    assert producer_kwargs(s.config)["sasl_plain_password"] == "hunter2"
     assert "hunter2" not in repr(s.config) and "hunter2" not in s.describe()
-    assert s.config.redacted()["sasl_password"] == "**********"
+    monkeypatch.delenv("SINK_KAFKA_PW2")
+    with pytest.raises(
+        ConfigError, match="sink.sasl_password: environment variable SINK_KAFKA_PW2 is not set"
+    ):
+        producer_kwargs(s.config)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,373 @@
+"""A ``KafkaConnection`` as client configuration, secrets resolved; Kafka error classes.
+
+``kafka_python_options`` gives the keyword arguments of kafka-python's clients,
+``librdkafka_config`` the properties of librdkafka's (confluent-kafka). Both take
+their names from ``conveyor.core.connection.OPTION_NAMES``. Secret references are
+resolved here, inside the run, and the resolved values never leave the returned
+dict: do not log it.
+
+``classify_kafka_error`` is the one place that says what an exception from
+kafka-python means: a record's content (``data``), something no retry fixes
+(``permanent``: authentication, authorization, TLS certificate, an unsupported
+codec or feature, bad configuration, any error the client marks non-retriable),
+or an outage (``transient``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import ssl
+from collections.abc import Callable
+from typing import Any, Literal
+
+from conveyor.core.connection import OPTION_NAMES, KafkaConnection, parse_secret_ref
+from conveyor.core.errors import ConfigError
+
+ClientRole = Literal["consumer", "producer", "admin"]
+
+# kafka-python settings a connection's client_options may not override: Conveyor owns
+# them (placement, offsets, delivery guarantees) or they are the model's own fields.
+OWNED_OPTIONS = frozenset(
+    {
+        "group_id",
+        "enable_auto_commit",
+        "auto_offset_reset",
+        "isolation_level",
+        "key_deserializer",
+        "value_deserializer",
+        "key_serializer",
+        "value_serializer",
+        "ssl_context",
+        "sasl_oauth_token_provider",
+        "enable_idempotence",
+        "acks",
+        "transactional_id",
+        *(kp for kp, _ in OPTION_NAMES.values()),
+    }
+)
+
+
+def resolve_secret(ref: str, *, field: str) -> str:
+    """The value behind ``${env:NAME}`` / ``${file:/path}``; ConfigError naming ``field`` when absent."""
+    kind, target = parse_secret_ref(ref)
+    if kind == "env":
+        value = os.environ.get(target)
+        if value is None:
+            raise ConfigError(f"environment variable {target} is not set", field=field)
+        return value
+    try:
+        with open(target, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    except OSError as e:
+        raise ConfigError(f"cannot read {target}: {e.strerror}", field=field) from None
+
+
+def check_files(c: KafkaConnection, *, prefix: str) -> None:
+    """Every certificate / key file of the connection is readable (ConfigError naming the field)."""
+    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+        path = getattr(c, name)
+        if path:
+            try:
+                open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
+            except OSError as e:
+                raise ConfigError(
+                    f"{path!r} cannot be read: {e.strerror}", field=f"{prefix}.{name}"
+                ) from None
+
+
+def _kafka_python_known(role: ClientRole) -> set[str]:
+    from kafka import KafkaConsumer, KafkaProducer
+    from kafka.admin import KafkaAdminClient
+
+    cls = {"consumer": KafkaConsumer, "producer": KafkaProducer, "admin": KafkaAdminClient}[role]
+    return set(cls.DEFAULT_CONFIG)
+
+
+def check_client_options(c: KafkaConnection, role: ClientRole, *, prefix: str) -> None:
+    """client_options are kafka-python settings of this client and not owned by Conveyor."""
+    known = _kafka_python_known(role)
+    for name in c.client_options:
+        if name in OWNED_OPTIONS:
+            raise ConfigError(
+                f"{name!r} is set by Conveyor (or is one of the connection's own fields)",
+                field=f"{prefix}.client_options",
+            )
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{name!r} is not a kafka-python {role} setting{hint}",
+                field=f"{prefix}.client_options",
+            )
+
+
+class FileTokenProvider:
+    """OAUTHBEARER token from a secret reference, read again at every (re)connection."""
+
+    def __init__(self, ref: str, field: str):
+        self.ref = ref
+        self.field = field
+
+    def token(self) -> str:
+        return resolve_secret(self.ref, field=self.field)
+
+    def extensions(self) -> dict[str, str]:
+        return {}
+
+
+def _token_provider(ref: str, field: str) -> Any:
+    from kafka.net.sasl.oauth import AbstractTokenProvider
+
+    class _Provider(FileTokenProvider, AbstractTokenProvider):
+        pass
+
+    return _Provider(ref, field)
+
+
+def kafka_python_options(
+    c: KafkaConnection,
+    role: ClientRole,
+    *,
+    prefix: str,
+    default_bootstrap: Callable[[], str] | None = None,
+    client_id: str | None = None,
+) -> dict[str, Any]:
+    """kafka-python keyword arguments of the connection (secrets resolved: never log them).
+
+    Raises ConfigError naming the field for a missing secret, an unreadable file, a
+    GSSAPI connection without the ``gssapi`` package or a bad client option.
+    """
+    bootstrap = c.bootstrap_servers or (default_bootstrap() if default_bootstrap else None)
+    if not bootstrap:
+        raise ConfigError("required", field=f"{prefix}.bootstrap_servers")
+    check_files(c, prefix=prefix)
+    check_client_options(c, role, prefix=prefix)
+    kw: dict[str, Any] = {
+        "bootstrap_servers": [s.strip() for s in bootstrap.split(",") if s.strip()],
+        "security_protocol": c.security_protocol,
+    }
+    cid = c.client_id or client_id
+    if cid:
+        kw["client_id"] = cid
+    if c.security_protocol.startswith("SASL"):
+        kw["sasl_mechanism"] = c.sasl_mechanism
+        if c.sasl_mechanism == "OAUTHBEARER":
+            assert c.sasl_oauthbearer_token is not None
+            field = f"{prefix}.sasl_oauthbearer_token"
+            resolve_secret(c.sasl_oauthbearer_token, field=field)  # fail now, not at connect
+            kw["sasl_oauth_token_provider"] = _token_provider(c.sasl_oauthbearer_token, field)
+        elif c.sasl_mechanism == "GSSAPI":
+            try:
+                import gssapi  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "GSSAPI needs the Python package 'gssapi' (pip install gssapi), which is not installed",
+                    field=f"{prefix}.sasl_mechanism",
+                ) from None
+            kw["sasl_kerberos_service_name"] = c.sasl_kerberos_service_name
+        else:
+            kw["sasl_plain_username"] = c.sasl_username
+            assert c.sasl_password is not None
+            kw["sasl_plain_password"] = resolve_secret(
+                c.sasl_password, field=f"{prefix}.sasl_password"
+            )
+    if c.security_protocol.endswith("SSL"):
+        kw["ssl_check_hostname"] = c.ssl_check_hostname
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(c, name)
+            if value:
+                kw[OPTION_NAMES[name][0]] = value
+        if c.ssl_key_password:
+            kw["ssl_password"] = resolve_secret(
+                c.ssl_key_password, field=f"{prefix}.ssl_key_password"
+            )
+    kw.update(c.client_options)
+    return kw
+
+
+def librdkafka_config(
+    c: KafkaConnection,
+    *,
+    prefix: str,
+    default_bootstrap: Callable[[], str] | None = None,
+    client_id: str | None = None,
+) -> dict[str, Any]:
+    """librdkafka (confluent-kafka) properties of the connection (secrets resolved: never log them).
+
+    ``client_options`` are not included: they are named for kafka-python. A librdkafka
+    client adds its own pass-through under librdkafka's names.
+    """
+    bootstrap = c.bootstrap_servers or (default_bootstrap() if default_bootstrap else None)
+    if not bootstrap:
+        raise ConfigError("required", field=f"{prefix}.bootstrap_servers")
+    check_files(c, prefix=prefix)
+    name = {k: rd for k, (_, rd) in OPTION_NAMES.items()}
+    conf: dict[str, Any] = {
+        name["bootstrap_servers"]: bootstrap,
+        name["security_protocol"]: c.security_protocol,
+    }
+    cid = c.client_id or client_id
+    if cid:
+        conf[name["client_id"]] = cid
+    if c.security_protocol.startswith("SASL"):
+        conf[name["sasl_mechanism"]] = c.sasl_mechanism
+        if c.sasl_mechanism == "OAUTHBEARER":
+            assert c.sasl_oauthbearer_token is not None
+            provider = FileTokenProvider(
+                c.sasl_oauthbearer_token, f"{prefix}.sasl_oauthbearer_token"
+            )
+            provider.token()
+            # confluent-kafka's oauth_cb returns (token, expiry as epoch seconds); the token
+            # is asked for again before that expiry.
+            conf[name["sasl_oauthbearer_token"]] = lambda _cfg: (
+                provider.token(),
+                __import__("time").time() + 300,
+            )
+        elif c.sasl_mechanism == "GSSAPI":
+            conf[name["sasl_kerberos_service_name"]] = c.sasl_kerberos_service_name
+        else:
+            assert c.sasl_password is not None
+            conf[name["sasl_username"]] = c.sasl_username
+            conf[name["sasl_password"]] = resolve_secret(
+                c.sasl_password, field=f"{prefix}.sasl_password"
+            )
+    if c.security_protocol.endswith("SSL"):
+        conf[name["ssl_check_hostname"]] = "https" if c.ssl_check_hostname else "none"
+        for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(c, field)
+            if value:
+                conf[name[field]] = value
+        if c.ssl_key_password:
+            conf[name["ssl_key_password"]] = resolve_secret(
+                c.ssl_key_password, field=f"{prefix}.ssl_key_password"
+            )
+    return conf
+
+
+def tls_problem(options: dict[str, Any], timeout_s: float = 10.0) -> str | None:
+    """Why a TLS connection with these kafka-python options cannot work, or None.
+
+    kafka-python retries a bootstrap whose TLS handshake fails until its timeout and then
+    reports only "Unable to bootstrap". This handshake, with the context kafka-python
+    builds from the same options, names the problem at once: a certificate the CA does
+    not sign, a host name the certificate does not hold, key files that do not load. A
+    server that cannot be reached is not a TLS problem (the client reports the outage).
+    """
+    if not str(options.get("security_protocol", "")).endswith("SSL"):
+        return None
+    import socket
+
+    from kafka.net.transport import KafkaSSLTransport
+
+    settings = dict(KafkaSSLTransport.DEFAULT_CONFIG)
+    settings.update({k: v for k, v in options.items() if k in settings})
+    try:
+        ctx = KafkaSSLTransport._build_ssl_context(settings)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        return f"the TLS files cannot be loaded: {e}"
+    for hp in options.get("bootstrap_servers") or ():
+        host, _, port = str(hp).rpartition(":")
+        host = host.strip("[]")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except (OSError, ValueError):
+            continue
+        try:
+            with ctx.wrap_socket(sock, server_hostname=host):
+                return None
+        except ssl.SSLCertVerificationError as e:
+            return f"TLS certificate of {hp} rejected: {e.verify_message or e.reason or e}"
+        except (ssl.SSLError, OSError) as e:
+            return f"TLS handshake with {hp} failed: {e}"
+        finally:
+            sock.close()
+    return None
+
+
+# -- error classes ------------------------------------------------------------------------
+
+# A record the cluster (or the client, before sending) refuses for its content.
+_DATA_ERRORS = frozenset(
+    {
+        "MessageSizeTooLargeError",
+        "RecordListTooLargeError",
+        "InvalidTopicError",
+        "CorruptRecordError",
+        "InvalidRecordError",
+        "InvalidTimestampError",
+        "UnsupportedForMessageFormatError",
+    }
+)
+# Refusals no retry can fix.
+_PERMANENT_ERRORS = frozenset(
+    {
+        "AuthorizationError",  # topic / group / cluster / transactional-id authorization
+        "SaslAuthenticationFailedError",
+        "UnsupportedSaslMechanismError",
+        "IllegalSaslStateError",
+        "SecurityDisabledError",
+        "UnsupportedVersionError",
+        "UnsupportedCompressionTypeError",
+        "UnsupportedCodecError",  # the client lacks a codec's library
+        "KafkaConfigurationError",
+        "PolicyViolationError",
+        "InvalidRequiredAcksError",
+        "InvalidSessionTimeoutError",
+    }
+)
+# Non-retriable by the client's flag, but an outage or a state the client recovers from.
+_NOT_PERMANENT = frozenset(
+    {
+        "KafkaError",  # the base class: no information
+        "UnknownError",
+        "UnknownServerError",
+        "OffsetOutOfRangeError",  # reset by auto_offset_reset
+        "CommitFailedError",
+        "IllegalStateError",
+        "UnknownBrokerIdError",
+        "UnrecognizedBrokerVersion",
+        "InvalidReceiveError",
+        "KafkaProtocolError",
+        "NoBrokersAvailable",
+        "OutOfOrderSequenceNumberError",
+        "InvalidProducerEpochError",
+        "ProducerFencedError",
+        "DuplicateSequenceNumberError",
+        "QuotaViolationError",
+    }
+)
+
+_CERT_WORDS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "Hostname mismatch")
+
+
+def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+    """What an exception from kafka-python means.
+
+    data: a record's content (too large, corrupt, bad topic); a sink isolates the row,
+    a source cannot skip it (the caller makes it permanent). permanent: auth,
+    authorization, a TLS certificate the client rejects, an unsupported codec, feature
+    or setting, or any error the client flags non-retriable that is not known to be an
+    outage. transient: everything else (timeouts, connection errors, no leader).
+    """
+    names = {k.__name__ for k in type(exc).__mro__}
+    if names & _DATA_ERRORS:
+        return "data"
+    if names & _PERMANENT_ERRORS:
+        return "permanent"
+    if isinstance(exc, ssl.SSLCertVerificationError) or any(w in str(exc) for w in _CERT_WORDS):
+        return "permanent"  # a wrong CA or host name does not fix itself
+    if "KafkaError" in names:
+        flagged = getattr(exc, "retriable", True) is False
+        return "permanent" if flagged and type(exc).__name__ not in _NOT_PERMANENT else "transient"
+    if isinstance(exc, (ValueError, TypeError)):
+        return "data"  # client-side checks: illegal topic, unknown partition, header types
+    return "transient"
+
+
+def describe_kafka_error(exc: BaseException) -> str:
+    """One line: the class name and the message (for TLS errors, the certificate problem)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate rejected: {exc.verify_message or exc.reason or exc}"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"

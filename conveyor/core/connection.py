@@ -1,0 +1,237 @@
+"""How Conveyor reaches a Kafka(-protocol) cluster: one model for every client it opens.
+
+The connector's source, the consumer-group offsets mirror, the Kafka dead-letter
+writer, ``conveyor offsets reset`` and the Kafka sink all connect with a
+``KafkaConnection``: bootstrap servers, transport security (TLS), SASL, client id
+and a pass-through for other client settings. The model is pure (validation only);
+``conveyor.brokers.connection`` maps it onto a client's configuration names
+(kafka-python's ``snake_case`` keywords or librdkafka's dotted properties, see
+``OPTION_NAMES``) and resolves its secrets inside the run.
+
+Secrets are references, never values: ``${env:NAME}`` (an environment variable of
+the run's process) or ``${file:/path}`` (a file's contents, trailing newline
+stripped, read again at each connection: rotated files work). A spec is stored in
+the meta store and shown by the CLI, so a literal password is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SECRET_REF = re.compile(r"^\$\{(env|file):([^}]+)\}$")
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
+
+# Field -> (kafka-python keyword, librdkafka property). The one mapping of the model
+# onto the two clients' names; client_options use the client's own names directly.
+OPTION_NAMES: dict[str, tuple[str, str]] = {
+    "bootstrap_servers": ("bootstrap_servers", "bootstrap.servers"),
+    "client_id": ("client_id", "client.id"),
+    "security_protocol": ("security_protocol", "security.protocol"),
+    "sasl_mechanism": ("sasl_mechanism", "sasl.mechanism"),
+    "sasl_username": ("sasl_plain_username", "sasl.username"),
+    "sasl_password": ("sasl_plain_password", "sasl.password"),
+    "sasl_oauthbearer_token": ("sasl_oauth_token_provider", "oauth_cb"),
+    "sasl_kerberos_service_name": ("sasl_kerberos_service_name", "sasl.kerberos.service.name"),
+    "ssl_cafile": ("ssl_cafile", "ssl.ca.location"),
+    "ssl_certfile": ("ssl_certfile", "ssl.certificate.location"),
+    "ssl_keyfile": ("ssl_keyfile", "ssl.key.location"),
+    "ssl_key_password": ("ssl_password", "ssl.key.password"),
+    "ssl_check_hostname": ("ssl_check_hostname", "ssl.endpoint.identification.algorithm"),
+}
+
+SECRET_FIELDS = ("sasl_password", "sasl_oauthbearer_token", "ssl_key_password")
+SSL_FIELDS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password")
+SASL_FIELDS = (
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "sasl_oauthbearer_token",
+)
+
+# Words that mark a client option as a secret: such options must be model fields
+# (references), never pass-through values stored in the spec.
+_SECRET_WORDS = ("password", "secret", "token", "jaas", "credential", "private_key", "key_pem")
+
+
+def secret_ref_problem(value: str) -> str | None:
+    """Why ``value`` is not a secret reference, or None."""
+    m = SECRET_REF.match(value.strip())
+    if m is None:
+        return (
+            "must be a reference, ${env:NAME} or ${file:/path}: a literal secret would be "
+            "stored in the meta store"
+        )
+    kind, target = m.group(1), m.group(2).strip()
+    if kind == "env" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", target):
+        return f"{target!r} is not an environment variable name"
+    if kind == "file" and not target:
+        return "empty file path"
+    return None
+
+
+def parse_secret_ref(value: str) -> tuple[Literal["env", "file"], str]:
+    """``("env", NAME)`` or ``("file", PATH)`` of a valid reference (see ``secret_ref_problem``)."""
+    m = SECRET_REF.match(value.strip())
+    if m is None:
+        raise ValueError(secret_ref_problem(value) or "not a secret reference")
+    kind = m.group(1)
+    return ("env" if kind == "env" else "file"), m.group(2).strip()
+
+
+def option_secret_problem(name: str) -> str | None:
+    """Why the client option ``name`` may not be passed through (it looks like a secret)."""
+    low = name.lower().replace(".", "_")
+    if any(w in low for w in _SECRET_WORDS):
+        return (
+            f"{name!r} looks like a secret: client_options are stored in the meta store as written; "
+            "use the connection's secret fields (references) instead"
+        )
+    return None
+
+
+class KafkaConnection(BaseModel):
+    """Connection settings shared by every Kafka client Conveyor opens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    bootstrap_servers: str | None = Field(
+        default=None,
+        description="Kafka bootstrap servers 'host:port[,host:port]'. Default: $CONVEYOR_KAFKA_BOOTSTRAP, "
+        "else the embedded broker started by `conveyor dev`.",
+    )
+    client_id: str | None = Field(
+        default=None,
+        description="Client id shown in broker logs, metrics and quotas. Default: conveyor-<connector> "
+        "(conveyor-sink for the Kafka sink).",
+    )
+    security_protocol: SecurityProtocol = Field(
+        default="PLAINTEXT",
+        description="PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL over TLS).",
+    )
+    sasl_mechanism: SaslMechanism | None = Field(
+        default=None,
+        description="SASL mechanism (with SASL_PLAINTEXT / SASL_SSL): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, "
+        "OAUTHBEARER (a token from sasl_oauthbearer_token) or GSSAPI (Kerberos; needs the `gssapi` package "
+        "and a ticket or keytab in the run's environment).",
+    )
+    sasl_username: str | None = Field(default=None, description="SASL user name (PLAIN and SCRAM).")
+    sasl_password: str | None = Field(
+        default=None,
+        description="SASL password (PLAIN and SCRAM): a reference, ${env:NAME} or ${file:/path}; never the "
+        "password itself.",
+    )
+    sasl_oauthbearer_token: str | None = Field(
+        default=None,
+        description="OAUTHBEARER: the bearer token, a reference (${file:/path} is read again at every "
+        "(re)connection, so a token file refreshed by a sidecar works).",
+    )
+    sasl_kerberos_service_name: str = Field(
+        default="kafka", description="GSSAPI: the brokers' Kerberos service name."
+    )
+    ssl_cafile: str | None = Field(
+        default=None,
+        description="CA bundle (PEM) the brokers' certificates are verified against (with SSL / SASL_SSL). "
+        "Default: the system's CAs.",
+    )
+    ssl_certfile: str | None = Field(
+        default=None, description="Client certificate (PEM) for mutual TLS (with ssl_keyfile)."
+    )
+    ssl_keyfile: str | None = Field(
+        default=None, description="Client private key (PEM) for mutual TLS."
+    )
+    ssl_key_password: str | None = Field(
+        default=None,
+        description="Password of an encrypted ssl_keyfile: a reference, ${env:NAME} or ${file:/path}.",
+    )
+    ssl_check_hostname: bool = Field(
+        default=True,
+        description="Check that the broker's certificate names the host connected to.",
+    )
+    client_options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Other settings passed to the Kafka client as they are, under the client's own names "
+        "(kafka-python: `fetch_min_bytes`, `metadata_max_age_ms`...). Settings Conveyor owns (group, "
+        "offsets, security) and anything that looks like a secret are refused.",
+    )
+
+    @field_validator("sasl_password", "sasl_oauthbearer_token", "ssl_key_password")
+    @classmethod
+    def _is_reference(cls, v: str | None) -> str | None:
+        if v is not None:
+            problem = secret_ref_problem(v)
+            if problem:
+                raise ValueError(problem)
+        return v
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _bootstrap(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        for hp in v.split(","):
+            host, _, port = hp.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{hp.strip()!r} is not host:port")
+        return v
+
+    @field_validator("client_options")
+    @classmethod
+    def _options(
+        cls, v: dict[str, str | int | float | bool]
+    ) -> dict[str, str | int | float | bool]:
+        for name in v:
+            problem = option_secret_problem(name)
+            if problem:
+                raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _security(self) -> KafkaConnection:
+        for problem in connection_problems(self):
+            raise ValueError(problem)
+        return self
+
+
+def connection_problems(c: KafkaConnection) -> list[str]:
+    """Cross-field problems of a connection, each naming its field (empty when usable)."""
+    out: list[str] = []
+    sasl = c.security_protocol.startswith("SASL")
+    tls = c.security_protocol.endswith("SSL")
+    if sasl:
+        if c.sasl_mechanism is None:
+            out.append(f"sasl_mechanism: required with security_protocol {c.security_protocol}")
+        elif c.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            if not c.sasl_username:
+                out.append(f"sasl_username: required with sasl_mechanism {c.sasl_mechanism}")
+            if c.sasl_password is None:
+                out.append(f"sasl_password: required with sasl_mechanism {c.sasl_mechanism}")
+            if c.sasl_oauthbearer_token is not None:
+                out.append("sasl_oauthbearer_token: only with sasl_mechanism OAUTHBEARER")
+        elif c.sasl_mechanism == "OAUTHBEARER":
+            if c.sasl_oauthbearer_token is None:
+                out.append("sasl_oauthbearer_token: required with sasl_mechanism OAUTHBEARER")
+            for name in ("sasl_username", "sasl_password"):
+                if getattr(c, name) is not None:
+                    out.append(f"{name}: not used with sasl_mechanism OAUTHBEARER")
+        elif c.sasl_mechanism == "GSSAPI":
+            for name in ("sasl_password", "sasl_oauthbearer_token"):
+                if getattr(c, name) is not None:
+                    out.append(f"{name}: not used with sasl_mechanism GSSAPI (Kerberos)")
+    else:
+        for name in SASL_FIELDS:
+            if getattr(c, name) is not None:
+                out.append(f"{name}: only with security_protocol SASL_PLAINTEXT or SASL_SSL")
+    if not tls:
+        for name in SSL_FIELDS:
+            if getattr(c, name) is not None:
+                out.append(f"{name}: only with security_protocol SSL or SASL_SSL")
+    if bool(c.ssl_certfile) != bool(c.ssl_keyfile):
+        out.append("ssl_keyfile: give both ssl_certfile and ssl_keyfile, or neither")
+    if c.ssl_key_password is not None and not c.ssl_keyfile:
+        out.append("ssl_key_password: only with ssl_keyfile")
+    return out
