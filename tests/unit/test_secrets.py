@@ -1,0 +1,92 @@
+"""Secrets by reference: resolution, syntax errors, redaction (conveyor/secrets.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor.core.errors import ConfigError
+from conveyor.secrets import MASK, check_syntax, mask_literal, redact, references, resolve
+
+
+def test_env_and_file_references_resolve_whole_and_inside_text(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("s3cr:et@/\n")  # a mounted secret with a trailing newline
+    spec = {
+        "sink": {
+            "url": "postgresql://app:${file:" + str(pw) + "}@db:5432/app",
+            "token": "${env:TOKEN}",
+            "port": 5432,
+            "hosts": ["${env:HOST}", "b"],
+        }
+    }
+    out = resolve(spec, environ={"TOKEN": "t0k", "HOST": "a"})
+    assert out == {
+        "sink": {
+            "url": "postgresql://app:s3cr:et@/@db:5432/app",
+            "token": "t0k",
+            "port": 5432,
+            "hosts": ["a", "b"],
+        }
+    }
+    assert references(spec) == ["${file:" + str(pw) + "}", "${env:TOKEN}", "${env:HOST}"]
+
+
+def test_escaped_reference_is_literal() -> None:
+    assert resolve("cost: $${env:X}", environ={}) == "cost: ${env:X}"
+    assert references("$${env:X}") == []
+
+
+def test_an_empty_variable_is_set() -> None:
+    assert resolve("${env:EMPTY}", environ={"EMPTY": ""}) == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("${env:MISSING}", "sink.url: ${env:MISSING}: environment variable MISSING is not set"),
+        ("${file:/nonexistent/x}", "sink.url: ${file:/nonexistent/x}: cannot read: No such file"),
+        ("${file:relative/x}", "sink.url: ${file:relative/x}: the path must be absolute"),
+        ("${vault:x}", "sink.url: ${vault:x}: unknown provider 'vault' (known: env, file)"),
+        ("${env:1BAD}", "sink.url: ${env:1BAD}: '1BAD' is not an environment variable name"),
+    ],
+)
+def test_resolution_errors_name_the_field_and_the_reference(value: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        resolve({"sink": {"url": value}}, environ={})
+    assert str(e.value).startswith(message)
+
+
+def test_syntax_is_checked_without_reading_anything() -> None:
+    check_syntax({"sink": {"url": "${env:PG_URL}", "x": "$${literal"}})  # no error, nothing read
+    with pytest.raises(ConfigError, match=r"sink\.url: \$\{vault:x\}: unknown provider"):
+        check_syntax({"sink": {"url": "${vault:x}"}})
+    with pytest.raises(ConfigError, match=r"sink\.url: has an unterminated or malformed"):
+        check_syntax({"sink": {"url": "postgresql://a:${env:PW@db/x"}})
+
+
+def test_a_secret_field_shows_its_references_and_masks_literals() -> None:
+    assert mask_literal("${env:PG_URL}") == "${env:PG_URL}"
+    assert mask_literal("postgresql://app:${env:PW}@db/app") == "postgresql://app:${env:PW}@db/app"
+    assert mask_literal("postgresql://app:${file:/run/s/pw}@db/x") == (
+        "postgresql://app:${file:/run/s/pw}@db/x"
+    )
+    assert mask_literal("hunter2") == MASK
+    # A reference elsewhere does not unmask a literal password.
+    assert mask_literal("postgresql://app:hunter2@${env:HOST}/app") == MASK
+
+
+def test_redact_masks_secret_fields_and_literal_url_passwords_anywhere() -> None:
+    spec = {
+        "name": "c",
+        "sink": {"type": "redis", "password": "hunter2", "url": "redis://u:pw1@h:6379/0"},
+        "source": {"bootstrap_servers": "k:9092", "note": "see http://x:pw2@y/z"},
+        "description": "${env:DESC}",
+    }
+    out = redact(spec, lambda f: f == "sink.password")
+    assert out["sink"]["password"] == MASK
+    assert out["sink"]["url"] == f"redis://u:{MASK}@h:6379/0"
+    assert out["source"]["note"] == f"see http://x:{MASK}@y/z"
+    assert out["description"] == "${env:DESC}"
+    assert "hunter2" not in repr(out) and "pw1" not in repr(out) and "pw2" not in repr(out)
