@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,16 @@ def _say(msg: str) -> None:
     click.secho(f"conveyor dev: {msg}", fg="cyan", err=True)
 
 
+def api_token(home: Path) -> Path:
+    """``<home>/api-token``: the REST API's bearer token, made once (0600) and kept."""
+    path = home / "api-token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def run_dev(
     *,
     home: Path,
@@ -73,6 +84,7 @@ def run_dev(
     dagster_port: int,
     producer_rate: float,
     demo: bool,
+    api_port: int = 8083,
 ) -> int:
     home.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(exist_ok=True)
@@ -113,12 +125,15 @@ def run_dev(
             spark = start_spark_connect(spark_port, work_dir=home / "spark")
             remote = spark.remote
             _say(f"Spark Connect ready at {remote}")
+        dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = {
             **os.environ,
             "CONVEYOR_HOME": str(home),
             "CONVEYOR_KAFKA_BOOTSTRAP": bootstrap,
             "CONVEYOR_SPARK_REMOTE": remote,
             "DAGSTER_HOME": str(dagster_home),
+            # The scheduler sensor reloads the code location through it when a spec changes.
+            "CONVEYOR_DAGSTER_URL": dagster_url,
         }
         capacity = int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8"))
         (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
@@ -141,6 +156,21 @@ def run_dev(
                 )
             )
             _say(f"demo producer: {producer_rate:g} orders/s into topic 'orders'")
+        token = api_token(home)
+        conveyor_exe = shutil.which("conveyor") or str(Path(sys.executable).parent / "conveyor")
+        children.append(
+            subprocess.Popen(
+                [conveyor_exe, "serve", "--host", "127.0.0.1", "--port", str(api_port)]
+                + ["--token-file", str(token), "--dagster-url", dagster_url],
+                env=env,
+                stdout=open(home / "logs" / "api.log", "ab"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+            )
+        )
+        _say(
+            f"REST API on http://127.0.0.1:{api_port} (bearer token in {token}; "
+            f'curl -H "Authorization: Bearer $(cat {token})" http://127.0.0.1:{api_port}/connectors)'
+        )
         dagster = shutil.which("dagster") or str(Path(sys.executable).parent / "dagster")
         cmd = [
             dagster,
@@ -188,7 +218,6 @@ def _stop_connector_runs(timeout_s: float = 30.0) -> None:
     """
     import socket
 
-    from conveyor.core.model import DesiredState
     from conveyor.jobs.connector import pid_alive
     from conveyor.store.meta import MetaStore
 
@@ -213,11 +242,11 @@ def _stop_connector_runs(timeout_s: float = 30.0) -> None:
                 f"connector {r.name}: run did not stop in {timeout_s:g} s; killing pid {r.run_pid}"
             )
             os.kill(r.run_pid, signal.SIGKILL)
-        if r.desired == DesiredState.RUNNING:
+        if r.desired.wants_run:
             try:
                 store.set_desired(
                     r.name,
-                    DesiredState.RUNNING,
+                    r.desired,
                     reason="conveyor dev stopped; resumes at the next start",
                 )
             except Exception as e:  # noqa: BLE001

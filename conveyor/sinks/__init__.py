@@ -100,5 +100,12 @@ def format_validation_error(e: ValidationError, *, prefix: str = "") -> str:
     for err in e.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
         path = ".".join(p for p in (prefix, loc) if p)
-        lines.append(f"{path or '<root>'}: {err.get('msg')}")
+        msg = err.get("msg")
+        value = err.get("input")
+        if isinstance(value, str) and "${" in value:
+            msg = (
+                f"{msg}; a ${{env:...}} / ${{file:...}} reference is resolved only inside the run, "
+                "so it can stand only in a text field"
+            )
+        lines.append(f"{path or '<root>'}: {msg}")
     return "; ".join(lines)

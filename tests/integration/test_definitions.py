@@ -50,7 +50,14 @@ def test_code_location_loads_with_broken_specs_and_reports_them(env: Path, tmp_p
     defs = build()
     jobs = {j.name for j in defs.resolve_all_job_defs()}
     assert {"connector__orders", "connector__clicks"} <= jobs
+    # Loading the code location reads files only: no meta store yet.
+    assert not (tmp_path / "meta.db").exists()
+    # The scheduler sensor syncs the files into the store on its next tick.
+    from conveyor.sensors.scheduler import SpecSources
+    from conveyor.specs import sync_files
+
     store = MetaStore()
+    sync_files(store, SpecSources(env).scan())
     rows = {r.name: r for r in store.list()}
     assert rows["orders"].status == ConnectorStatus.IDLE
     bad = {n: rows[n] for n in ("broken_yaml", "missing_field", "unknown_sink")}
