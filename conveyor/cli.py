@@ -206,6 +206,13 @@ def serve(
         if not loopback:
             _fail(f"--no-auth is refused on {host}: bind a loopback address or use a token")
     _store(ctx)  # fail now, with the store's message, rather than on the first request
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    conveyor_log = logging.getLogger("conveyor")
+    conveyor_log.addHandler(handler)
+    conveyor_log.setLevel(logging.INFO)
     reloader = CoalescingReloader(dagster_url.rstrip("/")) if dagster_url else None
     ops = _ops(ctx)
     ops.actor = "the REST API"

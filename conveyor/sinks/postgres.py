@@ -169,7 +169,8 @@ class PostgresSink(Sink):
                 self._dsn(),
                 connect_timeout=self.config.connect_timeout_s,
                 options=opts,
-                application_name="conveyor",
+                # "conveyor" unless the URL names the application (?application_name=...).
+                fallback_application_name="conveyor",
             )
         except psycopg2.OperationalError as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else "connection failed"
