@@ -86,12 +86,15 @@ class StoreCommitter:
         generation: int,
         source: KafkaSource,
         spec_hash: str | None = None,
+        on_status: Callable[[ConnectorStatus, str | None], None] | None = None,
     ):
         self.store = store
         self.name = name
         self.generation = generation
         self.source = source
         self.spec_hash = spec_hash
+        self.on_status = on_status  # told each status change (the run's log in the UI)
+        self._status: ConnectorStatus | None = None
 
     def commit(self, offsets: Offsets) -> None:
         self.store.commit(self.name, self.generation, offsets)
@@ -103,6 +106,9 @@ class StoreCommitter:
         reply = self.store.heartbeat(
             self.name, self.generation, counters.as_dict(), status=status, reason=reason
         )
+        if status != self._status and self.on_status is not None:
+            self.on_status(status, reason)
+        self._status = status
         return directive_for(reply, self.spec_hash)
 
 
@@ -391,7 +397,16 @@ def _build_loop(
         source=source,
         transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
         sink=sink,
-        committer=StoreCommitter(store, name, gen, source, spec_hash=spec_hash),
+        committer=StoreCommitter(
+            store,
+            name,
+            gen,
+            source,
+            spec_hash=spec_hash,
+            on_status=lambda status, reason: context.log.info(
+                f"connector {name}: {status.value}" + (f" ({reason})" if reason else "")
+            ),
+        ),
         committed=committed,
         dead_letters=dead_letters,
         on_progress=_progress_logger(context, ls, dead_letters),
