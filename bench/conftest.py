@@ -11,7 +11,7 @@ from tests.conftest import pg_schema, pg_url, spark_remote, tansu, topic_name  #
 def warm_spark_remote(spark_remote: str) -> Iterator[str]:  # noqa: F811
     """The Spark Connect endpoint after a JIT warm-up (bench/harness.py: ``warm_spark``)."""
     from bench.harness import BATCH, SPARK_WARMUP_S, warm_spark
-    from conveyor.spark.transform import spark_session
+    from conveyor.spark.session import spark_session
 
     queries, first, last = warm_spark(spark_session(spark_remote))
     print(

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from bench import harness as h
-from conveyor.spark.transform import spark_session
+from conveyor.spark.session import spark_session
 
 pytestmark = pytest.mark.bench
 

@@ -23,7 +23,7 @@ import psycopg2
 import pytest
 
 from bench import harness as h
-from conveyor.spark.transform import spark_session
+from conveyor.spark.session import spark_session
 
 pytestmark = pytest.mark.bench
 

@@ -125,6 +125,14 @@ def main(ctx: click.Context, meta_url: str | None, connectors_dir: Path | None) 
 )
 @click.option("--rate", default=50.0, show_default=True, help="Demo producer messages per second.")
 @click.option("--no-demo", is_flag=True, help="Do not start the demo producer and connector.")
+@click.option(
+    "--spark-workers",
+    type=click.IntRange(min=0, max=16),
+    default=0,
+    show_default=True,
+    help="Run the broker executor's Spark Connect server in front of a Spark standalone "
+    "cluster (a master and this many workers, 1 core each) instead of local[*].",
+)
 @handles_errors
 def dev(
     home: Path | None,
@@ -134,6 +142,7 @@ def dev(
     api_port: int,
     rate: float,
     no_demo: bool,
+    spark_workers: int,
 ) -> None:
     """Start the embedded broker, Spark Connect, a demo, the REST API and `dagster dev`."""
     from conveyor.devserver import run_dev
@@ -148,6 +157,7 @@ def dev(
             producer_rate=rate,
             demo=not no_demo,
             api_port=api_port,
+            spark_workers=spark_workers,
         )
     )
 

@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 from conveyor.core.model import (
     BATCH_PRESETS,
     BatchPolicy,
-    Broker,
+    BrokerSpec,
     ConnectorSpec,
     DeadLetterSpec,
     FailureSpec,
@@ -46,18 +46,6 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("failure.dead_letter", DeadLetterSpec),
 ]
 _SECTION_OF = {model: title for title, model in SECTIONS}
-
-# The brokers file has no pydantic model (conveyor.resources.conveyor.load_brokers reads it
-# into core.model.Broker); its fields are described here and a test checks they match Broker.
-BROKER_FIELDS: dict[str, str] = {
-    "id": "Broker (executor) name; connectors are placed on brokers by id.",
-    "capacity": "Connectors this broker runs at most (a positive integer).",
-    "spark_remote": "Spark Connect endpoint the broker's connector runs use. Default: `$CONVEYOR_SPARK_REMOTE`.",
-    "run_tags": "Tags merged into the tags of every run placed on this broker (run launcher placement: "
-    "Kubernetes node selectors, Celery queues, ...).",
-    "draining": "A draining broker gets no new connectors and hands its connectors over. "
-    "Kept across restarts once set with `conveyor broker drain`.",
-}
 
 
 def _environment() -> list[tuple[str, str, str]]:
@@ -300,13 +288,14 @@ def model_table(model: type[BaseModel]) -> str:
 
 
 def brokers_section() -> list[str]:
-    defaults = {f.name: f for f in dataclasses.fields(Broker)}
-    lines = [
+    return [
         "## Brokers file",
         "",
         "`$CONVEYOR_BROKERS_FILE` (default `$CONVEYOR_HOME/brokers.yaml`) lists the broker executors under",
         "`brokers:`. Without the file there is one broker, `local`, with capacity `$CONVEYOR_BROKER_CAPACITY`",
-        "and the Spark Connect endpoint `$CONVEYOR_SPARK_REMOTE`. Unknown fields are rejected.",
+        "and the Spark Connect endpoint `$CONVEYOR_SPARK_REMOTE`. Unknown fields are rejected, ids are",
+        "unique, and an error names the file and the field (`brokers.0.capacity: ...`); the scheduler then",
+        "keeps the brokers it knew.",
         "",
         "```yaml",
         "brokers:",
@@ -316,30 +305,9 @@ def brokers_section() -> list[str]:
         "    run_tags: {dagster-celery/queue: spark-a}",
         "```",
         "",
-        "| field | type | default | description |",
-        "|---|---|---|---|",
+        model_table(BrokerSpec),
+        "",
     ]
-    for name, desc in BROKER_FIELDS.items():
-        f = defaults[name]
-        if f.default is not dataclasses.MISSING:
-            default = f"`{f.default!r}`" if name != "spark_remote" else "`$CONVEYOR_SPARK_REMOTE`"
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f"`{f.default_factory()!r}`"
-        else:
-            default = "required"
-        typ = type_name(_resolve(Broker, f.type))
-        lines.append(f"| `{name}` | {_cell(typ)} | {default} | {_cell(desc)} |")
-    return lines + [""]
-
-
-def _resolve(owner: type, annotation: Any) -> Any:
-    """A dataclass field's type (a string under ``from __future__ import annotations``)."""
-    if not isinstance(annotation, str):
-        return annotation
-    try:
-        return eval(annotation, vars(sys.modules[owner.__module__]))  # noqa: S307 - our own annotations
-    except Exception:  # noqa: BLE001 - fall back to the text
-        return annotation
 
 
 def sink_sections() -> list[str]:

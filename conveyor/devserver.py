@@ -20,7 +20,9 @@ from pathlib import Path
 
 import click
 
-from conveyor.brokers.embedded import EmbeddedBroker, port_open, start_embedded_broker
+from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
+from conveyor.ports import port_open
+from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
 
 DAGSTER_YAML = """\
@@ -85,6 +87,7 @@ def run_dev(
     producer_rate: float,
     demo: bool,
     api_port: int = 8083,
+    spark_workers: int = 0,
 ) -> int:
     home.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(exist_ok=True)
@@ -96,7 +99,7 @@ def run_dev(
 
     children: list[subprocess.Popen[bytes]] = []
     broker: EmbeddedBroker | None = None
-    spark: SparkConnectServer | None = None
+    spark: SparkConnectServer | SparkCluster | None = None
 
     def shutdown(*_: object) -> None:
         raise KeyboardInterrupt
@@ -118,6 +121,17 @@ def run_dev(
         elif port_open("127.0.0.1", spark_port):
             remote = f"sc://127.0.0.1:{spark_port}"
             _say(f"a Spark Connect server already listens on {remote}; using it")
+        elif spark_workers:
+            _say(
+                f"starting a Spark standalone cluster (master + {spark_workers} worker(s)) and "
+                f"Spark Connect on 127.0.0.1:{spark_port} in front of it (about 20 s; logs in "
+                f"{home / 'spark'})"
+            )
+            spark = start_spark_cluster(
+                spark_workers, work_dir=home / "spark", connect_port=spark_port
+            )
+            remote = spark.remote
+            _say(f"Spark Connect ready at {remote}, master {spark.master_url}")
         else:
             _say(
                 f"starting Spark Connect on 127.0.0.1:{spark_port} (about 10 s; log in {home / 'logs'})"
@@ -218,7 +232,7 @@ def _stop_connector_runs(timeout_s: float = 30.0) -> None:
     """
     import socket
 
-    from conveyor.jobs.connector import pid_alive
+    from conveyor.processes import pid_alive
     from conveyor.store.meta import MetaStore
 
     try:

@@ -426,7 +426,7 @@ class Operations:
         """The connector's spec and its Parquet dead-letter store (ConflictError for Kafka)."""
         from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
         from conveyor.resources.conveyor import default_spark_remote
-        from conveyor.spark.transform import spark_session
+        from conveyor.spark.session import spark_session
 
         row = self.row(name)
         ls = load_source(name, row.spec_source)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,10 @@ class LagVerdict:
     passed: bool
     description: str
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# The check's clock (tests freeze it at the time of their last sample).
+clock: Callable[[], float] = time.time
 
 
 def lag_check_minutes() -> float:
@@ -156,7 +160,7 @@ def _lag_check(key: AssetKey, connectors: Sequence[str]) -> AssetChecksDefinitio
     )
     def check(context) -> AssetCheckResult:  # type: ignore[no-untyped-def]  # dagster reads the annotation at runtime
         window_s = lag_check_minutes() * 60
-        now = time.time()
+        now = clock()
         by_connector = _samples_by_connector(context, key, now - 2 * window_s)
         if not by_connector:
             verdict = lag_verdict([], now=now, window_s=window_s)

@@ -7,31 +7,17 @@ and tests; use a real Kafka in production (CONVEYOR_KAFKA_BOOTSTRAP).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.core.errors import ConveyorError
+from conveyor.ports import free_port, port_open
 
 
 class EmbeddedBrokerError(ConveyorError):
     """The embedded broker could not be started."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def tansu_binary() -> str:

@@ -334,6 +334,59 @@ class TopicPartition:
 Offsets = dict[TopicPartition, int]
 
 
+class BrokerSpec(_Spec):
+    """One broker executor in the brokers file."""
+
+    id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Broker (executor) name; connectors are placed on brokers by id.",
+    )
+    capacity: int = Field(
+        default=8, ge=1, le=10_000, description="Connectors this broker runs at most."
+    )
+    spark_remote: str | None = Field(
+        default=None,
+        pattern=r"^sc://",
+        description="Spark Connect endpoint the broker's connector runs use. "
+        "Default: `$CONVEYOR_SPARK_REMOTE`.",
+    )
+    run_tags: dict[str, str] = Field(
+        default_factory=dict,
+        description="Tags merged into the tags of every run placed on this broker (run launcher "
+        "placement: Kubernetes node selectors, Celery queues, ...).",
+    )
+    draining: bool = Field(
+        default=False,
+        description="A draining broker gets no new connectors and hands its connectors over. "
+        "Kept across restarts once set with `conveyor broker drain`.",
+    )
+
+    def broker(self, default_remote: str) -> Broker:
+        return Broker(
+            id=self.id,
+            capacity=self.capacity,
+            spark_remote=self.spark_remote or default_remote,
+            run_tags=dict(self.run_tags),
+            draining=self.draining,
+        )
+
+
+class BrokersFile(_Spec):
+    """The brokers file: the broker executors, under ``brokers:``."""
+
+    brokers: list[BrokerSpec] = Field(min_length=1, description="The broker executors.")
+
+    @field_validator("brokers")
+    @classmethod
+    def _ids_unique(cls, v: list[BrokerSpec]) -> list[BrokerSpec]:
+        seen: set[str] = set()
+        for b in v:
+            if b.id in seen:
+                raise ValueError(f"broker id {b.id!r} appears twice")
+            seen.add(b.id)
+        return v
+
+
 @dataclass(frozen=True)
 class Broker:
     """A broker executor: a lane with a capacity and a Spark Connect endpoint."""

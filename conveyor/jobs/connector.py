@@ -10,7 +10,6 @@ cleans up, and the run ends CANCELED.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -53,9 +52,11 @@ from conveyor.core.loop import (
 )
 from conveyor.core.model import ConnectorStatus, Counters, FailurePolicyName, Offsets
 from conveyor.core.state import StateChange
+from conveyor.processes import pid_alive
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
-from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
 from conveyor.specs import LoadedSpec, load_source, resolved, sync_one
 from conveyor.store.meta import Claim, ConnectorRow, MetaStore
 
@@ -110,21 +111,6 @@ class StoreCommitter:
             self.on_status(status, reason)
         self._status = status
         return directive_for(reply, self.spec_hash)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if the process exists and is not a zombie awaiting its parent."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return True  # no procfs: trust kill(0)
 
 
 def _holder_alive(context: OpExecutionContext, timeout_s: float):  # type: ignore[no-untyped-def]

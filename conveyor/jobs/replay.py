@@ -37,7 +37,8 @@ from conveyor.deadletters import (
 )
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
-from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
 from conveyor.specs import LoadedSpec, load_source, resolved
 
 TAG_REPLAY = "conveyor/replay"

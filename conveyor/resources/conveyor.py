@@ -14,10 +14,11 @@ from pathlib import Path
 
 import yaml
 from dagster import ConfigurableResource, EnvVar
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, ValidationError
 
 from conveyor.core.errors import ConfigError
-from conveyor.core.model import Broker
+from conveyor.core.model import Broker, BrokersFile
+from conveyor.sinks import format_validation_error
 from conveyor.specs import connectors_dir
 from conveyor.store.meta import MetaStore, conveyor_home, default_meta_url
 
@@ -38,7 +39,7 @@ def brokers_file() -> Path:
 
 
 def load_brokers(path: Path | None = None) -> list[Broker]:
-    """Broker executors from YAML (a list under ``brokers:``), or the one default broker."""
+    """Broker executors from YAML (``core.model.BrokersFile``), or the one default broker."""
     path = path or brokers_file()
     if not path.exists():
         return [
@@ -52,29 +53,11 @@ def load_brokers(path: Path | None = None) -> list[Broker]:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"invalid YAML: {e}", source=str(path)) from None
-    items = data.get("brokers") if isinstance(data, dict) else None
-    if not isinstance(items, list) or not items:
-        raise ConfigError("expected a non-empty list under 'brokers:'", source=str(path))
-    out = []
-    for i, b in enumerate(items):
-        if not isinstance(b, dict) or "id" not in b:
-            raise ConfigError(f"brokers[{i}] needs an 'id'", source=str(path))
-        unknown = set(b) - {"id", "capacity", "spark_remote", "run_tags", "draining"}
-        if unknown:
-            raise ConfigError(f"brokers[{i}]: unknown field(s) {sorted(unknown)}", source=str(path))
-        cap = b.get("capacity", 8)
-        if not isinstance(cap, int) or cap < 1:
-            raise ConfigError(f"brokers[{i}].capacity must be a positive integer", source=str(path))
-        out.append(
-            Broker(
-                id=str(b["id"]),
-                capacity=cap,
-                spark_remote=str(b.get("spark_remote", default_spark_remote())),
-                run_tags={str(k): str(v) for k, v in (b.get("run_tags") or {}).items()},
-                draining=bool(b.get("draining", False)),
-            )
-        )
-    return out
+    try:
+        spec = BrokersFile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e), source=str(path)) from None
+    return [b.broker(default_spark_remote()) for b in spec.brokers]
 
 
 def conveyor_resource() -> ConveyorResource:

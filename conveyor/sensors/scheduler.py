@@ -33,9 +33,10 @@ from dagster import (
     sensor,
 )
 
-from conveyor.brokers.embedded import port_open
 from conveyor.core import scheduler as core
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name, pid_alive
+from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
+from conveyor.ports import port_open
+from conveyor.processes import pid_alive
 from conveyor.reload import ReloadRequests
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.specs import LoadedSpec, scan, sync_files

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.brokers.embedded import free_port, port_open
 from conveyor.core.errors import ConveyorError
+from conveyor.ports import free_port, port_open
 
 
 class SparkServerError(ConveyorError):
@@ -47,28 +47,35 @@ class SparkConnectServer:
         return self.process.poll() is None
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.process.poll() is not None:
-            return
-        try:  # the script runs the JVM in its own process group
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        # The script may exit before the JVM it started has finished its shutdown: wait
-        # for the whole process group, not only the script.
-        deadline = time.monotonic() + timeout
-        while _group_alive(self.process.pid) and time.monotonic() < deadline:
-            self.process.poll()  # reap the script so that it does not count as alive
-            time.sleep(0.1)
-        if _group_alive(self.process.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout)
+        stop_process_group(self.process, timeout)
 
     def __enter__(self) -> SparkConnectServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_process_group(process: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM a launcher script's process group, wait for all of it, SIGKILL what is left.
+
+    Spark's scripts run the JVM in the script's process group, and the script may exit
+    before the JVM has finished its shutdown: wait for the group, not only the script.
+    """
+    if process.poll() is not None and not _group_alive(process.pid):
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        process.poll()  # reap the script so that it does not count as alive
+        time.sleep(0.1)
+    if _group_alive(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -88,6 +95,7 @@ def start_spark_connect(
     work_dir: Path,
     master: str = "local[*]",
     driver_memory: str = "1g",
+    executor_memory: str | None = None,
     ready_timeout: float = 90.0,
 ) -> SparkConnectServer:
     """Run ``sbin/start-connect-server.sh`` in the foreground and wait for its port."""
@@ -130,6 +138,8 @@ def start_spark_connect(
         "--conf",
         f"spark.driver.extraJavaOptions=-Dderby.system.home={work_dir}",
     ]
+    if executor_memory:  # on a cluster: what each executor asks its worker for
+        cmd += ["--conf", f"spark.executor.memory={executor_memory}"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work_dir, start_new_session=True

@@ -11,12 +11,9 @@ row number.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import re
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +22,7 @@ import pyarrow as pa
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.loop import Rejected, Transformed
 from conveyor.core.model import META_COLUMNS, VALUE_COL, Decode, TransformSpec
+from conveyor.spark.session import fetch_arrow, is_connect_outage
 
 log = logging.getLogger("conveyor.spark")
 # pyspark logs every failed analysis as a multi-kilobyte JSON error; we report it ourselves.
@@ -32,130 +30,6 @@ logging.getLogger("SQLQueryContextLogger").setLevel(logging.CRITICAL)
 
 BAD_COL = "__bad"
 ROW_COL = "__row"
-
-
-_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
-_sessions_lock = threading.Lock()
-_atexit_registered = False
-
-
-def spark_session(remote: str) -> Any:
-    """A Spark Connect session for ``remote`` (sc://host:port), created through dagster-pyspark.
-
-    Every session is closed when the process exits (see ``close_spark_sessions``).
-    """
-    global _atexit_registered
-    from dagster_pyspark import LazyPySparkResource
-
-    session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
-    _cache_static_confs(session)
-    with _sessions_lock:
-        _sessions.add(session)
-        if not _atexit_registered:
-            # Registered after pyspark's own client hook, so it runs first (atexit is LIFO).
-            atexit.register(close_spark_sessions)
-            _atexit_registered = True
-    return session
-
-
-# The SQL confs pyspark's ``createDataFrame`` reads on every call (one Config RPC per
-# batch). Conveyor never sets them on its sessions, so they are read once per session.
-_CREATE_DATAFRAME_CONFS = frozenset(
-    {
-        "spark.sql.timestampType",
-        "spark.sql.session.timeZone",
-        "spark.sql.session.localRelationCacheThreshold",
-        "spark.sql.session.localRelationSizeLimit",
-        "spark.sql.session.localRelationChunkSizeRows",
-        "spark.sql.session.localRelationChunkSizeBytes",
-        "spark.sql.session.localRelationBatchOfChunksSizeBytes",
-        "spark.sql.execution.pandas.convertToArrowArraySafely",
-        "spark.sql.execution.pandas.inferPandasDictAsMap",
-        "spark.sql.pyspark.inferNestedDictAsStruct.enabled",
-        "spark.sql.pyspark.legacy.inferArrayTypeFromFirstElement.enabled",
-        "spark.sql.pyspark.legacy.inferMapTypeFromFirstPair.enabled",
-        "spark.sql.execution.arrow.useLargeVarTypes",
-    }
-)
-
-
-def _cache_static_confs(session: Any) -> None:
-    """Answer ``createDataFrame``'s per-call conf lookup from a per-session cache.
-
-    Saves one RPC per batch. Only lookups made entirely of the confs above are cached;
-    if pyspark's client changes shape, nothing is patched and every call goes through.
-    """
-    client = getattr(session, "client", None)
-    fetch = getattr(client, "get_config_dict", None)
-    if fetch is None:
-        return
-    cache: dict[tuple[str, ...], Any] = {}
-
-    def get_config_dict(*keys: str) -> Any:
-        if not keys or not _CREATE_DATAFRAME_CONFS.issuperset(keys):
-            return fetch(*keys)
-        if keys not in cache:
-            cache[keys] = fetch(*keys)
-        return dict(cache[keys])
-
-    client.get_config_dict = get_config_dict
-
-
-def _endpoint_reachable(session: Any) -> bool:
-    from conveyor.brokers.embedded import port_open
-
-    try:
-        url = session.client._builder.url  # pyspark's parsed sc:// URL
-        host, port = url.hostname, int(url.port or 15002)
-    except Exception:  # noqa: BLE001 - a client without a known endpoint: treat as unreachable
-        return False
-    return port_open(host, port, timeout=1.0)
-
-
-def close_spark_sessions(timeout_s: float = 5.0) -> None:
-    """Close every Spark Connect session this process opened, in bounded time.
-
-    pyspark's client cleans up at interpreter exit with RPCs (ML cache, session
-    release) that it retries with backoff for minutes when the server is gone or
-    shutting down: a run whose Spark endpoint went down would hang on exit. Here a
-    session whose endpoint answers is stopped (its server-side session released)
-    within ``timeout_s``; otherwise, or when that takes longer, only its channel is
-    closed, which also turns pyspark's own exit hook into a no-op.
-    """
-    with _sessions_lock:
-        sessions = list(_sessions)
-        _sessions.clear()
-    for session in sessions:
-        client = session.client
-        if _endpoint_reachable(session):
-            stopper = threading.Thread(target=_quietly, args=(session.stop,), daemon=True)
-            stopper.start()
-            stopper.join(timeout_s)
-        if not client.is_closed:
-            _quietly(client.close)
-
-
-def _quietly(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - best effort at shutdown
-        log.debug("closing a Spark session: %s", e)
-
-
-def is_connect_outage(e: BaseException) -> bool:
-    """True for errors meaning the Spark Connect endpoint is unreachable."""
-    text = f"{type(e).__name__}: {e}"
-    return any(
-        s in text
-        for s in (
-            "UNAVAILABLE",
-            "Connection refused",
-            "failed to connect",
-            "DEADLINE_EXCEEDED",
-            "Socket closed",
-            "RetriesExceeded",
-        )
-    )
 
 
 class SparkTransformer:
@@ -233,13 +107,12 @@ class SparkTransformer:
         """The result as Arrow. ``toArrow()`` asks the server for the schema first (an
         analysis RPC that uploads the batch a second time); the output schema never
         changes between batches, so after the first it is reused and the result fetched
-        with one RPC. Falls back to ``toArrow()`` if pyspark's internals change."""
-        to_table = getattr(df, "_to_table", None)
-        if self._out_schema is None or to_table is None:
+        with one RPC (``session.fetch_arrow``)."""
+        table = None if self._out_schema is None else fetch_arrow(df)
+        if table is None:
             out: pa.Table = df.toArrow()
             self._out_schema = out.schema
             return out
-        table: pa.Table = to_table()[0]
         return table if table.schema.equals(self._out_schema) else table.cast(self._out_schema)
 
     def check(self, source_schema: pa.Schema) -> list[str]:

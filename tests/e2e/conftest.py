@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conveyor.brokers.embedded import free_port, port_open
+from conveyor.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 
 LOCATION = "conveyor"
@@ -149,11 +149,9 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.5) -
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-@pytest.fixture(scope="session")
-def dagster(
-    tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: str
-) -> Iterator[DagsterHarness]:
-    home = tmp_path_factory.mktemp("conveyor_home")
+@contextlib.contextmanager
+def dagster_webserver(home: Path, tansu: str, spark_remote: str) -> Iterator[DagsterHarness]:
+    """``dagster-webserver`` over a fresh Conveyor home, its connectors run on ``spark_remote``."""
     dagster_home = home / "dagster"
     connectors = home / "connectors"
     for d in (dagster_home, connectors):
@@ -213,6 +211,14 @@ def dagster(
             os.killpg(proc.pid, signal.SIGKILL)
         kill_processes_of(home)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def dagster(
+    tmp_path_factory: pytest.TempPathFactory, tansu: str, spark_remote: str
+) -> Iterator[DagsterHarness]:
+    with dagster_webserver(tmp_path_factory.mktemp("conveyor_home"), tansu, spark_remote) as h:
+        yield h
 
 
 def produce(

@@ -33,7 +33,7 @@ import pytest
 import requests
 import yaml
 
-from conveyor.brokers.embedded import free_port, port_open
+from conveyor.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.conftest import PG_URL
 from tests.e2e.conftest import kill_processes_of, produce, wait_for

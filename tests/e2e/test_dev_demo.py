@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from conveyor.brokers.embedded import free_port, port_open
 from conveyor.core.model import ConnectorStatus
-from conveyor.jobs.connector import pid_alive
+from conveyor.ports import free_port, port_open
+from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import wait_for
 from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir

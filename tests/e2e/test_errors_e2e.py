@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from conveyor.brokers.embedded import free_port
 from conveyor.core.model import ConnectorStatus
+from conveyor.ports import free_port
 from tests.e2e.conftest import DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import pg_spec
 
@@ -127,7 +127,7 @@ def test_poison_message_under_dead_letter_policy(dagster, tansu, topic_name, pg_
         cur.execute(f'SELECT count(*), bool_or(id = 500) FROM "{pg_schema}".orders')
         assert cur.fetchone() == (999, False)
     from conveyor.deadletters import SparkParquetDeadLetters
-    from conveyor.spark.transform import spark_session
+    from conveyor.spark.session import spark_session
 
     dl = SparkParquetDeadLetters(
         dagster.home / "dl" / name, lambda: spark_session(dagster.env["CONVEYOR_SPARK_REMOTE"])

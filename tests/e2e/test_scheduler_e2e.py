@@ -27,14 +27,14 @@ import psycopg2
 import pytest
 import yaml
 
-from conveyor.brokers.embedded import free_port, port_open
 from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.devserver import dagster_yaml
-from conveyor.jobs.connector import pid_alive
+from conveyor.ports import free_port, port_open
+from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, produce, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BROKERS = ["b1", "b2", "b3"]
 HEARTBEAT_TIMEOUT = 10

@@ -306,7 +306,7 @@ def rest_api(dagster: DagsterHarness):
     import signal as _signal
     import sys
 
-    from conveyor.brokers.embedded import free_port, port_open
+    from conveyor.ports import free_port, port_open
 
     port = free_port()
     token = uuid.uuid4().hex

@@ -19,8 +19,8 @@ import pytest
 import requests
 import yaml
 
-from conveyor.brokers.embedded import free_port, port_open
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import wait_for
 

@@ -165,7 +165,7 @@ def write_letters(directory, spark_remote: str, payloads: list[bytes]) -> None:
     from conveyor.core.failure import FailedMessage
     from conveyor.core.loop import DeadLetter
     from conveyor.deadletters import SparkParquetDeadLetters
-    from conveyor.spark.transform import spark_session
+    from conveyor.spark.session import spark_session
 
     now = time.time()
     letters = [

@@ -24,7 +24,8 @@ from conveyor.core.model import ConnectorSpec, Counters
 from conveyor.deadletters import dead_letter_writer
 from conveyor.jobs.connector import StoreCommitter
 from conveyor.sinks import build_sink
-from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import produce
 

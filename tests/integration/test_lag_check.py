@@ -14,6 +14,7 @@ from dagster import (
     instance_for_test,
 )
 
+from conveyor.assets import checks
 from conveyor.assets.checks import LAG_CHECK_NAME, LAG_CHECKS_JOB, TAG_CONNECTOR
 
 SPEC = """
@@ -21,10 +22,16 @@ name: {name}
 source: {{topics: [{name}]}}
 sink: {{type: localfile, path: {path}}}
 """
-# A window of 4 s, filled with one sample a second: short enough for real timestamps,
-# long enough that the job's start-up (about a second) leaves several samples inside it.
+# A window of 4 s, filled with one sample a second. The check's clock is frozen half a
+# second after the last sample (``frozen_clock``): however long the job takes to start on
+# a loaded machine, it sees the samples where the test put them.
 WINDOW_S = 4.0
 GAP_S = 1.0
+
+
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    frozen = time.time() + 0.5
+    monkeypatch.setattr(checks, "clock", lambda: frozen)
 
 
 @pytest.fixture
@@ -87,7 +94,7 @@ def test_every_sink_asset_has_a_lag_check_and_a_running_schedule(defs):
     assert schedule.cron_schedule == "*/5 * * * *"
 
 
-def test_rising_lag_fails_and_flat_lag_passes(defs):
+def test_rising_lag_fails_and_flat_lag_passes(defs, monkeypatch):
     orders, clicks = sink_key(defs, "orders"), sink_key(defs, "clicks")
     job = defs.resolve_job_def(LAG_CHECKS_JOB)
     with instance_for_test() as instance:
@@ -113,6 +120,7 @@ def test_rising_lag_fails_and_flat_lag_passes(defs):
                     asset_key=clicks, metadata={"lag": 40}, tags={TAG_CONNECTOR: "clicks"}
                 )
             )
+        frozen_clock(monkeypatch)
         result = job.execute_in_process(instance=instance)
         assert result.success  # a failed check is a result, not a run failure
         rising = evaluation(instance, orders)
@@ -128,11 +136,12 @@ def test_rising_lag_fails_and_flat_lag_passes(defs):
         }
 
 
-def test_falling_lag_passes(defs):
+def test_falling_lag_passes(defs, monkeypatch):
     orders = sink_key(defs, "orders")
     job = defs.resolve_job_def(LAG_CHECKS_JOB)
     with instance_for_test() as instance:
         report_lags(instance, orders, "orders", [1300, 1100, 900, 700, 500, 300, 100])
+        frozen_clock(monkeypatch)
         job.execute_in_process(instance=instance)
         v = evaluation(instance, orders)
         assert v.passed

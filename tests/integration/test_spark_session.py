@@ -11,11 +11,11 @@ import socket
 import subprocess
 import sys
 
-from conveyor.brokers.embedded import free_port
+from conveyor.ports import free_port
 
 SCRIPT = """
 import sys
-from conveyor.spark.transform import spark_session
+from conveyor.spark.session import spark_session
 s = spark_session(sys.argv[1])
 if sys.argv[2] == "use":
     assert s.range(3).count() == 3
@@ -48,3 +48,52 @@ def test_a_process_whose_spark_endpoint_accepts_but_never_answers_exits() -> Non
 def test_a_session_on_a_live_server_is_stopped_at_exit(spark_remote: str) -> None:
     r = run(spark_remote, "use")
     assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+
+
+def test_the_pinned_pyspark_still_has_the_internals_conveyor_relies_on(spark_remote: str) -> None:
+    """Each shim of conveyor.spark.session against the real client: fails loudly on an upgrade."""
+    import pyarrow as pa
+
+    from conveyor.spark.session import (
+        _CREATE_DATAFRAME_CONFS,
+        ConfCache,
+        endpoint_of,
+        fetch_arrow,
+        spark_session,
+    )
+
+    session = spark_session(spark_remote)
+    # client._builder.url: the endpoint, checked before stopping a session at exit.
+    assert endpoint_of(session) is not None
+    host, port = endpoint_of(session)  # type: ignore[misc]
+    assert f"sc://{host}:{port}" == spark_remote
+    # DataFrame._to_table(): one RPC for a result.
+    table = fetch_arrow(session.range(3))
+    assert table is not None and table.column(0).to_pylist() == [0, 1, 2]
+    # client.get_config_dict: createDataFrame reads only the confs cached per session, and
+    # after the first call the cache answers.
+    cache = session.client.get_config_dict
+    assert isinstance(cache, ConfCache), "client.get_config_dict is gone: nothing is cached"
+    fetch = cache.fetch
+    asked: list[tuple[str, ...]] = []
+    rpcs: list[tuple[str, ...]] = []
+
+    def rpc(*keys: str):  # type: ignore[no-untyped-def]
+        rpcs.append(keys)
+        return fetch(*keys)
+
+    def lookup(*keys: str):  # type: ignore[no-untyped-def]
+        asked.append(keys)
+        return cache(*keys)
+
+    cache.fetch, cache.cache = rpc, {}
+    session.client.get_config_dict = lookup
+    try:
+        for _ in range(3):
+            assert session.createDataFrame(pa.table({"a": [1, 2]})).count() == 2
+    finally:
+        session.client.get_config_dict, cache.fetch = cache, fetch
+    assert asked, "createDataFrame no longer reads its confs through client.get_config_dict"
+    unknown = {k for keys in asked for k in keys} - _CREATE_DATAFRAME_CONFS
+    assert not unknown, f"createDataFrame reads confs the cache does not cover: {unknown}"
+    assert len(rpcs) == len(set(asked)) < len(asked), (rpcs, asked)

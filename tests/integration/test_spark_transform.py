@@ -18,7 +18,8 @@ import pytest
 from conveyor.brokers.kafka import SOURCE_SCHEMA
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import TransformSpec
-from conveyor.spark.transform import SparkTransformer, spark_session
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
 
 pytestmark = pytest.mark.integration
 

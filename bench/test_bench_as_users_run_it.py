@@ -1,0 +1,399 @@
+"""Benchmark: the connector as users run it, against what they would write or install instead.
+
+Issue 18's method. Each contender drains the same backlog (``N`` JSON orders ``id``,
+``name``, ``amount``, ``ts`` on 2 partitions of a fresh tansu topic, produced before
+the clock starts) into its own PostgreSQL table:
+
+- **conveyor**: a connector spec with default settings, desired stopped, in a
+  ``dagster dev`` stack (webserver, daemon, code server); ``conveyor connector start``
+  starts the clock, the scheduler sensor launches the run, progress events are on;
+- **librdkafka**: bench/contenders/librdkafka_pg.py, the 30-line confluent-kafka loop
+  (``consume(10000)``, ``json.loads``, ``COPY``, commit per batch);
+- **quixstreams**: bench/contenders/quix_pg.py, ``Application`` + ``PostgreSQLSink``,
+  defaults.
+
+Rows are counted in the table every 0.2 s. **steady** rows/s is between 20% and 90% of
+``N``; **total** includes start-up (from the start command to the last row). CPU is
+sampled per process (for Conveyor its run process, plus the Spark Connect JVM,
+reported on its own) and given per 100,000 rows over the steady window; RSS is the
+peak. Rounds alternate the contenders' order. Latency: a producer at a steady
+``LATENCY_RATE`` msgs/s into a running contender; per row, the table's
+``clock_timestamp()`` at insert minus the producer's send time.
+
+    .venv/bin/python -m pytest bench/test_bench_as_users_run_it.py -m bench -s -n 0
+
+Results go to docs/BENCHMARKS.md by hand, with the command and the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg2
+import pytest
+
+from bench.stack import DevStack, dev_stack, listening_pid
+from tests.e2e.conftest import wait_for
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
+
+N = int(os.environ.get("CONVEYOR_BENCH_USERS_N", "400000"))
+ROUNDS = int(os.environ.get("CONVEYOR_BENCH_USERS_ROUNDS", "2"))
+LATENCY_RATE = int(os.environ.get("CONVEYOR_BENCH_LATENCY_RATE", "10000"))
+LATENCY_S = float(os.environ.get("CONVEYOR_BENCH_LATENCY_S", "30"))
+CONTENDERS = os.environ.get("CONVEYOR_BENCH_CONTENDERS", "conveyor,librdkafka,quixstreams").split(
+    ","
+)
+SCHEMA = "id BIGINT, name STRING, amount DOUBLE, ts BIGINT"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def produce(bootstrap: str, topic: str, n: int, *, rate: float | None = None) -> None:
+    """``n`` orders with key = id, round robin over 2 partitions; ``ts`` = send time (ms)."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics([NewTopic(topic, 2, 1)])
+    for f in futures.values():
+        f.result(30)
+    p = Producer(
+        {"bootstrap.servers": bootstrap, "linger.ms": 5, "queue.buffering.max.messages": 1_000_000}
+    )
+    start = time.monotonic()
+    for i in range(n):
+        value = json.dumps(
+            {"id": i, "name": f"name {i}", "amount": i * 0.5, "ts": int(time.time() * 1000)}
+        )
+        while True:
+            try:
+                p.produce(topic, key=str(i), value=value, partition=i % 2)
+                break
+            except BufferError:
+                p.poll(0.05)
+        if i % 1000 == 0:
+            p.poll(0)
+            if rate:
+                delay = start + i / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+    assert p.flush(60) == 0
+
+
+def create_table(pg_url: str, schema: str, table: str) -> None:
+    with psycopg2.connect(pg_url) as c, c.cursor() as cur:
+        cur.execute(
+            f'CREATE TABLE "{schema}"."{table}" (id BIGINT, name TEXT, amount DOUBLE PRECISION,'
+            " ts BIGINT, arrived TIMESTAMPTZ DEFAULT clock_timestamp())"
+        )
+
+
+def count(cur: Any, schema: str, table: str) -> int:
+    cur.execute("SELECT to_regclass(%s)", (f'"{schema}"."{table}"',))
+    if cur.fetchone()[0] is None:  # quixstreams creates its table on its first write
+        return 0
+    cur.execute(f'SELECT count(*) FROM "{schema}"."{table}"')
+    return int(cur.fetchone()[0])
+
+
+@dataclass
+class Sample:
+    t: float
+    rows: int
+    cpu: dict[str, float]
+    rss: dict[str, int]
+
+
+@dataclass
+class Result:
+    contender: str
+    started: float
+    samples: list[Sample] = field(default_factory=list)
+
+    def _at(self, rows: float) -> Sample:
+        return next(s for s in self.samples if s.rows >= rows)
+
+    def steady_rate(self) -> float:
+        a, b = self._at(0.2 * N), self._at(0.9 * N)
+        if a is b:
+            raise AssertionError(f"{self.contender}: 20% to 90% of N in one write: raise N")
+        return (b.rows - a.rows) / (b.t - a.t)
+
+    def total_rate(self) -> float:
+        return N / (self._at(N).t - self.started)
+
+    def cpu_per_100k(self) -> dict[str, float]:
+        a, b = self._at(0.2 * N), self._at(0.9 * N)
+        return {
+            k: (b.cpu.get(k, 0.0) - a.cpu.get(k, 0.0)) * 100_000 / (b.rows - a.rows) for k in b.cpu
+        }
+
+    def peak_rss_mb(self) -> dict[str, float]:
+        keys = {k for s in self.samples for k in s.rss}
+        return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}
+
+
+def watch(
+    result: Result,
+    pg_url: str,
+    schema: str,
+    table: str,
+    pids: Callable[[], dict[str, int]],
+    timeout: float = 900,
+) -> Result:
+    """Sample rows, CPU and RSS every 0.2 s until all ``N`` rows are in."""
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    deadline = time.monotonic() + timeout
+    try:
+        with conn.cursor() as cur:
+            while time.monotonic() < deadline:
+                rows = count(cur, schema, table)
+                cpu, rss = {}, {}
+                for k, pid in pids().items():
+                    try:
+                        p = psutil.Process(pid)
+                        ct = p.cpu_times()
+                        cpu[k] = ct.user + ct.system
+                        rss[k] = p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                result.samples.append(Sample(time.monotonic(), rows, cpu, rss))
+                if rows >= N:
+                    return result
+                time.sleep(0.2)
+    finally:
+        conn.close()
+    raise AssertionError(f"{result.contender}: only {result.samples[-1].rows} of {N} rows")
+
+
+def spec(name: str, topic: str, pg_url: str, schema: str) -> dict[str, Any]:
+    """What a user writes: defaults everywhere but the source, the decoding and the sink."""
+    return {
+        "name": name,
+        "desired": "stopped",
+        "source": {"topics": [topic]},
+        "transform": {"decode": "json", "schema": SCHEMA},
+        "sink": {"type": "postgres", "url": pg_url, "schema": schema, "table": name},
+    }
+
+
+def run_conveyor(stack: DevStack, name: str, pg_url: str, schema: str, jvm: int | None) -> Result:
+    result = Result("conveyor", time.monotonic())
+    stack.cli("connector", "start", name)
+    run_pid: dict[str, int] = {}
+
+    def pids() -> dict[str, int]:
+        if "run" not in run_pid:
+            row = stack.store.get(name)
+            if row.run_pid:
+                run_pid["run"] = row.run_pid
+        return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
+
+    watch(result, pg_url, schema, name, pids)
+    stack.cli("connector", "stop", name)
+    wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
+    return result
+
+
+def run_script(
+    contender: str, args: list[str], pg_url: str, schema: str, table: str, home: Path
+) -> Result:
+    script = {"librdkafka": "librdkafka_pg", "quixstreams": "quix_pg"}[contender]
+    result = Result(contender, time.monotonic())
+    log = open(home / f"{contender}-{table}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"bench.contenders.{script}", *args],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        watch(result, pg_url, schema, table, lambda: {"process": proc.pid})
+        if contender == "quixstreams":  # it runs until stopped
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (home / f"{contender}-{table}.log").read_text()[-2000:]
+    return result
+
+
+def contender_args(
+    contender: str, bootstrap: str, topic: str, pg_url: str, schema: str, table: str
+) -> list[str]:
+    group = f"g_{uuid.uuid4().hex[:8]}"
+    if contender == "librdkafka":
+        return [
+            "--bootstrap", bootstrap, "--topic", topic, "--group", group, "--pg", pg_url,
+            "--table", f'"{schema}"."{table}"', "--n", str(N),
+        ]  # fmt: skip
+    return [
+        "--bootstrap", bootstrap, "--topic", topic, "--group", group, "--schema", schema,
+        "--table", table,
+    ]  # fmt: skip
+
+
+def distinct_ids(pg_url: str, schema: str, table: str) -> int:
+    with psycopg2.connect(pg_url) as c, c.cursor() as cur:
+        cur.execute(f'SELECT count(DISTINCT id) FROM "{schema}"."{table}"')
+        return int(cur.fetchone()[0])
+
+
+def latencies_ms(pg_url: str, schema: str, table: str) -> tuple[float, float, int]:
+    with psycopg2.connect(pg_url) as c, c.cursor() as cur:
+        cur.execute(
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY l),"
+            " percentile_cont(0.99) WITHIN GROUP (ORDER BY l), count(*) FROM"
+            f' (SELECT extract(epoch FROM arrived) * 1000 - ts AS l FROM "{schema}"."{table}") x'
+        )
+        p50, p99, n = cur.fetchone()
+        return float(p50), float(p99), int(n)
+
+
+def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
+    tansu: str, warm_spark_remote: str, pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    rounds = [f"r{i}_{tag}" for i in range(ROUNDS)]
+    conveyor_names = {r: f"conv_{r}" for r in rounds}
+    latency_name = f"conv_lat_{tag}"
+    specs = [spec(n, f"t_{n}", pg_url, pg_schema) for n in [*conveyor_names.values(), latency_name]]
+    jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
+    results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
+    with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
+        wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
+        for i, r in enumerate(rounds):
+            order = CONTENDERS if i % 2 == 0 else list(reversed(CONTENDERS))
+            for contender in order:
+                table = conveyor_names[r] if contender == "conveyor" else f"{contender}_{r}"
+                topic = f"t_{table}"
+                if contender != "quixstreams":  # it creates its own, with its columns
+                    create_table(pg_url, pg_schema, table)
+                produce(tansu, topic, N)
+                if contender == "conveyor":
+                    res = run_conveyor(stack, table, pg_url, pg_schema, jvm)
+                else:
+                    args = contender_args(contender, tansu, topic, pg_url, pg_schema, table)
+                    res = run_script(contender, args, pg_url, pg_schema, table, tmp_path)
+                assert distinct_ids(pg_url, pg_schema, table) == N, (contender, r)
+                results[contender].append(res)
+                print(
+                    f"round {i + 1} {contender:<11} steady {res.steady_rate():>9,.0f} rows/s"
+                    f"  total {res.total_rate():>9,.0f}  cpu/100K {res.cpu_per_100k()}"
+                    f"  peak RSS MB {res.peak_rss_mb()}"
+                )
+        latency = {}
+        if "conveyor" in CONTENDERS:
+            latency["conveyor"] = conveyor_latency(stack, latency_name, tansu, pg_url, pg_schema)
+        if "librdkafka" in CONTENDERS:
+            latency["librdkafka"] = script_latency(tansu, pg_url, pg_schema, tmp_path)
+    report(results, latency)
+
+
+def conveyor_latency(
+    stack: DevStack, name: str, bootstrap: str, pg_url: str, schema: str
+) -> tuple[float, float, int]:
+    create_table(pg_url, schema, name)
+    produce(bootstrap, f"t_{name}", 1)  # the topic exists before the connector starts
+    stack.cli("connector", "start", name)
+    wait_for(
+        lambda: (
+            stack.store.get(name).status.value == "Running"
+            and distinct_ids(pg_url, schema, name) == 1
+        ),
+        180,
+        "latency connector running",
+    )
+    steady_produce(bootstrap, f"t_{name}")
+    n = 1 + int(LATENCY_RATE * LATENCY_S)
+    wait_for(lambda: distinct_ids(pg_url, schema, name) >= n, 120, "latency rows")
+    stack.cli("connector", "stop", name)
+    return latencies_ms(pg_url, schema, name)
+
+
+def steady_produce(bootstrap: str, topic: str) -> None:
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    n = int(LATENCY_RATE * LATENCY_S)
+    start = time.monotonic()
+    for i in range(1, n + 1):
+        value = json.dumps(
+            {"id": i, "name": f"name {i}", "amount": i * 0.5, "ts": int(time.time() * 1000)}
+        )
+        p.produce(topic, key=str(i), value=value, partition=i % 2)
+        if i % 100 == 0:
+            p.poll(0)
+            delay = start + i / LATENCY_RATE - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+    assert p.flush(60) == 0
+
+
+def script_latency(
+    bootstrap: str, pg_url: str, schema: str, home: Path
+) -> tuple[float, float, int]:
+    table = f"lat_librdkafka_{uuid.uuid4().hex[:6]}"
+    topic = f"t_{table}"
+    create_table(pg_url, schema, table)
+    produce(bootstrap, topic, 1)
+    n = 1 + int(LATENCY_RATE * LATENCY_S)
+    args = contender_args("librdkafka", bootstrap, topic, pg_url, schema, table)
+    args[args.index("--n") + 1] = str(n)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.contenders.librdkafka_pg", *args], cwd=ROOT
+    )
+    try:
+        wait_for(lambda: distinct_ids(pg_url, schema, table) == 1, 120, "librdkafka loop joined")
+        steady_produce(bootstrap, topic)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return latencies_ms(pg_url, schema, table)
+
+
+def report(results: dict[str, list[Result]], latency: dict[str, tuple[float, float, int]]) -> None:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    print(f"\nas users run it: {N:,} messages, {ROUNDS} rounds (median; every round in brackets)")
+    base = results.get("librdkafka")
+    for c, rs in results.items():
+        steady = [r.steady_rate() for r in rs]
+        total = [r.total_rate() for r in rs]
+        cpu = {k: med([r.cpu_per_100k().get(k, 0.0) for r in rs]) for k in rs[0].cpu_per_100k()}
+        rss = {k: max(r.peak_rss_mb().get(k, 0.0) for r in rs) for k in rs[0].peak_rss_mb()}
+        line = (
+            f"  {c:<11} steady {med(steady):>9,.0f} rows/s {[round(x) for x in steady]}"
+            f"  total {med(total):>9,.0f} {[round(x) for x in total]}"
+            f"  CPU s/100K { ({k: round(v, 2) for k, v in cpu.items()}) }"
+            f"  peak RSS MB { ({k: round(v) for k, v in rss.items()}) }"
+        )
+        if base and c != "librdkafka":
+            ratios = [a.steady_rate() / b.steady_rate() for a, b in zip(rs, base, strict=True)]
+            totals = [a.total_rate() / b.total_rate() for a, b in zip(rs, base, strict=True)]
+            line += (
+                f"\n{'':14}vs librdkafka: steady {[round(x, 2) for x in ratios]},"
+                f" start-up included {[round(x, 2) for x in totals]}"
+            )
+        print(line)
+    for c, (p50, p99, n) in latency.items():
+        print(
+            f"  latency {c:<11} at {LATENCY_RATE:,} msgs/s: p50 {p50:.0f} ms, p99 {p99:.0f} ms ({n:,} rows)"
+        )

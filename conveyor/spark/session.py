@@ -1,0 +1,168 @@
+"""Spark Connect sessions: the process's registry, and every pyspark private-API shim.
+
+Conveyor relies on a few pyspark client internals for speed and for a bounded exit.
+They are all here, each with a fallback when pyspark changes shape, and each with a
+test in tests/integration/test_spark_session.py that fails loudly when the pinned
+pyspark (``pyspark[connect]==4.3.*``) no longer has it:
+
+- ``client.get_config_dict``: wrapped to cache ``createDataFrame``'s per-call conf
+  lookup (one RPC per batch saved);
+- ``client._builder.url``: the endpoint, to check it answers before stopping a session;
+- ``DataFrame._to_table()``: a result fetched without ``toArrow()``'s analysis RPC.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+log = logging.getLogger("conveyor.spark")
+
+_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+_sessions_lock = threading.Lock()
+_atexit_registered = False
+
+
+def spark_session(remote: str) -> Any:
+    """A Spark Connect session for ``remote`` (sc://host:port), created through dagster-pyspark.
+
+    Every session is closed when the process exits (see ``close_spark_sessions``).
+    """
+    global _atexit_registered
+    from dagster_pyspark import LazyPySparkResource
+
+    session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
+    _cache_static_confs(session)
+    with _sessions_lock:
+        _sessions.add(session)
+        if not _atexit_registered:
+            # Registered after pyspark's own client hook, so it runs first (atexit is LIFO).
+            atexit.register(close_spark_sessions)
+            _atexit_registered = True
+    return session
+
+
+# The SQL confs pyspark's ``createDataFrame`` reads on every call (one Config RPC per
+# batch). Conveyor never sets them on its sessions, so they are read once per session.
+_CREATE_DATAFRAME_CONFS = frozenset(
+    {
+        "spark.sql.timestampType",
+        "spark.sql.session.timeZone",
+        "spark.sql.session.localRelationCacheThreshold",
+        "spark.sql.session.localRelationSizeLimit",
+        "spark.sql.session.localRelationChunkSizeRows",
+        "spark.sql.session.localRelationChunkSizeBytes",
+        "spark.sql.session.localRelationBatchOfChunksSizeBytes",
+        "spark.sql.execution.pandas.convertToArrowArraySafely",
+        "spark.sql.execution.pandas.inferPandasDictAsMap",
+        "spark.sql.pyspark.inferNestedDictAsStruct.enabled",
+        "spark.sql.pyspark.legacy.inferArrayTypeFromFirstElement.enabled",
+        "spark.sql.pyspark.legacy.inferMapTypeFromFirstPair.enabled",
+        "spark.sql.execution.arrow.useLargeVarTypes",
+    }
+)
+
+
+class ConfCache:
+    """Stands in for ``client.get_config_dict``: lookups made only of the confs above are
+    answered from a per-session cache; any other lookup goes to ``fetch`` (the RPC)."""
+
+    def __init__(self, fetch: Callable[..., Any]):
+        self.fetch = fetch
+        self.cache: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *keys: str) -> Any:
+        if not keys or not _CREATE_DATAFRAME_CONFS.issuperset(keys):
+            return self.fetch(*keys)
+        if keys not in self.cache:
+            self.cache[keys] = self.fetch(*keys)
+        return dict(self.cache[keys])
+
+
+def _cache_static_confs(session: Any) -> None:
+    """Answer ``createDataFrame``'s per-call conf lookup from a per-session cache.
+
+    Saves one RPC per batch. If pyspark's client changes shape, nothing is patched and
+    every call goes through.
+    """
+    client = getattr(session, "client", None)
+    fetch = getattr(client, "get_config_dict", None)
+    if fetch is not None and not isinstance(fetch, ConfCache):
+        client.get_config_dict = ConfCache(fetch)
+
+
+def _endpoint_reachable(session: Any) -> bool:
+    from conveyor.ports import port_open
+
+    endpoint = endpoint_of(session)
+    return endpoint is not None and port_open(*endpoint, timeout=1.0)
+
+
+def close_spark_sessions(timeout_s: float = 5.0) -> None:
+    """Close every Spark Connect session this process opened, in bounded time.
+
+    pyspark's client cleans up at interpreter exit with RPCs (ML cache, session
+    release) that it retries with backoff for minutes when the server is gone or
+    shutting down: a run whose Spark endpoint went down would hang on exit. Here a
+    session whose endpoint answers is stopped (its server-side session released)
+    within ``timeout_s``; otherwise, or when that takes longer, only its channel is
+    closed, which also turns pyspark's own exit hook into a no-op.
+    """
+    with _sessions_lock:
+        sessions = list(_sessions)
+        _sessions.clear()
+    for session in sessions:
+        client = session.client
+        if _endpoint_reachable(session):
+            stopper = threading.Thread(target=_quietly, args=(session.stop,), daemon=True)
+            stopper.start()
+            stopper.join(timeout_s)
+        if not client.is_closed:
+            _quietly(client.close)
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - best effort at shutdown
+        log.debug("closing a Spark session: %s", e)
+
+
+def is_connect_outage(e: BaseException) -> bool:
+    """True for errors meaning the Spark Connect endpoint is unreachable."""
+    text = f"{type(e).__name__}: {e}"
+    return any(
+        s in text
+        for s in (
+            "UNAVAILABLE",
+            "Connection refused",
+            "failed to connect",
+            "DEADLINE_EXCEEDED",
+            "Socket closed",
+            "RetriesExceeded",
+        )
+    )
+
+
+def fetch_arrow(df: Any) -> pa.Table | None:
+    """``df``'s rows as Arrow in one RPC (``_to_table``), or None when pyspark lacks it."""
+    to_table = getattr(df, "_to_table", None)
+    if to_table is None:
+        return None
+    table: pa.Table = to_table()[0]
+    return table
+
+
+def endpoint_of(session: Any) -> tuple[str, int] | None:
+    """The (host, port) a Spark Connect session talks to, from pyspark's parsed sc:// URL."""
+    try:
+        url = session.client._builder.url
+        return str(url.hostname), int(url.port or 15002)
+    except Exception:  # noqa: BLE001 - a client without a known endpoint
+        return None
