@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 
 from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
+from conveyor.core.errors import ConveyorError
 from conveyor.ports import port_open
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
@@ -170,6 +171,10 @@ def run_dev(
                 )
             )
             _say(f"demo producer: {producer_rate:g} orders/s into topic 'orders'")
+        if port_open("127.0.0.1", api_port):
+            raise ConveyorError(
+                f"port {api_port} is already in use; choose another for the REST API with --api-port"
+            )
         token = api_token(home)
         conveyor_exe = shutil.which("conveyor") or str(Path(sys.executable).parent / "conveyor")
         children.append(

@@ -385,7 +385,7 @@ def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_ov
         "Array.from(document.querySelectorAll('button'))"
         ".find(b => /^launch run$/i.test(b.textContent.trim()) && !b.disabled)"
     )
-    chromium.wait_js(f"!!{launch}", 60, "the Launch Run button")
+    chromium.wait_js(f"!!document.body && !!{launch}", 60, "the Launch Run button")
     chromium.js(f"{launch}.click()")
     run_id = chromium.wait_js(
         "(location.pathname.match(/\\/runs\\/([0-9a-f-]{36})/) || [])[1] || null",
@@ -413,7 +413,7 @@ def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_ov
     assert dagster.run_status(run_id) == "STARTED"
     chromium.goto(f"{base}/runs/{run_id}")
     chromium.wait_js(
-        f"document.body.innerText.includes({json.dumps(f'connector {name}')})",
+        f"!!document.body && document.body.innerText.includes({json.dumps(f'connector {name}')})",
         60,
         "the run's log in the UI",
     )
@@ -424,7 +424,11 @@ def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_ov
     assert rest_api("PUT", f"/connectors/{name}/stop").status_code == 204
     assert dagster.wait_status(run_id, {"SUCCESS", "FAILURE", "CANCELED"}, 60) == "SUCCESS"
     chromium.goto(f"{base}/runs/{run_id}")
-    chromium.wait_js("document.body.innerText.includes('Success')", 60, "the run shown Success")
+    chromium.wait_js(
+        "!!document.body && document.body.innerText.includes('Success')",
+        60,
+        "the run shown Success",
+    )
     time.sleep(1)  # let the log view settle
     shot = img_dir(tmp_path) / "ui-launched-connector.png"
     chromium.screenshot(shot)
