@@ -30,9 +30,12 @@ from conveyor.core.errors import ConfigError
 
 MASK = "**********"
 
-# ${provider:argument}; `$${` escapes. The argument runs to the first `}`.
-_REF = re.compile(r"\$(\$?)\{([a-z]+):([^}]*)\}")
 PROVIDERS = ("env", "file")
+# ${env:NAME} / ${file:PATH}; `$${` escapes. The argument runs to the first `}`. Any other
+# ${...} is left as written (as Kafka Connect does with unknown providers): sinks' own
+# templates such as ${payload.id} or ${topic} use the same brackets.
+_REF = re.compile(r"\$(\$?)\{(env|file):([^}]*)\}")
+_UNTERMINATED = re.compile(r"(?<!\$)\$\{(env|file):[^}]*$")
 
 
 def references(value: Any) -> list[str]:
@@ -69,7 +72,7 @@ def resolve(
 
 
 def check_syntax(value: Any, *, field: str = "") -> None:
-    """Raise ConfigError for a reference with an unknown provider or an unusable argument.
+    """Raise ConfigError for an unterminated reference or an unusable argument.
 
     Runs where specs are loaded (no secret is read): a typo is reported when the spec is
     written, not when the connector starts.
@@ -79,10 +82,10 @@ def check_syntax(value: Any, *, field: str = "") -> None:
         for m in _REF.finditer(s):
             if not m.group(1):
                 _check_ref(m.group(2), m.group(3), f)
-        if re.search(r"(?<!\$)\$\{(?![a-z]+:[^}]*\})", s):
+        if _UNTERMINATED.search(s):
             raise ConfigError(
-                "has an unterminated or malformed '${' reference; write ${env:NAME} or "
-                "${file:/absolute/path}, or '$${' for a literal '${'",
+                "has an unterminated reference: write ${env:NAME} or ${file:/absolute/path} "
+                "(or '$${' for a literal '${')",
                 field=f or None,
             )
 
@@ -141,11 +144,6 @@ def _walk(value: Any, fn: Callable[[str, str], None], field: str = "") -> None:
 
 def _check_ref(provider: str, arg: str, field: str) -> None:
     ref = f"${{{provider}:{arg}}}"
-    if provider not in PROVIDERS:
-        raise ConfigError(
-            f"{ref}: unknown provider {provider!r} (known: {', '.join(PROVIDERS)})",
-            field=field or None,
-        )
     if provider == "env" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", arg):
         raise ConfigError(
             f"{ref}: {arg!r} is not an environment variable name", field=field or None

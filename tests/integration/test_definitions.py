@@ -92,3 +92,23 @@ def test_asset_graph_for_two_connectors(env: Path, tmp_path: Path):
         connector = dep.path[1]
         assert node.group_name == f"connector_{connector}"
         assert graph.get(AssetKey(["dead_letters", connector])).parent_keys == {sk}
+
+
+def test_settings_from_the_environment_are_dagster_env_vars(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from dagster import EnvVar
+
+    monkeypatch.setenv("CONVEYOR_META_URL", f"sqlite:///{tmp_path / 'other.db'}")
+    monkeypatch.setenv("CONVEYOR_KAFKA_BOOTSTRAP", "k1:9092")
+    monkeypatch.delenv("CONVEYOR_SPARK_REMOTE", raising=False)
+    defs = build()
+    resource = defs.resources["conveyor"]
+    # The UI shows the variable's name, not the URL (it may hold a password).
+    assert (
+        isinstance(resource.meta_url, EnvVar)
+        and resource.meta_url.env_var_name == "CONVEYOR_META_URL"
+    )
+    assert isinstance(resource.kafka_bootstrap, EnvVar)
+    assert resource.spark_remote is None  # unset variables stay unset
+    assert not (tmp_path / "other.db").exists()  # and loading opened no store
