@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from conveyor.core.errors import ConveyorError
-from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
-from conveyor.core.state import StateChange
-from conveyor.store.meta import MetaStore, StoreError
+from conveyor.core.model import ConnectorStatus
+from conveyor.operations import Operations, row_summary
+from conveyor.store.meta import LIVE_STATUSES, MetaStore, StoreError
 
 
 class _LazyConsole:
@@ -48,7 +48,7 @@ def handles_errors(fn: F) -> F:
     def wrapper(*a: Any, **kw: Any) -> Any:
         try:
             return fn(*a, **kw)
-        except (ConveyorError, StoreError) as e:
+        except (ConveyorError, StoreError) as e:  # incl. NotFound/Conflict/InvalidRequest
             if os.environ.get("CONVEYOR_DEBUG"):
                 raise
             _fail(str(e))
@@ -60,6 +60,14 @@ def _store(ctx: click.Context) -> MetaStore:
     store = MetaStore(ctx.obj.get("meta_url"))
     store.ensure_schema()
     return store
+
+
+def _ops(ctx: click.Context) -> Operations:
+    """The shared operations (conveyor/operations.py); the scheduler reloads the code location."""
+    from conveyor.specs import connectors_dir
+
+    directory = ctx.obj.get("connectors_dir")
+    return Operations(_store(ctx), Path(directory).resolve() if directory else connectors_dir())
 
 
 def _ago(ts: float | None) -> str:
@@ -80,11 +88,19 @@ def _ago(ts: float | None) -> str:
     default=None,
     help="Meta store URL (default: SQLite in $CONVEYOR_HOME).",
 )
+@click.option(
+    "--connectors-dir",
+    envvar="CONVEYOR_CONNECTORS_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory of connector spec files (default: $CONVEYOR_HOME/connectors).",
+)
 @click.pass_context
-def main(ctx: click.Context, meta_url: str | None) -> None:
+def main(ctx: click.Context, meta_url: str | None, connectors_dir: Path | None) -> None:
     """Conveyor: message connectors on Dagster."""
     ctx.ensure_object(dict)
     ctx.obj["meta_url"] = meta_url
+    ctx.obj["connectors_dir"] = connectors_dir
 
 
 # -- dev ---------------------------------------------------------------------------
@@ -104,6 +120,9 @@ def main(ctx: click.Context, meta_url: str | None) -> None:
 @click.option(
     "--port", "dagster_port", default=3000, show_default=True, help="Port of the Dagster UI."
 )
+@click.option(
+    "--api-port", default=8083, show_default=True, help="Port of the REST API (conveyor serve)."
+)
 @click.option("--rate", default=50.0, show_default=True, help="Demo producer messages per second.")
 @click.option("--no-demo", is_flag=True, help="Do not start the demo producer and connector.")
 @click.option(
@@ -120,11 +139,12 @@ def dev(
     kafka_port: int,
     spark_port: int,
     dagster_port: int,
+    api_port: int,
     rate: float,
     no_demo: bool,
     spark_workers: int,
 ) -> None:
-    """Start the embedded broker, Spark Connect, a demo, and `dagster dev`."""
+    """Start the embedded broker, Spark Connect, a demo, the REST API and `dagster dev`."""
     from conveyor.devserver import run_dev
 
     home = (home or Path(os.environ.get("CONVEYOR_HOME", ".conveyor"))).resolve()
@@ -136,9 +156,85 @@ def dev(
             dagster_port=dagster_port,
             producer_rate=rate,
             demo=not no_demo,
+            api_port=api_port,
             spark_workers=spark_workers,
         )
     )
+
+
+# -- REST API ----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8083, show_default=True, help="Port (Kafka Connect's default).")
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="File holding the bearer token (default: $CONVEYOR_API_TOKEN_FILE, else $CONVEYOR_API_TOKEN).",
+)
+@click.option(
+    "--no-auth",
+    is_flag=True,
+    help="Serve without a token (only on a loopback address).",
+)
+@click.option(
+    "--dagster-url",
+    envvar="CONVEYOR_DAGSTER_URL",
+    default=None,
+    help="Dagster webserver to reload when a spec changes (default: $CONVEYOR_DAGSTER_URL).",
+)
+@click.pass_context
+@handles_errors
+def serve(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    token_file: Path | None,
+    no_auth: bool,
+    dagster_url: str | None,
+) -> None:
+    """Serve the REST API (Kafka Connect's shape) until interrupted."""
+    import ipaddress
+
+    from conveyor.api import TOKEN_ENV, TOKEN_FILE_ENV, load_token
+    from conveyor.api import serve as run_api
+    from conveyor.reload import CoalescingReloader
+
+    token = None if no_auth else load_token(token_file)
+    if token is None and not no_auth:
+        _fail(
+            f"no API token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} (or --token-file); "
+            "--no-auth serves without one, on a loopback address only"
+        )
+    if no_auth:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            _fail(f"--no-auth is refused on {host}: bind a loopback address or use a token")
+    _store(ctx)  # fail now, with the store's message, rather than on the first request
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    conveyor_log = logging.getLogger("conveyor")
+    conveyor_log.addHandler(handler)
+    conveyor_log.setLevel(logging.INFO)
+    reloader = CoalescingReloader(dagster_url.rstrip("/")) if dagster_url else None
+    ops = _ops(ctx)
+    ops.actor = "the REST API"
+    ops.specs_changed = reloader.request if reloader else None
+    click.echo(
+        f"serving the REST API on http://{host}:{port} "
+        f"({'bearer token required' if token else 'NO authentication'}; connectors in {ops.directory}"
+        + (f"; reloads {dagster_url}" if dagster_url else "; no Dagster URL: reload by hand")
+        + ")",
+        err=True,
+    )
+    run_api(lambda: ops, host=host, port=port, token=token)
 
 
 # -- connectors ----------------------------------------------------------------------
@@ -155,9 +251,9 @@ def connector() -> None:
 @handles_errors
 def connector_list(ctx: click.Context, as_json: bool) -> None:
     """State, broker, lag, msgs/s and last error of every connector."""
-    rows = _store(ctx).list()
+    rows = _ops(ctx).rows()
     if as_json:
-        click.echo(json.dumps([_row_dict(r) for r in rows], indent=2))
+        click.echo(json.dumps([row_summary(r) for r in rows], indent=2))
         return
     table = Table(title="connectors")
     for col in (
@@ -179,6 +275,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
         "Error": "red",
         "Stopped": "dim",
         "Idle": "blue",
+        "Paused": "cyan",
     }
     for r in rows:
         c = r.counters
@@ -197,50 +294,22 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
     console.print(table)
 
 
-def _row_dict(r: Any) -> dict[str, Any]:
-    return {
-        "name": r.name,
-        "status": r.status.value,
-        "desired": r.desired.value,
-        "broker": r.broker_id,
-        "generation": r.generation,
-        "run_id": r.run_id,
-        "heartbeat_at": r.heartbeat_at,
-        "counters": r.counters,
-        "last_error": r.last_error,
-        "spec_source": r.spec_source,
-        "spec_error": r.spec_error,
-    }
-
-
 @connector.command("show")
 @click.argument("name")
 @click.pass_context
 @handles_errors
 def connector_show(ctx: click.Context, name: str) -> None:
-    """Everything about one connector, with its offsets."""
-    store = _store(ctx)
-    r = store.get(name)
-    d = _row_dict(r)
-    d["spec"] = _redacted_spec(r.spec)
-    d["offsets"] = {str(tp): off for tp, off in sorted(store.committed_offsets(name).items())}
+    """Everything about one connector: state, spec (secrets redacted), offsets."""
+    ops = _ops(ctx)
+    d = ops.summary(name)
+    d["spec"] = ops.config(name)
+    d["offsets"] = {
+        f"{o['partition']['kafka_topic']}[{o['partition']['kafka_partition']}]": o["offset"][
+            "kafka_offset"
+        ]
+        for o in ops.offsets(name)["offsets"]
+    }
     click.echo(yaml.safe_dump(d, sort_keys=False))
-
-
-def _redacted_spec(spec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The spec with the sink's secrets masked (through the sink's own config model)."""
-    if not spec:
-        return spec
-    from conveyor.sinks import parse_sink_config
-
-    out = dict(spec)
-    try:
-        out["sink"] = parse_sink_config(spec["sink"]).redacted()
-    except Exception:  # noqa: BLE001 - unparseable: mask every value but the type
-        out["sink"] = {
-            k: (v if k == "type" else "**********") for k, v in (spec.get("sink") or {}).items()
-        }
-    return out
 
 
 @connector.command("apply")
@@ -254,23 +323,14 @@ def _redacted_spec(spec: dict[str, Any] | None) -> dict[str, Any] | None:
 @click.pass_context
 @handles_errors
 def connector_apply(ctx: click.Context, path: Path) -> None:
-    """Create or update a connector from a spec file (validated first)."""
-    from conveyor.specs import load_file
-
-    ls = load_file(path)
-    if not ls.ok:
-        _fail(ls.error or "invalid spec")
-    assert ls.spec is not None
-    row = _store(ctx).sync_spec(
-        ls.name,
-        spec_json=ls.spec_json(),
-        spec_hash=ls.spec_hash(),
-        source="cli",
-        error=None,
-        desired=ls.spec.desired,
-    )
+    """Create or update a connector from a spec file (validated, then copied into the
+    connectors directory; the scheduler loads it into the code location)."""
+    ops = _ops(ctx)
+    info, _created = ops.apply_file(path)
+    row = ops.row(info["name"])
     click.echo(
-        f"connector {row.name} applied ({row.status.value}, desired {row.desired.value}); reload the code location to see its job"
+        f"connector {row.name} applied ({row.status.value}, desired {row.desired.value}) "
+        f"as {row.spec_source}"
     )
 
 
@@ -280,7 +340,7 @@ def connector_apply(ctx: click.Context, path: Path) -> None:
 @handles_errors
 def connector_start(ctx: click.Context, name: str) -> None:
     """Desired state running; the scheduler sensor launches it."""
-    r = _store(ctx).set_desired(name, DesiredState.RUNNING, reason="started from the CLI")
+    r = _ops(ctx).start(name)
     click.echo(f"{name}: desired running (now {r.status.value})")
 
 
@@ -290,11 +350,28 @@ def connector_start(ctx: click.Context, name: str) -> None:
 @handles_errors
 def connector_stop(ctx: click.Context, name: str) -> None:
     """Desired state stopped; the run stops itself at its next heartbeat."""
-    store = _store(ctx)
-    r = store.set_desired(name, DesiredState.STOPPED, reason="stopped from the CLI")
-    if r.run_id is None or r.status in (ConnectorStatus.IDLE, ConnectorStatus.ERROR):
-        store.apply(name, None, StateChange(status=ConnectorStatus.STOPPED), "stopped from the CLI")
+    r = _ops(ctx).stop(name)
     click.echo(f"{name}: desired stopped (now {r.status.value})")
+
+
+@connector.command("pause")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_pause(ctx: click.Context, name: str) -> None:
+    """Pause: the run keeps its assignment and heartbeats, and reads nothing."""
+    r = _ops(ctx).pause(name)
+    click.echo(f"{name}: desired paused (now {r.status.value})")
+
+
+@connector.command("resume")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_resume(ctx: click.Context, name: str) -> None:
+    """Resume a paused connector (its run reads again within a second)."""
+    r = _ops(ctx).resume(name)
+    click.echo(f"{name}: desired running (now {r.status.value})")
 
 
 @connector.command("restart")
@@ -303,9 +380,7 @@ def connector_stop(ctx: click.Context, name: str) -> None:
 @handles_errors
 def connector_restart(ctx: click.Context, name: str) -> None:
     """Fence the current run and let the scheduler start a fresh one."""
-    store = _store(ctx)
-    store.set_desired(name, DesiredState.RUNNING, reason="restart from the CLI")
-    store.apply(name, None, StateChange.reset(), "restart from the CLI")
+    _ops(ctx).restart(name)
     click.echo(f"{name}: restarting (the old run is fenced; the scheduler launches a new one)")
 
 
@@ -315,14 +390,14 @@ def connector_restart(ctx: click.Context, name: str) -> None:
 @click.pass_context
 @handles_errors
 def connector_delete(ctx: click.Context, name: str, yes: bool) -> None:
-    """Delete a stopped connector and its offsets."""
-    store = _store(ctx)
-    r = store.get(name)
-    if r.status in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED):
+    """Delete a stopped connector: its spec file, its state and its offsets."""
+    ops = _ops(ctx)
+    r = ops.row(name)
+    if r.status in LIVE_STATUSES:
         _fail(f"{name} is {r.status.value}; stop it first")
     if not yes:
-        click.confirm(f"delete connector {name} and its offsets?", abort=True)
-    store.delete(name)
+        click.confirm(f"delete connector {name}, its spec file and its offsets?", abort=True)
+    ops.delete(name)
     click.echo(f"{name}: deleted")
 
 
@@ -333,19 +408,17 @@ def connector_delete(ctx: click.Context, name: str, yes: bool) -> None:
 @handles_errors
 def connector_history(ctx: click.Context, name: str, limit: int) -> None:
     """State transitions and decisions, newest first."""
-    store = _store(ctx)
-    store.get(name)
     table = Table(title=f"history of {name}")
     for col in ("at", "from", "to", "gen", "run", "reason"):
         table.add_column(col, overflow="fold")
-    for h in store.history(name, limit):
+    for h in _ops(ctx).history(name, limit):
         table.add_row(
-            dt.datetime.fromtimestamp(h.at).strftime("%Y-%m-%d %H:%M:%S"),
-            h.from_status or "-",
-            h.to_status,
-            str(h.generation if h.generation is not None else "-"),
-            (h.run_id or "-")[:8],
-            h.reason,
+            dt.datetime.fromtimestamp(h["at"]).strftime("%Y-%m-%d %H:%M:%S"),
+            h["from"] or "-",
+            h["to"],
+            str(h["generation"] if h["generation"] is not None else "-"),
+            (h["run_id"] or "-")[:8],
+            h["reason"],
         )
     console.print(table)
 
@@ -364,14 +437,13 @@ def offsets() -> None:
 @handles_errors
 def offsets_show(ctx: click.Context, name: str) -> None:
     """Committed offsets (next offset to read) per partition."""
-    store = _store(ctx)
-    store.get(name)
     table = Table(title=f"offsets of {name}")
     table.add_column("topic")
     table.add_column("partition", justify="right")
     table.add_column("next offset", justify="right")
-    for tp, off in sorted(store.committed_offsets(name).items()):
-        table.add_row(tp.topic, str(tp.partition), str(off))
+    for o in _ops(ctx).offsets(name)["offsets"]:
+        p = o["partition"]
+        table.add_row(p["kafka_topic"], str(p["kafka_partition"]), str(o["offset"]["kafka_offset"]))
     console.print(table)
 
 
@@ -406,83 +478,13 @@ def offsets_reset(
 
     The cluster is reached with the connector's source connection (TLS, SASL).
     """
-    store = _store(ctx)
-    row = store.get(name)
-    if (
-        row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
-        or row.desired != DesiredState.STOPPED
-    ):
-        _fail(
-            f"{name} is {row.status.value} (desired {row.desired.value}); run `conveyor connector stop {name}` first"
-        )
-    given = [
-        o
-        for o, v in (("--to", to), ("--to-datetime", to_datetime), ("--from-group", from_group))
-        if v
-    ]
-    if len(given) != 1:
-        _fail("give exactly one of --to, --to-datetime and --from-group")
-    spec = row.spec or {}
-    new: dict[TopicPartition, int] = {}
-    if to is not None and to not in ("earliest", "latest"):
-        for item in to.split(","):
-            try:
-                topic, part, off = item.rsplit(":", 2)
-                new[TopicPartition(topic, int(part))] = int(off)
-            except ValueError:
-                _fail(f"{item!r} is not TOPIC:PARTITION:OFFSET")
-    else:
-        from conveyor.brokers.kafka import KafkaSource, source_time
-        from conveyor.core.model import SourceSpec
-
-        if to_datetime is not None:
-            source_time(to_datetime)
-        source = KafkaSource(SourceSpec.model_validate(spec["source"]), group_id=name)
-        try:
-            source.open(store.committed_offsets(name), wait_for_topics_s=5)
-            if from_group is not None:
-                new = source.group_offsets(from_group)
-                if not new:
-                    _fail(
-                        f"consumer group {from_group!r} has no committed offsets for {name}'s topics"
-                    )
-            else:
-                new = source.offsets_at(to or to_datetime or "earliest")
-        finally:
-            source.close()
-    store.reset_offsets(name, new)
+    new = _ops(ctx).reset_offsets_to(name, to, to_datetime=to_datetime, from_group=from_group)
     click.echo(
         f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items()))
     )
 
 
 # -- dead letters ------------------------------------------------------------------------
-
-
-def _dead_letters_of(ctx: click.Context, name: str) -> tuple[Any, Any, str]:
-    from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
-    from conveyor.resources.conveyor import default_spark_remote
-    from conveyor.spark.session import spark_session
-    from conveyor.specs import from_store_row
-
-    store = _store(ctx)
-    row = store.get(name)
-    ls = from_store_row(name, row.spec_json, row.spec_source, row.spec_error)
-    if not ls.ok or ls.spec is None:
-        _fail(f"{name} has an invalid spec: {ls.error}")
-    assert ls.spec is not None
-    if ls.spec.failure.dead_letter.store != "parquet":
-        _fail(f"{name} dead-letters to the Kafka topic {name}.dlq; read it with any Kafka consumer")
-    broker = store.get_broker(row.broker_id) if row.broker_id else None
-    remote = broker.spark_remote if broker else default_spark_remote()
-    session: dict[str, Any] = {}
-
-    def spark() -> Any:
-        if "s" not in session:
-            session["s"] = spark_session(remote)
-        return session["s"]
-
-    return ls, SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=name), remote
 
 
 @main.group("dead-letters")
@@ -498,7 +500,8 @@ def dead_letters_list(ctx: click.Context) -> None:
     table = Table(title="dead letters")
     for col in ("connector", "store", "pending", "dead-lettered by the current run"):
         table.add_column(col)
-    for r in _store(ctx).list():
+    ops = _ops(ctx)
+    for r in ops.rows():
         spec = r.spec or {}
         policy = (spec.get("failure") or {}).get("policy")
         if policy != "dead_letter":
@@ -506,7 +509,7 @@ def dead_letters_list(ctx: click.Context) -> None:
         store_kind = ((spec.get("failure") or {}).get("dead_letter") or {}).get("store", "parquet")
         pending = "-"
         if store_kind == "parquet":
-            _, dl, _ = _dead_letters_of(ctx, r.name)
+            _, dl = ops.dead_letter_store(r.name)
             pending = str(dl.count())
         table.add_row(r.name, store_kind, pending, str(r.counters.get("dead_lettered", 0)))
     console.print(table)
@@ -521,7 +524,7 @@ def dead_letters_show(ctx: click.Context, name: str, limit: int) -> None:
     """The oldest pending dead letters of a connector with their errors."""
     from conveyor.deadletters import sample_rows
 
-    _, dl, _ = _dead_letters_of(ctx, name)
+    _, dl = _ops(ctx).dead_letter_store(name)
     rows = sample_rows(dl.pending(limit=limit), n=limit)
     table = Table(title=f"dead letters of {name} ({dl.count()} pending)")
     for col in ("where", "class", "attempts", "error", "payload"):
@@ -547,8 +550,11 @@ def dead_letters_replay(ctx: click.Context, name: str, batch_size: int) -> None:
     from rich.progress import Progress
 
     from conveyor.jobs.replay import replay_dead_letters
+    from conveyor.specs import resolved
 
-    ls, dl, _ = _dead_letters_of(ctx, name)
+    ops = _ops(ctx)
+    ls, dl = ops.dead_letter_store(name)
+    live = resolved(ls)  # the replay sends: its secrets are resolved here, never shown
     # A Progress needs one Console for its whole life (the lazy module console makes a new
     # one per call); stderr keeps stdout for the result line.
     with Progress(console=Console(stderr=True)) as progress:
@@ -557,8 +563,8 @@ def dead_letters_replay(ctx: click.Context, name: str, batch_size: int) -> None:
         def update(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = replay_dead_letters(ls, dl.spark, batch_size=batch_size, progress=update)
-    _store(ctx).record(
+        result = replay_dead_letters(live, dl.spark, batch_size=batch_size, progress=update)
+    ops.store.record(
         name,
         f"dead letters replayed from the CLI: {result.delivered} delivered, {result.failed_again} failed again",
     )
@@ -592,9 +598,8 @@ def broker_list(ctx: click.Context) -> None:
             1
             for r in rows
             if r.broker_id == b.id
-            and r.status
-            in (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.IDLE)
-            and r.desired == DesiredState.RUNNING
+            and r.status in (*LIVE_STATUSES, ConnectorStatus.IDLE)
+            and r.desired.wants_run
         )
         table.add_row(
             b.id,

@@ -95,6 +95,29 @@ def _environment() -> list[tuple[str, str, str]]:
     rows += _scheduler_environment()
     rows += [
         (
+            "CONVEYOR_DAGSTER_URL",
+            "Dagster webserver (e.g. `http://127.0.0.1:3000`) that the scheduler sensor and the REST API "
+            "ask to reload the code location when a spec file is added, changed or removed; unset: "
+            "reload by hand (`conveyor dev` sets it)",
+            "unset",
+        ),
+        (
+            "CONVEYOR_RELOAD_GRACE_S",
+            "seconds a changed spec file waits before the scheduler sensor reloads the code location "
+            "(the REST API reloads at once)",
+            "`10`",
+        ),
+        (
+            "CONVEYOR_API_TOKEN",
+            "the REST API's bearer token (`conveyor serve`)",
+            "unset",
+        ),
+        (
+            "CONVEYOR_API_TOKEN_FILE",
+            "a file holding the REST API's bearer token (wins over `CONVEYOR_API_TOKEN`)",
+            "unset (`conveyor dev`: `$CONVEYOR_HOME/api-token`)",
+        ),
+        (
             "CONVEYOR_DEBUG",
             "any value: the CLI shows tracebacks instead of one-line errors",
             "unset",
@@ -311,8 +334,30 @@ def render() -> str:
         "",
         f"Generated from the code by `{REGENERATE}`; do not edit by hand.",
         "",
-        "A connector is one YAML file in `$CONVEYOR_CONNECTORS_DIR` (default `$CONVEYOR_HOME/connectors`).",
-        "Unknown fields are rejected, and every error names the file and the field.",
+        "A connector is one YAML file in `$CONVEYOR_CONNECTORS_DIR` (default `$CONVEYOR_HOME/connectors`),",
+        "or a `conveyor.components.ConnectorComponent` in a `dg` project's `defs.yaml` (the spec under",
+        "`attributes`). Unknown fields are rejected, and every error names the file and the field.",
+        "",
+        "## Secrets by reference",
+        "",
+        "Any text value of a spec may hold `${env:NAME}` (an environment variable) or `${file:/abs/path}`",
+        "(a file's content without its trailing newline), whole or inside the text, as Kafka Connect's",
+        "config providers (KIP-297): `url: postgresql://app:${file:/run/secrets/pg}@db:5432/app`.",
+        "`$${` writes a literal `${`. References are resolved only inside the connector's run (and a",
+        "dead-letter replay or an offsets reset that must reach Kafka); the meta store, the Dagster UI and",
+        "asset metadata, the CLI, the REST API and the logs show the reference. A secret written",
+        "literally (a `secret string` field below, or a password in a URL) is shown as `**********`.",
+        "A reference can stand only in a text field. `url_env: NAME` (PostgreSQL, MySQL, MongoDB) is an",
+        "alias of `url: ${env:NAME}`. A changed secret behind a reference is picked up when the",
+        "connector restarts (`conveyor connector restart`, `POST /connectors/<name>/restart`).",
+        "",
+        "## Live changes",
+        "",
+        "A new spec file is loaded into the code location by the scheduler sensor (with",
+        "`$CONVEYOR_DAGSTER_URL` set) and launched; a changed spec reaches the running connector at its",
+        "next batch boundary, in the same run (offsets and counters go on); a removed file stops the",
+        "connector and keeps its offsets (delete it to forget them). `desired` applies when a connector",
+        "is created.",
         "",
         "## Environment",
         "",

@@ -1,6 +1,13 @@
-"""The Dagster code location: assembled from the connector specs (no logic here)."""
+"""The Dagster code location: assembled from the connector spec files (no logic here).
+
+Loading it reads the spec files and the environment only: it never touches the meta
+store (the scheduler sensor syncs the specs into it on each tick, and a run syncs its
+own spec when it starts).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from dagster import Definitions
 
@@ -8,29 +15,36 @@ from conveyor.assets.checks import lag_check_schedules, lag_checks
 from conveyor.assets.lineage import lineage_specs
 from conveyor.jobs.connector import connector_job
 from conveyor.jobs.replay import replay_job
-from conveyor.resources.conveyor import ConveyorResource, load_catalog
+from conveyor.resources.conveyor import conveyor_resource
 from conveyor.sensors.dead_letters import dead_letter_replay_sensor
 from conveyor.sensors.run_status import conveyor_run_failures
-from conveyor.sensors.scheduler import scheduler_sensor
+from conveyor.sensors.scheduler import SpecSources, scheduler_sensor
+from conveyor.specs import LoadedSpec, connectors_dir
 
 
-def build_defs() -> Definitions:
-    catalog = load_catalog()
-    valid = [ls for ls in catalog.specs if ls.ok]
-    connector_jobs = [connector_job(ls) for ls in catalog.specs]
+def conveyor_defs(specs: Sequence[LoadedSpec], sources: SpecSources) -> Definitions:
+    """Everything Conveyor puts in a code location for these connectors."""
+    specs = list(specs)
+    valid = [ls for ls in specs if ls.ok]
+    connector_jobs = [connector_job(ls) for ls in specs]
     replay_jobs = [replay_job(ls) for ls in valid]
     return Definitions(
-        assets=lineage_specs(catalog.specs),
+        assets=lineage_specs(specs),
         jobs=connector_jobs + replay_jobs,
         sensors=[
-            scheduler_sensor(connector_jobs),
+            scheduler_sensor(connector_jobs, specs, sources),
             conveyor_run_failures,
             dead_letter_replay_sensor(replay_jobs),
         ],
-        resources={"conveyor": ConveyorResource()},
-        asset_checks=lag_checks(catalog.specs),
-        schedules=lag_check_schedules(catalog.specs),
+        resources={"conveyor": conveyor_resource()},
+        asset_checks=lag_checks(specs),
+        schedules=lag_check_schedules(specs),
     )
+
+
+def build_defs() -> Definitions:
+    sources = SpecSources(connectors_dir())
+    return conveyor_defs(sources.scan(), sources)
 
 
 defs = build_defs()

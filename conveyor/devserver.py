@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import click
 
 from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
+from conveyor.core.errors import ConveyorError
 from conveyor.ports import port_open
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
@@ -67,6 +69,16 @@ def _say(msg: str) -> None:
     click.secho(f"conveyor dev: {msg}", fg="cyan", err=True)
 
 
+def api_token(home: Path) -> Path:
+    """``<home>/api-token``: the REST API's bearer token, made once (0600) and kept."""
+    path = home / "api-token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def run_dev(
     *,
     home: Path,
@@ -75,6 +87,7 @@ def run_dev(
     dagster_port: int,
     producer_rate: float,
     demo: bool,
+    api_port: int = 8083,
     spark_workers: int = 0,
 ) -> int:
     home.mkdir(parents=True, exist_ok=True)
@@ -127,12 +140,15 @@ def run_dev(
             spark = start_spark_connect(spark_port, work_dir=home / "spark")
             remote = spark.remote
             _say(f"Spark Connect ready at {remote}")
+        dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = {
             **os.environ,
             "CONVEYOR_HOME": str(home),
             "CONVEYOR_KAFKA_BOOTSTRAP": bootstrap,
             "CONVEYOR_SPARK_REMOTE": remote,
             "DAGSTER_HOME": str(dagster_home),
+            # The scheduler sensor reloads the code location through it when a spec changes.
+            "CONVEYOR_DAGSTER_URL": dagster_url,
         }
         capacity = int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8"))
         (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
@@ -155,6 +171,25 @@ def run_dev(
                 )
             )
             _say(f"demo producer: {producer_rate:g} orders/s into topic 'orders'")
+        if port_open("127.0.0.1", api_port):
+            raise ConveyorError(
+                f"port {api_port} is already in use; choose another for the REST API with --api-port"
+            )
+        token = api_token(home)
+        conveyor_exe = shutil.which("conveyor") or str(Path(sys.executable).parent / "conveyor")
+        children.append(
+            subprocess.Popen(
+                [conveyor_exe, "serve", "--host", "127.0.0.1", "--port", str(api_port)]
+                + ["--token-file", str(token), "--dagster-url", dagster_url],
+                env=env,
+                stdout=open(home / "logs" / "api.log", "ab"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+            )
+        )
+        _say(
+            f"REST API on http://127.0.0.1:{api_port} (bearer token in {token}; "
+            f'curl -H "Authorization: Bearer $(cat {token})" http://127.0.0.1:{api_port}/connectors)'
+        )
         dagster = shutil.which("dagster") or str(Path(sys.executable).parent / "dagster")
         cmd = [
             dagster,
@@ -202,7 +237,6 @@ def _stop_connector_runs(timeout_s: float = 30.0) -> None:
     """
     import socket
 
-    from conveyor.core.model import DesiredState
     from conveyor.processes import pid_alive
     from conveyor.store.meta import MetaStore
 
@@ -227,11 +261,11 @@ def _stop_connector_runs(timeout_s: float = 30.0) -> None:
                 f"connector {r.name}: run did not stop in {timeout_s:g} s; killing pid {r.run_pid}"
             )
             os.kill(r.run_pid, signal.SIGKILL)
-        if r.desired == DesiredState.RUNNING:
+        if r.desired.wants_run:
             try:
                 store.set_desired(
                     r.name,
-                    DesiredState.RUNNING,
+                    r.desired,
                     reason="conveyor dev stopped; resumes at the next start",
                 )
             except Exception as e:  # noqa: BLE001

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from conveyor.core.model import ConnectorStatus
-from conveyor.store.meta import MetaStore, UnknownConnectorError
+from conveyor.store.meta import LIVE_STATUSES, MetaStore, UnknownConnectorError
 
 COUNTERS = {
     "messages_out": (
@@ -66,7 +66,7 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
     )
     up = GaugeMetricFamily(
         "conveyor_connector_up",
-        "1 if Running or Degraded with a fresh heartbeat.",
+        "1 if Running, Degraded or Paused with a fresh heartbeat.",
         labels=["connector"],
     )
     state = GaugeMetricFamily(
@@ -87,10 +87,7 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
             lag.add_metric([r.name], float(c["lag"]))
         rate.add_metric([r.name], float(c.get("msgs_per_s", 0) or 0))
         timeout = float((r.spec or {}).get("heartbeat_timeout_s", 30))
-        alive = r.status in (
-            ConnectorStatus.RUNNING,
-            ConnectorStatus.DEGRADED,
-        ) and r.heartbeat_fresh(now, timeout)
+        alive = r.status in LIVE_STATUSES and r.heartbeat_fresh(now, timeout)
         up.add_metric([r.name], 1.0 if alive else 0.0)
         for s in ConnectorStatus:
             state.add_metric([r.name, s.value], 1.0 if r.status == s else 0.0)
@@ -144,7 +141,9 @@ def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
     }
 
 
-class _Collector:
+class StoreCollector:
+    """A Prometheus collector that reads the meta store on each scrape."""
+
     def __init__(self, store: MetaStore):
         self.store = store
 
@@ -156,7 +155,7 @@ def make_server(store: MetaStore, host: str = "127.0.0.1", port: int = 9464) -> 
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
-    registry.register(_Collector(store))  # type: ignore[arg-type]
+    registry.register(StoreCollector(store))  # type: ignore[arg-type]
 
     def route(path: str) -> tuple[bytes, str, int]:
         if path == "/metrics":

@@ -1,49 +1,159 @@
-"""Connector specs: YAML files in the connectors directory, validated by pydantic.
+"""Connector specs: YAML files, validated by pydantic; the one source of truth for a connector's config.
 
-A broken file never breaks the others: it becomes a ``LoadedSpec`` with an
+A spec is read from one of two kinds of file:
+
+- a plain spec file in the connectors directory (``$CONVEYOR_CONNECTORS_DIR``, default
+  ``$CONVEYOR_HOME/connectors``), ``<name>.yaml``;
+- a ``defs.yaml`` of a Dagster components project whose document has
+  ``type: conveyor.components.ConnectorComponent`` and the spec under ``attributes``.
+
+Specs are read where definitions are built (the code location), by the scheduler
+sensor (to notice new, changed and removed files), by the API and the CLI, and by a
+connector run, which reads its own file and resolves its ``${env:...}`` /
+``${file:...}`` references (``resolved``). The meta store gets a copy for display
+and change detection: the spec with its secrets redacted (``stored_json``) and a
+hash of the spec as written (``spec_hash``), never a secret.
+
+A broken plain file never breaks the others: it becomes a ``LoadedSpec`` with an
 error that names the file and the field, and the connector shows ``Error``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import hashlib
 import json
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
+from conveyor.core.connection import SECRET_FIELDS
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
-from conveyor.sinks import format_validation_error, parse_sink_config
+from conveyor.core.state import StateChange
+from conveyor.secrets import check_syntax, redact, resolve
+from conveyor.sinks import format_validation_error, parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
-from conveyor.store.meta import MetaStore, conveyor_home
+from conveyor.store.meta import ConnectorRow, MetaStore, UnknownConnectorError, conveyor_home
+
+COMPONENT_TYPES = (
+    "conveyor.components.ConnectorComponent",
+    "conveyor.ConnectorComponent",
+)
+
+# Sections a running connector takes on at a batch boundary; a change to anything else
+# also changes what the code location shows (jobs, assets, metadata) and reloads it.
+LIVE_FIELDS = ("batch", "transform", "retry", "heartbeat_timeout_s", "max_restarts", "desired")
 
 
 @dataclass(frozen=True)
 class LoadedSpec:
-    """One spec file: the validated spec and sink config, or the error."""
+    """One connector's spec as written (references unresolved): validated, or the error."""
 
     name: str
     source: str
     spec: ConnectorSpec | None = None
     sink: SinkConfig | None = None
     error: str | None = None
+    raw: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
-    def spec_json(self) -> str | None:
-        return self.spec.model_dump_json(by_alias=True) if self.spec else None
+    @property
+    def is_component(self) -> bool:
+        return Path(self.source).name in ("defs.yaml", "defs.yml")
 
     def spec_hash(self) -> str | None:
-        j = self.spec_json()
-        return hashlib.sha256(j.encode()).hexdigest() if j else None
+        """SHA-256 of the spec as written (canonical JSON); changes with any field, secrets included.
+
+        Stored next to the redacted spec so that a run notices a change it cannot see in
+        the redacted copy (a rotated literal password); like Helm's ``checksum/`` annotations.
+        """
+        if self.raw is None or self.error:
+            return None
+        canonical = json.dumps(self.raw, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def display(self) -> dict[str, Any] | None:
+        """The spec as written (aliases applied), secrets redacted, references shown."""
+        if self.spec is None or self.raw is None:
+            return None
+        return redact(self._normalized(), self._secret_field)
+
+    def _normalized(self) -> dict[str, Any]:
+        """The fields as written, aliases applied (``url_env`` -> ``url``), secrets as text."""
+        assert self.spec is not None and self.sink is not None
+        full = _plain(self.spec.model_dump(by_alias=True, exclude_unset=True))
+        full["sink"] = _plain(self.sink.model_dump(by_alias=True, exclude_unset=True))
+        full["sink"]["type"] = self.sink.type
+        return full
+
+    def stored_json(self) -> str | None:
+        """What the meta store keeps (``spec_json``): ``display()`` as JSON."""
+        d = self.display()
+        return json.dumps(d, sort_keys=False) if d is not None else None
+
+    def _secret_field(self, path: str) -> bool:
+        return path in secret_fields(self.spec, self.sink)
+
+    def location_fingerprint(self) -> str:
+        """What the code location builds from this spec: all but the sections taken on live."""
+        d = self.display()
+        if d is not None:
+            for k in LIVE_FIELDS:
+                d.pop(k, None)
+        view = {"name": self.name, "source": self.source, "error": self.error, "spec": d}
+        return json.dumps(view, sort_keys=True, default=str)
+
+
+def secret_fields(spec: ConnectorSpec | None, sink: SinkConfig | None) -> set[str]:
+    """Dotted paths of the fields typed ``SecretStr``: in the spec's models and the sink's model."""
+    out = set(_secret_paths(ConnectorSpec))
+    if sink is not None:
+        out |= {f"sink.{p}" for p in _secret_paths(type(sink))}
+    elif spec is not None:
+        with contextlib.suppress(ConfigError):
+            out |= {f"sink.{p}" for p in _secret_paths(sink_class(spec.sink.type).config_class)}
+    return out
+
+
+def _secret_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, f in model.model_fields.items():
+        key = f.alias or name
+        path = f"{prefix}{key}"
+        ann = f.annotation
+        kinds = get_args(ann) or (ann,)
+        if SecretStr in kinds:
+            out.append(path)
+        for k in kinds:
+            if isinstance(k, type) and issubclass(k, BaseModel) and k is not model:
+                out.extend(_secret_paths(k, f"{path}."))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able copy: secrets unwrapped (redaction decides what is shown), enums by value."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
 
 
 def connectors_dir() -> Path:
@@ -53,9 +163,16 @@ def connectors_dir() -> Path:
 
 
 def parse_spec(data: Any, *, source: str = "<spec>") -> tuple[ConnectorSpec, SinkConfig]:
-    """Validate one spec mapping; raises ConfigError naming the source and the field."""
+    """Validate one spec mapping; raises ConfigError naming the source and the field.
+
+    References are checked for syntax, not resolved: a reference stands for text.
+    """
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping, got {type(data).__name__}", source=source)
+    try:
+        check_syntax(data)
+    except ConfigError as e:
+        raise ConfigError(str(e), source=source) from None
     try:
         spec = ConnectorSpec.model_validate(data)
     except ValidationError as e:
@@ -67,83 +184,234 @@ def parse_spec(data: Any, *, source: str = "<spec>") -> tuple[ConnectorSpec, Sin
     return spec, sink
 
 
+def from_mapping(data: Any, *, source: str, fallback_name: str) -> LoadedSpec:
+    """A LoadedSpec from a parsed spec mapping (a file's content, an API request body)."""
+    name = data.get("name", fallback_name) if isinstance(data, dict) else fallback_name
+    if not isinstance(name, str):
+        name = fallback_name
+    try:
+        spec, sink = parse_spec(data, source=source)
+    except ConfigError as e:
+        return LoadedSpec(name, source, error=str(e))
+    return LoadedSpec(spec.name, source, spec=spec, sink=sink, raw=data)
+
+
+def _resolved_by_the_kafka_client(field: str) -> bool:
+    """A Kafka connection's secret field (source, Kafka sink): it stays a reference, which
+    the client resolves at each connection (``brokers.connection``)."""
+    section, _, name = field.partition(".")
+    return section in ("source", "sink") and name in SECRET_FIELDS
+
+
+def resolved(ls: LoadedSpec) -> LoadedSpec:
+    """The spec with its references resolved and validated again: for the data path only.
+
+    Raises ConfigError (naming the field and the reference) when a secret is missing.
+    The result holds secrets: never store, log or show it.
+    """
+    if not ls.ok or ls.spec is None:
+        raise ConfigError(ls.error or "no spec", source=ls.source)
+    try:
+        data = resolve(ls._normalized(), keep=_resolved_by_the_kafka_client)
+    except ConfigError as e:
+        raise ConfigError(str(e), source=ls.source) from None
+    spec, sink = parse_spec(data, source=ls.source)
+    return LoadedSpec(spec.name, ls.source, spec=spec, sink=sink, raw=data)
+
+
 def load_file(path: Path) -> LoadedSpec:
+    """A plain spec file (one connector)."""
     fallback = path.stem.replace("-", "_").lower()
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        return LoadedSpec(fallback, str(path), error=f"{path}: invalid YAML{where}: {problem}")
+        return LoadedSpec(fallback, str(path), error=_yaml_error(path, e))
     except OSError as e:
         return LoadedSpec(fallback, str(path), error=f"{path}: cannot read: {e.strerror}")
-    name = data.get("name", fallback) if isinstance(data, dict) else fallback
-    if not isinstance(name, str):
-        name = fallback
+    return from_mapping(data, source=str(path), fallback_name=fallback)
+
+
+def load_component_file(path: Path) -> list[LoadedSpec]:
+    """The connectors declared in a components ``defs.yaml`` (other documents are skipped)."""
+    fallback = path.parent.name.replace("-", "_").lower()
     try:
-        spec, sink = parse_spec(data, source=str(path))
-    except ConfigError as e:
-        return LoadedSpec(name, str(path), error=str(e))
-    return LoadedSpec(spec.name, str(path), spec=spec, sink=sink)
+        docs = list(yaml.safe_load_all(path.read_text()))
+    except yaml.YAMLError as e:
+        return [LoadedSpec(fallback, str(path), error=_yaml_error(path, e))]
+    except OSError as e:
+        return [LoadedSpec(fallback, str(path), error=f"{path}: cannot read: {e.strerror}")]
+    out = []
+    for doc in docs:
+        if not isinstance(doc, dict) or doc.get("type") not in COMPONENT_TYPES:
+            continue
+        out.append(from_mapping(doc.get("attributes"), source=str(path), fallback_name=fallback))
+    return out
+
+
+def load_path(path: Path) -> list[LoadedSpec]:
+    """Every connector a file declares: a components ``defs.yaml``, else a plain spec file."""
+    if path.name in ("defs.yaml", "defs.yml"):
+        return load_component_file(path)
+    return [load_file(path)]
+
+
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{path}: invalid YAML{where}: {problem}"
+
+
+def spec_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def component_files(defs_root: Path) -> list[Path]:
+    """``defs.yaml`` files under a components project's defs folder that declare connectors."""
+    if not defs_root.is_dir():
+        return []
+    out = []
+    for p in sorted(defs_root.rglob("defs.y*ml")):
+        try:
+            text = p.read_text()
+        except OSError:
+            continue
+        if "ConnectorComponent" in text:
+            out.append(p)
+    return out
 
 
 def load_dir(directory: Path | None = None) -> list[LoadedSpec]:
     """Every *.yaml / *.yml file in the directory, sorted by name; duplicates are errors."""
     directory = directory or connectors_dir()
-    if not directory.is_dir():
-        return []
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    return dedupe(load_file(f) for f in spec_files(directory))
+
+
+def scan(directory: Path | None, defs_roots: Iterable[Path] = ()) -> list[LoadedSpec]:
+    """A connectors directory (None: none) plus the connectors declared in components projects."""
+    found: list[LoadedSpec] = [load_file(f) for f in spec_files(directory)] if directory else []
+    for root in defs_roots:
+        for f in component_files(root):
+            found.extend(load_component_file(f))
+    return dedupe(found)
+
+
+def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
+    """The first definition of a name wins; later ones become errors naming both files."""
     out: list[LoadedSpec] = []
     seen: dict[str, str] = {}
-    for f in files:
-        ls = load_file(f)
-        if ls.name in seen:
+    for ls in specs:
+        if ls.name in seen and seen[ls.name] != ls.source:
             ls = LoadedSpec(
                 ls.name,
                 ls.source,
-                error=f"{f}: connector name {ls.name!r} is already defined in {seen[ls.name]}",
+                error=f"{ls.source}: connector name {ls.name!r} is already defined in {seen[ls.name]}",
             )
         else:
-            seen[ls.name] = ls.source
+            seen.setdefault(ls.name, ls.source)
         out.append(ls)
     return out
 
 
-def from_store_row(
-    name: str, spec_json: str | None, source: str | None, error: str | None
-) -> LoadedSpec:
-    if error or not spec_json:
-        return LoadedSpec(name, source or "store", error=error or "no spec stored")
+def load_source(name: str, source: str | None) -> LoadedSpec:
+    """The connector ``name`` as its file says now (a run's spec, a replay's, the CLI's)."""
+    if not source:
+        return LoadedSpec(name, "store", error=f"connector {name!r} has no spec file")
+    path = Path(source)
+    if not path.exists():
+        return LoadedSpec(name, source, error=f"{source}: the spec file was removed")
+    for ls in load_path(path):
+        if ls.name == name:
+            return ls
+    return LoadedSpec(name, source, error=f"{source} no longer declares connector {name!r}")
+
+
+REMOVED = "the spec file was removed"
+
+
+def sync_one(store: MetaStore, ls: LoadedSpec) -> ConnectorRow:
+    """Write one spec (redacted, with its hash) or its error into the meta store.
+
+    A connector whose file had been removed and is back takes its spec's desired state again
+    and resumes from its kept offsets.
+    """
+    desired = ls.spec.desired if ls.spec else ConnectorSpec.model_fields["desired"].default
     try:
-        spec, sink = parse_spec(json.loads(spec_json), source=source or "store")
-    except ConfigError as e:
-        return LoadedSpec(name, source or "store", error=str(e))
-    return LoadedSpec(name, source or "store", spec=spec, sink=sink)
+        before = store.get(ls.name)
+    except UnknownConnectorError:
+        before = None
+    row = store.sync_spec(
+        ls.name,
+        spec_json=ls.stored_json(),
+        spec_hash=ls.spec_hash(),
+        source=ls.source,
+        error=ls.error,
+        desired=desired,
+    )
+    if before is not None and REMOVED in (before.spec_error or "") and ls.ok:
+        row = store.set_desired(ls.name, desired, reason=f"spec file {ls.source} is back")
+    return row
 
 
-def sync(store: MetaStore, specs: Iterable[LoadedSpec]) -> None:
-    """Write every spec (or its error) into the meta store; runtime state is kept."""
-    for ls in specs:
+def sync_files(store: MetaStore, found: Iterable[LoadedSpec]) -> list[str]:
+    """Sync the specs found in files; returns what changed besides unchanged specs, for the log.
+
+    A connector whose spec file is gone (its ``spec_source`` names a file that no longer
+    declares it) is stopped with its offsets kept, never deleted: deleting is
+    ``conveyor connector delete`` or ``DELETE /connectors/<name>``, which remove the
+    file first. Connectors created by an older Conveyor through the CLI (spec only in
+    the store) get a file in the connectors directory.
+    """
+    found = list(found)
+    names = {ls.name for ls in found}
+    notes: list[str] = []
+    for ls in found:
+        sync_one(store, ls)
+    for row in store.list():
+        if row.name in names:
+            continue
+        if row.spec_source == "cli" and row.spec_json:
+            path = connectors_dir() / f"{row.name}.yaml"
+            if not path.exists():
+                write_spec_file(path, json.loads(row.spec_json))
+                notes.append(f"{row.name}: spec moved from the meta store to {path}")
+            continue
+        if not row.spec_source or not Path(row.spec_source).is_absolute():
+            continue  # not from a file (tests, a store written by hand)
+        if REMOVED in (row.spec_error or ""):
+            continue
         store.sync_spec(
-            ls.name,
-            spec_json=ls.spec_json(),
-            spec_hash=ls.spec_hash(),
-            source=ls.source,
-            error=ls.error,
-            desired=ls.spec.desired if ls.spec else ConnectorSpec.model_fields["desired"].default,
+            row.name,
+            spec_json=None,
+            spec_hash=None,
+            source=row.spec_source,
+            error=f"{row.spec_source}: {REMOVED}",
         )
+        if row.desired.wants_run:
+            store.apply(
+                row.name,
+                None,
+                StateChange.stop(),
+                f"{row.spec_source} removed: stopped, offsets kept "
+                "(delete the connector to forget them)",
+            )
+        notes.append(f"{row.name}: spec file {row.spec_source} removed, connector stopped")
+    return notes
 
 
-def all_specs(store: MetaStore | None, directory: Path | None = None) -> list[LoadedSpec]:
-    """Specs from the directory, plus connectors created through the CLI (kept in the store)."""
-    files = load_dir(directory)
-    names = {s.name for s in files}
-    extra: list[LoadedSpec] = []
-    if store is not None:
-        for row in store.list():
-            if row.name not in names and row.spec_source == "cli":
-                extra.append(
-                    from_store_row(row.name, row.spec_json, row.spec_source, row.spec_error)
-                )
-    return files + extra
+def write_spec_file(path: Path, data: Mapping[str, Any]) -> None:
+    """Write a plain spec file atomically (a reader sees the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(dict(data), sort_keys=False, allow_unicode=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -29,6 +29,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 SLOW_FIRST = [
     "tests/e2e/test_scheduler_e2e.py",
     "tests/e2e/test_sinks_e2e.py",
+    "tests/e2e/test_api_e2e.py",
 ]
 
 

@@ -75,7 +75,8 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                 tags={"conveyor/connector": first.name} if len(users) == 1 else {},
                 metadata={
                     "connectors": ", ".join(u.name for u in users),
-                    "sink": first.sink.redacted(),
+                    # As written, secrets masked, ${env:...} references shown.
+                    "sink": (first.display() or {}).get("sink") or first.sink.redacted(),
                 },
                 freshness_policy=FreshnessPolicy.time_window(
                     fail_window=dt.timedelta(seconds=max(latency * 2, 120)),

@@ -16,13 +16,13 @@ or an outage (``transient``).
 from __future__ import annotations
 
 import difflib
-import os
 import ssl
 from collections.abc import Callable
 from typing import Any, Literal
 
-from conveyor.core.connection import OPTION_NAMES, KafkaConnection, parse_secret_ref
+from conveyor.core.connection import OPTION_NAMES, KafkaConnection
 from conveyor.core.errors import ConfigError
+from conveyor.secrets import resolve
 
 ClientRole = Literal["consumer", "producer", "admin"]
 
@@ -49,18 +49,10 @@ OWNED_OPTIONS = frozenset(
 
 
 def resolve_secret(ref: str, *, field: str) -> str:
-    """The value behind ``${env:NAME}`` / ``${file:/path}``; ConfigError naming ``field`` when absent."""
-    kind, target = parse_secret_ref(ref)
-    if kind == "env":
-        value = os.environ.get(target)
-        if value is None:
-            raise ConfigError(f"environment variable {target} is not set", field=field)
-        return value
-    try:
-        with open(target, encoding="utf-8") as f:
-            return f.read().rstrip("\r\n")
-    except OSError as e:
-        raise ConfigError(f"cannot read {target}: {e.strerror}", field=field) from None
+    """The value behind a connection secret's reference (``conveyor.secrets.resolve``), read
+    at each connection; ConfigError naming ``field`` when it cannot be read."""
+    value: str = resolve(ref, field=field)
+    return value
 
 
 def check_files(c: KafkaConnection, *, prefix: str) -> None:

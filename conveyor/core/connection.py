@@ -11,17 +11,18 @@ and a pass-through for other client settings. The model is pure (validation only
 Secrets are references, never values: ``${env:NAME}`` (an environment variable of
 the run's process) or ``${file:/path}`` (a file's contents, trailing newline
 stripped, read again at each connection: rotated files work). A spec is stored in
-the meta store and shown by the CLI, so a literal password is refused.
+the meta store and shown by the CLI, so a literal password is refused. The run keeps
+these fields as references (``specs.resolved``) and the client resolves them, through
+``conveyor.secrets.resolve``, each time it connects.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SECRET_REF = re.compile(r"^\$\{(env|file):([^}]+)\}$")
+from conveyor.core.references import whole_reference_problem
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
@@ -59,28 +60,8 @@ _SECRET_WORDS = ("password", "secret", "token", "jaas", "credential", "private_k
 
 
 def secret_ref_problem(value: str) -> str | None:
-    """Why ``value`` is not a secret reference, or None."""
-    m = SECRET_REF.match(value.strip())
-    if m is None:
-        return (
-            "must be a reference, ${env:NAME} or ${file:/path}: a literal secret would be "
-            "stored in the meta store"
-        )
-    kind, target = m.group(1), m.group(2).strip()
-    if kind == "env" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", target):
-        return f"{target!r} is not an environment variable name"
-    if kind == "file" and not target:
-        return "empty file path"
-    return None
-
-
-def parse_secret_ref(value: str) -> tuple[Literal["env", "file"], str]:
-    """``("env", NAME)`` or ``("file", PATH)`` of a valid reference (see ``secret_ref_problem``)."""
-    m = SECRET_REF.match(value.strip())
-    if m is None:
-        raise ValueError(secret_ref_problem(value) or "not a secret reference")
-    kind = m.group(1)
-    return ("env" if kind == "env" else "file"), m.group(2).strip()
+    """Why ``value`` is not a secret reference, or None (``core.references``' rule)."""
+    return whole_reference_problem(value)
 
 
 def option_secret_problem(name: str) -> str | None:

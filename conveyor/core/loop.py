@@ -7,6 +7,14 @@ three-stage pipeline: while batch N is in the sink, N+1 is transformed (Spark)
 and N+2 is read, each stage on its own thread holding one batch. Sending,
 committing and every error decision stay on the loop's thread, in order.
 
+Control (``Directive``, the answer to each heartbeat): a *pause* takes effect at the
+next batch boundary: the loop and its read-ahead stop reading (batches already read
+ahead wait), the run keeps its assignment and heartbeats every
+``LoopConfig.paused_poll_s``, and a resume goes on from there. A *reconfigure* (the
+spec changed) ends ``run()`` at the next batch boundary the way a stop does, with
+``reconfigure_requested`` set: the caller builds a new loop from the new spec and the
+committed offsets, in the same run.
+
 Interrupts (Dagster raises ``DagsterExecutionInterruptedError``, a
 ``BaseException``, in the op's thread) may land anywhere. The shutdown path
 commits only what was acknowledged, cleans up the sink, and re-raises. It is
@@ -18,6 +26,7 @@ whole module is tested with in-memory fakes and a fake clock.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import random
@@ -46,8 +55,10 @@ from conveyor.core.model import (
     BatchPolicy,
     ConnectorStatus,
     Counters,
+    DesiredState,
     FailurePolicyName,
     FailureSpec,
+    HeartbeatReply,
     Offsets,
     RetrySpec,
     TopicPartition,
@@ -134,6 +145,26 @@ class SinkLike(Protocol):
     def describe(self) -> str: ...
 
 
+class Directive(str, enum.Enum):
+    """What the connector should do, as the answer to a heartbeat."""
+
+    RUN = "run"
+    PAUSE = "pause"  # hold the assignment, read nothing, keep heartbeating
+    STOP = "stop"  # finish cleanly
+    RECONFIGURE = "reconfigure"  # the spec changed: end run() at a batch boundary
+
+
+def directive_for(reply: HeartbeatReply, running_spec_hash: str | None) -> Directive:
+    """The directive a run takes from the store's answer, given the spec it runs with."""
+    if reply.desired == DesiredState.STOPPED:
+        return Directive.STOP
+    if running_spec_hash and reply.spec_hash and reply.spec_hash != running_spec_hash:
+        return Directive.RECONFIGURE
+    if reply.desired == DesiredState.PAUSED:
+        return Directive.PAUSE
+    return Directive.RUN
+
+
 class Committer(Protocol):
     """The run's fenced writes to the meta store."""
 
@@ -142,8 +173,12 @@ class Committer(Protocol):
 
     def heartbeat(
         self, counters: Counters, status: ConnectorStatus, reason: str | None
-    ) -> bool | None:
-        """Liveness + counters; False asks the loop to stop. Raises FencedError when superseded."""
+    ) -> Directive | bool | None:
+        """Liveness + counters; returns what to do next (False: stop; True/None: run).
+
+        Raises FencedError when superseded. May be called from another thread than the
+        loop's: the loop only sets events from its answer.
+        """
 
 
 class DeadLetterWriter(Protocol):
@@ -175,6 +210,8 @@ class LoopConfig:
     prefetch: bool = True  # read the next batch on a thread
     # With prefetch: also transform the next batch on a thread, while this one is sent.
     transform_ahead: bool = True
+    # While paused: how often to heartbeat (and so how soon a resume is seen).
+    paused_poll_s: float = 0.25
 
 
 @dataclass
@@ -202,6 +239,7 @@ class ConnectorLoop:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] | None = None,
         rng: random.Random | None = None,
+        counters: Counters | None = None,
     ):
         self.cfg = config
         self.source = source
@@ -215,7 +253,9 @@ class ConnectorLoop:
         self._stop_event = threading.Event()
         self._sleep = sleep or self._interruptible_sleep
         self.committed: Offsets = dict(committed)
-        self.counters = Counters()
+        self.counters = counters or Counters()  # a reconfigured loop goes on counting
+        self._pause_event = threading.Event()
+        self.reconfigure_requested = False
         self.status = ConnectorStatus.RUNNING
         self._status_reason: str | None = "first heartbeat"
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
@@ -250,8 +290,11 @@ class ConnectorLoop:
             self._heartbeat(force=True)
             if self.cfg.prefetch:
                 ahead = self.transform if self.cfg.transform_ahead else None
-                reader = _Prefetcher(self.source, self.cfg.batch, ahead)
+                reader = _Prefetcher(self.source, self.cfg.batch, ahead, self._pause_event)
             while not self._should_stop():
+                if self._pause_event.is_set():
+                    self._paused()
+                    continue
                 item = reader.next() if reader else _Ahead.of(self.source.read(self.cfg.batch))
                 if item is None:
                     self._heartbeat()
@@ -478,16 +521,44 @@ class ConnectorLoop:
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
         )
-        keep_running = self.committer.heartbeat(self.counters, self.status, self._status_reason)
+        answer = self.committer.heartbeat(self.counters, self.status, self._status_reason)
         self._status_reason = None
-        if keep_running is False:
-            log.info("%s: desired state is stopped; stopping", self.cfg.name)
-            self._stop_event.set()
+        self.apply(answer)
         if self.on_progress and (
             self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s
         ):
             self._last_progress = now
             self.on_progress(Progress(self.counters, dict(self.committed)))
+
+    def apply(self, directive: Directive | bool | None) -> None:
+        """Act on a heartbeat's answer: only sets events, so any thread may call it."""
+        if directive is False or directive == Directive.STOP:
+            if not self._stop_event.is_set():
+                log.info("%s: desired state is stopped; stopping", self.cfg.name)
+            self._stop_event.set()
+        elif directive == Directive.RECONFIGURE:
+            if not self.reconfigure_requested:
+                log.info("%s: the spec changed; taking it on at the batch boundary", self.cfg.name)
+            self.reconfigure_requested = True
+            self._stop_event.set()
+        elif directive == Directive.PAUSE:
+            self._pause_event.set()
+        else:
+            self._pause_event.clear()
+
+    def _paused(self) -> None:
+        """Hold until resumed or stopped, heartbeating; reads nothing meanwhile."""
+        log.info("%s: paused", self.cfg.name)
+        before = self.status
+        self._set_status(ConnectorStatus.PAUSED, "paused")
+        while self._pause_event.is_set() and not self._should_stop():
+            self._heartbeat(force=True)
+            self._stop_event.wait(self.cfg.paused_poll_s)
+        if not self._should_stop():
+            log.info("%s: resumed", self.cfg.name)
+            resumed = ConnectorStatus.RUNNING if before == ConnectorStatus.PAUSED else before
+            self._set_status(resumed, "resumed")
+            self._heartbeat(force=True)
 
     def _set_status(self, status: ConnectorStatus, reason: str) -> None:
         if status != self.status:
@@ -571,10 +642,12 @@ class _Prefetcher:
         source: Source,
         policy: BatchPolicy,
         transform: Callable[[pa.Table], Transformed] | None = None,
+        paused: threading.Event | None = None,
     ):
         self._source = source
         self._policy = policy
         self._transform = transform
+        self._paused = paused or threading.Event()  # set: no new read starts
         self._stop = threading.Event()
         self._out: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         self._threads = [threading.Thread(target=self._read, name="conveyor-prefetch", daemon=True)]
@@ -600,6 +673,9 @@ class _Prefetcher:
 
     def _read(self) -> None:
         while not self._stop.is_set():
+            if self._paused.is_set():
+                self._stop.wait(0.05)
+                continue
             try:
                 item: tuple[str, Any] = ("batch", _Ahead.of(self._source.read(self._policy)))
             except BaseException as e:  # handed to the consumer thread

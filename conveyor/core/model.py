@@ -54,11 +54,30 @@ class ConnectorStatus(str, enum.Enum):
     STOPPED = "Stopped"
     ERROR = "Error"
     DEGRADED = "Degraded"
+    PAUSED = "Paused"  # its run holds the assignment and heartbeats, and reads nothing
 
 
 class DesiredState(str, enum.Enum):
     RUNNING = "running"
     STOPPED = "stopped"
+    PAUSED = "paused"
+
+    @property
+    def wants_run(self) -> bool:
+        """Whether the connector should hold a run (a paused one keeps its run, idle)."""
+        return self != DesiredState.STOPPED
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """The meta store's answer to a run's heartbeat: what the connector should do now.
+
+    ``spec_hash`` is the hash of the spec the store holds; a run whose own spec hash
+    differs takes the new spec on at its next batch boundary.
+    """
+
+    desired: DesiredState
+    spec_hash: str | None = None
 
 
 class Decode(str, enum.Enum):
@@ -368,7 +387,8 @@ class ConnectorSpec(_Spec):
         default_factory=FailureSpec, description="Failed messages (section `failure`)."
     )
     desired: DesiredState = Field(
-        default=DesiredState.RUNNING, description="Created running or stopped."
+        default=DesiredState.RUNNING,
+        description="Created running, stopped or paused (applies when the connector is created).",
     )
     heartbeat_timeout_s: float = Field(
         default=30.0,

@@ -51,7 +51,8 @@ from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.core.state import StateChange
 
 ACTIVE_RUN_STATUSES = frozenset({"QUEUED", "NOT_STARTED", "STARTING", "STARTED", "CANCELING"})
-LIVE = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED)
+# A run holds the connector and heartbeats (a paused one too: it keeps its assignment).
+LIVE = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.PAUSED)
 
 
 # -- inputs ------------------------------------------------------------------------
@@ -476,9 +477,9 @@ Step = Callable[[_Connector, _Tick], "list[Decision] | None"]
 
 def _invalid_spec(x: _Connector, t: _Tick) -> list[Decision] | None:
     c = x.c
-    if not c.spec_error:
-        return None
-    if c.status == ConnectorStatus.IDLE and c.desired == DesiredState.RUNNING:
+    if not c.spec_error or c.status in LIVE:
+        return None  # a live run goes on with its last valid spec
+    if c.status == ConnectorStatus.IDLE and c.desired.wants_run:
         return [MarkError(c.name, "invalid spec", c.spec_error)]
     return []
 
@@ -668,7 +669,7 @@ def _occupies(c: ConnectorView) -> bool:
     return (
         c.broker_id is not None
         and c.status in (*LIVE, ConnectorStatus.IDLE)
-        and c.desired == DesiredState.RUNNING
+        and c.desired.wants_run
     )
 
 
@@ -702,7 +703,7 @@ def _assign(
     wanting = [
         c
         for c in connectors
-        if c.desired == DesiredState.RUNNING
+        if c.desired.wants_run
         and c.status == ConnectorStatus.IDLE
         and c.broker_id is None
         and not c.spec_error

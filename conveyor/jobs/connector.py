@@ -44,20 +44,22 @@ from conveyor.core.errors import (
 from conveyor.core.loop import (
     ConnectorLoop,
     DataPolicyError,
+    Directive,
     LoopConfig,
     OutageBudgetExceeded,
     Progress,
+    directive_for,
     run_loop,
 )
-from conveyor.core.model import ConnectorStatus, Counters, DesiredState, FailurePolicyName, Offsets
+from conveyor.core.model import ConnectorStatus, Counters, FailurePolicyName, Offsets
 from conveyor.core.state import StateChange
 from conveyor.processes import pid_alive
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
-from conveyor.specs import LoadedSpec, from_store_row
-from conveyor.store.meta import ConnectorRow, MetaStore
+from conveyor.specs import LoadedSpec, load_source, resolved, sync_one
+from conveyor.store.meta import Claim, ConnectorRow, MetaStore
 
 TAG_CONNECTOR = "conveyor/connector"
 TAG_BROKER = "conveyor/broker"
@@ -73,23 +75,43 @@ def job_name(connector: str) -> str:
 
 
 class StoreCommitter:
-    """The run's fenced writes: offsets to the meta store (mirrored to Kafka), heartbeats."""
+    """The run's fenced writes: offsets to the meta store (mirrored to Kafka), heartbeats.
 
-    def __init__(self, store: MetaStore, name: str, generation: int, source: KafkaSource):
+    ``spec_hash`` is the hash of the spec this run runs with; a heartbeat answered with
+    another hash asks the loop to take the new spec on (``Directive.RECONFIGURE``).
+    """
+
+    def __init__(
+        self,
+        store: MetaStore,
+        name: str,
+        generation: int,
+        source: KafkaSource,
+        spec_hash: str | None = None,
+        on_status: Callable[[ConnectorStatus, str | None], None] | None = None,
+    ):
         self.store = store
         self.name = name
         self.generation = generation
         self.source = source
+        self.spec_hash = spec_hash
+        self.on_status = on_status  # told each status change (the run's log in the UI)
+        self._status: ConnectorStatus | None = None
 
     def commit(self, offsets: Offsets) -> None:
         self.store.commit(self.name, self.generation, offsets)
         self.source.mirror_commit(offsets)
 
-    def heartbeat(self, counters: Counters, status: ConnectorStatus, reason: str | None) -> bool:
-        desired = self.store.heartbeat(
+    def heartbeat(
+        self, counters: Counters, status: ConnectorStatus, reason: str | None
+    ) -> Directive:
+        reply = self.store.heartbeat(
             self.name, self.generation, counters.as_dict(), status=status, reason=reason
         )
-        return desired == DesiredState.RUNNING
+        if status != self._status and self.on_status is not None:
+            self.on_status(status, reason)
+        self._status = status
+        return directive_for(reply, self.spec_hash)
 
 
 def _holder_alive(context: OpExecutionContext, timeout_s: float):  # type: ignore[no-untyped-def]
@@ -211,14 +233,22 @@ def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Calla
     return check
 
 
-def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name: str) -> None:
-    """The op body: claim, run the loop, record the final state."""
+def run_connector(
+    context: OpExecutionContext, conveyor: ConveyorResource, name: str, loaded: LoadedSpec
+) -> None:
+    """The op body: claim, run the loop (again after each spec change), record the final state.
+
+    ``loaded`` is the spec as this run's process read it from its file; its references
+    are resolved here, in the run, and nowhere else.
+    """
     store = conveyor.store()
-    row = store.get(name)
-    ls = from_store_row(name, row.spec_json, row.spec_source, row.spec_error)
-    if not ls.ok or ls.spec is None or ls.sink is None:
-        raise Failure(description=f"connector {name!r} cannot start: {ls.error}")
-    spec = ls.spec
+    # A run launched before the scheduler saw the file (from the UI, right after a
+    # reload) registers the connector itself.
+    sync_one(store, loaded)
+    if not loaded.ok or loaded.spec is None:
+        raise Failure(description=f"connector {name!r} cannot start: {loaded.error}")
+    ls = loaded
+    assert ls.spec is not None
     tags = context.run.tags
     expected = int(tags[TAG_GENERATION]) if TAG_GENERATION in tags else None
     try:
@@ -226,7 +256,7 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
             name,
             run_id=context.run_id,
             expected_generation=expected,
-            holder_alive=_holder_alive(context, spec.heartbeat_timeout_s),
+            holder_alive=_holder_alive(context, ls.spec.heartbeat_timeout_s),
             broker_id=tags.get(TAG_BROKER),
         )
     except AlreadyClaimedError as e:
@@ -237,49 +267,29 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
     gen = claim.generation
     broker = store.get_broker(claim.broker_id) if claim.broker_id else None
     remote = broker.spark_remote if broker else conveyor.default_remote()
-    source_spec = spec.source
-    if source_spec.bootstrap_servers is None and conveyor.bootstrap():
-        source_spec = source_spec.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
-    context.log.info(
-        f"connector {name} generation {gen} on broker {claim.broker_id or '-'} (Spark {remote}); "
-        f"sink {'/'.join(ls.sink.asset_key_path())}; resuming from "
-        + (
-            ", ".join(f"{tp}@{off}" for tp, off in sorted(claim.offsets.items()))
-            or spec.source.start_from
-        )
-    )
-    source = KafkaSource(source_spec, group_id=name)
-    dead_letters = None
-    if spec.failure.policy == FailurePolicyName.DEAD_LETTER:
-        from conveyor.deadletters import dead_letter_writer
-
-        dead_letters = dead_letter_writer(
-            spec, gen, spark=lambda: spark_session(remote), connection=source_spec
-        )
-    try:
-        sink = build_sink(ls.sink)
-    except ConfigError as e:
-        store.release(name, gen, ConnectorStatus.ERROR, "invalid sink config", error=str(e))
-        raise Failure(description=str(e)) from None
-    loop = ConnectorLoop(
-        LoopConfig(name=name, batch=spec.batch, retry=spec.retry, failure=spec.failure),
-        source=source,
-        transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
-        sink=sink,
-        committer=StoreCommitter(store, name, gen, source),
-        committed=claim.offsets,
-        dead_letters=dead_letters,
-        on_progress=_progress_logger(context, ls, dead_letters),
-        stop_requested=(canceled := cancel_requested(context)),
-    )
+    committed = dict(claim.offsets)
+    running_hash = ls.spec_hash()
+    counters: Counters | None = None
+    loop: ConnectorLoop | None = None
+    canceled = cancel_requested(context)
 
     def final() -> dict[str, Any]:
-        return loop.counters.as_dict()
+        return loop.counters.as_dict() if loop is not None else {}
 
     try:
-        counters = run_loop(loop)
-        if canceled():  # a terminate whose interrupt never reached the op (see cancel_requested)
-            raise DagsterExecutionInterruptedError()
+        while True:
+            loop = _build_loop(
+                context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
+            )
+            loop.stop_requested = canceled
+            counters = run_loop(loop)
+            # A terminate whose interrupt never reached the op (see cancel_requested).
+            if canceled():
+                raise DagsterExecutionInterruptedError()
+            if not loop.reconfigure_requested:
+                break
+            committed = dict(loop.committed)
+            ls, running_hash = _next_spec(context, store, ls)
     except DagsterExecutionInterruptedError:
         store.release(
             name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final()
@@ -303,6 +313,7 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
         )
         raise Failure(description=f"connector {name} stopped with an error: {e}") from None
     except OutageBudgetExceeded as e:
+        assert ls.spec is not None
         if context.retry_number < OUTAGE_RUN_RETRIES:
             store.apply(
                 name,
@@ -311,7 +322,7 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
                 f"outage budget spent, op retry {context.retry_number + 1}",
             )
             raise RetryRequested(
-                max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=spec.retry.delay
+                max_retries=OUTAGE_RUN_RETRIES, seconds_to_wait=ls.spec.retry.delay
             ) from e
         store.release(
             name, gen, ConnectorStatus.ERROR, "outage budget spent", error=str(e), counters=final()
@@ -328,7 +339,92 @@ def run_connector(context: OpExecutionContext, conveyor: ConveyorResource, name:
     store.release(
         name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped", counters=final()
     )
-    context.log.info(f"connector {name} stopped: {json.dumps(counters.as_dict())}")
+    context.log.info(
+        f"connector {name} stopped: {json.dumps(counters.as_dict() if counters else {})}"
+    )
+
+
+def _build_loop(
+    context: OpExecutionContext,
+    conveyor: ConveyorResource,
+    store: MetaStore,
+    ls: LoadedSpec,
+    spec_hash: str | None,
+    gen: int,
+    claim: Claim,
+    remote: str,
+    committed: Offsets,
+    counters: Counters | None,
+) -> ConnectorLoop:
+    """Source, transform, sink and committer for one spec, its references resolved (in the run)."""
+    name = ls.name
+    live = resolved(ls)  # holds secrets: used to build clients, never logged or stored
+    assert live.spec is not None and live.sink is not None and ls.sink is not None
+    spec = live.spec
+    source_spec = spec.source
+    if source_spec.bootstrap_servers is None and conveyor.bootstrap():
+        source_spec = source_spec.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
+    context.log.info(
+        f"connector {name} generation {gen} on broker {claim.broker_id or '-'} (Spark {remote}); "
+        f"sink {'/'.join(ls.sink.asset_key_path())}; spec {(spec_hash or '-')[:12]}; resuming from "
+        + (
+            ", ".join(f"{tp}@{off}" for tp, off in sorted(committed.items()))
+            or spec.source.start_from
+        )
+    )
+    source = KafkaSource(source_spec, group_id=name)
+    dead_letters = None
+    if spec.failure.policy == FailurePolicyName.DEAD_LETTER:
+        from conveyor.deadletters import dead_letter_writer
+
+        dead_letters = dead_letter_writer(
+            spec, gen, spark=lambda: spark_session(remote), connection=source_spec
+        )
+    try:
+        sink = build_sink(live.sink)
+    except ConfigError:
+        source.close()
+        raise
+    return ConnectorLoop(
+        LoopConfig(name=name, batch=spec.batch, retry=spec.retry, failure=spec.failure),
+        source=source,
+        transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
+        sink=sink,
+        committer=StoreCommitter(
+            store,
+            name,
+            gen,
+            source,
+            spec_hash=spec_hash,
+            on_status=lambda status, reason: context.log.info(
+                f"connector {name}: {status.value}" + (f" ({reason})" if reason else "")
+            ),
+        ),
+        committed=committed,
+        dead_letters=dead_letters,
+        on_progress=_progress_logger(context, ls, dead_letters),
+        counters=counters,
+    )
+
+
+def _next_spec(
+    context: OpExecutionContext, store: MetaStore, current: LoadedSpec
+) -> tuple[LoadedSpec, str | None]:
+    """The connector's spec file as it is now (and its hash); the current spec when the new
+    one is invalid, with the stored hash, so that the same change is not taken up again."""
+    new = load_source(current.name, current.source)
+    if new.ok:
+        sync_one(store, new)
+        context.log.info(
+            f"connector {current.name}: taking on its changed spec ({(new.spec_hash() or '')[:12]}) "
+            "at a batch boundary, in this run"
+        )
+        return new, new.spec_hash()
+    context.log.warning(
+        f"connector {current.name}: its spec changed but is invalid ({new.error}); "
+        "going on with the last valid one"
+    )
+    return current, store.get(current.name).spec_hash
 
 
 def connector_job(ls: LoadedSpec) -> JobDefinition:
@@ -344,7 +440,7 @@ def connector_job(ls: LoadedSpec) -> JobDefinition:
 
     @op(name=f"run_connector__{name}", description=desc, tags={"kind": "spark"})
     def run_connector_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
-        run_connector(context, conveyor, name)
+        run_connector(context, conveyor, name, ls)
 
     @job(
         name=job_name(name),

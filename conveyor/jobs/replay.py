@@ -25,6 +25,7 @@ from dagster import (
 )
 
 from conveyor.assets.lineage import dead_letter_key
+from conveyor.core.errors import ConfigError
 from conveyor.core.loop import send_isolating
 from conveyor.deadletters import (
     DEAD_LETTER_SCHEMA,
@@ -38,7 +39,7 @@ from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
-from conveyor.specs import LoadedSpec, from_store_row
+from conveyor.specs import LoadedSpec, load_source, resolved
 
 TAG_REPLAY = "conveyor/replay"
 
@@ -129,13 +130,17 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
     def replay_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         store = conveyor.store()
         row = store.get(name)
-        current = from_store_row(name, row.spec_json, row.spec_source, row.spec_error)
+        current = load_source(name, ls.source)
         if not current.ok or current.spec is None:
             raise Failure(description=f"connector {name!r} has an invalid spec: {current.error}")
+        try:
+            live = resolved(current)  # secrets resolved here, in the run, only
+        except ConfigError as e:
+            raise Failure(description=f"connector {name!r}: {e}") from None
         broker = store.get_broker(row.broker_id) if row.broker_id else None
         remote = broker.spark_remote if broker else conveyor.default_remote()
         result = replay_dead_letters(
-            current,
+            live,
             lambda: spark_session(remote),
             progress=lambda done, total: context.log.info(f"replayed {done}/{total}"),
         )

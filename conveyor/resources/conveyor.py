@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, EnvVar
 from pydantic import Field, PrivateAttr, ValidationError
 
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import Broker, BrokersFile
 from conveyor.sinks import format_validation_error
-from conveyor.specs import LoadedSpec, all_specs, connectors_dir, sync
+from conveyor.specs import connectors_dir
 from conveyor.store.meta import MetaStore, conveyor_home, default_meta_url
 
 log = logging.getLogger("conveyor")
@@ -61,51 +60,23 @@ def load_brokers(path: Path | None = None) -> list[Broker]:
     return [b.broker(default_spark_remote()) for b in spec.brokers]
 
 
-@dataclass(frozen=True)
-class Catalog:
-    """What the code location is built from: specs and brokers (and whether the store answered)."""
+def conveyor_resource() -> ConveyorResource:
+    """The resource with each setting the environment gives as a Dagster ``EnvVar``.
 
-    specs: list[LoadedSpec]
-    brokers: list[Broker]
-    store_error: str | None = None
-
-
-def load_catalog(store_url: str | None = None) -> Catalog:
-    """Load specs and brokers and sync them into the meta store; never raises.
-
-    A broken spec, a broken brokers file or an unreachable store must not break the
-    code location: the problem is reported and the rest still loads.
+    The UI then shows the variable's name, never its value (a meta store URL may hold a
+    password), and every process (the code server, the daemon, run workers) reads it
+    from its own environment.
     """
-    store_error = None
-    store: MetaStore | None = None
-    try:
-        store = MetaStore(store_url)
-        store.ensure_schema()
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        store_error = f"meta store unavailable: {e}"
-        log.error(store_error)
-        store = None
-    try:
-        brokers = load_brokers()
-    except ConfigError as e:
-        log.error("%s; using the default broker", e)
-        brokers = [Broker(id=DEFAULT_BROKER_ID, spark_remote=default_spark_remote())]
-    try:
-        specs = all_specs(store)
-    except Exception as e:  # noqa: BLE001
-        log.error("cannot read connector specs: %s", e)
-        specs = []
-    if store is not None:
-        try:
-            for b in brokers:
-                store.upsert_broker(b)
-            sync(store, specs)
-        except Exception as e:  # noqa: BLE001
-            store_error = f"meta store sync failed: {e}"
-            log.error(store_error)
-        finally:
-            store.close()
-    return Catalog(specs=specs, brokers=brokers, store_error=store_error)
+    settings = {
+        field: EnvVar(var)
+        for field, var in (
+            ("meta_url", "CONVEYOR_META_URL"),
+            ("kafka_bootstrap", "CONVEYOR_KAFKA_BOOTSTRAP"),
+            ("spark_remote", "CONVEYOR_SPARK_REMOTE"),
+        )
+        if os.environ.get(var)
+    }
+    return ConveyorResource(**settings)
 
 
 class ConveyorResource(ConfigurableResource):

@@ -21,10 +21,9 @@ from dagster import (
     sensor,
 )
 
-from conveyor.core.model import ConnectorStatus
+from conveyor.core.model import ConnectorStatus, FailureSpec
 from conveyor.jobs.replay import replay_job_name
 from conveyor.resources.conveyor import ConveyorResource
-from conveyor.specs import from_store_row
 
 
 def replay_requests(
@@ -34,13 +33,18 @@ def replay_requests(
     out = []
     new_cursor = dict(cursor)
     for row in rows:
-        ls = from_store_row(row.name, row.spec_json, row.spec_source, row.spec_error)
-        if not ls.ok or ls.spec is None or not ls.spec.failure.dead_letter.auto_replay:
+        if row.spec_error or not row.spec:
+            continue
+        try:
+            failure = FailureSpec.model_validate((row.spec or {}).get("failure") or {})
+        except ValueError:
+            continue
+        if not failure.dead_letter.auto_replay:
             continue
         dead = int(row.counters.get("dead_lettered", 0))
         seen = cursor.get(f"{row.name}:{row.generation}", 0)
         healthy_for = now - row.status_since if row.status == ConnectorStatus.RUNNING else -1
-        if dead > seen and healthy_for >= ls.spec.failure.dead_letter.replay_after_s:
+        if dead > seen and healthy_for >= failure.dead_letter.replay_after_s:
             out.append((row.name, dead))
             new_cursor[f"{row.name}:{row.generation}"] = dead
     return out, new_cursor

@@ -10,12 +10,14 @@ tick for the others.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -35,7 +37,9 @@ from conveyor.core import scheduler as core
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.ports import port_open
 from conveyor.processes import pid_alive
+from conveyor.reload import ReloadRequests
 from conveyor.resources.conveyor import ConveyorResource
+from conveyor.specs import LoadedSpec, scan, sync_files
 from conveyor.store.meta import ConnectorRow, MetaStore
 
 ACTIVE = [
@@ -232,18 +236,81 @@ def tick(
     return plan, apply_plan(context, store, plan, views)
 
 
-def scheduler_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDefinition:
+@dataclass(frozen=True)
+class SpecSources:
+    """Where a code location's connector specs come from: what the sensor rescans each tick.
+
+    ``connectors_dir``: plain spec files (None: none); ``defs_roots``: components projects'
+    defs folders, searched for ``ConnectorComponent`` files.
+    """
+
+    connectors_dir: Path | None = None
+    defs_roots: tuple[Path, ...] = ()
+
+    def scan(self) -> list[LoadedSpec]:
+        return scan(self.connectors_dir, self.defs_roots)
+
+
+def location_fingerprint(specs: Sequence[LoadedSpec]) -> str:
+    """What a code location is built from (see ``LoadedSpec.location_fingerprint``)."""
+    parts = sorted(ls.location_fingerprint() for ls in specs)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+_reloads = ReloadRequests()
+# A spec written through the REST API is reloaded by the API at once; the sensor reloads
+# for files changed by hand, once the change has waited this long.
+RELOAD_GRACE_S = float(os.environ.get("CONVEYOR_RELOAD_GRACE_S", "10"))
+
+
+def sync_and_reload(
+    context: Any, store: MetaStore, sources: SpecSources, loaded_fingerprint: str | None
+) -> None:
+    """Bring the store in line with the spec files, and the code location when they differ.
+
+    A components file that does not validate is not reloaded into the location (it would
+    fail to load): the connector shows the error until the file is fixed.
+    """
+    found = sources.scan()
+    for note in sync_files(store, found):
+        context.log.info(note)
+    if loaded_fingerprint is None:
+        return
+    now_fp = location_fingerprint(found)
+    if now_fp == loaded_fingerprint:
+        return
+    broken = [ls for ls in found if ls.is_component and not ls.ok]
+    if broken:
+        context.log.warning(
+            "not reloading the code location: " + "; ".join(str(ls.error) for ls in broken)
+        )
+        return
+    origin = getattr(context, "code_location_origin", None)
+    location = getattr(origin, "location_name", None)
+    if _reloads.request(now_fp, "connector specs changed", location, grace_s=RELOAD_GRACE_S):
+        context.log.info(f"connector specs changed: reloading code location {location or ''}")
+
+
+def scheduler_sensor(
+    jobs: Sequence[JobDefinition] | None,
+    specs: Sequence[LoadedSpec] | None = None,
+    sources: SpecSources | None = None,
+) -> SensorDefinition:
     """The ``conveyor_scheduler`` sensor, targeting the connector jobs of this code location.
 
-    A connector whose job is not in the location yet (spec added, location not
-    reloaded) is not assigned: its run could not be launched. ``None`` (tests): no
-    target check.
+    Each tick it first syncs the spec files into the meta store (new, changed, removed)
+    and asks for a reload of the code location when they differ from ``specs``, what the
+    location was built from: a connector whose job is not in the location yet is not
+    assigned (its run could not be launched) until the reload brings it. ``jobs=None``
+    (tests): no target check; ``sources=None``: no file sync.
     """
     launchable = None if jobs is None else {j.name for j in jobs}
+    loaded_fp = location_fingerprint(specs) if specs is not None else None
 
     @sensor(
         name="conveyor_scheduler",
-        description="Assigns connectors to broker executors, heals lost runs, reclaims stopped ones (the Meta scheduler).",
+        description="Syncs connector spec files, assigns connectors to broker executors, heals lost "
+        "runs, reclaims stopped ones (the Meta scheduler).",
         default_status=DefaultSensorStatus.RUNNING,
         minimum_interval_seconds=5,
         jobs=list(jobs) if jobs else None,
@@ -253,6 +320,11 @@ def scheduler_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDefinition:
     ) -> SensorResult:
         store = conveyor.store()
         conveyor.sync_brokers(store)
+        if sources is not None:
+            try:
+                sync_and_reload(context, store, sources, loaded_fp)
+            except Exception as e:  # noqa: BLE001 - scheduling goes on with what the store holds
+                context.log.error(f"syncing connector specs failed: {type(e).__name__}: {e}")
         plan, requests = tick(context, store, launchable=launchable)
         skip = None if plan.decisions else "nothing to do"
         return SensorResult(run_requests=requests, skip_reason=skip if not requests else None)

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from conveyor.core.errors import ConfigError
+from conveyor.secrets import has_reference
 from conveyor.sinks.base import Sink, SinkConfig
 
 _SINKS: dict[str, str] = {
@@ -100,5 +101,12 @@ def format_validation_error(e: ValidationError, *, prefix: str = "") -> str:
     for err in e.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
         path = ".".join(p for p in (prefix, loc) if p)
-        lines.append(f"{path or '<root>'}: {err.get('msg')}")
+        msg = err.get("msg")
+        value = err.get("input")
+        if isinstance(value, str) and has_reference(value):
+            msg = (
+                f"{msg}; a ${{env:...}} / ${{file:...}} reference is resolved only inside the run, "
+                "so it can stand only in a text field"
+            )
+        lines.append(f"{path or '<root>'}: {msg}")
     return "; ".join(lines)

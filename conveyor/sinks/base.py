@@ -240,6 +240,20 @@ def secret(value: SecretStr | None) -> str | None:
     return value.get_secret_value() if value is not None else None
 
 
+def url_env_alias(data: Any) -> Any:
+    """``url_env: NAME`` is an alias of ``url: ${env:NAME}`` (a model ``before`` validator).
+
+    The variable is read only where references are resolved: inside the run.
+    """
+    if not isinstance(data, dict) or data.get("url_env") is None:
+        return data
+    if data.get("url") is not None:
+        raise ValueError("give exactly one of url and url_env (url_env NAME means url ${env:NAME})")
+    out = {k: v for k, v in data.items() if k != "url_env"}
+    out["url"] = "${env:" + str(data["url_env"]) + "}"
+    return out
+
+
 def require(condition: bool, message: str, *, field: str) -> None:
     """Raise ConfigError naming ``field`` unless ``condition`` holds."""
     if not condition:

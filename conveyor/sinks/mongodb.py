@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from conveyor.core.errors import (
     BatchRejected,
@@ -60,6 +60,7 @@ from conveyor.sinks.base import (
     iter_records,
     require,
     secret,
+    url_env_alias,
 )
 from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
 
@@ -113,7 +114,7 @@ class MongoDBSinkConfig(SinkConfig):
     )
     url_env: str | None = Field(
         default=None,
-        description="Name of an environment variable holding the connection string (instead of `url`).",
+        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     database: str = Field(description="Database name.")
     collection: str = Field(description="Collection name.")
@@ -168,6 +169,11 @@ class MongoDBSinkConfig(SinkConfig):
         ge=100,
         description="Timeout of one request on the socket (bounds how long send_batch can block).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return url_env_alias(data)
 
     @field_validator("w", mode="before")
     @classmethod
@@ -502,18 +508,12 @@ class MongoDBSink(Sink):
                 "a tombstone names its document by key: use id_strategy key or field:<name>",
                 field="sink.delete_enabled",
             )
+        require(bool(c.url), "is required (a connection string, or ${env:NAME})", field="sink.url")
         require(
-            bool(c.url) != bool(c.url_env), "give exactly one of url and url_env", field="sink.url"
+            (secret(c.url) or "").startswith(("mongodb://", "mongodb+srv://")),
+            "must start with mongodb:// or mongodb+srv://",
+            field="sink.url",
         )
-        if c.url is not None:
-            url = secret(c.url) or ""
-            require(
-                url.startswith(("mongodb://", "mongodb+srv://")),
-                "must start with mongodb:// or mongodb+srv://",
-                field="sink.url",
-            )
-        if c.url_env and not os.environ.get(c.url_env):
-            raise ConfigError(f"environment variable {c.url_env} is not set", field="sink.url_env")
         require(
             bool(c.database)
             and len(c.database) < 64
@@ -558,9 +558,7 @@ class MongoDBSink(Sink):
             require(bool(c.tls_ca_file.strip()), "must not be empty", field="sink.tls_ca_file")
 
     def _url(self) -> str:
-        if self.config.url is not None:
-            return secret(self.config.url) or ""
-        return os.environ.get(self.config.url_env or "", "")
+        return secret(self.config.url) or ""
 
     def client_options(self) -> dict[str, Any]:
         """Keyword arguments for ``pymongo.MongoClient`` (besides the URL)."""

@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import re
 import urllib.parse
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
@@ -49,6 +48,7 @@ from conveyor.sinks.base import (
     payload_columns,
     require,
     secret,
+    url_env_alias,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -88,7 +88,7 @@ class MySQLSinkConfig(SinkConfig):
     )
     url_env: str | None = Field(
         default=None,
-        description="Name of an environment variable holding the URL (instead of `url`).",
+        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     host: str | None = Field(
         default=None,
@@ -152,20 +152,26 @@ class MySQLSinkConfig(SinkConfig):
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return url_env_alias(data)
+
     def database_name(self) -> str | None:
-        """The database, from `database` or the URL's path (read from the environment for url_env)."""
+        """The database, from `database` or the URL's path when the URL writes it out.
+
+        A URL given by reference (``${env:MYSQL_URL}``) is not read here: outside the run
+        its database is unknown (the asset key says ``default``).
+        """
         if self.database:
             return self.database
-        url = (
-            secret(self.url)
-            if self.url is not None
-            else os.environ.get(self.url_env or "")
-            if self.url_env
-            else None
-        )
-        if not url:
+        url = secret(self.url)
+        if not url or url.startswith("${"):
             return None
-        return urllib.parse.unquote(urllib.parse.urlsplit(url).path.lstrip("/")) or None
+        path = urllib.parse.urlsplit(url).path.lstrip("/")
+        if "${" in path:
+            return None
+        return urllib.parse.unquote(path) or None
 
     def asset_key_path(self) -> list[str]:
         return ["mysql", _part(self.database_name() or "default"), _part(self.table)]
@@ -459,10 +465,10 @@ class MySQLSink(Sink):
 
     def validate(self) -> None:
         c = self.config
-        schemes = [n for n, v in (("url", c.url), ("url_env", c.url_env), ("host", c.host)) if v]
+        schemes = [n for n, v in (("url", c.url), ("host", c.host)) if v]
         require(
             len(schemes) == 1,
-            f"give exactly one of url, url_env and host (got {', '.join(schemes) or 'none'})",
+            f"give exactly one of url (or url_env) and host (got {', '.join(schemes) or 'none'})",
             field="sink.url",
         )
         if c.host is not None:
@@ -476,19 +482,13 @@ class MySQLSink(Sink):
             for name in ("user", "password", "database"):
                 require(
                     getattr(c, name) is None,
-                    f"{name} goes into the URL when url/url_env is used",
+                    f"{name} goes into the URL when url (or url_env) is used",
                     field=f"sink.{name}",
                 )
             require(
                 "port" not in c.model_fields_set,
-                "port goes into the URL when url/url_env is used",
+                "port goes into the URL when url (or url_env) is used",
                 field="sink.port",
-            )
-        if c.url_env is not None:
-            require(
-                bool(os.environ.get(c.url_env)),
-                f"environment variable {c.url_env} is not set",
-                field="sink.url_env",
             )
         if c.host is None:
             self._check_url(self._url())
@@ -527,9 +527,7 @@ class MySQLSink(Sink):
         )
 
     def _url(self) -> str:
-        if self.config.url is not None:
-            return secret(self.config.url) or ""
-        return os.environ.get(self.config.url_env or "", "")
+        return secret(self.config.url) or ""
 
     @staticmethod
     def _check_url(url: str) -> None:

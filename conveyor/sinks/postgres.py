@@ -15,12 +15,11 @@ import io
 import itertools
 import json
 import logging
-import os
 import re
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
@@ -41,6 +40,7 @@ from conveyor.sinks.base import (
     payload_columns,
     require,
     secret,
+    url_env_alias,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -71,7 +71,7 @@ class PostgresSinkConfig(SinkConfig):
     )
     url_env: str | None = Field(
         default=None,
-        description="Name of an environment variable holding the URL (instead of `url`).",
+        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")
@@ -102,6 +102,11 @@ class PostgresSinkConfig(SinkConfig):
     statement_timeout_ms: int = Field(
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return url_env_alias(data)
 
     def asset_key_path(self) -> list[str]:
         return ["postgres", _part(self.schema_), _part(self.table)]
@@ -149,9 +154,7 @@ class PostgresSink(Sink):
 
     def validate(self) -> None:
         c = self.config
-        require(
-            bool(c.url) != bool(c.url_env), "give exactly one of url and url_env", field="sink.url"
-        )
+        require(bool(c.url), "is required (a libpq URL, or ${env:NAME})", field="sink.url")
         require(bool(c.table.strip()), "must not be empty", field="sink.table")
         if c.columns is not None:
             require(bool(c.columns), "must map at least one column", field="sink.columns")
@@ -172,13 +175,9 @@ class PostgresSink(Sink):
             "a delete needs the key columns: set upsert_keys",
             field="sink.delete_enabled",
         )
-        if c.url_env and not os.environ.get(c.url_env):
-            raise ConfigError(f"environment variable {c.url_env} is not set", field="sink.url_env")
 
     def _dsn(self) -> str:
-        if self.config.url is not None:
-            return secret(self.config.url) or ""
-        return os.environ.get(self.config.url_env or "", "")
+        return secret(self.config.url) or ""
 
     def _connect(self) -> Any:
         import psycopg2
@@ -189,7 +188,8 @@ class PostgresSink(Sink):
                 self._dsn(),
                 connect_timeout=self.config.connect_timeout_s,
                 options=opts,
-                application_name="conveyor",
+                # "conveyor" unless the URL names the application (?application_name=...).
+                fallback_application_name="conveyor",
             )
         except psycopg2.OperationalError as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else "connection failed"

@@ -21,7 +21,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from conveyor.core.errors import AlreadyClaimedError, ConveyorError, FencedError
-from conveyor.core.model import Broker, ConnectorStatus, DesiredState, Offsets, TopicPartition
+from conveyor.core.model import (
+    Broker,
+    ConnectorStatus,
+    DesiredState,
+    HeartbeatReply,
+    Offsets,
+    TopicPartition,
+)
 from conveyor.core.state import StateChange
 from conveyor.store import schema as t
 
@@ -34,6 +41,22 @@ class StoreError(ConveyorError):
 
 class UnknownConnectorError(ConveyorError):
     """No connector of that name."""
+
+
+class NotStoppedError(ConveyorError):
+    """The operation needs a stopped connector (offsets are changed only when it is stopped)."""
+
+
+def offsets_editable(row: ConnectorRow) -> bool:
+    """Stopped (or failed) and meant to stay stopped: no run can commit meanwhile."""
+    return (
+        row.status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
+        and row.desired == DesiredState.STOPPED
+    )
+
+
+# Statuses in which a run holds the connector and heartbeats.
+LIVE_STATUSES = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.PAUSED)
 
 
 def conveyor_home() -> Path:
@@ -252,12 +275,24 @@ class MetaStore:
                     values.update(spec_json=spec_json, spec_hash=spec_hash)
                 if (
                     row.spec_error == error
-                    and row.spec_hash == spec_hash
+                    and (error is not None or row.spec_hash == spec_hash)
                     and row.spec_source == source
                 ):
                     return row
                 values["updated_at"] = now
-                if error and row.status != ConnectorStatus.ERROR:
+                if error and row.status in LIVE_STATUSES:
+                    # The run goes on with the last valid spec; the error is shown next to it.
+                    if row.spec_error != error:
+                        self._history(
+                            c,
+                            name,
+                            row.status,
+                            row.status,
+                            f"invalid spec (the run goes on with the last valid one): {error}",
+                            row.run_id,
+                            row.generation,
+                        )
+                elif error and row.status != ConnectorStatus.ERROR:
                     values.update(
                         status=ConnectorStatus.ERROR.value, status_since=now, last_error=error
                     )
@@ -313,7 +348,7 @@ class MetaStore:
         with self._tx() as c:
             row = self._get_for_update(c, name)
             values: dict[str, Any] = {"desired": desired.value, "updated_at": now}
-            if desired == DesiredState.RUNNING and row.status in (
+            if desired.wants_run and row.status in (
                 ConnectorStatus.STOPPED,
                 ConnectorStatus.ERROR,
             ):
@@ -454,7 +489,13 @@ class MetaStore:
                     run_id=run_id,
                     run_pid=pid,
                     run_host=host,
-                    desired=DesiredState.RUNNING.value,
+                    # A scheduled run of a paused connector keeps it paused; a launch by
+                    # hand (the UI) means "run it".
+                    desired=(
+                        row.desired.value
+                        if expected_generation is not None and row.desired.wants_run
+                        else DesiredState.RUNNING.value
+                    ),
                     heartbeat_at=None,
                     updated_at=now,
                 )
@@ -501,16 +542,20 @@ class MetaStore:
         status: ConnectorStatus = ConnectorStatus.RUNNING,
         reason: str | None = None,
         error: str | None = None,
-    ) -> DesiredState:
+    ) -> HeartbeatReply:
         """Record liveness and counters; moves Idle -> Running on the first one. Fenced.
 
-        Returns the desired state, so a run notices a CLI stop without waiting for the scheduler.
+        Returns the desired state and the stored spec's hash, so a run notices a stop, a
+        pause or a changed spec without waiting for the scheduler.
         """
         now = self.clock()
         with self._tx() as c:
             cur = c.execute(
                 sa.select(
-                    t.connectors.c.status, t.connectors.c.run_id, t.connectors.c.desired
+                    t.connectors.c.status,
+                    t.connectors.c.run_id,
+                    t.connectors.c.desired,
+                    t.connectors.c.spec_hash,
                 ).where(t.connectors.c.name == name, t.connectors.c.generation == generation)
             ).first()
             if cur is None:
@@ -542,7 +587,7 @@ class MetaStore:
                 .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
                 .values(**values)
             )
-            return DesiredState(cur.desired)
+            return HeartbeatReply(DesiredState(cur.desired), cur.spec_hash)
 
     def release(
         self,
@@ -568,28 +613,52 @@ class MetaStore:
         q = sa.select(t.offsets).where(t.offsets.c.connector == name)
         return {TopicPartition(r.topic, r.partition): int(r.next_offset) for r in c.execute(q)}
 
-    def reset_offsets(self, name: str, offsets: Offsets, *, replace: bool = False) -> None:
-        """Set offsets by hand (CLI). Refused unless the connector is stopped and no run is live."""
+    def reset_offsets(
+        self,
+        name: str,
+        offsets: Offsets,
+        *,
+        replace: bool = False,
+        forget: Iterable[TopicPartition] = (),
+        reason: str | None = None,
+    ) -> None:
+        """Set offsets by hand (CLI, API). Refused unless the connector is stopped.
+
+        ``replace``: every stored offset goes first (the connector starts over from
+        ``source.start_from`` where ``offsets`` names no partition); ``forget``: those
+        partitions' offsets go (KIP-875's ``"offset": null``).
+        """
         now = self.clock()
+        forget = list(forget)
         with self._tx() as c:
             row = self._get_for_update(c, name)
-            if (
-                row.status not in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
-                or row.desired != DesiredState.STOPPED
-            ):
-                raise ConveyorError(
+            if not offsets_editable(row):
+                raise NotStoppedError(
                     f"connector {name!r} is {row.status.value} (desired {row.desired.value}); "
-                    "stop it first (`conveyor connector stop`), then reset offsets"
+                    "offsets can be changed only when it is stopped: stop it first"
                 )
             if replace:
                 c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
+            for tp in forget:
+                c.execute(
+                    t.offsets.delete().where(
+                        t.offsets.c.connector == name,
+                        t.offsets.c.topic == tp.topic,
+                        t.offsets.c.partition == tp.partition,
+                    )
+                )
             self._upsert_offsets(c, name, row.generation, offsets, now)
+            what = _fmt_offsets(offsets) or "-"
+            if forget:
+                what += "; forgotten: " + ", ".join(str(tp) for tp in sorted(forget))
+            if replace:
+                what = "all cleared" + (f", then {what}" if offsets else "")
             self._history(
                 c,
                 name,
                 row.status,
                 row.status,
-                f"offsets reset: {_fmt_offsets(offsets)}",
+                f"{reason or 'offsets reset'}: {what}",
                 None,
                 row.generation,
             )

@@ -67,10 +67,20 @@ class DagsterHarness:
         return path
 
     def reload(self) -> None:
+        """Reload the code location, then sync the spec files into the meta store.
+
+        This harness runs no daemon, so no scheduler sensor syncs the files (loading the
+        code location never touches the store): the sync is the sensor's own
+        ``sync_files``, as its next tick would do it.
+        """
         from dagster_graphql import ReloadRepositoryLocationStatus
+
+        from conveyor.sensors.scheduler import SpecSources
+        from conveyor.specs import sync_files
 
         info = self.client.reload_repository_location(LOCATION)
         assert info.status == ReloadRepositoryLocationStatus.SUCCESS, info.message
+        sync_files(self.store, SpecSources(self.connectors).scan())
 
     def launch(self, connector: str, tags: dict[str, str] | None = None) -> str:
         return self.client.submit_job_execution(

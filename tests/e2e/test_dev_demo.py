@@ -63,7 +63,7 @@ class Dev:
 @pytest.fixture(scope="module")
 def dev() -> Iterator[Dev]:
     cwd = Path(tempfile.mkdtemp(prefix="conveyor-dev-"))
-    ports = {"kafka": free_port(), "ui": free_port(), "spark": free_port()}
+    ports = {"kafka": free_port(), "ui": free_port(), "spark": free_port(), "api": free_port()}
     env = {
         k: v
         for k, v in os.environ.items()
@@ -74,7 +74,7 @@ def dev() -> Iterator[Dev]:
     # The README's second command, on free ports, from a fresh directory.
     proc = subprocess.Popen(
         [exe, "dev", "--kafka-port", str(ports["kafka"]), "--port", str(ports["ui"])]
-        + ["--spark-port", str(ports["spark"]), "--rate", "200"],
+        + ["--spark-port", str(ports["spark"]), "--api-port", str(ports["api"]), "--rate", "200"],
         cwd=cwd,
         env=env,
         stdout=log,
@@ -120,9 +120,17 @@ def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: D
     assert f"Spark Connect ready at sc://127.0.0.1:{dev.ports['spark']}" in full_log, dev.log()
     wait_for(lambda: dev.lines() >= 200, 60, "demo orders in .conveyor/out/orders")
     wait_for(lambda: sum(dev.store.committed_offsets(DEMO).values()) > 0, 30, "offsets committed")
-    # The CLI shows it, as the README says.
+    # The CLI shows it, as the README says, and so does the REST API.
     r = dev.cli("connector", "list")
     assert r.returncode == 0 and DEMO in r.stdout and "Running" in r.stdout, r.stdout + r.stderr
+    token = (dev.home / "api-token").read_text().strip()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{dev.ports['api']}/connectors/{DEMO}/status",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        status = json.loads(resp.read())
+    assert status["connector"]["state"] == "RUNNING" and status["tasks"][0]["worker_id"] == "local"
     # The lineage is in the code location: topic -> files -> dead letters.
     keys = {
         "/".join(n["assetKey"]["path"])

@@ -298,3 +298,143 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
         assert key in plots, (key, plots)
     assert "offsets" not in plots  # JSON metadata is not plotted
     assert "Description" in chromium.js("document.body.innerText")
+
+
+@pytest.fixture
+def rest_api(dagster: DagsterHarness):
+    """``conveyor serve`` over the test instance's store and connectors; it reloads the location."""
+    import signal as _signal
+    import sys
+
+    from conveyor.ports import free_port, port_open
+
+    port = free_port()
+    token = uuid.uuid4().hex
+    env = {
+        **dagster.env,
+        "CONVEYOR_API_TOKEN": token,
+        "CONVEYOR_DAGSTER_URL": f"http://127.0.0.1:{dagster.port}",
+    }
+    log = open(dagster.home / f"api-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "conveyor"), "serve", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 60, "the API")
+        assert proc.poll() is None
+
+        def call(method: str, path: str, **kw: Any) -> Any:
+            import requests
+
+            return requests.request(
+                method,
+                f"http://127.0.0.1:{port}{path}",
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=60,
+                **kw,
+            )
+
+        yield call
+    finally:
+        os.killpg(proc.pid, _signal.SIGTERM)
+        proc.wait(20)
+        log.close()
+
+
+def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_over_the_api(
+    dagster: DagsterHarness, chromium: Chromium, rest_api, tansu, topic_name, tmp_path
+):
+    name = f"ui_api_{uuid.uuid4().hex[:6]}"
+    out = tmp_path / f"{name}_out"
+    produce(tansu, topic_name, 400)
+    r = rest_api(
+        "POST",
+        "/connectors",
+        json={
+            "name": name,
+            "config": {
+                "description": "Created over the REST API, launched from the UI.",
+                "source": {"topics": [topic_name]},
+                "batch": {"max_records": 100, "max_wait_ms": 200},
+                "sink": {"type": "localfile", "path": str(out)},
+            },
+        },
+    )
+    assert r.status_code == 201, r.text
+    job = f"connector__{name}"
+
+    def jobs() -> set[str]:
+        data = graphql(
+            dagster,
+            "{ repositoriesOrError { ... on RepositoryConnection { nodes { jobs { name } } } } }",
+        )
+        return {j["name"] for n in data["data"]["repositoriesOrError"]["nodes"] for j in n["jobs"]}
+
+    # No reload by hand: the API asked the webserver for it.
+    wait_for(lambda: job in jobs(), 120, f"{job} in the code location")
+    assert graphql(dagster, "mutation { setNuxSeen }")["data"]["setNuxSeen"] is True
+    base = f"http://127.0.0.1:{dagster.port}"
+
+    # Launch it from the UI's launchpad, as a user does.
+    chromium.goto(f"{base}/locations/{LOCATION}/jobs/{job}/playground")
+    launch = (
+        "Array.from(document.querySelectorAll('button'))"
+        ".find(b => /^launch run$/i.test(b.textContent.trim()) && !b.disabled)"
+    )
+    chromium.wait_js(f"!!document.body && !!{launch}", 60, "the Launch Run button")
+    chromium.js(f"{launch}.click()")
+    run_id = chromium.wait_js(
+        "(location.pathname.match(/\\/runs\\/([0-9a-f-]{36})/) || [])[1] || null",
+        60,
+        "the run page after the launch",
+    )
+    wait_for(lambda: files_lines(out) == 400, 120, "400 lines from the UI-launched run")
+    status = rest_api("GET", f"/connectors/{name}/status").json()
+    assert status["connector"]["state"] == "RUNNING"
+    assert status["conveyor"]["run_id"] == run_id  # the UI's run holds the connector
+
+    # Pause and resume over the API: same run, nothing read meanwhile, then on again.
+    assert rest_api("PUT", f"/connectors/{name}/pause").status_code == 202
+    wait_for(
+        lambda: (
+            rest_api("GET", f"/connectors/{name}/status").json()["connector"]["state"] == "PAUSED"
+        ),
+        30,
+        "PAUSED",
+    )
+    produce(tansu, topic_name, 100, start=400)
+    hb = dagster.store.get(name).heartbeat_at or 0
+    wait_for(lambda: (dagster.store.get(name).heartbeat_at or 0) > hb + 2, 30, "paused heartbeats")
+    assert files_lines(out) == 400
+    assert dagster.run_status(run_id) == "STARTED"
+    chromium.goto(f"{base}/runs/{run_id}")
+    chromium.wait_js(
+        f"!!document.body && document.body.innerText.includes({json.dumps(f'connector {name}')})",
+        60,
+        "the run's log in the UI",
+    )
+    assert rest_api("PUT", f"/connectors/{name}/resume").status_code == 202
+    wait_for(lambda: files_lines(out) == 500, 60, "500 lines after the resume")
+
+    # Stop over the API: the run ends by itself and the UI shows it finished.
+    assert rest_api("PUT", f"/connectors/{name}/stop").status_code == 204
+    assert dagster.wait_status(run_id, {"SUCCESS", "FAILURE", "CANCELED"}, 60) == "SUCCESS"
+    chromium.goto(f"{base}/runs/{run_id}")
+    chromium.wait_js(
+        "!!document.body && document.body.innerText.includes('Success')",
+        60,
+        "the run shown Success",
+    )
+    time.sleep(1)  # let the log view settle
+    shot = img_dir(tmp_path) / "ui-launched-connector.png"
+    chromium.screenshot(shot)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The run's log (what the UI's run page lists) says what happened to it.
+    log = dagster.run_log(run_id, tail=400)
+    assert f"connector {name}: Paused (paused)" in log
+    assert f"connector {name}: Running (resumed)" in log
+    assert rest_api("GET", f"/connectors/{name}/status").json()["connector"]["state"] == "STOPPED"

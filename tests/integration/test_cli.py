@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -32,6 +33,15 @@ def meta_url(request, tmp_path, pg_url) -> Iterator[str]:
     admin.dispose()
 
 
+@pytest.fixture(autouse=True)
+def connectors_dir(tmp_path, monkeypatch) -> Path:
+    """`connector apply` copies specs here (never into the checkout's .conveyor)."""
+    d = tmp_path / "connectors"
+    monkeypatch.setenv("CONVEYOR_CONNECTORS_DIR", str(d))
+    monkeypatch.setenv("CONVEYOR_HOME", str(tmp_path / "home"))
+    return d
+
+
 def cli(meta_url: str, *args: str, input: str | None = None):
     # A wide, fixed terminal: tables are not folded whatever runs the tests.
     return CliRunner(env={"COLUMNS": "200"}).invoke(
@@ -51,6 +61,12 @@ def test_apply_list_show_start_stop_history_delete(meta_url, tmp_path):
     spec.write_text(SPEC)
     r = cli(meta_url, "connector", "apply", "-f", str(spec))
     assert r.exit_code == 0 and "orders applied (Idle, desired running)" in r.output
+    # The spec is copied into the connectors directory (where the code location reads it);
+    # the store keeps it with the password masked.
+    copied = tmp_path / "connectors" / "orders.yaml"
+    assert "secret" in copied.read_text()
+    row = MetaStore(meta_url).get("orders")
+    assert row.spec_source == str(copied) and "secret" not in (row.spec_json or "")
 
     r = cli(meta_url, "connector", "list", "--json")
     [row] = json.loads(r.output)
@@ -77,9 +93,15 @@ def test_apply_list_show_start_stop_history_delete(meta_url, tmp_path):
         and "started from the CLI" in r.output
     )
 
+    r = cli(meta_url, "connector", "pause", "orders")
+    assert r.exit_code == 0 and MetaStore(meta_url).get("orders").desired.value == "paused"
+    r = cli(meta_url, "connector", "resume", "orders")
+    assert r.exit_code == 0 and MetaStore(meta_url).get("orders").desired.value == "running"
+
     r = cli(meta_url, "connector", "delete", "orders", "--yes")
     assert r.exit_code == 0
     assert MetaStore(meta_url).list() == []
+    assert not copied.exists()  # deleted with its file: no re-creation on the next scan
 
 
 def test_bad_spec_and_unknown_connector_exit_non_zero_with_a_message(meta_url, tmp_path):
@@ -88,7 +110,7 @@ def test_bad_spec_and_unknown_connector_exit_non_zero_with_a_message(meta_url, t
     r = cli(meta_url, "connector", "apply", "-f", str(bad))
     assert r.exit_code == 1 and "did you mean 'postgres'?" in r.output
     r = cli(meta_url, "connector", "show", "nope")
-    assert r.exit_code == 1 and "no connector named 'nope'" in r.output
+    assert r.exit_code == 1 and "connector 'nope' not found" in r.output
     assert "Traceback" not in r.output
 
 
@@ -217,7 +239,7 @@ def test_dead_letters_replay_exits_non_zero_when_letters_fail_again(
 
 def test_dead_letters_replay_of_unknown_connector_fails(meta_url):
     r = cli(meta_url, "dead-letters", "replay", "nope")
-    assert r.exit_code == 1 and "no connector named 'nope'" in r.output
+    assert r.exit_code == 1 and "connector 'nope' not found" in r.output
 
 
 def test_offsets_reset_to_the_end_or_from_another_consumer_group(tmp_path, tansu):

@@ -50,7 +50,14 @@ def test_code_location_loads_with_broken_specs_and_reports_them(env: Path, tmp_p
     defs = build()
     jobs = {j.name for j in defs.resolve_all_job_defs()}
     assert {"connector__orders", "connector__clicks"} <= jobs
+    # Loading the code location reads files only: no meta store yet.
+    assert not (tmp_path / "meta.db").exists()
+    # The scheduler sensor syncs the files into the store on its next tick.
+    from conveyor.sensors.scheduler import SpecSources
+    from conveyor.specs import sync_files
+
     store = MetaStore()
+    sync_files(store, SpecSources(env).scan())
     rows = {r.name: r for r in store.list()}
     assert rows["orders"].status == ConnectorStatus.IDLE
     bad = {n: rows[n] for n in ("broken_yaml", "missing_field", "unknown_sink")}
@@ -85,3 +92,23 @@ def test_asset_graph_for_two_connectors(env: Path, tmp_path: Path):
         connector = dep.path[1]
         assert node.group_name == f"connector_{connector}"
         assert graph.get(AssetKey(["dead_letters", connector])).parent_keys == {sk}
+
+
+def test_settings_from_the_environment_are_dagster_env_vars(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from dagster import EnvVar
+
+    monkeypatch.setenv("CONVEYOR_META_URL", f"sqlite:///{tmp_path / 'other.db'}")
+    monkeypatch.setenv("CONVEYOR_KAFKA_BOOTSTRAP", "k1:9092")
+    monkeypatch.delenv("CONVEYOR_SPARK_REMOTE", raising=False)
+    defs = build()
+    resource = defs.resources["conveyor"]
+    # The UI shows the variable's name, not the URL (it may hold a password).
+    assert (
+        isinstance(resource.meta_url, EnvVar)
+        and resource.meta_url.env_var_name == "CONVEYOR_META_URL"
+    )
+    assert isinstance(resource.kafka_bootstrap, EnvVar)
+    assert resource.spark_remote is None  # unset variables stay unset
+    assert not (tmp_path / "other.db").exists()  # and loading opened no store

@@ -9,7 +9,14 @@ import pytest
 import sqlalchemy as sa
 
 from conveyor.core.errors import AlreadyClaimedError, ConveyorError, FencedError
-from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.model import (
+    Broker,
+    ConnectorStatus,
+    DesiredState,
+    HeartbeatReply,
+    TopicPartition,
+)
+from conveyor.core.state import StateChange
 from conveyor.store import schema as t
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 
@@ -143,14 +150,55 @@ def test_release_records_final_state_and_stopped_sets_desired(store):
     assert reasons[0] == "run terminated"
 
 
-def test_heartbeat_returns_desired_state(store):
+def test_heartbeat_returns_desired_state_and_the_stored_spec_hash(store):
     add(store)
     g = store.claim(
         "c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False
     ).generation
-    assert store.heartbeat("c1", g, {}) == DesiredState.RUNNING
+    assert store.heartbeat("c1", g, {}) == HeartbeatReply(DesiredState.RUNNING, "h1")
+    store.set_desired("c1", DesiredState.PAUSED)
+    assert store.heartbeat("c1", g, {}).desired == DesiredState.PAUSED
+    store.sync_spec("c1", spec_json='{"name": "c1"}', spec_hash="h2", source="s", error=None)
+    assert store.heartbeat("c1", g, {}, status=ConnectorStatus.PAUSED) == HeartbeatReply(
+        DesiredState.PAUSED, "h2"
+    )
+    assert store.get("c1").status == ConnectorStatus.PAUSED
     store.set_desired("c1", DesiredState.STOPPED)
-    assert store.heartbeat("c1", g, {}) == DesiredState.STOPPED
+    assert store.heartbeat("c1", g, {}).desired == DesiredState.STOPPED
+
+
+def test_a_scheduled_claim_keeps_a_paused_connector_paused_a_launch_by_hand_runs_it(store):
+    add(store)
+    store.set_desired("c1", DesiredState.PAUSED)
+    g = store.assign("c1", "b1", expected_generation=0, reason="t")
+    store.claim("c1", run_id="r1", expected_generation=g, holder_alive=lambda r: False)
+    assert store.get("c1").desired == DesiredState.PAUSED
+    store.claim("c1", run_id="r2", expected_generation=None, holder_alive=lambda r: False)
+    assert store.get("c1").desired == DesiredState.RUNNING
+
+
+def test_an_invalid_new_spec_leaves_a_live_connector_running_with_the_error_shown(store):
+    add(store)
+    g = store.claim(
+        "c1", run_id="r1", expected_generation=None, holder_alive=lambda r: False
+    ).generation
+    store.heartbeat("c1", g, {})
+    row = store.sync_spec("c1", spec_json=None, spec_hash=None, source="s", error="bad field")
+    assert row.status == ConnectorStatus.RUNNING and row.spec_error == "bad field"
+    assert row.spec_hash == "h1"  # the last valid spec stays
+    assert "invalid spec (the run goes on with the last valid one)" in store.history("c1")[0].reason
+
+
+def test_offsets_forget_and_replace(store):
+    add(store)
+    store.set_desired("c1", DesiredState.STOPPED)
+    store.apply("c1", None, StateChange(status=ConnectorStatus.STOPPED), "t")
+    tp1 = TopicPartition("t", 1)
+    store.reset_offsets("c1", {TP: 5, tp1: 9})
+    store.reset_offsets("c1", {}, forget=[tp1])
+    assert store.committed_offsets("c1") == {TP: 5}
+    store.reset_offsets("c1", {}, replace=True)
+    assert store.committed_offsets("c1") == {}
 
 
 def test_offsets_reset_only_when_stopped(store):

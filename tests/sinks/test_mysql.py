@@ -112,7 +112,7 @@ class TestMySQLContract(SinkContract):
         ({"url": "mysql://root@127.0.0.1:3306/"}, "url"),
         ({"url": None}, "url"),
         ({"host": "127.0.0.1"}, "url"),
-        ({"url": None, "url_env": "CONVEYOR_NO_SUCH_VARIABLE_1"}, "url_env"),
+        ({"url_env": "CONVEYOR_TEST_MYSQL_SINK_URL"}, "url_env"),  # both url and url_env
         ({"user": "root"}, "user"),
         ({"rows_per_statement": 0}, "rows_per_statement"),
         ({"connect_timeout_s": 0}, "connect_timeout_s"),
@@ -604,11 +604,19 @@ def test_missing_insert_privilege_is_permanent(table: str) -> None:
 def test_url_env_and_host_fields(table: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name TEXT, amount DOUBLE)")
     monkeypatch.setenv("CONVEYOR_TEST_MYSQL_SINK_URL", MYSQL_URL)
+    from conveyor.specs import from_mapping, resolved
+
     for cfg in (
         {"url_env": "CONVEYOR_TEST_MYSQL_SINK_URL"},
         {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"},
     ):
-        s = _sink(table, **{"url": None, **cfg})
+        # As a run builds it: url_env is ${env:...}, resolved in the run.
+        raw = {"type": "mysql", "table": table, **cfg}
+        ls = from_mapping(
+            {"name": "c", "source": {"topics": ["t"]}, "sink": raw}, source="t", fallback_name="c"
+        )
+        s = build_sink(resolved(ls).sink)
+        assert isinstance(s, MySQLSink)
         assert s.config.asset_key_path() == ["mysql", "test", table]
         s.init_sink()
         try:

@@ -114,7 +114,10 @@ def test_secrets_come_from_the_environment_or_a_file_read_at_each_use(
     f.write_text("v2")
     assert resolve_secret(f"${{file:{f}}}", field="f") == "v2"  # a rotated file is read again
     monkeypatch.delenv("KAFKA_PW")
-    with pytest.raises(ConfigError, match="source.sasl_password: environment variable KAFKA_PW"):
+    with pytest.raises(
+        ConfigError,
+        match=r"source.sasl_password: \$\{env:KAFKA_PW\}: environment variable KAFKA_PW is not set",
+    ):
         resolve_secret("${env:KAFKA_PW}", field="source.sasl_password")
     with pytest.raises(ConfigError, match="cannot read"):
         resolve_secret(f"${{file:{tmp_path / 'missing'}}}", field="f")

@@ -139,7 +139,8 @@ def test_passwords_are_references_never_values(monkeypatch: pytest.MonkeyPatch) 
     assert "hunter2" not in repr(s.config) and "hunter2" not in s.describe()
     monkeypatch.delenv("SINK_KAFKA_PW2")
     with pytest.raises(
-        ConfigError, match="sink.sasl_password: environment variable SINK_KAFKA_PW2 is not set"
+        ConfigError,
+        match=r"sink.sasl_password: \$\{env:SINK_KAFKA_PW2\}: environment variable SINK_KAFKA_PW2 is not set",
     ):
         producer_kwargs(s.config)
 

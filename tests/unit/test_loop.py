@@ -18,6 +18,7 @@ from conveyor.core.errors import (
 from conveyor.core.loop import (
     ConnectorLoop,
     DataPolicyError,
+    Directive,
     LoopConfig,
     OutageBudgetExceeded,
     Rejected,
@@ -595,3 +596,159 @@ def test_heartbeat_reports_high_watermarks_per_partition_when_the_source_knows_t
 def test_heartbeat_has_no_high_watermarks_when_the_source_has_none():
     loop, _, _, _, _, _ = make_loop([source_batch(0, 10)])
     assert run_loop(loop).highwaters is None
+
+
+class EndlessSource:
+    """Batches of 10 on demand; counts reads (thread-safe enough: one reader thread)."""
+
+    def __init__(self):
+        self.next = 0
+        self.reads = 0
+        self.closed = 0
+
+    def read(self, policy):
+        self.reads += 1
+        b = source_batch(self.next, 10)
+        self.next += 10
+        return b
+
+    def lag(self, committed):
+        return 0
+
+    def close(self):
+        self.closed += 1
+
+
+class ScriptedCommitter:
+    """Answers each heartbeat with ``directive`` (set by the test); records what it saw."""
+
+    def __init__(self):
+        import threading
+
+        self.directive = Directive.RUN
+        self.offsets: dict = {}
+        self.heartbeats: list = []
+        self.changed = threading.Condition()
+
+    def commit(self, offsets):
+        with self.changed:
+            self.offsets.update(offsets)
+            self.changed.notify_all()
+
+    def heartbeat(self, counters, status, reason):
+        with self.changed:
+            self.heartbeats.append((status, reason))
+            self.changed.notify_all()
+        return self.directive
+
+    def wait(self, predicate, what, timeout=30.0):
+        with self.changed:
+            assert self.changed.wait_for(predicate, timeout), f"timed out waiting for {what}"
+
+
+def run_in_thread(loop):
+    import threading
+
+    result: dict = {}
+
+    def target():
+        try:
+            result["counters"] = run_loop(loop)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            result["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, result
+
+
+def test_pause_holds_the_assignment_reads_nothing_heartbeats_and_resumes_where_it_was():
+    source = EndlessSource()
+    sink = FakeSink(Events())
+    committer = ScriptedCommitter()
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), paused_poll_s=0.01),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+    )
+    thread, result = run_in_thread(loop)
+    committer.wait(lambda: committer.offsets.get(TP0, 0) >= 30, "three batches committed")
+    committer.directive = Directive.PAUSE
+    paused = lambda: [h for h in committer.heartbeats if h[0] == ConnectorStatus.PAUSED]  # noqa: E731
+    committer.wait(lambda: len(paused()) >= 2, "the loop heartbeating as Paused")
+    reads, delivered = source.reads, len(sink.rows)
+    committer.wait(lambda: len(paused()) >= 40, "forty more heartbeats while paused")
+    # At most a read that had already started when the pause landed; nothing is sent.
+    assert source.reads - reads <= 1
+    assert len(sink.rows) == delivered
+    assert ("Paused", "paused") in [(s.value, r) for s, r in committer.heartbeats]
+    committer.directive = Directive.RUN
+    committer.wait(lambda: committer.offsets.get(TP0, 0) >= delivered + 50, "delivery resumed")
+    assert (ConnectorStatus.RUNNING, "resumed") in committer.heartbeats
+    committer.directive = Directive.STOP
+    thread.join(30)
+    assert not thread.is_alive() and "error" not in result, result
+    # Nothing lost or repeated across the pause: every offset once, in order.
+    assert sink.rows == list(range(len(sink.rows)))
+    assert committer.offsets[TP0] == len(sink.rows)
+
+
+def test_a_connector_paused_from_its_first_heartbeat_reads_nothing_until_resumed():
+    source = EndlessSource()
+    sink = FakeSink(Events())
+    committer = ScriptedCommitter()
+    committer.directive = Directive.PAUSE
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), paused_poll_s=0.01),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={TP0: 500},
+    )
+    thread, _ = run_in_thread(loop)
+    committer.wait(lambda: len(committer.heartbeats) >= 20, "heartbeats while paused")
+    assert source.reads == 0 and sink.rows == []
+    committer.directive = Directive.STOP
+    thread.join(30)
+    assert not thread.is_alive() and source.closed == 1 and sink.cleanups == 1
+
+
+def test_reconfigure_ends_the_loop_at_a_batch_boundary_with_everything_acknowledged_committed():
+    source = EndlessSource()
+    sink = FakeSink(Events())
+    committer = ScriptedCommitter()
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10)),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+    )
+    thread, result = run_in_thread(loop)
+    committer.wait(lambda: committer.offsets.get(TP0, 0) >= 20, "two batches committed")
+    committer.directive = Directive.RECONFIGURE
+    thread.join(30)
+    assert not thread.is_alive() and "error" not in result, result
+    assert loop.reconfigure_requested
+    # Every row the sink acknowledged is committed; read-ahead batches are dropped uncommitted.
+    assert committer.offsets[TP0] == len(sink.rows) and sink.rows == list(range(len(sink.rows)))
+    assert sink.cleanups == 1 and source.closed == 1
+    # The next loop (the new spec) goes on from the committed offsets and the counters.
+    nxt = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), prefetch=False),
+        source=FakeSource([source_batch(committer.offsets[TP0], 10)], Events()),
+        transform=json_transform,
+        sink=sink,
+        committer=FakeCommitter(Events()),
+        committed=dict(committer.offsets),
+        counters=result["counters"],
+        stop_requested=lambda: len(sink.rows) >= committer.offsets[TP0] + 10,
+    )
+    counters = run_loop(nxt)
+    assert sink.rows == list(range(len(sink.rows)))
+    assert counters.messages_out == result["counters"].messages_out + 10

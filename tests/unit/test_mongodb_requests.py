@@ -369,8 +369,21 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
     ({"write_mode": "merge"}, "write_mode"),
     ({"metadata_field": "_id"}, "metadata_field"),
     ({"server_selection_timeout_ms": 1}, "server_selection_timeout_ms"),
-    ({"url": None, "url_env": "CONVEYOR_SURELY_UNSET_VARIABLE"}, "url_env"),
+    ({"url_env": "X"}, "url_env"),  # both url and url_env
 ]
+
+
+def test_an_unset_url_env_is_reported_in_the_run_naming_the_field() -> None:
+    from conveyor.specs import from_mapping, resolved
+
+    raw = {**BASE, "url": None, "url_env": "CONVEYOR_SURELY_UNSET_VARIABLE"}
+    ls = from_mapping(
+        {"name": "c", "source": {"topics": ["t"]}, "sink": raw}, source="t.yaml", fallback_name="c"
+    )
+    assert ls.ok, ls.error
+    with pytest.raises(ConfigError) as err:
+        resolved(ls)
+    assert "sink.url: ${env:CONVEYOR_SURELY_UNSET_VARIABLE}: environment variable" in str(err.value)
 
 
 @pytest.mark.parametrize(("override", "field_name"), BAD_FIELDS)

@@ -295,11 +295,38 @@ def test_host_fields() -> None:
     assert "pw" not in json.dumps(s.config.redacted())
 
 
-def test_url_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def live_sink(raw: dict[str, Any]) -> MySQLSink:
+    """The sink as a run builds it: references resolved, then validated."""
+    from conveyor.specs import from_mapping, resolved
+
+    ls = from_mapping(
+        {"name": "c", "source": {"topics": ["t"]}, "sink": raw}, source="t.yaml", fallback_name="c"
+    )
+    assert ls.ok, ls.error
+    s = build_sink(resolved(ls).sink)
+    assert isinstance(s, MySQLSink)
+    return s
+
+
+def test_url_env_is_an_alias_of_an_env_reference_read_only_in_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("MYSQL_SINK_URL", "mysql://u:pw@h/shop")
-    s = sink(url=None, url_env="MYSQL_SINK_URL")
+    raw = {k: v for k, v in BASE.items() if k != "url"} | {"url_env": "MYSQL_SINK_URL"}
+    cfg = parse_sink_config(raw)
+    assert cfg.url is not None and cfg.url.get_secret_value() == "${env:MYSQL_SINK_URL}"
+    # Outside the run the variable is not read: the database is unknown to the asset key.
+    assert cfg.asset_key_path() == ["mysql", "default", "orders"]
+    s = live_sink(raw)
     assert s.connect_kwargs()["database"] == "shop"
     assert s.config.asset_key_path() == ["mysql", "shop", "orders"]
+
+
+def test_an_unset_url_env_is_reported_in_the_run_naming_the_field() -> None:
+    raw = {k: v for k, v in BASE.items() if k != "url"} | {"url_env": "CONVEYOR_SURELY_UNSET_VAR"}
+    with pytest.raises(ConfigError) as err:
+        live_sink(raw)
+    assert "sink.url: ${env:CONVEYOR_SURELY_UNSET_VAR}: environment variable" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -307,12 +334,11 @@ def test_url_env(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ({"url": None}, "sink.url"),
         ({"host": "h"}, "sink.url"),
-        ({"url_env": "X"}, "sink.url"),
+        ({"url_env": "X"}, "url_env"),
         ({"url": "http://h/db"}, "sink.url"),
         ({"url": "mysql:///db"}, "sink.url"),
         ({"url": "mysql://h:99999/db"}, "sink.url"),
         ({"url": "mysql://h:3306"}, "sink.url"),
-        ({"url": None, "url_env": "CONVEYOR_SURELY_UNSET_VAR"}, "sink.url_env"),
         ({"url": None, "host": "h"}, "sink.database"),
         ({"url": None, "host": " ", "database": "d"}, "sink.host"),
         ({"password": "pw"}, "sink.password"),
@@ -415,5 +441,5 @@ def test_the_docs_example_is_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> 
     (block,) = re.findall(r"```yaml\n(sink:.*?)```", doc, re.S)
     raw = yaml.safe_load(block)["sink"]
     monkeypatch.setenv(raw["url_env"], "mysql://conveyor:pw@db-1:3306/shop")
-    s = build_sink(raw)
-    assert isinstance(s, MySQLSink) and s.config.asset_key_path() == ["mysql", "shop", "orders"]
+    s = live_sink(raw)
+    assert s.config.asset_key_path() == ["mysql", "shop", "orders"]

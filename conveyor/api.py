@@ -1,0 +1,391 @@
+"""The REST API: Kafka Connect's management surface over Conveyor (``conveyor serve``).
+
+Starlette on uvicorn. Every route is a thin translation of one call of
+``conveyor.operations`` (the same calls the CLI makes) into HTTP:
+
+=======================================  =========================================
+``GET /connectors[?expand=status|info]``  names, or name -> {status, info}
+``POST /connectors``                      create ``{"name", "config"}`` (201)
+``GET /connectors/{name}``                info: name, config, tasks, type
+``GET|PUT /connectors/{name}/config``     the spec (secrets redacted) / create or update
+``GET /connectors/{name}/status``         state, tasks, worker (broker executor), trace
+``PUT /connectors/{name}/pause|resume``   202
+``PUT /connectors/{name}/stop``           204
+``POST /connectors/{name}/restart``       204
+``DELETE /connectors/{name}``             204 (spec file, state and offsets)
+``GET|PATCH|DELETE .../offsets``          KIP-875; changes only when stopped
+``GET .../dead-letters``, ``.../destination``, ``.../history``, ``.../tasks``
+``GET /health``, ``GET /ready``           no token needed (probes)
+``GET /metrics``                          Prometheus text
+=======================================  =========================================
+
+Errors are JSON ``{"error_code": <http status>, "message": "..."}``. Every route but
+``/health`` and ``/ready`` wants ``Authorization: Bearer <token>``; the token comes
+from ``$CONVEYOR_API_TOKEN`` or a file (``$CONVEYOR_API_TOKEN_FILE``). Specs in
+answers are redacted: ``${env:...}`` references are shown, secrets never.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from conveyor.core.errors import ConfigError, ConveyorError
+from conveyor.operations import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    Operations,
+)
+from conveyor.store.meta import StoreError
+
+log = logging.getLogger("conveyor.api")
+
+TOKEN_ENV = "CONVEYOR_API_TOKEN"
+TOKEN_FILE_ENV = "CONVEYOR_API_TOKEN_FILE"
+DEFAULT_PORT = 8083  # Kafka Connect's
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+
+
+class TokenError(ConveyorError):
+    """No usable API token configured."""
+
+
+def load_token(token_file: Path | None = None) -> str | None:
+    """The bearer token: ``token_file``, else ``$CONVEYOR_API_TOKEN_FILE``, else ``$CONVEYOR_API_TOKEN``."""
+    path = token_file or (
+        Path(os.environ[TOKEN_FILE_ENV]) if os.environ.get(TOKEN_FILE_ENV) else None
+    )
+    if path is not None:
+        try:
+            token = path.read_text().strip()
+        except OSError as e:
+            raise TokenError(f"cannot read the API token file {path}: {e.strerror}") from None
+        if not token:
+            raise TokenError(f"the API token file {path} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error_code": status, "message": message}, status, headers=headers)
+
+
+class BearerAuth(BaseHTTPMiddleware):
+    """``Authorization: Bearer <token>`` on every path but the probes; 401 with a reason."""
+
+    def __init__(self, app: Any, token: str | None):
+        super().__init__(app)
+        self.token = token
+
+    async def dispatch(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if self.token is None or request.url.path in PUBLIC_PATHS:
+            return await call_next(request)
+        header = request.headers.get("authorization", "")
+        challenge = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
+        if not header:
+            return error(
+                401,
+                "missing credentials: send the header 'Authorization: Bearer <token>'",
+                challenge,
+            )
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return error(
+                401,
+                "unsupported Authorization scheme: send 'Authorization: Bearer <token>'",
+                challenge,
+            )
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            return error(401, "invalid bearer token", challenge)
+        return await call_next(request)
+
+
+def _conveyor_version() -> str:
+    try:
+        return version("conveyor")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        raise InvalidRequestError("the request has no body; expected JSON")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Starlette:
+    """The API over the operations ``ops_factory()`` gives (one per request: cheap, stateless)."""
+
+    def ops() -> Operations:
+        return ops_factory()
+
+    async def root(request: Request) -> Response:
+        return JSONResponse(
+            {"version": _conveyor_version(), "commit": None, "kafka_cluster_id": None}
+        )
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(
+            {"status": "healthy", "message": "the REST API is up and serving requests"}
+        )
+
+    def ready(request: Request) -> Response:
+        checks: dict[str, str] = {}
+        o = ops()
+        try:
+            o.store.schema_version()
+            checks["meta_store"] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported in the answer
+            checks["meta_store"] = f"unavailable: {type(e).__name__}: {e}"
+        checks["connectors_dir"] = (
+            "ok" if o.directory.is_dir() else f"{o.directory} is not a directory"
+        )
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse(
+            {"status": "ready" if ok else "not ready", "checks": checks}, 200 if ok else 503
+        )
+
+    def metrics(request: Request) -> Response:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from conveyor.metrics import StoreCollector
+
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(ops().store))  # type: ignore[arg-type]
+        return PlainTextResponse(
+            generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    def list_connectors(request: Request) -> Response:
+        o = ops()
+        expand = set(request.query_params.getlist("expand"))
+        unknown = expand - {"status", "info"}
+        if unknown:
+            raise InvalidRequestError(
+                f"expand: unknown value(s) {sorted(unknown)}; use status, info"
+            )
+        if not expand:
+            return JSONResponse(o.names())
+        out: dict[str, Any] = {}
+        for r in o.rows():
+            item: dict[str, Any] = {}
+            if "status" in expand:
+                from conveyor.operations import status_of
+
+                item["status"] = status_of(r)
+            if "info" in expand:
+                item["info"] = o.info(r.name)
+            out[r.name] = item
+        return JSONResponse(out)
+
+    async def create_connector(request: Request) -> Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise InvalidRequestError('expected {"name": ..., "config": {...}}')
+        name, config = body.get("name"), body.get("config")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("name: missing; expected the connector's name")
+        if config is None:
+            raise InvalidRequestError("config: missing; expected the connector spec as an object")
+        info, _ = await _threaded(lambda: ops().put_config(name, config, create_only=True))
+        return JSONResponse(info, 201)
+
+    def get_info(request: Request) -> Response:
+        return JSONResponse(ops().info(request.path_params["name"]))
+
+    def get_config(request: Request) -> Response:
+        return JSONResponse(ops().config(request.path_params["name"]))
+
+    async def put_config(request: Request) -> Response:
+        body = await _json_body(request)
+        name = request.path_params["name"]
+        info, created = await _threaded(lambda: ops().put_config(name, body))
+        return JSONResponse(info, 201 if created else 200)
+
+    def get_status(request: Request) -> Response:
+        return JSONResponse(ops().status(request.path_params["name"]))
+
+    def get_tasks(request: Request) -> Response:
+        name = request.path_params["name"]
+        o = ops()
+        return JSONResponse([{"id": {"connector": name, "task": 0}, "config": o.config(name)}])
+
+    def get_task_status(request: Request) -> Response:
+        name = request.path_params["name"]
+        if request.path_params["task"] != 0:
+            raise NotFoundError(f"connector {name!r} has one task, 0")
+        tasks = ops().status(name)["tasks"]
+        if not tasks:
+            raise NotFoundError(f"connector {name!r} has no task running")
+        return JSONResponse(tasks[0])
+
+    def pause(request: Request) -> Response:
+        ops().pause(request.path_params["name"])
+        return Response(status_code=202)
+
+    def resume(request: Request) -> Response:
+        ops().resume(request.path_params["name"])
+        return Response(status_code=202)
+
+    def stop(request: Request) -> Response:
+        ops().stop(request.path_params["name"])
+        return Response(status_code=204)
+
+    def restart(request: Request) -> Response:
+        ops().restart(request.path_params["name"])
+        return Response(status_code=204)
+
+    def delete(request: Request) -> Response:
+        ops().delete(request.path_params["name"])
+        return Response(status_code=204)
+
+    def get_offsets(request: Request) -> Response:
+        return JSONResponse(ops().offsets(request.path_params["name"]))
+
+    async def patch_offsets(request: Request) -> Response:
+        body = await _json_body(request)
+        name = request.path_params["name"]
+        return JSONResponse(await _threaded(lambda: ops().alter_offsets(name, body)))
+
+    def delete_offsets(request: Request) -> Response:
+        return JSONResponse(ops().reset_offsets(request.path_params["name"]))
+
+    def history(request: Request) -> Response:
+        limit = _int_param(request, "limit", 30)
+        return JSONResponse(ops().history(request.path_params["name"], limit))
+
+    def dead_letters(request: Request) -> Response:
+        limit = _int_param(request, "limit", 20)
+        return JSONResponse(ops().dead_letters(request.path_params["name"], limit))
+
+    def destination(request: Request) -> Response:
+        return JSONResponse(ops().destination(request.path_params["name"]))
+
+    def plugins(request: Request) -> Response:
+        from conveyor.sinks import sink_types
+
+        return JSONResponse(
+            [{"class": t, "type": "sink", "version": _conveyor_version()} for t in sink_types()]
+        )
+
+    c = "/connectors/{name}"
+    routes = [
+        Route("/", root),
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/connector-plugins", plugins),
+        Route("/connectors", list_connectors, methods=["GET"]),
+        Route("/connectors", create_connector, methods=["POST"]),
+        Route(c, get_info, methods=["GET"]),
+        Route(c, delete, methods=["DELETE"]),
+        Route(f"{c}/config", get_config, methods=["GET"]),
+        Route(f"{c}/config", put_config, methods=["PUT"]),
+        Route(f"{c}/status", get_status, methods=["GET"]),
+        Route(f"{c}/tasks", get_tasks, methods=["GET"]),
+        Route(f"{c}/tasks/{{task:int}}/status", get_task_status, methods=["GET"]),
+        Route(f"{c}/pause", pause, methods=["PUT"]),
+        Route(f"{c}/resume", resume, methods=["PUT"]),
+        Route(f"{c}/stop", stop, methods=["PUT"]),
+        Route(f"{c}/restart", restart, methods=["POST"]),
+        Route(f"{c}/tasks/{{task:int}}/restart", restart, methods=["POST"]),
+        Route(f"{c}/offsets", get_offsets, methods=["GET"]),
+        Route(f"{c}/offsets", patch_offsets, methods=["PATCH"]),
+        Route(f"{c}/offsets", delete_offsets, methods=["DELETE"]),
+        Route(f"{c}/history", history, methods=["GET"]),
+        Route(f"{c}/dead-letters", dead_letters, methods=["GET"]),
+        Route(f"{c}/destination", destination, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[..., Any]] = {
+        HTTPException: _http_error,
+        NotFoundError: lambda r, e: error(404, str(e)),
+        ConflictError: lambda r, e: error(409, str(e)),
+        InvalidRequestError: lambda r, e: error(400, str(e)),
+        ConfigError: lambda r, e: error(400, f"invalid connector config: {e}"),
+        StoreError: lambda r, e: error(503, str(e)),
+        ConveyorError: lambda r, e: error(500, f"{type(e).__name__}: {e}"),
+        Exception: _unexpected,
+    }
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(BearerAuth, token=token)],
+        exception_handlers=handlers,
+    )
+
+
+async def _threaded(fn: Callable[[], Any]) -> Any:
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(fn)
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{name}: {raw!r} is not a number") from None
+    if value < 1:
+        raise InvalidRequestError(f"{name}: must be 1 or more")
+    return value
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no such resource: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return error(exc.status_code, message, dict(exc.headers or {}))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s failed", request.method, request.url.path)
+    return error(500, f"internal error: {type(exc).__name__} (see the server log)")
+
+
+def serve(
+    ops_factory: Callable[[], Operations],
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    log_level: str = "info",
+) -> None:
+    """Run the API with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(
+        create_app(ops_factory, token),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=True,
+        server_header=False,
+    )

@@ -1,0 +1,607 @@
+"""Connector operations, shared by the CLI and the REST API: one place for each.
+
+Every operation works on the meta store and the connector spec files; none talks to
+Dagster except through the reload hook (a new or changed file must reach the code
+location). Errors are typed so that each front end maps them once:
+
+- ``NotFoundError``: no such connector (HTTP 404);
+- ``ConflictError``: the connector's state forbids it (running, not stopped, declared
+  in a file this process must not write) (HTTP 409);
+- ``InvalidRequestError`` and ``ConfigError``: the input is wrong, the message names the
+  field (HTTP 400).
+
+Everything returned is safe to show: specs are redacted (``LoadedSpec.display``),
+secrets never leave the file they are written in.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor.core.errors import ConfigError, ConveyorError
+from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.state import StateChange
+from conveyor.secrets import has_reference
+from conveyor.specs import (
+    LoadedSpec,
+    connectors_dir,
+    from_mapping,
+    load_path,
+    load_source,
+    resolved,
+    sync_one,
+    write_spec_file,
+)
+from conveyor.store.meta import (
+    LIVE_STATUSES,
+    ConnectorRow,
+    MetaStore,
+    NotStoppedError,
+    UnknownConnectorError,
+    offsets_editable,
+)
+
+
+class NotFoundError(ConveyorError):
+    """No connector of that name."""
+
+
+class ConflictError(ConveyorError):
+    """The connector's state (or where its spec lives) forbids the operation."""
+
+
+class InvalidRequestError(ConveyorError):
+    """The request itself is malformed; the message says where."""
+
+
+# Kafka Connect's connector and task states, from Conveyor's statuses.
+KAFKA_CONNECT_STATE = {
+    ConnectorStatus.IDLE: "UNASSIGNED",
+    ConnectorStatus.RUNNING: "RUNNING",
+    ConnectorStatus.DEGRADED: "RUNNING",
+    ConnectorStatus.PAUSED: "PAUSED",
+    ConnectorStatus.STOPPED: "STOPPED",
+    ConnectorStatus.ERROR: "FAILED",
+}
+COMPONENT_FILES = ("defs.yaml", "defs.yml")
+OFFSETS_ALTERED = "The offsets for this connector have been altered successfully"
+OFFSETS_RESET = "The offsets for this connector have been reset successfully"
+
+
+@dataclass
+class Operations:
+    """The operations on one meta store and connectors directory.
+
+    ``specs_changed(reason)`` is called after a spec file was written or removed (the API
+    reloads the Dagster code location there; the CLI leaves it to the scheduler).
+    ``actor`` ends up in the connector's history ("stopped from the CLI").
+    """
+
+    store: MetaStore
+    directory: Path = field(default_factory=connectors_dir)
+    specs_changed: Callable[[str], None] | None = None
+    actor: str = "the CLI"
+
+    # -- reading ------------------------------------------------------------------------
+
+    def row(self, name: str) -> ConnectorRow:
+        try:
+            return self.store.get(name)
+        except UnknownConnectorError:
+            raise NotFoundError(f"connector {name!r} not found") from None
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.store.list()]
+
+    def rows(self) -> list[ConnectorRow]:
+        return self.store.list()
+
+    def config(self, name: str) -> dict[str, Any]:
+        """The spec as written, secrets redacted (the current file; the stored copy if it is gone)."""
+        row = self.row(name)
+        ls = load_source(name, row.spec_source)
+        if ls.ok and ls.display() is not None:
+            return ls.display() or {}
+        return row.spec or {}
+
+    def info(self, name: str) -> dict[str, Any]:
+        """Kafka Connect's connector info: name, config, tasks, type."""
+        row = self.row(name)
+        return {
+            "name": name,
+            "config": self.config(name),
+            "tasks": [{"connector": name, "task": 0}],
+            "type": "sink",
+            "spec_source": row.spec_source,
+        }
+
+    def status(self, name: str) -> dict[str, Any]:
+        """Kafka Connect's status (connector, one task per run, trace of the last error) plus
+        Conveyor's own view under ``conveyor``."""
+        return status_of(self.row(name))
+
+    def summary(self, name: str) -> dict[str, Any]:
+        return row_summary(self.row(name))
+
+    def history(self, name: str, limit: int = 30) -> list[dict[str, Any]]:
+        self.row(name)
+        return [
+            {
+                "at": h.at,
+                "at_iso": _iso(h.at),
+                "from": h.from_status,
+                "to": h.to_status,
+                "generation": h.generation,
+                "run_id": h.run_id,
+                "reason": h.reason,
+            }
+            for h in self.store.history(name, limit)
+        ]
+
+    def offsets(self, name: str) -> dict[str, Any]:
+        """KIP-875: ``{"offsets": [{"partition": {...}, "offset": {"kafka_offset": n}}]}``,
+        the next offset to read per partition."""
+        self.row(name)
+        return {
+            "offsets": [
+                {
+                    "partition": {"kafka_topic": tp.topic, "kafka_partition": tp.partition},
+                    "offset": {"kafka_offset": off},
+                }
+                for tp, off in sorted(self.store.committed_offsets(name).items())
+            ]
+        }
+
+    def destination(self, name: str) -> dict[str, Any]:
+        """Where the connector writes: the sink, its Dagster asset, and delivery counters."""
+        row = self.row(name)
+        ls = load_source(name, row.spec_source)
+        sink = (self.config(name) or {}).get("sink") or {}
+        c = row.counters
+        return {
+            "name": name,
+            "type": sink.get("type"),
+            "asset_key": "/".join(ls.sink.asset_key_path()) if ls.sink else None,
+            "config": sink,
+            "delivered": c.get("messages_out", 0),
+            "failed": c.get("failed", 0),
+            "dead_lettered": c.get("dead_lettered", 0),
+            "msgs_per_s": c.get("msgs_per_s", 0.0),
+            "lag": c.get("lag"),
+            "routed": bool(
+                any("__destination" in s for s in (ls.spec.transform.select or []))
+                if ls.spec
+                else False
+            ),
+        }
+
+    # -- specs ----------------------------------------------------------------------------
+
+    def validate(self, name: str | None, config: Any) -> LoadedSpec:
+        """A spec from a request body; raises ConfigError / InvalidRequestError naming the field."""
+        if not isinstance(config, Mapping):
+            raise InvalidRequestError(
+                f"the connector config must be a JSON object, got {type(config).__name__}"
+            )
+        data = dict(config)
+        if name is not None:
+            given = data.get("name")
+            if given is not None and given != name:
+                raise InvalidRequestError(
+                    f"config.name {given!r} differs from the connector name {name!r} in the path"
+                )
+            data["name"] = name
+        if not isinstance(data.get("name"), str):
+            raise InvalidRequestError("missing the connector name (field 'name')")
+        ls = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
+        if not ls.ok:
+            raise ConfigError(str(ls.error).removeprefix("<request>: "))
+        assert ls.sink is not None
+        if not has_reference((ls.display() or {}).get("sink")):
+            # Cross-field rules of the sink (no I/O). With references they wait for the run,
+            # where the values are known.
+            from conveyor.sinks import build_sink
+
+            build_sink(ls.sink)
+        return ls
+
+    def put_config(
+        self, name: str | None, config: Any, *, create_only: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Create or update a connector's spec file; returns (info, created).
+
+        The file is ``<connectors dir>/<name>.yaml`` for a new connector, else the plain
+        spec file it already has. A connector declared in a components ``defs.yaml`` or
+        outside the connectors directory is edited there, not here (ConflictError).
+        """
+        ls = self.validate(name, config)
+        name = ls.name
+        try:
+            row: ConnectorRow | None = self.store.get(name)
+        except UnknownConnectorError:
+            row = None
+        if create_only and row is not None:
+            raise ConflictError(f"connector {name!r} already exists")
+        path = self._writable_file(name, row)
+        if create_only and path.exists():
+            raise ConflictError(f"connector {name!r} already exists (file {path})")
+        try:
+            write_spec_file(path, ls.raw or {})
+        except OSError as e:
+            raise ConflictError(
+                f"cannot write {path}: {e.strerror}; the connectors directory {self.directory} "
+                "is read-only here (manage the spec files where they are deployed)"
+            ) from None
+        written = load_source(name, str(path))
+        sync_one(self.store, written)
+        self._changed(f"{'created' if row is None else 'updated'} connector {name}")
+        return self.info(name), row is None
+
+    def apply_file(self, source: Path) -> tuple[dict[str, Any], bool]:
+        """``conveyor connector apply -f``: a spec file copied into the connectors directory."""
+        from conveyor.specs import load_file
+
+        ls = load_file(source)
+        if not ls.ok:
+            raise ConfigError(str(ls.error))
+        return self.put_config(ls.name, ls.raw)
+
+    def _writable_file(self, name: str, row: ConnectorRow | None) -> Path:
+        """The plain spec file in the connectors directory that holds (or will hold) the spec."""
+        declared = self._declared_in(name, row)
+        if declared is None:
+            return self.directory / f"{name}.yaml"
+        if not self._ours(declared):
+            raise ConflictError(f"connector {name!r} is declared in {declared}; change it there")
+        return declared
+
+    def _declared_in(self, name: str, row: ConnectorRow | None) -> Path | None:
+        """The file that declares the connector now, if any."""
+        if row is None or not row.spec_source or not Path(row.spec_source).is_absolute():
+            return None
+        path = Path(row.spec_source)
+        if not path.exists() or all(ls.name != name for ls in load_path(path)):
+            return None
+        return path
+
+    def _ours(self, path: Path) -> bool:
+        """A plain spec file in the connectors directory: this process may write and remove it."""
+        return (
+            path.parent.resolve() == self.directory.resolve() and path.name not in COMPONENT_FILES
+        )
+
+    def delete(self, name: str) -> None:
+        """Delete a connector that is not running: its spec file first, then its row and offsets.
+
+        In that order, a scheduler tick in between sees a removed file (and stops the
+        connector, keeping its offsets), never a file without a row, which it would
+        create again from the beginning of the topic.
+        """
+        row = self.row(name)
+        if row.status in LIVE_STATUSES:
+            raise ConflictError(
+                f"connector {name!r} is {row.status.value}; stop it first (deleting forgets its offsets)"
+            )
+        declared = self._declared_in(name, row)
+        if declared is not None:
+            if not self._ours(declared):
+                raise ConflictError(
+                    f"connector {name!r} is declared in {declared}; remove it there, then delete it here"
+                )
+            try:
+                declared.unlink(missing_ok=True)
+            except OSError as e:
+                raise ConflictError(f"cannot remove {declared}: {e.strerror}") from None
+        self.store.delete(name)
+        self._changed(f"deleted connector {name}")
+
+    def _changed(self, reason: str) -> None:
+        if self.specs_changed is not None:
+            self.specs_changed(reason)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def start(self, name: str) -> ConnectorRow:
+        """Desired running; the scheduler launches it (a stopped or failed one starts afresh)."""
+        self.row(name)
+        return self.store.set_desired(
+            name, DesiredState.RUNNING, reason=f"started from {self.actor}"
+        )
+
+    def resume(self, name: str) -> ConnectorRow:
+        """A paused connector reads again (within a second: its run polls while paused)."""
+        self.row(name)
+        return self.store.set_desired(
+            name, DesiredState.RUNNING, reason=f"resumed from {self.actor}"
+        )
+
+    def pause(self, name: str) -> ConnectorRow:
+        """Desired paused: the run keeps its assignment and heartbeats, and reads nothing."""
+        self.row(name)
+        return self.store.set_desired(name, DesiredState.PAUSED, reason=f"paused from {self.actor}")
+
+    def stop(self, name: str) -> ConnectorRow:
+        """Desired stopped; the run stops itself at its next heartbeat (the scheduler reclaims it)."""
+        self.row(name)
+        reason = f"stopped from {self.actor}"
+        r = self.store.set_desired(name, DesiredState.STOPPED, reason=reason)
+        if r.run_id is None or r.status in (ConnectorStatus.IDLE, ConnectorStatus.ERROR):
+            r = (
+                self.store.apply(name, None, StateChange(status=ConnectorStatus.STOPPED), reason)
+                or r
+            )
+        return r
+
+    def restart(self, name: str) -> ConnectorRow:
+        """Fence the current run; the scheduler launches a fresh one."""
+        self.row(name)
+        reason = f"restart from {self.actor}"
+        self.store.set_desired(name, DesiredState.RUNNING, reason=reason)
+        return self.store.apply(name, None, StateChange.reset(), reason) or self.row(name)
+
+    # -- offsets (KIP-875) --------------------------------------------------------------------
+
+    def alter_offsets(self, name: str, body: Any) -> dict[str, str]:
+        """PATCH: set (or with ``"offset": null`` forget) the given partitions; stopped only."""
+        row = self.row(name)
+        offsets, forget = parse_kip875(body, topics=_topics(row))
+        self._require_stopped(row)
+        try:
+            self.store.reset_offsets(
+                name, offsets, forget=forget, reason=f"offsets altered from {self.actor}"
+            )
+        except NotStoppedError as e:
+            raise ConflictError(str(e)) from None
+        return {"message": OFFSETS_ALTERED}
+
+    def reset_offsets(self, name: str) -> dict[str, str]:
+        """DELETE: forget every offset; the connector starts over from ``source.start_from``."""
+        row = self.row(name)
+        self._require_stopped(row)
+        try:
+            self.store.reset_offsets(
+                name, {}, replace=True, reason=f"offsets reset from {self.actor}"
+            )
+        except NotStoppedError as e:
+            raise ConflictError(str(e)) from None
+        return {"message": OFFSETS_RESET}
+
+    def reset_offsets_to(
+        self,
+        name: str,
+        to: str | None = None,
+        *,
+        to_datetime: str | None = None,
+        from_group: str | None = None,
+    ) -> dict[TopicPartition, int]:
+        """The CLI's ``--to earliest|latest|TOPIC:PARTITION:OFFSET[,...]``, ``--to-datetime TIME``
+        or ``--from-group GROUP`` (all but explicit offsets ask Kafka, through the connector's
+        own source connection: TLS, SASL)."""
+        row = self.row(name)
+        self._require_stopped(row)
+        given = [v for v in (to, to_datetime, from_group) if v]
+        if len(given) != 1:
+            raise InvalidRequestError("give exactly one of --to, --to-datetime and --from-group")
+        if to is not None and to not in ("earliest", "latest"):
+            new = {}
+            for item in to.split(","):
+                try:
+                    topic, part, off = item.rsplit(":", 2)
+                    new[TopicPartition(topic, int(part))] = int(off)
+                except ValueError:
+                    raise InvalidRequestError(f"{item!r} is not TOPIC:PARTITION:OFFSET") from None
+        else:
+            new = self._offsets_from_kafka(row, to or to_datetime, from_group)
+        try:
+            self.store.reset_offsets(name, new, reason=f"offsets reset from {self.actor}")
+        except NotStoppedError as e:
+            raise ConflictError(str(e)) from None
+        return new
+
+    def _offsets_from_kafka(
+        self, row: ConnectorRow, at: str | None, from_group: str | None
+    ) -> dict[TopicPartition, int]:
+        """Each partition's offset at ``at`` (earliest, latest, a time), or group ``from_group``'s."""
+        from conveyor.brokers.kafka import KafkaSource, source_time
+
+        if at not in (None, "earliest", "latest"):
+            source_time(at)  # a bad time is a config error before anything connects
+        ls = load_source(row.name, row.spec_source)
+        if not ls.ok:
+            raise ConfigError(str(ls.error))
+        live = resolved(ls)  # the source may need a secret (SASL) to connect
+        assert live.spec is not None
+        source = KafkaSource(live.spec.source, group_id=row.name)
+        try:
+            source.open(self.store.committed_offsets(row.name), wait_for_topics_s=5)
+            if from_group is None:
+                return source.offsets_at(at or "earliest")
+            new = source.group_offsets(from_group)
+            if not new:
+                raise InvalidRequestError(
+                    f"consumer group {from_group!r} has no committed offsets for {row.name}'s topics"
+                )
+            return new
+        finally:
+            source.close()
+
+    def _require_stopped(self, row: ConnectorRow) -> None:
+        if not offsets_editable(row):
+            raise ConflictError(
+                f"connector {row.name!r} is {row.status.value} (desired {row.desired.value}); "
+                "offsets can be changed only when it is stopped: stop it first"
+            )
+
+    # -- dead letters ---------------------------------------------------------------------------
+
+    def dead_letter_store(self, name: str) -> tuple[LoadedSpec, Any]:
+        """The connector's spec and its Parquet dead-letter store (ConflictError for Kafka)."""
+        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
+        from conveyor.resources.conveyor import default_spark_remote
+        from conveyor.spark.session import spark_session
+
+        row = self.row(name)
+        ls = load_source(name, row.spec_source)
+        if not ls.ok or ls.spec is None:
+            raise ConflictError(f"{name} has an invalid spec: {ls.error}")
+        if ls.spec.failure.dead_letter.store != "parquet":
+            raise ConflictError(
+                f"{name} dead-letters to the Kafka topic {name}.dlq; read it with any Kafka consumer"
+            )
+        broker = self.store.get_broker(row.broker_id) if row.broker_id else None
+        remote = broker.spark_remote if broker else default_spark_remote()
+        session: dict[str, Any] = {}
+
+        def spark() -> Any:
+            if "s" not in session:
+                session["s"] = spark_session(remote)
+            return session["s"]
+
+        return ls, SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=name)
+
+    def dead_letters(self, name: str, limit: int = 20) -> dict[str, Any]:
+        """Pending dead letters: count and the oldest ``limit`` with their errors."""
+        from conveyor.deadletters import dlq_topic, sample_rows
+
+        row = self.row(name)
+        failure = (row.spec or {}).get("failure") or {}
+        store_kind = (failure.get("dead_letter") or {}).get("store", "parquet")
+        dead_by_run = row.counters.get("dead_lettered", 0)
+        if failure.get("policy") != "dead_letter":
+            return {"name": name, "policy": failure.get("policy", "fail"), "store": None}
+        if store_kind == "kafka":
+            return {
+                "name": name,
+                "policy": "dead_letter",
+                "store": "kafka",
+                "topic": dlq_topic(name),
+                "dead_lettered_by_current_run": dead_by_run,
+            }
+        _, dl = self.dead_letter_store(name)
+        rows = sample_rows(dl.pending(limit=limit), n=limit)
+        return {
+            "name": name,
+            "policy": "dead_letter",
+            "store": "parquet",
+            "pending": dl.count(),
+            "dead_lettered_by_current_run": dead_by_run,
+            "letters": rows,
+        }
+
+
+def parse_kip875(
+    body: Any, *, topics: set[str] | None = None
+) -> tuple[dict[TopicPartition, int], list[TopicPartition]]:
+    """KIP-875's request body for a sink connector -> (offsets to set, partitions to forget)."""
+    if not isinstance(body, Mapping) or not isinstance(body.get("offsets"), list):
+        raise InvalidRequestError(
+            'expected {"offsets": [{"partition": {"kafka_topic": ..., "kafka_partition": ...}, '
+            '"offset": {"kafka_offset": ...}}, ...]}'
+        )
+    if not body["offsets"]:
+        raise InvalidRequestError("offsets: the list is empty")
+    offsets: dict[TopicPartition, int] = {}
+    forget: list[TopicPartition] = []
+    for i, item in enumerate(body["offsets"]):
+        where = f"offsets[{i}]"
+        if not isinstance(item, Mapping):
+            raise InvalidRequestError(f"{where}: expected an object")
+        part = item.get("partition")
+        if not isinstance(part, Mapping):
+            raise InvalidRequestError(f"{where}.partition: expected an object")
+        topic, p = part.get("kafka_topic"), part.get("kafka_partition")
+        if not isinstance(topic, str) or not topic:
+            raise InvalidRequestError(f"{where}.partition.kafka_topic: expected a topic name")
+        if topics is not None and topic not in topics:
+            raise InvalidRequestError(
+                f"{where}.partition.kafka_topic: the connector does not read topic {topic!r} "
+                f"(it reads {', '.join(sorted(topics))})"
+            )
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            raise InvalidRequestError(
+                f"{where}.partition.kafka_partition: expected a partition number >= 0"
+            )
+        tp = TopicPartition(topic, p)
+        if tp in offsets or tp in forget:
+            raise InvalidRequestError(f"{where}: partition {tp} is given twice")
+        if "offset" not in item:
+            raise InvalidRequestError(f"{where}.offset: missing (an object, or null to reset)")
+        off = item["offset"]
+        if off is None:
+            forget.append(tp)
+            continue
+        if not isinstance(off, Mapping):
+            raise InvalidRequestError(f"{where}.offset: expected an object or null")
+        value = off.get("kafka_offset")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidRequestError(
+                f"{where}.offset.kafka_offset: expected the next offset to read, an integer >= 0"
+            )
+        offsets[tp] = value
+    return offsets, forget
+
+
+def _topics(row: ConnectorRow) -> set[str] | None:
+    topics = ((row.spec or {}).get("source") or {}).get("topics")
+    return set(topics) if isinstance(topics, list) and topics else None
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+
+
+def row_summary(r: ConnectorRow) -> dict[str, Any]:
+    """One connector's state as the CLI's ``--json`` and the API's ``conveyor`` section show it."""
+    return {
+        "name": r.name,
+        "status": r.status.value,
+        "desired": r.desired.value,
+        "broker": r.broker_id,
+        "generation": r.generation,
+        "run_id": r.run_id,
+        "heartbeat_at": r.heartbeat_at,
+        "counters": r.counters,
+        "last_error": r.last_error,
+        "spec_source": r.spec_source,
+        "spec_error": r.spec_error,
+    }
+
+
+def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
+    import time
+
+    now = time.time() if now is None else now
+    state = KAFKA_CONNECT_STATE[r.status]
+    worker = r.broker_id or "-"
+    trace = r.last_error or r.spec_error
+    task: dict[str, Any] = {"id": 0, "state": state, "worker_id": worker}
+    connector: dict[str, Any] = {"state": state, "worker_id": worker}
+    if trace:
+        task["trace"] = trace
+        if r.status == ConnectorStatus.ERROR:
+            connector["trace"] = trace
+    c = r.counters
+    return {
+        "name": r.name,
+        "connector": connector,
+        "tasks": [task] if r.run_id or r.status != ConnectorStatus.STOPPED else [],
+        "type": "sink",
+        "conveyor": {
+            **row_summary(r),
+            "status_since": _iso(r.status_since),
+            "heartbeat_age_s": None if r.heartbeat_at is None else round(now - r.heartbeat_at, 3),
+            "lag": c.get("lag"),
+            "msgs_per_s": c.get("msgs_per_s", 0.0),
+            "delivered": c.get("messages_out", 0),
+            "restarts": r.restarts,
+        },
+    }
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
