@@ -32,6 +32,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
     ConfigError,
@@ -129,7 +130,7 @@ class ElasticsearchSinkConfig(SinkConfig):
 
     def asset_key_path(self) -> list[str]:
         static = _PLACEHOLDER.sub("x", self.index)
-        return ["elasticsearch", re.sub(r"[^A-Za-z0-9_]", "_", static) or "_"]
+        return ["elasticsearch", key_part(static, "_")]
 
     def kind(self) -> str:
         return "elasticsearch"

@@ -38,6 +38,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
     ConfigError,
@@ -127,8 +128,8 @@ class GreptimeDBSinkConfig(SinkConfig):
         table = _PLACEHOLDER.sub("x", self.measurement)
         return [
             "greptimedb",
-            re.sub(r"[^A-Za-z0-9_]", "_", self.database),
-            re.sub(r"[^A-Za-z0-9_]", "_", table) or "_",
+            key_part(self.database),
+            key_part(table, "_"),
         ]
 
     def kind(self) -> str:

@@ -28,6 +28,7 @@ from conveyor.brokers.connection import (
     kafka_python_options,
     tls_problem,
 )
+from conveyor.core.asset_keys import key_part
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
@@ -244,7 +245,7 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
             if is_static(self.topic)
             else _PLACEHOLDER.sub(lambda m: m.group(1).strip().replace("payload.", ""), self.topic)
         )
-        return ["kafka", re.sub(r"[^A-Za-z0-9_]", "_", name)]
+        return ["kafka", key_part(name)]
 
     def kind(self) -> str:
         return "kafka"

@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -29,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr, model_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
@@ -181,7 +181,7 @@ class MySQLSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # -- pure helpers -------------------------------------------------------------------------------

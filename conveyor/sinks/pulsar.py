@@ -28,6 +28,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, SinkError, TransientSinkError
 from conveyor.sinks.base import (
     Record,
@@ -146,7 +147,7 @@ class PulsarSinkConfig(SinkConfig):
 
     def asset_key_path(self) -> list[str]:
         name = _PLACEHOLDER.sub("x", self.topic).rsplit("/", 1)[-1]
-        return ["pulsar", re.sub(r"[^A-Za-z0-9_]", "_", name) or "_"]
+        return ["pulsar", key_part(name, "_")]
 
     def kind(self) -> str:
         return "pulsar"

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, SinkError, TransientSinkError
 from conveyor.sinks.base import (
     Record,
@@ -143,7 +144,7 @@ class RabbitMQSinkConfig(SinkConfig):
     app_id: str = Field(default="conveyor", description="app_id property of every message.")
 
     def asset_key_path(self) -> list[str]:
-        return ["rabbitmq", re.sub(r"[^A-Za-z0-9_]", "_", self.exchange or "default")]
+        return ["rabbitmq", key_part(self.exchange or "default")]
 
     def kind(self) -> str:
         return "rabbitmq"

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     DESTINATION_COL,
@@ -147,7 +148,7 @@ class RedisSinkConfig(SinkConfig):
                 first = t.args[1]
                 lead = first[0] if first and isinstance(first[0], bytes) else b""
                 prefix = lead.decode(errors="replace").strip(":._- ")
-        return ["redis", re.sub(r"[^A-Za-z0-9_]", "_", prefix) or f"db{self.db}"]
+        return ["redis", key_part(prefix) or f"db{self.db}"]
 
     def kind(self) -> str:
         return "redis"
