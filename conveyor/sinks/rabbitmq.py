@@ -25,6 +25,7 @@ from pydantic import Field, SecretStr
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, SinkError, TransientSinkError
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -35,13 +36,7 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
-from conveyor.sinks.kafka import (
-    TemplateError,
-    is_static,
-    render_template,
-    template_problems,
-    timestamp_ms,
-)
+from conveyor.sinks.kafka import template_problems, timestamp_ms
 
 log = logging.getLogger("conveyor.sinks.rabbitmq")
 
@@ -432,7 +427,7 @@ class RabbitMQSink(Sink):
         problems = template_problems(c.routing_key)
         if (
             not problems
-            and is_static(c.routing_key)
+            and templates.is_static(c.routing_key)
             and len(c.routing_key.encode()) > MAX_SHORT_STRING
         ):
             problems = [f"longer than {MAX_SHORT_STRING} bytes"]
@@ -558,13 +553,13 @@ class RabbitMQSink(Sink):
     # -- writing --------------------------------------------------------------------------
 
     def routing_key_for(self, r: Record) -> str:
-        """The routing key of a row; TemplateError when the row cannot give one."""
+        """The routing key of a row; templates.TemplateError when the row cannot give one."""
         if self.config.use_destination and r.destination:
             rk = r.destination
         else:
-            rk = render_template(self.config.routing_key, r)
+            rk = templates.render(self.config.routing_key, r)
         if len(rk.encode()) > MAX_SHORT_STRING:
-            raise TemplateError(f"routing key is longer than {MAX_SHORT_STRING} bytes")
+            raise templates.TemplateError(f"routing key is longer than {MAX_SHORT_STRING} bytes")
         return rk
 
     def properties(self, r: Record) -> dict[str, Any]:
@@ -596,7 +591,7 @@ class RabbitMQSink(Sink):
         rk = self.routing_key_for(r)
         body = b"" if r.payload is None else r.payload_bytes()
         if len(body) > self.config.max_message_bytes:
-            raise TemplateError(
+            raise templates.TemplateError(
                 f"message body is {len(body)} bytes, above max_message_bytes {self.config.max_message_bytes}"
             )
         return rk, body, self.properties(r)
@@ -638,7 +633,7 @@ class RabbitMQSink(Sink):
                     impl.basic_publish(
                         c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
                     )
-                except TemplateError as e:
+                except templates.TemplateError as e:
                     failures.append(RowFailure(r.index, str(e)))
                     continue
                 except Exception as e:  # noqa: BLE001 - an encoding error sends nothing (pika marshals every frame first)
@@ -695,7 +690,7 @@ class RabbitMQSink(Sink):
                 self._channel.basic_publish(
                     c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
                 )
-            except TemplateError as e:
+            except templates.TemplateError as e:
                 failures.append(RowFailure(r.index, str(e)))
             except px.UnroutableError as e:
                 m = e.messages[0].method if e.messages else None

@@ -45,6 +45,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -55,6 +56,7 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
+from conveyor.sinks.templates import Placeholder, TemplateError, TemplateSyntaxError
 from conveyor.sinks.tombstones import has_tombstones, tombstone_flags  # noqa: E402
 
 log = logging.getLogger("conveyor.sinks.redis")
@@ -156,19 +158,7 @@ class RedisSinkConfig(SinkConfig):
 
 # -- templates (pure) ---------------------------------------------------------------------------
 
-_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _COMMAND_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.|-]*$")
-SIMPLE_FIELDS = (
-    "key",
-    "topic",
-    "partition",
-    "offset",
-    "timestamp",
-    "destination",
-    "headers",
-    "payload",
-)
-
 #: Commands that would break the pipeline protocol or the connection's state.
 FORBIDDEN_COMMANDS = frozenset(
     {"MULTI", "EXEC", "DISCARD", "WATCH", "UNWATCH", "SELECT", "AUTH", "HELLO", "QUIT", "RESET", "MONITOR", "SUBSCRIBE",
@@ -180,33 +170,6 @@ NOT_IDEMPOTENT = frozenset(
     {"XADD", "LPUSH", "RPUSH", "LPUSHX", "RPUSHX", "LINSERT", "INCR", "INCRBY", "INCRBYFLOAT", "DECR", "DECRBY", "HINCRBY",
      "HINCRBYFLOAT", "ZINCRBY", "APPEND", "PUBLISH", "SPUBLISH", "SETRANGE", "LMOVE", "RPOPLPUSH"}
 )  # fmt: skip
-
-
-class TemplateSyntaxError(ValueError):
-    """A command template that cannot be parsed (a config error)."""
-
-
-class TemplateError(ValueError):
-    """A row cannot fill a template (missing field, no key...): a data error for that row."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Placeholder:
-    """``${name}`` inside an argument; ``path`` is the dotted part after payload./headers."""
-
-    name: str
-
-    @property
-    def root(self) -> str:
-        return self.name.split(".", 1)[0]
-
-    @property
-    def path(self) -> tuple[str, ...]:
-        return tuple(self.name.split(".")[1:])
-
-    @property
-    def rest(self) -> str:
-        return self.name.partition(".")[2]
 
 
 Part = bytes | Placeholder
@@ -229,37 +192,14 @@ class CommandTemplate:
 
 
 def parse_argument(text: str) -> tuple[Part, ...]:
-    """Literal text and ``${...}`` placeholders of one argument."""
-    parts: list[Part] = []
-    pos = 0
-    for m in _PLACEHOLDER.finditer(text):
-        if m.start() > pos:
-            parts.append(text[pos : m.start()].encode())
-        parts.append(_placeholder(m.group(1)))
-        pos = m.end()
-    if pos < len(text):
-        parts.append(text[pos:].encode())
-    for p in parts:
-        if isinstance(p, bytes) and b"${" in p:
-            raise TemplateSyntaxError(f"unclosed '${{' in argument {text!r}")
-    return tuple(parts) if parts else (b"",)
-
-
-def _placeholder(inner: str) -> Placeholder:
-    name = inner.strip()
-    root, _, rest = name.partition(".")
-    if root not in SIMPLE_FIELDS:
+    """Literal bytes and ``${...}`` placeholders of one argument (the syntax of conveyor.sinks.templates)."""
+    try:
+        parts = templates.parse(text)
+    except TemplateSyntaxError as e:
         raise TemplateSyntaxError(
-            f"unknown placeholder ${{{inner}}}; use one of {', '.join('${' + f + '}' for f in SIMPLE_FIELDS)}, ${{payload.<field>}} or ${{headers.<name>}}"
-        )
-    if "." in name:
-        if root not in ("payload", "headers"):
-            raise TemplateSyntaxError(f"${{{inner}}}: only payload and headers have fields")
-        # A header name may contain dots; a payload path is split on them.
-        empty = not rest if root == "headers" else not all(rest.split("."))
-        if empty:
-            raise TemplateSyntaxError(f"${{{inner}}}: empty field name")
-    return Placeholder(name)
+            f"{e} in argument {text!r}" if "unclosed" in str(e) else str(e)
+        ) from None
+    return tuple(p.encode() if isinstance(p, str) else p for p in parts) or (b"",)
 
 
 def parse_command(spec: str | Sequence[str]) -> CommandTemplate:
@@ -689,13 +629,13 @@ class RedisSink(Sink):
 
     def validate(self) -> None:
         c = self.config
-        templates = []
+        commands = []
         for i, spec in enumerate(c.commands):
             try:
-                templates.append(parse_command(spec))
+                commands.append(parse_command(spec))
             except TemplateSyntaxError as e:
                 raise_config(f"commands[{i}]", str(e))
-        self._templates = templates
+        self._templates = commands
         self._delete_templates = None
         if c.delete_commands is not None:
             require(
