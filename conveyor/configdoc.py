@@ -30,6 +30,7 @@ from conveyor.core.model import (
     FailureSpec,
     RetrySpec,
     SourceSpec,
+    TasksSpec,
     TransformSpec,
 )
 from conveyor.sinks.base import SinkConfig
@@ -44,6 +45,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("retry", RetrySpec),
     ("failure", FailureSpec),
     ("failure.dead_letter", DeadLetterSpec),
+    ("tasks", TasksSpec),
 ]
 _SECTION_OF = {model: title for title, model in SECTIONS}
 

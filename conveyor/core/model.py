@@ -350,6 +350,64 @@ class FailureSpec(_Spec):
     )
 
 
+class TasksSpec(_Spec):
+    """How many task runs share the connector's partitions, and when the scheduler splits and merges them.
+
+    A task is one Dagster run reading an explicit set of partitions. With ``max: 1`` (the default)
+    the connector is one run reading every partition, as without this section. Split and merge
+    are decided by the planner in ``conveyor/core/tasks.py`` from the rate and lag each task
+    reports per partition in its heartbeats.
+    """
+
+    min: int = Field(default=1, ge=1, le=256, description="Fewest task runs.")
+    max: int = Field(
+        default=1, ge=1, le=256, description="Most task runs (1: one run reads every partition)."
+    )
+    cooldown_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86_400,
+        description="Seconds after a split or merge before the next one (a dead task is handled at once).",
+    )
+    lag_samples: int = Field(
+        default=5,
+        ge=2,
+        le=1_000,
+        description="A task whose lag grew in this many consecutive heartbeat samples is split.",
+    )
+    sample_interval_s: float = Field(
+        default=5.0, gt=0, le=3_600, description="Seconds between two load samples of a task."
+    )
+    ceiling_msgs_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Messages/s one task can carry; by default measured (the highest rate a task sustained with a backlog).",
+    )
+    split_at: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Split a task whose rate reaches this fraction of the ceiling while it has a backlog.",
+    )
+    merge_below: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="Merge two tasks whose combined rate is below this fraction of the ceiling (the hysteresis band is between it and split_at).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TasksSpec:
+        if self.min > self.max:
+            raise ValueError(f"tasks.min ({self.min}) is above tasks.max ({self.max})")
+        if self.merge_below >= self.split_at:
+            raise ValueError(
+                f"tasks.merge_below ({self.merge_below}) must be below tasks.split_at "
+                f"({self.split_at}), or a split would be merged back at once"
+            )
+        return self
+
+
 class SinkRef(BaseModel):
     """A sink's config as written in the spec; validated against the sink's own model later."""
 
@@ -385,6 +443,10 @@ class ConnectorSpec(_Spec):
     )
     failure: FailureSpec = Field(
         default_factory=FailureSpec, description="Failed messages (section `failure`)."
+    )
+    tasks: TasksSpec = Field(
+        default_factory=TasksSpec,
+        description="Task runs sharing the partitions, split and merged by load (section `tasks`).",
     )
     desired: DesiredState = Field(
         default=DesiredState.RUNNING,
