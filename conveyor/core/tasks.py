@@ -1,0 +1,713 @@
+"""Partition tasks of one connector: the pure split and merge planner.
+
+A connector with ``tasks.max > 1`` runs as one or more *tasks*, each a run reading an
+explicit set of partitions. ``plan_tasks(groups, brokers, now) -> TaskPlan`` looks at
+one snapshot (each connector's tasks, their partitions and the per-partition rate and
+lag samples their heartbeats reported, the broker executors' load) and returns
+decisions. Like ``core/scheduler.py`` it performs no I/O and reads no clock; every
+decision carries the ownership change it makes (``.change``, a ``TaskChange`` the
+store applies atomically with per-partition fencing) and the figures that caused it
+(``.figures``, written to ``connector history``).
+
+Per connector, each tick, in this order:
+
+1. **dead**: a task whose heartbeat is older than ``heartbeat_timeout_s`` (or that
+   never heartbeated within ``launch_timeout_s`` of getting its partitions) gives its
+   partitions to the live tasks, heaviest partition to the lightest task; with no live
+   task left it is restarted in place (generation + 1, which fences the lost run).
+2. **start**: a connector without tasks gets ``min`` tasks, its partitions dealt round
+   robin, each task on the least-loaded broker with room.
+3. **adopt**: partitions no task owns (discovered since) go to the lightest live task.
+4. **bounds**: fewer live tasks than ``min``: the heaviest task is split; more than
+   ``max``: the two lightest are merged. Cool-down does not apply.
+5. **split** (after ``cooldown_s``): a task whose lag grew in ``lag_samples``
+   consecutive samples taken since its partitions last changed, or whose rate reached
+   ``split_at`` x the ceiling while it had a backlog it is not catching up on, gives half of its *load* (not half
+   of its partitions) to a new task on the least-loaded broker with room.
+6. **merge** (after ``cooldown_s``, at most one split or merge per tick): the two
+   lightest tasks whose combined rate is below ``merge_below`` x the ceiling, neither
+   with a backlog or a growing lag, become one (the lighter gives its partitions to the
+   heavier and ends).
+
+The **ceiling** is the rate one task can carry: ``ceiling_msgs_per_s`` when set, else
+measured, the highest rate a task sustained while it had a backlog (lag of at least
+``min_backlog`` records and of ``backlog_s`` seconds of its rate), remembered across
+ticks (``TaskPlan.ceilings``). Without a known ceiling nothing is merged and only lag
+growth splits.
+
+**No flapping.** A split by rate leaves two tasks whose combined rate is the rate that
+reached ``split_at`` x ceiling, above ``merge_below`` x ceiling (``merge_below <
+split_at``), so they are not merged back while the load stays; a merged pair's rate is
+below ``merge_below`` x ceiling, under the split threshold. Lag growth is judged only on
+samples taken after the task's partitions last changed, so a split is measured before
+the next one, and the cool-down spaces decisions out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from conveyor.core.model import TasksSpec, TopicPartition
+
+TP = TopicPartition
+
+
+# -- inputs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskPolicy:
+    """The thresholds of one connector's tasks (from its spec's ``tasks`` section)."""
+
+    min_tasks: int = 1
+    max_tasks: int = 1
+    cooldown_s: float = 60.0
+    lag_samples: int = 5
+    ceiling_msgs_per_s: float | None = None
+    split_at: float = 0.9
+    merge_below: float = 0.5
+    heartbeat_timeout_s: float = 30.0
+    launch_timeout_s: float = 60.0
+    min_backlog: int = 1_000
+    """A sample has a backlog when its lag is at least this many records ..."""
+    backlog_s: float = 5.0
+    """... and at least this many seconds of the task's rate."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_tasks <= self.max_tasks:
+            raise ValueError(f"tasks: need 1 <= min ({self.min_tasks}) <= max ({self.max_tasks})")
+        if not 0 < self.merge_below < self.split_at <= 1:
+            raise ValueError("tasks: need 0 < merge_below < split_at <= 1")
+        if self.lag_samples < 2:
+            raise ValueError("tasks: lag_samples must be at least 2")
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: TasksSpec,
+        *,
+        heartbeat_timeout_s: float = 30.0,
+        launch_timeout_s: float = 60.0,
+    ) -> TaskPolicy:
+        return cls(
+            min_tasks=spec.min,
+            max_tasks=spec.max,
+            cooldown_s=spec.cooldown_s,
+            lag_samples=spec.lag_samples,
+            ceiling_msgs_per_s=spec.ceiling_msgs_per_s,
+            split_at=spec.split_at,
+            merge_below=spec.merge_below,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            launch_timeout_s=launch_timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class TaskSample:
+    """One heartbeat's figures: messages/s and lag (records) per partition."""
+
+    at: float
+    rates: Mapping[TopicPartition, float] = field(default_factory=dict)
+    lags: Mapping[TopicPartition, int] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return float(sum(self.rates.values()))
+
+    @property
+    def lag(self) -> int:
+        return int(sum(self.lags.values()))
+
+    def has_backlog(self, policy: TaskPolicy) -> bool:
+        return self.lag >= max(policy.min_backlog, self.rate * policy.backlog_s)
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """One task as the store holds it."""
+
+    task_id: int
+    partitions: frozenset[TopicPartition]
+    broker_id: str | None = None
+    generation: int = 1
+    heartbeat_at: float | None = None
+    changed_at: float = 0.0
+    """When its partitions last changed (or it was created or restarted)."""
+    samples: tuple[TaskSample, ...] = ()
+    """Oldest first; the store keeps the last few."""
+
+    def recent(self) -> tuple[TaskSample, ...]:
+        """The samples taken since its partitions last changed: the only ones that measure this set."""
+        return tuple(s for s in self.samples if s.at >= self.changed_at)
+
+    def is_dead(self, now: float, policy: TaskPolicy) -> bool:
+        """Silent past the heartbeat timeout, or never heard from within the launch timeout."""
+        if self.heartbeat_at is None:  # new or restarted: waits for its run's first heartbeat
+            return now - self.changed_at > policy.launch_timeout_s
+        return now - self.heartbeat_at > policy.heartbeat_timeout_s
+
+
+@dataclass(frozen=True)
+class TaskGroup:
+    """One connector's tasks."""
+
+    connector: str
+    policy: TaskPolicy
+    partitions: frozenset[TopicPartition]
+    """Every partition of the connector's topics, as far as known."""
+    tasks: tuple[TaskView, ...] = ()
+    last_change_at: float | None = None
+    """When the last split or merge was made (cool-down)."""
+    ceiling: float | None = None
+    """The measured ceiling remembered from earlier ticks."""
+    next_task_id: int = 0
+    """Task ids are never reused, so a run's tags name one task only."""
+
+    def task(self, task_id: int) -> TaskView:
+        for t in self.tasks:
+            if t.task_id == task_id:
+                return t
+        raise KeyError(task_id)
+
+    def owner(self) -> dict[TopicPartition, int]:
+        return {tp: t.task_id for t in self.tasks for tp in t.partitions}
+
+    def new_task_id(self) -> int:
+        return max([self.next_task_id, *(t.task_id + 1 for t in self.tasks)])
+
+
+@dataclass(frozen=True)
+class BrokerSlot:
+    """A broker executor's room for one more task run."""
+
+    id: str
+    free: int
+    load: float = 0.0
+    healthy: bool = True
+
+
+# -- the change a decision makes -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskChange:
+    """New ownership for some tasks of one connector; tasks not named keep theirs.
+
+    The store applies it in one transaction: each moved partition's owner row changes
+    (and its epoch grows, so the old owner's commits for it are refused), new tasks get
+    rows at generation 1, removed tasks lose theirs, restarted ones get generation + 1.
+    """
+
+    partitions: Mapping[int, frozenset[TopicPartition]] = field(default_factory=dict)
+    """task id -> its whole new set (new tasks included)."""
+    brokers: Mapping[int, str] = field(default_factory=dict)
+    """new task id -> its broker."""
+    removed: frozenset[int] = frozenset()
+    restarted: frozenset[int] = frozenset()
+    counts_for_cooldown: bool = False
+    """A split or a merge: starts the cool-down."""
+
+    def applied_to(self, group: TaskGroup, now: float) -> TaskGroup:
+        tasks: list[TaskView] = []
+        for t in group.tasks:
+            if t.task_id in self.removed:
+                continue
+            if t.task_id in self.restarted:
+                t = replace(
+                    t,
+                    generation=t.generation + 1,
+                    heartbeat_at=None,
+                    changed_at=now,
+                    samples=(),
+                    broker_id=self.brokers.get(t.task_id, t.broker_id),
+                )
+            if t.task_id in self.partitions and self.partitions[t.task_id] != t.partitions:
+                t = replace(t, partitions=self.partitions[t.task_id], changed_at=now)
+            tasks.append(t)
+        known = {t.task_id for t in tasks}
+        for task_id, parts in sorted(self.partitions.items()):
+            if task_id not in known and task_id not in self.removed:
+                tasks.append(
+                    TaskView(
+                        task_id=task_id,
+                        partitions=parts,
+                        broker_id=self.brokers.get(task_id),
+                        changed_at=now,
+                    )
+                )
+        new_ids = [t.task_id + 1 for t in tasks]
+        return replace(
+            group,
+            tasks=tuple(sorted(tasks, key=lambda t: t.task_id)),
+            last_change_at=now if self.counts_for_cooldown else group.last_change_at,
+            next_task_id=max([group.new_task_id(), *new_ids]),
+        )
+
+
+# -- decisions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TaskDecision:
+    connector: str
+    reason: str
+    change: TaskChange
+    figures: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class StartTasks(_TaskDecision):
+    """A connector without tasks gets its first ones."""
+
+
+@dataclass(frozen=True)
+class Adopt(_TaskDecision):
+    """Partitions nobody owns go to a live task."""
+
+    task_id: int = -1
+
+
+@dataclass(frozen=True)
+class Split(_TaskDecision):
+    """Half of a task's load moves to a new task."""
+
+    task_id: int = -1
+    new_task_id: int = -1
+    moving: frozenset[TopicPartition] = frozenset()
+    broker_id: str = ""
+
+
+@dataclass(frozen=True)
+class Merge(_TaskDecision):
+    """A task gives all its partitions to another and ends."""
+
+    task_id: int = -1
+    into_task_id: int = -1
+    moving: frozenset[TopicPartition] = frozenset()
+
+
+@dataclass(frozen=True)
+class ReclaimDead(_TaskDecision):
+    """A dead task's partitions go to the live tasks."""
+
+    task_id: int = -1
+
+
+@dataclass(frozen=True)
+class RestartTask(_TaskDecision):
+    """A dead task with nobody to take over is relaunched with a new generation."""
+
+    task_id: int = -1
+    broker_id: str | None = None
+
+
+TaskDecision = StartTasks | Adopt | Split | Merge | ReclaimDead | RestartTask
+
+
+@dataclass
+class TaskPlan:
+    decisions: list[TaskDecision] = field(default_factory=list)
+    ceilings: dict[str, float] = field(default_factory=dict)
+    """Each connector's measured ceiling after this tick (to remember)."""
+    groups: dict[str, TaskGroup] = field(default_factory=dict)
+    """Each connector's tasks as they are after the decisions."""
+
+    def for_connector(self, name: str) -> list[TaskDecision]:
+        return [d for d in self.decisions if d.connector == name]
+
+
+# -- measuring -----------------------------------------------------------------------
+
+
+def partition_loads(task: TaskView) -> dict[TopicPartition, float]:
+    """Each partition's incoming rate: its read rate plus the growth of its lag (msgs/s).
+
+    Measured on the samples since the task's partitions last changed (all of them when
+    there are none), so a partition that falls behind weighs what it receives, not what
+    the task manages to read.
+    """
+    window = task.recent() or task.samples
+    loads = {tp: 0.0 for tp in task.partitions}
+    if not window:
+        return loads
+    for tp in task.partitions:
+        rates = [s.rates[tp] for s in window if tp in s.rates]
+        rate = sum(rates) / len(rates) if rates else 0.0
+        lagged = [(s.at, s.lags[tp]) for s in window if tp in s.lags]
+        growth = 0.0
+        if len(lagged) >= 2 and lagged[-1][0] > lagged[0][0]:
+            growth = max(0.0, (lagged[-1][1] - lagged[0][1]) / (lagged[-1][0] - lagged[0][0]))
+        loads[tp] = max(0.0, rate + growth)
+    return loads
+
+
+def task_load(task: TaskView) -> float:
+    return sum(partition_loads(task).values())
+
+
+def measured_ceiling(samples: Iterable[TaskSample], policy: TaskPolicy) -> float | None:
+    """The highest rate sustained with a backlog (None: never saturated)."""
+    rates = [s.rate for s in samples if s.has_backlog(policy) and s.rate > 0]
+    return max(rates) if rates else None
+
+
+def lag_growing(task: TaskView, policy: TaskPolicy) -> tuple[int, ...] | None:
+    """The last ``lag_samples`` lag totals when each grew and the last is a backlog, else None."""
+    recent = task.recent()
+    if len(recent) < policy.lag_samples:
+        return None
+    lags = tuple(s.lag for s in recent[-policy.lag_samples :])
+    if all(b > a for a, b in zip(lags, lags[1:], strict=False)) and lags[-1] >= policy.min_backlog:
+        return lags
+    return None
+
+
+def halve_by_load(
+    loads: Mapping[TopicPartition, float],
+) -> tuple[frozenset[TopicPartition], frozenset[TopicPartition]]:
+    """(kept, moving): two non-empty halves of near-equal load (heaviest first, to the lighter side).
+
+    Partitions without measured load count one unit each (dealt by count)."""
+    if len(loads) < 2:
+        raise ValueError("a task with one partition cannot be split")
+    weighted = any(v > 0 for v in loads.values())
+    items = sorted(loads.items(), key=lambda kv: (-(kv[1] if weighted else 1.0), kv[0]))
+    sides: list[list[TopicPartition]] = [[], []]
+    weight = [0.0, 0.0]
+    for tp, load in items:
+        i = 0 if (weight[0], len(sides[0])) <= (weight[1], len(sides[1])) else 1
+        sides[i].append(tp)
+        weight[i] += load if weighted else 1.0
+    if not sides[1]:  # every load on one partition: still move one
+        sides[1].append(sides[0].pop())
+    return frozenset(sides[0]), frozenset(sides[1])
+
+
+# -- planning ------------------------------------------------------------------------
+
+
+def plan_tasks(groups: Sequence[TaskGroup], brokers: Sequence[BrokerSlot], now: float) -> TaskPlan:
+    """Decisions for every connector's tasks; brokers' room is shared across connectors."""
+    plan = TaskPlan()
+    slots = {b.id: b for b in brokers}
+    for group in sorted(groups, key=lambda g: g.connector):
+        group = _plan_group(group, slots, now, plan)
+        plan.groups[group.connector] = group
+    return plan
+
+
+def _least_loaded(slots: dict[str, BrokerSlot], prefer: str | None = None) -> str | None:
+    room = [b for b in slots.values() if b.healthy and b.free > 0]
+    if not room:
+        return None
+    return min(room, key=lambda b: (b.load, b.id != prefer, -b.free, b.id)).id
+
+
+def _take_slot(slots: dict[str, BrokerSlot], broker_id: str) -> None:
+    b = slots[broker_id]
+    slots[broker_id] = replace(b, free=b.free - 1, load=b.load + 1.0)
+
+
+def _free_slot(slots: dict[str, BrokerSlot], broker_id: str | None) -> None:
+    if broker_id is not None and broker_id in slots:
+        b = slots[broker_id]
+        slots[b.id] = replace(b, free=b.free + 1, load=max(0.0, b.load - 1.0))
+
+
+def _fmt(figures: Mapping[str, float]) -> str:
+    return ", ".join(
+        f"{k}={v:.1f}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}"
+        for k, v in figures.items()
+    )
+
+
+def _plan_group(
+    group: TaskGroup, slots: dict[str, BrokerSlot], now: float, plan: TaskPlan
+) -> TaskGroup:
+    policy = group.policy
+    name = group.connector
+
+    def do(decision: TaskDecision) -> None:
+        nonlocal group
+        plan.decisions.append(decision)
+        for tid in decision.change.removed:
+            _free_slot(slots, group.task(tid).broker_id)
+        group = decision.change.applied_to(group, now)
+
+    # 1. dead tasks
+    for task in list(group.tasks):
+        if not task.is_dead(now, policy):
+            continue
+        live = [t for t in group.tasks if t.task_id != task.task_id and not t.is_dead(now, policy)]
+        age = now - (task.heartbeat_at if task.heartbeat_at is not None else task.changed_at)
+        figures = {"heartbeat_age_s": float(age), "partitions": float(len(task.partitions))}
+        if live:
+            moves = _deal(partition_loads(task), live)
+            do(
+                ReclaimDead(
+                    name,
+                    f"task {task.task_id} silent for {age:.0f} s: its "
+                    f"{len(task.partitions)} partition(s) go to task(s) "
+                    f"{', '.join(str(t) for t in sorted(moves))}",
+                    TaskChange(partitions=moves, removed=frozenset({task.task_id})),
+                    figures,
+                    task_id=task.task_id,
+                )
+            )
+        else:
+            broker = task.broker_id
+            if broker not in slots or not slots[broker].healthy:
+                _free_slot(slots, broker)
+                broker = _least_loaded(slots)
+                if broker is None:
+                    continue
+                _take_slot(slots, broker)
+            do(
+                RestartTask(
+                    name,
+                    f"task {task.task_id} silent for {age:.0f} s and no live task to take over: "
+                    f"relaunched on {broker}",
+                    TaskChange(
+                        restarted=frozenset({task.task_id}),
+                        brokers={task.task_id: broker} if broker else {},
+                    ),
+                    figures,
+                    task_id=task.task_id,
+                    broker_id=broker,
+                )
+            )
+
+    # 2. start
+    if not group.tasks:
+        if not group.partitions:
+            return group
+        parts = sorted(group.partitions)
+        n = min(policy.min_tasks, len(parts))
+        first = group.new_task_id()
+        sets: dict[int, frozenset[TopicPartition]] = {}
+        placed: dict[int, str] = {}
+        for i in range(n):
+            broker = _least_loaded(slots)
+            if broker is None:
+                break
+            _take_slot(slots, broker)
+            placed[first + i] = broker
+        if not placed:
+            return group
+        ids = sorted(placed)
+        for i, tp in enumerate(parts):
+            tid = ids[i % len(ids)]
+            sets[tid] = sets.get(tid, frozenset()) | {tp}
+        do(
+            StartTasks(
+                name,
+                f"{len(ids)} task(s) for {len(parts)} partition(s)",
+                TaskChange(partitions=sets, brokers=placed),
+                {"tasks": float(len(ids)), "partitions": float(len(parts))},
+            )
+        )
+        return group
+
+    live = [t for t in group.tasks if not t.is_dead(now, policy)]
+    if not live:
+        return group
+
+    # 3. adopt
+    orphans = group.partitions - set(group.owner())
+    if orphans:
+        lightest = min(live, key=lambda t: (task_load(t), len(t.partitions), t.task_id))
+        do(
+            Adopt(
+                name,
+                f"{len(orphans)} new partition(s) to task {lightest.task_id}",
+                TaskChange(partitions={lightest.task_id: lightest.partitions | orphans}),
+                {"partitions": float(len(orphans))},
+                task_id=lightest.task_id,
+            )
+        )
+        live = [t for t in group.tasks if not t.is_dead(now, policy)]
+
+    # the ceiling
+    measured = [c for c in (measured_ceiling(t.recent(), policy) for t in live) if c is not None]
+    ceiling = policy.ceiling_msgs_per_s or max([group.ceiling or 0.0, *measured]) or None
+    if ceiling:
+        plan.ceilings[name] = ceiling
+        group = replace(
+            group, ceiling=ceiling if policy.ceiling_msgs_per_s is None else group.ceiling
+        )
+
+    # 4. bounds
+    if len(live) < policy.min_tasks:
+        task = max(live, key=lambda t: (task_load(t), len(t.partitions), -t.task_id))
+        if len(task.partitions) >= 2:
+            _split(
+                group,
+                task,
+                slots,
+                now,
+                do,
+                f"below tasks.min ({policy.min_tasks})",
+                {"tasks": float(len(live)), "min": float(policy.min_tasks)},
+            )
+        return group
+    if len(live) > policy.max_tasks:
+        a, b = sorted(live, key=lambda t: (task_load(t), t.task_id))[:2]
+        _merge(
+            group,
+            a,
+            b,
+            do,
+            f"above tasks.max ({policy.max_tasks})",
+            {"tasks": float(len(live)), "max": float(policy.max_tasks)},
+        )
+        return group
+
+    if group.last_change_at is not None and now - group.last_change_at < policy.cooldown_s:
+        return group
+
+    # 5. split
+    if len(live) < policy.max_tasks:
+        for task in sorted(live, key=lambda t: (-task_load(t), t.task_id)):
+            if len(task.partitions) < 2:
+                continue
+            recent = task.recent()
+            growing = lag_growing(task, policy)
+            if growing is not None:
+                figures = {
+                    "rate": recent[-1].rate,
+                    "lag_first": float(growing[0]),
+                    "lag_last": float(growing[-1]),
+                    "samples": float(len(growing)),
+                }
+                why = f"lag grew in {len(growing)} samples ({growing[0]} -> {growing[-1]})"
+            elif (
+                ceiling
+                and recent
+                and recent[-1].rate >= policy.split_at * ceiling
+                and (policy.ceiling_msgs_per_s is not None or recent[-1].has_backlog(policy))
+                and (len(recent) < 2 or recent[-1].lag >= recent[-2].lag)  # not catching up
+            ):
+                figures = {
+                    "rate": recent[-1].rate,
+                    "ceiling": float(ceiling),
+                    "lag": float(recent[-1].lag),
+                }
+                why = (
+                    f"rate {recent[-1].rate:.0f}/s reached {policy.split_at:g} x ceiling "
+                    f"{ceiling:.0f}/s"
+                )
+            else:
+                continue
+            if _split(group, task, slots, now, do, why, figures):
+                return group
+
+    # 6. merge
+    if ceiling and len(live) > policy.min_tasks:
+        calm = [
+            t
+            for t in live
+            if len(t.recent()) >= 2
+            and not t.recent()[-1].has_backlog(policy)
+            and lag_growing(t, policy) is None
+        ]
+        best: tuple[float, TaskView, TaskView] | None = None
+        ordered = sorted(calm, key=lambda t: (task_load(t), t.task_id))
+        if len(ordered) >= 2:
+            a, b = ordered[0], ordered[1]
+            best = (task_load(a) + task_load(b), a, b)
+        if best is not None and best[0] < policy.merge_below * ceiling:
+            combined, a, b = best
+            _merge(
+                group,
+                a,
+                b,
+                do,
+                f"combined rate {combined:.0f}/s below {policy.merge_below:g} x ceiling "
+                f"{ceiling:.0f}/s",
+                {"combined_rate": combined, "ceiling": float(ceiling)},
+            )
+    return group
+
+
+def _deal(
+    loads: Mapping[TopicPartition, float], takers: Sequence[TaskView]
+) -> dict[int, frozenset[TopicPartition]]:
+    """Heaviest partition first to the task with the lightest load so far."""
+    weight = {t.task_id: task_load(t) for t in takers}
+    sets = {t.task_id: t.partitions for t in takers}
+    for tp, load in sorted(loads.items(), key=lambda kv: (-kv[1], kv[0])):
+        tid = min(weight, key=lambda i: (weight[i], len(sets[i]), i))
+        sets[tid] = sets[tid] | {tp}
+        weight[tid] += load
+    return {
+        tid: parts
+        for tid, parts in sets.items()
+        if parts != next(t.partitions for t in takers if t.task_id == tid)
+    }
+
+
+def _split(
+    group: TaskGroup,
+    task: TaskView,
+    slots: dict[str, BrokerSlot],
+    now: float,
+    do: Callable[[TaskDecision], None],
+    why: str,
+    figures: Mapping[str, float],
+) -> bool:
+    broker = _least_loaded(slots)
+    if broker is None:
+        return False
+    loads = partition_loads(task)
+    kept, moving = halve_by_load(loads)
+    new_id = group.new_task_id()
+    _take_slot(slots, broker)
+    moved_load = sum(loads[tp] for tp in moving)
+    kept_load = sum(loads[tp] for tp in kept)
+    figures = {**figures, "moved_load": moved_load, "kept_load": kept_load}
+    do(
+        Split(
+            group.connector,
+            f"split task {task.task_id}: {why}; {len(moving)} partition(s) "
+            f"({moved_load:.0f}/s) to new task {new_id} on {broker} ({_fmt(figures)})",
+            TaskChange(
+                partitions={task.task_id: kept, new_id: moving},
+                brokers={new_id: broker},
+                counts_for_cooldown=True,
+            ),
+            figures,
+            task_id=task.task_id,
+            new_task_id=new_id,
+            moving=moving,
+            broker_id=broker,
+        )
+    )
+    return True
+
+
+def _merge(
+    group: TaskGroup,
+    a: TaskView,
+    b: TaskView,
+    do: Callable[[TaskDecision], None],
+    why: str,
+    figures: Mapping[str, float],
+) -> None:
+    """The lighter ``a`` gives its partitions to ``b``."""
+    figures = {**figures, "moved_load": task_load(a), "into_load": task_load(b)}
+    do(
+        Merge(
+            group.connector,
+            f"merge task {a.task_id} into task {b.task_id}: {why} ({_fmt(figures)})",
+            TaskChange(
+                partitions={b.task_id: b.partitions | a.partitions},
+                removed=frozenset({a.task_id}),
+                counts_for_cooldown=True,
+            ),
+            figures,
+            task_id=a.task_id,
+            into_task_id=b.task_id,
+            moving=a.partitions,
+        )
+    )
