@@ -207,6 +207,9 @@ class TaskChange:
     restarted: frozenset[int] = frozenset()
     counts_for_cooldown: bool = False
     """A split or a merge: starts the cool-down."""
+    immediate: bool = False
+    """Moved partitions change owner at once (their owner is dead); otherwise the owner
+    hands them over at a batch boundary (``TaskStore.release``)."""
 
     def applied_to(self, group: TaskGroup, now: float) -> TaskGroup:
         tasks: list[TaskView] = []
@@ -450,7 +453,7 @@ def _plan_group(
                     f"task {task.task_id} silent for {age:.0f} s: its "
                     f"{len(task.partitions)} partition(s) go to task(s) "
                     f"{', '.join(str(t) for t in sorted(moves))}",
-                    TaskChange(partitions=moves, removed=frozenset({task.task_id})),
+                    TaskChange(partitions=moves, removed=frozenset({task.task_id}), immediate=True),
                     figures,
                     task_id=task.task_id,
                 )

@@ -83,5 +83,46 @@ state_history = sa.Table(
     sa.Column("generation", sa.Integer, nullable=True),
 )
 
+# -- partition tasks (conveyor/core/tasks.py, conveyor/store/tasks.py) ------------------
+# New tables need no migration step: create_all adds them to an existing store.
+
+task_groups = sa.Table(
+    "conveyor_task_groups",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),  # grows at every change
+    sa.Column("next_task_id", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_change_at", sa.Float, nullable=True),  # last split or merge (cool-down)
+    sa.Column("ceiling", sa.Float, nullable=True),  # measured msgs/s one task carries
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+tasks = sa.Table(
+    "conveyor_tasks",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("task_id", sa.Integer, primary_key=True),
+    sa.Column("broker_id", sa.String(64), nullable=True),
+    sa.Column("generation", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("status", sa.String(16), nullable=False, server_default="Starting"),
+    sa.Column("run_id", sa.String(64), nullable=True),
+    sa.Column("heartbeat_at", sa.Float, nullable=True),
+    sa.Column("changed_at", sa.Float, nullable=False),
+    sa.Column("samples_json", sa.Text, nullable=False, server_default="[]"),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+task_partitions = sa.Table(
+    "conveyor_task_partitions",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("topic", sa.String(255), primary_key=True),
+    sa.Column("partition", sa.Integer, primary_key=True),
+    sa.Column("task_id", sa.Integer, nullable=False),  # the owner: only it commits this partition
+    sa.Column("epoch", sa.Integer, nullable=False),  # the group epoch at which it got it
+    sa.Column("pending_task_id", sa.Integer, nullable=True),  # handing over to this task
+    sa.Column("pending_since", sa.Float, nullable=True),
+)
+
 # Version N -> N+1 steps, applied in order inside one transaction each.
 MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {}
