@@ -650,7 +650,7 @@ class RedisSink(Sink):
                     raise_config(f"delete_commands[{i}]", str(e))
             self._delete_templates = deletes
         elif c.delete_enabled:
-            self._delete_templates = default_delete_commands(templates)
+            self._delete_templates = default_delete_commands(commands)
             require(
                 bool(self._delete_templates),
                 "no command template has a key argument to DEL; give delete_commands",
@@ -789,8 +789,8 @@ class RedisSink(Sink):
 
         if batch.num_rows == 0:
             return SendResult(rows=0)
-        templates = self.templates()
-        rows, bad = render_batch(templates, batch)
+        commands = self.templates()
+        rows, bad = render_batch(commands, batch)
         deletes = self.delete_templates()
         if deletes is not None and has_tombstones(batch):
             # A tombstone runs the delete templates; each row keeps its own errors only.
