@@ -392,7 +392,7 @@ class BatchValues:
 
 
 def render_batch(
-    templates: Sequence[CommandTemplate], batch: pa.Table
+    commands: Sequence[CommandTemplate], batch: pa.Table
 ) -> tuple[list[list[list[bytes | str]] | None], dict[int, str]]:
     """Every row's commands (name as str, arguments as bytes), and the rows that cannot fill them."""
     values = BatchValues(batch)
@@ -400,7 +400,7 @@ def render_batch(
     failures: dict[int, str] = {}
     # Per template, per argument: a constant, one value column, or parts to join.
     compiled = []
-    for t in templates:
+    for t in commands:
         args: list[tuple[str, Any]] = []
         for arg in t.args[1:]:
             if all(isinstance(p, bytes) for p in arg):
@@ -650,7 +650,7 @@ class RedisSink(Sink):
                     raise_config(f"delete_commands[{i}]", str(e))
             self._delete_templates = deletes
         elif c.delete_enabled:
-            self._delete_templates = default_delete_commands(templates)
+            self._delete_templates = default_delete_commands(commands)
             require(
                 bool(self._delete_templates),
                 "no command template has a key argument to DEL; give delete_commands",
@@ -789,8 +789,8 @@ class RedisSink(Sink):
 
         if batch.num_rows == 0:
             return SendResult(rows=0)
-        templates = self.templates()
-        rows, bad = render_batch(templates, batch)
+        commands = self.templates()
+        rows, bad = render_batch(commands, batch)
         deletes = self.delete_templates()
         if deletes is not None and has_tombstones(batch):
             # A tombstone runs the delete templates; each row keeps its own errors only.
@@ -808,7 +808,7 @@ class RedisSink(Sink):
         size = self.config.pipeline_size
         try:
             for start in range(0, len(good), size):
-                for f in self._run_chunk(rows, good[start : start + size], templates):
+                for f in self._run_chunk(rows, good[start : start + size], commands):
                     failures[f.index] = f
         except (rx.RedisError, rx.RedisClusterException, OSError) as e:
             err = self._error(e, "write failed")
@@ -823,7 +823,7 @@ class RedisSink(Sink):
         self,
         rows: list[list[list[bytes | str]] | None],
         idx: list[int],
-        templates: list[CommandTemplate],
+        commands: list[CommandTemplate],
     ) -> list[RowFailure]:
         """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
         from redis import exceptions as rx
@@ -843,8 +843,8 @@ class RedisSink(Sink):
             if len(idx) == 1:
                 return [RowFailure(idx[0], redis_error_text(e))]
             mid = len(idx) // 2
-            return self._run_chunk(rows, idx[:mid], templates) + self._run_chunk(
-                rows, idx[mid:], templates
+            return self._run_chunk(rows, idx[:mid], commands) + self._run_chunk(
+                rows, idx[mid:], commands
             )
         counts = [len(rows[i]) for i in idx]  # type: ignore[arg-type]
         if len(results) != sum(counts):
@@ -867,11 +867,11 @@ class RedisSink(Sink):
         return out
 
 
-def default_delete_commands(templates: Sequence[CommandTemplate]) -> list[CommandTemplate]:
+def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[CommandTemplate]:
     """``DEL <key>`` for the key argument (the first) of each template, each key once."""
     out: list[CommandTemplate] = []
     seen: set[tuple[Part, ...]] = set()
-    for t in templates:
+    for t in commands:
         if len(t.args) < 2 or t.args[1] in seen:
             continue
         seen.add(t.args[1])
