@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pyarrow as pa
@@ -150,8 +150,13 @@ class KafkaSource:
         request_timeout_ms: int = 30_000,
         mirror_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        only: Collection[TopicPartition] | None = None,
     ):
         self.spec = spec
+        # A partition task reads only its partitions (given by the scheduler); the others,
+        # found by discovery, are reported in ``discovered`` for the scheduler to place.
+        self.only = frozenset(only) if only is not None else None
+        self.discovered: list[TopicPartition] = []
         self.bootstrap = resolve_bootstrap(spec)
         self.group_id = group_id
         self.client_id = spec.client_id or client_id or f"conveyor-{group_id}"
@@ -213,7 +218,7 @@ class KafkaSource:
             raise TransientSourceError(
                 f"topic(s) {', '.join(missing)} not found on {self.bootstrap}"
             )
-        self._assign(parts, committed)
+        self._assign(self._mine(parts), committed)
         self._last_discovery = self._clock()
         log.info(
             "assigned %s from %s",
@@ -238,7 +243,11 @@ class KafkaSource:
                 parts.extend(TopicPartition(topic, p) for p in sorted(ps))
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"reading the topics' metadata from {self.bootstrap}") from None
+        self.discovered = list(parts)
         return parts, missing
+
+    def _mine(self, parts: list[TopicPartition]) -> list[TopicPartition]:
+        return parts if self.only is None else [tp for tp in parts if tp in self.only]
 
     def _assign(self, parts: list[TopicPartition], committed: Offsets) -> None:
         """Assign ``parts``; keep the positions of partitions already read, seek the others
@@ -307,6 +316,7 @@ class KafkaSource:
             return
         self._last_discovery = self._clock()
         parts, _ = self._discover()
+        parts = self._mine(parts)
         new = [tp for tp in parts if tp not in set(self._partitions)]
         if new:
             # Kept partitions stay assigned even if their topic vanished from the metadata.

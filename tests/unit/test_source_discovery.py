@@ -106,3 +106,26 @@ def test_new_partitions_are_assigned_from_the_earliest_offset_and_others_keep_th
         assert source.lag({TopicPartition("orders", 0): 45, TopicPartition("orders", 1): 70}) == 10
     finally:
         source.close()
+
+
+def test_a_task_source_reads_only_its_partitions_and_reports_the_others(
+    fake: list[FakeConsumer],
+) -> None:
+    now = [0.0]
+    spec = SourceSpec(topics=["orders"], bootstrap_servers="127.0.0.1:1")
+    mine = {TopicPartition("orders", 1)}
+    source = KafkaSource(spec, group_id="c", clock=lambda: now[0], only=mine)
+    try:
+        assert source.open({TopicPartition("orders", 1): 7}) == [
+            TopicPartition("orders", 0),
+            TopicPartition("orders", 1),
+        ]
+        c = fake[0]
+        assert c.assigned == [KTP("orders", 1)] and c.pos == {KTP("orders", 1): 7}
+        c.partitions["orders"].add(2)
+        now[0] = 30.0
+        source.read(BatchPolicy(max_wait_ms=1))
+        assert c.assigned == [KTP("orders", 1)], "a new partition is the scheduler's to place"
+        assert source.discovered == [TopicPartition("orders", p) for p in (0, 1, 2)]
+    finally:
+        source.close()
