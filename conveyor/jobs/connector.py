@@ -250,6 +250,10 @@ def run_connector(
     ls = loaded
     assert ls.spec is not None
     tags = context.run.tags
+    if "conveyor/task" in tags:  # a partition task's run (jobs/tasks.py)
+        from conveyor.jobs.tasks import run_task
+
+        return run_task(context, conveyor, name, ls, store)
     expected = int(tags[TAG_GENERATION]) if TAG_GENERATION in tags else None
     try:
         claim = store.claim(

@@ -223,17 +223,30 @@ def tick(
 
     ``launchable``: job names the sensor can target (None: all).
     """
+    from conveyor.sensors.tasks import tasks_spec, tasks_tick
+
     now = time.time() if now is None else now
-    rows = store.list()
+    all_rows = store.list()
+    # Connectors with tasks.max > 1 run as partition tasks, planned by sensors/tasks.py.
+    tasked = {r.name for r in all_rows if tasks_spec(r) is not None}
+    rows = [r for r in all_rows if r.name not in tasked]
     views = {r.name: connector_view(r, launchable) for r in rows}
     plan = core.plan(
         list(views.values()),
         broker_views(store),
-        run_views(context.instance, rows, now),
+        [v for v in run_views(context.instance, rows, now) if v.connector not in tasked],
         now,
         scheduler_config(),
     )
-    return plan, apply_plan(context, store, plan, views)
+    requests = apply_plan(context, store, plan, views)
+    return plan, requests + tasks_tick(
+        context,
+        store,
+        store.list(),  # as the assignments above left them
+        now,
+        launchable=launchable,
+        launch_timeout_s=scheduler_config().launch_timeout_s,
+    )
 
 
 @dataclass(frozen=True)

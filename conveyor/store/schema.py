@@ -94,6 +94,7 @@ task_groups = sa.Table(
     sa.Column("next_task_id", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_change_at", sa.Float, nullable=True),  # last split or merge (cool-down)
     sa.Column("ceiling", sa.Float, nullable=True),  # measured msgs/s one task carries
+    sa.Column("partitions_json", sa.Text, nullable=True),  # every partition, as tasks found them
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 

@@ -259,12 +259,43 @@ class TaskStore:
             for r in rows
         ]
 
+    def connectors(self) -> list[str]:
+        """Connectors that have task rows."""
+        with self.meta._tx() as c:
+            return sorted(
+                r.connector for r in c.execute(sa.select(t.task_groups.c.connector)).all()
+            )
+
     def epoch(self, connector: str) -> int:
         with self.meta._tx() as c:
             row = c.execute(
                 sa.select(t.task_groups.c.epoch).where(t.task_groups.c.connector == connector)
             ).first()
             return int(row.epoch) if row else 0
+
+    def partitions(self, connector: str) -> list[TopicPartition]:
+        """Every partition of the connector's topics, as its tasks (or the scheduler) found them."""
+        with self.meta._tx() as c:
+            text = c.execute(
+                sa.select(t.task_groups.c.partitions_json).where(
+                    t.task_groups.c.connector == connector
+                )
+            ).scalar()
+        return sorted(_tp(k) for k in json.loads(text or "[]"))
+
+    def set_partitions(self, connector: str, partitions: Iterable[TopicPartition]) -> None:
+        with self.meta._tx() as c:
+            self._lock_group(c, connector)
+            self._set_partitions(c, connector, partitions)
+
+    def _set_partitions(
+        self, c: sa.Connection, connector: str, partitions: Iterable[TopicPartition]
+    ) -> None:
+        c.execute(
+            t.task_groups.update()
+            .where(t.task_groups.c.connector == connector)
+            .values(partitions_json=json.dumps(sorted(_key(tp) for tp in partitions)))
+        )
 
     def load_group(
         self, connector: str, policy: TaskPolicy, partitions: Iterable[TopicPartition]
@@ -374,7 +405,6 @@ class TaskStore:
                         raise ValueError(
                             f"connector {connector!r}: no task {tid} to give partitions"
                         )
-                    changed = False
                     for tp in sorted(parts):
                         r = owners.get((tp.topic, tp.partition))
                         where = (
@@ -392,7 +422,6 @@ class TaskStore:
                                     epoch=epoch,
                                 )
                             )
-                            changed = True
                         elif r.task_id == tid:
                             if r.pending_task_id is not None:  # moved back before the handover
                                 c.execute(
@@ -400,7 +429,6 @@ class TaskStore:
                                     .where(*where)
                                     .values(pending_task_id=None, pending_since=None)
                                 )
-                                changed = True
                         elif ch.immediate or r.task_id not in live:
                             c.execute(
                                 t.task_partitions.update()
@@ -412,20 +440,18 @@ class TaskStore:
                                     pending_since=None,
                                 )
                             )
-                            changed = True
                         elif r.pending_task_id != tid:
                             c.execute(
                                 t.task_partitions.update()
                                 .where(*where)
                                 .values(pending_task_id=tid, pending_since=now)
                             )
-                            changed = True
-                    if changed:
-                        c.execute(
-                            t.tasks.update()
-                            .where(t.tasks.c.connector == connector, t.tasks.c.task_id == tid)
-                            .values(changed_at=now)
-                        )
+                    # Named in the decision, so its set changed: its load is measured anew.
+                    c.execute(
+                        t.tasks.update()
+                        .where(t.tasks.c.connector == connector, t.tasks.c.task_id == tid)
+                        .values(changed_at=now)
+                    )
                 for tid in sorted(ch.removed):
                     if ch.immediate:
                         c.execute(
@@ -561,12 +587,19 @@ class TaskStore:
         *,
         run_id: str | None = None,
         sample_interval_s: float = 5.0,
+        discovered: Iterable[TopicPartition] | None = None,
     ) -> Grant:
-        """Record the task's load (a sample at most every ``sample_interval_s``); answer its grant."""
+        """Record the task's load (a sample at most every ``sample_interval_s``) and the
+        partitions its source found (``discovered``); answer its grant."""
         now = self.meta.clock()
         with self.meta._tx() as c:
-            self._lock_group(c, connector)
+            group = self._lock_group(c, connector)
             row = self._fenced_task(c, connector, task_id, generation)
+            if discovered is not None:
+                found = sorted(_key(tp) for tp in discovered)
+                known = json.loads(group.partitions_json or "[]")
+                if found and sorted(set(known) | set(found)) != sorted(known):
+                    self._set_partitions(c, connector, [_tp(k) for k in set(known) | set(found)])
             values: dict[str, Any] = {"heartbeat_at": now}
             if row.status != ENDING:
                 values["status"] = "Running"

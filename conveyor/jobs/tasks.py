@@ -1,0 +1,233 @@
+"""A partition task's run: the connector loop over the partitions the scheduler granted it.
+
+A run launched for a task carries ``conveyor/task`` and ``conveyor/task_generation``
+(plus ``conveyor/connector`` and ``conveyor/broker``). It reads only the partitions its
+grant names (``KafkaSource(only=...)``, an explicit ``assign``), commits through the
+per-partition fenced ``TaskStore.commit``, and reports per-partition rate and lag in its
+heartbeats (``TaskSample``), which the scheduler's planner splits and merges on.
+
+**Handover.** When its grant changes (partitions to release, partitions handed to it)
+the heartbeat answers ``RECONFIGURE``: the loop ends at the batch boundary, committing
+the acknowledged batch, drops what it read ahead (uncommitted), and the run then
+``release``s the moving partitions (their offsets are the ones just committed) and
+builds a new loop over its new partitions, from their committed offsets. So a clean
+handover reads nothing twice; a run killed before releasing is overtaken by the
+scheduler after the heartbeat timeout, from the last committed offsets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dagster import DagsterExecutionInterruptedError, Failure, OpExecutionContext
+
+from conveyor.brokers.kafka import KafkaSource
+from conveyor.core.errors import ConveyorError, FencedError
+from conveyor.core.loop import Directive, directive_for, run_loop
+from conveyor.core.model import (
+    ConnectorStatus,
+    Counters,
+    DesiredState,
+    HeartbeatReply,
+    Offsets,
+    TopicPartition,
+)
+from conveyor.core.tasks import TaskSample
+from conveyor.resources.conveyor import ConveyorResource
+from conveyor.specs import LoadedSpec
+from conveyor.store.meta import Claim, MetaStore
+from conveyor.store.tasks import Grant, TaskStore
+
+TAG_TASK = "conveyor/task"
+TAG_TASK_GENERATION = "conveyor/task_generation"
+WAIT_FOR_PARTITIONS_S = 0.5
+
+
+class TaskCommitter:
+    """A task run's fenced writes: per-partition commits, heartbeats with load samples."""
+
+    def __init__(
+        self,
+        tasks: TaskStore,
+        name: str,
+        task_id: int,
+        generation: int,
+        source: KafkaSource,
+        grant: Grant,
+        *,
+        spec_hash: str | None,
+        run_id: str | None,
+        sample_interval_s: float,
+        committed: Offsets,
+        clock: Any = time.time,
+    ):
+        self.tasks = tasks
+        self.name = name
+        self.task_id = task_id
+        self.generation = generation
+        self.source = source
+        self.grant = grant
+        self.reading = frozenset(grant.owned) - grant.releasing
+        self.spec_hash = spec_hash
+        self.run_id = run_id
+        self.sample_interval_s = sample_interval_s
+        self.clock = clock
+        self.committed: Offsets = dict(committed)
+        self._snapshot: tuple[float, Offsets] = (clock(), dict(committed))
+        self.refused: set[TopicPartition] = set()
+
+    def commit(self, offsets: Offsets) -> None:
+        res = self.tasks.commit(self.name, self.task_id, self.generation, offsets, self.grant.owned)
+        self.committed.update(res.committed)
+        if res.refused:
+            # Moved away under a forced handover: the next heartbeat ends this loop.
+            self.refused |= res.refused
+        self.source.mirror_commit(res.committed)
+
+    def sample(self, now: float) -> TaskSample | None:
+        then, before = self._snapshot
+        if now - then < self.sample_interval_s:
+            return None
+        dt = max(now - then, 1e-6)
+        rates = {
+            tp: max(0, off - before.get(tp, off)) / dt
+            for tp, off in self.committed.items()
+            if tp in self.reading
+        }
+        highwaters = self.source.highwaters()
+        lags = {
+            tp: max(0, hw - self.committed.get(tp, hw))
+            for tp, hw in highwaters.items()
+            if tp in self.reading
+        }
+        for tp in self.reading:
+            rates.setdefault(tp, 0.0)
+        self._snapshot = (now, dict(self.committed))
+        return TaskSample(now, rates, lags)
+
+    def heartbeat(
+        self, counters: Counters, status: ConnectorStatus, reason: str | None
+    ) -> Directive:
+        grant = self.tasks.heartbeat(
+            self.name,
+            self.task_id,
+            self.generation,
+            self.sample(self.clock()),
+            run_id=self.run_id,
+            sample_interval_s=self.sample_interval_s,
+            discovered=self.source.discovered or None,
+        )
+        self.grant = grant
+        if grant.desired == DesiredState.STOPPED or grant.ending:
+            return Directive.STOP
+        if (frozenset(grant.owned) - grant.releasing) != self.reading or self.refused:
+            return Directive.RECONFIGURE
+        stored = self.tasks.meta.get(self.name).spec_hash
+        return directive_for(HeartbeatReply(grant.desired, stored), self.spec_hash)
+
+
+def run_task(
+    context: OpExecutionContext,
+    conveyor: ConveyorResource,
+    name: str,
+    loaded: LoadedSpec,
+    store: MetaStore,
+) -> None:
+    """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
+    from conveyor.jobs.connector import TAG_BROKER, _build_loop, _next_spec, cancel_requested
+
+    assert loaded.spec is not None
+    tags = context.run.tags
+    task_id = int(tags[TAG_TASK])
+    generation = int(tags[TAG_TASK_GENERATION])
+    tasks = TaskStore(store)
+    ls = loaded
+    interval = ls.spec.tasks.sample_interval_s  # type: ignore[union-attr]
+    try:
+        grant = tasks.heartbeat(name, task_id, generation, run_id=context.run_id)
+    except FencedError as e:
+        context.log.warning(f"{e}; this task run exits")
+        return
+    broker = store.get_broker(tags.get(TAG_BROKER, "")) if tags.get(TAG_BROKER) else None
+    remote = broker.spark_remote if broker else conveyor.default_remote()
+    running_hash = ls.spec_hash()
+    canceled = cancel_requested(context)
+    counters: Counters | None = None
+    try:
+        while True:
+            if canceled():
+                raise DagsterExecutionInterruptedError()
+            if grant.desired == DesiredState.STOPPED or grant.ending:
+                break
+            if grant.releasing:
+                handed = tasks.release(name, task_id, generation, {}, grant.owned)
+                context.log.info(
+                    f"connector {name} task {task_id}: handed over "
+                    + ", ".join(f"{tp}@{off}" for tp, off in sorted(handed.items()))
+                )
+                grant = tasks.grant(name, task_id, generation)
+                continue
+            mine = frozenset(grant.owned)
+            if not mine:  # a new task waits for its partitions' handover
+                time.sleep(WAIT_FOR_PARTITIONS_S)
+                grant = tasks.heartbeat(name, task_id, generation, run_id=context.run_id)
+                continue
+            committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
+            claim = Claim(name, generation, tags.get(TAG_BROKER), committed)
+            loop = _build_loop(
+                context,
+                conveyor,
+                store,
+                ls,
+                running_hash,
+                generation,
+                claim,
+                remote,
+                committed,
+                counters,
+            )
+            # The same loop, but reading only this task's partitions and committing per partition.
+            spec = loop.source.spec  # type: ignore[attr-defined]  # resolved, with bootstrap
+            loop.source.close()  # type: ignore[attr-defined]  # never opened
+            source = KafkaSource(spec, group_id=name, only=mine)
+            loop.source = source
+            committer = TaskCommitter(
+                tasks,
+                name,
+                task_id,
+                generation,
+                source,
+                grant,
+                spec_hash=running_hash,
+                run_id=context.run_id,
+                sample_interval_s=interval,
+                committed=committed,
+            )
+            loop.committer = committer
+            loop.stop_requested = canceled
+            context.log.info(
+                f"connector {name} task {task_id} (generation {generation}) reads "
+                + ", ".join(f"{tp}@{committed.get(tp, '-')}" for tp in sorted(mine))
+            )
+            counters = run_loop(loop)
+            if canceled():
+                raise DagsterExecutionInterruptedError()
+            if not loop.reconfigure_requested:
+                break
+            grant = tasks.grant(name, task_id, generation)
+            stored = store.get(name).spec_hash
+            if stored and running_hash and stored != running_hash:
+                ls, running_hash = _next_spec(context, store, ls)
+    except DagsterExecutionInterruptedError:
+        context.log.info(f"connector {name} task {task_id} stopped by terminate")
+        raise
+    except FencedError as e:
+        context.log.warning(f"{e}. This task was replaced or removed; exiting without committing.")
+        return
+    except ConveyorError as e:
+        store.record(name, f"task {task_id}: {type(e).__name__}: {e}", run_id=context.run_id)
+        raise Failure(description=f"connector {name} task {task_id}: {e}") from None
+    context.log.info(
+        f"connector {name} task {task_id} ended ({counters.as_dict() if counters else {}})"
+    )

@@ -1,0 +1,92 @@
+"""The scheduler sensor runs a tasks.max > 1 connector as partition tasks (real instance and store)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dagster import DagsterRunStatus
+from dagster._core.test_utils import create_run_for_test
+
+from conveyor.core.model import ConnectorStatus, TopicPartition
+from conveyor.core.tasks import TaskSample
+from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION
+from conveyor.jobs.tasks import TAG_TASK, TAG_TASK_GENERATION
+from conveyor.store.tasks import TaskStore
+from tests.integration.test_scheduler_sensor import env, tick  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.integration
+
+P = [TopicPartition("hot_topic", i) for i in range(6)]
+TASKS = {"min": 1, "max": 3, "lag_samples": 2, "cooldown_s": 0, "sample_interval_s": 1}
+
+
+def add_hot(store) -> TaskStore:
+    spec = {"name": "hot", "source": {"topics": ["hot_topic"]}, "tasks": TASKS}
+    store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h", source="test", error=None)
+    ts = TaskStore(store)
+    ts.set_partitions("hot", P)  # as a task's source would report them
+    return ts
+
+
+def launched(instance, reqs) -> None:
+    for r in reqs:
+        create_run_for_test(
+            instance, job_name=r.job_name, status=DagsterRunStatus.STARTED, tags=r.tags
+        )
+
+
+def test_a_tasks_connector_gets_task_runs_and_splits_on_growing_lag(env):  # noqa: F811
+    instance, store, url = env
+    ts = add_hot(store)
+    reqs = tick(instance, url).run_requests
+    hot = [r for r in reqs if r.tags[TAG_CONNECTOR] == "hot"]
+    others = [r for r in reqs if r.tags[TAG_CONNECTOR] != "hot"]
+    assert len(hot) == 1 and hot[0].run_key == "hot:task0:1"
+    assert hot[0].tags[TAG_TASK] == "0" and hot[0].tags[TAG_TASK_GENERATION] == "1"
+    assert TAG_GENERATION not in hot[0].tags, "not a whole-connector claim"
+    assert hot[0].tags["pool"] == hot[0].tags[TAG_BROKER]
+    # the task run takes one slot of the 4: the three plain connectors get the other three
+    assert len(others) == 3
+    launched(instance, reqs)
+    assert tick(instance, url).run_requests == [], "no second run for a task with an active one"
+
+    # the task heartbeats with a growing lag: split into a new task on a broker with room
+    import time
+
+    g = ts.grant("hot", 0, 1)
+    assert set(g.owned) == set(P)
+    t0 = time.time() - 5
+    for at, lag in ((t0, 5_000), (t0 + 5, 9_000)):
+        sample = TaskSample(at, dict.fromkeys(P, 100.0), dict.fromkeys(P, lag // 6))
+        ts.heartbeat("hot", 0, 1, sample, sample_interval_s=1)
+    row = store.get("hot")
+    assert row.status == ConnectorStatus.IDLE
+    reqs = tick(instance, url).run_requests
+    assert [r.run_key for r in reqs] == [], "brokers are full (capacity 2 x 2)"
+
+    store.delete("beta")  # frees two slots
+    store.delete("gamma")
+    reqs = tick(instance, url).run_requests
+    hot = [r for r in reqs if r.tags.get(TAG_CONNECTOR) == "hot"]
+    assert [r.run_key for r in hot] == ["hot:task1:1"]
+    assert any("tasks: split task 0: " in h.reason for h in store.history("hot"))
+    # the old owner is told to release the moving partitions at its next batch boundary
+    g0 = ts.heartbeat("hot", 0, 1)
+    assert len(g0.releasing) == 3
+    handed = ts.release("hot", 0, 1, {}, g0.owned)
+    assert set(handed) == g0.releasing
+    tick(instance, url)
+    assert store.get("hot").status == ConnectorStatus.RUNNING
+    assert store.get("hot").counters["tasks"] == 2
+
+
+def test_a_connector_back_to_one_run_loses_its_tasks(env):  # noqa: F811
+    instance, store, url = env
+    ts = add_hot(store)
+    tick(instance, url)
+    assert [t.task_id for t in ts.tasks("hot")] == [0]
+    spec = {"name": "hot", "source": {"topics": ["hot_topic"]}, "tasks": {"max": 1}}
+    store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h2", source="test", error=None)
+    tick(instance, url)
+    assert ts.tasks("hot") == [] and "hot" not in ts.connectors()
