@@ -38,7 +38,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-from conveyor.core.sink import ErrorKind, sink_error
+from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -934,23 +934,22 @@ class MySQLSink(Sink):
         """Write rows behind a savepoint; on a data error roll back to it and bisect."""
         import pymysql
 
-        if not idx:
-            return []
-        # One savepoint name: setting it again moves it, so it always marks the start of
-        # the current attempt, after every row already written in this transaction.
-        if self._transactional:
-            cur.execute("SAVEPOINT conveyor_sp")
-        try:
-            self._execute(cur, [rows[i] for i in idx])
-            return []
-        except pymysql.err.MySQLError as e:
-            if classify_mysql_error(e) is not ErrorKind.DATA:
-                raise
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            # One savepoint name: setting it again moves it, so it always marks the start of
+            # the current attempt, after every row already written in this transaction.
             if self._transactional:
-                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
-            if len(idx) == 1:
-                return [RowFailure(idx[0], error_text(e))]
-        mid = len(idx) // 2
-        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(
-            cur, rows, idx[mid:]
-        )
+                cur.execute("SAVEPOINT conveyor_sp")
+            try:
+                self._execute(cur, [rows[i] for i in sub])
+            except pymysql.err.MySQLError as e:
+                if self._transactional and classify_mysql_error(e) is ErrorKind.DATA:
+                    cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                raise
+            return []
+
+        def rejection(e: Exception) -> str | None:
+            if isinstance(e, pymysql.err.MySQLError) and classify_mysql_error(e) is ErrorKind.DATA:
+                return error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection)
