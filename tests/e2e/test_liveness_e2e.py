@@ -88,8 +88,9 @@ def schema() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def h(dev, schema, pg_url) -> DevHarness:  # noqa: F811
+def h(dev, schema) -> DevHarness:  # noqa: F811
     """dagster dev with the three connectors created stopped; each test starts its own."""
+    from tests.conftest import PG_URL as pg_url
     role_url = f"postgresql://{ROLE}@127.0.0.1:5432/test"
     for key, table in (("outage", "outage"), ("slow", "slow"), ("hung", "hung")):
         admin(
