@@ -441,7 +441,7 @@ class Operations:
 
     def dead_letter_store(self, name: str) -> tuple[LoadedSpec, Any]:
         """The connector's spec and its Parquet dead-letter store (ConflictError for Kafka)."""
-        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
+        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_location
         from conveyor.resources.conveyor import default_spark_remote
         from conveyor.spark.session import spark_session
 
@@ -462,7 +462,7 @@ class Operations:
                 session["s"] = spark_session(remote)
             return session["s"]
 
-        return ls, SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=name)
+        return ls, SparkParquetDeadLetters(dead_letter_location(ls.spec), spark, connector=name)
 
     def dead_letters(self, name: str, limit: int = 20) -> dict[str, Any]:
         """Pending dead letters: count and the oldest ``limit`` with their errors."""

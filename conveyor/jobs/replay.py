@@ -26,11 +26,11 @@ from dagster import (
 
 from conveyor.assets.lineage import dead_letter_key
 from conveyor.core.errors import ConfigError
-from conveyor.core.loop import send_isolating
+from conveyor.core.sink import send_isolating
 from conveyor.deadletters import (
     DEAD_LETTER_SCHEMA,
     SparkParquetDeadLetters,
-    dead_letter_dir,
+    dead_letter_location,
     letter_id,
     letters_as_source_batch,
     sample_rows,
@@ -63,7 +63,7 @@ def replay_dead_letters(
 ) -> ReplayResult:
     """Replay every pending dead letter of a connector (Parquet store)."""
     assert ls.spec is not None and ls.sink is not None
-    store = SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=ls.name)
+    store = SparkParquetDeadLetters(dead_letter_location(ls.spec), spark, connector=ls.name)
     pending = store.pending()
     total = pending.num_rows
     if total == 0:
@@ -150,7 +150,7 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
             run_id=context.run_id,
         )
         dl = SparkParquetDeadLetters(
-            dead_letter_dir(current.spec), lambda: spark_session(remote), connector=name
+            dead_letter_location(current.spec), lambda: spark_session(remote), connector=name
         )
         sample = sample_rows(dl.pending(limit=5)) if result.remaining else []
         context.log_event(

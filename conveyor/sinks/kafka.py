@@ -39,6 +39,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, sink_error
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
@@ -311,9 +312,7 @@ class KafkaSink(Sink):
 
     def _error(self, exc: BaseException, context: str) -> Exception:
         # A data error outside a row (e.g. a codec the broker refuses) is the config's fault.
-        if classify_kafka_error(exc) in ("permanent", "data"):
-            return PermanentSinkError(f"{context}: {_describe(exc)}")
-        return TransientSinkError(f"{context}: {_describe(exc)}")
+        return sink_error(classify_kafka_error(exc), f"{context}: {_describe(exc)}")
 
     def init_sink(self) -> None:
         self._producer = self._connect()
@@ -490,7 +489,7 @@ class KafkaSink(Sink):
             try:
                 futures.append((index, self._producer.send(topic, **msg)))
             except Exception as e:  # noqa: BLE001 - classified
-                if classify_kafka_error(e) == "data":
+                if classify_kafka_error(e) is ErrorKind.DATA:
                     failures.append(RowFailure(index, _describe(e)))
                     continue
                 self._drop_producer()
@@ -500,7 +499,7 @@ class KafkaSink(Sink):
             if fut.succeeded():
                 continue
             exc = fut.exception if fut.is_done else None
-            if exc is not None and classify_kafka_error(exc) == "data":
+            if exc is not None and classify_kafka_error(exc) is ErrorKind.DATA:
                 failures.append(RowFailure(index, _describe(exc)))
                 continue
             self._drop_producer()

@@ -23,8 +23,10 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
+from conveyor.core import sink as sink_contract
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, SinkError, TransientSinkError
+from conveyor.core.sink import ErrorKind
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
@@ -252,7 +254,7 @@ def reply_code(exc: BaseException) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_amqp_error(exc: BaseException) -> ErrorKind:
     """What an exception from pika means.
 
     Data: the message cannot be encoded (routing key too long, bad header type) or came
@@ -263,7 +265,7 @@ def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "per
     from pika import exceptions as px
 
     if isinstance(exc, px.UnroutableError):
-        return "data"
+        return ErrorKind.DATA
     if isinstance(
         exc,
         (
@@ -274,14 +276,14 @@ def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "per
             UnicodeEncodeError,
         ),
     ):
-        return "data"
+        return ErrorKind.DATA
     if isinstance(
         exc, (px.ProbableAuthenticationError, px.ProbableAccessDeniedError, px.AuthenticationError)
     ):
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(exc, (px.ConnectionClosedByBroker, px.ChannelClosedByBroker)):
-        return "permanent" if reply_code(exc) in _PERMANENT_CODES else "transient"
-    return "transient"
+        return ErrorKind.PERMANENT if reply_code(exc) in _PERMANENT_CODES else ErrorKind.TRANSIENT
+    return ErrorKind.TRANSIENT
 
 
 def _describe(exc: BaseException) -> str:
@@ -304,9 +306,7 @@ def sink_error(exc: BaseException, context: str, *, exchange: str = "") -> SinkE
         return PermanentSinkError(
             f"{context}: exchange {exchange!r} not found ({detail}); create it or set declare_exchange: true"
         )
-    if classify_amqp_error(exc) in ("permanent", "data"):
-        return PermanentSinkError(f"{context}: {detail}")
-    return TransientSinkError(f"{context}: {detail}")
+    return sink_contract.sink_error(classify_amqp_error(exc), f"{context}: {detail}")
 
 
 # -- confirm tracking (pure) --------------------------------------------------------------------
@@ -637,7 +637,10 @@ class RabbitMQSink(Sink):
                     failures.append(RowFailure(r.index, str(e)))
                     continue
                 except Exception as e:  # noqa: BLE001 - an encoding error sends nothing (pika marshals every frame first)
-                    if classify_amqp_error(e) != "data" or self._channel_closed is not None:
+                    if (
+                        classify_amqp_error(e) is not ErrorKind.DATA
+                        or self._channel_closed is not None
+                    ):
                         raise
                     failures.append(RowFailure(r.index, _describe(e)))
                     continue
@@ -705,7 +708,7 @@ class RabbitMQSink(Sink):
                     f"RabbitMQ nacked the message of row {r.index}; the batch is retried"
                 ) from None
             except Exception as e:  # noqa: BLE001 - classified
-                if classify_amqp_error(e) != "data" or self._channel.is_closed:
+                if classify_amqp_error(e) is not ErrorKind.DATA or self._channel.is_closed:
                     raise
                 failures.append(RowFailure(r.index, _describe(e)))
         return failures

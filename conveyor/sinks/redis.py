@@ -45,6 +45,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     RowFailure,
@@ -504,7 +505,7 @@ def redis_error_text(exc: BaseException) -> str:
     return text
 
 
-def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_redis_error(exc: BaseException) -> ErrorKind:
     """What an exception from redis-py (raised, or a pipeline's per-command ResponseError) means."""
     from redis import exceptions as rx
 
@@ -517,9 +518,9 @@ def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "pe
             rx.NoPermissionError,
         ),
     ):
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(exc, rx.CrossSlotTransactionError):
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(
         exc,
         (
@@ -531,26 +532,28 @@ def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "pe
             rx.AskError,
         ),
     ):
-        return "transient"
+        return ErrorKind.TRANSIENT
     if isinstance(exc, rx.ConnectionError):
         if any(m in str(exc) for m in _CERT_ERRORS):
-            return "permanent"  # a wrong CA or host name does not fix itself
-        return "transient"
+            return ErrorKind.PERMANENT  # a wrong CA or host name does not fix itself
+        return ErrorKind.TRANSIENT
     if isinstance(exc, (rx.TimeoutError, rx.ClusterError, rx.RedisClusterException, OSError)):
-        return "transient"
+        return ErrorKind.TRANSIENT
     if isinstance(exc, rx.ResponseError):
         code = redis_error_code(exc)
         if code in TRANSIENT_CODES or isinstance(exc, rx.ExecAbortError):
-            return "transient"
+            return ErrorKind.TRANSIENT
         if code in PERMANENT_CODES or isinstance(exc, rx.NoScriptError):
-            return "permanent"
+            return ErrorKind.PERMANENT
         text = str(exc).removeprefix("ERR ")
         if text.startswith(PERMANENT_ERR):
-            return "permanent"
-        return "data"  # WRONGTYPE, not an integer / float, XADD id too small, a syntax error in an argument...
+            return ErrorKind.PERMANENT
+        return (
+            ErrorKind.DATA
+        )  # WRONGTYPE, not an integer / float, XADD id too small, a syntax error in an argument...
     if isinstance(exc, rx.DataError):
-        return "data"  # redis-py refused an argument client-side
-    return "transient"
+        return ErrorKind.DATA  # redis-py refused an argument client-side
+    return ErrorKind.TRANSIENT
 
 
 # -- client -------------------------------------------------------------------------------------
@@ -699,11 +702,13 @@ class RedisSink(Sink):
         return f"redis {self.config.mode} {self.config.host}:{self.config.port}/{self.config.db}: {'; '.join(t.name for t in self.templates())}"
 
     def _error(self, exc: BaseException, context: str) -> Exception:
-        kind = classify_redis_error(exc)
+        # A data error outside a row's reply (a protocol-level refusal) is retried like an outage.
         where = f"{self.config.host}:{self.config.port}"
-        if kind == "permanent":
-            return PermanentSinkError(f"Redis {where} {context}: {redis_error_text(exc)}")
-        return TransientSinkError(f"Redis {where} {context}: {redis_error_text(exc)}")
+        return sink_error(
+            classify_redis_error(exc),
+            f"Redis {where} {context}: {redis_error_text(exc)}",
+            data=ErrorKind.TRANSIENT,
+        )
 
     def _connect(self) -> Any:
         from redis import exceptions as rx
@@ -753,7 +758,7 @@ class RedisSink(Sink):
                 # skip the check (a wrong template then fails on the first batch instead).
                 if (
                     isinstance(e, rx.NoPermissionError)
-                    or classify_redis_error(e) == "data"
+                    or classify_redis_error(e) is ErrorKind.DATA
                     or "unknown command" in str(e)
                 ):
                     log.info(
@@ -828,43 +833,42 @@ class RedisSink(Sink):
         """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
         from redis import exceptions as rx
 
-        if not idx:
-            return []
-        pipe = self._client.pipeline(transaction=self.config.transaction)
-        for i in idx:
-            for cmd in rows[i]:  # type: ignore[union-attr]
-                pipe.execute_command(*cmd)
-        try:
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            pipe = self._client.pipeline(transaction=self.config.transaction)
+            for i in sub:
+                for cmd in rows[i]:  # type: ignore[union-attr]
+                    pipe.execute_command(*cmd)
             results = pipe.execute(raise_on_error=False)
-        except rx.ResponseError as e:
+            counts = [len(rows[i]) for i in sub]  # type: ignore[arg-type]
+            if len(results) != sum(counts):
+                raise TransientSinkError(
+                    f"Redis answered {len(results)} replies for {sum(counts)} commands"
+                )
+            out = []
+            pos = 0
+            for i, count in zip(sub, counts, strict=True):
+                for k in range(count):
+                    r = results[pos + k]
+                    if isinstance(r, Exception):
+                        if classify_redis_error(r) is not ErrorKind.DATA:
+                            raise r
+                        name = str(rows[i][k][0]).upper()  # type: ignore[index]
+                        out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
+                        break
+                pos += count
+            return out
+
+        def rejection(e: Exception) -> str | None:
             # A command refused while queueing aborts the whole MULTI/EXEC: nothing ran.
-            if not self.config.transaction or classify_redis_error(e) != "data":
-                raise
-            if len(idx) == 1:
-                return [RowFailure(idx[0], redis_error_text(e))]
-            mid = len(idx) // 2
-            return self._run_chunk(rows, idx[:mid], commands) + self._run_chunk(
-                rows, idx[mid:], commands
-            )
-        counts = [len(rows[i]) for i in idx]  # type: ignore[arg-type]
-        if len(results) != sum(counts):
-            raise TransientSinkError(
-                f"Redis answered {len(results)} replies for {sum(counts)} commands"
-            )
-        out = []
-        pos = 0
-        for i, count in zip(idx, counts, strict=True):
-            for k in range(count):
-                r = results[pos + k]
-                if isinstance(r, Exception):
-                    kind = classify_redis_error(r)
-                    if kind != "data":
-                        raise r
-                    name = str(rows[i][k][0]).upper()  # type: ignore[index]
-                    out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
-                    break
-            pos += count
-        return out
+            if (
+                self.config.transaction
+                and isinstance(e, rx.ResponseError)
+                and classify_redis_error(e) is ErrorKind.DATA
+            ):
+                return redis_error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection)
 
 
 def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[CommandTemplate]:
