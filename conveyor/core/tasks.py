@@ -22,7 +22,8 @@ Per connector, each tick, in this order:
    ``max``: the two lightest are merged. Cool-down does not apply.
 5. **split** (after ``cooldown_s``): a task whose lag grew in ``lag_samples``
    consecutive samples taken since its partitions last changed, or whose rate reached
-   ``split_at`` x the ceiling while it had a backlog it is not catching up on, gives half of its *load* (not half
+   ``split_at`` x the ceiling (a measured ceiling: while it had a backlog it is not
+   catching up on), gives half of its *load* (not half
    of its partitions) to a new task on the least-loaded broker with room.
 6. **merge** (after ``cooldown_s``, at most one split or merge per tick): the two
    lightest tasks whose combined rate is below ``merge_below`` x the ceiling, neither
@@ -588,8 +589,13 @@ def _plan_group(
                 ceiling
                 and recent
                 and recent[-1].rate >= policy.split_at * ceiling
-                and (policy.ceiling_msgs_per_s is not None or recent[-1].has_backlog(policy))
-                and (len(recent) < 2 or recent[-1].lag >= recent[-2].lag)  # not catching up
+                and (
+                    policy.ceiling_msgs_per_s is not None  # the user's figure: at capacity
+                    or (
+                        recent[-1].has_backlog(policy)  # measured: saturated, not catching up
+                        and (len(recent) < 2 or recent[-1].lag >= recent[-2].lag)
+                    )
+                )
             ):
                 figures = {
                     "rate": recent[-1].rate,

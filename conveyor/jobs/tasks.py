@@ -17,6 +17,7 @@ scheduler after the heartbeat timeout, from the last committed offsets.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -115,6 +116,7 @@ class TaskCommitter:
             self.generation,
             self.sample(self.clock()),
             run_id=self.run_id,
+            pid=os.getpid(),
             sample_interval_s=self.sample_interval_s,
             discovered=self.source.discovered or None,
         )
@@ -145,7 +147,7 @@ def run_task(
     ls = loaded
     interval = ls.spec.tasks.sample_interval_s  # type: ignore[union-attr]
     try:
-        grant = tasks.heartbeat(name, task_id, generation, run_id=context.run_id)
+        grant = tasks.heartbeat(name, task_id, generation, run_id=context.run_id, pid=os.getpid())
     except FencedError as e:
         context.log.warning(f"{e}; this task run exits")
         return

@@ -109,6 +109,7 @@ tasks = sa.Table(
     sa.Column("generation", sa.Integer, nullable=False, server_default="1"),
     sa.Column("status", sa.String(16), nullable=False, server_default="Starting"),
     sa.Column("run_id", sa.String(64), nullable=True),
+    sa.Column("run_pid", sa.Integer, nullable=True),
     sa.Column("heartbeat_at", sa.Float, nullable=True),
     sa.Column("changed_at", sa.Float, nullable=False),
     sa.Column("samples_json", sa.Text, nullable=False, server_default="[]"),
@@ -126,6 +127,7 @@ task_partitions = sa.Table(
     sa.Column("pending_task_id", sa.Integer, nullable=True),  # handing over to this task
     sa.Column("pending_since", sa.Float, nullable=True),
 )
+
 
 # Version N -> N+1 steps, applied in order inside one transaction each.
 def _v1_broker_gone(c: sa.Connection) -> None:

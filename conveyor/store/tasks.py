@@ -90,6 +90,7 @@ class TaskRow:
     generation: int
     status: str
     run_id: str | None
+    run_pid: int | None
     heartbeat_at: float | None
     changed_at: float
     samples: tuple[TaskSample, ...]
@@ -249,6 +250,7 @@ class TaskStore:
                 generation=r.generation,
                 status=r.status,
                 run_id=r.run_id,
+                run_pid=r.run_pid,
                 heartbeat_at=r.heartbeat_at,
                 changed_at=r.changed_at,
                 samples=samples_from_json(r.samples_json),
@@ -499,12 +501,28 @@ class TaskStore:
         now = self.meta.clock()
         with self.meta._tx() as c:
             self._lock_group(c, connector)
+            beats = {
+                r.task_id: r.heartbeat_at
+                for r in c.execute(
+                    sa.select(t.tasks.c.task_id, t.tasks.c.heartbeat_at).where(
+                        t.tasks.c.connector == connector
+                    )
+                )
+            }
+
+            def silent(task_id: int) -> bool:
+                at = beats.get(task_id)
+                return at is None or at < older_than
+
+            # Forced when the owner went silent, or when the new owner is up and the owner
+            # still has not released (a new owner still starting cannot read them either).
             stale = [
                 r
                 for r in self._owners(c, connector)
                 if r.pending_task_id is not None
                 and r.pending_since is not None
                 and r.pending_since < older_than
+                and (silent(r.task_id) or beats.get(r.pending_task_id) is not None)
             ]
             if not stale:
                 return {}
@@ -553,14 +571,27 @@ class TaskStore:
 
     # -- the task run's writes ----------------------------------------------------------
 
+    def _up(self, c: sa.Connection, connector: str) -> set[int]:
+        """Tasks whose run has heartbeated since they were (re)started."""
+        return {
+            r.task_id
+            for r in c.execute(
+                sa.select(t.tasks.c.task_id).where(
+                    t.tasks.c.connector == connector, t.tasks.c.heartbeat_at.is_not(None)
+                )
+            )
+        }
+
     def _grant(self, c: sa.Connection, connector: str, row: sa.Row[Any]) -> Grant:
         owned: dict[TopicPartition, int] = {}
         releasing: set[TopicPartition] = set()
+        up = self._up(c, connector)
         for r in self._owners(c, connector):
             if r.task_id == row.task_id:
                 tp = TopicPartition(r.topic, r.partition)
                 owned[tp] = r.epoch
-                if r.pending_task_id is not None:
+                # Released once the new owner's run is up: no pause while it starts.
+                if r.pending_task_id is not None and r.pending_task_id in up:
                     releasing.add(tp)
         desired = c.execute(
             sa.select(t.connectors.c.desired).where(t.connectors.c.name == connector)
@@ -586,6 +617,7 @@ class TaskStore:
         sample: TaskSample | None = None,
         *,
         run_id: str | None = None,
+        pid: int | None = None,
         sample_interval_s: float = 5.0,
         discovered: Iterable[TopicPartition] | None = None,
     ) -> Grant:
@@ -605,6 +637,8 @@ class TaskStore:
                 values["status"] = "Running"
             if run_id is not None:
                 values["run_id"] = run_id
+            if pid is not None:
+                values["run_pid"] = pid
             if sample is not None:
                 samples = samples_from_json(row.samples_json)
                 if not samples or sample.at - samples[-1].at >= sample_interval_s:
@@ -661,10 +695,11 @@ class TaskStore:
         with self.meta._tx() as c:
             self._lock_group(c, connector)
             self._fenced_task(c, connector, task_id, generation)
+            up = self._up(c, connector)
             rows = [
                 r
                 for r in self._owners(c, connector)
-                if r.task_id == task_id and r.pending_task_id is not None
+                if r.task_id == task_id and r.pending_task_id in up
             ]
             mine = {TopicPartition(r.topic, r.partition): r.epoch for r in rows}
             ok = {

@@ -72,6 +72,7 @@ def test_a_tasks_connector_gets_task_runs_and_splits_on_growing_lag(env):  # noq
     assert [r.run_key for r in hot] == ["hot:task1:1"]
     assert any("tasks: split task 0: " in h.reason for h in store.history("hot"))
     # the old owner is told to release the moving partitions at its next batch boundary
+    ts.heartbeat("hot", 1, 1)  # once the new task's run is up
     g0 = ts.heartbeat("hot", 0, 1)
     assert len(g0.releasing) == 3
     handed = ts.release("hot", 0, 1, {}, g0.owned)

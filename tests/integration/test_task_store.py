@@ -87,11 +87,13 @@ def test_split_hands_over_at_the_batch_boundary_from_exactly_the_committed_offse
     history = [h.reason for h in ts.meta.history("c1")]
     assert any("split task 0: lag grew in 2 samples (40 -> 160)" in r for r in history)
 
-    # the old owner still owns the moving partitions until it releases them
+    # the old owner keeps reading the moving partitions while the new owner's run starts
+    assert ts.heartbeat("c1", 0, 1).releasing == frozenset()
+    g1 = ts.heartbeat("c1", 1, 1)  # its run is up
+    assert g1.owned == {}
+    # ... then releases them at its next batch boundary
     g0 = ts.heartbeat("c1", 0, 1)
     assert g0.releasing == d.moving and set(g0.owned) == set(P)
-    g1 = ts.heartbeat("c1", 1, 1)
-    assert g1.owned == {}
     view, _ = ts.load_group("c1", POLICY, P)
     assert view.task(1).partitions == d.moving  # the planner counts them as moved
     assert view.task(0).partitions == frozenset(P) - d.moving
@@ -118,6 +120,7 @@ def test_a_partition_that_moved_away_and_back_refuses_the_old_grant(ts):
     start(ts)
     old = ts.grant("c1", 0, 1).owned
     d = split_task0(ts)
+    ts.heartbeat("c1", 1, 1)
     ts.release("c1", 0, 1, {}, old)
     # merge back: task 1 gives its partitions to task 0
     merge = tk.Merge(
@@ -152,6 +155,9 @@ def test_an_owner_that_never_releases_is_overtaken_after_the_timeout(ts):
     d = split_task0(ts)
     assert ts.force_handovers("c1", older_than=ts.meta.clock() - 30) == {}
     ts.meta.clock.now += 31
+    ts.heartbeat("c1", 0, 1)  # the owner is alive and the new owner not up: nothing to force
+    assert ts.force_handovers("c1", older_than=ts.meta.clock() - 30) == {}
+    ts.meta.clock.now += 31  # now the owner is silent
     moved = ts.force_handovers("c1", older_than=ts.meta.clock() - 30, reason="task 0 silent")
     assert moved == dict.fromkeys(d.moving, 42), "from the last committed offsets: nothing lost"
     assert set(ts.grant("c1", 1, 1).owned) == d.moving
@@ -162,8 +168,8 @@ def test_a_dead_task_loses_its_partitions_at_once_and_a_lone_one_restarts_fenced
     start(ts)
     g0 = ts.grant("c1", 0, 1)
     d = split_task0(ts)
-    ts.release("c1", 0, 1, {}, g0.owned)
     ts.heartbeat("c1", 1, 1)
+    ts.release("c1", 0, 1, {}, g0.owned)
     ts.meta.clock.now += 40  # task 1 silent past the 30 s timeout; task 0 alive
     ts.heartbeat("c1", 0, 1)
     (dead,) = plan(ts)
