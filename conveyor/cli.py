@@ -283,7 +283,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
             r.name,
             f"[{colors.get(r.status.value, 'white')}]{r.status.value}[/]",
             r.desired.value,
-            r.broker_id or "-",
+            r.broker_id or (f"{c['tasks']} tasks" if c.get("tasks") else "-"),
             str(r.generation),
             "-" if c.get("lag") is None else str(c["lag"]),
             f"{c.get('msgs_per_s', 0):.0f}",
@@ -399,6 +399,42 @@ def connector_delete(ctx: click.Context, name: str, yes: bool) -> None:
         click.confirm(f"delete connector {name}, its spec file and its offsets?", abort=True)
     ops.delete(name)
     click.echo(f"{name}: deleted")
+
+
+@connector.command("tasks")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handles_errors
+def connector_tasks(ctx: click.Context, name: str, as_json: bool) -> None:
+    """The partition tasks of a connector (tasks.max > 1): partitions, rate and lag of each."""
+    tasks = _ops(ctx).tasks(name)
+    if as_json:
+        click.echo(json.dumps(tasks, indent=2))
+        return
+    table = Table(title=f"tasks of {name}")
+    for col in ("task", "status", "broker", "gen", "partitions", "msgs/s", "lag", "heartbeat"):
+        table.add_column(col, overflow="fold")
+    for t in tasks:
+        parts = ", ".join(
+            f"{p} ({v['msgs_per_s']:.0f}/s, lag {v['lag'] if v['lag'] is not None else '-'})"
+            for p, v in t["by_partition"].items()
+        ) or ", ".join(t["partitions"])
+        moving = [f"{p} -> task {to}" for p, to in t["releasing"].items()]
+        moving += [f"{p} <- handover" for p in t["incoming"]]
+        table.add_row(
+            str(t["task"]),
+            t["status"],
+            t["broker"] or "-",
+            str(t["generation"]),
+            parts + (f" [{'; '.join(moving)}]" if moving else ""),
+            "-" if t["msgs_per_s"] is None else f"{t['msgs_per_s']:.0f}",
+            "-" if t["lag"] is None else str(t["lag"]),
+            "-" if t["heartbeat_age_s"] is None else f"{t['heartbeat_age_s']:.0f}s ago",
+        )
+    console.print(table)
+    if not tasks:
+        click.echo(f"{name} runs as one run (tasks.max 1), or its tasks have not started yet")
 
 
 @connector.command("history")

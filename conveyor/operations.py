@@ -143,6 +143,45 @@ class Operations:
             for h in self.store.history(name, limit)
         ]
 
+    def tasks(self, name: str) -> list[dict[str, Any]]:
+        """A connector's partition tasks (``tasks.max > 1``): partitions, rate and lag of each."""
+        import time
+
+        from conveyor.store.tasks import TaskStore
+
+        self.row(name)
+        now = time.time()
+        out = []
+        for t in TaskStore(self.store).tasks(name):
+            latest = t.latest()
+            out.append(
+                {
+                    "task": t.task_id,
+                    "status": t.status,
+                    "broker": t.broker_id,
+                    "generation": t.generation,
+                    "run_id": t.run_id,
+                    "heartbeat_age_s": None
+                    if t.heartbeat_at is None
+                    else round(now - t.heartbeat_at, 1),
+                    "partitions": [str(tp) for tp in sorted(t.partitions)],
+                    "releasing": {str(tp): to for tp, to in sorted(t.releasing.items())},
+                    "incoming": [str(tp) for tp in sorted(t.incoming)],
+                    "msgs_per_s": round(latest.rate, 1) if latest else None,
+                    "lag": latest.lag if latest else None,
+                    "by_partition": {
+                        str(tp): {
+                            "msgs_per_s": round(latest.rates.get(tp, 0.0), 1),
+                            "lag": latest.lags.get(tp),
+                        }
+                        for tp in sorted(set(t.owned) | t.partitions)  # with those moving out
+                    }
+                    if latest
+                    else {},
+                }
+            )
+        return out
+
     def offsets(self, name: str) -> dict[str, Any]:
         """KIP-875: ``{"offsets": [{"partition": {...}, "offset": {"kafka_offset": n}}]}``,
         the next offset to read per partition."""
