@@ -10,6 +10,7 @@ offsets end at the partitions' ends.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -218,6 +219,7 @@ def test_one_connector_goes_one_three_one_tasks_and_loses_nothing(dev, tansu, pg
     dev["start"]()
     store = MetaStore(dev["env"]["CONVEYOR_META_URL"])
     ts = TaskStore(store)
+    figures: dict[str, float] = {}
     try:
         wait_for(lambda: settled(ts, name, 1), 300, "the first task running")
         producer.start(RATE)
@@ -230,13 +232,17 @@ def test_one_connector_goes_one_three_one_tasks_and_loses_nothing(dev, tansu, pg
         assert first.run_pid and pid_alive(first.run_pid)
         os.kill(first.run_pid, signal.SIGKILL)
 
+        t_load = time.monotonic()
         wait_for(lambda: settled(ts, name, 3), 480, "three tasks")
+        figures["to_three_tasks_s"] = round(time.monotonic() - t_load, 1)
         history = [h.reason for h in store.history(name, limit=500)]
         assert any("tasks: split task" in r and "ceiling" in r for r in history), history
         assert any("task 0 silent" in r or "handover forced" in r for r in history), history
 
         producer.stop()  # the load goes away: back to one task
+        t_calm = time.monotonic()
         wait_for(lambda: settled(ts, name, 1), 480, "one task again")
+        figures["back_to_one_task_s"] = round(time.monotonic() - t_calm, 1)
         history = [h.reason for h in store.history(name, limit=500)]
         assert sum("tasks: merge task" in r for r in history) >= 2, history
 
@@ -247,6 +253,8 @@ def test_one_connector_goes_one_three_one_tasks_and_loses_nothing(dev, tansu, pg
             ("tasks: split" in r or "tasks: merge" in r or "silent" in r or "forced" in r)
             for r in history
         )
+        figures.update(messages=total, rows=rows, duplicates=rows - distinct, handovers=handovers)
+        print(json.dumps({"bench": "tasks_e2e", **figures}))
         assert rows - distinct <= (handovers + 1) * BATCH, (rows, distinct, handovers)
         expected = {TopicPartition(topic, p): end for p, end in producer.ends.items()}
         wait_for(
