@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from conveyor.core.model import TasksSpec, TopicPartition
 
@@ -112,11 +113,11 @@ class TaskSample:
     rates: Mapping[TopicPartition, float] = field(default_factory=dict)
     lags: Mapping[TopicPartition, int] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def rate(self) -> float:
         return float(sum(self.rates.values()))
 
-    @property
+    @cached_property
     def lag(self) -> int:
         return int(sum(self.lags.values()))
 
@@ -140,6 +141,10 @@ class TaskView:
 
     def recent(self) -> tuple[TaskSample, ...]:
         """The samples taken since its partitions last changed: the only ones that measure this set."""
+        return self._recent
+
+    @cached_property
+    def _recent(self) -> tuple[TaskSample, ...]:
         return tuple(s for s in self.samples if s.at >= self.changed_at)
 
     def is_dead(self, now: float, policy: TaskPolicy) -> bool:
@@ -331,19 +336,31 @@ def partition_loads(task: TaskView) -> dict[TopicPartition, float]:
     there are none), so a partition that falls behind weighs what it receives, not what
     the task manages to read.
     """
+    cached: dict[TopicPartition, float] | None = task.__dict__.get("_loads")
+    if cached is not None:  # a TaskView never changes: its loads are computed once
+        return dict(cached)
     window = task.recent() or task.samples
-    loads = {tp: 0.0 for tp in task.partitions}
+    loads = dict.fromkeys(task.partitions, 0.0)
     if not window:
-        return loads
-    for tp in task.partitions:
-        rates = [s.rates[tp] for s in window if tp in s.rates]
-        rate = sum(rates) / len(rates) if rates else 0.0
-        lagged = [(s.at, s.lags[tp]) for s in window if tp in s.lags]
+        object.__setattr__(task, "_loads", loads)
+        return dict(loads)
+    sums = dict.fromkeys(task.partitions, 0.0)
+    seen = dict.fromkeys(task.partitions, 0)
+    for sample in window:
+        for tp, r in sample.rates.items():
+            if tp in sums:
+                sums[tp] += r
+                seen[tp] += 1
+    first, last = window[0], window[-1]
+    span = last.at - first.at
+    for tp in loads:
+        rate = sums[tp] / seen[tp] if seen[tp] else 0.0
         growth = 0.0
-        if len(lagged) >= 2 and lagged[-1][0] > lagged[0][0]:
-            growth = max(0.0, (lagged[-1][1] - lagged[0][1]) / (lagged[-1][0] - lagged[0][0]))
+        if span > 0 and tp in first.lags and tp in last.lags:
+            growth = max(0.0, (last.lags[tp] - first.lags[tp]) / span)
         loads[tp] = max(0.0, rate + growth)
-    return loads
+    object.__setattr__(task, "_loads", loads)
+    return dict(loads)
 
 
 def task_load(task: TaskView) -> float:
