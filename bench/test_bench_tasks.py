@@ -8,6 +8,7 @@ setting (see docs/BENCHMARKS.md); this file measures the pure planner only.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -82,4 +83,112 @@ def test_split_and_merge_decisions_for_1000_connectors():
         splits=kinds["Split"],
         merges=kinds["Merge"],
         tasks=sum(len(g.tasks) for g in gs),
+    )
+
+
+# -- throughput with 1, 2 and 3 tasks ------------------------------------------------------
+
+TASK_PARTITIONS = 6
+TASK_MESSAGES = 60_000
+
+
+def _task_process(args: tuple) -> tuple[int, float, float]:  # pragma: no cover - child process
+    """One task: the real loop over ``parts`` of ``topic`` into PostgreSQL, until drained.
+
+    Returns (messages, wall seconds, CPU seconds of this process)."""
+    import resource
+    import uuid as _uuid
+
+    from bench.harness import BATCH, SCHEMA
+    from conveyor.brokers.kafka import KafkaSource
+    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.model import BatchPolicy, SourceSpec, TransformSpec
+    from conveyor.sinks import build_sink
+    from conveyor.spark.session import spark_session
+    from conveyor.spark.transform import SparkTransformer
+
+    bootstrap, remote, topic, parts, expected, sink_config = args
+    mine = [TopicPartition(topic, p) for p in parts]
+    source = KafkaSource(
+        SourceSpec(topics=[topic], bootstrap_servers=bootstrap),
+        group_id=f"bench_{_uuid.uuid4().hex[:6]}",
+        only=mine,
+    )
+    done: dict = {}
+
+    class Committer:
+        def commit(self, offsets):  # type: ignore[no-untyped-def]
+            done.update(offsets)
+
+        def heartbeat(self, counters, status, reason):  # type: ignore[no-untyped-def]
+            return None
+
+    loop = ConnectorLoop(
+        LoopConfig(name="bench", batch=BatchPolicy(max_records=BATCH, max_wait_ms=200)),
+        source=source,
+        transform=SparkTransformer(
+            TransformSpec(decode="json", schema=SCHEMA), lambda: spark_session(remote)
+        ),
+        sink=build_sink(sink_config),
+        committer=Committer(),
+        committed={},
+        stop_requested=lambda: sum(done.values()) >= expected,
+    )
+    t0 = time.monotonic()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    run_loop(loop)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return sum(done.values()), time.monotonic() - t0, cpu
+
+
+@pytest.mark.parametrize("n_tasks", [1, 2, 3])
+def test_throughput_of_one_connector_with_1_2_3_tasks(
+    n_tasks, tansu, warm_spark_remote, pg_url, pg_schema
+):
+    """The backlog of one 6-partition topic drained by ``n_tasks`` task processes, each with
+    its share of the partitions (as the scheduler deals them). 2 vCPUs bound the gain."""
+    import multiprocessing as mp
+
+    import psycopg2
+    from kafka import KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from bench.harness import new_topic, order
+
+    topic = new_topic()
+    admin = KafkaAdminClient(bootstrap_servers=tansu)
+    admin.create_topics([NewTopic(topic, TASK_PARTITIONS, 1)])
+    admin.close()
+    p = KafkaProducer(bootstrap_servers=tansu, linger_ms=5, batch_size=256 * 1024)
+    for i in range(TASK_MESSAGES):
+        p.send(topic, value=json.dumps(order(i)).encode(), partition=i % TASK_PARTITIONS)
+    p.flush()
+    p.close()
+    table = f"tasks_{n_tasks}_{topic}"
+    sink = {
+        "type": "postgres",
+        "url": pg_url,
+        "schema": pg_schema,
+        "table": table,
+        "create_table": True,
+    }
+    per = TASK_MESSAGES // TASK_PARTITIONS
+    shares = [list(range(TASK_PARTITIONS))[i::n_tasks] for i in range(n_tasks)]
+    args = [(tansu, warm_spark_remote, topic, s, per * len(s), sink) for s in shares]
+    t0 = time.monotonic()
+    with mp.get_context("spawn").Pool(n_tasks) as pool:
+        results = pool.map(_task_process, args)
+    wall = time.monotonic() - t0
+    assert sum(r[0] for r in results) == TASK_MESSAGES
+    with psycopg2.connect(pg_url) as c, c.cursor() as cur:
+        cur.execute(f'SELECT count(DISTINCT id) FROM "{pg_schema}"."{table}"')
+        assert cur.fetchone()[0] == TASK_MESSAGES
+    cpu = sum(r[2] for r in results)
+    record(
+        "tasks_throughput",
+        tasks=n_tasks,
+        msgs_per_s=round(TASK_MESSAGES / wall),
+        loop_msgs_per_s=round(TASK_MESSAGES / max(r[1] for r in results)),
+        client_cpu_us_per_msg=round(cpu / TASK_MESSAGES * 1e6, 1),
     )
