@@ -246,7 +246,7 @@ class KafkaSource:
         from kafka import TopicPartition as KTP
 
         c = self._consumer
-        known = {tp: c.position(KTP(tp.topic, tp.partition)) for tp in self._partitions}
+        known = {tp: self._position(c, KTP(tp.topic, tp.partition)) for tp in self._partitions}
         c.assign([KTP(tp.topic, tp.partition) for tp in parts])
         fresh: list[TopicPartition] = []
         for tp in parts:
@@ -277,7 +277,9 @@ class KafkaSource:
                 c.seek_to_end(*ktps)
             else:
                 ms = int(parse_start_timestamp(start).timestamp() * 1000)
-                found = c.offsets_for_times({k: ms for k in ktps})
+                found = c.offsets_for_times(
+                    {k: ms for k in ktps}, timeout_ms=self.request_timeout_ms
+                )
                 past_end = [k for k in ktps if found.get(k) is None]
                 for k in ktps:
                     if found.get(k) is not None:
@@ -336,7 +338,7 @@ class KafkaSource:
         # Where this read starts: a failed read rewinds here, so that records polled
         # before the error are read again instead of being skipped (the consumer's
         # position has already moved past them).
-        start = {tp: self._consumer.position(tp) for tp in self._consumer.assignment()}
+        start = {tp: self._position(self._consumer, tp) for tp in self._consumer.assignment()}
         try:
             while len(records) < policy.max_records and nbytes < policy.max_bytes:
                 now = time.monotonic()
@@ -353,7 +355,7 @@ class KafkaSource:
                 if records and first_at is None:
                     first_at = time.monotonic()
             positions = {
-                TopicPartition(k.topic, k.partition): self._consumer.position(k)
+                TopicPartition(k.topic, k.partition): self._position(self._consumer, k)
                 for k in (KTP(tp.topic, tp.partition) for tp in self._partitions)
             }
         except Exception as e:  # noqa: BLE001 - classified
@@ -444,6 +446,16 @@ class KafkaSource:
 
     # -- offsets of a stopped connector (conveyor offsets reset) -----------------------
 
+    def _position(self, consumer: Any, ktp: Any) -> int:
+        """The consumer's position, bounded by ``request_timeout_ms`` (an outage past it)."""
+        pos = consumer.position(ktp, timeout_ms=self.request_timeout_ms)
+        if pos is None:
+            raise TransientSourceError(
+                f"the position of {ktp.topic}[{ktp.partition}] was not known within "
+                f"{self.request_timeout_ms} ms"
+            )
+        return int(pos)
+
     def offsets_at(self, to: str) -> Offsets:
         """Every partition's offset at ``earliest``, ``latest`` or an ISO 8601 time (open first)."""
         from kafka import TopicPartition as KTP
@@ -457,13 +469,15 @@ class KafkaSource:
                 c.seek_to_end(*ktps.values())
             else:
                 ms = int(parse_start_timestamp(to).timestamp() * 1000)
-                found = c.offsets_for_times({k: ms for k in ktps.values()})
+                found = c.offsets_for_times(
+                    {k: ms for k in ktps.values()}, timeout_ms=self.request_timeout_ms
+                )
                 for k in ktps.values():
                     if found.get(k) is not None:
                         c.seek(k, found[k].offset)
                     else:
                         c.seek_to_end(k)
-            return {tp: c.position(k) for tp, k in ktps.items()}
+            return {tp: self._position(c, k) for tp, k in ktps.items()}
         except ConveyorError:
             raise
         except Exception as e:  # noqa: BLE001 - classified
@@ -487,7 +501,10 @@ class KafkaSource:
             )
             try:
                 found = {
-                    tp: reader.committed(KTP(tp.topic, tp.partition)) for tp in self._partitions
+                    tp: reader.committed(
+                        KTP(tp.topic, tp.partition), timeout_ms=self.request_timeout_ms
+                    )
+                    for tp in self._partitions
                 }
             finally:
                 reader.close(autocommit=False)
