@@ -150,6 +150,7 @@ class KafkaSource:
         client_id: str | None = None,
         request_timeout_ms: int = 30_000,
         mirror_interval_s: float = 5.0,
+        probe_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
@@ -170,6 +171,11 @@ class KafkaSource:
         self._last_discovery = 0.0
         self._last_mirror = 0.0
         self._mirror_lock = threading.Lock()
+        # kafka-python's poll() returns nothing, without an error, while the brokers are
+        # down: after probe_interval_s without a record, a read asks the leaders for their
+        # end offsets (bounded by request_timeout_ms); no answer is an outage.
+        self.probe_interval_s = probe_interval_s
+        self._last_contact = clock()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -364,6 +370,10 @@ class KafkaSource:
                 if pos is not None:
                     self._consumer.seek(tp, pos)
             raise source_error(e, f"reading from {self.bootstrap} failed") from None
+        if records:
+            self._last_contact = self._clock()
+        else:
+            self._probe()
         self._refresh_highwater()
         nxt: Offsets = {}
         for r in records:
@@ -383,6 +393,21 @@ class KafkaSource:
         if len(self._partitions) > 1:
             records.sort(key=lambda r: (r.topic, r.partition, r.offset))
         return SourceBatch(table=records_to_table(records), next_offsets=nxt, nbytes=nbytes)
+
+    def _probe(self) -> None:
+        """Raise TransientSourceError when the partitions' leaders do not answer (see __init__)."""
+        from kafka import TopicPartition as KTP
+
+        if not self._partitions or self._clock() - self._last_contact < self.probe_interval_s:
+            return
+        try:
+            self._consumer.end_offsets(
+                [KTP(tp.topic, tp.partition) for tp in self._partitions],
+                timeout_ms=self.request_timeout_ms,
+            )
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"the brokers at {self.bootstrap} do not answer") from None
+        self._last_contact = self._clock()
 
     def _refresh_highwater(self) -> None:
         from kafka import TopicPartition as KTP
