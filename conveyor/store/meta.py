@@ -340,6 +340,7 @@ class MetaStore:
     def delete(self, name: str) -> None:
         with self._tx() as c:
             c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
+            c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
             c.execute(t.connectors.delete().where(t.connectors.c.name == name))
             self._history(c, name, None, ConnectorStatus.STOPPED, "deleted", None, None)
 
@@ -782,6 +783,53 @@ class MetaStore:
                 )
                 for r in c.execute(q)
             ]
+
+    # -- source connectors' state --------------------------------------------------------
+
+    def save_source_state(
+        self, name: str, generation: int, state: dict[str, Any], *, version: int
+    ) -> None:
+        """Store a source connector's state for this generation: one transaction, fenced."""
+        now = self.clock()
+        with self._tx() as c:
+            res = c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(updated_at=now)
+            )
+            if res.rowcount == 0:
+                raise FencedError(
+                    f"connector {name!r}: generation {generation} is no longer current; state not stored"
+                )
+            values = {
+                "version": version,
+                "state_json": json.dumps(state, sort_keys=True),
+                "generation": generation,
+                "saved_at": now,
+            }
+            updated = c.execute(
+                t.source_state.update().where(t.source_state.c.connector == name).values(**values)
+            )
+            if updated.rowcount == 0:
+                c.execute(t.source_state.insert().values(connector=name, **values))
+
+    def source_state(self, name: str) -> tuple[int, dict[str, Any]] | None:
+        """(version, state) last stored for a source connector, or None."""
+        with self._tx() as c:
+            r = c.execute(
+                sa.select(t.source_state.c.version, t.source_state.c.state_json).where(
+                    t.source_state.c.connector == name
+                )
+            ).first()
+        return None if r is None else (int(r.version), json.loads(r.state_json))
+
+    def reset_source_state(self, name: str, *, reason: str = "source state reset") -> bool:
+        """Forget a source connector's state (an operator command); True when there was one."""
+        with self._tx() as c:
+            res = c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
+            if res.rowcount:
+                self._history(c, name, None, ConnectorStatus.STOPPED, reason, None, None)
+            return bool(res.rowcount)
 
 
 def _with_driver(url: str) -> str:

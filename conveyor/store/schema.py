@@ -85,3 +85,15 @@ state_history = sa.Table(
 
 # Version N -> N+1 steps, applied in order inside one transaction each.
 MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {}
+
+# A source connector's position (an id, an LSN, a sequence number), written in the same
+# transaction as the generation check; ``version`` is the source's state format.
+source_state = sa.Table(
+    "conveyor_source_state",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("state_json", sa.Text, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("saved_at", sa.Float, nullable=False),
+)
