@@ -410,8 +410,10 @@ class SourceLoop:
             breaker_open=lambda t: self.board.is_open(t, now),
             partitions=lambda t: self._partitions.get(t),
         )
-        self.stats.unmatched["default"] += plan.unmatched_defaulted
-        self.stats.unmatched["drop"] += len(plan.unmatched_dropped)
+        if plan.unmatched_defaulted:
+            self.stats.unmatched["default"] += plan.unmatched_defaulted
+        if plan.unmatched_dropped:
+            self.stats.unmatched["drop"] += len(plan.unmatched_dropped)
         for reason, idx in plan.rejected.items():
             self.stats.rejected[reason.value] += len(idx)
         if plan.deferred:
@@ -425,7 +427,8 @@ class SourceLoop:
             late_rejected += r.out_of_range
             if r.error:
                 self.stats.last_error[topic] = r.error
-        self.stats.rejected[Reason.PARTITION_OUT_OF_RANGE.value] += late_rejected
+        if late_rejected:
+            self.stats.rejected[Reason.PARTITION_OUT_OF_RANGE.value] += late_rejected
         permanent = [r for r in results.values() if r.permanent]
         failed = {t: r.error for t, r in results.items() if r.error}
         if failed:
