@@ -531,7 +531,8 @@ class SourceLoop:
 
     def _heartbeat(self, force: bool = False) -> None:
         now = self.clock()
-        if not force and now - self._last_heartbeat < self.cfg.heartbeat_interval_s:
+        changed = self._status_reason is not None  # a status change is reported at once
+        if not force and not changed and now - self._last_heartbeat < self.cfg.heartbeat_interval_s:
             return
         self._last_heartbeat = now
         answer = self.writer.heartbeat(self.heartbeat_payload(), self.status, self._status_reason)
