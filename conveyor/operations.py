@@ -180,6 +180,25 @@ class Operations:
             ),
         }
 
+    def destinations(self, name: str) -> dict[str, Any]:
+        """A source connector's destinations: produced count, breaker, failures, last error;
+        and its routing totals (rejected by reason, unmatched by action)."""
+        from conveyor.metrics import destinations_json
+
+        row = self.row(name)
+        routing = row.counters.get("routing") or {}
+        return {
+            "name": name,
+            "kind": connector_kind(row),
+            "destinations": destinations_json(row.counters),
+            "routed": routing.get("routed", 0),
+            "destinations_active": routing.get("destinations_active", 0),
+            "rejected": routing.get("rejected", {}),
+            "unmatched": routing.get("unmatched", {}),
+            "open_breakers": routing.get("open_breakers", 0),
+            "commit_failures_in_row": row.counters.get("commit_failures_in_row", 0),
+        }
+
     # -- specs ----------------------------------------------------------------------------
 
     def validate(self, name: str | None, config: Any) -> LoadedSpec:
@@ -569,7 +588,13 @@ def row_summary(r: ConnectorRow) -> dict[str, Any]:
         "last_error": r.last_error,
         "spec_source": r.spec_source,
         "spec_error": r.spec_error,
+        "kind": connector_kind(r),
     }
+
+
+def connector_kind(r: ConnectorRow) -> str:
+    """``source`` for a source connector (its stored spec says ``kind: source``), else ``sink``."""
+    return "source" if (r.spec or {}).get("kind") == "source" else "sink"
 
 
 def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
@@ -590,7 +615,7 @@ def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
         "name": r.name,
         "connector": connector,
         "tasks": [task] if r.run_id or r.status != ConnectorStatus.STOPPED else [],
-        "type": "sink",
+        "type": connector_kind(r),
         "conveyor": {
             **row_summary(r),
             "status_since": _iso(r.status_since),
