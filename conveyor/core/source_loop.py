@@ -104,6 +104,20 @@ class SourceStateVersionError(ConveyorError):
     (a reset is an explicit operator command, never silent)."""
 
 
+def checked_state(name: str, stored: tuple[int, State] | None, version: int) -> State | None:
+    """The stored state if the running source writes its version; SourceStateVersionError
+    otherwise (never a silent reset: ``conveyor connector reset-state`` is explicit)."""
+    if stored is None:
+        return None
+    found, state = stored
+    if found != version:
+        raise SourceStateVersionError(
+            f"the stored state of {name} has version {found}, this source writes version "
+            f"{version}; refusing to start (reset it explicitly: conveyor connector reset-state {name})"
+        )
+    return state
+
+
 class PolledLike(Protocol):
     messages: list[Any]  # SourceMessage
     state: State

@@ -40,7 +40,12 @@ from conveyor.core.errors import (
 from conveyor.core.loop import Directive, OutageBudgetExceeded, directive_for
 from conveyor.core.model import ConnectorStatus, Counters
 from conveyor.core.routing import Route, RoutingError
-from conveyor.core.source_loop import SourceLoop, SourceLoopConfig, SourceStateVersionError
+from conveyor.core.source_loop import (
+    SourceLoop,
+    SourceLoopConfig,
+    SourceStateVersionError,
+    checked_state,
+)
 from conveyor.jobs.connector import (
     TAG_BROKER,
     TAG_CONNECTOR,
@@ -242,16 +247,7 @@ def _build_loop(
     assert live.source_spec is not None and live.source_config is not None
     spec = live.source_spec
     source = build_source(live.source_config)
-    stored = store.source_state(name)
-    state = None
-    if stored is not None:
-        version, state = stored
-        if version != source.state_version:
-            raise SourceStateVersionError(
-                f"the stored state of {name} has version {version}, this source writes version "
-                f"{source.state_version}; refusing to start (reset it explicitly: "
-                f"conveyor connector reset-state {name})"
-            )
+    state = checked_state(name, store.source_state(name), source.state_version)
     kafka = spec.kafka
     if kafka.bootstrap_servers is None and conveyor.bootstrap():
         kafka = kafka.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
