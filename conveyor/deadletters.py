@@ -31,6 +31,7 @@ from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConveyorError, PermanentSinkError, TransientSinkError
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
+from conveyor.core.sink import ErrorKind
 from conveyor.store.meta import conveyor_home
 
 log = logging.getLogger("conveyor.deadletters")
@@ -259,7 +260,7 @@ class KafkaDeadLetters:
         except Exception as e:  # noqa: BLE001 - classified
             self.close()
             text = f"dead-letter topic {self.topic}: {describe_kafka_error(e)}"
-            if classify_kafka_error(e) == "transient":
+            if classify_kafka_error(e) is ErrorKind.TRANSIENT:
                 raise TransientSinkError(text) from e
             raise PermanentSinkError(text) from None
 

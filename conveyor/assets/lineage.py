@@ -7,11 +7,11 @@ All are external ``AssetSpec``s: connector runs record materializations on them
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections import defaultdict
 
 from dagster import AssetKey, AssetSpec, FreshnessPolicy
 
+from conveyor.core.asset_keys import key_part
 from conveyor.specs import LoadedSpec
 
 
@@ -24,7 +24,7 @@ def dead_letter_key(connector: str) -> AssetKey:
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 def group_of(connector: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from conveyor.core.connection import OPTION_NAMES, KafkaConnection
 from conveyor.core.errors import ConfigError
+from conveyor.core.sink import ErrorKind
 from conveyor.secrets import resolve
 
 ClientRole = Literal["consumer", "producer", "admin"]
@@ -333,7 +334,7 @@ _NOT_PERMANENT = frozenset(
 _CERT_WORDS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "Hostname mismatch")
 
 
-def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_kafka_error(exc: BaseException) -> ErrorKind:
     """What an exception from kafka-python means.
 
     data: a record's content (too large, corrupt, bad topic); a sink isolates the row,
@@ -344,17 +345,21 @@ def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "pe
     """
     names = {k.__name__ for k in type(exc).__mro__}
     if names & _DATA_ERRORS:
-        return "data"
+        return ErrorKind.DATA
     if names & _PERMANENT_ERRORS:
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(exc, ssl.SSLCertVerificationError) or any(w in str(exc) for w in _CERT_WORDS):
-        return "permanent"  # a wrong CA or host name does not fix itself
+        return ErrorKind.PERMANENT  # a wrong CA or host name does not fix itself
     if "KafkaError" in names:
         flagged = getattr(exc, "retriable", True) is False
-        return "permanent" if flagged and type(exc).__name__ not in _NOT_PERMANENT else "transient"
+        return (
+            ErrorKind.PERMANENT
+            if flagged and type(exc).__name__ not in _NOT_PERMANENT
+            else ErrorKind.TRANSIENT
+        )
     if isinstance(exc, (ValueError, TypeError)):
-        return "data"  # client-side checks: illegal topic, unknown partition, header types
-    return "transient"
+        return ErrorKind.DATA  # client-side checks: illegal topic, unknown partition, header types
+    return ErrorKind.TRANSIENT
 
 
 def describe_kafka_error(exc: BaseException) -> str:

@@ -46,6 +46,7 @@ from conveyor.core.model import (
     TopicPartition,
     parse_start_timestamp,
 )
+from conveyor.core.sink import ErrorKind
 
 log = logging.getLogger("conveyor.kafka")
 
@@ -81,7 +82,7 @@ def source_error(exc: BaseException, context: str) -> ConveyorError:
     """The source error for an exception of kafka-python: permanent unless it is an outage."""
     if isinstance(exc, ConveyorError):
         return exc
-    if classify_kafka_error(exc) == "transient":
+    if classify_kafka_error(exc) is ErrorKind.TRANSIENT:
         return TransientSourceError(f"{context}: {describe_kafka_error(exc)}")
     return PermanentSourceError(f"{context}: {describe_kafka_error(exc)}")
 

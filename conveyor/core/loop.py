@@ -41,7 +41,6 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from conveyor.core.errors import (
-    BatchRejected,
     ConveyorError,
     FencedError,
     TransientSinkError,
@@ -63,6 +62,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
+from conveyor.core.sink import RowFailure, SinkProtocol, send_isolating
 
 log = logging.getLogger("conveyor.loop")
 
@@ -99,12 +99,6 @@ class Transformed:
     filtered: int = 0
 
 
-@dataclass(frozen=True)
-class RowFailureView:
-    index: int
-    message: str
-
-
 class Source(Protocol):
     """Reads the log from the committed offsets. Used from one thread at a time."""
 
@@ -135,14 +129,6 @@ class Transformer(Protocol):
         to check its expressions (raising ConfigError). It is called from one thread at a
         time, but not always the same one (see ``LoopConfig.transform_ahead``).
         """
-
-
-class SinkLike(Protocol):
-    def validate(self) -> None: ...
-    def init_sink(self) -> None: ...
-    def send_batch(self, batch: pa.Table) -> Any: ...  # SendResult
-    def cleanup_sink(self) -> None: ...
-    def describe(self) -> str: ...
 
 
 class Directive(str, enum.Enum):
@@ -230,7 +216,7 @@ class ConnectorLoop:
         *,
         source: Source,
         transform: Transformer,
-        sink: SinkLike,
+        sink: SinkProtocol,
         committer: Committer,
         committed: Offsets,
         dead_letters: DeadLetterWriter | None = None,
@@ -375,9 +361,7 @@ class ConnectorLoop:
             again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
             by_index = {f.index: f for f in again}
             sent += subset.num_rows - len(again)
-            failed = [
-                RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)
-            ]
+            failed = [RowFailure(failed[i].index, by_index[i].message) for i in sorted(by_index)]
         return sent, [
             FailedMessage(
                 *_coords(table, f.index), error=f.message, error_class="data", attempts=attempts
@@ -385,7 +369,7 @@ class ConnectorLoop:
             for f in failed
         ]
 
-    def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
+    def _send_isolating(self, table: pa.Table) -> list[RowFailure]:
         return send_isolating(self.sink, table)
 
     def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
@@ -713,20 +697,6 @@ class _Prefetcher:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
-
-
-def send_isolating(sink: SinkLike, table: pa.Table) -> list[RowFailureView]:
-    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
-    try:
-        result = sink.send_batch(table)
-    except BatchRejected as e:
-        if table.num_rows == 1:
-            return [RowFailureView(0, str(e))]
-        mid = table.num_rows // 2
-        left = send_isolating(sink, table.slice(0, mid))
-        right = send_isolating(sink, table.slice(mid))
-        return left + [RowFailureView(f.index + mid, f.message) for f in right]
-    return [RowFailureView(f.index, f.message) for f in result.failed]
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:

@@ -26,7 +26,7 @@ from dagster import (
 
 from conveyor.assets.lineage import dead_letter_key
 from conveyor.core.errors import ConfigError
-from conveyor.core.loop import send_isolating
+from conveyor.core.sink import send_isolating
 from conveyor.deadletters import (
     DEAD_LETTER_SCHEMA,
     SparkParquetDeadLetters,

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
     ConfigError,
@@ -191,7 +192,7 @@ class MongoDBSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s) or "_"
+    return key_part(s, "_")
 
 
 def redact_url(text: str) -> str:

@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -29,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr, model_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
@@ -38,6 +38,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, sink_error
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -181,7 +182,7 @@ class MySQLSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -409,28 +410,28 @@ def error_text(exc: BaseException) -> str:
     return f"({code}) {msg}" if code is not None else f"{type(exc).__name__}: {msg or 'no message'}"
 
 
-def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_mysql_error(exc: BaseException) -> ErrorKind:
     """What an exception from pymysql means for the row / batch (by error code first)."""
     code = error_code(exc)
     if code in DATA_ERRORS:
-        return "data"
+        return ErrorKind.DATA
     if code in TRANSIENT_ERRORS:
-        return "transient"
+        return ErrorKind.TRANSIENT
     if code in PERMANENT_ERRORS:
-        return "permanent"
+        return ErrorKind.PERMANENT
     try:
         import pymysql
     except ImportError:  # pragma: no cover - the sink needs pymysql anyway
         pymysql = None
     if pymysql is not None:
         if isinstance(exc, (pymysql.err.IntegrityError, pymysql.err.DataError)):
-            return "data"
+            return ErrorKind.DATA
         if isinstance(exc, (pymysql.err.ProgrammingError, pymysql.err.NotSupportedError)):
-            return "permanent"
+            return ErrorKind.PERMANENT
         if isinstance(exc, pymysql.err.InterfaceError):  # (0, '') when the connection is closed
-            return "transient"
+            return ErrorKind.TRANSIENT
     # Socket errors and timeouts, OperationalError / InternalError with an unknown code.
-    return "transient"
+    return ErrorKind.TRANSIENT
 
 
 # -- the sink -----------------------------------------------------------------------------------
@@ -611,9 +612,7 @@ class MySQLSink(Sink):
             return PermanentSinkError(
                 f"table {quote_identifier(self.config.table)} in database {self.config.database_name()!r} does not exist: {error_text(e)}"
             )
-        if kind == "permanent":
-            return PermanentSinkError(f"MySQL {context}: {error_text(e)}")
-        return TransientSinkError(f"MySQL {context}: {error_text(e)}")
+        return sink_error(kind, f"MySQL {context}: {error_text(e)}", data=ErrorKind.TRANSIENT)
 
     def init_sink(self) -> None:
         self._conn = self._connect()
@@ -836,7 +835,7 @@ class MySQLSink(Sink):
             err = self._error(
                 e,
                 "write failed"
-                if kind != "data"
+                if kind is not ErrorKind.DATA
                 else "write failed on a row the sink could not isolate",
             )
             self._rollback()
@@ -945,7 +944,7 @@ class MySQLSink(Sink):
             self._execute(cur, [rows[i] for i in idx])
             return []
         except pymysql.err.MySQLError as e:
-            if classify_mysql_error(e) != "data":
+            if classify_mysql_error(e) is not ErrorKind.DATA:
                 raise
             if self._transactional:
                 cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")

@@ -15,12 +15,12 @@ import io
 import itertools
 import json
 import logging
-import re
 from typing import Any, Literal
 
 import pyarrow as pa
 from pydantic import Field, SecretStr, model_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
@@ -116,7 +116,7 @@ class PostgresSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # Connection failures no retry can fix; anything else (refused, timeout, too many
