@@ -321,8 +321,31 @@ def connector_destinations(ctx: click.Context, name: str, as_json: bool) -> None
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(d["rejected"].items())) or "none"
     unmatched = ", ".join(f"{k} {v}" for k, v in sorted(d["unmatched"].items())) or "none"
     click.echo(
-        f"routed {d['routed']}; rejected: {rejected}; unmatched: {unmatched}; open breakers {d['open_breakers']}"
+        f"routed {d['routed']}; rejected: {rejected}; unmatched: {unmatched}; "
+        f"open breakers {d['open_breakers']}; last abandon: {_ago(d['last_abandon_at'])}"
+        + ("; abandon-batch requested" if d["abandon_requested"] else "")
     )
+
+
+@connector.command("reset-state")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_reset_state(ctx: click.Context, name: str) -> None:
+    """Forget a STOPPED source connector's stored state (it reads from the beginning again)."""
+    r = _ops(ctx).reset_source_state(name)
+    click.echo(f"{name}: source state {'reset' if r['reset'] else 'was not stored'}")
+
+
+@connector.command("abandon-batch")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_abandon_batch(ctx: click.Context, name: str) -> None:
+    """DATA LOSS: a STOPPED source connector's next run skips its first batch (one it can never
+    deliver), storing the position after it; shown as last_abandon_at."""
+    _ops(ctx).abandon_batch(name)
+    click.echo(f"{name}: its next run skips its first batch (not produced); start it to apply")
 
 
 @connector.command("show")

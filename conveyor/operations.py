@@ -180,6 +180,26 @@ class Operations:
             ),
         }
 
+    def reset_source_state(self, name: str) -> dict[str, Any]:
+        """Forget a STOPPED source connector's state: it reads from the beginning again."""
+        row = self.row(name)
+        self._require_stopped(row)
+        existed = self.store.reset_source_state(
+            name, reason=f"source state reset from {self.actor}"
+        )
+        return {"name": name, "reset": existed}
+
+    def abandon_batch(self, name: str) -> dict[str, Any]:
+        """Ask a STOPPED source connector's next run to skip its first batch (data loss, on purpose)."""
+        row = self.row(name)
+        if connector_kind(row) != "source":
+            raise ConflictError(
+                f"{name} is a sink connector; abandon-batch is for source connectors"
+            )
+        self._require_stopped(row)
+        self.store.request_abandon(name)
+        return {"name": name, "abandon_requested": True}
+
     def destinations(self, name: str) -> dict[str, Any]:
         """A source connector's destinations: produced count, breaker, failures, last error;
         and its routing totals (rejected by reason, unmatched by action)."""
@@ -187,6 +207,7 @@ class Operations:
 
         row = self.row(name)
         routing = row.counters.get("routing") or {}
+        info = self.store.source_state_info(name)
         return {
             "name": name,
             "kind": connector_kind(row),
@@ -197,6 +218,9 @@ class Operations:
             "unmatched": routing.get("unmatched", {}),
             "open_breakers": routing.get("open_breakers", 0),
             "commit_failures_in_row": row.counters.get("commit_failures_in_row", 0),
+            "state": (info or {}).get("state"),
+            "abandon_requested": bool((info or {}).get("abandon_requested")),
+            "last_abandon_at": (info or {}).get("last_abandon_at"),
         }
 
     # -- specs ----------------------------------------------------------------------------

@@ -127,7 +127,7 @@ class LoadedSpec:
         return json.dumps(d, sort_keys=False) if d is not None else None
 
     def _secret_field(self, path: str) -> bool:
-        return path in secret_fields(self.spec, self.sink)
+        return path in secret_fields(self.spec, self.sink, self.source_config)
 
     def location_fingerprint(self) -> str:
         """What the code location builds from this spec: all but the sections taken on live."""
@@ -139,9 +139,14 @@ class LoadedSpec:
         return json.dumps(view, sort_keys=True, default=str)
 
 
-def secret_fields(spec: ConnectorSpec | None, sink: SinkConfig | None) -> set[str]:
-    """Dotted paths of the fields typed ``SecretStr``: in the spec's models and the sink's model."""
+def secret_fields(
+    spec: ConnectorSpec | None, sink: SinkConfig | None, source: SourceConfig | None = None
+) -> set[str]:
+    """Dotted paths of the fields typed ``SecretStr``: in the spec's models and the sink's
+    (or a source connector's source's) model."""
     out = set(_secret_paths(ConnectorSpec)) | set(_secret_paths(SourceConnectorSpec))
+    if source is not None:
+        out |= {f"source.{p}" for p in _secret_paths(type(source))}
     if sink is not None:
         out |= {f"sink.{p}" for p in _secret_paths(type(sink))}
     elif spec is not None:

@@ -168,8 +168,9 @@ class Producer(Protocol):
 class StateWriter(Protocol):
     """The run's fenced writes: the source state, heartbeats."""
 
-    def save(self, state: State) -> None:
-        """Store the state for this generation in one transaction; FencedError when superseded."""
+    def save(self, state: State, *, abandoned: bool = False) -> None:
+        """Store the state for this generation in one transaction; FencedError when superseded.
+        ``abandoned``: the batch was skipped on the operator's request (recorded with it)."""
 
     def heartbeat(
         self, counters: dict[str, Any], status: ConnectorStatus, reason: str | None
@@ -189,6 +190,9 @@ class SourceLoopConfig:
     paused_poll_s: float = 0.25
     breaker_threshold: int = 5
     breaker_cooldown_s: float = 30.0
+    # `conveyor connector abandon-batch`: store the position after the first batch without
+    # producing it (a documented data-loss escape for a batch that can never be delivered).
+    abandon_first_batch: bool = False
 
 
 @dataclass
@@ -346,6 +350,20 @@ class SourceLoop:
             self._commit(self._pending_commit)
         if polled is None:
             self._heartbeat()
+            return
+        if self.cfg.abandon_first_batch:
+            self.cfg.abandon_first_batch = False
+            log.warning(
+                "%s: abandoning %d messages up to %s on the operator's request (not produced)",
+                self.cfg.name,
+                len(polled.messages),
+                polled.state,
+            )
+            self.writer.save(polled.state, abandoned=True)
+            self.state = polled.state
+            self.stats.rejected["abandoned"] += len(polled.messages)
+            self._commit(polled.state)
+            self._heartbeat(force=True)
             return
         started = self.clock()
         try:

@@ -92,8 +92,10 @@ class StoreStateWriter:
         self.spec_hash = spec_hash
         self.on_heartbeat = on_heartbeat
 
-    def save(self, state: dict[str, Any]) -> None:
-        self.store.save_source_state(self.name, self.generation, state, version=self.version)
+    def save(self, state: dict[str, Any], *, abandoned: bool = False) -> None:
+        self.store.save_source_state(
+            self.name, self.generation, state, version=self.version, abandoned=abandoned
+        )
 
     def heartbeat(
         self, counters: dict[str, Any], status: ConnectorStatus, reason: str | None
@@ -248,6 +250,12 @@ def _build_loop(
     spec = live.source_spec
     source = build_source(live.source_config)
     state = checked_state(name, store.source_state(name), source.state_version)
+    info = store.source_state_info(name)
+    abandon = bool(info and info["abandon_requested"])
+    if abandon:
+        context.log.warning(
+            f"source connector {name}: abandon-batch requested; the first batch is skipped (data loss)"
+        )
     kafka = spec.kafka
     if kafka.bootstrap_servers is None and conveyor.bootstrap():
         kafka = kafka.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
@@ -268,6 +276,7 @@ def _build_loop(
             commit_failure_threshold=spec.commit_failure_threshold,
             select_routes=spec.select_routes(),
             prewarm_timeout_s=kafka.prewarm_timeout_s,
+            abandon_first_batch=abandon,
         ),
         source=source,
         transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),

@@ -96,4 +96,8 @@ source_state = sa.Table(
     sa.Column("state_json", sa.Text, nullable=False),
     sa.Column("generation", sa.Integer, nullable=False),
     sa.Column("saved_at", sa.Float, nullable=False),
+    # The operator's data-loss escape (`conveyor connector abandon-batch`): the next run
+    # stores the position after its first batch without producing it.
+    sa.Column("abandon_requested", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("last_abandon_at", sa.Float, nullable=True),
 )

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from dagster import AssetKey
 
 from conveyor.cli import main
-from conveyor.core.model import ConnectorStatus
+from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.specs import from_mapping, scan, sync_files
 from conveyor.store.meta import MetaStore
 
@@ -167,3 +167,48 @@ def test_destinations_view_from_heartbeat_counters(tmp_path: Path):
         samples[("conveyor_connector_destination_create_seconds_max", (("connector", "src"),))]
         == 0.012
     )
+
+
+def test_secrets_of_a_source_are_masked_in_the_stored_spec():
+    ls = from_mapping(
+        {"name": "h", "kind": "source", "source": {"type": "webhook", "token": "literal-token"}},
+        source="x.yaml",
+        fallback_name="h",
+    )
+    assert "literal-token" not in json.dumps(ls.display())
+    ls = from_mapping(
+        {"name": "h", "kind": "source", "source": {"type": "webhook", "token": "${env:TOK}"}},
+        source="x.yaml",
+        fallback_name="h",
+    )
+    assert ls.display()["source"]["token"] == "${env:TOK}"
+
+
+def test_abandon_batch_and_reset_state_only_on_a_stopped_source(tmp_path: Path):
+    store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
+    store.sync_spec("src", spec_json='{"kind": "source"}', spec_hash=None, source="t", error=None)
+    claim = store.claim("src", run_id="r1", expected_generation=None, holder_alive=lambda r: False)
+    store.save_source_state("src", claim.generation, {"last": 5}, version=1)
+    runner = CliRunner(env={"COLUMNS": "200"})
+
+    def cli(*args):
+        return runner.invoke(main, ["--meta-url", store.url, "connector", *args])
+
+    r = cli("abandon-batch", "src")
+    assert r.exit_code != 0 and "stop it first" in r.output  # a run could be using the state
+    store.release("src", claim.generation, ConnectorStatus.STOPPED, "test")
+    store.set_desired("src", DesiredState.STOPPED)
+    r = cli("abandon-batch", "src")
+    assert r.exit_code == 0, r.output
+    info = store.source_state_info("src")
+    assert info["abandon_requested"] and info["state"] == {"last": 5}
+    # The next run stores the position after its first batch with abandoned=True.
+    store.save_source_state("src", claim.generation, {"last": 9}, version=1, abandoned=True)
+    info = store.source_state_info("src")
+    assert not info["abandon_requested"] and info["last_abandon_at"] is not None
+    r = cli("destinations", "src")
+    assert "last abandon: " in r.output and "last abandon: -" not in r.output
+    assert any("abandoned" in h.reason for h in store.history("src"))
+    r = cli("reset-state", "src")
+    assert r.exit_code == 0 and "source state reset" in r.output
+    assert store.source_state("src") is None

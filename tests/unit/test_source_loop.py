@@ -100,11 +100,14 @@ class FakeProducer:
 class FakeWriter:
     def __init__(self, stop_after_batches: int | None = None):
         self.saved: list[dict] = []
+        self.abandoned: list[dict] = []
         self.statuses: list[ConnectorStatus] = []
         self.crash_on_save = False
         self.fenced = False
 
-    def save(self, state):
+    def save(self, state, *, abandoned=False):
+        if abandoned:
+            self.abandoned.append(dict(state))
         if self.fenced:
             raise FencedError("generation 1 is no longer current")
         if self.crash_on_save:
@@ -289,3 +292,13 @@ def test_partition_id_out_of_range_rejects_only_that_row():
     assert prod.topics["a"] == [1]
     assert loop.heartbeat_payload()["routing"]["rejected"] == {"partition_id_out_of_range": 1}
     assert w.saved == [{"last": 2}]
+
+
+def test_abandon_batch_skips_the_first_batch_only():
+    src, prod, w = FakeSource(ROWS), FakeProducer(), FakeWriter()
+    loop = make_loop(src, prod, w, abandon_first_batch=True)
+    loop.run()
+    assert all_ids(prod) == list(range(4, 13))  # rows 1-3 were abandoned, never produced
+    assert w.abandoned == [{"last": 3}] and w.saved[0] == {"last": 3}
+    assert src.commits[0] == 3  # the source's side effects still run for the skipped rows
+    assert loop.heartbeat_payload()["routing"]["rejected"] == {"abandoned": 3}
