@@ -212,3 +212,15 @@ def test_abandon_batch_and_reset_state_only_on_a_stopped_source(tmp_path: Path):
     r = cli("reset-state", "src")
     assert r.exit_code == 0 and "source state reset" in r.output
     assert store.source_state("src") is None
+
+
+def test_config_reference_documents_source_connectors():
+    from conveyor import configdoc, sources
+
+    doc = configdoc.render()
+    for name in sources.source_types():
+        assert f"### source `{name}`" in doc
+    for title, model in configdoc._source_sections():
+        assert f"### `{title}`" in doc
+        for fname, field in model.model_fields.items():
+            assert f"| `{field.alias or fname}` |" in doc, f"{title}.{fname}"
