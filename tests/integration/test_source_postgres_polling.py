@@ -194,3 +194,60 @@ def test_cap_drops_under_polling_and_errors_when_asked(
     with pytest.raises(RoutingError, match="cap"):
         loop.run()
     assert store2.source_state(name) is None  # nothing stored for the refused batch
+
+
+def test_breaker_opens_on_a_failing_destination_while_others_flow_then_closes(
+    tmp_path, tansu, spark_remote, pg_url, table
+):
+    """A destination that cannot be produced into (missing, and topic creation is off)
+    fails its batches until its breaker opens; then the other destinations flow and its
+    rows are dropped (polling, not destructive); once it exists, the half-open probe after
+    the cool-down closes the breaker."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    tname, conn = table
+    name = f"src_{uuid.uuid4().hex[:6]}"
+    good, hole = f"{name}.good", f"{name}.hole"
+    admin = KafkaAdminClient(bootstrap_servers=tansu)
+    admin.create_topics([NewTopic(good, 1, 1)])
+    insert(conn, tname, [(good if i % 2 else hole, "a", i) for i in range(20)])
+    store, gen = claimed_store(tmp_path, name)
+    s = spec(name, pg_url, tname, destination_column="region")
+    s["kafka"] = {"create_topics": False}
+    s["batch"] = {"max_records": 4, "max_wait_ms": 100}
+    s["retry"] = {"delay": 0.05, "max_delay": 0.1, "max_retries": 1000}
+    loop = build_loop(
+        s,
+        store=store,
+        generation=gen,
+        bootstrap=tansu,
+        spark_remote=spark_remote,
+        breaker_cooldown_s=3.0,
+    )
+    with running(loop):
+        wait_for(lambda: loop.counters.messages_out >= 10, what="the good rows flow")
+        stats = loop.heartbeat_payload()["routing"]
+        assert stats["destinations"][hole]["breaker"] in ("open", "half_open")
+        assert stats["rejected"].get("circuit_open", 0) > 0
+        assert "does not exist" in stats["destinations"][hole]["last_error"]
+        admin.create_topics([NewTopic(hole, 1, 1)])
+
+        def breaker() -> str:
+            return loop.heartbeat_payload()["routing"]["destinations"][hole]["breaker"]
+
+        wait_for(lambda: breaker() == "half_open", what="the cool-down")
+        insert(conn, tname, [(hole, "b", 100 + i) for i in range(3)])
+        wait_for(
+            lambda: (
+                loop.heartbeat_payload()["routing"]["destinations"][hole]["breaker"] == "closed"
+            ),
+            what="breaker closed after the cool-down",
+        )
+        wait_for(
+            lambda: len(read_topic(tansu, hole)) >= 3, what="rows in the recovered destination"
+        )
+    admin.close()
+    goods = sorted(json.loads(m.value)["amount"] for m in read_topic(tansu, good))
+    assert sorted(set(goods)) == list(range(1, 20, 2))  # every good row, while the hole failed
+    # The probe after the cool-down went through, and what followed it.
+    assert sorted(json.loads(m.value)["amount"] for m in read_topic(tansu, hole)) == [100, 101, 102]
