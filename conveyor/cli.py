@@ -278,16 +278,16 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
         "Paused": "cyan",
     }
     for r in rows:
-        c = r.counters
+        counters = r.counters
         table.add_row(
             r.name,
             f"[{colors.get(r.status.value, 'white')}]{r.status.value}[/]",
             r.desired.value,
             r.broker_id or "-",
             str(r.generation),
-            "-" if c.get("lag") is None else str(c["lag"]),
-            f"{c.get('msgs_per_s', 0):.0f}",
-            str(c.get("messages_out", 0)),
+            "-" if counters.get("lag") is None else str(counters["lag"]),
+            f"{counters.get('msgs_per_s', 0):.0f}",
+            str(counters.get("messages_out", 0)),
             _ago(r.heartbeat_at),
             (r.last_error or "")[:120],
         )

@@ -28,6 +28,7 @@ from conveyor.core.model import (
     ConnectorSpec,
     DeadLetterSpec,
     FailureSpec,
+    LivenessSpec,
     RetrySpec,
     SourceSpec,
     TransformSpec,
@@ -44,6 +45,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("retry", RetrySpec),
     ("failure", FailureSpec),
     ("failure.dead_letter", DeadLetterSpec),
+    ("liveness", LivenessSpec),
 ]
 _SECTION_OF = {model: title for title, model in SECTIONS}
 

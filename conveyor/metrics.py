@@ -81,13 +81,13 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
     )
     routing = RoutingFamilies()
     for r in rows:
-        c = r.counters
-        routing.add(r.name, c, now)
+        counters = r.counters
+        routing.add(r.name, counters, now)
         for key, fam in families.items():
-            fam.add_metric([r.name], float(c.get(key, 0) or 0))
-        if c.get("lag") is not None:
-            lag.add_metric([r.name], float(c["lag"]))
-        rate.add_metric([r.name], float(c.get("msgs_per_s", 0) or 0))
+            fam.add_metric([r.name], float(counters.get(key, 0) or 0))
+        if counters.get("lag") is not None:
+            lag.add_metric([r.name], float(counters["lag"]))
+        rate.add_metric([r.name], float(counters.get("msgs_per_s", 0) or 0))
         timeout = float((r.spec or {}).get("heartbeat_timeout_s", 30))
         alive = r.status in LIVE_STATUSES and r.heartbeat_fresh(now, timeout)
         up.add_metric([r.name], 1.0 if alive else 0.0)

@@ -104,9 +104,9 @@ class Operations:
     def config(self, name: str) -> dict[str, Any]:
         """The spec as written, secrets redacted (the current file; the stored copy if it is gone)."""
         row = self.row(name)
-        ls = load_source(name, row.spec_source)
-        if ls.ok and ls.display() is not None:
-            return ls.display() or {}
+        loaded = load_source(name, row.spec_source)
+        if loaded.ok and loaded.display() is not None:
+            return loaded.display() or {}
         return row.spec or {}
 
     def info(self, name: str) -> dict[str, Any]:
@@ -160,22 +160,22 @@ class Operations:
     def destination(self, name: str) -> dict[str, Any]:
         """Where the connector writes: the sink, its Dagster asset, and delivery counters."""
         row = self.row(name)
-        ls = load_source(name, row.spec_source)
+        loaded = load_source(name, row.spec_source)
         sink = (self.config(name) or {}).get("sink") or {}
-        c = row.counters
+        counters = row.counters
         return {
             "name": name,
             "type": sink.get("type"),
-            "asset_key": "/".join(ls.sink.asset_key_path()) if ls.sink else None,
+            "asset_key": "/".join(loaded.sink.asset_key_path()) if loaded.sink else None,
             "config": sink,
-            "delivered": c.get("messages_out", 0),
-            "failed": c.get("failed", 0),
-            "dead_lettered": c.get("dead_lettered", 0),
-            "msgs_per_s": c.get("msgs_per_s", 0.0),
-            "lag": c.get("lag"),
+            "delivered": counters.get("messages_out", 0),
+            "failed": counters.get("failed", 0),
+            "dead_lettered": counters.get("dead_lettered", 0),
+            "msgs_per_s": counters.get("msgs_per_s", 0.0),
+            "lag": counters.get("lag"),
             "routed": bool(
-                any("__destination" in s for s in (ls.spec.transform.select or []))
-                if ls.spec
+                any("__destination" in s for s in (loaded.spec.transform.select or []))
+                if loaded.spec
                 else False
             ),
         }
@@ -241,17 +241,17 @@ class Operations:
             data["name"] = name
         if not isinstance(data.get("name"), str):
             raise InvalidRequestError("missing the connector name (field 'name')")
-        ls = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
-        if not ls.ok:
-            raise ConfigError(str(ls.error).removeprefix("<request>: "))
-        assert ls.sink is not None
-        if not has_reference((ls.display() or {}).get("sink")):
+        loaded = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
+        if not loaded.ok:
+            raise ConfigError(str(loaded.error).removeprefix("<request>: "))
+        assert loaded.sink is not None
+        if not has_reference((loaded.display() or {}).get("sink")):
             # Cross-field rules of the sink (no I/O). With references they wait for the run,
             # where the values are known.
             from conveyor.sinks import build_sink
 
-            build_sink(ls.sink)
-        return ls
+            build_sink(loaded.sink)
+        return loaded
 
     def put_config(
         self, name: str | None, config: Any, *, create_only: bool = False
@@ -262,8 +262,8 @@ class Operations:
         spec file it already has. A connector declared in a components ``defs.yaml`` or
         outside the connectors directory is edited there, not here (ConflictError).
         """
-        ls = self.validate(name, config)
-        name = ls.name
+        loaded = self.validate(name, config)
+        name = loaded.name
         try:
             row: ConnectorRow | None = self.store.get(name)
         except UnknownConnectorError:
@@ -274,7 +274,7 @@ class Operations:
         if create_only and path.exists():
             raise ConflictError(f"connector {name!r} already exists (file {path})")
         try:
-            write_spec_file(path, ls.raw or {})
+            write_spec_file(path, loaded.raw or {})
         except OSError as e:
             raise ConflictError(
                 f"cannot write {path}: {e.strerror}; the connectors directory {self.directory} "
@@ -289,10 +289,10 @@ class Operations:
         """``conveyor connector apply -f``: a spec file copied into the connectors directory."""
         from conveyor.specs import load_file
 
-        ls = load_file(source)
-        if not ls.ok:
-            raise ConfigError(str(ls.error))
-        return self.put_config(ls.name, ls.raw)
+        loaded = load_file(source)
+        if not loaded.ok:
+            raise ConfigError(str(loaded.error))
+        return self.put_config(loaded.name, loaded.raw)
 
     def _writable_file(self, name: str, row: ConnectorRow | None) -> Path:
         """The plain spec file in the connectors directory that holds (or will hold) the spec."""
@@ -308,7 +308,7 @@ class Operations:
         if row is None or not row.spec_source or not Path(row.spec_source).is_absolute():
             return None
         path = Path(row.spec_source)
-        if not path.exists() or all(ls.name != name for ls in load_path(path)):
+        if not path.exists() or all(loaded.name != name for loaded in load_path(path)):
             return None
         return path
 
@@ -454,10 +454,10 @@ class Operations:
 
         if at not in (None, "earliest", "latest"):
             source_time(at)  # a bad time is a config error before anything connects
-        ls = load_source(row.name, row.spec_source)
-        if not ls.ok:
-            raise ConfigError(str(ls.error))
-        live = resolved(ls)  # the source may need a secret (SASL) to connect
+        loaded = load_source(row.name, row.spec_source)
+        if not loaded.ok:
+            raise ConfigError(str(loaded.error))
+        live = resolved(loaded)  # the source may need a secret (SASL) to connect
         assert live.spec is not None
         source = KafkaSource(live.spec.source, group_id=row.name)
         try:
@@ -484,15 +484,15 @@ class Operations:
 
     def dead_letter_store(self, name: str) -> tuple[LoadedSpec, Any]:
         """The connector's spec and its Parquet dead-letter store (ConflictError for Kafka)."""
-        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
+        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_location
         from conveyor.resources.conveyor import default_spark_remote
         from conveyor.spark.session import spark_session
 
         row = self.row(name)
-        ls = load_source(name, row.spec_source)
-        if not ls.ok or ls.spec is None:
-            raise ConflictError(f"{name} has an invalid spec: {ls.error}")
-        if ls.spec.failure.dead_letter.store != "parquet":
+        loaded = load_source(name, row.spec_source)
+        if not loaded.ok or loaded.spec is None:
+            raise ConflictError(f"{name} has an invalid spec: {loaded.error}")
+        if loaded.spec.failure.dead_letter.store != "parquet":
             raise ConflictError(
                 f"{name} dead-letters to the Kafka topic {name}.dlq; read it with any Kafka consumer"
             )
@@ -505,7 +505,9 @@ class Operations:
                 session["s"] = spark_session(remote)
             return session["s"]
 
-        return ls, SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=name)
+        return loaded, SparkParquetDeadLetters(
+            dead_letter_location(loaded.spec), spark, connector=name
+        )
 
     def dead_letters(self, name: str, limit: int = 20) -> dict[str, Any]:
         """Pending dead letters: count and the oldest ``limit`` with their errors."""
@@ -634,7 +636,7 @@ def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
         task["trace"] = trace
         if r.status == ConnectorStatus.ERROR:
             connector["trace"] = trace
-    c = r.counters
+    counters = r.counters
     return {
         "name": r.name,
         "connector": connector,
@@ -644,9 +646,9 @@ def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
             **row_summary(r),
             "status_since": _iso(r.status_since),
             "heartbeat_age_s": None if r.heartbeat_at is None else round(now - r.heartbeat_at, 3),
-            "lag": c.get("lag"),
-            "msgs_per_s": c.get("msgs_per_s", 0.0),
-            "delivered": c.get("messages_out", 0),
+            "lag": counters.get("lag"),
+            "msgs_per_s": counters.get("msgs_per_s", 0.0),
+            "delivered": counters.get("messages_out", 0),
             "restarts": r.restarts,
         },
     }

@@ -261,23 +261,25 @@ def _resolved_by_the_kafka_client(field: str) -> bool:
     return section in ("source", "sink", "kafka") and name in SECRET_FIELDS
 
 
-def resolved(ls: LoadedSpec) -> LoadedSpec:
+def resolved(loaded: LoadedSpec) -> LoadedSpec:
     """The spec with its references resolved and validated again: for the data path only.
 
     Raises ConfigError (naming the field and the reference) when a secret is missing.
     The result holds secrets: never store, log or show it.
     """
-    if not ls.ok or ls.any_spec is None:
-        raise ConfigError(ls.error or "no spec", source=ls.source)
+    if not loaded.ok or loaded.any_spec is None:
+        raise ConfigError(loaded.error or "no spec", source=loaded.source)
     try:
-        data = resolve(ls._normalized(), keep=_resolved_by_the_kafka_client)
+        data = resolve(loaded._normalized(), keep=_resolved_by_the_kafka_client)
     except ConfigError as e:
-        raise ConfigError(str(e), source=ls.source) from None
-    if ls.is_source:
-        sspec, sconfig = parse_source_spec(data, source=ls.source)
-        return LoadedSpec(sspec.name, ls.source, raw=data, source_spec=sspec, source_config=sconfig)
-    spec, sink = parse_spec(data, source=ls.source)
-    return LoadedSpec(spec.name, ls.source, spec=spec, sink=sink, raw=data)
+        raise ConfigError(str(e), source=loaded.source) from None
+    if loaded.is_source:
+        sspec, sconfig = parse_source_spec(data, source=loaded.source)
+        return LoadedSpec(
+            sspec.name, loaded.source, raw=data, source_spec=sspec, source_config=sconfig
+        )
+    spec, sink = parse_spec(data, source=loaded.source)
+    return LoadedSpec(spec.name, loaded.source, spec=spec, sink=sink, raw=data)
 
 
 def load_file(path: Path) -> LoadedSpec:
@@ -363,16 +365,16 @@ def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
     """The first definition of a name wins; later ones become errors naming both files."""
     out: list[LoadedSpec] = []
     seen: dict[str, str] = {}
-    for ls in specs:
-        if ls.name in seen and seen[ls.name] != ls.source:
-            ls = LoadedSpec(
-                ls.name,
-                ls.source,
-                error=f"{ls.source}: connector name {ls.name!r} is already defined in {seen[ls.name]}",
+    for loaded in specs:
+        if loaded.name in seen and seen[loaded.name] != loaded.source:
+            loaded = LoadedSpec(
+                loaded.name,
+                loaded.source,
+                error=f"{loaded.source}: connector name {loaded.name!r} is already defined in {seen[loaded.name]}",
             )
         else:
-            seen.setdefault(ls.name, ls.source)
-        out.append(ls)
+            seen.setdefault(loaded.name, loaded.source)
+        out.append(loaded)
     return out
 
 
@@ -383,36 +385,40 @@ def load_source(name: str, source: str | None) -> LoadedSpec:
     path = Path(source)
     if not path.exists():
         return LoadedSpec(name, source, error=f"{source}: the spec file was removed")
-    for ls in load_path(path):
-        if ls.name == name:
-            return ls
+    for loaded in load_path(path):
+        if loaded.name == name:
+            return loaded
     return LoadedSpec(name, source, error=f"{source} no longer declares connector {name!r}")
 
 
 REMOVED = "the spec file was removed"
 
 
-def sync_one(store: MetaStore, ls: LoadedSpec) -> ConnectorRow:
+def sync_one(store: MetaStore, loaded: LoadedSpec) -> ConnectorRow:
     """Write one spec (redacted, with its hash) or its error into the meta store.
 
     A connector whose file had been removed and is back takes its spec's desired state again
     and resumes from its kept offsets.
     """
-    desired = ls.any_spec.desired if ls.any_spec else ConnectorSpec.model_fields["desired"].default
+    desired = (
+        loaded.any_spec.desired
+        if loaded.any_spec
+        else ConnectorSpec.model_fields["desired"].default
+    )
     try:
-        before = store.get(ls.name)
+        before = store.get(loaded.name)
     except UnknownConnectorError:
         before = None
     row = store.sync_spec(
-        ls.name,
-        spec_json=ls.stored_json(),
-        spec_hash=ls.spec_hash(),
-        source=ls.source,
-        error=ls.error,
+        loaded.name,
+        spec_json=loaded.stored_json(),
+        spec_hash=loaded.spec_hash(),
+        source=loaded.source,
+        error=loaded.error,
         desired=desired,
     )
-    if before is not None and REMOVED in (before.spec_error or "") and ls.ok:
-        row = store.set_desired(ls.name, desired, reason=f"spec file {ls.source} is back")
+    if before is not None and REMOVED in (before.spec_error or "") and loaded.ok:
+        row = store.set_desired(loaded.name, desired, reason=f"spec file {loaded.source} is back")
     return row
 
 
@@ -426,10 +432,10 @@ def sync_files(store: MetaStore, found: Iterable[LoadedSpec]) -> list[str]:
     the store) get a file in the connectors directory.
     """
     found = list(found)
-    names = {ls.name for ls in found}
+    names = {loaded.name for loaded in found}
     notes: list[str] = []
-    for ls in found:
-        sync_one(store, ls)
+    for loaded in found:
+        sync_one(store, loaded)
     for row in store.list():
         if row.name in names:
             continue

@@ -41,6 +41,7 @@ from a client exception to what the loop does.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,15 +112,46 @@ def sink_error(
     return BatchRejected(message)
 
 
+def isolate_rows(
+    indexes: Sequence[int],
+    attempt: Callable[[Sequence[int]], Sequence[RowFailure]],
+    rejection: Callable[[Exception], str | None],
+) -> list[RowFailure]:
+    """Write ``indexes`` with ``attempt``; bisect a whole-request rejection down to the guilty rows.
+
+    ``attempt`` writes the rows it is given and returns the ones the target refused one by
+    one. When it raises an exception that ``rejection`` turns into a message (the request
+    refused as a whole for its content), the rows are split in halves and tried again,
+    down to single rows, which become RowFailures with that message. ``attempt`` must leave
+    nothing of a refused request behind (roll back to its savepoint) before raising. Any
+    other exception propagates. The one bisection of the loop and the sinks.
+    """
+    if not indexes:
+        return []
+    try:
+        return list(attempt(indexes))
+    except Exception as e:
+        message = rejection(e)
+        if message is None:
+            raise
+        if len(indexes) == 1:
+            return [RowFailure(indexes[0], message)]
+    mid = len(indexes) // 2
+    return isolate_rows(indexes[:mid], attempt, rejection) + isolate_rows(
+        indexes[mid:], attempt, rejection
+    )
+
+
 def send_isolating(sink: SinkProtocol, table: pa.Table) -> list[RowFailure]:
     """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
-    try:
-        result = sink.send_batch(table)
-    except BatchRejected as e:
-        if table.num_rows == 1:
-            return [RowFailure(0, str(e))]
-        mid = table.num_rows // 2
-        left = send_isolating(sink, table.slice(0, mid))
-        right = send_isolating(sink, table.slice(mid))
-        return left + [RowFailure(f.index + mid, f.message, f.kind) for f in right]
-    return list(result.failed)
+
+    def attempt(rows: Sequence[int]) -> list[RowFailure]:
+        first = rows[0]  # bisection keeps ranges contiguous
+        result = sink.send_batch(table.slice(first, len(rows)))
+        return [RowFailure(first + f.index, f.message, f.kind) for f in result.failed]
+
+    return isolate_rows(
+        range(table.num_rows),
+        attempt,
+        lambda e: str(e) if isinstance(e, BatchRejected) else None,
+    )

@@ -103,7 +103,11 @@ class ConveyorResource(ConfigurableResource):
         return self._store
 
     def sync_brokers(self, store: MetaStore) -> None:
-        """Upsert the brokers file into the store (edits apply without a reload); a bad file keeps the stored brokers."""
+        """Upsert the brokers file into the store (edits apply without a reload) and mark the
+        stored brokers it no longer names gone; a bad file keeps the stored brokers."""
+        from conveyor.core.scheduler import gone_brokers
+        from conveyor.sensors.scheduler import broker_views
+
         try:
             brokers = load_brokers()
         except ConfigError as e:
@@ -111,6 +115,10 @@ class ConveyorResource(ConfigurableResource):
             return
         for b in brokers:
             store.upsert_broker(b)
+        gone = gone_brokers([b.id for b in brokers], broker_views(store, check_endpoints=False))
+        if gone:
+            log.warning("brokers %s are no longer in the brokers file: marked gone", gone)
+            store.mark_gone(gone)
 
     def bootstrap(self) -> str | None:
         return self.kafka_bootstrap or os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP")

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
@@ -38,18 +38,17 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-from conveyor.core.sink import ErrorKind, sink_error
+from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
+    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
     require,
     secret,
-    url_env_alias,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -79,17 +78,13 @@ MAX_IDENTIFIER = 64
 PACKET_MARGIN = 4096  # room for the statement's text around a row's values
 
 
-class MySQLSinkConfig(SinkConfig):
+class MySQLSinkConfig(UrlSinkConfig):
     """Rows into a MySQL or MariaDB table."""
 
     type: Literal["mysql"] = "mysql"
     url: SecretStr | None = Field(
         default=None,
         description="mysql://user:pw@host:3306/db (secret; the user and password percent-encoded). One of url, url_env or host.",
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     host: str | None = Field(
         default=None,
@@ -152,11 +147,6 @@ class MySQLSinkConfig(SinkConfig):
         description="CA bundle (PEM): connect with TLS and verify the server against it.",
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
 
     def database_name(self) -> str | None:
         """The database, from `database` or the URL's path when the URL writes it out.
@@ -934,23 +924,22 @@ class MySQLSink(Sink):
         """Write rows behind a savepoint; on a data error roll back to it and bisect."""
         import pymysql
 
-        if not idx:
-            return []
-        # One savepoint name: setting it again moves it, so it always marks the start of
-        # the current attempt, after every row already written in this transaction.
-        if self._transactional:
-            cur.execute("SAVEPOINT conveyor_sp")
-        try:
-            self._execute(cur, [rows[i] for i in idx])
-            return []
-        except pymysql.err.MySQLError as e:
-            if classify_mysql_error(e) is not ErrorKind.DATA:
-                raise
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            # One savepoint name: setting it again moves it, so it always marks the start of
+            # the current attempt, after every row already written in this transaction.
             if self._transactional:
-                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
-            if len(idx) == 1:
-                return [RowFailure(idx[0], error_text(e))]
-        mid = len(idx) // 2
-        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(
-            cur, rows, idx[mid:]
-        )
+                cur.execute("SAVEPOINT conveyor_sp")
+            try:
+                self._execute(cur, [rows[i] for i in sub])
+            except pymysql.err.MySQLError as e:
+                if self._transactional and classify_mysql_error(e) is ErrorKind.DATA:
+                    cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                raise
+            return []
+
+        def rejection(e: Exception) -> str | None:
+            if isinstance(e, pymysql.err.MySQLError) and classify_mysql_error(e) is ErrorKind.DATA:
+                return error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection)

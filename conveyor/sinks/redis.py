@@ -45,7 +45,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-from conveyor.core.sink import ErrorKind, sink_error
+from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     RowFailure,
@@ -833,42 +833,42 @@ class RedisSink(Sink):
         """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
         from redis import exceptions as rx
 
-        if not idx:
-            return []
-        pipe = self._client.pipeline(transaction=self.config.transaction)
-        for i in idx:
-            for cmd in rows[i]:  # type: ignore[union-attr]
-                pipe.execute_command(*cmd)
-        try:
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            pipe = self._client.pipeline(transaction=self.config.transaction)
+            for i in sub:
+                for cmd in rows[i]:  # type: ignore[union-attr]
+                    pipe.execute_command(*cmd)
             results = pipe.execute(raise_on_error=False)
-        except rx.ResponseError as e:
+            counts = [len(rows[i]) for i in sub]  # type: ignore[arg-type]
+            if len(results) != sum(counts):
+                raise TransientSinkError(
+                    f"Redis answered {len(results)} replies for {sum(counts)} commands"
+                )
+            out = []
+            pos = 0
+            for i, count in zip(sub, counts, strict=True):
+                for k in range(count):
+                    r = results[pos + k]
+                    if isinstance(r, Exception):
+                        if classify_redis_error(r) is not ErrorKind.DATA:
+                            raise r
+                        name = str(rows[i][k][0]).upper()  # type: ignore[index]
+                        out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
+                        break
+                pos += count
+            return out
+
+        def rejection(e: Exception) -> str | None:
             # A command refused while queueing aborts the whole MULTI/EXEC: nothing ran.
-            if not self.config.transaction or classify_redis_error(e) is not ErrorKind.DATA:
-                raise
-            if len(idx) == 1:
-                return [RowFailure(idx[0], redis_error_text(e))]
-            mid = len(idx) // 2
-            return self._run_chunk(rows, idx[:mid], commands) + self._run_chunk(
-                rows, idx[mid:], commands
-            )
-        counts = [len(rows[i]) for i in idx]  # type: ignore[arg-type]
-        if len(results) != sum(counts):
-            raise TransientSinkError(
-                f"Redis answered {len(results)} replies for {sum(counts)} commands"
-            )
-        out = []
-        pos = 0
-        for i, count in zip(idx, counts, strict=True):
-            for k in range(count):
-                r = results[pos + k]
-                if isinstance(r, Exception):
-                    if classify_redis_error(r) is not ErrorKind.DATA:
-                        raise r
-                    name = str(rows[i][k][0]).upper()  # type: ignore[index]
-                    out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
-                    break
-            pos += count
-        return out
+            if (
+                self.config.transaction
+                and isinstance(e, rx.ResponseError)
+                and classify_redis_error(e) is ErrorKind.DATA
+            ):
+                return redis_error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection)
 
 
 def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[CommandTemplate]:
