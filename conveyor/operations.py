@@ -244,6 +244,13 @@ class Operations:
         loaded = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
         if not loaded.ok:
             raise ConfigError(str(loaded.error).removeprefix("<request>: "))
+        if loaded.is_source:
+            assert loaded.source_config is not None
+            if not has_reference((loaded.display() or {}).get("source")):
+                from conveyor.sources import build_source
+
+                build_source(loaded.source_config)  # cross-field rules of the source (no I/O)
+            return loaded
         assert loaded.sink is not None
         if not has_reference((loaded.display() or {}).get("sink")):
             # Cross-field rules of the sink (no I/O). With references they wait for the run,

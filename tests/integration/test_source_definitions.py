@@ -224,3 +224,49 @@ def test_config_reference_documents_source_connectors():
         assert f"### `{title}`" in doc
         for fname, field in model.model_fields.items():
             assert f"| `{field.alias or fname}` |" in doc, f"{title}.{fname}"
+
+
+def test_rest_api_creates_a_source_connector_and_shows_its_destinations(tmp_path: Path):
+    from starlette.testclient import TestClient
+
+    from conveyor.api import create_app
+    from conveyor.operations import Operations
+
+    store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
+    ops = Operations(store=store, directory=tmp_path / "connectors")
+    client = TestClient(create_app(lambda: ops, "tok"))
+    auth = {"Authorization": "Bearer tok"}
+    body = {
+        "name": "hook_in",
+        "kind": "source",
+        "source": {"type": "webhook", "port": 18088},
+        "routing": {"route": {"path": "k", "mapping": {"a": "t.a"}, "default": "t.rest"}},
+    }
+    r = client.post("/connectors", json={"name": "hook_in", "config": body}, headers=auth)
+    assert r.status_code == 201, r.text
+    assert (tmp_path / "connectors" / "hook_in.yaml").exists()
+    r = client.get("/connectors/hook_in/status", headers=auth)
+    assert r.json()["type"] == "source"
+    r = client.get("/connectors/hook_in/destinations", headers=auth)
+    assert r.status_code == 200 and r.json()["kind"] == "source" and r.json()["destinations"] == {}
+    bad = {
+        **body,
+        "name": "bad_in",
+        "source": {
+            "type": "postgres_polling",
+            "url": "u",
+            "table": "t",
+            "incrementing_column": "id",
+            "delete_after_read": True,
+        },
+    }
+    r = client.post("/connectors", json={"name": "bad_in", "config": bad}, headers=auth)
+    assert r.status_code == 400 and "destructive" in r.text
+    r = client.post("/connectors/hook_in/abandon-batch", headers=auth)
+    assert r.status_code == 409  # not stopped
+    plugins = client.get("/connector-plugins", headers=auth).json()
+    assert {(p["class"], p["type"]) for p in plugins} >= {
+        ("postgres_cdc", "source"),
+        ("webhook", "source"),
+        ("postgres", "sink"),
+    }
