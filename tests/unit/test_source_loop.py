@@ -302,3 +302,24 @@ def test_abandon_batch_skips_the_first_batch_only():
     assert w.abandoned == [{"last": 3}] and w.saved[0] == {"last": 3}
     assert src.commits[0] == 3  # the source's side effects still run for the skipped rows
     assert loop.heartbeat_payload()["routing"]["rejected"] == {"abandoned": 3}
+
+
+def test_allowlist_literals_are_prewarmed_before_the_first_poll():
+    src, prod, w = FakeSource(ROWS), FakeProducer(), FakeWriter()
+    seen: list[str] = []
+    orig_ensure, orig_poll = prod.ensure, src.poll
+
+    def ensure(topic):
+        seen.append(f"ensure {topic}")
+        return orig_ensure(topic)
+
+    def poll(state, n, wait):
+        seen.append("poll")
+        return orig_poll(state, n, wait)
+
+    prod.ensure, src.poll = ensure, poll
+    routing = RoutingSpec(admission={"mode": "allowlist", "patterns": ["a", "b", "c", "x.*"]})
+    make_loop(src, prod, w, routing=routing).run()
+    assert seen[:4] == ["ensure a", "ensure b", "ensure c", "poll"]  # 'x.*' cannot be created ahead
+    assert all_ids(prod) == list(range(1, 13))
+    assert seen.count("ensure a") == 1  # created once, remembered
