@@ -76,15 +76,17 @@ def replay_dead_letters(
         for start in range(0, total, batch_size):
             letters = pending.slice(start, batch_size)
             source = letters_as_source_batch(letters)
-            tr = transform(source)
-            failures = {letters.column("id")[r.index].as_py(): r.message for r in tr.rejected}
-            for f in send_isolating(sink, tr.table) if tr.table.num_rows else []:
-                row = tr.table.slice(f.index, 1).to_pylist()[0]
+            transformed = transform(source)
+            failures = {
+                letters.column("id")[r.index].as_py(): r.message for r in transformed.rejected
+            }
+            for f in send_isolating(sink, transformed.table) if transformed.table.num_rows else []:
+                row = transformed.table.slice(f.index, 1).to_pylist()[0]
                 failures[letter_id(row["__topic"], row["__partition"], row["__offset"])] = f.message
             ids = letters.column("id").to_pylist()
             ok_ids = [i for i in ids if i not in failures]
             # Filtered out on replay counts as done: the current transform does not want it.
-            filtered += len(ids) - tr.table.num_rows - len(tr.rejected)
+            filtered += len(ids) - transformed.table.num_rows - len(transformed.rejected)
             if failures:
                 t = now()
                 mask = pc.is_in(letters.column("id"), pa.array(list(failures), pa.string()))
