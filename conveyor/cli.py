@@ -283,7 +283,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
             r.name,
             f"[{colors.get(r.status.value, 'white')}]{r.status.value}[/]",
             r.desired.value,
-            r.broker_id or (f"{c['tasks']} tasks" if c.get("tasks") else "-"),
+            r.broker_id or (f"{counters['tasks']} tasks" if counters.get("tasks") else "-"),
             str(r.generation),
             "-" if counters.get("lag") is None else str(counters["lag"]),
             f"{counters.get('msgs_per_s', 0):.0f}",
