@@ -286,6 +286,9 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
     def destinations(request: Request) -> Response:
         return JSONResponse(ops().destinations(request.path_params["name"]))
 
+    def partition_tasks(request: Request) -> Response:
+        return JSONResponse(ops().tasks(request.path_params["name"]))
+
     def abandon_batch(request: Request) -> Response:
         return JSONResponse(ops().abandon_batch(request.path_params["name"]), status_code=202)
 
@@ -330,6 +333,7 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         Route(f"{c}/dead-letters", dead_letters, methods=["GET"]),
         Route(f"{c}/destination", destination, methods=["GET"]),
         Route(f"{c}/destinations", destinations, methods=["GET"]),
+        Route(f"{c}/partition-tasks", partition_tasks, methods=["GET"]),
         Route(f"{c}/abandon-batch", abandon_batch, methods=["POST"]),
         Route(f"{c}/source-state", reset_source_state, methods=["DELETE"]),
     ]

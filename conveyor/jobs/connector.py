@@ -146,7 +146,12 @@ def _holder_alive(context: OpExecutionContext, timeout_s: float):  # type: ignor
     return alive
 
 
-def _progress_logger(context: OpExecutionContext, ls: LoadedSpec, dead_letters: Any = None):  # type: ignore[no-untyped-def]
+def _progress_logger(  # type: ignore[no-untyped-def]
+    context: OpExecutionContext,
+    ls: LoadedSpec,
+    dead_letters: Any = None,
+    extra: Callable[[], dict[str, Any]] | None = None,  # more metadata (a partition task's)
+):
     assert ls.sink is not None
     sink_key = AssetKey(ls.sink.asset_key_path())
     seen_dead = [0]
@@ -173,6 +178,8 @@ def _progress_logger(context: OpExecutionContext, ls: LoadedSpec, dead_letters: 
             metadata["batch_latency_p50_ms"] = MetadataValue.float(c.batch_latency_p50_ms)
         if c.batch_latency_p99_ms is not None:
             metadata["batch_latency_p99_ms"] = MetadataValue.float(c.batch_latency_p99_ms)
+        if extra is not None:
+            metadata.update(extra())
         context.log_event(
             AssetMaterialization(
                 asset_key=sink_key,

@@ -77,6 +77,7 @@ class TaskCommitter:
         self.committed: Offsets = dict(committed)
         self._snapshot: tuple[float, Offsets] = (clock(), dict(committed))
         self.refused: set[TopicPartition] = set()
+        self.last_sample: TaskSample | None = None
 
     def commit(self, offsets: Offsets) -> None:
         res = self.tasks.commit(self.name, self.task_id, self.generation, offsets, self.grant.owned)
@@ -105,7 +106,8 @@ class TaskCommitter:
         for tp in self.reading:
             rates.setdefault(tp, 0.0)
         self._snapshot = (now, dict(self.committed))
-        return TaskSample(now, rates, lags)
+        self.last_sample = TaskSample(now, rates, lags)
+        return self.last_sample
 
     def heartbeat(
         self, counters: Counters, status: ConnectorStatus, reason: str | None
@@ -137,7 +139,13 @@ def run_task(
     store: MetaStore,
 ) -> None:
     """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
-    from conveyor.jobs.connector import TAG_BROKER, _build_loop, _next_spec, cancel_requested
+    from conveyor.jobs.connector import (
+        TAG_BROKER,
+        _build_loop,
+        _next_spec,
+        _progress_logger,
+        cancel_requested,
+    )
 
     assert loaded.spec is not None
     tags = context.run.tags
@@ -208,6 +216,9 @@ def run_task(
             )
             loop.committer = committer
             loop.stop_requested = canceled
+            loop.on_progress = _progress_logger(
+                context, ls, loop.dead_letters, extra=_task_metadata(task_id, committer)
+            )
             context.log.info(
                 f"connector {name} task {task_id} (generation {generation}) reads "
                 + ", ".join(f"{tp}@{committed.get(tp, '-')}" for tp in sorted(mine))
@@ -233,3 +244,24 @@ def run_task(
     context.log.info(
         f"connector {name} task {task_id} ended ({counters.as_dict() if counters else {}})"
     )
+
+
+def _task_metadata(task_id: int, committer: TaskCommitter) -> Any:
+    """The task's part of its sink asset's materializations: its partitions, rate and lag."""
+    from dagster import MetadataValue
+
+    def extra() -> dict[str, Any]:
+        last = committer.last_sample
+        by_partition = {
+            str(tp): {
+                "msgs_per_s": round(last.rates.get(tp, 0.0), 1) if last else None,
+                "lag": last.lags.get(tp) if last else None,
+            }
+            for tp in sorted(committer.reading)
+        }
+        return {
+            "task": MetadataValue.int(task_id),
+            "task_partitions": MetadataValue.json(by_partition),
+        }
+
+    return extra

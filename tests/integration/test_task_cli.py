@@ -46,3 +46,17 @@ def test_connector_tasks_shows_partitions_rate_lag_and_handovers(meta_url):  # n
     assert "2 tasks" in listing
 
     assert cli(meta_url, "connector", "tasks", "nope").exit_code != 0
+
+    # the REST API answers the same, from the same operation
+    from starlette.testclient import TestClient
+
+    from conveyor.api import create_app
+    from conveyor.operations import Operations
+
+    client = TestClient(create_app(lambda: Operations(store), token=None))
+
+    def without_age(tasks):  # type: ignore[no-untyped-def]
+        return [{k: v for k, v in t.items() if k != "heartbeat_age_s"} for t in tasks]
+
+    assert without_age(client.get("/connectors/hot/partition-tasks").json()) == without_age(data)
+    assert client.get("/connectors/nope/partition-tasks").status_code == 404
