@@ -260,5 +260,24 @@ def test_one_connector_goes_one_three_one_tasks_and_loses_nothing(dev, tansu, pg
         wait_for(
             lambda: store.committed_offsets(name) == expected, 60, "offsets at the partition ends"
         )
+
+        # the sink asset's materializations name the task and its partitions' rate and lag
+        from dagster import DagsterInstance
+
+        instance = DagsterInstance.from_config(dev["env"]["DAGSTER_HOME"])
+        (key,) = [k for k in instance.all_asset_keys() if k.path[-1] == name]
+        records = instance.fetch_materializations(key, limit=200).records
+        tasks_seen = {
+            r.asset_materialization.metadata["task"].value
+            for r in records
+            if r.asset_materialization and "task" in r.asset_materialization.metadata
+        }
+        assert len(tasks_seen) >= 2, tasks_seen
+        some = next(
+            r.asset_materialization.metadata["task_partitions"].value
+            for r in records
+            if r.asset_materialization and "task_partitions" in r.asset_materialization.metadata
+        )
+        assert all(k.startswith(topic) for k in some), some
     finally:
         producer.stop()
