@@ -254,6 +254,17 @@ def test_one_connector_goes_one_three_one_tasks_and_loses_nothing(dev, tansu, pg
             for r in history
         )
         figures.update(messages=total, rows=rows, duplicates=rows - distinct, handovers=handovers)
+        # handover time: a split or merge decided -> the owner released at a batch boundary
+        # (a split's includes the new task's run start-up)
+        timeline = [(h.at, h.reason) for h in reversed(store.history(name, limit=500))]
+        for kind in ("split", "merge"):
+            spans = []
+            for i, (at, reason) in enumerate(timeline):
+                if reason.startswith(f"tasks: {kind} task"):
+                    done = next((a for a, r in timeline[i + 1 :] if "handed over" in r), None)
+                    if done is not None:
+                        spans.append(round(done - at, 1))
+            figures[f"{kind}_to_handover_s"] = spans  # type: ignore[assignment]
         print(json.dumps({"bench": "tasks_e2e", **figures}))
         assert rows - distinct <= (handovers + 1) * BATCH, (rows, distinct, handovers)
         expected = {TopicPartition(topic, p): end for p, end in producer.ends.items()}
