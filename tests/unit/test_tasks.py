@@ -401,3 +401,25 @@ def test_property_partitions_owned_exactly_once_through_load_changes_and_deaths(
         w.tick()
     assert not w.silent & {t.task_id for t in w.group.tasks}, "a dead task was replaced"
     assert 1 <= w.n_tasks <= 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_groups=st.integers(1, 6),
+    free=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    min_tasks=st.integers(1, 4),
+)
+def test_property_new_tasks_never_exceed_a_brokers_room(n_groups, free, min_tasks):
+    brokers = [tk.BrokerSlot(f"b{i}", free=f, load=float(i)) for i, f in enumerate(free)]
+    groups = [
+        tk.TaskGroup(f"c{i}", policy(min_tasks=min_tasks, max_tasks=4), frozenset(parts(6)))
+        for i in range(n_groups)
+    ]
+    plan = tk.plan_tasks(groups, brokers, 0.0)
+    placed: dict[str, int] = {}
+    for d in plan.decisions:
+        for b in d.change.brokers.values():
+            placed[b] = placed.get(b, 0) + 1
+    room = {b.id: b.free for b in brokers}
+    assert all(n <= room[b] for b, n in placed.items()), (placed, room)
+    assert sum(placed.values()) == min(sum(free), sum(len(g.tasks) for g in plan.groups.values()))
