@@ -58,14 +58,53 @@ def discover_partitions(row: ConnectorRow) -> list[TopicPartition]:
         source.close()
 
 
-def _active_task_runs(instance: Any, name: str) -> set[tuple[int, int]]:
+def _active_task_runs(instance: Any, name: str) -> dict[tuple[int, int], Any]:
+    """(task id, task generation) -> its active Dagster run."""
     from conveyor.sensors.scheduler import ACTIVE
 
-    out = set()
+    out = {}
     for run in instance.get_runs(filters=RunsFilter(statuses=ACTIVE, tags={TAG_CONNECTOR: name})):
         if TAG_TASK in run.tags and TAG_TASK_GENERATION in run.tags:
-            out.add((int(run.tags[TAG_TASK]), int(run.tags[TAG_TASK_GENERATION])))
+            out[(int(run.tags[TAG_TASK]), int(run.tags[TAG_TASK_GENERATION]))] = run
     return out
+
+
+# Runs of tasks that were removed or restarted, and since when: a run whose task is gone
+# ends by itself at its next heartbeat (fenced); one still active after the heartbeat
+# timeout lost its process (kill -9, a lost host) and would hold its broker's slot in
+# the run queue, so it is terminated, or reported canceled when it cannot be reached.
+_superseded: dict[str, float] = {}
+
+
+def _reap_superseded(
+    context: Any,
+    store: MetaStore,
+    name: str,
+    runs: dict[tuple[int, int], Any],
+    current: set[tuple[int, int]],
+    now: float,
+    grace_s: float,
+) -> None:
+    for key, run in runs.items():
+        if key in current:
+            _superseded.pop(run.run_id, None)
+            continue
+        since = _superseded.setdefault(run.run_id, now)
+        if now - since < grace_s:
+            continue
+        instance = context.instance
+        stopped = False
+        with contextlib.suppress(Exception):
+            stopped = bool(instance.run_launcher.terminate(run.run_id))
+        if not stopped:
+            instance.report_run_canceled(run, message="its task was replaced or removed")
+        _superseded.pop(run.run_id, None)
+        store.record(
+            name,
+            f"tasks: run {run.run_id[:8]} of task {key[0]} (generation {key[1]}) "
+            + ("terminated" if stopped else "reported canceled: its process is gone"),
+            run_id=run.run_id,
+        )
 
 
 def broker_slots(
@@ -152,11 +191,14 @@ def tasks_tick(
             for d in decisions:
                 context.log.info(f"{name}: {type(d).__name__}: {d.reason}")
             active = _active_task_runs(context.instance, name)
+            current = {(t.task_id, t.generation) for t in ts.tasks(name)}
+            hb_timeout = float((row.spec or {}).get("heartbeat_timeout_s", 30.0))
+            _reap_superseded(context, store, name, active, current, now, hb_timeout)
             live = 0
             rate = 0.0
             lag = 0
             for task in ts.tasks(name):
-                if task.heartbeat_at is not None and now - task.heartbeat_at < 30:
+                if task.heartbeat_at is not None and now - task.heartbeat_at < hb_timeout:
                     live += 1
                 latest = task.latest()
                 if latest is not None:

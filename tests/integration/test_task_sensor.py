@@ -91,3 +91,25 @@ def test_a_connector_back_to_one_run_loses_its_tasks(env):  # noqa: F811
     store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h2", source="test", error=None)
     tick(instance, url)
     assert ts.tasks("hot") == [] and "hot" not in ts.connectors()
+
+
+def test_a_run_of_a_replaced_task_is_ended_after_the_heartbeat_timeout(env):  # noqa: F811
+    instance, store, url = env
+    spec = {
+        "name": "hot",
+        "source": {"topics": ["hot_topic"]},
+        "tasks": TASKS,
+        "heartbeat_timeout_s": 0.01,
+    }
+    store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h", source="test", error=None)
+    TaskStore(store).set_partitions("hot", P)
+    reqs = [r for r in tick(instance, url).run_requests if r.tags[TAG_CONNECTOR] == "hot"]
+    # a run of task 0 at generation 7: never current (a restarted task's lost run)
+    tags = {**reqs[0].tags, TAG_TASK_GENERATION: "7"}
+    lost = create_run_for_test(
+        instance, job_name=reqs[0].job_name, status=DagsterRunStatus.STARTED, tags=tags
+    )
+    tick(instance, url)  # seen superseded
+    tick(instance, url)  # still active after the timeout: ended
+    assert instance.get_run_by_id(lost.run_id).status == DagsterRunStatus.CANCELED
+    assert any("of task 0 (generation 7)" in h.reason for h in store.history("hot"))
