@@ -423,3 +423,24 @@ def test_property_new_tasks_never_exceed_a_brokers_room(n_groups, free, min_task
     room = {b.id: b.free for b in brokers}
     assert all(n <= room[b] for b, n in placed.items()), (placed, room)
     assert sum(placed.values()) == min(sum(free), sum(len(g.tasks) for g in plan.groups.values()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 8),
+    total=st.floats(50, 4000),
+    seed=st.integers(0, 10_000),
+)
+def test_property_a_noisy_stable_load_never_splits_and_merges_back(n, total, seed):
+    """±10% noise on a steady load: tasks are added while needed, and none is merged back."""
+    import random
+
+    rnd = random.Random(seed)
+    w = World(n, capacity=1000.0, pol=policy(min_tasks=1, max_tasks=4))
+    for _ in range(120):
+        w.set_total(total * rnd.uniform(0.9, 1.1))
+        w.tick()
+    splits = [d for d in w.history if isinstance(d, tk.Split)]
+    merges = [d for d in w.history if isinstance(d, tk.Merge)]
+    assert merges == [] or splits == [], [d.reason for d in splits + merges]
+    assert len(splits) <= 3
