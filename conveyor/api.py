@@ -234,12 +234,15 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
 
     def get_task_status(request: Request) -> Response:
         name = request.path_params["name"]
-        if request.path_params["task"] != 0:
-            raise NotFoundError(f"connector {name!r} has one task, 0")
         tasks = ops().status(name)["tasks"]
         if not tasks:
             raise NotFoundError(f"connector {name!r} has no task running")
-        return JSONResponse(tasks[0])
+        for task in tasks:  # one task (0) per run, or the connector's partition tasks
+            if task["id"] == request.path_params["task"]:
+                return JSONResponse(task)
+        raise NotFoundError(
+            f"connector {name!r} has task(s) {', '.join(str(t['id']) for t in tasks)}"
+        )
 
     def pause(request: Request) -> Response:
         ops().pause(request.path_params["name"])

@@ -122,8 +122,23 @@ class Operations:
 
     def status(self, name: str) -> dict[str, Any]:
         """Kafka Connect's status (connector, one task per run, trace of the last error) plus
-        Conveyor's own view under ``conveyor``."""
-        return status_of(self.row(name))
+        Conveyor's own view under ``conveyor``. A connector run as partition tasks lists
+        its tasks (RUNNING while heartbeating)."""
+        status = status_of(self.row(name))
+        tasks = self.tasks(name)
+        if tasks:
+            timeout = float((self.row(name).spec or {}).get("heartbeat_timeout_s", 30.0))
+            status["tasks"] = [
+                {
+                    "id": t["task"],
+                    "state": "RUNNING"
+                    if t["heartbeat_age_s"] is not None and t["heartbeat_age_s"] < timeout
+                    else "UNASSIGNED",
+                    "worker_id": t["broker"] or "-",
+                }
+                for t in tasks
+            ]
+        return status
 
     def summary(self, name: str) -> dict[str, Any]:
         return row_summary(self.row(name))

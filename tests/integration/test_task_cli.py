@@ -60,3 +60,10 @@ def test_connector_tasks_shows_partitions_rate_lag_and_handovers(meta_url):  # n
 
     assert without_age(client.get("/connectors/hot/partition-tasks").json()) == without_age(data)
     assert client.get("/connectors/nope/partition-tasks").status_code == 404
+    status = client.get("/connectors/hot/status").json()
+    assert [(t["id"], t["state"], t["worker_id"]) for t in status["tasks"]] == [
+        (0, "RUNNING", "b1"),
+        (1, "RUNNING", "b1"),
+    ]
+    assert client.get("/connectors/hot/tasks/1/status").json()["id"] == 1
+    assert client.get("/connectors/hot/tasks/5/status").status_code == 404
