@@ -148,6 +148,15 @@ def tasks_tick(
             continue
         if launchable is not None and job_name(name) not in launchable:
             continue  # its job is not in the code location yet
+        if row.broker_id is not None:
+            # It ran as one run until its spec asked for tasks: fence that run first (its
+            # next commit or heartbeat is refused and it ends); tasks start from its commits.
+            store.apply(
+                name,
+                row.generation,
+                StateChange.reset(),
+                "tasks: the connector now runs as partition tasks; its single run is fenced",
+            )
         try:
             spec = tasks_spec(row)
             assert spec is not None

@@ -8,6 +8,7 @@ import pytest
 from dagster import DagsterRunStatus
 from dagster._core.test_utils import create_run_for_test
 
+from conveyor.core.errors import FencedError
 from conveyor.core.model import ConnectorStatus, TopicPartition
 from conveyor.core.tasks import TaskSample
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION
@@ -113,3 +114,21 @@ def test_a_run_of_a_replaced_task_is_ended_after_the_heartbeat_timeout(env):  # 
     tick(instance, url)  # still active after the timeout: ended
     assert instance.get_run_by_id(lost.run_id).status == DagsterRunStatus.CANCELED
     assert any("of task 0 (generation 7)" in h.reason for h in store.history("hot"))
+
+
+def test_a_connector_turned_into_tasks_fences_its_single_run_first(env):  # noqa: F811
+    instance, store, url = env
+    spec = {"name": "hot", "source": {"topics": ["hot_topic"]}}
+    store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h", source="test", error=None)
+    (req,) = [r for r in tick(instance, url).run_requests if r.tags[TAG_CONNECTOR] == "hot"]
+    claim = store.claim("hot", run_id="single", expected_generation=1, holder_alive=lambda r: True)
+    store.heartbeat("hot", claim.generation, {})
+    spec["tasks"] = TASKS
+    store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h2", source="test", error=None)
+    TaskStore(store).set_partitions("hot", P)
+    reqs = [r for r in tick(instance, url).run_requests if r.tags[TAG_CONNECTOR] == "hot"]
+    assert [r.run_key for r in reqs] == ["hot:task0:1"]
+    row = store.get("hot")
+    assert row.generation == claim.generation + 1 and row.broker_id is None
+    with pytest.raises(FencedError):
+        store.commit("hot", claim.generation, {P[0]: 1})
