@@ -137,9 +137,17 @@ def tasks_tick(
     ``launchable``: job names in the code location (None: all)."""
     ts = TaskStore(store)
     task_rows = {r.name: r for r in rows if tasks_spec(r) is not None}
+    by_name = {r.name: r for r in rows}
     for name in ts.connectors():  # back to one run, or deleted: their task runs end fenced
         if name not in task_rows:
             ts.drop(name)
+            if name in by_name:  # Idle and fenced: assigned as one run by the next tick
+                store.apply(
+                    name,
+                    by_name[name].generation,
+                    StateChange.reset(),
+                    "tasks: back to one run (tasks.max 1); its task runs end",
+                )
     groups: list[TaskGroup] = []
     epochs: dict[str, int] = {}
     for name, row in sorted(task_rows.items()):

@@ -92,6 +92,9 @@ def test_a_connector_back_to_one_run_loses_its_tasks(env):  # noqa: F811
     store.sync_spec("hot", spec_json=json.dumps(spec), spec_hash="h2", source="test", error=None)
     tick(instance, url)
     assert ts.tasks("hot") == [] and "hot" not in ts.connectors()
+    assert store.get("hot").status == ConnectorStatus.IDLE
+    reqs = [r for r in tick(instance, url).run_requests if r.tags[TAG_CONNECTOR] == "hot"]
+    assert len(reqs) == 1 and TAG_TASK not in reqs[0].tags, "one run again"
 
 
 def test_a_run_of_a_replaced_task_is_ended_after_the_heartbeat_timeout(env):  # noqa: F811
