@@ -270,3 +270,23 @@ def test_rest_api_creates_a_source_connector_and_shows_its_destinations(tmp_path
         ("webhook", "source"),
         ("postgres", "sink"),
     }
+
+
+def test_a_crash_in_the_middle_of_a_state_write_leaves_the_previous_state(tmp_path: Path):
+    """The fencing check and the state row are one transaction: a failure between them
+    (here: a state that cannot be serialised, raised after the fencing UPDATE) changes nothing."""
+    store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
+    store.sync_spec("src", spec_json='{"kind": "source"}', spec_hash=None, source="t", error=None)
+    claim = store.claim("src", run_id="r1", expected_generation=None, holder_alive=lambda r: False)
+    store.save_source_state("src", claim.generation, {"last": 5}, version=1)
+    before = store.get("src").updated_at
+    with pytest.raises(TypeError):
+        store.save_source_state("src", claim.generation, {"last": object()}, version=1)
+    assert store.source_state("src") == (1, {"last": 5})
+    assert store.get("src").updated_at == before  # the fencing UPDATE was rolled back too
+    # A stale generation stores nothing.
+    from conveyor.core.errors import FencedError
+
+    with pytest.raises(FencedError):
+        store.save_source_state("src", claim.generation - 1, {"last": 9}, version=1)
+    assert store.source_state("src") == (1, {"last": 5})

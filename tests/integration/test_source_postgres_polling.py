@@ -251,3 +251,36 @@ def test_breaker_opens_on_a_failing_destination_while_others_flow_then_closes(
     assert sorted(set(goods)) == list(range(1, 20, 2))  # every good row, while the hole failed
     # The probe after the cool-down went through, and what followed it.
     assert sorted(json.loads(m.value)["amount"] for m in read_topic(tansu, hole)) == [100, 101, 102]
+
+
+def test_timestamp_column_reads_in_time_order_and_resumes(
+    tmp_path, tansu, spark_remote, pg_url, pg_schema
+):
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    tname = f"{pg_schema}.events"
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {tname} (name text, at timestamptz NOT NULL)")
+        for i in range(6):
+            cur.execute(
+                f"INSERT INTO {tname} VALUES (%s, timestamptz '2026-01-01 00:00:00+00' + %s * interval '1 minute')",
+                (f"e{i}", 5 - i),  # inserted newest first: read in time order
+            )
+    name = f"src_{uuid.uuid4().hex[:6]}"
+    topic = f"{name}.events"
+    store, gen = claimed_store(tmp_path, name)
+    s = spec(name, pg_url, tname, destination=topic)
+    s["source"].pop("incrementing_column")
+    s["source"]["timestamp_column"] = "at"
+    loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(lambda: loop.counters.messages_out >= 6, what="6 events")
+    assert [v["name"] for v in topic_values(tansu, topic)] == ["e5", "e4", "e3", "e2", "e1", "e0"]
+    with conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {tname} VALUES ('late', timestamptz '2026-01-02 00:00:00+00')")
+    loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(lambda: loop.counters.messages_out >= 1, what="the late event")
+    assert [v["name"] for v in topic_values(tansu, topic)][-2:] == ["e0", "late"]
+    assert len(topic_values(tansu, topic)) == 7
+    conn.close()
