@@ -64,6 +64,12 @@ def test_jobs_and_lineage_from_the_source_system_to_sink_connectors(env: Path, t
     assert deps[AssetKey(["kafka", "orders_unrouted"])] == {system}
     # ... and a sink connector reading one of them continues the path.
     assert deps[AssetKey(["localfile", "out"])] == {AssetKey(["kafka", "orders_eu"])}
+    # A topic a sink reads that only the allowlist's pattern admits hangs below the system too.
+    (env / "us_out.yaml").write_text(
+        SINK.replace("eu_out", "us_out").replace("orders.eu", "orders.us") % (tmp_path / "us")
+    )
+    deps = {a.key: {d.asset_key for d in a.deps} for a in build_defs().assets}
+    assert deps[AssetKey(["kafka", "orders_us"])] == {system}
 
 
 def test_spec_sync_stores_the_redacted_source_spec_and_kind(env: Path, tmp_path: Path):
