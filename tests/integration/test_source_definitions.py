@@ -85,6 +85,10 @@ def test_spec_sync_stores_the_redacted_source_spec_and_kind(env: Path, tmp_path:
     )
     assert r.exit_code == 0, r.output
     assert [x["kind"] for x in json.loads(r.output)] == ["source"]
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(
+        main, ["--meta-url", store.url, "connector", "list"], catch_exceptions=False
+    )
+    assert "orders_in" in r.output and "source" in r.output
 
 
 @pytest.mark.parametrize(
