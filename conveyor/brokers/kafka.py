@@ -150,6 +150,7 @@ class KafkaSource:
         client_id: str | None = None,
         request_timeout_ms: int = 30_000,
         mirror_interval_s: float = 5.0,
+        probe_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
@@ -170,6 +171,11 @@ class KafkaSource:
         self._last_discovery = 0.0
         self._last_mirror = 0.0
         self._mirror_lock = threading.Lock()
+        # kafka-python's poll() returns nothing, without an error, while the brokers are
+        # down: after probe_interval_s without a record, a read asks the leaders for their
+        # end offsets (bounded by request_timeout_ms); no answer is an outage.
+        self.probe_interval_s = probe_interval_s
+        self._last_contact = clock()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -247,7 +253,7 @@ class KafkaSource:
         from kafka import TopicPartition as KTP
 
         c = self._consumer
-        known = {tp: c.position(KTP(tp.topic, tp.partition)) for tp in self._partitions}
+        known = {tp: self._position(c, KTP(tp.topic, tp.partition)) for tp in self._partitions}
         c.assign([KTP(tp.topic, tp.partition) for tp in parts])
         fresh: list[TopicPartition] = []
         for tp in parts:
@@ -278,7 +284,9 @@ class KafkaSource:
                 c.seek_to_end(*ktps)
             else:
                 ms = int(parse_start_timestamp(start).timestamp() * 1000)
-                found = c.offsets_for_times({k: ms for k in ktps})
+                found = c.offsets_for_times(
+                    {k: ms for k in ktps}, timeout_ms=self.request_timeout_ms
+                )
                 past_end = [k for k in ktps if found.get(k) is None]
                 for k in ktps:
                     if found.get(k) is not None:
@@ -337,7 +345,7 @@ class KafkaSource:
         # Where this read starts: a failed read rewinds here, so that records polled
         # before the error are read again instead of being skipped (the consumer's
         # position has already moved past them).
-        start = {tp: self._consumer.position(tp) for tp in self._consumer.assignment()}
+        start = {tp: self._position(self._consumer, tp) for tp in self._consumer.assignment()}
         try:
             while len(records) < policy.max_records and nbytes < policy.max_bytes:
                 now = time.monotonic()
@@ -354,7 +362,7 @@ class KafkaSource:
                 if records and first_at is None:
                     first_at = time.monotonic()
             positions = {
-                TopicPartition(k.topic, k.partition): self._consumer.position(k)
+                TopicPartition(k.topic, k.partition): self._position(self._consumer, k)
                 for k in (KTP(tp.topic, tp.partition) for tp in self._partitions)
             }
         except Exception as e:  # noqa: BLE001 - classified
@@ -362,6 +370,10 @@ class KafkaSource:
                 if pos is not None:
                     self._consumer.seek(tp, pos)
             raise source_error(e, f"reading from {self.bootstrap} failed") from None
+        if records:
+            self._last_contact = self._clock()
+        else:
+            self._probe()
         self._refresh_highwater()
         nxt: Offsets = {}
         for r in records:
@@ -381,6 +393,21 @@ class KafkaSource:
         if len(self._partitions) > 1:
             records.sort(key=lambda r: (r.topic, r.partition, r.offset))
         return SourceBatch(table=records_to_table(records), next_offsets=nxt, nbytes=nbytes)
+
+    def _probe(self) -> None:
+        """Raise TransientSourceError when the partitions' leaders do not answer (see __init__)."""
+        from kafka import TopicPartition as KTP
+
+        if not self._partitions or self._clock() - self._last_contact < self.probe_interval_s:
+            return
+        try:
+            self._consumer.end_offsets(
+                [KTP(tp.topic, tp.partition) for tp in self._partitions],
+                timeout_ms=self.request_timeout_ms,
+            )
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"the brokers at {self.bootstrap} do not answer") from None
+        self._last_contact = self._clock()
 
     def _refresh_highwater(self) -> None:
         from kafka import TopicPartition as KTP
@@ -445,6 +472,16 @@ class KafkaSource:
 
     # -- offsets of a stopped connector (conveyor offsets reset) -----------------------
 
+    def _position(self, consumer: Any, ktp: Any) -> int:
+        """The consumer's position, bounded by ``request_timeout_ms`` (an outage past it)."""
+        pos = consumer.position(ktp, timeout_ms=self.request_timeout_ms)
+        if pos is None:
+            raise TransientSourceError(
+                f"the position of {ktp.topic}[{ktp.partition}] was not known within "
+                f"{self.request_timeout_ms} ms"
+            )
+        return int(pos)
+
     def offsets_at(self, to: str) -> Offsets:
         """Every partition's offset at ``earliest``, ``latest`` or an ISO 8601 time (open first)."""
         from kafka import TopicPartition as KTP
@@ -458,13 +495,15 @@ class KafkaSource:
                 c.seek_to_end(*ktps.values())
             else:
                 ms = int(parse_start_timestamp(to).timestamp() * 1000)
-                found = c.offsets_for_times({k: ms for k in ktps.values()})
+                found = c.offsets_for_times(
+                    {k: ms for k in ktps.values()}, timeout_ms=self.request_timeout_ms
+                )
                 for k in ktps.values():
                     if found.get(k) is not None:
                         c.seek(k, found[k].offset)
                     else:
                         c.seek_to_end(k)
-            return {tp: c.position(k) for tp, k in ktps.items()}
+            return {tp: self._position(c, k) for tp, k in ktps.items()}
         except ConveyorError:
             raise
         except Exception as e:  # noqa: BLE001 - classified
@@ -488,7 +527,10 @@ class KafkaSource:
             )
             try:
                 found = {
-                    tp: reader.committed(KTP(tp.topic, tp.partition)) for tp in self._partitions
+                    tp: reader.committed(
+                        KTP(tp.topic, tp.partition), timeout_ms=self.request_timeout_ms
+                    )
+                    for tp in self._partitions
                 }
             finally:
                 reader.close(autocommit=False)

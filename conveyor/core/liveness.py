@@ -142,7 +142,7 @@ class Supervised(Protocol):
     status: ConnectorStatus
     beat_requested: threading.Event
 
-    def beat(self, override: tuple[ConnectorStatus, str] | None = None) -> None: ...
+    def beat(self, override: ConnectorStatus | None = None) -> None: ...
     def report(self, status: ConnectorStatus, reason: str) -> None: ...
 
 
@@ -206,7 +206,7 @@ class Supervisor:
         if due:
             self.loop.beat_requested.clear()
             self._last_beat = now
-            override = (ConnectorStatus.DEGRADED, v.reason()) if v.stuck else None
+            override = ConnectorStatus.DEGRADED if v.stuck else None
             try:
                 self.loop.beat(override)
             except FencedError:

@@ -579,9 +579,10 @@ class ConnectorLoop:
             self._last_progress = now
             self.on_progress(Progress(self.counters, dict(self.committed)))
 
-    def beat(self, override: tuple[ConnectorStatus, str] | None = None) -> None:
+    def beat(self, override: ConnectorStatus | None = None) -> None:
         """Heartbeat once (any thread): each queued status change in order, else the current
-        status; ``override`` (the supervisor's verdict) replaces a Running status.
+        status; ``override`` (the supervisor's verdict, whose reason was queued once with
+        ``report``) replaces a Running status.
 
         FencedError stops the loop (``fence``) and is re-raised; other errors leave the
         queued changes for the next beat.
@@ -591,7 +592,7 @@ class ConnectorLoop:
                 if not self._transitions:
                     status, reason = self.status, None
                     if override is not None and status == ConnectorStatus.RUNNING:
-                        status, reason = override
+                        status = override
                     self._transitions.append((status, reason))
                 while self._transitions:
                     status, reason = self._transitions[0]

@@ -334,7 +334,10 @@ class DeadLetterSpec(_Spec):
         description="Parquet files (through Spark) or a Kafka topic '<connector>.dlq'.",
     )
     path: str | None = Field(
-        default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>."
+        default=None,
+        description="Where Spark writes the Parquet dead letters: a URL Spark resolves (s3a://, "
+        "hdfs://, file://) or a path (a relative one is under $CONVEYOR_HOME); default "
+        "$CONVEYOR_HOME/dead_letters/<connector>. Listing, counting and replay read it through Spark.",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="none", description="With store: kafka, the producer's compression codec."

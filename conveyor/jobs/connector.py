@@ -257,7 +257,7 @@ def run_connector(
     ``loaded`` is the spec as this run's process read it from its file; its references
     are resolved here, in the run, and nowhere else.
     """
-    store = conveyor.store()
+    store = conveyor.run_store()
     # A run launched before the scheduler saw the file (from the UI, right after a
     # reload) registers the connector itself.
     sync_one(store, loaded)

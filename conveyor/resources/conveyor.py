@@ -38,6 +38,10 @@ def brokers_file() -> Path:
     ).resolve()
 
 
+# How long a run's meta-store write waits for a SQLite lock before it counts as an outage.
+RUN_BUSY_TIMEOUT_S = 5.0
+
+
 def load_brokers(path: Path | None = None) -> list[Broker]:
     """Broker executors from YAML (``core.model.BrokersFile``), or the one default broker."""
     path = path or brokers_file()
@@ -101,6 +105,12 @@ class ConveyorResource(ConfigurableResource):
             self._store = MetaStore(self.meta_url or default_meta_url())
             self._store.ensure_schema()
         return self._store
+
+    def run_store(self) -> MetaStore:
+        """The meta store as a connector run uses it: a SQLite lock held longer than
+        ``RUN_BUSY_TIMEOUT_S`` is a TransientStoreError (retried, reported Degraded) well
+        before the heartbeat timeout, instead of a silent 30 s stall."""
+        return MetaStore(self.meta_url or default_meta_url(), busy_timeout_s=RUN_BUSY_TIMEOUT_S)
 
     def sync_brokers(self, store: MetaStore) -> None:
         """Upsert the brokers file into the store (edits apply without a reload) and mark the

@@ -105,7 +105,7 @@ def test_supervisor_heartbeats_steadily_and_reports_a_stuck_stage_once():
         assert len(loop.beats) >= 85
         degraded = [r for r in loop.reports if r[0] == ConnectorStatus.DEGRADED]
         assert len(degraded) == 1 and "stage send" in degraded[0][1]
-        assert loop.beats[-1][0] == ConnectorStatus.DEGRADED
+        assert loop.beats[-1] == ConnectorStatus.DEGRADED
     now[0] += 0.25
     sup.tick()
     assert loop.reports[-1] == (ConnectorStatus.RUNNING, loop.reports[-1][1])
