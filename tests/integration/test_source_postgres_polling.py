@@ -284,3 +284,30 @@ def test_timestamp_column_reads_in_time_order_and_resumes(
     assert [v["name"] for v in topic_values(tansu, topic)][-2:] == ["e0", "late"]
     assert len(topic_values(tansu, topic)) == 7
     conn.close()
+
+
+def test_partition_id_out_of_range_rejects_only_that_row(
+    tmp_path, tansu, spark_remote, pg_url, table
+):
+    tname, conn = table
+    name = f"src_{uuid.uuid4().hex[:6]}"
+    topic = f"{name}.p"
+    insert(conn, tname, [("x", "a", i) for i in range(9)])
+    store, gen = claimed_store(tmp_path, name)
+    s = spec(name, pg_url, tname, destination=topic)
+    s["kafka"] = {"partitions": 2}  # the destination is created with two partitions
+    s["transform"] = {
+        "schema": "id INT, amount INT",
+        "select": ["id", "amount", "CAST(amount % 3 AS INT) AS __partition"],
+    }
+    loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(
+            lambda: loop.counters.batches >= 1 and store.source_state(name) is not None,
+            what="a batch",
+        )
+    got = read_topic(tansu, topic)
+    by_partition = sorted((m.partition, json.loads(m.value)["amount"]) for m in got)
+    assert by_partition == [(0, 0), (0, 3), (0, 6), (1, 1), (1, 4), (1, 7)]
+    assert loop.heartbeat_payload()["routing"]["rejected"] == {"partition_id_out_of_range": 3}
+    assert store.source_state(name) == (1, {"last": 9})  # the batch went on without those rows
