@@ -300,3 +300,16 @@ def test_a_crash_in_the_middle_of_a_state_write_leaves_the_previous_state(tmp_pa
     with pytest.raises(FencedError):
         store.save_source_state("src", claim.generation - 1, {"last": 9}, version=1)
     assert store.source_state("src") == (1, {"last": 5})
+
+
+def test_a_source_connector_as_a_dg_component_attribute_set():
+    from conveyor.components import ConnectorComponent
+
+    c = ConnectorComponent(
+        name="orders_in",
+        kind="source",
+        source={"type": "webhook", "port": 18089},
+        routing={"default_destination": "orders.all"},
+    )
+    ls = from_mapping(c.spec_mapping(), source="defs.yaml", fallback_name="orders_in")
+    assert ls.ok and ls.is_source, ls.error
