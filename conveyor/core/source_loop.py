@@ -389,7 +389,15 @@ class SourceLoop:
             batches=c.batches + 1,
         )
         self._rate(len(polled.messages), self.clock() - started)
-        if self.status == ConnectorStatus.DEGRADED and self.commit_failures_in_row == 0:
+        with self._lock:
+            now = self.clock()
+            open_now = sorted(t for t, b in self.board.breakers.items() if b.state(now) != "closed")
+        if open_now:
+            # Progressing, but a destination is refused: shown, not hidden behind Running.
+            self._set_status(
+                ConnectorStatus.DEGRADED, f"circuit breaker open for {', '.join(open_now[:5])}"
+            )
+        elif self.status == ConnectorStatus.DEGRADED and self.commit_failures_in_row == 0:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch produced")
         self._heartbeat()
 

@@ -9,6 +9,7 @@ import psycopg2
 import pytest
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.model import ConnectorStatus
 from conveyor.core.routing import RoutingError
 from conveyor.sources import build_source
 from tests.integration.sources_harness import (
@@ -227,6 +228,7 @@ def test_breaker_opens_on_a_failing_destination_while_others_flow_then_closes(
     with running(loop):
         wait_for(lambda: loop.counters.messages_out >= 10, what="the good rows flow")
         stats = loop.heartbeat_payload()["routing"]
+        assert loop.status == ConnectorStatus.DEGRADED  # flowing, but a destination is refused
         assert stats["destinations"][hole]["breaker"] in ("open", "half_open")
         assert stats["rejected"].get("circuit_open", 0) > 0
         assert "does not exist" in stats["destinations"][hole]["last_error"]
@@ -246,6 +248,7 @@ def test_breaker_opens_on_a_failing_destination_while_others_flow_then_closes(
         wait_for(
             lambda: len(read_topic(tansu, hole)) >= 3, what="rows in the recovered destination"
         )
+        wait_for(lambda: loop.status == ConnectorStatus.RUNNING, what="Running again")
     admin.close()
     goods = sorted(json.loads(m.value)["amount"] for m in read_topic(tansu, good))
     assert sorted(set(goods)) == list(range(1, 20, 2))  # every good row, while the hole failed

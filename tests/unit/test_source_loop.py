@@ -266,6 +266,7 @@ def test_breaker_opens_on_a_black_hole_while_others_flow_then_probes():
     assert stats["rejected"]["circuit_open"] > 0
     assert stats["destinations"]["hole"]["breaker"] in ("open", "half_open")
     assert "timed out" in stats["destinations"]["hole"]["last_error"]
+    assert w.statuses[-1] == ConnectorStatus.DEGRADED  # flowing, but a destination is refused
 
 
 def test_partition_id_out_of_range_rejects_only_that_row():
