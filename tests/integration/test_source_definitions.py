@@ -313,3 +313,54 @@ def test_a_source_connector_as_a_dg_component_attribute_set():
     )
     ls = from_mapping(c.spec_mapping(), source="defs.yaml", fallback_name="orders_in")
     assert ls.ok and ls.is_source, ls.error
+
+
+def test_route_mapping_fetched_over_http_once_and_a_bad_fetch_refuses_to_start():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from conveyor.core.errors import ConfigError
+    from conveyor.core.routing import Route, RouteSpec
+    from conveyor.jobs.source_connector import fetch_mapping
+
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            hits.append(self.path)
+            body, code = {
+                "/map.json": (b'{"eu": "orders.eu", "us": "orders.us"}', 200),
+                "/broken.json": (b'{"eu": ', 200),
+                "/empty.json": (b"{}", 200),
+            }.get(self.path, (b"no", 404))
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        route = Route.build(RouteSpec(path="region", url=f"{base}/map.json"), fetch_mapping)
+        assert [route.destination({"region": r}) for r in ("eu", "us", "eu")] == [
+            "orders.eu",
+            "orders.us",
+            "orders.eu",
+        ]
+        assert hits == ["/map.json"]  # fetched once, at start
+        for path, message in [
+            ("/broken.json", "not JSON"),
+            ("/empty.json", "non-empty JSON object"),
+            ("/missing.json", "404"),
+        ]:
+            with pytest.raises(ConfigError, match=message):
+                Route.build(RouteSpec(path="region", url=f"{base}{path}"), fetch_mapping)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ConfigError, match="cannot fetch the mapping"):
+        Route.build(RouteSpec(path="region", url=f"{base}/map.json"), fetch_mapping)  # server gone
