@@ -87,6 +87,9 @@ class TaskCommitter:
             self.refused |= res.refused
         self.source.mirror_commit(res.committed)
 
+    def ensure_current(self) -> None:
+        self.tasks.ensure_current(self.name, self.task_id, self.generation)
+
     def sample(self, now: float) -> TaskSample | None:
         then, before = self._snapshot
         if now - then < self.sample_interval_s:
@@ -139,13 +142,9 @@ def run_task(
     store: MetaStore,
 ) -> None:
     """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
-    from conveyor.jobs.connector import (
-        TAG_BROKER,
-        _build_loop,
-        _next_spec,
-        _progress_logger,
-        cancel_requested,
-    )
+    from conveyor.jobs.connector import _build_loop
+    from conveyor.jobs.progress import progress_logger
+    from conveyor.jobs.runs import TAG_BROKER, cancel_requested, next_spec
 
     assert loaded.spec is not None
     tags = context.run.tags
@@ -216,7 +215,7 @@ def run_task(
             )
             loop.committer = committer
             loop.stop_requested = canceled
-            loop.on_progress = _progress_logger(
+            loop.on_progress = progress_logger(
                 context, ls, loop.dead_letters, extra=_task_metadata(task_id, committer)
             )
             context.log.info(
@@ -231,7 +230,7 @@ def run_task(
             grant = tasks.grant(name, task_id, generation)
             stored = store.get(name).spec_hash
             if stored and running_hash and stored != running_hash:
-                ls, running_hash = _next_spec(context, store, ls)
+                ls, running_hash = next_spec(context, store, ls)
     except DagsterExecutionInterruptedError:
         context.log.info(f"connector {name} task {task_id} stopped by terminate")
         raise

@@ -605,6 +605,11 @@ class TaskStore:
             ending=row.status == ENDING and not owned,
         )
 
+    def ensure_current(self, connector: str, task_id: int, generation: int) -> None:
+        """Raises FencedError when this task was restarted or removed."""
+        with self.meta._tx() as c:
+            self._fenced_task(c, connector, task_id, generation)
+
     def grant(self, connector: str, task_id: int, generation: int) -> Grant:
         with self.meta._tx() as c:
             return self._grant(c, connector, self._fenced_task(c, connector, task_id, generation))
