@@ -180,6 +180,49 @@ class Operations:
             ),
         }
 
+    def reset_source_state(self, name: str) -> dict[str, Any]:
+        """Forget a STOPPED source connector's state: it reads from the beginning again."""
+        row = self.row(name)
+        self._require_stopped(row)
+        existed = self.store.reset_source_state(
+            name, reason=f"source state reset from {self.actor}"
+        )
+        return {"name": name, "reset": existed}
+
+    def abandon_batch(self, name: str) -> dict[str, Any]:
+        """Ask a STOPPED source connector's next run to skip its first batch (data loss, on purpose)."""
+        row = self.row(name)
+        if connector_kind(row) != "source":
+            raise ConflictError(
+                f"{name} is a sink connector; abandon-batch is for source connectors"
+            )
+        self._require_stopped(row)
+        self.store.request_abandon(name)
+        return {"name": name, "abandon_requested": True}
+
+    def destinations(self, name: str) -> dict[str, Any]:
+        """A source connector's destinations: produced count, breaker, failures, last error;
+        and its routing totals (rejected by reason, unmatched by action)."""
+        from conveyor.metrics import destinations_json
+
+        row = self.row(name)
+        routing = row.counters.get("routing") or {}
+        info = self.store.source_state_info(name)
+        return {
+            "name": name,
+            "kind": connector_kind(row),
+            "destinations": destinations_json(row.counters),
+            "routed": routing.get("routed", 0),
+            "destinations_active": routing.get("destinations_active", 0),
+            "rejected": routing.get("rejected", {}),
+            "unmatched": routing.get("unmatched", {}),
+            "open_breakers": routing.get("open_breakers", 0),
+            "commit_failures_in_row": row.counters.get("commit_failures_in_row", 0),
+            "state": (info or {}).get("state"),
+            "abandon_requested": bool((info or {}).get("abandon_requested")),
+            "last_abandon_at": (info or {}).get("last_abandon_at"),
+        }
+
     # -- specs ----------------------------------------------------------------------------
 
     def validate(self, name: str | None, config: Any) -> LoadedSpec:
@@ -201,6 +244,13 @@ class Operations:
         loaded = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
         if not loaded.ok:
             raise ConfigError(str(loaded.error).removeprefix("<request>: "))
+        if loaded.is_source:
+            assert loaded.source_config is not None
+            if not has_reference((loaded.display() or {}).get("source")):
+                from conveyor.sources import build_source
+
+                build_source(loaded.source_config)  # cross-field rules of the source (no I/O)
+            return loaded
         assert loaded.sink is not None
         if not has_reference((loaded.display() or {}).get("sink")):
             # Cross-field rules of the sink (no I/O). With references they wait for the run,
@@ -571,7 +621,13 @@ def row_summary(r: ConnectorRow) -> dict[str, Any]:
         "last_error": r.last_error,
         "spec_source": r.spec_source,
         "spec_error": r.spec_error,
+        "kind": connector_kind(r),
     }
+
+
+def connector_kind(r: ConnectorRow) -> str:
+    """``source`` for a source connector (its stored spec says ``kind: source``), else ``sink``."""
+    return "source" if (r.spec or {}).get("kind") == "source" else "sink"
 
 
 def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
@@ -592,7 +648,7 @@ def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
         "name": r.name,
         "connector": connector,
         "tasks": [task] if r.run_id or r.status != ConnectorStatus.STOPPED else [],
-        "type": "sink",
+        "type": connector_kind(r),
         "conveyor": {
             **row_summary(r),
             "status_since": _iso(r.status_since),

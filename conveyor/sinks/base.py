@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from conveyor.core.errors import BatchRejected, ConfigError, SinkError  # noqa: F401 - re-exported
 from conveyor.core.model import (
@@ -193,6 +193,24 @@ def url_env_alias(data: Any) -> Any:
     out = {k: v for k, v in data.items() if k != "url_env"}
     out["url"] = "${env:" + str(data["url_env"]) + "}"
     return out
+
+
+class UrlSinkConfig(SinkConfig):
+    """Base of sinks that connect with one URL (a secret): ``url``, or ``url_env`` as its alias.
+
+    Subclasses redefine ``url`` with their system's example; the alias rule is written once.
+    """
+
+    url: SecretStr | None = Field(default=None, description="Connection URL (secret).")
+    url_env: str | None = Field(
+        default=None,
+        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return url_env_alias(data)
 
 
 def require(condition: bool, message: str, *, field: str) -> None:

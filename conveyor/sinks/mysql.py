@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
@@ -43,13 +43,12 @@ from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
+    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
     require,
     secret,
-    url_env_alias,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -79,17 +78,13 @@ MAX_IDENTIFIER = 64
 PACKET_MARGIN = 4096  # room for the statement's text around a row's values
 
 
-class MySQLSinkConfig(SinkConfig):
+class MySQLSinkConfig(UrlSinkConfig):
     """Rows into a MySQL or MariaDB table."""
 
     type: Literal["mysql"] = "mysql"
     url: SecretStr | None = Field(
         default=None,
         description="mysql://user:pw@host:3306/db (secret; the user and password percent-encoded). One of url, url_env or host.",
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     host: str | None = Field(
         default=None,
@@ -152,11 +147,6 @@ class MySQLSinkConfig(SinkConfig):
         description="CA bundle (PEM): connect with TLS and verify the server against it.",
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
 
     def database_name(self) -> str | None:
         """The database, from `database` or the URL's path when the URL writes it out.

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
@@ -36,13 +36,12 @@ from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
+    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
     require,
     secret,
-    url_env_alias,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -64,16 +63,12 @@ META_SOURCES = {
 }
 
 
-class PostgresSinkConfig(SinkConfig):
+class PostgresSinkConfig(UrlSinkConfig):
     """Rows into a PostgreSQL table."""
 
     type: Literal["postgres"] = "postgres"
     url: SecretStr | None = Field(
         default=None, description="libpq URL, e.g. postgresql://user:pw@127.0.0.1:5432/db (secret)."
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")
@@ -104,11 +99,6 @@ class PostgresSinkConfig(SinkConfig):
     statement_timeout_ms: int = Field(
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
 
     def asset_key_path(self) -> list[str]:
         return ["postgres", _part(self.schema_), _part(self.table)]

@@ -366,6 +366,7 @@ class MetaStore:
     def delete(self, name: str) -> None:
         with self._tx() as c:
             c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
+            c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
             c.execute(t.connectors.delete().where(t.connectors.c.name == name))
             self._history(c, name, None, ConnectorStatus.STOPPED, "deleted", None, None)
 
@@ -848,6 +849,112 @@ class MetaStore:
                 )
                 for r in c.execute(q)
             ]
+
+    # -- source connectors' state --------------------------------------------------------
+
+    def save_source_state(
+        self,
+        name: str,
+        generation: int,
+        state: dict[str, Any],
+        *,
+        version: int,
+        abandoned: bool = False,
+    ) -> None:
+        """Store a source connector's state for this generation: one transaction, fenced.
+
+        ``abandoned``: the batch up to ``state`` was skipped on the operator's request
+        (clears the request, records ``last_abandon_at``)."""
+        now = self.clock()
+        with self._tx() as c:
+            res = c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(updated_at=now)
+            )
+            if res.rowcount == 0:
+                raise FencedError(
+                    f"connector {name!r}: generation {generation} is no longer current; state not stored"
+                )
+            values: dict[str, Any] = {
+                "version": version,
+                "state_json": json.dumps(state, sort_keys=True),
+                "generation": generation,
+                "saved_at": now,
+            }
+            if abandoned:
+                values.update(abandon_requested=False, last_abandon_at=now)
+                self._history(
+                    c,
+                    name,
+                    None,
+                    ConnectorStatus.RUNNING,
+                    f"batch abandoned by the operator's request; now at {values['state_json']}",
+                    None,
+                    generation,
+                )
+            updated = c.execute(
+                t.source_state.update().where(t.source_state.c.connector == name).values(**values)
+            )
+            if updated.rowcount == 0:
+                c.execute(t.source_state.insert().values(connector=name, **values))
+
+    def source_state(self, name: str) -> tuple[int, dict[str, Any]] | None:
+        """(version, state) last stored for a source connector, or None (none stored yet)."""
+        info = self.source_state_info(name)
+        if info is None or info["state"] is None:
+            return None
+        return int(info["version"]), info["state"]
+
+    def source_state_info(self, name: str) -> dict[str, Any] | None:
+        """The stored state row: version, state, generation, saved_at, abandon bookkeeping."""
+        with self._tx() as c:
+            r = c.execute(
+                sa.select(t.source_state).where(t.source_state.c.connector == name)
+            ).first()
+        if r is None:
+            return None
+        return {
+            "version": int(r.version),
+            "state": json.loads(r.state_json),
+            "generation": r.generation,
+            "saved_at": r.saved_at,
+            "abandon_requested": bool(r.abandon_requested),
+            "last_abandon_at": r.last_abandon_at,
+        }
+
+    def request_abandon(self, name: str) -> None:
+        """Ask the connector's next run to skip its first batch (a documented data-loss escape)."""
+        now = self.clock()
+        with self._tx() as c:
+            self._get_for_update(c, name)
+            updated = c.execute(
+                t.source_state.update()
+                .where(t.source_state.c.connector == name)
+                .values(abandon_requested=True)
+            )
+            if updated.rowcount == 0:
+                c.execute(
+                    t.source_state.insert().values(
+                        connector=name,
+                        version=0,
+                        state_json="null",
+                        generation=0,
+                        saved_at=now,
+                        abandon_requested=True,
+                    )
+                )
+            self._history(
+                c, name, None, ConnectorStatus.STOPPED, "abandon-batch requested", None, None
+            )
+
+    def reset_source_state(self, name: str, *, reason: str = "source state reset") -> bool:
+        """Forget a source connector's state (an operator command); True when there was one."""
+        with self._tx() as c:
+            res = c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
+            if res.rowcount:
+                self._history(c, name, None, ConnectorStatus.STOPPED, reason, None, None)
+            return bool(res.rowcount)
 
 
 def _with_driver(url: str) -> str:

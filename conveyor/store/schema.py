@@ -92,3 +92,19 @@ def _v1_broker_gone(c: sa.Connection) -> None:
 
 
 MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {1: _v1_broker_gone}
+
+# A source connector's position (an id, an LSN, a sequence number), written in the same
+# transaction as the generation check; ``version`` is the source's state format.
+source_state = sa.Table(
+    "conveyor_source_state",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("state_json", sa.Text, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("saved_at", sa.Float, nullable=False),
+    # The operator's data-loss escape (`conveyor connector abandon-batch`): the next run
+    # stores the position after its first batch without producing it.
+    sa.Column("abandon_requested", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("last_abandon_at", sa.Float, nullable=True),
+)
