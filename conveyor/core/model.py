@@ -135,6 +135,12 @@ class SourceSpec(KafkaConnection, _Spec):
         description="read_committed: records of aborted transactions are skipped and those of open "
         "transactions wait for their commit. read_uncommitted: everything in the log.",
     )
+    client: Literal["confluent", "kafka-python"] = Field(
+        default="kafka-python",
+        description="The Kafka client that reads: confluent (librdkafka: fetching, checksums and "
+        "decompression in C threads, outside Python) or kafka-python (pure Python). client_options are "
+        "under the chosen client's names (librdkafka's dotted properties for confluent).",
+    )
     discovery_interval_s: float = Field(
         default=30.0,
         ge=1,
