@@ -187,19 +187,41 @@ def watch(
 
 
 def client_of(contender: str) -> str | None:
-    """The source client a Conveyor contender runs with (None: the default), or "" for others."""
+    """The source client a Conveyor contender runs with (None: the default), or "" for others.
+
+    ``conveyor-confluent:50000:200`` is that client with batches of up to 50,000 records
+    closing 200 ms after their first record (for measuring batch policies); without
+    ``:`` the connector's default batch policy."""
     if not contender.startswith("conveyor"):
         return ""
-    return contender.partition("-")[2] or None
+    return contender.partition(":")[0].partition("-")[2] or None
+
+
+def batch_of(contender: str) -> dict[str, Any]:
+    records, _, wait = contender.partition(":")[2].partition(":")
+    policy = {
+        **({"max_records": int(records)} if records else {}),
+        **({"max_wait_ms": int(wait)} if wait else {}),
+    }
+    return {"batch": policy} if policy else {}
+
+
+def label_of(contender: str) -> str:
+    """A contender as part of a table name."""
+    return (client_of(contender) or "default").replace("-", "_") + (
+        "_b" + contender.partition(":")[2].replace(":", "_") if ":" in contender else ""
+    )
 
 
 def spec(
-    name: str, topic: str, pg_url: str, schema: str, client: str | None = None
+    name: str, topic: str, pg_url: str, schema: str, contender: str = "conveyor"
 ) -> dict[str, Any]:
     """What a user writes: defaults everywhere but the source, the decoding and the sink."""
+    client = client_of(contender)
     return {
         "name": name,
         "desired": "stopped",
+        **batch_of(contender),
         "source": {"topics": [topic], **({"client": client} if client else {})},
         "transform": {"decode": "json", "schema": SCHEMA},
         "sink": {"type": "postgres", "url": pg_url, "schema": schema, "table": name},
@@ -335,17 +357,11 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
     tag = uuid.uuid4().hex[:6]
     rounds = [f"r{i}_{tag}" for i in range(ROUNDS)]
     conveyors = [c for c in CONTENDERS if client_of(c) != ""]
-    table_of = {
-        (c, r): f"conv_{(client_of(c) or 'default').replace('-', '_')}_{r}"
-        for c in conveyors
-        for r in rounds
-    }
-    latency_names = {
-        c: f"lat_{(client_of(c) or 'default').replace('-', '_')}_{tag}" for c in conveyors
-    }
-    specs = [
-        spec(n, f"t_{n}", pg_url, pg_schema, client_of(c)) for (c, _), n in table_of.items()
-    ] + [spec(n, f"t_{n}", pg_url, pg_schema, client_of(c)) for c, n in latency_names.items()]
+    table_of = {(c, r): f"conv_{label_of(c)}_{r}" for c in conveyors for r in rounds}
+    latency_names = {c: f"lat_{label_of(c)}_{tag}" for c in conveyors if LATENCY_S > 0}
+    specs = [spec(n, f"t_{n}", pg_url, pg_schema, c) for (c, _), n in table_of.items()] + [
+        spec(n, f"t_{n}", pg_url, pg_schema, c) for c, n in latency_names.items()
+    ]
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
     with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
@@ -373,7 +389,7 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
         latency = {}
         for c, name in latency_names.items():
             latency[c] = conveyor_latency(stack, name, tansu, pg_url, pg_schema, jvm)
-        if "librdkafka" in CONTENDERS:
+        if "librdkafka" in CONTENDERS and LATENCY_S > 0:
             latency["librdkafka"] = script_latency(tansu, pg_url, pg_schema, tmp_path)
     report(results, latency)
 
