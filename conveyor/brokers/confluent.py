@@ -45,6 +45,7 @@ def consumer_config(spec: SourceSpec, *, client_id: str, **settings: Any) -> dic
     resolved: never log them), whose client_options (librdkafka names) win."""
     return {
         "log.connection.close": False,
+        "logger": log,  # librdkafka's log lines through Python logging, not stderr
         **settings,
         **librdkafka_config(
             spec,
@@ -105,6 +106,8 @@ class ConfluentSource(KafkaSource):
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "enable.partition.eof": True,
+                # Every record batch's CRC-32C, as kafka-python checks it (in C here).
+                "check.crcs": True,
                 "isolation.level": self.spec.isolation_level,
                 "auto.offset.reset": "latest" if self.spec.start_from == "latest" else "earliest",
                 "fetch.wait.max.ms": 100,

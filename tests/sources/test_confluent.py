@@ -13,8 +13,8 @@ import pytest
 from conveyor.brokers.confluent import ConfluentSource
 from conveyor.brokers.connection import librdkafka_config
 from conveyor.brokers.kafka import KafkaSource
-from conveyor.core.errors import ConfigError, PermanentSourceError
-from conveyor.core.model import SourceSpec, TopicPartition
+from conveyor.core.errors import ConfigError, PermanentSourceError, TransientSourceError
+from conveyor.core.model import BatchPolicy, SourceSpec, TopicPartition
 from tests.sources.contract import SourceContract, read_until, rows
 from tests.sources.producers import Msg, create_topic, produce
 from tests.sources.tls import TlsBroker, socat_available, tls_tansu
@@ -29,6 +29,52 @@ class TestConfluentSource(SourceContract):
         source = KafkaSource(spec.model_copy(update={"client": "confluent"}), group_id=group_id)
         assert isinstance(source, ConfluentSource)  # KafkaSource builds the spec's client
         return source
+
+
+class _FailingSecondConsume:
+    """The consumer, with its second ``consume`` failing like a connection lost mid-fetch."""
+
+    def __init__(self, consumer: Any):
+        self.consumer = consumer
+        self.calls = 0
+
+    def consume(self, *a: Any) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            from confluent_kafka import KafkaError, KafkaException
+
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "injected"))
+        return self.consumer.consume(*a)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+
+def test_a_read_that_fails_midway_rewinds_so_no_record_is_skipped(tansu: str) -> None:
+    t = f"src_{uuid.uuid4().hex[:10]}"
+    create_topic(tansu, t, 1)
+    produce(tansu, t, [Msg(b"%d" % i) for i in range(300)])
+    source = KafkaSource(
+        SourceSpec(topics=[t], bootstrap_servers=tansu, client="confluent"), group_id="t"
+    )
+    source.open({})
+    real = source._consumer
+    source._consumer = _FailingSecondConsume(real)
+    try:
+        with pytest.raises(TransientSourceError, match="injected"):
+            # 1,000 records asked for, 300 there: the first consume returns some, the
+            # second fails; the consumer's position has moved past the first ones.
+            source.read(BatchPolicy(max_records=1_000, max_wait_ms=2_000))
+        source._consumer = real
+        offsets: list[int] = []
+        while len(offsets) < 300:
+            batch = source.read(BatchPolicy(max_records=300, max_wait_ms=2_000))
+            assert batch is not None, f"only {len(offsets)} of 300 read back"
+            offsets += batch.table.column("__offset").to_pylist()
+        assert offsets == list(range(300))  # from offset 0 again: nothing skipped
+    finally:
+        source._consumer = real
+        source.close()
 
 
 def test_client_options_take_librdkafka_names(tansu: str) -> None:
