@@ -196,6 +196,9 @@ class ConfluentSource(KafkaSource):
             out[tp] = low if end == "earliest" else high
         return out
 
+    def _ask_leaders(self) -> None:
+        self._end_offsets(self._partitions, "latest")  # watermarks: positions do not move
+
     def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
         self._raise_reported()
         msgs = self._consumer.consume(min(max_records, CONSUME_MAX), timeout_s)

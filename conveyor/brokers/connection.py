@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from conveyor.core.connection import OPTION_NAMES, KafkaConnection
 from conveyor.core.errors import ConfigError
+from conveyor.core.sink import ErrorKind
 from conveyor.secrets import resolve
 
 ClientRole = Literal["consumer", "producer", "admin"]
@@ -419,7 +420,7 @@ def _librdkafka_error(exc: BaseException) -> Any:
     return exc if type(exc).__name__ == "KafkaError" and hasattr(exc, "fatal") else None
 
 
-def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_kafka_error(exc: BaseException) -> ErrorKind:
     """What an exception from kafka-python or confluent-kafka means.
 
     data: a record's content (too large, corrupt, bad topic); a sink isolates the row,
@@ -433,26 +434,30 @@ def classify_kafka_error(exc: BaseException) -> Literal["data", "transient", "pe
     if rd is not None:
         names = {_LIBRDKAFKA_NAMES.get(rd.name(), rd.name())}
         if names & _DATA_ERRORS:
-            return "data"
+            return ErrorKind.DATA
         # librdkafka marks an error fatal when the client cannot go on (no retry helps).
         if names & _PERMANENT_ERRORS or rd.fatal():
-            return "permanent"
+            return ErrorKind.PERMANENT
         if any(w in (rd.str() or "") for w in _CERT_WORDS):
-            return "permanent"
-        return "transient"
+            return ErrorKind.PERMANENT
+        return ErrorKind.TRANSIENT
     names = {k.__name__ for k in type(exc).__mro__}
     if names & _DATA_ERRORS:
-        return "data"
+        return ErrorKind.DATA
     if names & _PERMANENT_ERRORS:
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(exc, ssl.SSLCertVerificationError) or any(w in str(exc) for w in _CERT_WORDS):
-        return "permanent"  # a wrong CA or host name does not fix itself
+        return ErrorKind.PERMANENT  # a wrong CA or host name does not fix itself
     if "KafkaError" in names:
         flagged = getattr(exc, "retriable", True) is False
-        return "permanent" if flagged and type(exc).__name__ not in _NOT_PERMANENT else "transient"
+        return (
+            ErrorKind.PERMANENT
+            if flagged and type(exc).__name__ not in _NOT_PERMANENT
+            else ErrorKind.TRANSIENT
+        )
     if isinstance(exc, (ValueError, TypeError)):
-        return "data"  # client-side checks: illegal topic, unknown partition, header types
-    return "transient"
+        return ErrorKind.DATA  # client-side checks: illegal topic, unknown partition, header types
+    return ErrorKind.TRANSIENT
 
 
 def describe_kafka_error(exc: BaseException) -> str:

@@ -46,6 +46,7 @@ from conveyor.core.model import (
     TopicPartition,
     parse_start_timestamp,
 )
+from conveyor.core.sink import ErrorKind
 
 log = logging.getLogger("conveyor.kafka")
 
@@ -81,7 +82,7 @@ def source_error(exc: BaseException, context: str) -> ConveyorError:
     """The source error for an exception of kafka-python: permanent unless it is an outage."""
     if isinstance(exc, ConveyorError):
         return exc
-    if classify_kafka_error(exc) == "transient":
+    if classify_kafka_error(exc) is ErrorKind.TRANSIENT:
         return TransientSourceError(f"{context}: {describe_kafka_error(exc)}")
     return PermanentSourceError(f"{context}: {describe_kafka_error(exc)}")
 
@@ -231,6 +232,7 @@ class KafkaSource:
         client_id: str | None = None,
         request_timeout_ms: int = 30_000,
         mirror_interval_s: float = 5.0,
+        probe_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
@@ -249,6 +251,11 @@ class KafkaSource:
         self._last_discovery = 0.0
         self._last_mirror = 0.0
         self._mirror_lock = threading.Lock()
+        # A client's poll may return nothing, without an error, while the brokers are
+        # down: after probe_interval_s without a record, a read asks the leaders for their
+        # end offsets (bounded by request_timeout_ms); no answer is an outage.
+        self.probe_interval_s = probe_interval_s
+        self._last_contact = clock()
 
     # -- the client's primitives ---------------------------------------------------------
 
@@ -278,6 +285,11 @@ class KafkaSource:
 
     def _end_offsets(self, parts: list[TopicPartition], end: str) -> dict[TopicPartition, int]:
         """Each partition's offset at its "earliest" or "latest" end."""
+        raise NotImplementedError
+
+    def _ask_leaders(self) -> None:
+        """One request to the partitions' leaders (their end offsets), bounded by
+        request_timeout_ms; positions do not move. Raises when there is no answer."""
         raise NotImplementedError
 
     def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
@@ -458,6 +470,10 @@ class KafkaSource:
                 except Exception:  # noqa: BLE001 - the read's error is the one to report
                     log.debug("rewinding after a failed read", exc_info=True)
             raise source_error(e, f"reading from {self.bootstrap} failed") from None
+        if chunks:
+            self._last_contact = self._clock()
+        else:
+            self._probe()
         self._highwater.update(self._fetched_highwaters())
         table = chunks[0] if len(chunks) == 1 else pa.concat_tables(chunks) if chunks else None
         nxt = next_offsets_of(table) if table is not None else {}
@@ -476,6 +492,16 @@ class KafkaSource:
                 [("__topic", "ascending"), ("__partition", "ascending"), ("__offset", "ascending")]
             )
         return SourceBatch(table=table, next_offsets=nxt, nbytes=nbytes)
+
+    def _probe(self) -> None:
+        """Raise TransientSourceError when the partitions' leaders do not answer (see __init__)."""
+        if not self._partitions or self._clock() - self._last_contact < self.probe_interval_s:
+            return
+        try:
+            self._ask_leaders()
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"the brokers at {self.bootstrap} do not answer") from None
+        self._last_contact = self._clock()
 
     def lag(self, committed: Offsets) -> int | None:
         """Sum over partitions of highwater - committed (None until a fetch reported highwaters)."""
@@ -611,12 +637,24 @@ class KafkaPythonSource(KafkaSource):
         from kafka import TopicPartition as KTP
 
         c = self._consumer
-        return {tp: c.position(KTP(tp.topic, tp.partition)) for tp in self._partitions}
+        return {tp: self._position(c, KTP(tp.topic, tp.partition)) for tp in self._partitions}
+
+    def _position(self, consumer: Any, ktp: Any) -> int:
+        """The consumer's position, bounded by ``request_timeout_ms`` (an outage past it)."""
+        pos = consumer.position(ktp, timeout_ms=self.request_timeout_ms)
+        if pos is None:
+            raise TransientSourceError(
+                f"the position of {ktp.topic}[{ktp.partition}] was not known within "
+                f"{self.request_timeout_ms} ms"
+            )
+        return int(pos)
 
     def _offsets_for_time(self, parts: list[TopicPartition], ms: int) -> dict[TopicPartition, int]:
         from kafka import TopicPartition as KTP
 
-        found = self._consumer.offsets_for_times({KTP(tp.topic, tp.partition): ms for tp in parts})
+        found = self._consumer.offsets_for_times(
+            {KTP(tp.topic, tp.partition): ms for tp in parts}, timeout_ms=self.request_timeout_ms
+        )
         return {
             tp: found[k].offset
             for tp in parts
@@ -635,7 +673,15 @@ class KafkaPythonSource(KafkaSource):
             c.seek_to_beginning(*ktps.values())
         else:
             c.seek_to_end(*ktps.values())
-        return {tp: c.position(k) for tp, k in ktps.items()}
+        return {tp: self._position(c, k) for tp, k in ktps.items()}
+
+    def _ask_leaders(self) -> None:
+        from kafka import TopicPartition as KTP
+
+        self._consumer.end_offsets(
+            [KTP(tp.topic, tp.partition) for tp in self._partitions],
+            timeout_ms=self.request_timeout_ms,
+        )
 
     def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
         got = self._consumer.poll(timeout_ms=max(1, int(timeout_s * 1000)), max_records=max_records)
@@ -695,7 +741,12 @@ class KafkaPythonSource(KafkaSource):
             )
         )
         try:
-            return {tp: reader.committed(KTP(tp.topic, tp.partition)) for tp in self._partitions}
+            return {
+                tp: reader.committed(
+                    KTP(tp.topic, tp.partition), timeout_ms=self.request_timeout_ms
+                )
+                for tp in self._partitions
+            }
         finally:
             reader.close(autocommit=False)
 

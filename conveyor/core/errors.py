@@ -12,6 +12,9 @@ The loop decides what to do from the *class* of an error, never from its text:
 - Data errors are *not* raised: a sink reports them per row in ``SendResult``.
 - ``PermanentSourceError``: the log cannot be read and no retry fixes it (auth,
   certificate, unsupported codec). The connector goes to ``Error``.
+- ``TransientStoreError``: the meta store is briefly unavailable (SQLite "database is
+  locked", a PostgreSQL connection dropped or failing over). Retried with backoff like
+  an outage, reported ``Degraded``; never fails the run by itself.
 - ``FencedError``: this run lost its assignment (its generation is stale). It must
   stop at once without committing.
 """
@@ -64,6 +67,10 @@ class TransientSourceError(SourceError):
 class PermanentSourceError(SourceError):
     """The log cannot be read for a reason a retry cannot fix (credentials refused, a TLS
     certificate rejected, a codec the client lacks, an error the client marks non-retriable)."""
+
+
+class TransientStoreError(ConveyorError):
+    """The meta store is briefly unavailable (locked, connection dropped); retry later."""
 
 
 class FencedError(ConveyorError):

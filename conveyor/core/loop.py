@@ -41,13 +41,14 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from conveyor.core.errors import (
-    BatchRejected,
     ConveyorError,
     FencedError,
     TransientSinkError,
     TransientSourceError,
+    TransientStoreError,
 )
 from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
+from conveyor.core.liveness import Stage, StageClock, stage_of
 from conveyor.core.model import (
     OFFSET_COL,
     PARTITION_COL,
@@ -63,8 +64,12 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
+from conveyor.core.sink import RowFailure, SinkProtocol, send_isolating
 
 log = logging.getLogger("conveyor.loop")
+
+# Errors retried as outages: the target, the log or the meta store is briefly unavailable.
+OUTAGES = (TransientSinkError, TransientSourceError, TransientStoreError)
 
 
 class DataPolicyError(ConveyorError):
@@ -99,12 +104,6 @@ class Transformed:
     filtered: int = 0
 
 
-@dataclass(frozen=True)
-class RowFailureView:
-    index: int
-    message: str
-
-
 class Source(Protocol):
     """Reads the log from the committed offsets. Used from one thread at a time."""
 
@@ -135,14 +134,6 @@ class Transformer(Protocol):
         to check its expressions (raising ConfigError). It is called from one thread at a
         time, but not always the same one (see ``LoopConfig.transform_ahead``).
         """
-
-
-class SinkLike(Protocol):
-    def validate(self) -> None: ...
-    def init_sink(self) -> None: ...
-    def send_batch(self, batch: pa.Table) -> Any: ...  # SendResult
-    def cleanup_sink(self) -> None: ...
-    def describe(self) -> str: ...
 
 
 class Directive(str, enum.Enum):
@@ -179,6 +170,11 @@ class Committer(Protocol):
         Raises FencedError when superseded. May be called from another thread than the
         loop's: the loop only sets events from its answer.
         """
+
+    # Optional: ``ensure_current()``, raising FencedError when this run's generation is no
+    # longer current; called before each batch is sent, so that a fenced run sends at most
+    # the batch it was sending when it was fenced. TransientStoreError from any of these
+    # methods is an outage of the meta store (retried, Degraded).
 
 
 class DeadLetterWriter(Protocol):
@@ -230,7 +226,7 @@ class ConnectorLoop:
         *,
         source: Source,
         transform: Transformer,
-        sink: SinkLike,
+        sink: SinkProtocol,
         committer: Committer,
         committed: Offsets,
         dead_letters: DeadLetterWriter | None = None,
@@ -257,7 +253,6 @@ class ConnectorLoop:
         self._pause_event = threading.Event()
         self.reconfigure_requested = False
         self.status = ConnectorStatus.RUNNING
-        self._status_reason: str | None = "first heartbeat"
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._limiter = DeadLetterLimiter(config.failure.dead_letter)
@@ -267,6 +262,16 @@ class ConnectorLoop:
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._first_failure: dict[tuple[str, int, int], float] = {}
         self._closed = False
+        # Liveness: every stage runs inside self.stages; a supervisor (jobs/connector.py)
+        # heartbeats for a supervised loop, which then only queues its status changes.
+        self.stages = StageClock(time.monotonic)
+        self.supervised = False
+        self.beat_requested = threading.Event()
+        self._beat_lock = threading.Lock()
+        self._transitions: deque[tuple[ConnectorStatus, str | None]] = deque(
+            [(ConnectorStatus.RUNNING, "first heartbeat")]
+        )
+        self._fenced: FencedError | None = None
         if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
             raise ConveyorError("failure policy dead_letter needs a dead-letter store")
 
@@ -279,7 +284,8 @@ class ConnectorLoop:
         """Run until stopped. Returns the final counters; raises on a connector error."""
         reader: _Prefetcher | None = None
         try:
-            self.sink.validate()
+            with self.stages.stage(Stage.INIT):
+                self.sink.validate()
             prepare = getattr(self.transform, "prepare", None)
             if prepare is not None:
                 self._with_outage_retry("prepare transform", prepare)
@@ -288,30 +294,66 @@ class ConnectorLoop:
             if open_source is not None:
                 self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
             self._heartbeat(force=True)
-            if self.cfg.prefetch:
-                ahead = self.transform if self.cfg.transform_ahead else None
-                reader = _Prefetcher(self.source, self.cfg.batch, ahead, self._pause_event)
+            reader = self._reader()
             while not self._should_stop():
                 if self._pause_event.is_set():
                     self._paused()
                     continue
-                item = reader.next() if reader else _Ahead.of(self.source.read(self.cfg.batch))
+                try:
+                    item = reader.next() if reader else _Ahead.of(self._read())
+                except OUTAGES as e:
+                    # A read failed (on the read-ahead thread, which then ended): read
+                    # again here under the retry policy, then read ahead again.
+                    if reader:
+                        reader.stop()
+                    item = _Ahead.of(
+                        self._with_outage_retry(
+                            "read", lambda: self.source.read(self.cfg.batch), failed_first=e
+                        )
+                    )
+                    reader = self._reader()
                 if item is None:
                     self._heartbeat()
                     continue
                 self._process(item)
+            if self._fenced is not None:
+                raise self._fenced
             return self.counters
         except FencedError:
             self._acked = None  # never commit after losing the assignment
             raise
         except BaseException:
-            self._commit_acknowledged()
+            self._commit_acknowledged(retry=False)
             raise
         finally:
             self._stop_event.set()
             if reader:
                 reader.stop()
             self._close()
+
+    def _reader(self) -> _Prefetcher | None:
+        if not self.cfg.prefetch:
+            return None
+        ahead = self.transform if self.cfg.transform_ahead else None
+        return _Prefetcher(self.source, self.cfg.batch, ahead, self._pause_event, self.stages)
+
+    def _read(self) -> SourceBatch | None:
+        with self.stages.stage(Stage.READ):
+            return self.source.read(self.cfg.batch)
+
+    def fence(self, error: FencedError) -> None:
+        """This run lost the connector (seen by a heartbeat on any thread): stop, commit nothing."""
+        if self._fenced is None:
+            self._fenced = error
+        self._stop_event.set()
+
+    def _ensure_current(self) -> None:
+        """Before a batch is sent: stop if this run's generation is no longer current."""
+        if self._fenced is not None:
+            raise self._fenced
+        check = getattr(self.committer, "ensure_current", None)
+        if check is not None:
+            self._with_outage_retry("check generation", check)
 
     # -- one batch --------------------------------------------------------------
 
@@ -335,6 +377,7 @@ class ConnectorLoop:
             FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode")
             for r in tr.rejected
         ]
+        self._ensure_current()
         sent, data_failed = self._deliver(tr.table)
         failures.extend(data_failed)
         discarded, dead = self._apply_policy(sb.table, failures)
@@ -375,9 +418,7 @@ class ConnectorLoop:
             again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
             by_index = {f.index: f for f in again}
             sent += subset.num_rows - len(again)
-            failed = [
-                RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)
-            ]
+            failed = [RowFailure(failed[i].index, by_index[i].message) for i in sorted(by_index)]
         return sent, [
             FailedMessage(
                 *_coords(table, f.index), error=f.message, error_class="data", attempts=attempts
@@ -385,7 +426,7 @@ class ConnectorLoop:
             for f in failed
         ]
 
-    def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
+    def _send_isolating(self, table: pa.Table) -> list[RowFailure]:
         return send_isolating(self.sink, table)
 
     def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
@@ -465,8 +506,9 @@ class ConnectorLoop:
                 if pending is not None:
                     error, pending = pending, None
                     raise error
-                return fn()
-            except (TransientSinkError, TransientSourceError) as e:
+                with self.stages.stage(stage_of(what)):
+                    return fn()
+            except OUTAGES as e:
                 now = self.clock()
                 delay = self._outage.failed(now)
                 self._count(retries=1)
@@ -493,12 +535,17 @@ class ConnectorLoop:
 
     # -- commits, heartbeats, progress -----------------------------------------------
 
-    def _commit_acknowledged(self) -> None:
+    def _commit_acknowledged(self, retry: bool = True) -> None:
+        """Commit what the sink acknowledged; a meta-store outage is retried unless shutting down."""
         if self._acked is None:
             return
         offsets = self._acked
         try:
-            self.committer.commit(offsets)
+            if retry:
+                self._with_outage_retry("commit", lambda: self.committer.commit(offsets))
+            else:
+                with self.stages.stage(Stage.COMMIT):
+                    self.committer.commit(offsets)
         except FencedError:
             self._acked = None
             raise
@@ -521,14 +568,45 @@ class ConnectorLoop:
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
         )
-        answer = self.committer.heartbeat(self.counters, self.status, self._status_reason)
-        self._status_reason = None
-        self.apply(answer)
+        if self.supervised:
+            if force:
+                self.beat_requested.set()  # a status change: the supervisor beats at once
+        else:
+            self.beat()
         if self.on_progress and (
             self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s
         ):
             self._last_progress = now
             self.on_progress(Progress(self.counters, dict(self.committed)))
+
+    def beat(self, override: ConnectorStatus | None = None) -> None:
+        """Heartbeat once (any thread): each queued status change in order, else the current
+        status; ``override`` (the supervisor's verdict, whose reason was queued once with
+        ``report``) replaces a Running status.
+
+        FencedError stops the loop (``fence``) and is re-raised; other errors leave the
+        queued changes for the next beat.
+        """
+        with self._beat_lock:
+            try:
+                if not self._transitions:
+                    status, reason = self.status, None
+                    if override is not None and status == ConnectorStatus.RUNNING:
+                        status = override
+                    self._transitions.append((status, reason))
+                while self._transitions:
+                    status, reason = self._transitions[0]
+                    answer = self.committer.heartbeat(self.counters, status, reason)
+                    self._transitions.popleft()
+                    self.apply(answer)
+            except FencedError as e:
+                self.fence(e)
+                raise
+
+    def report(self, status: ConnectorStatus, reason: str) -> None:
+        """Queue a status for the next heartbeat (the supervisor's verdicts, store trouble)."""
+        with self._beat_lock:
+            self._transitions.append((status, reason))
 
     def apply(self, directive: Directive | bool | None) -> None:
         """Act on a heartbeat's answer: only sets events, so any thread may call it."""
@@ -563,7 +641,8 @@ class ConnectorLoop:
     def _set_status(self, status: ConnectorStatus, reason: str) -> None:
         if status != self.status:
             self.status = status
-            self._status_reason = reason
+            with self._beat_lock:
+                self._transitions.append((status, reason))
 
     def _rate(self, now: float) -> float:
         window = [(t, n) for t, n in self._rate_window if now - t <= 60]
@@ -578,7 +657,7 @@ class ConnectorLoop:
         )
 
     def _should_stop(self) -> bool:
-        return self._stop_event.is_set() or self.stop_requested()
+        return self._stop_event.is_set() or self._fenced is not None or self.stop_requested()
 
     def _interruptible_sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -643,7 +722,9 @@ class _Prefetcher:
         policy: BatchPolicy,
         transform: Callable[[pa.Table], Transformed] | None = None,
         paused: threading.Event | None = None,
+        stages: StageClock | None = None,
     ):
+        self._stages = stages or StageClock(time.monotonic)
         self._source = source
         self._policy = policy
         self._transform = transform
@@ -677,7 +758,9 @@ class _Prefetcher:
                 self._stop.wait(0.05)
                 continue
             try:
-                item: tuple[str, Any] = ("batch", _Ahead.of(self._source.read(self._policy)))
+                with self._stages.stage(Stage.READ):
+                    batch = self._source.read(self._policy)
+                item: tuple[str, Any] = ("batch", _Ahead.of(batch))
             except BaseException as e:  # handed to the consumer thread
                 item = ("error", e)
             if not self._put(self._read_q, item) or item[0] == "error":
@@ -692,8 +775,9 @@ class _Prefetcher:
                 continue
             if kind == "batch" and value is not None and value.batch.table.num_rows:
                 try:
-                    value = _Ahead(value.batch, self._transform(value.batch.table))
-                except (TransientSinkError, TransientSourceError) as e:
+                    with self._stages.stage(Stage.TRANSFORM):
+                        value = _Ahead(value.batch, self._transform(value.batch.table))
+                except OUTAGES as e:
                     value = _Ahead(value.batch, outage=e)
                 except Exception as e:  # noqa: BLE001 - run again on the loop's thread
                     log.debug("transform ahead failed (the loop runs it again): %s", e)
@@ -713,20 +797,6 @@ class _Prefetcher:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
-
-
-def send_isolating(sink: SinkLike, table: pa.Table) -> list[RowFailureView]:
-    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
-    try:
-        result = sink.send_batch(table)
-    except BatchRejected as e:
-        if table.num_rows == 1:
-            return [RowFailureView(0, str(e))]
-        mid = table.num_rows // 2
-        left = send_isolating(sink, table.slice(0, mid))
-        right = send_isolating(sink, table.slice(mid))
-        return left + [RowFailureView(f.index + mid, f.message) for f in right]
-    return [RowFailureView(f.index, f.message) for f in result.failed]
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:

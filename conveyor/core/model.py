@@ -309,6 +309,31 @@ class RetrySpec(_Spec):
     )
 
 
+class LivenessSpec(_Spec):
+    """How a run judges its own stages (read, transform, send, commit); see core/liveness.py."""
+
+    stage_deadline_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="A stage under way longer than this (a read: plus batch.max_wait_ms) is "
+        "reported Degraded with the stage named; the run keeps heartbeating.",
+    )
+    restart_after_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="A stage under way longer than this makes the run restart itself (the run "
+        "fails, the scheduler relaunches it under max_restarts).",
+    )
+
+    @model_validator(mode="after")
+    def _restart_after_deadline(self) -> LivenessSpec:
+        if self.restart_after_s <= self.stage_deadline_s:
+            raise ValueError("restart_after_s must be greater than stage_deadline_s")
+        return self
+
+
 class DeadLetterSpec(_Spec):
     """Where dead letters go and when the connector stops dead-lettering."""
 
@@ -317,7 +342,10 @@ class DeadLetterSpec(_Spec):
         description="Parquet files (through Spark) or a Kafka topic '<connector>.dlq'.",
     )
     path: str | None = Field(
-        default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>."
+        default=None,
+        description="Where Spark writes the Parquet dead letters: a URL Spark resolves (s3a://, "
+        "hdfs://, file://) or a path (a relative one is under $CONVEYOR_HOME); default "
+        "$CONVEYOR_HOME/dead_letters/<connector>. Listing, counting and replay read it through Spark.",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="none", description="With store: kafka, the producer's compression codec."
@@ -393,6 +421,10 @@ class ConnectorSpec(_Spec):
     )
     failure: FailureSpec = Field(
         default_factory=FailureSpec, description="Failed messages (section `failure`)."
+    )
+    liveness: LivenessSpec = Field(
+        default_factory=LivenessSpec,
+        description="Stage deadlines: Degraded, then a self-restart (section `liveness`).",
     )
     desired: DesiredState = Field(
         default=DesiredState.RUNNING,

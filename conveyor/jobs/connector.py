@@ -1,16 +1,22 @@
 """The connector job: one long-running Dagster run per connector assignment.
 
 The op claims the connector (fencing any older run), builds the source, the
-Spark transform and the sink, and drives ``core.loop``. It installs no signal
-handlers: a terminate from the UI or the scheduler arrives as Dagster's
-``DagsterExecutionInterruptedError``; the loop commits what was acknowledged,
-cleans up, and the run ends CANCELED.
+Spark transform and the sink, and runs ``core.loop`` on a thread of its own. The
+op's thread is the run's supervisor (``core.liveness.Supervisor``): it heartbeats
+for the run, watches each stage against its deadline (Degraded with the stage
+named, then a self-restart: the run fails and the scheduler relaunches it), and
+takes the interrupts. It installs no signal handlers: a terminate from the UI or
+the scheduler arrives in the op's thread as Dagster's
+``DagsterExecutionInterruptedError``; the loop is asked to stop, commits what was
+acknowledged, cleans up, and the run ends CANCELED.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +47,7 @@ from conveyor.core.errors import (
     PermanentSinkError,
     PermanentSourceError,
 )
+from conveyor.core.liveness import Supervisor
 from conveyor.core.loop import (
     ConnectorLoop,
     DataPolicyError,
@@ -68,6 +75,12 @@ TAG_GENERATION = "conveyor/generation"
 # Attempts of the connector op (RetryRequested) after an outage outlasted its budget,
 # before the run fails and the scheduler's restart backoff takes over.
 OUTAGE_RUN_RETRIES = 2
+# After a stop or a terminate: how long the op waits for the loop to finish its batch.
+STOP_GRACE_S = 30.0
+
+
+class StageHungError(ConveyorError):
+    """A stage stayed under way past ``liveness.restart_after_s``: the run restarts itself."""
 
 
 def job_name(connector: str) -> str:
@@ -101,6 +114,9 @@ class StoreCommitter:
     def commit(self, offsets: Offsets) -> None:
         self.store.commit(self.name, self.generation, offsets)
         self.source.mirror_commit(offsets)
+
+    def ensure_current(self) -> None:
+        self.store.ensure_current(self.name, self.generation)
 
     def heartbeat(
         self, counters: Counters, status: ConnectorStatus, reason: str | None
@@ -241,7 +257,7 @@ def run_connector(
     ``loaded`` is the spec as this run's process read it from its file; its references
     are resolved here, in the run, and nowhere else.
     """
-    store = conveyor.store()
+    store = conveyor.run_store()
     # A run launched before the scheduler saw the file (from the UI, right after a
     # reload) registers the connector itself.
     sync_one(store, loaded)
@@ -281,8 +297,7 @@ def run_connector(
             loop = _build_loop(
                 context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
             )
-            loop.stop_requested = canceled
-            counters = run_loop(loop)
+            counters = supervise(context, loop, ls, canceled)
             # A terminate whose interrupt never reached the op (see cancel_requested).
             if canceled():
                 raise DagsterExecutionInterruptedError()
@@ -307,6 +322,7 @@ def run_connector(
         PermanentSourceError,
         DataPolicyError,
         DeadLetterLimitError,
+        StageHungError,
     ) as e:
         store.release(
             name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e), counters=final()
@@ -342,6 +358,100 @@ def run_connector(
     context.log.info(
         f"connector {name} stopped: {json.dumps(counters.as_dict() if counters else {})}"
     )
+
+
+def supervise(
+    context: OpExecutionContext,
+    loop: ConnectorLoop,
+    ls: LoadedSpec,
+    canceled: Callable[[], bool],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Counters:
+    """Run ``loop`` on its own thread; this thread heartbeats for it and judges its stages.
+
+    Returns the loop's counters or raises its error. A terminate (Dagster's interrupt, or
+    the run seen CANCELING) asks the loop to stop and waits up to ``STOP_GRACE_S`` for it
+    to commit what was acknowledged, then raises the interrupt. A stage past
+    ``liveness.restart_after_s`` raises StageHungError: the run fails and the scheduler
+    relaunches it; the stuck call is left behind, fenced by the next generation (it checks
+    its generation before any send and commits nothing once fenced).
+    """
+    assert ls.spec is not None
+    spec = ls.spec
+    loop.supervised = True
+    sup = Supervisor(
+        loop,
+        spec.liveness,
+        read_wait_s=spec.batch.max_wait_ms / 1000,
+        interval_s=loop.cfg.heartbeat_interval_s,
+        clock=clock,
+        on_report=lambda msg: context.log.warning(f"connector {ls.name}: {msg}"),
+    )
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            outcome["counters"] = run_loop(loop)
+        except BaseException as e:  # noqa: BLE001 - handed to the op's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=body, name=f"conveyor-loop-{ls.name}", daemon=True)
+    worker.start()
+    interrupted: BaseException | None = None
+    reported = None
+    try:
+        while worker.is_alive():
+            worker.join(sup.poll_s)
+            if not worker.is_alive():
+                break
+            if canceled():
+                interrupted = DagsterExecutionInterruptedError()
+                break
+            try:
+                v = sup.tick()
+            except FencedError:
+                continue  # the loop was told; it ends and raises FencedError
+            if v.restart:
+                loop.request_stop()
+                _metadata_stuck(context, ls, v.reason())
+                raise StageHungError(v.reason())
+            if v.stage != reported:
+                reported = v.stage  # once per stuck stage, as it crosses its deadline
+                if v.stuck:
+                    _metadata_stuck(context, ls, v.reason())
+    except DagsterExecutionInterruptedError as e:
+        interrupted = e
+    if interrupted is not None:
+        loop.request_stop()
+        deadline = clock() + STOP_GRACE_S
+        while worker.is_alive() and clock() < deadline:
+            worker.join(sup.poll_s)
+            with contextlib.suppress(Exception):  # fenced or store trouble: leaving anyway
+                sup.tick()
+        raise interrupted
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["counters"]  # type: ignore[no-any-return]
+
+
+def _metadata_stuck(context: OpExecutionContext, ls: LoadedSpec, reason: str) -> None:
+    """The stuck stage on the sink asset's timeline (the run's event log in the UI)."""
+    assert ls.sink is not None
+    try:
+        context.log_event(
+            AssetMaterialization(
+                asset_key=AssetKey(ls.sink.asset_key_path()),
+                description=f"connector {ls.name}: Degraded: {reason}",
+                metadata={
+                    "status": MetadataValue.text("Degraded"),
+                    "reason": MetadataValue.text(reason),
+                },
+                tags={TAG_CONNECTOR: ls.name},
+            )
+        )
+    except Exception as e:  # noqa: BLE001 - metadata never stops the supervisor
+        context.log.warning(f"could not record the stuck stage: {e}")
 
 
 def _build_loop(

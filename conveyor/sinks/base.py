@@ -1,36 +1,7 @@
-"""The sink interface.
+"""The sink base class and the helpers sinks share (records, payload columns, config rules).
 
-A sink writes batches of messages to one external system. The runtime calls it
-from a single thread, in this order::
-
-    validate()            # once; config only, no I/O
-    init_sink()           # once; connect, check the target exists and is writable
-    send_batch(batch)*    # many times
-    cleanup_sink()        # always, also after an error or an interrupt; may be called twice
-
-Contract of ``send_batch(batch) -> SendResult``:
-
-- ``batch`` is a ``pyarrow.Table``: the payload columns (decoded by Spark) plus the
-  metadata columns of ``conveyor.core.model.META_COLUMNS`` (``__topic``,
-  ``__partition``, ``__offset``, ``__timestamp``, ``__key``, ``__headers``,
-  ``__destination``). A sink writes the payload columns unless its config maps
-  metadata columns too. Rows are in offset order per partition.
-- Returning means every row not listed in ``SendResult.failed`` is durably
-  acknowledged by the target (flushed, fsynced, confirmed). The runtime commits
-  offsets only after that, so a sink must never return before its writes are safe.
-- A row the target rejects for its *content* (constraint violation, type error,
-  too large, unroutable) is a data error: report it in ``failed`` with its row
-  index and keep going with the other rows. If the system can only reject a
-  whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
-  batch to isolate the bad rows.
-- An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
-  raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
-  the runtime retries it later with backoff. Rows written before the outage may
-  be written again (at-least-once); idempotent sinks make that harmless.
-- A failure no retry can fix (auth refused, table dropped) raises
-  ``PermanentSinkError``; the connector goes to ``Error``.
-- ``send_batch`` may block for as long as the target takes, bounded by the sink's
-  own timeouts.
+The contract every sink follows (call order, what ``send_batch`` returning or raising
+means) is written once, in :mod:`conveyor.core.sink`.
 
 Sinks import their client library lazily (inside ``init_sink``), so loading the
 Dagster code location never imports pymongo or the Pulsar client.
@@ -40,14 +11,13 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
-import enum
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from conveyor.core.errors import BatchRejected, ConfigError, SinkError  # noqa: F401 - re-exported
 from conveyor.core.model import (
@@ -60,36 +30,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-
-
-class ErrorKind(str, enum.Enum):
-    DATA = "data"
-    TRANSIENT = "transient"
-
-
-@dataclass(frozen=True)
-class RowFailure:
-    """One row the target rejected: its index in the batch, the error class and message."""
-
-    index: int
-    message: str
-    kind: ErrorKind = ErrorKind.DATA
-
-
-@dataclass(frozen=True)
-class SendResult:
-    """What a sink acknowledged: every row but the failed ones."""
-
-    rows: int
-    failed: tuple[RowFailure, ...] = ()
-
-    @property
-    def acked(self) -> int:
-        return self.rows - len(self.failed)
-
-    @classmethod
-    def all_ok(cls, rows: int) -> SendResult:
-        return cls(rows=rows)
+from conveyor.core.sink import ErrorKind, RowFailure, SendResult  # noqa: F401 - re-exported
 
 
 class SinkConfig(BaseModel):
@@ -113,7 +54,7 @@ class SinkConfig(BaseModel):
 
 
 class Sink(abc.ABC):
-    """Base class of sinks; see the module docstring for the contract."""
+    """Base class of sinks; the contract is in conveyor.core.sink."""
 
     config_class: ClassVar[type[SinkConfig]]
 
@@ -129,7 +70,7 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def send_batch(self, batch: pa.Table) -> SendResult:
-        """Write one batch; see the module docstring."""
+        """Write one batch; see the contract in conveyor.core.sink."""
 
     @abc.abstractmethod
     def cleanup_sink(self) -> None:
@@ -252,6 +193,24 @@ def url_env_alias(data: Any) -> Any:
     out = {k: v for k, v in data.items() if k != "url_env"}
     out["url"] = "${env:" + str(data["url_env"]) + "}"
     return out
+
+
+class UrlSinkConfig(SinkConfig):
+    """Base of sinks that connect with one URL (a secret): ``url``, or ``url_env`` as its alias.
+
+    Subclasses redefine ``url`` with their system's example; the alias rule is written once.
+    """
+
+    url: SecretStr | None = Field(default=None, description="Connection URL (secret).")
+    url_env: str | None = Field(
+        default=None,
+        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return url_env_alias(data)
 
 
 def require(condition: bool, message: str, *, field: str) -> None:

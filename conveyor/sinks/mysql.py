@@ -20,15 +20,15 @@ import itertools
 import json
 import logging
 import math
-import re
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
@@ -38,17 +38,17 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
+    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
     require,
     secret,
-    url_env_alias,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -78,17 +78,13 @@ MAX_IDENTIFIER = 64
 PACKET_MARGIN = 4096  # room for the statement's text around a row's values
 
 
-class MySQLSinkConfig(SinkConfig):
+class MySQLSinkConfig(UrlSinkConfig):
     """Rows into a MySQL or MariaDB table."""
 
     type: Literal["mysql"] = "mysql"
     url: SecretStr | None = Field(
         default=None,
         description="mysql://user:pw@host:3306/db (secret; the user and password percent-encoded). One of url, url_env or host.",
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     host: str | None = Field(
         default=None,
@@ -152,11 +148,6 @@ class MySQLSinkConfig(SinkConfig):
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
-
     def database_name(self) -> str | None:
         """The database, from `database` or the URL's path when the URL writes it out.
 
@@ -181,7 +172,7 @@ class MySQLSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -409,28 +400,28 @@ def error_text(exc: BaseException) -> str:
     return f"({code}) {msg}" if code is not None else f"{type(exc).__name__}: {msg or 'no message'}"
 
 
-def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_mysql_error(exc: BaseException) -> ErrorKind:
     """What an exception from pymysql means for the row / batch (by error code first)."""
     code = error_code(exc)
     if code in DATA_ERRORS:
-        return "data"
+        return ErrorKind.DATA
     if code in TRANSIENT_ERRORS:
-        return "transient"
+        return ErrorKind.TRANSIENT
     if code in PERMANENT_ERRORS:
-        return "permanent"
+        return ErrorKind.PERMANENT
     try:
         import pymysql
     except ImportError:  # pragma: no cover - the sink needs pymysql anyway
         pymysql = None
     if pymysql is not None:
         if isinstance(exc, (pymysql.err.IntegrityError, pymysql.err.DataError)):
-            return "data"
+            return ErrorKind.DATA
         if isinstance(exc, (pymysql.err.ProgrammingError, pymysql.err.NotSupportedError)):
-            return "permanent"
+            return ErrorKind.PERMANENT
         if isinstance(exc, pymysql.err.InterfaceError):  # (0, '') when the connection is closed
-            return "transient"
+            return ErrorKind.TRANSIENT
     # Socket errors and timeouts, OperationalError / InternalError with an unknown code.
-    return "transient"
+    return ErrorKind.TRANSIENT
 
 
 # -- the sink -----------------------------------------------------------------------------------
@@ -611,9 +602,7 @@ class MySQLSink(Sink):
             return PermanentSinkError(
                 f"table {quote_identifier(self.config.table)} in database {self.config.database_name()!r} does not exist: {error_text(e)}"
             )
-        if kind == "permanent":
-            return PermanentSinkError(f"MySQL {context}: {error_text(e)}")
-        return TransientSinkError(f"MySQL {context}: {error_text(e)}")
+        return sink_error(kind, f"MySQL {context}: {error_text(e)}", data=ErrorKind.TRANSIENT)
 
     def init_sink(self) -> None:
         self._conn = self._connect()
@@ -836,7 +825,7 @@ class MySQLSink(Sink):
             err = self._error(
                 e,
                 "write failed"
-                if kind != "data"
+                if kind is not ErrorKind.DATA
                 else "write failed on a row the sink could not isolate",
             )
             self._rollback()
@@ -935,23 +924,22 @@ class MySQLSink(Sink):
         """Write rows behind a savepoint; on a data error roll back to it and bisect."""
         import pymysql
 
-        if not idx:
-            return []
-        # One savepoint name: setting it again moves it, so it always marks the start of
-        # the current attempt, after every row already written in this transaction.
-        if self._transactional:
-            cur.execute("SAVEPOINT conveyor_sp")
-        try:
-            self._execute(cur, [rows[i] for i in idx])
-            return []
-        except pymysql.err.MySQLError as e:
-            if classify_mysql_error(e) != "data":
-                raise
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            # One savepoint name: setting it again moves it, so it always marks the start of
+            # the current attempt, after every row already written in this transaction.
             if self._transactional:
-                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
-            if len(idx) == 1:
-                return [RowFailure(idx[0], error_text(e))]
-        mid = len(idx) // 2
-        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(
-            cur, rows, idx[mid:]
-        )
+                cur.execute("SAVEPOINT conveyor_sp")
+            try:
+                self._execute(cur, [rows[i] for i in sub])
+            except pymysql.err.MySQLError as e:
+                if self._transactional and classify_mysql_error(e) is ErrorKind.DATA:
+                    cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                raise
+            return []
+
+        def rejection(e: Exception) -> str | None:
+            if isinstance(e, pymysql.err.MySQLError) and classify_mysql_error(e) is ErrorKind.DATA:
+                return error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection)

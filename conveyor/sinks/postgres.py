@@ -15,12 +15,13 @@ import io
 import itertools
 import json
 import logging
-import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
@@ -30,17 +31,17 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
+    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
     require,
     secret,
-    url_env_alias,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -62,16 +63,12 @@ META_SOURCES = {
 }
 
 
-class PostgresSinkConfig(SinkConfig):
+class PostgresSinkConfig(UrlSinkConfig):
     """Rows into a PostgreSQL table."""
 
     type: Literal["postgres"] = "postgres"
     url: SecretStr | None = Field(
         default=None, description="libpq URL, e.g. postgresql://user:pw@127.0.0.1:5432/db (secret)."
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")
@@ -103,11 +100,6 @@ class PostgresSinkConfig(SinkConfig):
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
-
     def asset_key_path(self) -> list[str]:
         return ["postgres", _part(self.schema_), _part(self.table)]
 
@@ -116,7 +108,7 @@ class PostgresSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # Connection failures no retry can fix; anything else (refused, timeout, too many
@@ -349,7 +341,7 @@ class PostgresSink(Sink):
         rows: list[Any] = self._copy_lines(batch) or self._rows(batch)
         failures, todo = self._deletes(batch, rows)
         try:
-            failures += self._write_isolating(rows, todo, top=True)
+            failures += self._write_isolating(rows, todo)
             failures.sort(key=lambda f: f.index)
             self._conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
@@ -401,29 +393,29 @@ class PostgresSink(Sink):
         except Exception:  # noqa: BLE001
             self.cleanup_sink()
 
-    def _write_isolating(
-        self, rows: list[tuple[Any, ...]], idx: list[int], *, top: bool = False
-    ) -> list[RowFailure]:
+    def _write_isolating(self, rows: list[tuple[Any, ...]], idx: list[int]) -> list[RowFailure]:
         """Write rows inside a savepoint; on a data error, bisect to the guilty rows."""
         import psycopg2
 
-        if not idx:
-            return []
-        with self._conn.cursor() as cur:
-            cur.execute("SAVEPOINT conveyor_sp")
-            try:
-                self._write(cur, [rows[i] for i in idx])
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            with self._conn.cursor() as cur:
+                cur.execute("SAVEPOINT conveyor_sp")
+                try:
+                    self._write(cur, [rows[i] for i in sub])
+                except psycopg2.Error as e:
+                    if _is_data_error(e):
+                        cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                        cur.execute("RELEASE SAVEPOINT conveyor_sp")
+                    raise
                 cur.execute("RELEASE SAVEPOINT conveyor_sp")
                 return []
-            except psycopg2.Error as e:
-                if not _is_data_error(e):
-                    raise
-                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
-                cur.execute("RELEASE SAVEPOINT conveyor_sp")
-                if len(idx) == 1:
-                    return [RowFailure(idx[0], (e.pgerror or str(e)).strip().splitlines()[0])]
-        mid = len(idx) // 2
-        return self._write_isolating(rows, idx[:mid]) + self._write_isolating(rows, idx[mid:])
+
+        def rejection(e: Exception) -> str | None:
+            if not isinstance(e, psycopg2.Error) or not _is_data_error(e):
+                return None
+            return (e.pgerror or str(e)).strip().splitlines()[0]
+
+        return isolate_rows(idx, attempt, rejection)
 
     def _delete(self, cur: Any, keys: list[tuple[Any, ...]]) -> None:
         from psycopg2 import sql

@@ -8,7 +8,9 @@ pyspark (``pyspark[connect]==4.3.*``) no longer has it:
 - ``client.get_config_dict``: wrapped to cache ``createDataFrame``'s per-call conf
   lookup (one RPC per batch saved);
 - ``client._builder.url``: the endpoint, to check it answers before stopping a session;
-- ``DataFrame._to_table()``: a result fetched without ``toArrow()``'s analysis RPC.
+- ``DataFrame._to_table()``: a result fetched without ``toArrow()``'s analysis RPC;
+- ``client._rpc_deadlines``: every RPC bounded (``bound_rpcs``): pyspark's defaults
+  leave an analysis waiting up to an hour on a server that stopped answering.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def spark_session(remote: str) -> Any:
 
     session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
     _cache_static_confs(session)
+    bound_rpcs(session)
     with _sessions_lock:
         _sessions.add(session)
         if not _atexit_registered:
@@ -95,6 +98,31 @@ def _cache_static_confs(session: Any) -> None:
     fetch = getattr(client, "get_config_dict", None)
     if fetch is not None and not isinstance(fetch, ConfCache):
         client.get_config_dict = ConfCache(fetch)
+
+
+# Seconds any one Spark Connect RPC may take (an execution's stream segment is
+# re-attached after it; the run's supervisor restarts a stage stuck longer anyway).
+SPARK_RPC_DEADLINE_S = 300.0
+
+
+def bound_rpcs(session: Any, deadline_s: float = SPARK_RPC_DEADLINE_S) -> bool:
+    """Give every RPC of the session's client a deadline of at most ``deadline_s``.
+
+    pyspark 4.3 reads ``client._rpc_deadlines`` (an ``RpcDeadlines``) at each call. False
+    when the client has no such field (nothing changed).
+    """
+    import dataclasses
+
+    client = getattr(session, "client", None)
+    current = getattr(client, "_rpc_deadlines", None)
+    if current is None or not dataclasses.is_dataclass(current):
+        return False
+    bounded = {
+        f.name: min(v, deadline_s) if (v := getattr(current, f.name)) is not None else deadline_s
+        for f in dataclasses.fields(current)
+    }
+    client._rpc_deadlines = dataclasses.replace(current, **bounded)
+    return True
 
 
 def _endpoint_reachable(session: Any) -> bool:

@@ -37,7 +37,7 @@ class FakeConsumer:
     def assignment(self) -> set[KTP]:
         return set(self.assigned)
 
-    def position(self, tp: KTP) -> int | None:
+    def position(self, tp: KTP, timeout_ms: int | None = None) -> int | None:
         return self.pos.get(tp)
 
     def seek(self, tp: KTP, off: int) -> None:
@@ -56,6 +56,9 @@ class FakeConsumer:
 
     def highwater(self, tp: KTP) -> int | None:
         return self.ends.get(tp)
+
+    def end_offsets(self, tps: list[KTP], timeout_ms: int | None = None) -> dict[KTP, int]:
+        return {tp: self.ends.get(tp, 0) for tp in tps}
 
     def close(self, autocommit: bool = False) -> None:
         pass

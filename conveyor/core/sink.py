@@ -1,0 +1,157 @@
+"""The sink contract the loop and every sink share (the interface lives here, in core;
+conveyor/sinks/ holds the implementations).
+
+A sink writes batches of messages to one external system. The runtime calls it
+from a single thread, in this order::
+
+    validate()            # once; config only, no I/O
+    init_sink()           # once; connect, check the target exists and is writable
+    send_batch(batch)*    # many times
+    cleanup_sink()        # always, also after an error or an interrupt; may be called twice
+
+Contract of ``send_batch(batch) -> SendResult``:
+
+- ``batch`` is a ``pyarrow.Table``: the payload columns (decoded by Spark) plus the
+  metadata columns of ``conveyor.core.model.META_COLUMNS`` (``__topic``,
+  ``__partition``, ``__offset``, ``__timestamp``, ``__key``, ``__headers``,
+  ``__destination``). A sink writes the payload columns unless its config maps
+  metadata columns too. Rows are in offset order per partition.
+- Returning means every row not listed in ``SendResult.failed`` is durably
+  acknowledged by the target (flushed, fsynced, confirmed). The runtime commits
+  offsets only after that, so a sink must never return before its writes are safe.
+- A row the target rejects for its *content* (constraint violation, type error,
+  too large, unroutable) is a data error: report it in ``failed`` with its row
+  index and keep going with the other rows. If the system can only reject a
+  whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
+  batch to isolate the bad rows (:func:`send_isolating`).
+- An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
+  raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
+  the runtime retries it later with backoff. Rows written before the outage may
+  be written again (at-least-once); idempotent sinks make that harmless.
+- A failure no retry can fix (auth refused, table dropped) raises
+  ``PermanentSinkError``; the connector goes to ``Error``.
+- ``send_batch`` may block for as long as the target takes, bounded by the sink's
+  own timeouts.
+
+Every sink maps its client's exceptions to one :class:`ErrorKind` (its ``classify_*``
+function) and turns a kind into the error to raise with :func:`sink_error`: one path
+from a client exception to what the loop does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+from conveyor.core.errors import BatchRejected, PermanentSinkError, SinkError, TransientSinkError
+
+
+class ErrorKind(str, enum.Enum):
+    """What a failure means for the loop."""
+
+    DATA = "data"  # this row's content: the failure policy decides (dead letter, skip, fail)
+    TRANSIENT = "transient"  # an outage: retried with backoff, nothing acknowledged
+    PERMANENT = "permanent"  # no retry fixes it: the connector goes to Error
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """One row the target rejected: its index in the batch, the error class and message."""
+
+    index: int
+    message: str
+    kind: ErrorKind = ErrorKind.DATA
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What a sink acknowledged: every row but the failed ones."""
+
+    rows: int
+    failed: tuple[RowFailure, ...] = ()
+
+    @property
+    def acked(self) -> int:
+        return self.rows - len(self.failed)
+
+    @classmethod
+    def all_ok(cls, rows: int) -> SendResult:
+        return cls(rows=rows)
+
+
+class SinkProtocol(Protocol):
+    """What the loop needs of a sink (conveyor.sinks.base.Sink implements it)."""
+
+    def validate(self) -> None: ...
+    def init_sink(self) -> None: ...
+    def send_batch(self, batch: pa.Table) -> SendResult: ...
+    def cleanup_sink(self) -> None: ...
+    def describe(self) -> str: ...
+
+
+def sink_error(
+    kind: ErrorKind | str, message: str, *, data: ErrorKind = ErrorKind.PERMANENT
+) -> SinkError:
+    """The error to raise for a failure of ``kind`` that is not about one row.
+
+    ``data`` says what a content error outside a row means for this call: usually the
+    config's fault (permanent); a sink whose connection errors look like data errors
+    passes ``ErrorKind.TRANSIENT``.
+    """
+    kind = ErrorKind(kind)
+    if kind is ErrorKind.DATA:
+        kind = data
+    if kind is ErrorKind.PERMANENT:
+        return PermanentSinkError(message)
+    if kind is ErrorKind.TRANSIENT:
+        return TransientSinkError(message)
+    return BatchRejected(message)
+
+
+def isolate_rows(
+    indexes: Sequence[int],
+    attempt: Callable[[Sequence[int]], Sequence[RowFailure]],
+    rejection: Callable[[Exception], str | None],
+) -> list[RowFailure]:
+    """Write ``indexes`` with ``attempt``; bisect a whole-request rejection down to the guilty rows.
+
+    ``attempt`` writes the rows it is given and returns the ones the target refused one by
+    one. When it raises an exception that ``rejection`` turns into a message (the request
+    refused as a whole for its content), the rows are split in halves and tried again,
+    down to single rows, which become RowFailures with that message. ``attempt`` must leave
+    nothing of a refused request behind (roll back to its savepoint) before raising. Any
+    other exception propagates. The one bisection of the loop and the sinks.
+    """
+    if not indexes:
+        return []
+    try:
+        return list(attempt(indexes))
+    except Exception as e:
+        message = rejection(e)
+        if message is None:
+            raise
+        if len(indexes) == 1:
+            return [RowFailure(indexes[0], message)]
+    mid = len(indexes) // 2
+    return isolate_rows(indexes[:mid], attempt, rejection) + isolate_rows(
+        indexes[mid:], attempt, rejection
+    )
+
+
+def send_isolating(sink: SinkProtocol, table: pa.Table) -> list[RowFailure]:
+    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
+
+    def attempt(rows: Sequence[int]) -> list[RowFailure]:
+        first = rows[0]  # bisection keeps ranges contiguous
+        result = sink.send_batch(table.slice(first, len(rows)))
+        return [RowFailure(first + f.index, f.message, f.kind) for f in result.failed]
+
+    return isolate_rows(
+        range(table.num_rows),
+        attempt,
+        lambda e: str(e) if isinstance(e, BatchRejected) else None,
+    )
