@@ -241,8 +241,10 @@ def run_conveyor(
             row = stack.store.get(name)
             if row.run_pid:
                 run_pid["run"] = row.run_pid
-                if PROFILE:
-                    spy.append(start_profile(row.run_pid, Path(PROFILE) / f"{name}.txt"))
+        # The profile covers the steady part: from 20% of the rows to the end.
+        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * N
+        if PROFILE and "run" in run_pid and not spy and steady:
+            spy.append(start_profile(run_pid["run"], Path(PROFILE) / f"{name}.txt"))
         return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
 
     try:
@@ -259,38 +261,43 @@ def run_conveyor(
 
 
 def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy sampling ``pid`` (every thread, native frames off, 100 Hz) into collapsed stacks."""
+    """py-spy sampling ``pid`` at 100 Hz into collapsed stacks: every thread, idle ones
+    too (where a pipeline stage waits is the point), thread ids kept."""
     out.parent.mkdir(parents=True, exist_ok=True)
     exe = str(Path(sys.executable).parent / "py-spy")
     return subprocess.Popen(
         [exe, "record", "--pid", str(pid), "--format", "raw", "-r", "100", "-o", str(out),
-         "--nonblocking"],
+         "--nonblocking", "--idle", "--threads"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
 
-def summarize_profile(path: Path, top: int = 25) -> str:
-    """Share of non-idle samples per function, inclusive (anywhere on the stack), per thread."""
-    from collections import Counter
+def summarize_profile(path: Path, top: int = 6) -> str:
+    """Per pipeline thread (the loop, the reader, the transform), the share of its wall
+    time in each of Conveyor's functions (the deepest ``conveyor/`` frame of a sample:
+    ``_Prefetcher.next`` on the loop's thread is waiting for the transform, say)."""
+    from collections import Counter, defaultdict
 
-    inclusive: Counter[str] = Counter()
-    own: Counter[str] = Counter()
-    busy = 0
+    roots = {
+        "ConnectorLoop.run": "loop (send, commit)",
+        "_Prefetcher._read": "reader (source.read)",
+        "_Prefetcher._transform_ahead": "transform (Spark)",
+    }
+    per: dict[str, Counter[str]] = defaultdict(Counter)
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         frames = stack.split(";")
-        leaf = frames[-1]
-        if any(w in leaf for w in ("wait (threading", "select (", "sleep", "_wait_for_tstate_lock",
-                                   "poll (selectors", "accept (")):  # fmt: skip
+        stage = next((v for k, v in roots.items() for f in frames if f.startswith(k)), None)
+        if stage is None:
             continue
-        busy += int(n)
-        own[leaf] += int(n)
-        for f in set(frames):
-            inclusive[f] += int(n)
-    lines = [f"{path.name}: {busy} busy samples; inclusive share, then own share"]
-    lines += [f"  {c / busy:6.1%}  {f}" for f, c in inclusive.most_common(top)]
-    lines += ["  -- own"] + [f"  {c / busy:6.1%}  {f}" for f, c in own.most_common(top)]
+        own = [f for f in frames if "conveyor/" in f]
+        per[stage][own[-1].split(" (")[0] if own else "?"] += int(n)
+    lines = [f"{path.name}: share of each pipeline thread's wall time (100 Hz samples)"]
+    for stage, counts in per.items():
+        total = sum(counts.values())
+        lines.append(f"  {stage}: {total} samples")
+        lines += [f"    {c / total:6.1%}  {f}" for f, c in counts.most_common(top)]
     return "\n".join(lines)
 
 
