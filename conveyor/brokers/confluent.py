@@ -201,9 +201,13 @@ class ConfluentSource(KafkaSource):
 
     def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
         self._raise_reported()
-        msgs = self._consumer.consume(min(max_records, CONSUME_MAX), timeout_s)
+        # consume(n, t) blocks until n records or t: wait for the first one only, then take
+        # what librdkafka has already fetched (the caller decides whether to wait for more).
+        msgs = self._consumer.consume(1, timeout_s)
         if not msgs:
             return None, 0
+        if max_records > 1:
+            msgs += self._consumer.consume(min(max_records - 1, CONSUME_MAX), 0)
         ends: dict[TopicPartition, int] = {}
         if any(m.error() is not None for m in msgs):
             msgs, ends = self._events(msgs)

@@ -66,6 +66,12 @@ SOURCE_SCHEMA = pa.schema(
     ]
 )
 
+# While the partitions hold more than a batch has read (a backlog), the batch keeps
+# filling past max_wait_ms, up to max_records / max_bytes, for at most this long after
+# its first record: one Spark round trip carries a full batch instead of what one
+# short wait fetched. A source that has caught up closes its batches at max_wait_ms.
+BACKLOG_FILL_S = 1.0
+
 # Kafka's timestamp types (record attribute bit 3) as __timestamp_type values.
 TIMESTAMP_TYPES = {0: "create", 1: "log_append"}
 
@@ -219,9 +225,10 @@ class KafkaSource:
 
     client: ClassVar[str]
 
-    def __new__(cls, spec: SourceSpec, *args: Any, **kwargs: Any) -> KafkaSource:
+    def __new__(cls, *args: Any, **kwargs: Any) -> KafkaSource:
         if cls is KafkaSource:
-            cls = source_class(getattr(spec, "client", "kafka-python"))
+            spec = args[0] if args else kwargs["spec"]
+            cls = source_class(spec.client)
         return super().__new__(cls)
 
     def __init__(
@@ -443,18 +450,28 @@ class KafkaSource:
         count = nbytes = 0
         first_at: float | None = None
         wait_s = policy.max_wait_ms / 1000
+        fill_s = max(wait_s, BACKLOG_FILL_S)
         poll_deadline = time.monotonic() + wait_s
+        got = polled = False  # the last poll returned records; one poll happened
         # Where this read starts: a failed read rewinds here, so that records polled
         # before the error are read again instead of being skipped (the consumer's
         # position has already moved past them).
         start = self._positions()
         try:
             while count < policy.max_records and nbytes < policy.max_bytes:
-                deadline = (first_at + wait_s) if first_at is not None else poll_deadline
-                remaining = deadline - time.monotonic()
-                if remaining <= 0.001:
+                now = time.monotonic()
+                if first_at is None:
+                    deadline = poll_deadline
+                else:
+                    deadline = first_at + wait_s
+                    if deadline - now <= 0.001 and got and self._behind():
+                        deadline = first_at + fill_s
+                remaining = deadline - now
+                if remaining <= 0.001 and polled:
                     break
-                table, size = self._poll(policy.max_records - count, remaining)
+                table, size = self._poll(policy.max_records - count, max(remaining, 0.001))
+                polled = True
+                got = table is not None and table.num_rows > 0
                 if table is not None and table.num_rows:
                     chunks.append(table)
                     count += table.num_rows
@@ -492,6 +509,11 @@ class KafkaSource:
                 [("__topic", "ascending"), ("__partition", "ascending"), ("__offset", "ascending")]
             )
         return SourceBatch(table=table, next_offsets=nxt, nbytes=nbytes)
+
+    def _behind(self) -> bool:
+        """Whether a partition's high watermark (as last fetched) is past its position."""
+        hw = self._fetched_highwaters()
+        return any(p is not None and hw.get(tp, -1) > p for tp, p in self._positions().items())
 
     def _probe(self) -> None:
         """Raise TransientSourceError when the partitions' leaders do not answer (see __init__)."""

@@ -230,7 +230,9 @@ class BatchPolicy(_Spec):
         default=100,
         ge=1,
         le=60_000,
-        description="Close the batch this long after its first record.",
+        description="Close the batch this long after its first record, once the source has caught up. "
+        "While the partitions hold more (a backlog), the batch keeps filling up to max_records or "
+        "max_bytes, for at most 1 s (or max_wait_ms if longer) after its first record.",
     )
 
     @model_validator(mode="before")
