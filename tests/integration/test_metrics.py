@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import warnings
 import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
