@@ -76,3 +76,15 @@ class AlreadyClaimedError(ConveyorError):
 
 class DeadLetterLimitError(ConveyorError):
     """Too many messages failed; the connector stops instead of draining the topic."""
+
+
+# A connector stopped by its data (a message under the ``fail`` policy, the dead-letter
+# limit) records an error starting with this prefix. The scheduler does not restart such a
+# connector automatically: the same message would fail again; a person has to decide
+# (fix the target, change the policy, or skip the message with ``offsets reset``).
+DATA_ERROR_PREFIX = "data error: "
+
+
+def is_data_error(error: str | None) -> bool:
+    """True when a connector's recorded error is a data error (see ``DATA_ERROR_PREFIX``)."""
+    return bool(error) and str(error).startswith(DATA_ERROR_PREFIX)

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from conveyor.core.errors import (
+    DATA_ERROR_PREFIX,
     BatchRejected,
     ConveyorError,
     FencedError,
@@ -68,7 +69,16 @@ log = logging.getLogger("conveyor.loop")
 
 
 class DataPolicyError(ConveyorError):
-    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped."""
+    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped.
+
+    The rows before it were delivered and committed; nothing after it was committed
+    (nor written, by a sink honouring ``fail_fast``), so a restart resumes exactly at it.
+    ``topic``/``partition``/``offset`` name the message.
+    """
+
+    def __init__(self, message: str, *, topic: str = "", partition: int = -1, offset: int = -1):
+        super().__init__(message)
+        self.topic, self.partition, self.offset = topic, partition, offset
 
 
 class OutageBudgetExceeded(ConveyorError):
@@ -335,6 +345,9 @@ class ConnectorLoop:
             FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode")
             for r in tr.rejected
         ]
+        if self.cfg.failure.policy == FailurePolicyName.FAIL:
+            self._process_fail_fast(sb, tr, failures, started)
+            return
         sent, data_failed = self._deliver(tr.table)
         failures.extend(data_failed)
         discarded, dead = self._apply_policy(sb.table, failures)
@@ -356,6 +369,66 @@ class ConnectorLoop:
             dead_lettered=c.dead_lettered + dead,
             batches=c.batches + 1,
         )
+        if self.status == ConnectorStatus.DEGRADED:
+            self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
+        self._heartbeat()
+
+    def _process_fail_fast(
+        self, sb: SourceBatch, tr: Transformed, decode_failed: list[FailedMessage], started: float
+    ) -> None:
+        """The ``fail`` policy: deliver and commit the rows before the first failed message,
+        send nothing after it, then stop with its coordinates."""
+        position = {c: i for i, c in enumerate(_all_coords(sb.table))}
+        cut: int | None = None  # source index of the first failed message
+        first: FailedMessage | None = None
+        for f in decode_failed:
+            i = position[(f.topic, f.partition, f.offset)]
+            if cut is None or i < cut:
+                cut, first = i, f
+        table = tr.table
+        if cut is not None and table.num_rows:
+            keep = [position[c] < cut for c in _all_coords(table)]
+            table = table.filter(pa.array(keep, pa.bool_()))
+        sent, data_failed = self._deliver(table)
+        for f in data_failed:
+            i = position[(f.topic, f.partition, f.offset)]
+            if cut is None or i < cut:
+                cut, first = i, f
+        if first is None or cut is None:
+            done, sent_before = sb.table.num_rows, sent
+            self._acked = sb.next_offsets
+        else:
+            # Only the rows before the failed message count (a sink without fail_fast may
+            # have written rows after it: they are not committed and are sent again later).
+            done = cut
+            sent_before = sum(1 for c in _all_coords(table) if position[c] < cut)
+            self._acked = offsets_before(sb.table, cut, sb.next_offsets)
+        self._commit_acknowledged()
+        self._outage.recovered()
+        now = self.clock()
+        self._latencies.append(now - started)
+        self._rate_window.append((now, sent_before))
+        c = self.counters
+        self.counters = replace(
+            c,
+            messages_in=c.messages_in + done,
+            messages_out=c.messages_out + sent_before,
+            filtered=c.filtered + (tr.filtered if first is None else 0),
+            failed=c.failed + (1 if first is not None else 0),
+            batches=c.batches + 1,
+        )
+        if first is not None:
+            self._heartbeat(force=True)
+            raise DataPolicyError(
+                f"{DATA_ERROR_PREFIX}message {first.where()} failed ({first.error_class}): "
+                f"{first.error}; failure policy is 'fail': the connector stops at it "
+                "(the messages before it are delivered and committed, nothing after it is "
+                "written); fix the target or choose discard, discard_after_retry or "
+                "dead_letter, then start the connector",
+                topic=first.topic,
+                partition=first.partition,
+                offset=first.offset,
+            )
         if self.status == ConnectorStatus.DEGRADED:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
@@ -386,7 +459,9 @@ class ConnectorLoop:
         ]
 
     def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
-        return send_isolating(self.sink, table)
+        return send_isolating(
+            self.sink, table, fail_fast=self.cfg.failure.policy == FailurePolicyName.FAIL
+        )
 
     def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
         """Returns (discarded, dead_lettered). Raises when the policy says stop."""
@@ -394,14 +469,6 @@ class ConnectorLoop:
             self._limiter.consecutive = 0
             return 0, 0
         policy = self.cfg.failure.policy
-        if policy == FailurePolicyName.FAIL:
-            first = failures[0]
-            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-            raise DataPolicyError(
-                f"message {first.where()} failed ({first.error_class}): {first.error}{more}; "
-                "failure policy is 'fail': the connector stops without skipping it "
-                "(choose discard, discard_after_retry or dead_letter to go on)"
-            )
         bad = {(f.topic, f.partition, f.offset) for f in failures}
         flags = [c in bad for c in _all_coords(source)]
         self._limiter.check(source.num_rows, flags)
@@ -715,18 +782,45 @@ class _Prefetcher:
             t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
 
 
-def send_isolating(sink: SinkLike, table: pa.Table) -> list[RowFailureView]:
-    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
+def send_isolating(
+    sink: SinkLike, table: pa.Table, *, fail_fast: bool = False
+) -> list[RowFailureView]:
+    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows.
+
+    This is the one bisection of the runtime. With ``fail_fast`` (the ``fail`` policy) the
+    sink is told to stop at its first failed row (``Sink.fail_fast``) and the bisection
+    sends nothing after the first guilty row: the result is at most that one row.
+    """
+    if fail_fast and hasattr(sink, "fail_fast"):
+        sink.fail_fast = True
     try:
         result = sink.send_batch(table)
     except BatchRejected as e:
         if table.num_rows == 1:
             return [RowFailureView(0, str(e))]
         mid = table.num_rows // 2
-        left = send_isolating(sink, table.slice(0, mid))
-        right = send_isolating(sink, table.slice(mid))
+        left = send_isolating(sink, table.slice(0, mid), fail_fast=fail_fast)
+        if fail_fast and left:
+            return left
+        right = send_isolating(sink, table.slice(mid), fail_fast=fail_fast)
         return left + [RowFailureView(f.index + mid, f.message) for f in right]
-    return [RowFailureView(f.index, f.message) for f in result.failed]
+    failed = sorted(result.failed, key=lambda f: f.index)
+    if fail_fast:
+        failed = failed[:1]
+    return [RowFailureView(f.index, f.message) for f in failed]
+
+
+def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
+    """What a commit of the rows before source index ``cut`` stores: per partition, the
+    offset of its first row at or after ``cut``, else the batch's next offset."""
+    out = dict(next_offsets)
+    seen: set[TopicPartition] = set()
+    for i, (topic, part, off) in enumerate(_all_coords(table)):
+        tp = TopicPartition(topic, part)
+        if i >= cut and tp not in seen:
+            seen.add(tp)
+            out[tp] = off
+    return out
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
