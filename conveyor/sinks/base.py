@@ -23,6 +23,12 @@ Contract of ``send_batch(batch) -> SendResult``:
   index and keep going with the other rows. If the system can only reject a
   whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
   batch to isolate the bad rows.
+- ``fail_fast`` (set to True by the runtime under the ``fail`` failure policy): write
+  nothing after the first row that fails. Report that row in ``failed`` (rows after it
+  may be left out of ``failed``); rows before it are written and acknowledged as usual.
+  A sink that cannot stop midway (its client reports failures only after the whole
+  batch went out) may ignore it: the runtime then commits only the rows before the
+  failed one, and the rows it wrote after it are written again on resume.
 - An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
   raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
   the runtime retries it later with backoff. Rows written before the outage may
@@ -119,6 +125,7 @@ class Sink(abc.ABC):
 
     def __init__(self, config: SinkConfig):
         self.config = config
+        self.fail_fast = False  # see the module docstring; set by the runtime
 
     def validate(self) -> None:  # noqa: B027 - optional hook: most configs need no cross-field rule
         """Check the config beyond its model (cross-field rules). No I/O. Raises ConfigError."""
@@ -138,6 +145,17 @@ class Sink(abc.ABC):
     def describe(self) -> str:
         """One line for logs and the UI: type and target, never secrets."""
         return "/".join(self.config.asset_key_path())
+
+
+def first_failure_only(
+    failures: list[RowFailure], todo: list[int]
+) -> tuple[list[RowFailure], list[int]]:
+    """For ``fail_fast``: the first of the failures found before writing, and the rows to
+    write (those before it)."""
+    if not failures:
+        return failures, todo
+    first = min(failures, key=lambda f: f.index)
+    return [first], [i for i in todo if i < first.index]
 
 
 def payload_columns(batch: pa.Table | pa.Schema) -> list[str]:

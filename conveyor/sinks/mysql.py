@@ -43,6 +43,7 @@ from conveyor.sinks.base import (
     SendResult,
     Sink,
     SinkConfig,
+    first_failure_only,
     iter_records,
     json_default,
     payload_columns,
@@ -822,6 +823,8 @@ class MySQLSink(Sink):
             rows, failures = self._rows(batch)
             failures += self._deletes(batch, rows)
             good = [i for i, r in enumerate(rows) if r is not None]
+            if self.fail_fast:
+                failures, good = first_failure_only(failures, good)
             step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
                 # A statement above max_allowed_packet makes the server drop the connection.
@@ -829,6 +832,8 @@ class MySQLSink(Sink):
                     self.config.max_statement_bytes, self._max_packet - PACKET_MARGIN
                 )
                 for start in range(0, len(good), step):
+                    if failures and self.fail_fast:
+                        break  # nothing after the first failed row is written
                     failures += self._write_isolating(cur, rows, good[start : start + step])
             self._conn.commit()
         except (pymysql.err.MySQLError, OSError) as e:
@@ -952,6 +957,7 @@ class MySQLSink(Sink):
             if len(idx) == 1:
                 return [RowFailure(idx[0], error_text(e))]
         mid = len(idx) // 2
-        return self._write_isolating(cur, rows, idx[:mid]) + self._write_isolating(
-            cur, rows, idx[mid:]
-        )
+        left = self._write_isolating(cur, rows, idx[:mid])
+        if left and self.fail_fast:
+            return left  # nothing after the first failed row is written
+        return left + self._write_isolating(cur, rows, idx[mid:])

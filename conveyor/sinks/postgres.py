@@ -35,6 +35,7 @@ from conveyor.sinks.base import (
     SendResult,
     Sink,
     SinkConfig,
+    first_failure_only,
     iter_records,
     json_default,
     payload_columns,
@@ -348,9 +349,13 @@ class PostgresSink(Sink):
             self._resolve(batch)
         rows: list[Any] = self._copy_lines(batch) or self._rows(batch)
         failures, todo = self._deletes(batch, rows)
+        if self.fail_fast:
+            failures, todo = first_failure_only(failures, todo)
         try:
             failures += self._write_isolating(rows, todo, top=True)
             failures.sort(key=lambda f: f.index)
+            if self.fail_fast:
+                failures = failures[:1]
             self._conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             self.cleanup_sink()
@@ -415,15 +420,21 @@ class PostgresSink(Sink):
                 self._write(cur, [rows[i] for i in idx])
                 cur.execute("RELEASE SAVEPOINT conveyor_sp")
                 return []
-            except psycopg2.Error as e:
-                if not _is_data_error(e):
+            except (psycopg2.Error, ValueError) as e:
+                # psycopg2 refuses a NUL character in a literal with ValueError before
+                # sending anything (COPY sends it and the server answers 22021): a data error.
+                if isinstance(e, psycopg2.Error) and not _is_data_error(e):
                     raise
                 cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
                 cur.execute("RELEASE SAVEPOINT conveyor_sp")
                 if len(idx) == 1:
-                    return [RowFailure(idx[0], (e.pgerror or str(e)).strip().splitlines()[0])]
+                    text = getattr(e, "pgerror", None) or str(e)
+                    return [RowFailure(idx[0], text.strip().splitlines()[0])]
         mid = len(idx) // 2
-        return self._write_isolating(rows, idx[:mid]) + self._write_isolating(rows, idx[mid:])
+        left = self._write_isolating(rows, idx[:mid])
+        if left and self.fail_fast:
+            return left  # nothing after the first failed row is written
+        return left + self._write_isolating(rows, idx[mid:])
 
     def _delete(self, cur: Any, keys: list[tuple[Any, ...]]) -> None:
         from psycopg2 import sql
