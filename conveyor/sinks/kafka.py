@@ -543,6 +543,8 @@ class KafkaSink(Sink):
         failures: list[RowFailure] = []
         futures: list[tuple[int, Any]] = []
         for index, topic, msg in self.messages(batch):
+            if failures and self.fail_fast:
+                break  # nothing after the first refused row is produced
             if isinstance(topic, TemplateError):
                 failures.append(RowFailure(index, str(topic)))
                 continue
