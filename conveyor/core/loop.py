@@ -113,6 +113,7 @@ class Transformed:
 class RowFailureView:
     index: int
     message: str
+    transient: bool = False  # not acknowledged because of an outage: re-sent, not a data error
 
 
 class Source(Protocol):
@@ -437,7 +438,7 @@ class ConnectorLoop:
         """Send with outage retries and data-error isolation; re-send failed rows per policy."""
         if table.num_rows == 0:
             return 0, []
-        failed = self._with_outage_retry("send", lambda: self._send_isolating(table))
+        failed = self._send_until_acknowledged(table)
         sent = table.num_rows - len(failed)
         attempts = 1
         budget = resend_attempts(self.cfg.failure.policy, self.cfg.failure.retries)
@@ -457,6 +458,29 @@ class ConnectorLoop:
             )
             for f in failed
         ]
+
+    def _send_until_acknowledged(self, table: pa.Table) -> list[RowFailureView]:
+        """Send with outage retries. Rows a sink reports as not acknowledged because of an
+        outage (``RowFailure`` of kind ``transient``: a partial acknowledgement) are the only
+        ones sent again; the rows it acknowledged are not. Returns the data failures."""
+        data: list[RowFailureView] = []
+        remaining: list[int] | None = None  # indexes of ``table`` still to send; None: all
+
+        def attempt() -> None:
+            nonlocal remaining
+            part = table if remaining is None else table.take(pa.array(remaining, pa.int64()))
+            back = remaining if remaining is not None else list(range(table.num_rows))
+            failed = self._send_isolating(part)
+            data.extend(RowFailureView(back[f.index], f.message) for f in failed if not f.transient)
+            unacked = [f for f in failed if f.transient]
+            if unacked:
+                remaining = [back[f.index] for f in unacked]
+                raise TransientSinkError(
+                    f"{len(unacked)} of {part.num_rows} row(s) not acknowledged: {unacked[0].message}"
+                )
+
+        self._with_outage_retry("send", attempt)
+        return sorted(data, key=lambda f: f.index)
 
     def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
         return send_isolating(
@@ -800,14 +824,19 @@ def send_isolating(
             return [RowFailureView(0, str(e))]
         mid = table.num_rows // 2
         left = send_isolating(sink, table.slice(0, mid), fail_fast=fail_fast)
-        if fail_fast and left:
+        if fail_fast and any(not f.transient for f in left):
             return left
         right = send_isolating(sink, table.slice(mid), fail_fast=fail_fast)
-        return left + [RowFailureView(f.index + mid, f.message) for f in right]
-    failed = sorted(result.failed, key=lambda f: f.index)
+        return left + [replace(f, index=f.index + mid) for f in right]
+    failed = [
+        RowFailureView(f.index, f.message, transient=getattr(f, "kind", None) == "transient")
+        for f in sorted(result.failed, key=lambda f: f.index)
+    ]
     if fail_fast:
-        failed = failed[:1]
-    return [RowFailureView(f.index, f.message) for f in failed]
+        # The first data failure, and the rows before it still to be re-sent.
+        first = next((f.index for f in failed if not f.transient), None)
+        failed = [f for f in failed if first is None or f.index <= first]
+    return failed
 
 
 def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:

@@ -29,6 +29,11 @@ Contract of ``send_batch(batch) -> SendResult``:
   A sink that cannot stop midway (its client reports failures only after the whole
   batch went out) may ignore it: the runtime then commits only the rows before the
   failed one, and the rows it wrote after it are written again on resume.
+- Partial acknowledgement: when an outage cuts a batch short and the client says which
+  rows were acknowledged (per-record futures, confirms), the sink may return instead of
+  raising, listing each row *not* acknowledged as a ``RowFailure`` of kind
+  ``ErrorKind.TRANSIENT``. The runtime then re-sends only those rows, with the outage
+  backoff; they are never data errors.
 - An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
   raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
   the runtime retries it later with backoff. Rows written before the outage may

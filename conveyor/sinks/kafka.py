@@ -40,6 +40,7 @@ from conveyor.core.model import (
     TOPIC_COL,
 )
 from conveyor.sinks.base import (
+    ErrorKind,
     Record,
     RowFailure,
     SendResult,
@@ -563,6 +564,7 @@ class KafkaSink(Sink):
                 self._drop_producer()
                 raise self._error(e, f"producing to {topic!r} failed") from None
         self._flush()
+        unacked: list[tuple[int, BaseException | None]] = []
         for index, fut in futures:
             if fut.succeeded():
                 continue
@@ -570,10 +572,25 @@ class KafkaSink(Sink):
             if exc is not None and classify_kafka_error(exc) == "data":
                 failures.append(RowFailure(index, _describe(exc)))
                 continue
+            unacked.append((index, exc))
+        if unacked:
             self._drop_producer()
-            if exc is None:
-                raise TransientSinkError("Kafka did not acknowledge every record of the batch")
-            raise self._error(exc, "Kafka did not acknowledge the batch")
+            first = next((e for _, e in unacked if e is not None), None)
+            if len(unacked) == len(futures) or (
+                first is not None and classify_kafka_error(first) == "permanent"
+            ):
+                if first is None:
+                    raise TransientSinkError("Kafka did not acknowledge every record of the batch")
+                raise self._error(first, "Kafka did not acknowledge the batch")
+            # A partial acknowledgement: only the records not acknowledged are sent again.
+            failures.extend(
+                RowFailure(
+                    i,
+                    _describe(e) if e is not None else "not acknowledged",
+                    ErrorKind.TRANSIENT,
+                )
+                for i, e in unacked
+            )
         failures.sort(key=lambda f: f.index)
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
 

@@ -38,7 +38,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
-from conveyor.sinks.base import RowFailure, SendResult
+from conveyor.sinks.base import ErrorKind, RowFailure, SendResult
 
 TP0 = TopicPartition("t", 0)
 
@@ -816,3 +816,45 @@ def test_reconfigure_ends_the_loop_at_a_batch_boundary_with_everything_acknowled
     counters = run_loop(nxt)
     assert sink.rows == list(range(len(sink.rows)))
     assert counters.messages_out == result["counters"].messages_out + 10
+
+
+class PartlyAckingSink(FakeSink):
+    """Acknowledges the first half of the first send, then reports the rest as not
+    acknowledged because of an outage (a partial acknowledgement)."""
+
+    def __init__(self, events, **kw):
+        super().__init__(events, **kw)
+        self.partial_once = True
+
+    def send_batch(self, batch):
+        if self.partial_once:
+            self.partial_once = False
+            ids = batch.column("id").to_pylist()
+            half = len(ids) // 2
+            self.rows.extend(ids[:half])
+            return SendResult(
+                rows=len(ids),
+                failed=tuple(
+                    RowFailure(i, "broker connection lost", ErrorKind.TRANSIENT)
+                    for i in range(half, len(ids))
+                ),
+            )
+        return super().send_batch(batch)
+
+
+def test_an_outage_retry_resends_only_the_rows_not_acknowledged():
+    events = Events()
+    sink = PartlyAckingSink(events, reject_ids={8})
+    dead = FakeDeadLetters(events)
+    loop, _, _, committer, _, sleeps = make_loop(
+        [source_batch(0, 10)],
+        sink=sink,
+        events=events,
+        dead=dead,
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0),
+    )
+    run_loop(loop)
+    assert sink.rows == [0, 1, 2, 3, 4, 5, 6, 7, 9]  # each acknowledged row sent once
+    assert [d.failed.offset for d in dead.letters] == [8]  # the data error, not the outage
+    assert committer.offsets == {TP0: 10} and sleeps == [1.0]
+    assert loop.counters.messages_out == 9 and loop.counters.dead_lettered == 1
