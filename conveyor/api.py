@@ -283,11 +283,23 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
     def destination(request: Request) -> Response:
         return JSONResponse(ops().destination(request.path_params["name"]))
 
+    def destinations(request: Request) -> Response:
+        return JSONResponse(ops().destinations(request.path_params["name"]))
+
+    def abandon_batch(request: Request) -> Response:
+        return JSONResponse(ops().abandon_batch(request.path_params["name"]), status_code=202)
+
+    def reset_source_state(request: Request) -> Response:
+        return JSONResponse(ops().reset_source_state(request.path_params["name"]))
+
     def plugins(request: Request) -> Response:
         from conveyor.sinks import sink_types
+        from conveyor.sources import source_types
 
+        version = _conveyor_version()
         return JSONResponse(
-            [{"class": t, "type": "sink", "version": _conveyor_version()} for t in sink_types()]
+            [{"class": t, "type": "sink", "version": version} for t in sink_types()]
+            + [{"class": t, "type": "source", "version": version} for t in source_types()]
         )
 
     c = "/connectors/{name}"
@@ -317,6 +329,9 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         Route(f"{c}/history", history, methods=["GET"]),
         Route(f"{c}/dead-letters", dead_letters, methods=["GET"]),
         Route(f"{c}/destination", destination, methods=["GET"]),
+        Route(f"{c}/destinations", destinations, methods=["GET"]),
+        Route(f"{c}/abandon-batch", abandon_batch, methods=["POST"]),
+        Route(f"{c}/source-state", reset_source_state, methods=["DELETE"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {
         HTTPException: _http_error,

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from conveyor.core.errors import ConveyorError
 from conveyor.core.model import ConnectorStatus
-from conveyor.operations import Operations, row_summary
+from conveyor.operations import Operations, connector_kind, row_summary
 from conveyor.store.meta import LIVE_STATUSES, MetaStore, StoreError
 
 
@@ -258,6 +258,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
     table = Table(title="connectors")
     for col in (
         "name",
+        "kind",
         "state",
         "desired",
         "broker",
@@ -278,20 +279,75 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
         "Paused": "cyan",
     }
     for r in rows:
-        c = r.counters
+        counters = r.counters
         table.add_row(
             r.name,
+            connector_kind(r),
             f"[{colors.get(r.status.value, 'white')}]{r.status.value}[/]",
             r.desired.value,
             r.broker_id or "-",
             str(r.generation),
-            "-" if c.get("lag") is None else str(c["lag"]),
-            f"{c.get('msgs_per_s', 0):.0f}",
-            str(c.get("messages_out", 0)),
+            "-" if counters.get("lag") is None else str(counters["lag"]),
+            f"{counters.get('msgs_per_s', 0):.0f}",
+            str(counters.get("messages_out", 0)),
             _ago(r.heartbeat_at),
             (r.last_error or "")[:120],
         )
     console.print(table)
+
+
+@connector.command("destinations")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handles_errors
+def connector_destinations(ctx: click.Context, name: str, as_json: bool) -> None:
+    """A source connector's destinations: produced, breaker state, failures, last error."""
+    d = _ops(ctx).destinations(name)
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+        return
+    table = Table(title=f"destinations of {name}")
+    for col in ("topic", "produced", "breaker", "failures", "create ms", "last error"):
+        table.add_column(col, overflow="fold")
+    for topic, x in sorted(d["destinations"].items()):
+        table.add_row(
+            topic,
+            str(x.get("routed", 0)),
+            str(x.get("breaker", "-")),
+            str(x.get("consecutive_failures", 0)),
+            "-" if x.get("create_ms") is None else f"{x['create_ms']:.0f}",
+            (x.get("last_error") or "")[:120],
+        )
+    console.print(table)
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(d["rejected"].items())) or "none"
+    unmatched = ", ".join(f"{k} {v}" for k, v in sorted(d["unmatched"].items())) or "none"
+    click.echo(
+        f"routed {d['routed']}; rejected: {rejected}; unmatched: {unmatched}; "
+        f"open breakers {d['open_breakers']}; last abandon: {_ago(d['last_abandon_at'])}"
+        + ("; abandon-batch requested" if d["abandon_requested"] else "")
+    )
+
+
+@connector.command("reset-state")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_reset_state(ctx: click.Context, name: str) -> None:
+    """Forget a STOPPED source connector's stored state (it reads from the beginning again)."""
+    r = _ops(ctx).reset_source_state(name)
+    click.echo(f"{name}: source state {'reset' if r['reset'] else 'was not stored'}")
+
+
+@connector.command("abandon-batch")
+@click.argument("name")
+@click.pass_context
+@handles_errors
+def connector_abandon_batch(ctx: click.Context, name: str) -> None:
+    """DATA LOSS: a STOPPED source connector's next run skips its first batch (one it can never
+    deliver), storing the position after it; shown as last_abandon_at."""
+    _ops(ctx).abandon_batch(name)
+    click.echo(f"{name}: its next run skips its first batch (not produced); start it to apply")
 
 
 @connector.command("show")

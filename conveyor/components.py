@@ -74,7 +74,11 @@ class ConnectorComponent(dg.Component, dg.Resolvable, dg.Model):
 
     name: str
     source: dict[str, Any]
-    sink: dict[str, Any]
+    sink: dict[str, Any] | None = None  # a sink connector's
+    kind: str | None = None  # 'source' for a source connector
+    kafka: dict[str, Any] | None = None  # a source connector's destination cluster
+    routing: dict[str, Any] | None = None  # a source connector's routing
+    commit_failure_threshold: int | None = None
     description: str | None = None
     batch: dict[str, Any] | str | None = None
     transform: dict[str, Any] | None = None
@@ -90,9 +94,11 @@ class ConnectorComponent(dg.Component, dg.Resolvable, dg.Model):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        ls = from_mapping(self.spec_mapping(), source=str(context.path), fallback_name=self.name)
-        if not ls.ok:
-            raise dg.DagsterInvalidDefinitionError(f"Conveyor connector: {ls.error}")
+        loaded = from_mapping(
+            self.spec_mapping(), source=str(context.path), fallback_name=self.name
+        )
+        if not loaded.ok:
+            raise dg.DagsterInvalidDefinitionError(f"Conveyor connector: {loaded.error}")
         if not _has_conveyor_component(context.defs_module_path):
             raise dg.DagsterInvalidDefinitionError(
                 f"connector {self.name!r} ({context.path}): this project has no "

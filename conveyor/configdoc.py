@@ -28,6 +28,7 @@ from conveyor.core.model import (
     ConnectorSpec,
     DeadLetterSpec,
     FailureSpec,
+    LivenessSpec,
     RetrySpec,
     SourceSpec,
     TransformSpec,
@@ -44,6 +45,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("retry", RetrySpec),
     ("failure", FailureSpec),
     ("failure.dead_letter", DeadLetterSpec),
+    ("liveness", LivenessSpec),
 ]
 _SECTION_OF = {model: title for title, model in SECTIONS}
 
@@ -328,6 +330,63 @@ def sink_sections() -> list[str]:
     return out
 
 
+def _source_sections() -> list[tuple[str, type[BaseModel]]]:
+    from conveyor.core.routing import AdmissionSpec, RouteSpec, RoutingSpec
+    from conveyor.core.source_connector import ProducerSpec, SourceConnectorSpec
+
+    return [
+        ("source connector", SourceConnectorSpec),
+        ("kafka", ProducerSpec),
+        ("routing", RoutingSpec),
+        ("routing.route", RouteSpec),
+        ("routing.admission", AdmissionSpec),
+    ]
+
+
+def source_connector_sections() -> list[str]:
+    """The source connector spec, its `kafka` and `routing` sections, and one per source type."""
+    from conveyor import sources
+
+    sections = _source_sections()
+    for title, model in sections:
+        _SECTION_OF.setdefault(model, title)
+    out = [
+        "## Source connectors",
+        "",
+        "A spec with `kind: source` (or whose `source.type` is not Kafka) is a source connector: it",
+        "reads `source` (one of the types below) and produces every message into the topic its",
+        "routing chooses, on the cluster of `kafka`. `batch`, `transform` (a `select` may set",
+        "`__destination`), `retry`, `desired` and the run settings read as for sink connectors.",
+        "Destinations come from the data (a source's destination column or per-table destinations, or",
+        "a `select` setting `__destination`) or from `routing.route`, never both (refused at start).",
+        "",
+        "```yaml",
+        "name: orders_in",
+        "kind: source",
+        "source: {type: postgres_polling, url: postgresql://app@db/shop, table: public.orders,",
+        "         incrementing_column: id, destination_column: region}",
+        "kafka: {partitions: 3}",
+        "routing:",
+        "  admission: {mode: allowlist, patterns: ['orders.*']}",
+        "  max_destinations: 10",
+        "```",
+        "",
+    ]
+    for title, model in sections:
+        out += [f"### `{title}`", "", _cell(model.__doc__ or ""), "", model_table(model), ""]
+    for name in sources.source_types():
+        try:
+            cls = sources.source_class(name).config_class
+        except Exception as e:  # noqa: BLE001 - a source being written must not break the reference
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            out.append(
+                f"### source `{name}`\n\n> Not documented: this source could not be imported ({_cell(reason)}).\n"
+            )
+            continue
+        out.append(f"### source `{name}`\n\n{_cell(cls.__doc__ or '')}\n\n{model_table(cls)}\n")
+    return out
+
+
 def render() -> str:
     parts = [
         "# Configuration reference",
@@ -385,6 +444,7 @@ def render() -> str:
         "",
     ]
     parts += sink_sections()
+    parts += source_connector_sections()
     return "\n".join(parts).rstrip() + "\n"
 
 

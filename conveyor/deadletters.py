@@ -13,12 +13,20 @@ The Parquet store is append-only, which makes it crash-safe without locks:
 
 The *pending* letters are, per id, the newest record with no replay after it.
 Counting, listing and replaying are Spark SQL over these two datasets.
+
+The store's location is a URL that Spark resolves (``file:///...``, ``s3a://...``,
+``hdfs://...``), never a local path: the Spark server may run on another host or in
+another working directory. ``dead_letter_location`` is the one place a configured path
+becomes that URL; everything else (writing, listing, counting, replaying) goes through
+Spark's file system, so whatever Spark can write, the CLI, the API, the sensors and the
+replay job read back.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +39,7 @@ from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConveyorError, PermanentSinkError, TransientSinkError
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
+from conveyor.core.sink import ErrorKind
 from conveyor.store.meta import conveyor_home
 
 log = logging.getLogger("conveyor.deadletters")
@@ -64,9 +73,25 @@ def letter_id(topic: str, partition: int, offset: int) -> str:
     return f"{topic}-{partition}-{offset}"
 
 
-def dead_letter_dir(spec: ConnectorSpec) -> Path:
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def dead_letter_location(spec: ConnectorSpec) -> str:
+    """The Parquet store's absolute URL, resolved here once for every reader and writer.
+
+    A URL (``s3a://bucket/dl``, ``file:///srv/dl``) is kept as written. A path becomes a
+    ``file://`` URL: an absolute one as is, a relative one under ``$CONVEYOR_HOME`` (the
+    same for the run, the CLI and the sensors, whatever their working directories; the
+    Spark server's own working directory never matters). Default:
+    ``$CONVEYOR_HOME/dead_letters/<connector>``.
+    """
     p = spec.failure.dead_letter.path
-    return Path(p).resolve() if p else conveyor_home() / "dead_letters" / spec.name
+    if p and _SCHEME.match(p):
+        return p.rstrip("/")
+    if p and Path(p).is_absolute():
+        return Path(p).as_uri()
+    base = conveyor_home()
+    return (base / p).as_uri() if p else (base / "dead_letters" / spec.name).as_uri()
 
 
 def dlq_topic(connector: str) -> str:
@@ -99,20 +124,25 @@ def letters_to_table(connector: str, generation: int, letters: list[DeadLetter])
 
 @dataclass
 class SparkParquetDeadLetters:
-    """Dead letters as Parquet datasets written and read through Spark."""
+    """Dead letters as Parquet datasets written and read through Spark (``location``: a URL,
+    see ``dead_letter_location``)."""
 
-    directory: Path
+    location: str | Path  # a Path (tests, tools) must be absolute: it becomes a file:// URL
     spark: Callable[[], Any]
     connector: str = ""
     generation: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.location, Path):
+            self.location = self.location.as_uri()
+
     @property
     def letters_path(self) -> str:
-        return str(self.directory / "letters")
+        return f"{str(self.location).rstrip('/')}/letters"
 
     @property
     def replayed_path(self) -> str:
-        return str(self.directory / "replayed")
+        return f"{str(self.location).rstrip('/')}/replayed"
 
     def write(self, letters: list[DeadLetter]) -> None:
         if letters:
@@ -120,9 +150,14 @@ class SparkParquetDeadLetters:
 
     def append(self, table: pa.Table) -> None:
         """Append records (DEAD_LETTER_SCHEMA); durable when Spark's write job returns."""
+        from conveyor.spark.session import discard_session, is_session_lost
+
+        spark = self.spark()
         try:
-            self.spark().createDataFrame(table).write.mode("append").parquet(self.letters_path)
+            spark.createDataFrame(table).write.mode("append").parquet(self.letters_path)
         except Exception as e:
+            if is_session_lost(e):
+                discard_session(spark)  # the server restarted: the retry gets a new session
             raise TransientSinkError(
                 f"dead-letter store {self.letters_path}: {str(e).splitlines()[0][:300]}"
             ) from e
@@ -139,19 +174,28 @@ class SparkParquetDeadLetters:
         )
         self.spark().createDataFrame(table).write.mode("append").parquet(self.replayed_path)
 
-    def _exists(self, path: str) -> bool:
-        p = Path(path)
-        return p.is_dir() and any(f.suffix == ".parquet" for f in p.iterdir())
+    def _read(self, path: str, schema: pa.Schema) -> Any:
+        """The dataset at ``path`` through Spark's file system; None when it does not exist."""
+        spark = self.spark()
+        df = spark.read.schema(_ddl(schema)).parquet(path)
+        try:
+            _ = df.schema  # analysed on the server: a missing path fails here
+        except Exception as e:
+            if _path_missing(e):
+                return None
+            raise
+        return df
 
     def pending_df(self) -> Any:
         """A DataFrame of the pending letters (None when nothing was ever dead-lettered)."""
-        if not self._exists(self.letters_path):
+        letters = self._read(self.letters_path, DEAD_LETTER_SCHEMA)
+        if letters is None:
             return None
         spark = self.spark()
-        letters = spark.read.schema(_ddl(DEAD_LETTER_SCHEMA)).parquet(self.letters_path)
         letters.createOrReplaceTempView("conveyor_letters")
-        if self._exists(self.replayed_path):
-            spark.read.parquet(self.replayed_path).createOrReplaceTempView("conveyor_replayed")
+        replayed = self._read(self.replayed_path, REPLAYED_SCHEMA)
+        if replayed is not None:
+            replayed.createOrReplaceTempView("conveyor_replayed")
         else:
             spark.sql(
                 "SELECT CAST(NULL AS STRING) AS id, CAST(NULL AS DOUBLE) AS replayed_at WHERE false"
@@ -259,7 +303,7 @@ class KafkaDeadLetters:
         except Exception as e:  # noqa: BLE001 - classified
             self.close()
             text = f"dead-letter topic {self.topic}: {describe_kafka_error(e)}"
-            if classify_kafka_error(e) == "transient":
+            if classify_kafka_error(e) is ErrorKind.TRANSIENT:
                 raise TransientSinkError(text) from e
             raise PermanentSinkError(text) from None
 
@@ -285,7 +329,7 @@ def dead_letter_writer(
             compression=spec.failure.dead_letter.compression,
         )
     return SparkParquetDeadLetters(
-        dead_letter_dir(spec), spark, connector=spec.name, generation=generation
+        dead_letter_location(spec), spark, connector=spec.name, generation=generation
     )
 
 
@@ -325,6 +369,11 @@ def sample_rows(table: pa.Table, n: int = 5) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _path_missing(e: Exception) -> bool:
+    text = str(e)
+    return "PATH_NOT_FOUND" in text or "Path does not exist" in text
 
 
 def _ddl(schema: pa.Schema) -> str:

@@ -15,6 +15,7 @@ from conveyor.assets.checks import lag_check_schedules, lag_checks
 from conveyor.assets.lineage import lineage_specs
 from conveyor.jobs.connector import connector_job
 from conveyor.jobs.replay import replay_job
+from conveyor.jobs.source_connector import source_connector_job
 from conveyor.resources.conveyor import conveyor_resource
 from conveyor.sensors.dead_letters import dead_letter_replay_sensor
 from conveyor.sensors.run_status import conveyor_run_failures
@@ -25,8 +26,10 @@ from conveyor.specs import LoadedSpec, connectors_dir
 def conveyor_defs(specs: Sequence[LoadedSpec], sources: SpecSources) -> Definitions:
     """Everything Conveyor puts in a code location for these connectors."""
     specs = list(specs)
-    valid = [ls for ls in specs if ls.ok]
-    connector_jobs = [connector_job(ls) for ls in specs]
+    valid = [ls for ls in specs if ls.ok and not ls.is_source]
+    connector_jobs = [
+        source_connector_job(ls) if ls.is_source else connector_job(ls) for ls in specs
+    ]
     replay_jobs = [replay_job(ls) for ls in valid]
     return Definitions(
         assets=lineage_specs(specs),

@@ -79,13 +79,15 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
         "Seconds since the last heartbeat.",
         labels=["connector"],
     )
+    routing = RoutingFamilies()
     for r in rows:
-        c = r.counters
+        counters = r.counters
+        routing.add(r.name, counters, now)
         for key, fam in families.items():
-            fam.add_metric([r.name], float(c.get(key, 0) or 0))
-        if c.get("lag") is not None:
-            lag.add_metric([r.name], float(c["lag"]))
-        rate.add_metric([r.name], float(c.get("msgs_per_s", 0) or 0))
+            fam.add_metric([r.name], float(counters.get(key, 0) or 0))
+        if counters.get("lag") is not None:
+            lag.add_metric([r.name], float(counters["lag"]))
+        rate.add_metric([r.name], float(counters.get("msgs_per_s", 0) or 0))
         timeout = float((r.spec or {}).get("heartbeat_timeout_s", 30))
         alive = r.status in LIVE_STATUSES and r.heartbeat_fresh(now, timeout)
         up.add_metric([r.name], 1.0 if alive else 0.0)
@@ -95,6 +97,75 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
             heartbeat.add_metric([r.name], max(0.0, now - r.heartbeat_at))
     yield from families.values()
     yield from (lag, rate, up, state, heartbeat)
+    yield from routing.families()
+
+
+class RoutingFamilies:
+    """Source connectors' routing metrics: the connector label, plus a bounded reason or
+    action label; never a destination name (unbounded: that detail is JSON,
+    ``/connectors/<name>/destinations``)."""
+
+    def __init__(self) -> None:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.routed = CounterMetricFamily(
+            "conveyor_connector_routed",
+            "Messages produced into their destination (current run).",
+            labels=["connector"],
+        )
+        self.active = GaugeMetricFamily(
+            "conveyor_connector_destinations_active",
+            "Destinations produced into (current run).",
+            labels=["connector"],
+        )
+        self.rejected = CounterMetricFamily(
+            "conveyor_connector_rejected",
+            "Rows refused by routing: cap, denylist, unknown, circuit_open, partition_id_out_of_range, undecodable.",
+            labels=["connector", "reason"],
+        )
+        self.unmatched = CounterMetricFamily(
+            "conveyor_connector_unmatched",
+            "Rows without a destination, by action taken (default, drop).",
+            labels=["connector", "action"],
+        )
+        self.create = GaugeMetricFamily(
+            "conveyor_connector_destination_create_seconds_max",
+            "Longest time a destination took to be created or checked on first use (current run).",
+            labels=["connector"],
+        )
+        self.open = GaugeMetricFamily(
+            "conveyor_connector_open_breakers",
+            "Destinations whose circuit breaker is not closed.",
+            labels=["connector"],
+        )
+
+    def add(self, name: str, counters: dict[str, Any], now: float) -> None:
+        r = counters.get("routing")
+        if not isinstance(r, dict):
+            return
+        self.routed.add_metric([name], float(r.get("routed", 0) or 0))
+        self.active.add_metric([name], float(r.get("destinations_active", 0) or 0))
+        for reason, n in (r.get("rejected") or {}).items():
+            self.rejected.add_metric([name, str(reason)], float(n))
+        for action, n in (r.get("unmatched") or {}).items():
+            self.unmatched.add_metric([name, str(action)], float(n))
+        times = [
+            d.get("create_ms")
+            for d in (r.get("destinations") or {}).values()
+            if d.get("create_ms") is not None
+        ]
+        if times:
+            self.create.add_metric([name], max(times) / 1000)
+        self.open.add_metric([name], float(r.get("open_breakers", 0) or 0))
+
+    def families(self) -> Iterator[Any]:
+        yield from (self.routed, self.active, self.rejected, self.unmatched, self.create, self.open)
+
+
+def destinations_json(counters: dict[str, Any]) -> dict[str, Any]:
+    """Per destination: produced count, breaker state, consecutive failures, last error."""
+    r = counters.get("routing")
+    return dict(r.get("destinations") or {}) if isinstance(r, dict) else {}
 
 
 def _highwaters(counters: dict[str, Any]) -> dict[str, int]:
@@ -160,6 +231,13 @@ def make_server(store: MetaStore, host: str = "127.0.0.1", port: int = 9464) -> 
     def route(path: str) -> tuple[bytes, str, int]:
         if path == "/metrics":
             return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8", 200
+        if m := re.fullmatch(r"/connectors/([^/]+)/destinations", path):
+            try:
+                row = store.get(unquote(m.group(1)))
+            except UnknownConnectorError as e:
+                return json.dumps({"error": str(e)}).encode(), "application/json", 404
+            body = {"name": row.name, "destinations": destinations_json(row.counters)}
+            return json.dumps(body).encode(), "application/json", 200
         if m := re.fullmatch(r"/connectors/([^/]+)", path):
             try:
                 return (

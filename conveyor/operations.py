@@ -104,9 +104,9 @@ class Operations:
     def config(self, name: str) -> dict[str, Any]:
         """The spec as written, secrets redacted (the current file; the stored copy if it is gone)."""
         row = self.row(name)
-        ls = load_source(name, row.spec_source)
-        if ls.ok and ls.display() is not None:
-            return ls.display() or {}
+        loaded = load_source(name, row.spec_source)
+        if loaded.ok and loaded.display() is not None:
+            return loaded.display() or {}
         return row.spec or {}
 
     def info(self, name: str) -> dict[str, Any]:
@@ -160,24 +160,67 @@ class Operations:
     def destination(self, name: str) -> dict[str, Any]:
         """Where the connector writes: the sink, its Dagster asset, and delivery counters."""
         row = self.row(name)
-        ls = load_source(name, row.spec_source)
+        loaded = load_source(name, row.spec_source)
         sink = (self.config(name) or {}).get("sink") or {}
-        c = row.counters
+        counters = row.counters
         return {
             "name": name,
             "type": sink.get("type"),
-            "asset_key": "/".join(ls.sink.asset_key_path()) if ls.sink else None,
+            "asset_key": "/".join(loaded.sink.asset_key_path()) if loaded.sink else None,
             "config": sink,
-            "delivered": c.get("messages_out", 0),
-            "failed": c.get("failed", 0),
-            "dead_lettered": c.get("dead_lettered", 0),
-            "msgs_per_s": c.get("msgs_per_s", 0.0),
-            "lag": c.get("lag"),
+            "delivered": counters.get("messages_out", 0),
+            "failed": counters.get("failed", 0),
+            "dead_lettered": counters.get("dead_lettered", 0),
+            "msgs_per_s": counters.get("msgs_per_s", 0.0),
+            "lag": counters.get("lag"),
             "routed": bool(
-                any("__destination" in s for s in (ls.spec.transform.select or []))
-                if ls.spec
+                any("__destination" in s for s in (loaded.spec.transform.select or []))
+                if loaded.spec
                 else False
             ),
+        }
+
+    def reset_source_state(self, name: str) -> dict[str, Any]:
+        """Forget a STOPPED source connector's state: it reads from the beginning again."""
+        row = self.row(name)
+        self._require_stopped(row)
+        existed = self.store.reset_source_state(
+            name, reason=f"source state reset from {self.actor}"
+        )
+        return {"name": name, "reset": existed}
+
+    def abandon_batch(self, name: str) -> dict[str, Any]:
+        """Ask a STOPPED source connector's next run to skip its first batch (data loss, on purpose)."""
+        row = self.row(name)
+        if connector_kind(row) != "source":
+            raise ConflictError(
+                f"{name} is a sink connector; abandon-batch is for source connectors"
+            )
+        self._require_stopped(row)
+        self.store.request_abandon(name)
+        return {"name": name, "abandon_requested": True}
+
+    def destinations(self, name: str) -> dict[str, Any]:
+        """A source connector's destinations: produced count, breaker, failures, last error;
+        and its routing totals (rejected by reason, unmatched by action)."""
+        from conveyor.metrics import destinations_json
+
+        row = self.row(name)
+        routing = row.counters.get("routing") or {}
+        info = self.store.source_state_info(name)
+        return {
+            "name": name,
+            "kind": connector_kind(row),
+            "destinations": destinations_json(row.counters),
+            "routed": routing.get("routed", 0),
+            "destinations_active": routing.get("destinations_active", 0),
+            "rejected": routing.get("rejected", {}),
+            "unmatched": routing.get("unmatched", {}),
+            "open_breakers": routing.get("open_breakers", 0),
+            "commit_failures_in_row": row.counters.get("commit_failures_in_row", 0),
+            "state": (info or {}).get("state"),
+            "abandon_requested": bool((info or {}).get("abandon_requested")),
+            "last_abandon_at": (info or {}).get("last_abandon_at"),
         }
 
     # -- specs ----------------------------------------------------------------------------
@@ -198,17 +241,24 @@ class Operations:
             data["name"] = name
         if not isinstance(data.get("name"), str):
             raise InvalidRequestError("missing the connector name (field 'name')")
-        ls = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
-        if not ls.ok:
-            raise ConfigError(str(ls.error).removeprefix("<request>: "))
-        assert ls.sink is not None
-        if not has_reference((ls.display() or {}).get("sink")):
+        loaded = from_mapping(data, source="<request>", fallback_name=str(data["name"]))
+        if not loaded.ok:
+            raise ConfigError(str(loaded.error).removeprefix("<request>: "))
+        if loaded.is_source:
+            assert loaded.source_config is not None
+            if not has_reference((loaded.display() or {}).get("source")):
+                from conveyor.sources import build_source
+
+                build_source(loaded.source_config)  # cross-field rules of the source (no I/O)
+            return loaded
+        assert loaded.sink is not None
+        if not has_reference((loaded.display() or {}).get("sink")):
             # Cross-field rules of the sink (no I/O). With references they wait for the run,
             # where the values are known.
             from conveyor.sinks import build_sink
 
-            build_sink(ls.sink)
-        return ls
+            build_sink(loaded.sink)
+        return loaded
 
     def put_config(
         self, name: str | None, config: Any, *, create_only: bool = False
@@ -219,8 +269,8 @@ class Operations:
         spec file it already has. A connector declared in a components ``defs.yaml`` or
         outside the connectors directory is edited there, not here (ConflictError).
         """
-        ls = self.validate(name, config)
-        name = ls.name
+        loaded = self.validate(name, config)
+        name = loaded.name
         try:
             row: ConnectorRow | None = self.store.get(name)
         except UnknownConnectorError:
@@ -231,7 +281,7 @@ class Operations:
         if create_only and path.exists():
             raise ConflictError(f"connector {name!r} already exists (file {path})")
         try:
-            write_spec_file(path, ls.raw or {})
+            write_spec_file(path, loaded.raw or {})
         except OSError as e:
             raise ConflictError(
                 f"cannot write {path}: {e.strerror}; the connectors directory {self.directory} "
@@ -246,10 +296,10 @@ class Operations:
         """``conveyor connector apply -f``: a spec file copied into the connectors directory."""
         from conveyor.specs import load_file
 
-        ls = load_file(source)
-        if not ls.ok:
-            raise ConfigError(str(ls.error))
-        return self.put_config(ls.name, ls.raw)
+        loaded = load_file(source)
+        if not loaded.ok:
+            raise ConfigError(str(loaded.error))
+        return self.put_config(loaded.name, loaded.raw)
 
     def _writable_file(self, name: str, row: ConnectorRow | None) -> Path:
         """The plain spec file in the connectors directory that holds (or will hold) the spec."""
@@ -265,7 +315,7 @@ class Operations:
         if row is None or not row.spec_source or not Path(row.spec_source).is_absolute():
             return None
         path = Path(row.spec_source)
-        if not path.exists() or all(ls.name != name for ls in load_path(path)):
+        if not path.exists() or all(loaded.name != name for loaded in load_path(path)):
             return None
         return path
 
@@ -411,10 +461,10 @@ class Operations:
 
         if at not in (None, "earliest", "latest"):
             source_time(at)  # a bad time is a config error before anything connects
-        ls = load_source(row.name, row.spec_source)
-        if not ls.ok:
-            raise ConfigError(str(ls.error))
-        live = resolved(ls)  # the source may need a secret (SASL) to connect
+        loaded = load_source(row.name, row.spec_source)
+        if not loaded.ok:
+            raise ConfigError(str(loaded.error))
+        live = resolved(loaded)  # the source may need a secret (SASL) to connect
         assert live.spec is not None
         source = KafkaSource(live.spec.source, group_id=row.name)
         try:
@@ -441,15 +491,15 @@ class Operations:
 
     def dead_letter_store(self, name: str) -> tuple[LoadedSpec, Any]:
         """The connector's spec and its Parquet dead-letter store (ConflictError for Kafka)."""
-        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_dir
+        from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_location
         from conveyor.resources.conveyor import default_spark_remote
         from conveyor.spark.session import spark_session
 
         row = self.row(name)
-        ls = load_source(name, row.spec_source)
-        if not ls.ok or ls.spec is None:
-            raise ConflictError(f"{name} has an invalid spec: {ls.error}")
-        if ls.spec.failure.dead_letter.store != "parquet":
+        loaded = load_source(name, row.spec_source)
+        if not loaded.ok or loaded.spec is None:
+            raise ConflictError(f"{name} has an invalid spec: {loaded.error}")
+        if loaded.spec.failure.dead_letter.store != "parquet":
             raise ConflictError(
                 f"{name} dead-letters to the Kafka topic {name}.dlq; read it with any Kafka consumer"
             )
@@ -462,7 +512,9 @@ class Operations:
                 session["s"] = spark_session(remote)
             return session["s"]
 
-        return ls, SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=name)
+        return loaded, SparkParquetDeadLetters(
+            dead_letter_location(loaded.spec), spark, connector=name
+        )
 
     def dead_letters(self, name: str, limit: int = 20) -> dict[str, Any]:
         """Pending dead letters: count and the oldest ``limit`` with their errors."""
@@ -569,7 +621,13 @@ def row_summary(r: ConnectorRow) -> dict[str, Any]:
         "last_error": r.last_error,
         "spec_source": r.spec_source,
         "spec_error": r.spec_error,
+        "kind": connector_kind(r),
     }
+
+
+def connector_kind(r: ConnectorRow) -> str:
+    """``source`` for a source connector (its stored spec says ``kind: source``), else ``sink``."""
+    return "source" if (r.spec or {}).get("kind") == "source" else "sink"
 
 
 def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
@@ -585,19 +643,19 @@ def status_of(r: ConnectorRow, now: float | None = None) -> dict[str, Any]:
         task["trace"] = trace
         if r.status == ConnectorStatus.ERROR:
             connector["trace"] = trace
-    c = r.counters
+    counters = r.counters
     return {
         "name": r.name,
         "connector": connector,
         "tasks": [task] if r.run_id or r.status != ConnectorStatus.STOPPED else [],
-        "type": "sink",
+        "type": connector_kind(r),
         "conveyor": {
             **row_summary(r),
             "status_since": _iso(r.status_since),
             "heartbeat_age_s": None if r.heartbeat_at is None else round(now - r.heartbeat_at, 3),
-            "lag": c.get("lag"),
-            "msgs_per_s": c.get("msgs_per_s", 0.0),
-            "delivered": c.get("messages_out", 0),
+            "lag": counters.get("lag"),
+            "msgs_per_s": counters.get("msgs_per_s", 0.0),
+            "delivered": counters.get("messages_out", 0),
             "restarts": r.restarts,
         },
     }

@@ -37,10 +37,12 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from conveyor.core.connection import SECRET_FIELDS
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
+from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
 from conveyor.core.state import StateChange
 from conveyor.secrets import check_syntax, redact, resolve
 from conveyor.sinks import format_validation_error, parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
+from conveyor.sources.base import SourceConfig
 from conveyor.store.meta import ConnectorRow, MetaStore, UnknownConnectorError, conveyor_home
 
 COMPONENT_TYPES = (
@@ -63,10 +65,23 @@ class LoadedSpec:
     sink: SinkConfig | None = None
     error: str | None = None
     raw: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    # A source connector (``kind: source``): its spec and its source's config; ``spec`` and
+    # ``sink`` stay None, so code written for sink connectors passes it by.
+    source_spec: SourceConnectorSpec | None = None
+    source_config: SourceConfig | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def is_source(self) -> bool:
+        return self.source_spec is not None
+
+    @property
+    def any_spec(self) -> ConnectorSpec | SourceConnectorSpec | None:
+        """The validated spec, sink or source connector."""
+        return self.spec if self.spec is not None else self.source_spec
 
     @property
     def is_component(self) -> bool:
@@ -85,12 +100,21 @@ class LoadedSpec:
 
     def display(self) -> dict[str, Any] | None:
         """The spec as written (aliases applied), secrets redacted, references shown."""
-        if self.spec is None or self.raw is None:
+        if self.any_spec is None or self.raw is None:
             return None
         return redact(self._normalized(), self._secret_field)
 
     def _normalized(self) -> dict[str, Any]:
         """The fields as written, aliases applied (``url_env`` -> ``url``), secrets as text."""
+        if self.source_spec is not None:
+            assert self.source_config is not None
+            full = _plain(self.source_spec.model_dump(by_alias=True, exclude_unset=True))
+            full["kind"] = "source"
+            full["source"] = _plain(
+                self.source_config.model_dump(by_alias=True, exclude_unset=True)
+            )
+            full["source"]["type"] = self.source_config.type
+            return full
         assert self.spec is not None and self.sink is not None
         full = _plain(self.spec.model_dump(by_alias=True, exclude_unset=True))
         full["sink"] = _plain(self.sink.model_dump(by_alias=True, exclude_unset=True))
@@ -103,7 +127,7 @@ class LoadedSpec:
         return json.dumps(d, sort_keys=False) if d is not None else None
 
     def _secret_field(self, path: str) -> bool:
-        return path in secret_fields(self.spec, self.sink)
+        return path in secret_fields(self.spec, self.sink, self.source_config)
 
     def location_fingerprint(self) -> str:
         """What the code location builds from this spec: all but the sections taken on live."""
@@ -115,9 +139,14 @@ class LoadedSpec:
         return json.dumps(view, sort_keys=True, default=str)
 
 
-def secret_fields(spec: ConnectorSpec | None, sink: SinkConfig | None) -> set[str]:
-    """Dotted paths of the fields typed ``SecretStr``: in the spec's models and the sink's model."""
-    out = set(_secret_paths(ConnectorSpec))
+def secret_fields(
+    spec: ConnectorSpec | None, sink: SinkConfig | None, source: SourceConfig | None = None
+) -> set[str]:
+    """Dotted paths of the fields typed ``SecretStr``: in the spec's models and the sink's
+    (or a source connector's source's) model."""
+    out = set(_secret_paths(ConnectorSpec)) | set(_secret_paths(SourceConnectorSpec))
+    if source is not None:
+        out |= {f"source.{p}" for p in _secret_paths(type(source))}
     if sink is not None:
         out |= {f"sink.{p}" for p in _secret_paths(type(sink))}
     elif spec is not None:
@@ -184,11 +213,40 @@ def parse_spec(data: Any, *, source: str = "<spec>") -> tuple[ConnectorSpec, Sin
     return spec, sink
 
 
+def parse_source_spec(
+    data: Any, *, source: str = "<spec>"
+) -> tuple[SourceConnectorSpec, SourceConfig]:
+    """Validate one source connector's spec mapping; ConfigError naming the source and the field."""
+    from conveyor.sources import parse_source_config
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping, got {type(data).__name__}", source=source)
+    try:
+        check_syntax(data)
+    except ConfigError as e:
+        raise ConfigError(str(e), source=source) from None
+    try:
+        spec = SourceConnectorSpec.model_validate({**data, "kind": "source"})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e), source=source) from None
+    try:
+        config = parse_source_config(spec.source.model_dump())
+    except ConfigError as e:
+        raise ConfigError(str(e), source=source) from None
+    return spec, config
+
+
 def from_mapping(data: Any, *, source: str, fallback_name: str) -> LoadedSpec:
     """A LoadedSpec from a parsed spec mapping (a file's content, an API request body)."""
     name = data.get("name", fallback_name) if isinstance(data, dict) else fallback_name
     if not isinstance(name, str):
         name = fallback_name
+    if is_source_connector(data):
+        try:
+            sspec, sconfig = parse_source_spec(data, source=source)
+        except ConfigError as e:
+            return LoadedSpec(name, source, error=str(e))
+        return LoadedSpec(sspec.name, source, raw=data, source_spec=sspec, source_config=sconfig)
     try:
         spec, sink = parse_spec(data, source=source)
     except ConfigError as e:
@@ -200,23 +258,28 @@ def _resolved_by_the_kafka_client(field: str) -> bool:
     """A Kafka connection's secret field (source, Kafka sink): it stays a reference, which
     the client resolves at each connection (``brokers.connection``)."""
     section, _, name = field.partition(".")
-    return section in ("source", "sink") and name in SECRET_FIELDS
+    return section in ("source", "sink", "kafka") and name in SECRET_FIELDS
 
 
-def resolved(ls: LoadedSpec) -> LoadedSpec:
+def resolved(loaded: LoadedSpec) -> LoadedSpec:
     """The spec with its references resolved and validated again: for the data path only.
 
     Raises ConfigError (naming the field and the reference) when a secret is missing.
     The result holds secrets: never store, log or show it.
     """
-    if not ls.ok or ls.spec is None:
-        raise ConfigError(ls.error or "no spec", source=ls.source)
+    if not loaded.ok or loaded.any_spec is None:
+        raise ConfigError(loaded.error or "no spec", source=loaded.source)
     try:
-        data = resolve(ls._normalized(), keep=_resolved_by_the_kafka_client)
+        data = resolve(loaded._normalized(), keep=_resolved_by_the_kafka_client)
     except ConfigError as e:
-        raise ConfigError(str(e), source=ls.source) from None
-    spec, sink = parse_spec(data, source=ls.source)
-    return LoadedSpec(spec.name, ls.source, spec=spec, sink=sink, raw=data)
+        raise ConfigError(str(e), source=loaded.source) from None
+    if loaded.is_source:
+        sspec, sconfig = parse_source_spec(data, source=loaded.source)
+        return LoadedSpec(
+            sspec.name, loaded.source, raw=data, source_spec=sspec, source_config=sconfig
+        )
+    spec, sink = parse_spec(data, source=loaded.source)
+    return LoadedSpec(spec.name, loaded.source, spec=spec, sink=sink, raw=data)
 
 
 def load_file(path: Path) -> LoadedSpec:
@@ -302,16 +365,16 @@ def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
     """The first definition of a name wins; later ones become errors naming both files."""
     out: list[LoadedSpec] = []
     seen: dict[str, str] = {}
-    for ls in specs:
-        if ls.name in seen and seen[ls.name] != ls.source:
-            ls = LoadedSpec(
-                ls.name,
-                ls.source,
-                error=f"{ls.source}: connector name {ls.name!r} is already defined in {seen[ls.name]}",
+    for loaded in specs:
+        if loaded.name in seen and seen[loaded.name] != loaded.source:
+            loaded = LoadedSpec(
+                loaded.name,
+                loaded.source,
+                error=f"{loaded.source}: connector name {loaded.name!r} is already defined in {seen[loaded.name]}",
             )
         else:
-            seen.setdefault(ls.name, ls.source)
-        out.append(ls)
+            seen.setdefault(loaded.name, loaded.source)
+        out.append(loaded)
     return out
 
 
@@ -322,36 +385,40 @@ def load_source(name: str, source: str | None) -> LoadedSpec:
     path = Path(source)
     if not path.exists():
         return LoadedSpec(name, source, error=f"{source}: the spec file was removed")
-    for ls in load_path(path):
-        if ls.name == name:
-            return ls
+    for loaded in load_path(path):
+        if loaded.name == name:
+            return loaded
     return LoadedSpec(name, source, error=f"{source} no longer declares connector {name!r}")
 
 
 REMOVED = "the spec file was removed"
 
 
-def sync_one(store: MetaStore, ls: LoadedSpec) -> ConnectorRow:
+def sync_one(store: MetaStore, loaded: LoadedSpec) -> ConnectorRow:
     """Write one spec (redacted, with its hash) or its error into the meta store.
 
     A connector whose file had been removed and is back takes its spec's desired state again
     and resumes from its kept offsets.
     """
-    desired = ls.spec.desired if ls.spec else ConnectorSpec.model_fields["desired"].default
+    desired = (
+        loaded.any_spec.desired
+        if loaded.any_spec
+        else ConnectorSpec.model_fields["desired"].default
+    )
     try:
-        before = store.get(ls.name)
+        before = store.get(loaded.name)
     except UnknownConnectorError:
         before = None
     row = store.sync_spec(
-        ls.name,
-        spec_json=ls.stored_json(),
-        spec_hash=ls.spec_hash(),
-        source=ls.source,
-        error=ls.error,
+        loaded.name,
+        spec_json=loaded.stored_json(),
+        spec_hash=loaded.spec_hash(),
+        source=loaded.source,
+        error=loaded.error,
         desired=desired,
     )
-    if before is not None and REMOVED in (before.spec_error or "") and ls.ok:
-        row = store.set_desired(ls.name, desired, reason=f"spec file {ls.source} is back")
+    if before is not None and REMOVED in (before.spec_error or "") and loaded.ok:
+        row = store.set_desired(loaded.name, desired, reason=f"spec file {loaded.source} is back")
     return row
 
 
@@ -365,10 +432,10 @@ def sync_files(store: MetaStore, found: Iterable[LoadedSpec]) -> list[str]:
     the store) get a file in the connectors directory.
     """
     found = list(found)
-    names = {ls.name for ls in found}
+    names = {loaded.name for loaded in found}
     notes: list[str] = []
-    for ls in found:
-        sync_one(store, ls)
+    for loaded in found:
+        sync_one(store, loaded)
     for row in store.list():
         if row.name in names:
             continue

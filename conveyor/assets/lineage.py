@@ -1,4 +1,4 @@
-"""Lineage: source-topic assets -> each connector's sink asset -> its dead-letter asset.
+"""Lineage: source system -> topics (source connectors) -> each sink connector's asset -> dead letters.
 
 All are external ``AssetSpec``s: connector runs record materializations on them
 (throttled to once a minute) with messages, offsets, lag and throughput.
@@ -7,11 +7,11 @@ All are external ``AssetSpec``s: connector runs record materializations on them
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections import defaultdict
 
 from dagster import AssetKey, AssetSpec, FreshnessPolicy
 
+from conveyor.core.asset_keys import key_part
 from conveyor.specs import LoadedSpec
 
 
@@ -24,7 +24,7 @@ def dead_letter_key(connector: str) -> AssetKey:
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 def group_of(connector: str) -> str:
@@ -34,20 +34,65 @@ def group_of(connector: str) -> str:
 def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
     """Asset specs for every valid connector; assets shared by connectors are merged."""
     topic_users: dict[str, list[str]] = defaultdict(list)
+    topic_producers: dict[str, list[LoadedSpec]] = defaultdict(list)
+    systems: dict[AssetKey, list[LoadedSpec]] = defaultdict(list)
     sinks: dict[AssetKey, list[LoadedSpec]] = defaultdict(list)
     out: list[AssetSpec] = []
     for ls in specs:
+        if ls.ok and ls.source_spec is not None and ls.source_config is not None:
+            systems[AssetKey(ls.source_config.asset_key_path())].append(ls)
+            for t in static_destinations(ls):
+                topic_producers[t].append(ls)
         if not ls.ok or ls.spec is None or ls.sink is None:
             continue
         for t in ls.spec.source.topics:
             topic_users[t].append(ls.name)
         sinks[AssetKey(ls.sink.asset_key_path())].append(ls)
-    for topic, users in sorted(topic_users.items()):
+    for key, producers in systems.items():
+        first = producers[0]
+        assert first.source_config is not None
+        out.append(
+            AssetSpec(
+                key=key,
+                description=f"{first.source_config.kind()} read by source connector(s) "
+                f"{', '.join(p.name for p in producers)}.",
+                group_name=group_of(first.name) if len(producers) == 1 else "sources",
+                kinds={first.source_config.kind()},
+                metadata={"source": (first.display() or {}).get("source") or {}},
+            )
+        )
+    # A topic a sink connector reads that a source connector's allowlist admits: the source
+    # may produce into it (destinations taken from the data are known only at run time).
+    for topic in topic_users:
+        for producers in systems.values():
+            for p in producers:
+                if p in topic_producers[topic] or p.source_spec is None:
+                    continue
+                adm = p.source_spec.routing.admission
+                if adm.mode == "allowlist" and adm.admits(topic) is None:
+                    topic_producers[topic].append(p)
+    for topic in sorted(set(topic_users) | set(topic_producers)):
+        users = topic_users.get(topic, [])
+        producers = topic_producers.get(topic, [])
+        described = []
+        if producers:
+            described.append(f"produced by {', '.join(sorted(p.name for p in producers))}")
+        if users:
+            described.append(f"read by {', '.join(sorted(users))}")
+        owner = users[0] if users else producers[0].name
         out.append(
             AssetSpec(
                 key=topic_key(topic),
-                description=f"Kafka topic {topic!r}, read by {', '.join(sorted(users))}.",
-                group_name=group_of(users[0]) if len(users) == 1 else "topics",
+                deps=sorted(
+                    {
+                        AssetKey(p.source_config.asset_key_path())
+                        for p in producers
+                        if p.source_config
+                    },
+                    key=lambda k: k.to_user_string(),
+                ),
+                description=f"Kafka topic {topic!r}, {' and '.join(described)}.",
+                group_name=group_of(owner) if len(users) + len(producers) == 1 else "topics",
                 kinds={"kafka"},
                 metadata={"topic": topic},
             )
@@ -99,3 +144,27 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                 )
             )
     return out
+
+
+def static_destinations(ls: LoadedSpec) -> list[str]:
+    """The topics a source connector's spec names: per-table destination, Route mapping and
+    default, default_destination, the allowlist's literal topics. Destinations taken from
+    the data (a column, a select) are known only at run time; runs materialize them."""
+    spec, config = ls.source_spec, ls.source_config
+    if spec is None or config is None:
+        return []
+    found: set[str] = set()
+    dest = getattr(config, "destination", None)
+    if isinstance(dest, str):
+        found.add(dest)
+    for per_table in (getattr(config, "destinations", None) or {}).values():
+        found.add(per_table)
+    r = spec.routing
+    if r.route is not None:
+        found |= set((r.route.mapping or {}).values())
+        if r.route.default:
+            found.add(r.route.default)
+    if r.default_destination:
+        found.add(r.default_destination)
+    found |= set(r.admission.literal_topics())
+    return sorted(found)

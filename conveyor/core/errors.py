@@ -12,6 +12,9 @@ The loop decides what to do from the *class* of an error, never from its text:
 - Data errors are *not* raised: a sink reports them per row in ``SendResult``.
 - ``PermanentSourceError``: the log cannot be read and no retry fixes it (auth,
   certificate, unsupported codec). The connector goes to ``Error``.
+- ``TransientStoreError``: the meta store is briefly unavailable (SQLite "database is
+  locked", a PostgreSQL connection dropped or failing over). Retried with backoff like
+  an outage, reported ``Degraded``; never fails the run by itself.
 - ``FencedError``: this run lost its assignment (its generation is stale). It must
   stop at once without committing.
 """
@@ -66,6 +69,10 @@ class PermanentSourceError(SourceError):
     certificate rejected, a codec the client lacks, an error the client marks non-retriable)."""
 
 
+class TransientStoreError(ConveyorError):
+    """The meta store is briefly unavailable (locked, connection dropped); retry later."""
+
+
 class FencedError(ConveyorError):
     """This run's generation is stale: another run owns the connector now."""
 
@@ -76,6 +83,27 @@ class AlreadyClaimedError(ConveyorError):
 
 class DeadLetterLimitError(ConveyorError):
     """Too many messages failed; the connector stops instead of draining the topic."""
+
+
+class DataPolicyError(ConveyorError):
+    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped.
+
+    The rows before it were delivered and committed; nothing after it was committed
+    (nor written, by a sink honouring ``fail_fast``), so a restart resumes exactly at it.
+    ``topic``/``partition``/``offset`` name the message.
+    """
+
+    def __init__(self, message: str, *, topic: str = "", partition: int = -1, offset: int = -1):
+        super().__init__(message)
+        self.topic, self.partition, self.offset = topic, partition, offset
+
+
+class OutageBudgetExceeded(ConveyorError):
+    """An outage outlasted the retry budget; the run gives up (the scheduler restarts it)."""
+
+
+class StageHungError(ConveyorError):
+    """A stage stayed under way past ``liveness.restart_after_s``: the run restarts itself."""
 
 
 # A connector stopped by its data (a message under the ``fail`` policy, the dead-letter

@@ -42,13 +42,16 @@ import pyarrow as pa
 
 from conveyor.core.errors import (
     DATA_ERROR_PREFIX,
-    BatchRejected,
     ConveyorError,
+    DataPolicyError,
     FencedError,
+    OutageBudgetExceeded,
     TransientSinkError,
     TransientSourceError,
+    TransientStoreError,
 )
 from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
+from conveyor.core.liveness import Stage, StageClock, stage_of
 from conveyor.core.model import (
     OFFSET_COL,
     PARTITION_COL,
@@ -64,25 +67,12 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
+from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
 
 log = logging.getLogger("conveyor.loop")
 
-
-class DataPolicyError(ConveyorError):
-    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped.
-
-    The rows before it were delivered and committed; nothing after it was committed
-    (nor written, by a sink honouring ``fail_fast``), so a restart resumes exactly at it.
-    ``topic``/``partition``/``offset`` name the message.
-    """
-
-    def __init__(self, message: str, *, topic: str = "", partition: int = -1, offset: int = -1):
-        super().__init__(message)
-        self.topic, self.partition, self.offset = topic, partition, offset
-
-
-class OutageBudgetExceeded(ConveyorError):
-    """An outage outlasted the retry budget; the run gives up (the scheduler restarts it)."""
+# Errors retried as outages: the target, the log or the meta store is briefly unavailable.
+OUTAGES = (TransientSinkError, TransientSourceError, TransientStoreError)
 
 
 @dataclass(frozen=True)
@@ -107,13 +97,6 @@ class Transformed:
     table: pa.Table  # rows to send, META_COLUMNS + payload columns
     rejected: tuple[Rejected, ...] = ()
     filtered: int = 0
-
-
-@dataclass(frozen=True)
-class RowFailureView:
-    index: int
-    message: str
-    transient: bool = False  # not acknowledged because of an outage: re-sent, not a data error
 
 
 class Source(Protocol):
@@ -146,14 +129,6 @@ class Transformer(Protocol):
         to check its expressions (raising ConfigError). It is called from one thread at a
         time, but not always the same one (see ``LoopConfig.transform_ahead``).
         """
-
-
-class SinkLike(Protocol):
-    def validate(self) -> None: ...
-    def init_sink(self) -> None: ...
-    def send_batch(self, batch: pa.Table) -> Any: ...  # SendResult
-    def cleanup_sink(self) -> None: ...
-    def describe(self) -> str: ...
 
 
 class Directive(str, enum.Enum):
@@ -190,6 +165,11 @@ class Committer(Protocol):
         Raises FencedError when superseded. May be called from another thread than the
         loop's: the loop only sets events from its answer.
         """
+
+    # Optional: ``ensure_current()``, raising FencedError when this run's generation is no
+    # longer current; called before each batch is sent, so that a fenced run sends at most
+    # the batch it was sending when it was fenced. TransientStoreError from any of these
+    # methods is an outage of the meta store (retried, Degraded).
 
 
 class DeadLetterWriter(Protocol):
@@ -241,7 +221,7 @@ class ConnectorLoop:
         *,
         source: Source,
         transform: Transformer,
-        sink: SinkLike,
+        sink: SinkProtocol,
         committer: Committer,
         committed: Offsets,
         dead_letters: DeadLetterWriter | None = None,
@@ -268,7 +248,6 @@ class ConnectorLoop:
         self._pause_event = threading.Event()
         self.reconfigure_requested = False
         self.status = ConnectorStatus.RUNNING
-        self._status_reason: str | None = "first heartbeat"
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._limiter = DeadLetterLimiter(config.failure.dead_letter)
@@ -278,6 +257,16 @@ class ConnectorLoop:
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._first_failure: dict[tuple[str, int, int], float] = {}
         self._closed = False
+        # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
+        # heartbeats for a supervised loop, which then only queues its status changes.
+        self.stages = StageClock(time.monotonic)
+        self.supervised = False
+        self.beat_requested = threading.Event()
+        self._beat_lock = threading.Lock()
+        self._transitions: deque[tuple[ConnectorStatus, str | None]] = deque(
+            [(ConnectorStatus.RUNNING, "first heartbeat")]
+        )
+        self._fenced: FencedError | None = None
         if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
             raise ConveyorError("failure policy dead_letter needs a dead-letter store")
 
@@ -290,7 +279,8 @@ class ConnectorLoop:
         """Run until stopped. Returns the final counters; raises on a connector error."""
         reader: _Prefetcher | None = None
         try:
-            self.sink.validate()
+            with self.stages.stage(Stage.INIT):
+                self.sink.validate()
             prepare = getattr(self.transform, "prepare", None)
             if prepare is not None:
                 self._with_outage_retry("prepare transform", prepare)
@@ -299,30 +289,66 @@ class ConnectorLoop:
             if open_source is not None:
                 self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
             self._heartbeat(force=True)
-            if self.cfg.prefetch:
-                ahead = self.transform if self.cfg.transform_ahead else None
-                reader = _Prefetcher(self.source, self.cfg.batch, ahead, self._pause_event)
+            reader = self._reader()
             while not self._should_stop():
                 if self._pause_event.is_set():
                     self._paused()
                     continue
-                item = reader.next() if reader else _Ahead.of(self.source.read(self.cfg.batch))
+                try:
+                    item = reader.next() if reader else _Ahead.of(self._read())
+                except OUTAGES as e:
+                    # A read failed (on the read-ahead thread, which then ended): read
+                    # again here under the retry policy, then read ahead again.
+                    if reader:
+                        reader.stop()
+                    item = _Ahead.of(
+                        self._with_outage_retry(
+                            "read", lambda: self.source.read(self.cfg.batch), failed_first=e
+                        )
+                    )
+                    reader = self._reader()
                 if item is None:
                     self._heartbeat()
                     continue
                 self._process(item)
+            if self._fenced is not None:
+                raise self._fenced
             return self.counters
         except FencedError:
             self._acked = None  # never commit after losing the assignment
             raise
         except BaseException:
-            self._commit_acknowledged()
+            self._commit_acknowledged(retry=False)
             raise
         finally:
             self._stop_event.set()
             if reader:
                 reader.stop()
             self._close()
+
+    def _reader(self) -> _Prefetcher | None:
+        if not self.cfg.prefetch:
+            return None
+        ahead = self.transform if self.cfg.transform_ahead else None
+        return _Prefetcher(self.source, self.cfg.batch, ahead, self._pause_event, self.stages)
+
+    def _read(self) -> SourceBatch | None:
+        with self.stages.stage(Stage.READ):
+            return self.source.read(self.cfg.batch)
+
+    def fence(self, error: FencedError) -> None:
+        """This run lost the connector (seen by a heartbeat on any thread): stop, commit nothing."""
+        if self._fenced is None:
+            self._fenced = error
+        self._stop_event.set()
+
+    def _ensure_current(self) -> None:
+        """Before a batch is sent: stop if this run's generation is no longer current."""
+        if self._fenced is not None:
+            raise self._fenced
+        check = getattr(self.committer, "ensure_current", None)
+        if check is not None:
+            self._with_outage_retry("check generation", check)
 
     # -- one batch --------------------------------------------------------------
 
@@ -346,6 +372,7 @@ class ConnectorLoop:
             FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode")
             for r in tr.rejected
         ]
+        self._ensure_current()
         if self.cfg.failure.policy == FailurePolicyName.FAIL:
             self._process_fail_fast(sb, tr, failures, started)
             return
@@ -449,9 +476,7 @@ class ConnectorLoop:
             again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
             by_index = {f.index: f for f in again}
             sent += subset.num_rows - len(again)
-            failed = [
-                RowFailureView(failed[i].index, by_index[i].message) for i in sorted(by_index)
-            ]
+            failed = [RowFailure(failed[i].index, by_index[i].message) for i in sorted(by_index)]
         return sent, [
             FailedMessage(
                 *_coords(table, f.index), error=f.message, error_class="data", attempts=attempts
@@ -459,11 +484,11 @@ class ConnectorLoop:
             for f in failed
         ]
 
-    def _send_until_acknowledged(self, table: pa.Table) -> list[RowFailureView]:
+    def _send_until_acknowledged(self, table: pa.Table) -> list[RowFailure]:
         """Send with outage retries. Rows a sink reports as not acknowledged because of an
         outage (``RowFailure`` of kind ``transient``: a partial acknowledgement) are the only
         ones sent again; the rows it acknowledged are not. Returns the data failures."""
-        data: list[RowFailureView] = []
+        data: list[RowFailure] = []
         remaining: list[int] | None = None  # indexes of ``table`` still to send; None: all
 
         def attempt() -> None:
@@ -471,8 +496,12 @@ class ConnectorLoop:
             part = table if remaining is None else table.take(pa.array(remaining, pa.int64()))
             back = remaining if remaining is not None else list(range(table.num_rows))
             failed = self._send_isolating(part)
-            data.extend(RowFailureView(back[f.index], f.message) for f in failed if not f.transient)
-            unacked = [f for f in failed if f.transient]
+            data.extend(
+                RowFailure(back[f.index], f.message, f.kind)
+                for f in failed
+                if f.kind is not ErrorKind.TRANSIENT
+            )
+            unacked = [f for f in failed if f.kind is ErrorKind.TRANSIENT]
             if unacked:
                 remaining = [back[f.index] for f in unacked]
                 raise TransientSinkError(
@@ -482,7 +511,7 @@ class ConnectorLoop:
         self._with_outage_retry("send", attempt)
         return sorted(data, key=lambda f: f.index)
 
-    def _send_isolating(self, table: pa.Table) -> list[RowFailureView]:
+    def _send_isolating(self, table: pa.Table) -> list[RowFailure]:
         return send_isolating(
             self.sink, table, fail_fast=self.cfg.failure.policy == FailurePolicyName.FAIL
         )
@@ -556,8 +585,9 @@ class ConnectorLoop:
                 if pending is not None:
                     error, pending = pending, None
                     raise error
-                return fn()
-            except (TransientSinkError, TransientSourceError) as e:
+                with self.stages.stage(stage_of(what)):
+                    return fn()
+            except OUTAGES as e:
                 now = self.clock()
                 delay = self._outage.failed(now)
                 self._count(retries=1)
@@ -584,12 +614,17 @@ class ConnectorLoop:
 
     # -- commits, heartbeats, progress -----------------------------------------------
 
-    def _commit_acknowledged(self) -> None:
+    def _commit_acknowledged(self, retry: bool = True) -> None:
+        """Commit what the sink acknowledged; a meta-store outage is retried unless shutting down."""
         if self._acked is None:
             return
         offsets = self._acked
         try:
-            self.committer.commit(offsets)
+            if retry:
+                self._with_outage_retry("commit", lambda: self.committer.commit(offsets))
+            else:
+                with self.stages.stage(Stage.COMMIT):
+                    self.committer.commit(offsets)
         except FencedError:
             self._acked = None
             raise
@@ -612,14 +647,45 @@ class ConnectorLoop:
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
         )
-        answer = self.committer.heartbeat(self.counters, self.status, self._status_reason)
-        self._status_reason = None
-        self.apply(answer)
+        if self.supervised:
+            if force:
+                self.beat_requested.set()  # a status change: the supervisor beats at once
+        else:
+            self.beat()
         if self.on_progress and (
             self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s
         ):
             self._last_progress = now
             self.on_progress(Progress(self.counters, dict(self.committed)))
+
+    def beat(self, override: ConnectorStatus | None = None) -> None:
+        """Heartbeat once (any thread): each queued status change in order, else the current
+        status; ``override`` (the supervisor's verdict, whose reason was queued once with
+        ``report``) replaces a Running status.
+
+        FencedError stops the loop (``fence``) and is re-raised; other errors leave the
+        queued changes for the next beat.
+        """
+        with self._beat_lock:
+            try:
+                if not self._transitions:
+                    status, reason = self.status, None
+                    if override is not None and status == ConnectorStatus.RUNNING:
+                        status = override
+                    self._transitions.append((status, reason))
+                while self._transitions:
+                    status, reason = self._transitions[0]
+                    answer = self.committer.heartbeat(self.counters, status, reason)
+                    self._transitions.popleft()
+                    self.apply(answer)
+            except FencedError as e:
+                self.fence(e)
+                raise
+
+    def report(self, status: ConnectorStatus, reason: str) -> None:
+        """Queue a status for the next heartbeat (the supervisor's verdicts, store trouble)."""
+        with self._beat_lock:
+            self._transitions.append((status, reason))
 
     def apply(self, directive: Directive | bool | None) -> None:
         """Act on a heartbeat's answer: only sets events, so any thread may call it."""
@@ -654,7 +720,8 @@ class ConnectorLoop:
     def _set_status(self, status: ConnectorStatus, reason: str) -> None:
         if status != self.status:
             self.status = status
-            self._status_reason = reason
+            with self._beat_lock:
+                self._transitions.append((status, reason))
 
     def _rate(self, now: float) -> float:
         window = [(t, n) for t, n in self._rate_window if now - t <= 60]
@@ -669,7 +736,7 @@ class ConnectorLoop:
         )
 
     def _should_stop(self) -> bool:
-        return self._stop_event.is_set() or self.stop_requested()
+        return self._stop_event.is_set() or self._fenced is not None or self.stop_requested()
 
     def _interruptible_sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -734,7 +801,9 @@ class _Prefetcher:
         policy: BatchPolicy,
         transform: Callable[[pa.Table], Transformed] | None = None,
         paused: threading.Event | None = None,
+        stages: StageClock | None = None,
     ):
+        self._stages = stages or StageClock(time.monotonic)
         self._source = source
         self._policy = policy
         self._transform = transform
@@ -768,7 +837,9 @@ class _Prefetcher:
                 self._stop.wait(0.05)
                 continue
             try:
-                item: tuple[str, Any] = ("batch", _Ahead.of(self._source.read(self._policy)))
+                with self._stages.stage(Stage.READ):
+                    batch = self._source.read(self._policy)
+                item: tuple[str, Any] = ("batch", _Ahead.of(batch))
             except BaseException as e:  # handed to the consumer thread
                 item = ("error", e)
             if not self._put(self._read_q, item) or item[0] == "error":
@@ -783,8 +854,9 @@ class _Prefetcher:
                 continue
             if kind == "batch" and value is not None and value.batch.table.num_rows:
                 try:
-                    value = _Ahead(value.batch, self._transform(value.batch.table))
-                except (TransientSinkError, TransientSourceError) as e:
+                    with self._stages.stage(Stage.TRANSFORM):
+                        value = _Ahead(value.batch, self._transform(value.batch.table))
+                except OUTAGES as e:
                     value = _Ahead(value.batch, outage=e)
                 except Exception as e:  # noqa: BLE001 - run again on the loop's thread
                     log.debug("transform ahead failed (the loop runs it again): %s", e)
@@ -804,52 +876,6 @@ class _Prefetcher:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
-
-
-def send_isolating(
-    sink: SinkLike, table: pa.Table, *, fail_fast: bool = False
-) -> list[RowFailureView]:
-    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows.
-
-    This is the one bisection of the runtime. With ``fail_fast`` (the ``fail`` policy) the
-    sink is told to stop at its first failed row (``Sink.fail_fast``) and the bisection
-    sends nothing after the first guilty row: the result is at most that one row.
-    """
-    if fail_fast and hasattr(sink, "fail_fast"):
-        sink.fail_fast = True
-    try:
-        result = sink.send_batch(table)
-    except BatchRejected as e:
-        if table.num_rows == 1:
-            return [RowFailureView(0, str(e))]
-        mid = table.num_rows // 2
-        left = send_isolating(sink, table.slice(0, mid), fail_fast=fail_fast)
-        if fail_fast and any(not f.transient for f in left):
-            return left
-        right = send_isolating(sink, table.slice(mid), fail_fast=fail_fast)
-        return left + [replace(f, index=f.index + mid) for f in right]
-    failed = [
-        RowFailureView(f.index, f.message, transient=getattr(f, "kind", None) == "transient")
-        for f in sorted(result.failed, key=lambda f: f.index)
-    ]
-    if fail_fast:
-        # The first data failure, and the rows before it still to be re-sent.
-        first = next((f.index for f in failed if not f.transient), None)
-        failed = [f for f in failed if first is None or f.index <= first]
-    return failed
-
-
-def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
-    """What a commit of the rows before source index ``cut`` stores: per partition, the
-    offset of its first row at or after ``cut``, else the batch's next offset."""
-    out = dict(next_offsets)
-    seen: set[TopicPartition] = set()
-    for i, (topic, part, off) in enumerate(_all_coords(table)):
-        tp = TopicPartition(topic, part)
-        if i >= cut and tp not in seen:
-            seen.add(tp)
-            out[tp] = off
-    return out
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
@@ -884,6 +910,19 @@ def _pct(values: deque[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
+
+
+def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
+    """What a commit of the rows before source index ``cut`` stores: per partition, the
+    offset of its first row at or after ``cut``, else the batch's next offset."""
+    out = dict(next_offsets)
+    seen: set[TopicPartition] = set()
+    for i, (topic, part, off) in enumerate(_all_coords(table)):
+        tp = TopicPartition(topic, part)
+        if i >= cut and tp not in seen:
+            seen.add(tp)
+            out[tp] = off
+    return out
 
 
 def next_offsets_of(table: pa.Table) -> Offsets:

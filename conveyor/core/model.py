@@ -135,6 +135,12 @@ class SourceSpec(KafkaConnection, _Spec):
         description="read_committed: records of aborted transactions are skipped and those of open "
         "transactions wait for their commit. read_uncommitted: everything in the log.",
     )
+    client: Literal["confluent", "kafka-python"] = Field(
+        default="confluent",
+        description="The Kafka client that reads: confluent (librdkafka: fetching, checksums and "
+        "decompression in C threads, outside Python) or kafka-python (pure Python). client_options are "
+        "under the chosen client's names (librdkafka's dotted properties for confluent).",
+    )
     discovery_interval_s: float = Field(
         default=30.0,
         ge=1,
@@ -201,7 +207,9 @@ class SourceSpec(KafkaConnection, _Spec):
 
 BATCH_PRESETS: dict[str, dict[str, int]] = {
     "low_latency": {"max_records": 1_000, "max_bytes": 1 << 20, "max_wait_ms": 100},
-    "balanced": {"max_records": 10_000, "max_bytes": 16 << 20, "max_wait_ms": 500},
+    # The default (measured: docs/BENCHMARKS.md, "Batch size and wait"): large batches
+    # while there is a backlog (one Spark round trip per batch), a short wait when idle.
+    "balanced": {"max_records": 50_000, "max_bytes": 16 << 20, "max_wait_ms": 100},
     "throughput": {"max_records": 100_000, "max_bytes": 64 << 20, "max_wait_ms": 2_000},
 }
 
@@ -210,7 +218,7 @@ class BatchPolicy(_Spec):
     """When a batch closes: on size (records or bytes) or on age, whichever comes first."""
 
     max_records: int = Field(
-        default=10_000, ge=1, le=1_000_000, description="Close the batch at this many records."
+        default=50_000, ge=1, le=1_000_000, description="Close the batch at this many records."
     )
     max_bytes: int = Field(
         default=16 << 20,
@@ -219,10 +227,12 @@ class BatchPolicy(_Spec):
         description="Close the batch at this many payload bytes.",
     )
     max_wait_ms: int = Field(
-        default=500,
+        default=100,
         ge=1,
         le=60_000,
-        description="Close the batch this long after its first record.",
+        description="Close the batch this long after its first record, once the source has caught up. "
+        "While the partitions hold more (a backlog), the batch keeps filling up to max_records or "
+        "max_bytes, for at most 1 s (or max_wait_ms if longer) after its first record.",
     )
 
     @model_validator(mode="before")
@@ -307,6 +317,31 @@ class RetrySpec(_Spec):
     )
 
 
+class LivenessSpec(_Spec):
+    """How a run judges its own stages (read, transform, send, commit); see core/liveness.py."""
+
+    stage_deadline_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="A stage under way longer than this (a read: plus batch.max_wait_ms) is "
+        "reported Degraded with the stage named; the run keeps heartbeating.",
+    )
+    restart_after_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="A stage under way longer than this makes the run restart itself (the run "
+        "fails, the scheduler relaunches it under max_restarts).",
+    )
+
+    @model_validator(mode="after")
+    def _restart_after_deadline(self) -> LivenessSpec:
+        if self.restart_after_s <= self.stage_deadline_s:
+            raise ValueError("restart_after_s must be greater than stage_deadline_s")
+        return self
+
+
 class DeadLetterSpec(_Spec):
     """Where dead letters go and when the connector stops dead-lettering."""
 
@@ -315,7 +350,10 @@ class DeadLetterSpec(_Spec):
         description="Parquet files (through Spark) or a Kafka topic '<connector>.dlq'.",
     )
     path: str | None = Field(
-        default=None, description="Parquet directory; default .conveyor/dead_letters/<connector>."
+        default=None,
+        description="Where Spark writes the Parquet dead letters: a URL Spark resolves (s3a://, "
+        "hdfs://, file://) or a path (a relative one is under $CONVEYOR_HOME); default "
+        "$CONVEYOR_HOME/dead_letters/<connector>. Listing, counting and replay read it through Spark.",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="none", description="With store: kafka, the producer's compression codec."
@@ -393,6 +431,10 @@ class ConnectorSpec(_Spec):
     )
     failure: FailureSpec = Field(
         default_factory=FailureSpec, description="Failed messages (section `failure`)."
+    )
+    liveness: LivenessSpec = Field(
+        default_factory=LivenessSpec,
+        description="Stage deadlines: Degraded, then a self-restart (section `liveness`).",
     )
     desired: DesiredState = Field(
         default=DesiredState.RUNNING,

@@ -27,7 +27,7 @@ decision and never stops the others):
    under the ``fail`` policy, or the dead-letter limit was hit: ``errors.is_data_error``)
    is never restarted automatically; crashes and outages keep the restart budget.
 5. **drain / down brokers**: connectors on a draining broker, a broker that no
-   longer exists, or (when another healthy broker has room) a broker whose Spark
+   longer exists or is gone (removed from the brokers file, see ``gone_brokers``), or (when another healthy broker has room) a broker whose Spark
    endpoint refuses connections are moved: reset to Idle with a bumped generation.
 6. **assignment**: Idle, unassigned connectors that should run go, in name order,
    to the healthy broker with the lowest load (sum of connector weights, a weight
@@ -100,6 +100,7 @@ class BrokerView:
     run_tags: Mapping[str, str] = field(default_factory=dict)
     draining: bool = False
     endpoint_up: bool = True
+    gone: bool = False  # removed from the brokers file (kept in the store, marked gone)
 
 
 @dataclass(frozen=True)
@@ -335,6 +336,16 @@ def down_brokers(
     return out
 
 
+def gone_brokers(in_file: Iterable[str], stored: Iterable[BrokerView]) -> list[str]:
+    """Stored brokers the brokers file no longer names, not yet marked gone: to mark gone.
+
+    A gone broker stays in the store (the history names it) but counts as missing: it
+    gets no connector and its connectors move. Naming it in the file again revives it.
+    """
+    keep = set(in_file)
+    return sorted(b.id for b in stored if b.id not in keep and not b.gone)
+
+
 def plan(
     connectors: Sequence[ConnectorView],
     brokers: Sequence[BrokerView],
@@ -346,6 +357,7 @@ def plan(
     cfg = config or SchedulerConfig()
     out = Plan()
     by_name = {c.name: c for c in connectors}
+    brokers = [b for b in brokers if not b.gone]  # a gone broker counts as missing
     broker_ids = {b.id for b in brokers}
     runs_of: dict[str, list[RunView]] = defaultdict(list)
     for r in runs:
@@ -621,7 +633,7 @@ def _off_a_bad_broker(x: _Connector, t: _Tick) -> list[Decision] | None:
     b = next((b for b in t.brokers if b.id == c.broker_id), None)
     run_id = x.current.run_id if x.active_current and x.current else None
     if c.broker_id not in t.broker_ids:
-        why = f"broker {c.broker_id} no longer exists"
+        why = f"broker {c.broker_id} no longer exists (gone from the brokers file)"
     elif b is not None and b.draining:
         why = f"broker {c.broker_id} is draining"
     elif c.broker_id in t.down and any(n > 0 for bid, n in t.room.items() if bid != c.broker_id):

@@ -26,11 +26,11 @@ from dagster import (
 
 from conveyor.assets.lineage import dead_letter_key
 from conveyor.core.errors import ConfigError
-from conveyor.core.loop import send_isolating
+from conveyor.core.sink import send_isolating
 from conveyor.deadletters import (
     DEAD_LETTER_SCHEMA,
     SparkParquetDeadLetters,
-    dead_letter_dir,
+    dead_letter_location,
     letter_id,
     letters_as_source_batch,
     sample_rows,
@@ -63,7 +63,7 @@ def replay_dead_letters(
 ) -> ReplayResult:
     """Replay every pending dead letter of a connector (Parquet store)."""
     assert ls.spec is not None and ls.sink is not None
-    store = SparkParquetDeadLetters(dead_letter_dir(ls.spec), spark, connector=ls.name)
+    store = SparkParquetDeadLetters(dead_letter_location(ls.spec), spark, connector=ls.name)
     pending = store.pending()
     total = pending.num_rows
     if total == 0:
@@ -76,15 +76,17 @@ def replay_dead_letters(
         for start in range(0, total, batch_size):
             letters = pending.slice(start, batch_size)
             source = letters_as_source_batch(letters)
-            tr = transform(source)
-            failures = {letters.column("id")[r.index].as_py(): r.message for r in tr.rejected}
-            for f in send_isolating(sink, tr.table) if tr.table.num_rows else []:
-                row = tr.table.slice(f.index, 1).to_pylist()[0]
+            transformed = transform(source)
+            failures = {
+                letters.column("id")[r.index].as_py(): r.message for r in transformed.rejected
+            }
+            for f in send_isolating(sink, transformed.table) if transformed.table.num_rows else []:
+                row = transformed.table.slice(f.index, 1).to_pylist()[0]
                 failures[letter_id(row["__topic"], row["__partition"], row["__offset"])] = f.message
             ids = letters.column("id").to_pylist()
             ok_ids = [i for i in ids if i not in failures]
             # Filtered out on replay counts as done: the current transform does not want it.
-            filtered += len(ids) - tr.table.num_rows - len(tr.rejected)
+            filtered += len(ids) - transformed.table.num_rows - len(transformed.rejected)
             if failures:
                 t = now()
                 mask = pc.is_in(letters.column("id"), pa.array(list(failures), pa.string()))
@@ -150,7 +152,7 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
             run_id=context.run_id,
         )
         dl = SparkParquetDeadLetters(
-            dead_letter_dir(current.spec), lambda: spark_session(remote), connector=name
+            dead_letter_location(current.spec), lambda: spark_session(remote), connector=name
         )
         sample = sample_rows(dl.pending(limit=5)) if result.remaining else []
         context.log_event(

@@ -38,6 +38,10 @@ def brokers_file() -> Path:
     ).resolve()
 
 
+# How long a run's meta-store write waits for a SQLite lock before it counts as an outage.
+RUN_BUSY_TIMEOUT_S = 5.0
+
+
 def load_brokers(path: Path | None = None) -> list[Broker]:
     """Broker executors from YAML (``core.model.BrokersFile``), or the one default broker."""
     path = path or brokers_file()
@@ -102,8 +106,18 @@ class ConveyorResource(ConfigurableResource):
             self._store.ensure_schema()
         return self._store
 
+    def run_store(self) -> MetaStore:
+        """The meta store as a connector run uses it: a SQLite lock held longer than
+        ``RUN_BUSY_TIMEOUT_S`` is a TransientStoreError (retried, reported Degraded) well
+        before the heartbeat timeout, instead of a silent 30 s stall."""
+        return MetaStore(self.meta_url or default_meta_url(), busy_timeout_s=RUN_BUSY_TIMEOUT_S)
+
     def sync_brokers(self, store: MetaStore) -> None:
-        """Upsert the brokers file into the store (edits apply without a reload); a bad file keeps the stored brokers."""
+        """Upsert the brokers file into the store (edits apply without a reload) and mark the
+        stored brokers it no longer names gone; a bad file keeps the stored brokers."""
+        from conveyor.core.scheduler import gone_brokers
+        from conveyor.sensors.scheduler import broker_views
+
         try:
             brokers = load_brokers()
         except ConfigError as e:
@@ -111,6 +125,10 @@ class ConveyorResource(ConfigurableResource):
             return
         for b in brokers:
             store.upsert_broker(b)
+        gone = gone_brokers([b.id for b in brokers], broker_views(store, check_endpoints=False))
+        if gone:
+            log.warning("brokers %s are no longer in the brokers file: marked gone", gone)
+            store.mark_gone(gone)
 
     def bootstrap(self) -> str | None:
         return self.kafka_bootstrap or os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP")

@@ -118,7 +118,8 @@ def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.
     return out
 
 
-def broker_views(store: MetaStore) -> list[core.BrokerView]:
+def broker_views(store: MetaStore, *, check_endpoints: bool = True) -> list[core.BrokerView]:
+    gone = store.gone_brokers()
     return [
         core.BrokerView(
             id=b.id,
@@ -126,7 +127,10 @@ def broker_views(store: MetaStore) -> list[core.BrokerView]:
             spark_remote=b.spark_remote,
             run_tags=b.run_tags,
             draining=b.draining,
-            endpoint_up=endpoint_up(b.spark_remote),
+            endpoint_up=endpoint_up(b.spark_remote)
+            if check_endpoints and b.id not in gone
+            else True,
+            gone=b.id in gone,
         )
         for b in store.list_brokers()
     ]

@@ -1,47 +1,7 @@
-"""The sink interface.
+"""The sink base class and the helpers sinks share (records, payload columns, config rules).
 
-A sink writes batches of messages to one external system. The runtime calls it
-from a single thread, in this order::
-
-    validate()            # once; config only, no I/O
-    init_sink()           # once; connect, check the target exists and is writable
-    send_batch(batch)*    # many times
-    cleanup_sink()        # always, also after an error or an interrupt; may be called twice
-
-Contract of ``send_batch(batch) -> SendResult``:
-
-- ``batch`` is a ``pyarrow.Table``: the payload columns (decoded by Spark) plus the
-  metadata columns of ``conveyor.core.model.META_COLUMNS`` (``__topic``,
-  ``__partition``, ``__offset``, ``__timestamp``, ``__key``, ``__headers``,
-  ``__destination``). A sink writes the payload columns unless its config maps
-  metadata columns too. Rows are in offset order per partition.
-- Returning means every row not listed in ``SendResult.failed`` is durably
-  acknowledged by the target (flushed, fsynced, confirmed). The runtime commits
-  offsets only after that, so a sink must never return before its writes are safe.
-- A row the target rejects for its *content* (constraint violation, type error,
-  too large, unroutable) is a data error: report it in ``failed`` with its row
-  index and keep going with the other rows. If the system can only reject a
-  whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
-  batch to isolate the bad rows.
-- ``fail_fast`` (set to True by the runtime under the ``fail`` failure policy): write
-  nothing after the first row that fails. Report that row in ``failed`` (rows after it
-  may be left out of ``failed``); rows before it are written and acknowledged as usual.
-  A sink that cannot stop midway (its client reports failures only after the whole
-  batch went out) may ignore it: the runtime then commits only the rows before the
-  failed one, and the rows it wrote after it are written again on resume.
-- Partial acknowledgement: when an outage cuts a batch short and the client says which
-  rows were acknowledged (per-record futures, confirms), the sink may return instead of
-  raising, listing each row *not* acknowledged as a ``RowFailure`` of kind
-  ``ErrorKind.TRANSIENT``. The runtime then re-sends only those rows, with the outage
-  backoff; they are never data errors.
-- An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
-  raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
-  the runtime retries it later with backoff. Rows written before the outage may
-  be written again (at-least-once); idempotent sinks make that harmless.
-- A failure no retry can fix (auth refused, table dropped) raises
-  ``PermanentSinkError``; the connector goes to ``Error``.
-- ``send_batch`` may block for as long as the target takes, bounded by the sink's
-  own timeouts.
+The contract every sink follows (call order, what ``send_batch`` returning or raising
+means) is written once, in :mod:`conveyor.core.sink`.
 
 Sinks import their client library lazily (inside ``init_sink``), so loading the
 Dagster code location never imports pymongo or the Pulsar client.
@@ -51,14 +11,13 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
-import enum
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from conveyor.core.errors import BatchRejected, ConfigError, SinkError  # noqa: F401 - re-exported
 from conveyor.core.model import (
@@ -71,36 +30,12 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-
-
-class ErrorKind(str, enum.Enum):
-    DATA = "data"
-    TRANSIENT = "transient"
-
-
-@dataclass(frozen=True)
-class RowFailure:
-    """One row the target rejected: its index in the batch, the error class and message."""
-
-    index: int
-    message: str
-    kind: ErrorKind = ErrorKind.DATA
-
-
-@dataclass(frozen=True)
-class SendResult:
-    """What a sink acknowledged: every row but the failed ones."""
-
-    rows: int
-    failed: tuple[RowFailure, ...] = ()
-
-    @property
-    def acked(self) -> int:
-        return self.rows - len(self.failed)
-
-    @classmethod
-    def all_ok(cls, rows: int) -> SendResult:
-        return cls(rows=rows)
+from conveyor.core.sink import (  # noqa: F401 - re-exported
+    ErrorKind,
+    RowFailure,
+    SendResult,
+    first_failure_only,
+)
 
 
 class SinkConfig(BaseModel):
@@ -124,13 +59,13 @@ class SinkConfig(BaseModel):
 
 
 class Sink(abc.ABC):
-    """Base class of sinks; see the module docstring for the contract."""
+    """Base class of sinks; the contract is in conveyor.core.sink."""
 
     config_class: ClassVar[type[SinkConfig]]
 
     def __init__(self, config: SinkConfig):
         self.config = config
-        self.fail_fast = False  # see the module docstring; set by the runtime
+        self.fail_fast = False  # set by the runtime under the fail policy (conveyor.core.sink)
 
     def validate(self) -> None:  # noqa: B027 - optional hook: most configs need no cross-field rule
         """Check the config beyond its model (cross-field rules). No I/O. Raises ConfigError."""
@@ -141,7 +76,7 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def send_batch(self, batch: pa.Table) -> SendResult:
-        """Write one batch; see the module docstring."""
+        """Write one batch; see the contract in conveyor.core.sink."""
 
     @abc.abstractmethod
     def cleanup_sink(self) -> None:
@@ -150,17 +85,6 @@ class Sink(abc.ABC):
     def describe(self) -> str:
         """One line for logs and the UI: type and target, never secrets."""
         return "/".join(self.config.asset_key_path())
-
-
-def first_failure_only(
-    failures: list[RowFailure], todo: list[int]
-) -> tuple[list[RowFailure], list[int]]:
-    """For ``fail_fast``: the first of the failures found before writing, and the rows to
-    write (those before it)."""
-    if not failures:
-        return failures, todo
-    first = min(failures, key=lambda f: f.index)
-    return [first], [i for i in todo if i < first.index]
 
 
 def payload_columns(batch: pa.Table | pa.Schema) -> list[str]:
@@ -275,6 +199,24 @@ def url_env_alias(data: Any) -> Any:
     out = {k: v for k, v in data.items() if k != "url_env"}
     out["url"] = "${env:" + str(data["url_env"]) + "}"
     return out
+
+
+class UrlSinkConfig(SinkConfig):
+    """Base of sinks that connect with one URL (a secret): ``url``, or ``url_env`` as its alias.
+
+    Subclasses redefine ``url`` with their system's example; the alias rule is written once.
+    """
+
+    url: SecretStr | None = Field(default=None, description="Connection URL (secret).")
+    url_env: str | None = Field(
+        default=None,
+        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_env(cls, data: Any) -> Any:
+        return url_env_alias(data)
 
 
 def require(condition: bool, message: str, *, field: str) -> None:

@@ -1,7 +1,8 @@
 """Elasticsearch sink (elasticsearch-py 8/9): one ``_bulk`` request per batch with deterministic ``_id``s.
 
-The index is a template: ``{topic}``, ``{destination}`` (the row's ``__destination``)
-and ``{%<strftime>}`` on the message timestamp in UTC, e.g. ``logs-{%Y.%m.%d}``.
+The index is a template (conveyor.sinks.templates): ``${topic}``, ``${destination}`` (the row's
+``__destination``) and ``${timestamp:<strftime>}`` on the message timestamp in UTC, e.g.
+``logs-${timestamp:%Y.%m.%d}`` (the old ``{topic}`` / ``{%Y.%m.%d}`` form is accepted with a warning).
 Substituted values are lower-cased (index names must be lower case).
 
 Identity and replays (``id_strategy``): ``coordinates`` (default) gives
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
     ConfigError,
@@ -39,6 +41,7 @@ from conveyor.core.errors import (
     SinkError,
     TransientSinkError,
 )
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -54,7 +57,8 @@ from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
 log = logging.getLogger("conveyor.sinks.elasticsearch")
 
 ID_STRATEGY_PATTERN = r"^(none|key|coordinates|field:[^\s]+)$"
-_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+#: What an index template may use.
+INDEX_FIELDS = ("topic", "destination", "timestamp")
 # Characters Elasticsearch forbids in index names.
 _BAD_INDEX_CHARS = re.compile(r'[\\/*?"<>| ,#:A-Z]')
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -69,9 +73,15 @@ class ElasticsearchSinkConfig(SinkConfig):
         description="Node URLs, e.g. ['https://es-1:9200', 'https://es-2:9200'].",
     )
     index: str = Field(
-        description="Index name or template: {topic}, {destination} and {%<strftime>} on the message "
-        "timestamp (UTC), e.g. 'logs-{%Y.%m.%d}'. Substituted values are lower-cased.",
+        description="Index name or template: ${topic}, ${destination} and ${timestamp:<strftime>} on the "
+        "message timestamp (UTC), e.g. 'logs-${timestamp:%Y.%m.%d}'. Substituted values are lower-cased.",
     )
+
+    @field_validator("index", mode="before")
+    @classmethod
+    def _upgrade_index(cls, v: Any) -> Any:
+        return templates.upgrade_legacy(v, "sink.index")
+
     id_strategy: str = Field(
         default="coordinates",
         pattern=ID_STRATEGY_PATTERN,
@@ -128,8 +138,8 @@ class ElasticsearchSinkConfig(SinkConfig):
     )
 
     def asset_key_path(self) -> list[str]:
-        static = _PLACEHOLDER.sub("x", self.index)
-        return ["elasticsearch", re.sub(r"[^A-Za-z0-9_]", "_", static) or "_"]
+        static = templates.static_text(self.index, "x")
+        return ["elasticsearch", key_part(static, "_")]
 
     def kind(self) -> str:
         return "elasticsearch"
@@ -140,46 +150,20 @@ class ElasticsearchSinkConfig(SinkConfig):
 
 def template_problems(template: str) -> list[str]:
     """What is wrong with an index template (empty when it is usable)."""
-    problems = []
-    for ph in _PLACEHOLDER.findall(template):
-        if ph not in ("topic", "destination") and not ph.startswith("%"):
-            problems.append(
-                f"unknown placeholder {{{ph}}}; use {{topic}}, {{destination}} or {{%<strftime>}}"
-            )
-    static = _PLACEHOLDER.sub("", template)
+    problems = templates.problems(template, INDEX_FIELDS, formats=("timestamp",))
+    static = templates.static_text(template)
     if "{" in static or "}" in static:
         problems.append("unbalanced braces")
     if _BAD_INDEX_CHARS.search(static):
         problems.append('index names must be lower case, without \\ / * ? " < > | space , # :')
-    if not _PLACEHOLDER.match(template) and template.startswith(("-", "_", "+")):
+    if not template.startswith("${") and template.startswith(("-", "_", "+")):
         problems.append("index names must not start with -, _ or +")
-    if not template.strip():
-        problems.append("must not be empty")
     return problems
 
 
 def render_index(template: str, record: Record) -> str:
     """The index for one message; ValueError when it cannot be rendered or is not a valid index name."""
-
-    def sub(m: re.Match[str]) -> str:
-        ph = m.group(1)
-        if ph == "topic":
-            return record.topic.lower()
-        if ph == "destination":
-            if not record.destination:
-                raise ValueError("message has no destination ({destination} in the index template)")
-            return record.destination.lower()
-        if record.timestamp is None:
-            raise ValueError(f"message has no timestamp ({{{ph}}} in the index template)")
-        ts = record.timestamp
-        ts = (
-            ts.replace(tzinfo=dt.timezone.utc)
-            if ts.tzinfo is None
-            else ts.astimezone(dt.timezone.utc)
-        )
-        return ts.strftime(ph).lower()
-
-    name = _PLACEHOLDER.sub(sub, template)
+    name = templates.render(template, record).lower()
     if (
         not name
         or name in (".", "..")

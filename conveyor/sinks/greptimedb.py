@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
     ConfigError,
@@ -45,6 +46,7 @@ from conveyor.core.errors import (
     SinkError,
     TransientSinkError,
 )
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -62,7 +64,8 @@ log = logging.getLogger("conveyor.sinks.greptimedb")
 Precision = Literal["s", "ms", "us", "ns"]
 NANOS: dict[str, int] = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
 META_SOURCES = ("$key", "$topic", "$partition", "$offset")
-_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+#: What a measurement template may use.
+MEASUREMENT_FIELDS = ("topic", "destination")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -78,8 +81,14 @@ class GreptimeDBSinkConfig(SinkConfig):
     url: str = Field(description="Base URL of GreptimeDB's HTTP API, e.g. http://127.0.0.1:4000.")
     database: str = Field(default="public", description="Database (GreptimeDB schema) to write to.")
     measurement: str = Field(
-        description="Table (measurement) name or template: {topic} (source topic), {destination} (the row's __destination).",
+        description="Table (measurement) name or template: ${topic} (source topic), ${destination} (the row's __destination).",
     )
+
+    @field_validator("measurement", mode="before")
+    @classmethod
+    def _upgrade_measurement(cls, v: Any) -> Any:
+        return templates.upgrade_legacy(v, "sink.measurement")
+
     tags: dict[str, str] = Field(
         default_factory=dict,
         description="Tag (primary key column) -> source: a payload column, or $key, $topic, $partition, $offset. "
@@ -124,11 +133,11 @@ class GreptimeDBSinkConfig(SinkConfig):
     )
 
     def asset_key_path(self) -> list[str]:
-        table = _PLACEHOLDER.sub("x", self.measurement)
+        table = templates.static_text(self.measurement, "x")
         return [
             "greptimedb",
-            re.sub(r"[^A-Za-z0-9_]", "_", self.database),
-            re.sub(r"[^A-Za-z0-9_]", "_", table) or "_",
+            key_part(self.database),
+            key_part(table, "_"),
         ]
 
     def kind(self) -> str:
@@ -272,16 +281,8 @@ def timestamp_value(v: Any, unit: str, precision: str) -> int:
 
 
 def render_measurement(template: str, record: Record) -> str:
-    def sub(m: re.Match[str]) -> str:
-        if m.group(1) == "topic":
-            return record.topic
-        if not record.destination:
-            raise ValueError(
-                "message has no destination ({destination} in the measurement template)"
-            )
-        return record.destination
-
-    return _PLACEHOLDER.sub(sub, template)
+    """The measurement of one row; TemplateError when the row cannot fill the template."""
+    return templates.render(template, record)
 
 
 def _source_value(record: Record, source: str) -> Any:
@@ -491,13 +492,9 @@ class GreptimeDBSink(Sink):
             "must be a database name",
             field="sink.database",
         )
-        for ph in _PLACEHOLDER.findall(c.measurement):
-            require(
-                ph in ("topic", "destination"),
-                f"unknown placeholder {{{ph}}}; use {{topic}} or {{destination}}",
-                field="sink.measurement",
-            )
-        static = _PLACEHOLDER.sub("", c.measurement)
+        problems = templates.problems(c.measurement, MEASUREMENT_FIELDS)
+        require(not problems, "; ".join(problems), field="sink.measurement")
+        static = templates.static_text(c.measurement)
         require(
             bool(c.measurement.strip()) and "{" not in static and "}" not in static,
             "must be a table name or template",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
-import json
 import logging
 import re
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from conveyor.brokers.connection import (
     kafka_python_options,
     tls_problem,
 )
+from conveyor.core.asset_keys import key_part
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
@@ -39,97 +39,30 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, sink_error
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
-    ErrorKind,
     Record,
     RowFailure,
     SendResult,
     Sink,
     SinkConfig,
     iter_records,
-    json_default,
     payload_values,
     require,
 )
 
 log = logging.getLogger("conveyor.sinks.kafka")
 
-# -- record templates (pure; also used by the RabbitMQ sink) -----------------------------------
+# -- record templates (the syntax is conveyor.sinks.templates'; also used by the RabbitMQ sink) --
 
-_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
-TEMPLATE_FIELDS = ("topic", "key", "partition", "offset", "destination")
-
-
-class TemplateError(ValueError):
-    """A row cannot fill a template (missing field, no key...): a data error for that row."""
+#: What a topic, key or routing-key template may use.
+TEMPLATE_FIELDS = ("topic", "key", "partition", "offset", "destination", "payload")
 
 
-def template_problems(template: str, *, allowed: tuple[str, ...] = TEMPLATE_FIELDS) -> list[str]:
-    """What is wrong with a ``${...}`` template (empty when it is usable)."""
-    problems = []
-    if not template.strip():
-        problems.append("must not be empty")
-    for ph in _PLACEHOLDER.findall(template):
-        name = ph.strip()
-        if name.startswith("payload."):
-            if not all(name[len("payload.") :].split(".")):
-                problems.append(f"${{{ph}}}: empty field name")
-        elif name not in allowed:
-            problems.append(
-                f"unknown placeholder ${{{ph}}}; use one of {', '.join('${' + a + '}' for a in allowed)} or ${{payload.<field>}}"
-            )
-    rest = _PLACEHOLDER.sub("", template)
-    if "${" in rest:
-        problems.append("unclosed '${'")
-    return problems
-
-
-def is_static(template: str) -> bool:
-    return _PLACEHOLDER.search(template) is None
-
-
-def render_template(template: str, record: Record) -> str:
-    """Fill ``template`` from one row; raises TemplateError when the row lacks a value."""
-
-    def sub(m: re.Match[str]) -> str:
-        name = m.group(1).strip()
-        if name == "topic":
-            return record.topic
-        if name == "partition":
-            return str(record.partition)
-        if name == "offset":
-            return str(record.offset)
-        if name == "key":
-            if record.key is None:
-                raise TemplateError("message has no key (${key} in the template)")
-            return (
-                record.key.decode(errors="replace")
-                if isinstance(record.key, bytes)
-                else str(record.key)
-            )
-        if name == "destination":
-            if not record.destination:
-                raise TemplateError("message has no destination (${destination} in the template)")
-            return record.destination
-        path = name[len("payload.") :].split(".")
-        value: Any = record.payload_json()
-        for part in path:
-            if not isinstance(value, dict) or part not in value:
-                raise TemplateError(
-                    f"payload has no field {'.'.join(path)!r} (${{{name}}} in the template)"
-                )
-            value = value[part]
-        if value is None:
-            raise TemplateError(
-                f"payload field {'.'.join(path)!r} is null (${{{name}}} in the template)"
-            )
-        if isinstance(value, (dict, list)):
-            return json.dumps(value, default=json_default, separators=(",", ":"))
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return str(value)
-
-    return _PLACEHOLDER.sub(sub, template)
+def template_problems(template: str) -> list[str]:
+    """What is wrong with a topic, key or routing-key template (empty when it is usable)."""
+    return templates.problems(template, TEMPLATE_FIELDS)
 
 
 # -- config ---------------------------------------------------------------------------------
@@ -242,10 +175,12 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     def asset_key_path(self) -> list[str]:
         name = (
             self.topic
-            if is_static(self.topic)
-            else _PLACEHOLDER.sub(lambda m: m.group(1).strip().replace("payload.", ""), self.topic)
+            if templates.is_static(self.topic)
+            else templates.PLACEHOLDER.sub(
+                lambda m: m.group(1).strip().replace("payload.", ""), self.topic
+            )
         )
-        return ["kafka", re.sub(r"[^A-Za-z0-9_]", "_", name)]
+        return ["kafka", key_part(name)]
 
     def kind(self) -> str:
         return "kafka"
@@ -332,7 +267,7 @@ class KafkaSink(Sink):
             )
         problems = template_problems(c.topic)
         require(not problems, "; ".join(problems), field="sink.topic")
-        if is_static(c.topic):
+        if templates.is_static(c.topic):
             problem = topic_name_problem(c.topic)
             require(problem is None, problem or "", field="sink.topic")
         if c.key is not None:
@@ -377,13 +312,11 @@ class KafkaSink(Sink):
 
     def _error(self, exc: BaseException, context: str) -> Exception:
         # A data error outside a row (e.g. a codec the broker refuses) is the config's fault.
-        if classify_kafka_error(exc) in ("permanent", "data"):
-            return PermanentSinkError(f"{context}: {_describe(exc)}")
-        return TransientSinkError(f"{context}: {_describe(exc)}")
+        return sink_error(classify_kafka_error(exc), f"{context}: {_describe(exc)}")
 
     def init_sink(self) -> None:
         self._producer = self._connect()
-        if is_static(self.config.topic):
+        if templates.is_static(self.config.topic):
             self._topic_partitions(self.config.topic, at_start=True)
 
     def _topic_partitions(self, topic: str, *, at_start: bool = False) -> set[int]:
@@ -432,22 +365,22 @@ class KafkaSink(Sink):
     # -- writing ------------------------------------------------------------------------
 
     def target_topic(self, r: Record) -> str:
-        """The topic a row goes to; TemplateError when the row cannot say."""
+        """The topic a row goes to; templates.TemplateError when the row cannot say."""
         if self.config.use_destination and r.destination:
             topic = r.destination
-        elif is_static(self.config.topic):
+        elif templates.is_static(self.config.topic):
             return self.config.topic  # checked by validate()
         else:
-            topic = render_template(self.config.topic, r)
+            topic = templates.render(self.config.topic, r)
         problem = topic_name_problem(topic)
         if problem:
-            raise TemplateError(problem)
+            raise templates.TemplateError(problem)
         return topic
 
     def message(self, r: Record) -> dict[str, Any]:
         """The keyword arguments of ``producer.send`` for a row (topic excluded)."""
         c = self.config
-        key = r.key if c.key is None else render_template(c.key, r).encode()
+        key = r.key if c.key is None else templates.render(c.key, r).encode()
         headers: list[tuple[str, bytes]] = []
         if c.keep_headers:
             headers.extend(
@@ -471,7 +404,7 @@ class KafkaSink(Sink):
 
     def messages(
         self, batch: pa.Table
-    ) -> Iterator[tuple[int, str | TemplateError, dict[str, Any]]]:
+    ) -> Iterator[tuple[int, str | templates.TemplateError, dict[str, Any]]]:
         """Each row's target topic (or why it has none) and ``producer.send`` arguments.
 
         Column by column when the topic is fixed (or the row's ``__destination``) and the
@@ -479,11 +412,11 @@ class KafkaSink(Sink):
         Both give the same messages (tests/unit/test_kafka_sink_config.py).
         """
         c = self.config
-        if c.key is not None or not is_static(c.topic):
+        if c.key is not None or not templates.is_static(c.topic):
             for r in iter_records(batch):
                 try:
                     yield r.index, self.target_topic(r), self.message(r)
-                except TemplateError as e:
+                except templates.TemplateError as e:
                     yield r.index, e, {}
             return
         n = batch.num_rows
@@ -509,7 +442,7 @@ class KafkaSink(Sink):
             if dests[i]:
                 problem = topic_name_problem(dests[i])
                 if problem:
-                    yield i, TemplateError(problem), {}
+                    yield i, templates.TemplateError(problem), {}
                     continue
                 topic = dests[i]
             hs: list[tuple[str, bytes]] = []
@@ -546,7 +479,7 @@ class KafkaSink(Sink):
         for index, topic, msg in self.messages(batch):
             if failures and self.fail_fast:
                 break  # nothing after the first refused row is produced
-            if isinstance(topic, TemplateError):
+            if isinstance(topic, templates.TemplateError):
                 failures.append(RowFailure(index, str(topic)))
                 continue
             if msg["partition"] is not None:
@@ -558,7 +491,7 @@ class KafkaSink(Sink):
             try:
                 futures.append((index, self._producer.send(topic, **msg)))
             except Exception as e:  # noqa: BLE001 - classified
-                if classify_kafka_error(e) == "data":
+                if classify_kafka_error(e) is ErrorKind.DATA:
                     failures.append(RowFailure(index, _describe(e)))
                     continue
                 self._drop_producer()
@@ -569,25 +502,22 @@ class KafkaSink(Sink):
             if fut.succeeded():
                 continue
             exc = fut.exception if fut.is_done else None
-            if exc is not None and classify_kafka_error(exc) == "data":
+            if exc is not None and classify_kafka_error(exc) is ErrorKind.DATA:
                 failures.append(RowFailure(index, _describe(exc)))
                 continue
             unacked.append((index, exc))
         if unacked:
             self._drop_producer()
             first = next((e for _, e in unacked if e is not None), None)
-            if len(unacked) == len(futures) or (
-                first is not None and classify_kafka_error(first) == "permanent"
-            ):
+            permanent = first is not None and classify_kafka_error(first) is ErrorKind.PERMANENT
+            if len(unacked) == len(futures) or permanent:
                 if first is None:
                     raise TransientSinkError("Kafka did not acknowledge every record of the batch")
                 raise self._error(first, "Kafka did not acknowledge the batch")
             # A partial acknowledgement: only the records not acknowledged are sent again.
             failures.extend(
                 RowFailure(
-                    i,
-                    _describe(e) if e is not None else "not acknowledged",
-                    ErrorKind.TRANSIENT,
+                    i, _describe(e) if e is not None else "not acknowledged", ErrorKind.TRANSIENT
                 )
                 for i, e in unacked
             )

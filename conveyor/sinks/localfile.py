@@ -16,6 +16,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, TransientSinkError
 from conveyor.sinks.base import SendResult, Sink, SinkConfig, iter_records, json_default, require
 
@@ -44,7 +45,7 @@ class LocalFileSinkConfig(SinkConfig):
     )
 
     def asset_key_path(self) -> list[str]:
-        name = re.sub(r"[^A-Za-z0-9_]", "_", Path(self.path).name or "root").strip("_") or "root"
+        name = key_part(Path(self.path).name or "root").strip("_") or "root"
         return ["localfile", name]
 
     def kind(self) -> str:

@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
     ConfigError,
@@ -56,11 +57,10 @@ from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
+    UrlSinkConfig,
     iter_records,
     require,
     secret,
-    url_env_alias,
 )
 from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
 
@@ -104,17 +104,13 @@ TRANSIENT_LABELS = (
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 
-class MongoDBSinkConfig(SinkConfig):
+class MongoDBSinkConfig(UrlSinkConfig):
     """Documents into a MongoDB collection."""
 
     type: Literal["mongodb"] = "mongodb"
     url: SecretStr | None = Field(
         default=None,
         description="Connection string, e.g. mongodb://user:pw@127.0.0.1:27017/?authSource=admin (secret).",
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     database: str = Field(description="Database name.")
     collection: str = Field(description="Collection name.")
@@ -170,11 +166,6 @@ class MongoDBSinkConfig(SinkConfig):
         description="Timeout of one request on the socket (bounds how long send_batch can block).",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
-
     @field_validator("w", mode="before")
     @classmethod
     def _numeric_w(cls, v: Any) -> Any:
@@ -191,7 +182,7 @@ class MongoDBSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s) or "_"
+    return key_part(s, "_")
 
 
 def redact_url(text: str) -> str:

@@ -20,36 +20,38 @@ import itertools
 import json
 import logging
 import math
-import re
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
-    KEY_COL,
-    OFFSET_COL,
-    PARTITION_COL,
-    TIMESTAMP_COL,
-    TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, first_failure_only, isolate_rows, sink_error
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
-    first_failure_only,
+    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
     require,
     secret,
-    url_env_alias,
+)
+from conveyor.sinks.sql import (
+    META_SOURCES,
+    SOURCES,
+    SqlDialect,
+    check_columns,
+    column_mapping,
+    column_types,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -61,15 +63,6 @@ from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base impo
 
 log = logging.getLogger("conveyor.sinks.mysql")
 
-META_SOURCES = {
-    "$key": KEY_COL,
-    "$topic": TOPIC_COL,
-    "$partition": PARTITION_COL,
-    "$offset": OFFSET_COL,
-    "$timestamp": TIMESTAMP_COL,
-    "$headers": HEADERS_COL,
-}
-SOURCES = sorted([*META_SOURCES, "$payload"])
 
 #: The session's sql_mode, set in full: strict for every engine, and without
 #: NO_BACKSLASH_ESCAPES / ANSI_QUOTES, which pymysql's escaping and our backticks rely on.
@@ -79,17 +72,13 @@ MAX_IDENTIFIER = 64
 PACKET_MARGIN = 4096  # room for the statement's text around a row's values
 
 
-class MySQLSinkConfig(SinkConfig):
+class MySQLSinkConfig(UrlSinkConfig):
     """Rows into a MySQL or MariaDB table."""
 
     type: Literal["mysql"] = "mysql"
     url: SecretStr | None = Field(
         default=None,
         description="mysql://user:pw@host:3306/db (secret; the user and password percent-encoded). One of url, url_env or host.",
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     host: str | None = Field(
         default=None,
@@ -153,11 +142,6 @@ class MySQLSinkConfig(SinkConfig):
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
-
     def database_name(self) -> str | None:
         """The database, from `database` or the URL's path when the URL writes it out.
 
@@ -182,7 +166,7 @@ class MySQLSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -260,6 +244,11 @@ def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "VARCHAR(255)" if key else "LONGTEXT"
     return "JSON"
+
+
+MYSQL = SqlDialect(
+    "mysql", lambda t, key: mysql_type(t, key=key), "JSON", frozenset({"$payload", "$headers"})
+)
 
 
 def column_values(col: pa.ChunkedArray | pa.Array) -> tuple[list[Any], dict[int, str]]:
@@ -410,28 +399,28 @@ def error_text(exc: BaseException) -> str:
     return f"({code}) {msg}" if code is not None else f"{type(exc).__name__}: {msg or 'no message'}"
 
 
-def classify_mysql_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_mysql_error(exc: BaseException) -> ErrorKind:
     """What an exception from pymysql means for the row / batch (by error code first)."""
     code = error_code(exc)
     if code in DATA_ERRORS:
-        return "data"
+        return ErrorKind.DATA
     if code in TRANSIENT_ERRORS:
-        return "transient"
+        return ErrorKind.TRANSIENT
     if code in PERMANENT_ERRORS:
-        return "permanent"
+        return ErrorKind.PERMANENT
     try:
         import pymysql
     except ImportError:  # pragma: no cover - the sink needs pymysql anyway
         pymysql = None
     if pymysql is not None:
         if isinstance(exc, (pymysql.err.IntegrityError, pymysql.err.DataError)):
-            return "data"
+            return ErrorKind.DATA
         if isinstance(exc, (pymysql.err.ProgrammingError, pymysql.err.NotSupportedError)):
-            return "permanent"
+            return ErrorKind.PERMANENT
         if isinstance(exc, pymysql.err.InterfaceError):  # (0, '') when the connection is closed
-            return "transient"
+            return ErrorKind.TRANSIENT
     # Socket errors and timeouts, OperationalError / InternalError with an unknown code.
-    return "transient"
+    return ErrorKind.TRANSIENT
 
 
 # -- the sink -----------------------------------------------------------------------------------
@@ -612,9 +601,7 @@ class MySQLSink(Sink):
             return PermanentSinkError(
                 f"table {quote_identifier(self.config.table)} in database {self.config.database_name()!r} does not exist: {error_text(e)}"
             )
-        if kind == "permanent":
-            return PermanentSinkError(f"MySQL {context}: {error_text(e)}")
-        return TransientSinkError(f"MySQL {context}: {error_text(e)}")
+        return sink_error(kind, f"MySQL {context}: {error_text(e)}", data=ErrorKind.TRANSIENT)
 
     def init_sink(self) -> None:
         self._conn = self._connect()
@@ -702,22 +689,7 @@ class MySQLSink(Sink):
     def _resolve(self, batch: pa.Table) -> None:
         """Pick target and source columns on the first batch; check them against the table."""
         c = self.config
-        mapping = (
-            dict(c.columns)
-            if c.columns is not None
-            else {col: col for col in payload_columns(batch)}
-        )
-        for target, src in mapping.items():
-            if not src.startswith("$") and src not in batch.schema.names:
-                raise ConfigError(
-                    f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
-                    field="sink.columns",
-                )
-            if src in META_SOURCES and META_SOURCES[src] not in batch.schema.names:
-                raise ConfigError(
-                    f"{target}: the batch has no {META_SOURCES[src]} column for {src}",
-                    field="sink.columns",
-                )
+        mapping = column_mapping(c.columns, batch)
         if c.columns is None:
             for target in mapping:
                 problem = identifier_problem(target)
@@ -734,25 +706,13 @@ class MySQLSink(Sink):
                 )
         if not self._exists:
             self._create_table(batch, mapping)
-        missing = [t for t in mapping if t not in self._types]
-        if missing:
-            raise PermanentSinkError(
-                f"table {quote_identifier(c.table)} has no column(s) {', '.join(missing)} (it has {', '.join(self._types)})"
-            )
+        check_columns(quote_identifier(c.table), mapping, list(self._types))
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
         self._stmt = insert_statement(c.table, self._columns, c.upsert_keys)
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
-        types = {}
-        for target, src in mapping.items():
-            if src in ("$payload", "$headers"):
-                types[target] = "JSON"
-            else:
-                types[target] = mysql_type(
-                    batch.schema.field(META_SOURCES.get(src, src)).type,
-                    key=target in self.config.upsert_keys,
-                )
+        types = column_types(mapping, batch, MYSQL, self.config.upsert_keys)
         with self._conn.cursor() as cur:
             cur.execute(create_table_statement(self.config.table, types, self.config.upsert_keys))
         self._conn.commit()
@@ -841,7 +801,7 @@ class MySQLSink(Sink):
             err = self._error(
                 e,
                 "write failed"
-                if kind != "data"
+                if kind is not ErrorKind.DATA
                 else "write failed on a row the sink could not isolate",
             )
             self._rollback()
@@ -940,24 +900,22 @@ class MySQLSink(Sink):
         """Write rows behind a savepoint; on a data error roll back to it and bisect."""
         import pymysql
 
-        if not idx:
-            return []
-        # One savepoint name: setting it again moves it, so it always marks the start of
-        # the current attempt, after every row already written in this transaction.
-        if self._transactional:
-            cur.execute("SAVEPOINT conveyor_sp")
-        try:
-            self._execute(cur, [rows[i] for i in idx])
-            return []
-        except pymysql.err.MySQLError as e:
-            if classify_mysql_error(e) != "data":
-                raise
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            # One savepoint name: setting it again moves it, so it always marks the start of
+            # the current attempt, after every row already written in this transaction.
             if self._transactional:
-                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
-            if len(idx) == 1:
-                return [RowFailure(idx[0], error_text(e))]
-        mid = len(idx) // 2
-        left = self._write_isolating(cur, rows, idx[:mid])
-        if left and self.fail_fast:
-            return left  # nothing after the first failed row is written
-        return left + self._write_isolating(cur, rows, idx[mid:])
+                cur.execute("SAVEPOINT conveyor_sp")
+            try:
+                self._execute(cur, [rows[i] for i in sub])
+            except pymysql.err.MySQLError as e:
+                if self._transactional and classify_mysql_error(e) is ErrorKind.DATA:
+                    cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                raise
+            return []
+
+        def rejection(e: Exception) -> str | None:
+            if isinstance(e, pymysql.err.MySQLError) and classify_mysql_error(e) is ErrorKind.DATA:
+                return error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection, fail_fast=self.fail_fast)

@@ -15,33 +15,32 @@ import io
 import itertools
 import json
 import logging
-import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
-from conveyor.core.model import (
-    HEADERS_COL,
-    KEY_COL,
-    OFFSET_COL,
-    PARTITION_COL,
-    TIMESTAMP_COL,
-    TOPIC_COL,
-)
+from conveyor.core.sink import first_failure_only, isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    SinkConfig,
-    first_failure_only,
+    UrlSinkConfig,
     iter_records,
     json_default,
-    payload_columns,
     require,
     secret,
-    url_env_alias,
+)
+from conveyor.sinks.sql import (
+    META_SOURCES,
+    SOURCES,
+    SqlDialect,
+    check_columns,
+    column_mapping,
+    column_types,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -53,26 +52,13 @@ from conveyor.sinks.tombstones import (
 
 log = logging.getLogger("conveyor.sinks.postgres")
 
-META_SOURCES = {
-    "$key": KEY_COL,
-    "$topic": TOPIC_COL,
-    "$partition": PARTITION_COL,
-    "$offset": OFFSET_COL,
-    "$timestamp": TIMESTAMP_COL,
-    "$headers": HEADERS_COL,
-}
 
-
-class PostgresSinkConfig(SinkConfig):
+class PostgresSinkConfig(UrlSinkConfig):
     """Rows into a PostgreSQL table."""
 
     type: Literal["postgres"] = "postgres"
     url: SecretStr | None = Field(
         default=None, description="libpq URL, e.g. postgresql://user:pw@127.0.0.1:5432/db (secret)."
-    )
-    url_env: str | None = Field(
-        default=None,
-        description="Alias of `url: ${env:NAME}`: the name of an environment variable holding the URL, read inside the run.",
     )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")
@@ -104,11 +90,6 @@ class PostgresSinkConfig(SinkConfig):
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _url_env(cls, data: Any) -> Any:
-        return url_env_alias(data)
-
     def asset_key_path(self) -> list[str]:
         return ["postgres", _part(self.schema_), _part(self.table)]
 
@@ -117,7 +98,7 @@ class PostgresSinkConfig(SinkConfig):
 
 
 def _part(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+    return key_part(s)
 
 
 # Connection failures no retry can fix; anything else (refused, timeout, too many
@@ -131,6 +112,12 @@ _PERMANENT_CONNECT_ERRORS = (
     "invalid dsn",
     "invalid connection option",
 )
+
+
+def _is_row_error(e: Exception) -> bool:
+    """A row's content was refused: a data error from the server, or psycopg2 refusing a
+    value before sending it (a NUL character in a string literal)."""
+    return _is_data_error(e) or (isinstance(e, ValueError) and "NUL" in str(e))
 
 
 def _is_data_error(e: Exception) -> bool:
@@ -160,9 +147,9 @@ class PostgresSink(Sink):
         if c.columns is not None:
             require(bool(c.columns), "must map at least one column", field="sink.columns")
             for target, src in c.columns.items():
-                if src.startswith("$") and src not in META_SOURCES and src != "$payload":
+                if src.startswith("$") and src not in SOURCES:
                     raise ConfigError(
-                        f"{target}: unknown source {src!r}; one of {sorted([*META_SOURCES, '$payload'])}",
+                        f"{target}: unknown source {src!r}; one of {SOURCES}",
                         field="sink.columns",
                     )
             for k in c.upsert_keys:
@@ -222,41 +209,24 @@ class PostgresSink(Sink):
     def _resolve(self, batch: pa.Table) -> None:
         """Pick target and source columns on the first batch; check them against the table."""
         c = self.config
-        if c.columns is not None:
-            mapping = dict(c.columns)
-        else:
-            mapping = {col: col for col in payload_columns(batch)}
-        for target, src in mapping.items():
-            if not src.startswith("$") and src not in batch.schema.names:
-                raise ConfigError(
-                    f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
-                    field="sink.columns",
-                )
+        mapping = column_mapping(c.columns, batch)
         if not self._types:
             if not c.create_table:
                 raise PermanentSinkError(
                     f'table "{c.schema_}"."{c.table}" does not exist (set create_table: true to create it)'
                 )
             self._create_table(batch, mapping)
-        missing = [t for t in mapping if t not in self._types]
-        if missing:
-            raise PermanentSinkError(
-                f'table "{c.schema_}"."{c.table}" has no column(s) {", ".join(missing)} (it has {", ".join(self._types)})'
-            )
+        check_columns(f'"{c.schema_}"."{c.table}"', mapping, list(self._types))
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
         from psycopg2 import sql
 
-        defs = []
-        for target, src in mapping.items():
-            if src == "$payload":
-                pg = "jsonb"
-            else:
-                field = batch.schema.field(META_SOURCES.get(src, src))
-                pg = _pg_type(field.type)
-            defs.append(sql.SQL("{} {}").format(sql.Identifier(target), sql.SQL(pg)))
+        defs = [
+            sql.SQL("{} {}").format(sql.Identifier(target), sql.SQL(pg))
+            for target, pg in column_types(mapping, batch, POSTGRES).items()
+        ]
         if self.config.upsert_keys:
             defs.append(
                 sql.SQL("PRIMARY KEY ({})").format(
@@ -352,7 +322,7 @@ class PostgresSink(Sink):
         if self.fail_fast:
             failures, todo = first_failure_only(failures, todo)
         try:
-            failures += self._write_isolating(rows, todo, top=True)
+            failures += self._write_isolating(rows, todo)
             failures.sort(key=lambda f: f.index)
             if self.fail_fast:
                 failures = failures[:1]
@@ -406,35 +376,31 @@ class PostgresSink(Sink):
         except Exception:  # noqa: BLE001
             self.cleanup_sink()
 
-    def _write_isolating(
-        self, rows: list[tuple[Any, ...]], idx: list[int], *, top: bool = False
-    ) -> list[RowFailure]:
+    def _write_isolating(self, rows: list[tuple[Any, ...]], idx: list[int]) -> list[RowFailure]:
         """Write rows inside a savepoint; on a data error, bisect to the guilty rows."""
         import psycopg2
 
-        if not idx:
-            return []
-        with self._conn.cursor() as cur:
-            cur.execute("SAVEPOINT conveyor_sp")
-            try:
-                self._write(cur, [rows[i] for i in idx])
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            with self._conn.cursor() as cur:
+                cur.execute("SAVEPOINT conveyor_sp")
+                try:
+                    self._write(cur, [rows[i] for i in sub])
+                except (psycopg2.Error, ValueError) as e:
+                    # psycopg2 refuses a NUL character in a literal with ValueError before
+                    # sending anything (COPY sends it and the server answers 22021).
+                    if _is_row_error(e):
+                        cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
+                        cur.execute("RELEASE SAVEPOINT conveyor_sp")
+                    raise
                 cur.execute("RELEASE SAVEPOINT conveyor_sp")
                 return []
-            except (psycopg2.Error, ValueError) as e:
-                # psycopg2 refuses a NUL character in a literal with ValueError before
-                # sending anything (COPY sends it and the server answers 22021): a data error.
-                if isinstance(e, psycopg2.Error) and not _is_data_error(e):
-                    raise
-                cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
-                cur.execute("RELEASE SAVEPOINT conveyor_sp")
-                if len(idx) == 1:
-                    text = getattr(e, "pgerror", None) or str(e)
-                    return [RowFailure(idx[0], text.strip().splitlines()[0])]
-        mid = len(idx) // 2
-        left = self._write_isolating(rows, idx[:mid])
-        if left and self.fail_fast:
-            return left  # nothing after the first failed row is written
-        return left + self._write_isolating(rows, idx[mid:])
+
+        def rejection(e: Exception) -> str | None:
+            if not _is_row_error(e):
+                return None
+            return (getattr(e, "pgerror", None) or str(e)).strip().splitlines()[0]
+
+        return isolate_rows(idx, attempt, rejection, fail_fast=self.fail_fast)
 
     def _delete(self, cur: Any, keys: list[tuple[Any, ...]]) -> None:
         from psycopg2 import sql
@@ -563,3 +529,6 @@ def _pg_type(t: pa.DataType) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "text"
     return "jsonb"
+
+
+POSTGRES = SqlDialect("postgres", lambda t, key: _pg_type(t), "jsonb", frozenset({"$payload"}))

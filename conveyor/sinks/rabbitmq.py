@@ -23,7 +23,11 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr
 
+from conveyor.core import sink as sink_contract
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, SinkError, TransientSinkError
+from conveyor.core.sink import ErrorKind
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -34,13 +38,7 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
-from conveyor.sinks.kafka import (
-    TemplateError,
-    is_static,
-    render_template,
-    template_problems,
-    timestamp_ms,
-)
+from conveyor.sinks.kafka import template_problems, timestamp_ms
 
 log = logging.getLogger("conveyor.sinks.rabbitmq")
 
@@ -143,7 +141,7 @@ class RabbitMQSinkConfig(SinkConfig):
     app_id: str = Field(default="conveyor", description="app_id property of every message.")
 
     def asset_key_path(self) -> list[str]:
-        return ["rabbitmq", re.sub(r"[^A-Za-z0-9_]", "_", self.exchange or "default")]
+        return ["rabbitmq", key_part(self.exchange or "default")]
 
     def kind(self) -> str:
         return "rabbitmq"
@@ -256,7 +254,7 @@ def reply_code(exc: BaseException) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_amqp_error(exc: BaseException) -> ErrorKind:
     """What an exception from pika means.
 
     Data: the message cannot be encoded (routing key too long, bad header type) or came
@@ -267,7 +265,7 @@ def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "per
     from pika import exceptions as px
 
     if isinstance(exc, px.UnroutableError):
-        return "data"
+        return ErrorKind.DATA
     if isinstance(
         exc,
         (
@@ -278,14 +276,14 @@ def classify_amqp_error(exc: BaseException) -> Literal["data", "transient", "per
             UnicodeEncodeError,
         ),
     ):
-        return "data"
+        return ErrorKind.DATA
     if isinstance(
         exc, (px.ProbableAuthenticationError, px.ProbableAccessDeniedError, px.AuthenticationError)
     ):
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(exc, (px.ConnectionClosedByBroker, px.ChannelClosedByBroker)):
-        return "permanent" if reply_code(exc) in _PERMANENT_CODES else "transient"
-    return "transient"
+        return ErrorKind.PERMANENT if reply_code(exc) in _PERMANENT_CODES else ErrorKind.TRANSIENT
+    return ErrorKind.TRANSIENT
 
 
 def _describe(exc: BaseException) -> str:
@@ -308,9 +306,7 @@ def sink_error(exc: BaseException, context: str, *, exchange: str = "") -> SinkE
         return PermanentSinkError(
             f"{context}: exchange {exchange!r} not found ({detail}); create it or set declare_exchange: true"
         )
-    if classify_amqp_error(exc) in ("permanent", "data"):
-        return PermanentSinkError(f"{context}: {detail}")
-    return TransientSinkError(f"{context}: {detail}")
+    return sink_contract.sink_error(classify_amqp_error(exc), f"{context}: {detail}")
 
 
 # -- confirm tracking (pure) --------------------------------------------------------------------
@@ -431,7 +427,7 @@ class RabbitMQSink(Sink):
         problems = template_problems(c.routing_key)
         if (
             not problems
-            and is_static(c.routing_key)
+            and templates.is_static(c.routing_key)
             and len(c.routing_key.encode()) > MAX_SHORT_STRING
         ):
             problems = [f"longer than {MAX_SHORT_STRING} bytes"]
@@ -557,13 +553,13 @@ class RabbitMQSink(Sink):
     # -- writing --------------------------------------------------------------------------
 
     def routing_key_for(self, r: Record) -> str:
-        """The routing key of a row; TemplateError when the row cannot give one."""
+        """The routing key of a row; templates.TemplateError when the row cannot give one."""
         if self.config.use_destination and r.destination:
             rk = r.destination
         else:
-            rk = render_template(self.config.routing_key, r)
+            rk = templates.render(self.config.routing_key, r)
         if len(rk.encode()) > MAX_SHORT_STRING:
-            raise TemplateError(f"routing key is longer than {MAX_SHORT_STRING} bytes")
+            raise templates.TemplateError(f"routing key is longer than {MAX_SHORT_STRING} bytes")
         return rk
 
     def properties(self, r: Record) -> dict[str, Any]:
@@ -595,7 +591,7 @@ class RabbitMQSink(Sink):
         rk = self.routing_key_for(r)
         body = b"" if r.payload is None else r.payload_bytes()
         if len(body) > self.config.max_message_bytes:
-            raise TemplateError(
+            raise templates.TemplateError(
                 f"message body is {len(body)} bytes, above max_message_bytes {self.config.max_message_bytes}"
             )
         return rk, body, self.properties(r)
@@ -637,11 +633,14 @@ class RabbitMQSink(Sink):
                     impl.basic_publish(
                         c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
                     )
-                except TemplateError as e:
+                except templates.TemplateError as e:
                     failures.append(RowFailure(r.index, str(e)))
                     continue
                 except Exception as e:  # noqa: BLE001 - an encoding error sends nothing (pika marshals every frame first)
-                    if classify_amqp_error(e) != "data" or self._channel_closed is not None:
+                    if (
+                        classify_amqp_error(e) is not ErrorKind.DATA
+                        or self._channel_closed is not None
+                    ):
                         raise
                     failures.append(RowFailure(r.index, _describe(e)))
                     continue
@@ -694,7 +693,7 @@ class RabbitMQSink(Sink):
                 self._channel.basic_publish(
                     c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
                 )
-            except TemplateError as e:
+            except templates.TemplateError as e:
                 failures.append(RowFailure(r.index, str(e)))
             except px.UnroutableError as e:
                 m = e.messages[0].method if e.messages else None
@@ -709,7 +708,7 @@ class RabbitMQSink(Sink):
                     f"RabbitMQ nacked the message of row {r.index}; the batch is retried"
                 ) from None
             except Exception as e:  # noqa: BLE001 - classified
-                if classify_amqp_error(e) != "data" or self._channel.is_closed:
+                if classify_amqp_error(e) is not ErrorKind.DATA or self._channel.is_closed:
                     raise
                 failures.append(RowFailure(r.index, _describe(e)))
         return failures

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     DESTINATION_COL,
@@ -44,6 +45,8 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
+from conveyor.sinks import templates
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -54,6 +57,7 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
+from conveyor.sinks.templates import Placeholder, TemplateError, TemplateSyntaxError
 from conveyor.sinks.tombstones import has_tombstones, tombstone_flags  # noqa: E402
 
 log = logging.getLogger("conveyor.sinks.redis")
@@ -147,7 +151,7 @@ class RedisSinkConfig(SinkConfig):
                 first = t.args[1]
                 lead = first[0] if first and isinstance(first[0], bytes) else b""
                 prefix = lead.decode(errors="replace").strip(":._- ")
-        return ["redis", re.sub(r"[^A-Za-z0-9_]", "_", prefix) or f"db{self.db}"]
+        return ["redis", key_part(prefix) or f"db{self.db}"]
 
     def kind(self) -> str:
         return "redis"
@@ -155,19 +159,7 @@ class RedisSinkConfig(SinkConfig):
 
 # -- templates (pure) ---------------------------------------------------------------------------
 
-_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _COMMAND_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.|-]*$")
-SIMPLE_FIELDS = (
-    "key",
-    "topic",
-    "partition",
-    "offset",
-    "timestamp",
-    "destination",
-    "headers",
-    "payload",
-)
-
 #: Commands that would break the pipeline protocol or the connection's state.
 FORBIDDEN_COMMANDS = frozenset(
     {"MULTI", "EXEC", "DISCARD", "WATCH", "UNWATCH", "SELECT", "AUTH", "HELLO", "QUIT", "RESET", "MONITOR", "SUBSCRIBE",
@@ -179,33 +171,6 @@ NOT_IDEMPOTENT = frozenset(
     {"XADD", "LPUSH", "RPUSH", "LPUSHX", "RPUSHX", "LINSERT", "INCR", "INCRBY", "INCRBYFLOAT", "DECR", "DECRBY", "HINCRBY",
      "HINCRBYFLOAT", "ZINCRBY", "APPEND", "PUBLISH", "SPUBLISH", "SETRANGE", "LMOVE", "RPOPLPUSH"}
 )  # fmt: skip
-
-
-class TemplateSyntaxError(ValueError):
-    """A command template that cannot be parsed (a config error)."""
-
-
-class TemplateError(ValueError):
-    """A row cannot fill a template (missing field, no key...): a data error for that row."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Placeholder:
-    """``${name}`` inside an argument; ``path`` is the dotted part after payload./headers."""
-
-    name: str
-
-    @property
-    def root(self) -> str:
-        return self.name.split(".", 1)[0]
-
-    @property
-    def path(self) -> tuple[str, ...]:
-        return tuple(self.name.split(".")[1:])
-
-    @property
-    def rest(self) -> str:
-        return self.name.partition(".")[2]
 
 
 Part = bytes | Placeholder
@@ -228,37 +193,14 @@ class CommandTemplate:
 
 
 def parse_argument(text: str) -> tuple[Part, ...]:
-    """Literal text and ``${...}`` placeholders of one argument."""
-    parts: list[Part] = []
-    pos = 0
-    for m in _PLACEHOLDER.finditer(text):
-        if m.start() > pos:
-            parts.append(text[pos : m.start()].encode())
-        parts.append(_placeholder(m.group(1)))
-        pos = m.end()
-    if pos < len(text):
-        parts.append(text[pos:].encode())
-    for p in parts:
-        if isinstance(p, bytes) and b"${" in p:
-            raise TemplateSyntaxError(f"unclosed '${{' in argument {text!r}")
-    return tuple(parts) if parts else (b"",)
-
-
-def _placeholder(inner: str) -> Placeholder:
-    name = inner.strip()
-    root, _, rest = name.partition(".")
-    if root not in SIMPLE_FIELDS:
+    """Literal bytes and ``${...}`` placeholders of one argument (the syntax of conveyor.sinks.templates)."""
+    try:
+        parts = templates.parse(text)
+    except TemplateSyntaxError as e:
         raise TemplateSyntaxError(
-            f"unknown placeholder ${{{inner}}}; use one of {', '.join('${' + f + '}' for f in SIMPLE_FIELDS)}, ${{payload.<field>}} or ${{headers.<name>}}"
-        )
-    if "." in name:
-        if root not in ("payload", "headers"):
-            raise TemplateSyntaxError(f"${{{inner}}}: only payload and headers have fields")
-        # A header name may contain dots; a payload path is split on them.
-        empty = not rest if root == "headers" else not all(rest.split("."))
-        if empty:
-            raise TemplateSyntaxError(f"${{{inner}}}: empty field name")
-    return Placeholder(name)
+            f"{e} in argument {text!r}" if "unclosed" in str(e) else str(e)
+        ) from None
+    return tuple(p.encode() if isinstance(p, str) else p for p in parts) or (b"",)
 
 
 def parse_command(spec: str | Sequence[str]) -> CommandTemplate:
@@ -451,7 +393,7 @@ class BatchValues:
 
 
 def render_batch(
-    templates: Sequence[CommandTemplate], batch: pa.Table
+    commands: Sequence[CommandTemplate], batch: pa.Table
 ) -> tuple[list[list[list[bytes | str]] | None], dict[int, str]]:
     """Every row's commands (name as str, arguments as bytes), and the rows that cannot fill them."""
     values = BatchValues(batch)
@@ -459,7 +401,7 @@ def render_batch(
     failures: dict[int, str] = {}
     # Per template, per argument: a constant, one value column, or parts to join.
     compiled = []
-    for t in templates:
+    for t in commands:
         args: list[tuple[str, Any]] = []
         for arg in t.args[1:]:
             if all(isinstance(p, bytes) for p in arg):
@@ -563,7 +505,7 @@ def redis_error_text(exc: BaseException) -> str:
     return text
 
 
-def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "permanent"]:
+def classify_redis_error(exc: BaseException) -> ErrorKind:
     """What an exception from redis-py (raised, or a pipeline's per-command ResponseError) means."""
     from redis import exceptions as rx
 
@@ -576,9 +518,9 @@ def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "pe
             rx.NoPermissionError,
         ),
     ):
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(exc, rx.CrossSlotTransactionError):
-        return "permanent"
+        return ErrorKind.PERMANENT
     if isinstance(
         exc,
         (
@@ -590,26 +532,28 @@ def classify_redis_error(exc: BaseException) -> Literal["data", "transient", "pe
             rx.AskError,
         ),
     ):
-        return "transient"
+        return ErrorKind.TRANSIENT
     if isinstance(exc, rx.ConnectionError):
         if any(m in str(exc) for m in _CERT_ERRORS):
-            return "permanent"  # a wrong CA or host name does not fix itself
-        return "transient"
+            return ErrorKind.PERMANENT  # a wrong CA or host name does not fix itself
+        return ErrorKind.TRANSIENT
     if isinstance(exc, (rx.TimeoutError, rx.ClusterError, rx.RedisClusterException, OSError)):
-        return "transient"
+        return ErrorKind.TRANSIENT
     if isinstance(exc, rx.ResponseError):
         code = redis_error_code(exc)
         if code in TRANSIENT_CODES or isinstance(exc, rx.ExecAbortError):
-            return "transient"
+            return ErrorKind.TRANSIENT
         if code in PERMANENT_CODES or isinstance(exc, rx.NoScriptError):
-            return "permanent"
+            return ErrorKind.PERMANENT
         text = str(exc).removeprefix("ERR ")
         if text.startswith(PERMANENT_ERR):
-            return "permanent"
-        return "data"  # WRONGTYPE, not an integer / float, XADD id too small, a syntax error in an argument...
+            return ErrorKind.PERMANENT
+        return (
+            ErrorKind.DATA
+        )  # WRONGTYPE, not an integer / float, XADD id too small, a syntax error in an argument...
     if isinstance(exc, rx.DataError):
-        return "data"  # redis-py refused an argument client-side
-    return "transient"
+        return ErrorKind.DATA  # redis-py refused an argument client-side
+    return ErrorKind.TRANSIENT
 
 
 # -- client -------------------------------------------------------------------------------------
@@ -688,13 +632,13 @@ class RedisSink(Sink):
 
     def validate(self) -> None:
         c = self.config
-        templates = []
+        commands = []
         for i, spec in enumerate(c.commands):
             try:
-                templates.append(parse_command(spec))
+                commands.append(parse_command(spec))
             except TemplateSyntaxError as e:
                 raise_config(f"commands[{i}]", str(e))
-        self._templates = templates
+        self._templates = commands
         self._delete_templates = None
         if c.delete_commands is not None:
             require(
@@ -709,7 +653,7 @@ class RedisSink(Sink):
                     raise_config(f"delete_commands[{i}]", str(e))
             self._delete_templates = deletes
         elif c.delete_enabled:
-            self._delete_templates = default_delete_commands(templates)
+            self._delete_templates = default_delete_commands(commands)
             require(
                 bool(self._delete_templates),
                 "no command template has a key argument to DEL; give delete_commands",
@@ -758,11 +702,13 @@ class RedisSink(Sink):
         return f"redis {self.config.mode} {self.config.host}:{self.config.port}/{self.config.db}: {'; '.join(t.name for t in self.templates())}"
 
     def _error(self, exc: BaseException, context: str) -> Exception:
-        kind = classify_redis_error(exc)
+        # A data error outside a row's reply (a protocol-level refusal) is retried like an outage.
         where = f"{self.config.host}:{self.config.port}"
-        if kind == "permanent":
-            return PermanentSinkError(f"Redis {where} {context}: {redis_error_text(exc)}")
-        return TransientSinkError(f"Redis {where} {context}: {redis_error_text(exc)}")
+        return sink_error(
+            classify_redis_error(exc),
+            f"Redis {where} {context}: {redis_error_text(exc)}",
+            data=ErrorKind.TRANSIENT,
+        )
 
     def _connect(self) -> Any:
         from redis import exceptions as rx
@@ -812,7 +758,7 @@ class RedisSink(Sink):
                 # skip the check (a wrong template then fails on the first batch instead).
                 if (
                     isinstance(e, rx.NoPermissionError)
-                    or classify_redis_error(e) == "data"
+                    or classify_redis_error(e) is ErrorKind.DATA
                     or "unknown command" in str(e)
                 ):
                     log.info(
@@ -848,8 +794,8 @@ class RedisSink(Sink):
 
         if batch.num_rows == 0:
             return SendResult(rows=0)
-        templates = self.templates()
-        rows, bad = render_batch(templates, batch)
+        commands = self.templates()
+        rows, bad = render_batch(commands, batch)
         deletes = self.delete_templates()
         if deletes is not None and has_tombstones(batch):
             # A tombstone runs the delete templates; each row keeps its own errors only.
@@ -867,7 +813,7 @@ class RedisSink(Sink):
         size = self.config.pipeline_size
         try:
             for start in range(0, len(good), size):
-                for f in self._run_chunk(rows, good[start : start + size], templates):
+                for f in self._run_chunk(rows, good[start : start + size], commands):
                     failures[f.index] = f
         except (rx.RedisError, rx.RedisClusterException, OSError) as e:
             err = self._error(e, "write failed")
@@ -882,55 +828,54 @@ class RedisSink(Sink):
         self,
         rows: list[list[list[bytes | str]] | None],
         idx: list[int],
-        templates: list[CommandTemplate],
+        commands: list[CommandTemplate],
     ) -> list[RowFailure]:
         """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
         from redis import exceptions as rx
 
-        if not idx:
-            return []
-        pipe = self._client.pipeline(transaction=self.config.transaction)
-        for i in idx:
-            for cmd in rows[i]:  # type: ignore[union-attr]
-                pipe.execute_command(*cmd)
-        try:
+        def attempt(sub: Sequence[int]) -> list[RowFailure]:
+            pipe = self._client.pipeline(transaction=self.config.transaction)
+            for i in sub:
+                for cmd in rows[i]:  # type: ignore[union-attr]
+                    pipe.execute_command(*cmd)
             results = pipe.execute(raise_on_error=False)
-        except rx.ResponseError as e:
+            counts = [len(rows[i]) for i in sub]  # type: ignore[arg-type]
+            if len(results) != sum(counts):
+                raise TransientSinkError(
+                    f"Redis answered {len(results)} replies for {sum(counts)} commands"
+                )
+            out = []
+            pos = 0
+            for i, count in zip(sub, counts, strict=True):
+                for k in range(count):
+                    r = results[pos + k]
+                    if isinstance(r, Exception):
+                        if classify_redis_error(r) is not ErrorKind.DATA:
+                            raise r
+                        name = str(rows[i][k][0]).upper()  # type: ignore[index]
+                        out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
+                        break
+                pos += count
+            return out
+
+        def rejection(e: Exception) -> str | None:
             # A command refused while queueing aborts the whole MULTI/EXEC: nothing ran.
-            if not self.config.transaction or classify_redis_error(e) != "data":
-                raise
-            if len(idx) == 1:
-                return [RowFailure(idx[0], redis_error_text(e))]
-            mid = len(idx) // 2
-            return self._run_chunk(rows, idx[:mid], templates) + self._run_chunk(
-                rows, idx[mid:], templates
-            )
-        counts = [len(rows[i]) for i in idx]  # type: ignore[arg-type]
-        if len(results) != sum(counts):
-            raise TransientSinkError(
-                f"Redis answered {len(results)} replies for {sum(counts)} commands"
-            )
-        out = []
-        pos = 0
-        for i, count in zip(idx, counts, strict=True):
-            for k in range(count):
-                r = results[pos + k]
-                if isinstance(r, Exception):
-                    kind = classify_redis_error(r)
-                    if kind != "data":
-                        raise r
-                    name = str(rows[i][k][0]).upper()  # type: ignore[index]
-                    out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
-                    break
-            pos += count
-        return out
+            if (
+                self.config.transaction
+                and isinstance(e, rx.ResponseError)
+                and classify_redis_error(e) is ErrorKind.DATA
+            ):
+                return redis_error_text(e)
+            return None
+
+        return isolate_rows(idx, attempt, rejection)
 
 
-def default_delete_commands(templates: Sequence[CommandTemplate]) -> list[CommandTemplate]:
+def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[CommandTemplate]:
     """``DEL <key>`` for the key argument (the first) of each template, each key once."""
     out: list[CommandTemplate] = []
     seen: set[tuple[Part, ...]] = set()
-    for t in templates:
+    for t in commands:
         if len(t.args) < 2 or t.args[1] in seen:
             continue
         seen.add(t.args[1])

@@ -8,7 +8,11 @@ pyspark (``pyspark[connect]==4.3.*``) no longer has it:
 - ``client.get_config_dict``: wrapped to cache ``createDataFrame``'s per-call conf
   lookup (one RPC per batch saved);
 - ``client._builder.url``: the endpoint, to check it answers before stopping a session;
-- ``DataFrame._to_table()``: a result fetched without ``toArrow()``'s analysis RPC.
+- ``DataFrame._to_table()``: a result fetched without ``toArrow()``'s analysis RPC;
+- ``client._rpc_deadlines``: every RPC bounded (``bound_rpcs``): pyspark's defaults
+  leave an analysis waiting up to an hour on a server that stopped answering;
+- ``session.release_session_on_close``: a session the server lost (it restarted) is
+  stopped without the release RPC (``discard_session``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def spark_session(remote: str) -> Any:
 
     session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
     _cache_static_confs(session)
+    bound_rpcs(session)
     with _sessions_lock:
         _sessions.add(session)
         if not _atexit_registered:
@@ -97,6 +102,31 @@ def _cache_static_confs(session: Any) -> None:
         client.get_config_dict = ConfCache(fetch)
 
 
+# Seconds any one Spark Connect RPC may take (an execution's stream segment is
+# re-attached after it; the run's supervisor restarts a stage stuck longer anyway).
+SPARK_RPC_DEADLINE_S = 300.0
+
+
+def bound_rpcs(session: Any, deadline_s: float = SPARK_RPC_DEADLINE_S) -> bool:
+    """Give every RPC of the session's client a deadline of at most ``deadline_s``.
+
+    pyspark 4.3 reads ``client._rpc_deadlines`` (an ``RpcDeadlines``) at each call. False
+    when the client has no such field (nothing changed).
+    """
+    import dataclasses
+
+    client = getattr(session, "client", None)
+    current = getattr(client, "_rpc_deadlines", None)
+    if current is None or not dataclasses.is_dataclass(current):
+        return False
+    bounded = {
+        f.name: min(v, deadline_s) if (v := getattr(current, f.name)) is not None else deadline_s
+        for f in dataclasses.fields(current)
+    }
+    client._rpc_deadlines = dataclasses.replace(current, **bounded)
+    return True
+
+
 def _endpoint_reachable(session: Any) -> bool:
     from conveyor.ports import port_open
 
@@ -134,10 +164,19 @@ def _quietly(fn: Callable[[], Any]) -> None:
         log.debug("closing a Spark session: %s", e)
 
 
+# The server restarted (or is stopping): its sessions are gone, a new one is needed.
+_SESSION_LOST = (
+    "SESSION_NOT_FOUND",
+    "SESSION_CLOSED",
+    "NO_ACTIVE_SESSION",
+    "Cannot call methods on a stopped SparkContext",
+)
+
+
 def is_connect_outage(e: BaseException) -> bool:
-    """True for errors meaning the Spark Connect endpoint is unreachable."""
+    """True for errors meaning the Spark Connect endpoint is unreachable or restarted."""
     text = f"{type(e).__name__}: {e}"
-    return any(
+    return is_session_lost(e) or any(
         s in text
         for s in (
             "UNAVAILABLE",
@@ -148,6 +187,24 @@ def is_connect_outage(e: BaseException) -> bool:
             "RetriesExceeded",
         )
     )
+
+
+def is_session_lost(e: BaseException) -> bool:
+    """True when the server no longer knows the session (it restarted): retry on a new one."""
+    text = f"{type(e).__name__}: {e}"
+    return any(s in text for s in _SESSION_LOST)
+
+
+def discard_session(session: Any) -> None:
+    """Forget a session the server lost: close its channel without the release RPC and
+    clear pyspark's default session, so that the next ``spark_session()`` is a new one."""
+    with _sessions_lock:
+        _sessions.discard(session)
+    try:
+        session.release_session_on_close = False
+        session.stop()
+    except Exception as e:  # noqa: BLE001 - best effort
+        log.debug("discarding a Spark session: %s", e)
 
 
 def fetch_arrow(df: Any) -> pa.Table | None:

@@ -20,7 +20,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from conveyor.core.errors import AlreadyClaimedError, ConveyorError, FencedError
+from conveyor.core.errors import (
+    AlreadyClaimedError,
+    ConveyorError,
+    FencedError,
+    TransientStoreError,
+)
 from conveyor.core.model import (
     Broker,
     ConnectorStatus,
@@ -161,17 +166,38 @@ def _row(r: sa.Row[Any]) -> ConnectorRow:
 class MetaStore:
     """Connector state in SQLite or PostgreSQL; safe for many processes at once."""
 
-    def __init__(self, url: str | None = None, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        busy_timeout_s: float = 30.0,
+    ):
         self.url = _with_driver(url or default_meta_url())
         self.clock = clock
         self.dialect = sa.make_url(self.url).get_backend_name()
         if self.dialect == "sqlite":
-            self.engine = sa.create_engine(self.url, connect_args={"timeout": 30})
-            sa.event.listen(self.engine, "connect", _sqlite_on_connect)
+            # A writer waits up to busy_timeout_s for a lock, then gets "database is locked"
+            # (TransientStoreError in the run's writes, retried there).
+            self.engine = sa.create_engine(self.url, connect_args={"timeout": busy_timeout_s})
+            sa.event.listen(
+                self.engine,
+                "connect",
+                lambda conn, rec: _sqlite_on_connect(conn, rec, busy_timeout_s),
+            )
             sa.event.listen(self.engine, "begin", _sqlite_on_begin)
         else:
             self.engine = sa.create_engine(
-                self.url, pool_pre_ping=True, pool_size=2, max_overflow=4
+                self.url,
+                pool_pre_ping=True,
+                pool_size=2,
+                max_overflow=4,
+                # Every statement and connection attempt is bounded: a store that hangs
+                # is an outage (TransientStoreError), not a stuck run.
+                connect_args={
+                    "connect_timeout": 10,
+                    "options": "-c statement_timeout=30000 -c lock_timeout=30000",
+                },
             )
         self._schema_ready = False
 
@@ -340,6 +366,7 @@ class MetaStore:
     def delete(self, name: str) -> None:
         with self._tx() as c:
             c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
+            c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
             c.execute(t.connectors.delete().where(t.connectors.c.name == name))
             self._history(c, name, None, ConnectorStatus.STOPPED, "deleted", None, None)
 
@@ -520,7 +547,7 @@ class MetaStore:
     def commit(self, name: str, generation: int, offsets: Offsets) -> None:
         """Write offsets (next offset to read) for this run's generation, atomically fenced."""
         now = self.clock()
-        with self._tx() as c:
+        with transient_errors("committing offsets"), self._tx() as c:
             # The fencing UPDATE also takes the row lock that serialises against a bump.
             res = c.execute(
                 t.connectors.update()
@@ -549,7 +576,7 @@ class MetaStore:
         pause or a changed spec without waiting for the scheduler.
         """
         now = self.clock()
-        with self._tx() as c:
+        with transient_errors("heartbeat"), self._tx() as c:
             cur = c.execute(
                 sa.select(
                     t.connectors.c.status,
@@ -567,10 +594,15 @@ class MetaStore:
                 "counters_json": json.dumps(counters),
                 "updated_at": now,
             }
-            if cur.status != status.value:
-                values.update(status=status.value, status_since=now)
-                if status == ConnectorStatus.RUNNING:
+            if cur.status != status.value or reason is not None:
+                # A status change, or a reason the run wants recorded (a stuck stage, the
+                # meta store's trouble): both land in the history.
+                if cur.status != status.value:
+                    values.update(status=status.value, status_since=now)
+                if status == ConnectorStatus.RUNNING and cur.status != status.value:
                     values["last_error"] = None
+                if status == ConnectorStatus.DEGRADED and reason:
+                    values["last_error"] = reason
                 self._history(
                     c,
                     name,
@@ -588,6 +620,18 @@ class MetaStore:
                 .values(**values)
             )
             return HeartbeatReply(DesiredState(cur.desired), cur.spec_hash)
+
+    def ensure_current(self, name: str, generation: int) -> None:
+        """Raise FencedError unless ``generation`` is still the connector's (read only)."""
+        with transient_errors("checking the generation"), self._tx() as c:
+            current = c.execute(
+                sa.select(t.connectors.c.generation).where(t.connectors.c.name == name)
+            ).scalar()
+        if current != generation:
+            raise FencedError(
+                f"connector {name!r}: generation {generation} is no longer current "
+                f"(now {current}); not sending"
+            )
 
     def release(
         self,
@@ -705,6 +749,7 @@ class MetaStore:
                 "spark_remote": broker.spark_remote,
                 "run_tags_json": json.dumps(broker.run_tags, sort_keys=True),
                 "updated_at": now,
+                "gone_at": None,  # back in the brokers file
             }
             if cur is None:
                 c.execute(
@@ -730,6 +775,28 @@ class MetaStore:
 
     def get_broker(self, broker_id: str) -> Broker | None:
         return next((b for b in self.list_brokers() if b.id == broker_id), None)
+
+    def gone_brokers(self) -> set[str]:
+        """Ids of the brokers marked gone (no longer in the brokers file)."""
+        with self._tx() as c:
+            return set(
+                c.execute(
+                    sa.select(t.brokers.c.id).where(t.brokers.c.gone_at.is_not(None))
+                ).scalars()
+            )
+
+    def mark_gone(self, broker_ids: Iterable[str]) -> None:
+        """Brokers no longer in the brokers file: kept, marked gone (see scheduler.gone_brokers)."""
+        ids = list(broker_ids)
+        if not ids:
+            return
+        now = self.clock()
+        with self._tx() as c:
+            c.execute(
+                t.brokers.update()
+                .where(t.brokers.c.id.in_(ids), t.brokers.c.gone_at.is_(None))
+                .values(gone_at=now, updated_at=now)
+            )
 
     def set_draining(self, broker_id: str, draining: bool) -> None:
         with self._tx() as c:
@@ -783,6 +850,112 @@ class MetaStore:
                 for r in c.execute(q)
             ]
 
+    # -- source connectors' state --------------------------------------------------------
+
+    def save_source_state(
+        self,
+        name: str,
+        generation: int,
+        state: dict[str, Any],
+        *,
+        version: int,
+        abandoned: bool = False,
+    ) -> None:
+        """Store a source connector's state for this generation: one transaction, fenced.
+
+        ``abandoned``: the batch up to ``state`` was skipped on the operator's request
+        (clears the request, records ``last_abandon_at``)."""
+        now = self.clock()
+        with self._tx() as c:
+            res = c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(updated_at=now)
+            )
+            if res.rowcount == 0:
+                raise FencedError(
+                    f"connector {name!r}: generation {generation} is no longer current; state not stored"
+                )
+            values: dict[str, Any] = {
+                "version": version,
+                "state_json": json.dumps(state, sort_keys=True),
+                "generation": generation,
+                "saved_at": now,
+            }
+            if abandoned:
+                values.update(abandon_requested=False, last_abandon_at=now)
+                self._history(
+                    c,
+                    name,
+                    None,
+                    ConnectorStatus.RUNNING,
+                    f"batch abandoned by the operator's request; now at {values['state_json']}",
+                    None,
+                    generation,
+                )
+            updated = c.execute(
+                t.source_state.update().where(t.source_state.c.connector == name).values(**values)
+            )
+            if updated.rowcount == 0:
+                c.execute(t.source_state.insert().values(connector=name, **values))
+
+    def source_state(self, name: str) -> tuple[int, dict[str, Any]] | None:
+        """(version, state) last stored for a source connector, or None (none stored yet)."""
+        info = self.source_state_info(name)
+        if info is None or info["state"] is None:
+            return None
+        return int(info["version"]), info["state"]
+
+    def source_state_info(self, name: str) -> dict[str, Any] | None:
+        """The stored state row: version, state, generation, saved_at, abandon bookkeeping."""
+        with self._tx() as c:
+            r = c.execute(
+                sa.select(t.source_state).where(t.source_state.c.connector == name)
+            ).first()
+        if r is None:
+            return None
+        return {
+            "version": int(r.version),
+            "state": json.loads(r.state_json),
+            "generation": r.generation,
+            "saved_at": r.saved_at,
+            "abandon_requested": bool(r.abandon_requested),
+            "last_abandon_at": r.last_abandon_at,
+        }
+
+    def request_abandon(self, name: str) -> None:
+        """Ask the connector's next run to skip its first batch (a documented data-loss escape)."""
+        now = self.clock()
+        with self._tx() as c:
+            self._get_for_update(c, name)
+            updated = c.execute(
+                t.source_state.update()
+                .where(t.source_state.c.connector == name)
+                .values(abandon_requested=True)
+            )
+            if updated.rowcount == 0:
+                c.execute(
+                    t.source_state.insert().values(
+                        connector=name,
+                        version=0,
+                        state_json="null",
+                        generation=0,
+                        saved_at=now,
+                        abandon_requested=True,
+                    )
+                )
+            self._history(
+                c, name, None, ConnectorStatus.STOPPED, "abandon-batch requested", None, None
+            )
+
+    def reset_source_state(self, name: str, *, reason: str = "source state reset") -> bool:
+        """Forget a source connector's state (an operator command); True when there was one."""
+        with self._tx() as c:
+            res = c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
+            if res.rowcount:
+                self._history(c, name, None, ConnectorStatus.STOPPED, reason, None, None)
+            return bool(res.rowcount)
+
 
 def _with_driver(url: str) -> str:
     """postgresql:// means psycopg2 (our dependency); SQLAlchemy 2.1 would pick psycopg 3."""
@@ -796,14 +969,51 @@ def _fmt_offsets(offsets: Offsets) -> str:
     return ", ".join(f"{tp}={off}" for tp, off in sorted(offsets.items()))
 
 
-def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+@contextmanager
+def transient_errors(what: str) -> Iterator[None]:
+    """Turn the meta store's transient failures into TransientStoreError (retried by the run).
+
+    Transient: SQLite "database is locked"/"busy", a PostgreSQL connection dropped, refused
+    or timed out (a failover, a restart), a statement or lock timeout.
+    """
+    try:
+        yield
+    except sa.exc.DBAPIError as e:
+        if is_transient(e):
+            raise TransientStoreError(f"meta store: {what} failed: {e.orig}") from e
+        raise
+
+
+def is_transient(e: sa.exc.DBAPIError) -> bool:
+    if e.connection_invalidated or isinstance(e, (sa.exc.InterfaceError,)):
+        return True
+    text = str(e.orig).lower()
+    return isinstance(e, sa.exc.OperationalError) and any(
+        s in text
+        for s in (
+            "database is locked",
+            "database is busy",
+            "server closed the connection",
+            "connection refused",
+            "could not connect",
+            "terminating connection",
+            "timeout",
+            "canceling statement",
+            "connection already closed",
+            "ssl syscall",
+            "the database system is",  # starting up / shutting down / in recovery
+        )
+    )
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any, busy_timeout_s: float = 30.0) -> None:
     # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE: writers queue on the
     # busy timeout instead of failing with "database is locked" on lock upgrade.
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
     cur.close()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 metadata = sa.MetaData()
 
@@ -57,6 +57,8 @@ brokers = sa.Table(
     sa.Column("run_tags_json", sa.Text, nullable=False, server_default="{}"),
     sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("updated_at", sa.Float, nullable=False),
+    # Set when the broker left the brokers file (kept for the history; cleared if it returns).
+    sa.Column("gone_at", sa.Float, nullable=True),
 )
 
 offsets = sa.Table(
@@ -83,5 +85,26 @@ state_history = sa.Table(
     sa.Column("generation", sa.Integer, nullable=True),
 )
 
+
 # Version N -> N+1 steps, applied in order inside one transaction each.
-MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {}
+def _v1_broker_gone(c: sa.Connection) -> None:
+    c.exec_driver_sql("ALTER TABLE conveyor_brokers ADD COLUMN gone_at FLOAT")
+
+
+MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {1: _v1_broker_gone}
+
+# A source connector's position (an id, an LSN, a sequence number), written in the same
+# transaction as the generation check; ``version`` is the source's state format.
+source_state = sa.Table(
+    "conveyor_source_state",
+    metadata,
+    sa.Column("connector", sa.String(64), primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("state_json", sa.Text, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("saved_at", sa.Float, nullable=False),
+    # The operator's data-loss escape (`conveyor connector abandon-batch`): the next run
+    # stores the position after its first batch without producing it.
+    sa.Column("abandon_requested", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("last_abandon_at", sa.Float, nullable=True),
+)

@@ -63,6 +63,12 @@ def test_the_pinned_pyspark_still_has_the_internals_conveyor_relies_on(spark_rem
     )
 
     session = spark_session(spark_remote)
+    # client._rpc_deadlines: every RPC bounded.
+    from conveyor.spark.session import SPARK_RPC_DEADLINE_S
+
+    deadlines = session.client._rpc_deadlines
+    assert type(deadlines).__name__ == "RpcDeadlines", "client._rpc_deadlines is gone"
+    assert deadlines.analyze_plan == deadlines.config == SPARK_RPC_DEADLINE_S
     # client._builder.url: the endpoint, checked before stopping a session at exit.
     assert endpoint_of(session) is not None
     host, port = endpoint_of(session)  # type: ignore[misc]

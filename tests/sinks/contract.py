@@ -207,7 +207,7 @@ class SinkContract:
     def test_hostile_corpus_every_row_written_or_failed_never_a_batch_error(
         self, sink: Sink, target: str
     ) -> None:
-        from conveyor.core.loop import send_isolating
+        from conveyor.core.sink import send_isolating
         from tests.hostile import hostile_batch
 
         batch, what = hostile_batch()
@@ -223,7 +223,7 @@ class SinkContract:
     def test_fail_fast_writes_nothing_after_the_first_failed_row(
         self, sink: Sink, target: str
     ) -> None:
-        from conveyor.core.loop import send_isolating
+        from conveyor.core.sink import send_isolating
 
         poison = self.poison_batch(target)
         if poison is None:

@@ -153,12 +153,12 @@ def test_a_json_text_payload_is_the_document() -> None:
 
 def test_index_rendering() -> None:
     rec = next(iter_records(make_batch(1, topic="Web.Logs")))
-    assert render_index("{topic}-{%Y}", rec) == "web.logs-2026"
+    assert render_index("${topic}-${timestamp:%Y}", rec) == "web.logs-2026"
     with pytest.raises(ValueError, match="destination"):
-        render_index("x-{destination}", rec)
+        render_index("x-${destination}", rec)
     bad = next(iter_records(make_batch(1, topic="a b")))
     with pytest.raises(ValueError, match="not a valid index name"):
-        render_index("{topic}", bad)
+        render_index("${topic}", bad)
 
 
 # -- bulk responses ---------------------------------------------------------------------------

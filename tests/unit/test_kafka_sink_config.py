@@ -18,15 +18,15 @@ from conveyor.sinks.base import Record, iter_records
 from conveyor.sinks.kafka import (
     KafkaSink,
     KafkaSinkConfig,
-    TemplateError,
     classify_kafka_error,
     codec_available,
     producer_kwargs,
-    render_template,
     template_problems,
     timestamp_ms,
     topic_name_problem,
 )
+from conveyor.sinks.templates import TemplateError
+from conveyor.sinks.templates import render as render_template
 from tests.sinks.contract import BASE_TS, make_batch
 
 BASE = {"type": "kafka", "bootstrap_servers": "127.0.0.1:9092", "topic": "orders-out"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -858,3 +859,42 @@ def test_an_outage_retry_resends_only_the_rows_not_acknowledged():
     assert [d.failed.offset for d in dead.letters] == [8]  # the data error, not the outage
     assert committer.offsets == {TP0: 10} and sleeps == [1.0]
     assert loop.counters.messages_out == 9 and loop.counters.dead_lettered == 1
+
+
+# -- the one bisection (conveyor.core.sink.isolate_rows) ------------------------------------
+
+
+def test_isolate_rows_bisects_a_whole_request_rejection_down_to_the_guilty_rows() -> None:
+    from conveyor.core.sink import isolate_rows
+
+    bad = {3, 11}
+    attempts: list[list[int]] = []
+
+    def attempt(rows: Sequence[int]) -> list[RowFailure]:
+        attempts.append(list(rows))
+        if bad & set(rows):
+            raise ValueError(f"refused {sorted(bad & set(rows))}")
+        return []
+
+    def rejection(e: Exception) -> str | None:
+        return str(e) if isinstance(e, ValueError) else None
+
+    failures = isolate_rows(list(range(16)), attempt, rejection)
+    assert [(f.index, f.message) for f in failures] == [(3, "refused [3]"), (11, "refused [11]")]
+    written = [rows for rows in attempts if not bad & set(rows)]
+    assert sorted(i for rows in written for i in rows) == [i for i in range(16) if i not in bad]
+
+
+def test_isolate_rows_lets_other_errors_through_and_keeps_row_failures() -> None:
+    from conveyor.core.errors import TransientSinkError
+    from conveyor.core.sink import RowFailure, isolate_rows
+
+    def outage(rows: Sequence[int]) -> list[RowFailure]:
+        raise TransientSinkError("down")
+
+    with pytest.raises(TransientSinkError):
+        isolate_rows([0, 1], outage, lambda e: None)
+    assert isolate_rows([5, 6], lambda rows: [RowFailure(6, "x")], lambda e: "no") == [
+        RowFailure(6, "x")
+    ]
+    assert isolate_rows([], outage, lambda e: None) == []

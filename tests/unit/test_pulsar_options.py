@@ -219,11 +219,11 @@ def test_the_producer_accepts_the_message_arguments() -> None:
 def test_topic_templates() -> None:
     rec = next(iter_records(make_batch(1, topic="orders")))
     assert (
-        render_topic("persistent://public/default/{topic}-copy", rec)
+        render_topic("persistent://public/default/${topic}-copy", rec)
         == "persistent://public/default/orders-copy"
     )
     with pytest.raises(ValueError, match="destination"):
-        render_topic("{destination}", rec)
+        render_topic("${destination}", rec)
 
 
 # -- results and exceptions ---------------------------------------------------------------------

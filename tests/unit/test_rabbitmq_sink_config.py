@@ -12,7 +12,7 @@ from pika.adapters.blocking_connection import ReturnedMessage
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.sinks import build_sink, parse_sink_config
 from conveyor.sinks.base import Record, iter_records
-from conveyor.sinks.kafka import TemplateError, timestamp_ms
+from conveyor.sinks.kafka import timestamp_ms
 from conveyor.sinks.rabbitmq import (
     ConfirmTracker,
     RabbitMQSink,
@@ -24,6 +24,7 @@ from conveyor.sinks.rabbitmq import (
     header_value,
     sink_error,
 )
+from conveyor.sinks.templates import TemplateError
 from tests.sinks.contract import BASE_TS, make_batch
 
 BASE = {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/%2F", "exchange": "orders"}

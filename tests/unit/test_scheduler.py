@@ -293,6 +293,21 @@ def test_drain_moves_every_connector_off_the_broker():
     assert all(m.run_id for m in p.of(s.Move))
 
 
+def test_broker_removed_from_the_file_is_marked_gone_once_and_its_connectors_move():
+    stored = [s.BrokerView("b1", 8), s.BrokerView("b2", 8), s.BrokerView("b3", 8, gone=True)]
+    assert s.gone_brokers(["b2"], stored) == ["b1"]  # b3 is already marked
+    assert s.gone_brokers(["b1", "b2", "b3"], stored) == []
+    cs = [running("a", "b1"), running("b", "b2")]
+    bs = [s.BrokerView("b1", 8, gone=True), s.BrokerView("b2", 8)]
+    p = s.plan(cs, bs, [run_of(c) for c in cs], NOW)
+    (m,) = p.of(s.Move)
+    assert m.name == "a" and "gone from the brokers file" in m.reason and m.run_id
+    # next tick, the moved connector is assigned to the remaining broker, never to b1
+    after = [conn("a", generation=2, last_moved_at=NOW), cs[1]]
+    (a,) = s.plan(after, bs, [run_of(cs[1])], NOW + 5).of(s.Assign)
+    assert a.name == "a" and a.broker_id == "b2"
+
+
 def test_down_endpoint_moves_connectors_only_when_another_broker_has_room():
     cs = [running("a", "b1")]
     bs = [s.BrokerView("b1", 8, endpoint_up=False), s.BrokerView("b2", 8)]

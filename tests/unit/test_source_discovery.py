@@ -37,7 +37,7 @@ class FakeConsumer:
     def assignment(self) -> set[KTP]:
         return set(self.assigned)
 
-    def position(self, tp: KTP) -> int | None:
+    def position(self, tp: KTP, timeout_ms: int | None = None) -> int | None:
         return self.pos.get(tp)
 
     def seek(self, tp: KTP, off: int) -> None:
@@ -56,6 +56,9 @@ class FakeConsumer:
 
     def highwater(self, tp: KTP) -> int | None:
         return self.ends.get(tp)
+
+    def end_offsets(self, tps: list[KTP], timeout_ms: int | None = None) -> dict[KTP, int]:
+        return {tp: self.ends.get(tp, 0) for tp in tps}
 
     def close(self, autocommit: bool = False) -> None:
         pass
@@ -80,7 +83,12 @@ def test_new_partitions_are_assigned_from_the_earliest_offset_and_others_keep_th
     fake: list[FakeConsumer],
 ) -> None:
     now = [0.0]
-    spec = SourceSpec(topics=["orders"], bootstrap_servers="127.0.0.1:1", start_from="latest")
+    spec = SourceSpec(
+        topics=["orders"],
+        bootstrap_servers="127.0.0.1:1",
+        start_from="latest",
+        client="kafka-python",
+    )
     source = KafkaSource(spec, group_id="c", clock=lambda: now[0])
     committed = {TopicPartition("orders", 0): 40}
     c = None

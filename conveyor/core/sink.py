@@ -1,0 +1,202 @@
+"""The sink contract the loop and every sink share (the interface lives here, in core;
+conveyor/sinks/ holds the implementations).
+
+A sink writes batches of messages to one external system. The runtime calls it
+from a single thread, in this order::
+
+    validate()            # once; config only, no I/O
+    init_sink()           # once; connect, check the target exists and is writable
+    send_batch(batch)*    # many times
+    cleanup_sink()        # always, also after an error or an interrupt; may be called twice
+
+Contract of ``send_batch(batch) -> SendResult``:
+
+- ``batch`` is a ``pyarrow.Table``: the payload columns (decoded by Spark) plus the
+  metadata columns of ``conveyor.core.model.META_COLUMNS`` (``__topic``,
+  ``__partition``, ``__offset``, ``__timestamp``, ``__key``, ``__headers``,
+  ``__destination``). A sink writes the payload columns unless its config maps
+  metadata columns too. Rows are in offset order per partition.
+- Returning means every row not listed in ``SendResult.failed`` is durably
+  acknowledged by the target (flushed, fsynced, confirmed). The runtime commits
+  offsets only after that, so a sink must never return before its writes are safe.
+- A row the target rejects for its *content* (constraint violation, type error,
+  too large, unroutable) is a data error: report it in ``failed`` with its row
+  index and keep going with the other rows. If the system can only reject a
+  whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
+  batch to isolate the bad rows (:func:`send_isolating`).
+- ``fail_fast`` (an attribute the runtime sets to True under the ``fail`` failure
+  policy): write nothing after the first row that fails. Report that row in ``failed``
+  (rows after it may be left out); rows before it are written and acknowledged as usual.
+  A sink that cannot stop midway (its client reports failures only after the whole
+  batch went out) may ignore it: the runtime then commits only the rows before the
+  failed one, and the rows it wrote after it are written again on resume.
+- Partial acknowledgement: when an outage cuts a batch short and the client says which
+  rows were acknowledged (per-record futures, confirms), the sink may return instead of
+  raising, listing each row *not* acknowledged as a ``RowFailure`` of kind
+  ``ErrorKind.TRANSIENT``. The runtime then re-sends only those rows, with the outage
+  backoff; they are never data errors.
+- An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
+  raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
+  the runtime retries it later with backoff. Rows written before the outage may
+  be written again (at-least-once); idempotent sinks make that harmless.
+- A failure no retry can fix (auth refused, table dropped) raises
+  ``PermanentSinkError``; the connector goes to ``Error``.
+- ``send_batch`` may block for as long as the target takes, bounded by the sink's
+  own timeouts.
+
+Every sink maps its client's exceptions to one :class:`ErrorKind` (its ``classify_*``
+function) and turns a kind into the error to raise with :func:`sink_error`: one path
+from a client exception to what the loop does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+from conveyor.core.errors import BatchRejected, PermanentSinkError, SinkError, TransientSinkError
+
+
+class ErrorKind(str, enum.Enum):
+    """What a failure means for the loop."""
+
+    DATA = "data"  # this row's content: the failure policy decides (dead letter, skip, fail)
+    TRANSIENT = "transient"  # an outage: retried with backoff, nothing acknowledged
+    PERMANENT = "permanent"  # no retry fixes it: the connector goes to Error
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """One row the target rejected: its index in the batch, the error class and message."""
+
+    index: int
+    message: str
+    kind: ErrorKind = ErrorKind.DATA
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What a sink acknowledged: every row but the failed ones."""
+
+    rows: int
+    failed: tuple[RowFailure, ...] = ()
+
+    @property
+    def acked(self) -> int:
+        return self.rows - len(self.failed)
+
+    @classmethod
+    def all_ok(cls, rows: int) -> SendResult:
+        return cls(rows=rows)
+
+
+class SinkProtocol(Protocol):
+    """What the loop needs of a sink (conveyor.sinks.base.Sink implements it)."""
+
+    def validate(self) -> None: ...
+    def init_sink(self) -> None: ...
+    def send_batch(self, batch: pa.Table) -> SendResult: ...
+    def cleanup_sink(self) -> None: ...
+    def describe(self) -> str: ...
+
+
+def sink_error(
+    kind: ErrorKind | str, message: str, *, data: ErrorKind = ErrorKind.PERMANENT
+) -> SinkError:
+    """The error to raise for a failure of ``kind`` that is not about one row.
+
+    ``data`` says what a content error outside a row means for this call: usually the
+    config's fault (permanent); a sink whose connection errors look like data errors
+    passes ``ErrorKind.TRANSIENT``.
+    """
+    kind = ErrorKind(kind)
+    if kind is ErrorKind.DATA:
+        kind = data
+    if kind is ErrorKind.PERMANENT:
+        return PermanentSinkError(message)
+    if kind is ErrorKind.TRANSIENT:
+        return TransientSinkError(message)
+    return BatchRejected(message)
+
+
+def isolate_rows(
+    indexes: Sequence[int],
+    attempt: Callable[[Sequence[int]], Sequence[RowFailure]],
+    rejection: Callable[[Exception], str | None],
+    *,
+    fail_fast: bool = False,
+) -> list[RowFailure]:
+    """Write ``indexes`` with ``attempt``; bisect a whole-request rejection down to the guilty rows.
+
+    ``attempt`` writes the rows it is given and returns the ones the target refused one by
+    one. When it raises an exception that ``rejection`` turns into a message (the request
+    refused as a whole for its content), the rows are split in halves and tried again,
+    down to single rows, which become RowFailures with that message. ``attempt`` must leave
+    nothing of a refused request behind (roll back to its savepoint) before raising. Any
+    other exception propagates. The one bisection of the loop and the sinks.
+
+    With ``fail_fast`` (the ``fail`` policy) nothing after the first refused row is
+    written: once the left half holds a data failure, the right half is not tried.
+    """
+    if not indexes:
+        return []
+    try:
+        return list(attempt(indexes))
+    except Exception as e:
+        message = rejection(e)
+        if message is None:
+            raise
+        if len(indexes) == 1:
+            return [RowFailure(indexes[0], message)]
+    mid = len(indexes) // 2
+    left = isolate_rows(indexes[:mid], attempt, rejection, fail_fast=fail_fast)
+    if fail_fast and any(f.kind is ErrorKind.DATA for f in left):
+        return left
+    return left + isolate_rows(indexes[mid:], attempt, rejection, fail_fast=fail_fast)
+
+
+def first_failure_only(
+    failures: list[RowFailure], todo: list[int]
+) -> tuple[list[RowFailure], list[int]]:
+    """For ``fail_fast``: the first of the failures a sink found before writing, and the
+    rows still to write (those before it)."""
+    if not failures:
+        return failures, todo
+    first = min(failures, key=lambda f: f.index)
+    return [first], [i for i in todo if i < first.index]
+
+
+def send_isolating(
+    sink: SinkProtocol, table: pa.Table, *, fail_fast: bool = False
+) -> list[RowFailure]:
+    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows.
+
+    With ``fail_fast`` the sink is told to stop at its first failed row (``fail_fast``
+    attribute) and the bisection sends nothing after it; the result holds that row and
+    the rows before it that an outage left unacknowledged.
+    """
+    if fail_fast and hasattr(sink, "fail_fast"):
+        setattr(sink, "fail_fast", True)  # noqa: B010 - optional on the protocol
+
+    def attempt(rows: Sequence[int]) -> list[RowFailure]:
+        first = rows[0]  # bisection keeps ranges contiguous
+        result = sink.send_batch(table.slice(first, len(rows)))
+        return [RowFailure(first + f.index, f.message, f.kind) for f in result.failed]
+
+    failed = sorted(
+        isolate_rows(
+            range(table.num_rows),
+            attempt,
+            lambda e: str(e) if isinstance(e, BatchRejected) else None,
+            fail_fast=fail_fast,
+        ),
+        key=lambda f: f.index,
+    )
+    if fail_fast:
+        first = next((f.index for f in failed if f.kind is ErrorKind.DATA), None)
+        failed = [f for f in failed if first is None or f.index <= first]
+    return failed

@@ -1,0 +1,160 @@
+"""The spec of a source connector: a system read into Kafka-protocol topics, routed per message.
+
+A spec file is a source connector when it says ``kind: source`` (or when its
+``source.type`` names a source other than Kafka); everything else about it reads like a
+sink connector's spec: ``batch``, ``transform``, ``retry``, ``desired`` and the run
+settings are the same sections. ``kafka`` is where the topics live (the one Kafka
+connection model plus per-connector topic defaults) and ``routing`` says which topic
+each message goes to.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from conveyor.core.connection import KafkaConnection
+from conveyor.core.model import (
+    _NAME_RE,
+    NAME_PATTERN,
+    BatchPolicy,
+    DesiredState,
+    RetrySpec,
+    TransformSpec,
+)
+from conveyor.core.routing import RoutingSpec
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ProducerSpec(KafkaConnection, _Spec):
+    """Where the destination topics live, and how new ones are created (section `kafka`)."""
+
+    partitions: int = Field(
+        default=1,
+        ge=1,
+        le=10_000,
+        description="Partitions of a destination topic created on first use.",
+    )
+    replication_factor: int = Field(
+        default=1,
+        ge=1,
+        le=32,
+        description="Replication factor of a destination topic created on first use.",
+    )
+    create_topics: bool = Field(
+        default=True,
+        description="Create a missing destination topic on first use (with partitions and "
+        "replication_factor); false: a missing topic is an error of its destination.",
+    )
+    prewarm_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=600,
+        description="At start, the allowlist's literal topics are created (or checked) within this deadline.",
+    )
+    acks: Literal["all", "1"] = Field(
+        default="all",
+        description="Acknowledgement a produce waits for: all (in-sync replicas) or 1.",
+    )
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="none", description="Producer compression codec."
+    )
+    request_timeout_ms: int = Field(
+        default=30_000,
+        ge=1_000,
+        le=600_000,
+        description="How long one produce may wait for its acknowledgement.",
+    )
+
+
+class SourceRef(BaseModel):
+    """A source's config as written in the spec; validated against the source's own model later."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: str = Field(description="Source type: postgres_polling, postgres_cdc, webhook, mqtt.")
+
+
+class SourceConnectorSpec(_Spec):
+    """One source connector: a system, the topics it produces into, and how rows are routed."""
+
+    name: str = Field(description="Unique name: lower case letters, digits, underscores.")
+    kind: Literal["source"] = Field(
+        default="source", description="`source`: this spec is a source connector."
+    )
+    description: str | None = Field(default=None, description="Shown in the Dagster UI.")
+    source: SourceRef = Field(
+        description="What to read: `type` plus that source's fields (section Sources)."
+    )
+    kafka: ProducerSpec = Field(
+        default_factory=ProducerSpec,
+        description="Where to produce: the cluster and topic defaults (section `kafka`).",
+    )
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec,
+        description="Destination per message and admission (section `routing`).",
+    )
+    batch: BatchPolicy = Field(
+        default_factory=BatchPolicy, description="When a batch closes (section `batch`)."
+    )
+    transform: TransformSpec = Field(
+        default_factory=TransformSpec,
+        description="Decoding and Spark SQL shaping; a select may set __destination (section `transform`).",
+    )
+    retry: RetrySpec = Field(
+        default_factory=RetrySpec, description="Outage retries (section `retry`)."
+    )
+    desired: DesiredState = Field(
+        default=DesiredState.RUNNING, description="Created running, stopped or paused."
+    )
+    heartbeat_timeout_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3_600,
+        description="Heartbeat age after which the run counts as lost.",
+    )
+    max_restarts: int = Field(
+        default=5,
+        ge=0,
+        le=1_000,
+        description="Automatic restarts of an Error connector before it is left to the user.",
+    )
+    commit_failure_threshold: int = Field(
+        default=16,
+        ge=1,
+        le=1_000_000,
+        description="Consecutive failed commits (slot advance, deferred DELETE/UPDATE, acknowledgements) "
+        "after which the connector shows Degraded; one success clears it.",
+    )
+    expected_latency_s: float = Field(
+        default=300.0, gt=0, description="Freshness expectation of the topics."
+    )
+    owners: list[str] = Field(
+        default_factory=list, description="Asset owners (emails or team:name)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_valid(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} must match {NAME_PATTERN} (lower case, digits, underscores)")
+        return v
+
+    def select_routes(self) -> bool:
+        """Whether the transform's select sets ``__destination`` (column-derived routing)."""
+        return any("__destination" in s for s in (self.transform.select or []))
+
+
+def is_source_connector(data: object) -> bool:
+    """Whether a spec mapping describes a source connector (``kind: source``, or a ``source.type``
+    other than kafka)."""
+    if not isinstance(data, dict):
+        return False
+    if data.get("kind") == "source":
+        return True
+    src = data.get("source")
+    return isinstance(src, dict) and "type" in src and str(src["type"]).lower() != "kafka"

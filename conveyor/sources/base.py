@@ -1,0 +1,132 @@
+"""The source interface: an external system read into Kafka-protocol topics.
+
+A source connector reads a system (a PostgreSQL table, a replication slot, HTTP
+posts, MQTT topics) and produces each message into the topic its routing chooses.
+The runtime (``conveyor.core.source_loop``) calls a source from one thread, in
+this order::
+
+    validate()                 # once; config only, no I/O; a contradiction is ConfigError
+    init(state)                # once; connect; ``state`` is the last persisted one (None: first run)
+    poll(state, max_records, max_wait_s)*   # many times
+    commit(state)*             # after the batch up to ``state`` is produced and ``state`` stored
+    close()                    # always, also after an error or an interrupt; may be called twice
+
+Contract:
+
+- ``poll(state, ...)`` returns the messages *after* ``state`` (the source's own JSON-able
+  position: an id, an LSN, a sequence number) and the state that covers them, or None
+  when nothing arrived within ``max_wait_s`` (a long poll, no busy loop). It must not
+  change the system: nothing is deleted, marked, acknowledged or advanced in ``poll``.
+  Given the same ``state`` it returns the same messages again (a failed batch is polled
+  again from the stored state), so any position a source holds in memory is a cache.
+- ``commit(state)`` runs the side effects that must wait until the batch is safely
+  stored: advance a replication slot, DELETE or UPDATE the rows read, acknowledge HTTP
+  requests or MQTT messages. It covers everything up to ``state`` and must be
+  idempotent: after a crash, or when it failed, the runtime calls it again with the
+  stored state after the next poll (which, starting from that state, returned none of
+  the rows it covers).
+- Outages raise ``TransientSourceError`` (the runtime retries with backoff, nothing is
+  stored); anything no retry fixes raises ``PermanentSourceError`` or ``ConfigError``.
+- ``mode`` declares what a read is: ``cdc`` (a change stream), ``polling`` (a query;
+  ``destructive`` when commit deletes or updates rows) or ``opaque`` (messages pushed to
+  us). It sets the defaults of ``routing.on_admission_failure`` and the commit-failure
+  policy (DESIGN.md, Source connectors). A non-destructive source configured with a
+  destructive option fails in ``validate``.
+- A message may carry its destination (a topic; None: decided by routing), a partition
+  key (bytes; None means no key) and an explicit partition id. ``column_routing`` is
+  True when the source's config derives destinations from the data (a destination
+  column, per-table destinations): such a source refuses a Route transform.
+
+Sources import their client library lazily (inside ``init``), so loading the Dagster
+code location never imports paho-mqtt or psycopg2.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from conveyor.core.errors import ConfigError  # noqa: F401 - re-exported for sources
+from conveyor.core.routing import SourceMode
+
+State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SourceMessage:
+    """One message read from the system: a JSON payload and where it should go."""
+
+    payload: bytes | None
+    destination: str | None = None
+    key: bytes | None = None
+    partition: int | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()
+    timestamp_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class Polled:
+    """A batch: the messages after the polled state, and the state that covers them."""
+
+    messages: list[SourceMessage]
+    state: State
+    origin: str = ""  # shown as the rows' __topic (e.g. 'public.orders')
+
+
+class SourceConfig(BaseModel):
+    """Base of every source's config model (tagged by ``type``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str = Field(description="Source type.")
+
+    def asset_key_path(self) -> list[str]:
+        """The Dagster asset key of the system this source reads (lineage upstream of topics)."""
+        return [self.type, "source"]
+
+    def kind(self) -> str:
+        return self.type
+
+
+class Source(abc.ABC):
+    """Base class of sources; see the module docstring for the contract."""
+
+    config_class: ClassVar[type[SourceConfig]] = SourceConfig
+    mode: ClassVar[SourceMode] = SourceMode.POLLING
+    # Bump when the meaning of a stored state changes; a state of another version refuses
+    # to start (``SourceStateVersionError``) instead of being reset silently.
+    state_version: ClassVar[int] = 1
+
+    def __init__(self, config: SourceConfig):
+        self.config = config
+
+    @property
+    def destructive(self) -> bool:
+        """Whether commit deletes or changes what was read (polling sources)."""
+        return False
+
+    @property
+    def column_routing(self) -> bool:
+        """Whether destinations come from the data by the source's own config."""
+        return False
+
+    def validate(self) -> None:  # noqa: B027 - optional hook
+        """Check the config without I/O; raise ConfigError naming the field."""
+
+    @abc.abstractmethod
+    def init(self, state: State | None) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None: ...
+
+    @abc.abstractmethod
+    def commit(self, state: State) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def describe(self) -> str:
+        return "/".join(self.config.asset_key_path())
