@@ -151,6 +151,8 @@ class TestRabbitMQContract(SinkContract):
 class TestRabbitMQPerMessageContract(TestRabbitMQContract):
     """The same contract through pika's public per-message confirm API."""
 
+    stops_at_first_failure = True  # one confirm per message: it stops at a refused one
+
     confirm_mode = "per_message"
 
 
