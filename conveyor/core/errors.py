@@ -86,7 +86,16 @@ class DeadLetterLimitError(ConveyorError):
 
 
 class DataPolicyError(ConveyorError):
-    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped."""
+    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped.
+
+    The rows before it were delivered and committed; nothing after it was committed
+    (nor written, by a sink honouring ``fail_fast``), so a restart resumes exactly at it.
+    ``topic``/``partition``/``offset`` name the message.
+    """
+
+    def __init__(self, message: str, *, topic: str = "", partition: int = -1, offset: int = -1):
+        super().__init__(message)
+        self.topic, self.partition, self.offset = topic, partition, offset
 
 
 class OutageBudgetExceeded(ConveyorError):
@@ -95,3 +104,15 @@ class OutageBudgetExceeded(ConveyorError):
 
 class StageHungError(ConveyorError):
     """A stage stayed under way past ``liveness.restart_after_s``: the run restarts itself."""
+
+
+# A connector stopped by its data (a message under the ``fail`` policy, the dead-letter
+# limit) records an error starting with this prefix. The scheduler does not restart such a
+# connector automatically: the same message would fail again; a person has to decide
+# (fix the target, change the policy, or skip the message with ``offsets reset``).
+DATA_ERROR_PREFIX = "data error: "
+
+
+def is_data_error(error: str | None) -> bool:
+    """True when a connector's recorded error is a data error (see ``DATA_ERROR_PREFIX``)."""
+    return bool(error) and str(error).startswith(DATA_ERROR_PREFIX)

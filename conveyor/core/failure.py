@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 
 from conveyor.core.errors import (
+    DATA_ERROR_PREFIX,
     ConveyorError,
     DeadLetterLimitError,
     FencedError,
@@ -117,7 +118,7 @@ class DeadLetterLimiter:
         failed = sum(failed_offsets_in_order)
         if batch_size >= self.min_batch and failed / max(batch_size, 1) > self.spec.max_ratio:
             raise DeadLetterLimitError(
-                f"{failed} of {batch_size} messages in one batch failed "
+                f"{DATA_ERROR_PREFIX}{failed} of {batch_size} messages in one batch failed "
                 f"(more than max_ratio={self.spec.max_ratio:.0%}); stopping instead of draining the topic"
             )
         run = self.consecutive
@@ -125,7 +126,7 @@ class DeadLetterLimiter:
             run = run + 1 if bad else 0
             if run >= self.spec.max_consecutive:
                 raise DeadLetterLimitError(
-                    f"{run} messages in a row failed (max_consecutive={self.spec.max_consecutive}); "
+                    f"{DATA_ERROR_PREFIX}{run} messages in a row failed (max_consecutive={self.spec.max_consecutive}); "
                     "stopping instead of draining the topic"
                 )
         self.consecutive = run

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from conveyor.core.errors import (
+    DATA_ERROR_PREFIX,
     ConveyorError,
     DataPolicyError,
     FencedError,
@@ -66,7 +67,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
-from conveyor.core.sink import RowFailure, SinkProtocol, send_isolating
+from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
 
 log = logging.getLogger("conveyor.loop")
 
@@ -372,6 +373,9 @@ class ConnectorLoop:
             for r in tr.rejected
         ]
         self._ensure_current()
+        if self.cfg.failure.policy == FailurePolicyName.FAIL:
+            self._process_fail_fast(sb, tr, failures, started)
+            return
         sent, data_failed = self._deliver(tr.table)
         failures.extend(data_failed)
         discarded, dead = self._apply_policy(sb.table, failures)
@@ -397,11 +401,71 @@ class ConnectorLoop:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
 
+    def _process_fail_fast(
+        self, sb: SourceBatch, tr: Transformed, decode_failed: list[FailedMessage], started: float
+    ) -> None:
+        """The ``fail`` policy: deliver and commit the rows before the first failed message,
+        send nothing after it, then stop with its coordinates."""
+        position = {c: i for i, c in enumerate(_all_coords(sb.table))}
+        cut: int | None = None  # source index of the first failed message
+        first: FailedMessage | None = None
+        for f in decode_failed:
+            i = position[(f.topic, f.partition, f.offset)]
+            if cut is None or i < cut:
+                cut, first = i, f
+        table = tr.table
+        if cut is not None and table.num_rows:
+            keep = [position[c] < cut for c in _all_coords(table)]
+            table = table.filter(pa.array(keep, pa.bool_()))
+        sent, data_failed = self._deliver(table)
+        for f in data_failed:
+            i = position[(f.topic, f.partition, f.offset)]
+            if cut is None or i < cut:
+                cut, first = i, f
+        if first is None or cut is None:
+            done, sent_before = sb.table.num_rows, sent
+            self._acked = sb.next_offsets
+        else:
+            # Only the rows before the failed message count (a sink without fail_fast may
+            # have written rows after it: they are not committed and are sent again later).
+            done = cut
+            sent_before = sum(1 for c in _all_coords(table) if position[c] < cut)
+            self._acked = offsets_before(sb.table, cut, sb.next_offsets)
+        self._commit_acknowledged()
+        self._outage.recovered()
+        now = self.clock()
+        self._latencies.append(now - started)
+        self._rate_window.append((now, sent_before))
+        c = self.counters
+        self.counters = replace(
+            c,
+            messages_in=c.messages_in + done,
+            messages_out=c.messages_out + sent_before,
+            filtered=c.filtered + (tr.filtered if first is None else 0),
+            failed=c.failed + (1 if first is not None else 0),
+            batches=c.batches + 1,
+        )
+        if first is not None:
+            self._heartbeat(force=True)
+            raise DataPolicyError(
+                f"{DATA_ERROR_PREFIX}message {first.where()} failed ({first.error_class}): "
+                f"{first.error}; failure policy is 'fail': the connector stops at it "
+                "(the messages before it are delivered and committed, nothing after it is "
+                "written); fix the target or choose discard, discard_after_retry or "
+                "dead_letter, then start the connector",
+                topic=first.topic,
+                partition=first.partition,
+                offset=first.offset,
+            )
+        if self.status == ConnectorStatus.DEGRADED:
+            self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
+        self._heartbeat()
+
     def _deliver(self, table: pa.Table) -> tuple[int, list[FailedMessage]]:
         """Send with outage retries and data-error isolation; re-send failed rows per policy."""
         if table.num_rows == 0:
             return 0, []
-        failed = self._with_outage_retry("send", lambda: self._send_isolating(table))
+        failed = self._send_until_acknowledged(table)
         sent = table.num_rows - len(failed)
         attempts = 1
         budget = resend_attempts(self.cfg.failure.policy, self.cfg.failure.retries)
@@ -420,8 +484,37 @@ class ConnectorLoop:
             for f in failed
         ]
 
+    def _send_until_acknowledged(self, table: pa.Table) -> list[RowFailure]:
+        """Send with outage retries. Rows a sink reports as not acknowledged because of an
+        outage (``RowFailure`` of kind ``transient``: a partial acknowledgement) are the only
+        ones sent again; the rows it acknowledged are not. Returns the data failures."""
+        data: list[RowFailure] = []
+        remaining: list[int] | None = None  # indexes of ``table`` still to send; None: all
+
+        def attempt() -> None:
+            nonlocal remaining
+            part = table if remaining is None else table.take(pa.array(remaining, pa.int64()))
+            back = remaining if remaining is not None else list(range(table.num_rows))
+            failed = self._send_isolating(part)
+            data.extend(
+                RowFailure(back[f.index], f.message, f.kind)
+                for f in failed
+                if f.kind is not ErrorKind.TRANSIENT
+            )
+            unacked = [f for f in failed if f.kind is ErrorKind.TRANSIENT]
+            if unacked:
+                remaining = [back[f.index] for f in unacked]
+                raise TransientSinkError(
+                    f"{len(unacked)} of {part.num_rows} row(s) not acknowledged: {unacked[0].message}"
+                )
+
+        self._with_outage_retry("send", attempt)
+        return sorted(data, key=lambda f: f.index)
+
     def _send_isolating(self, table: pa.Table) -> list[RowFailure]:
-        return send_isolating(self.sink, table)
+        return send_isolating(
+            self.sink, table, fail_fast=self.cfg.failure.policy == FailurePolicyName.FAIL
+        )
 
     def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
         """Returns (discarded, dead_lettered). Raises when the policy says stop."""
@@ -429,14 +522,6 @@ class ConnectorLoop:
             self._limiter.consecutive = 0
             return 0, 0
         policy = self.cfg.failure.policy
-        if policy == FailurePolicyName.FAIL:
-            first = failures[0]
-            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-            raise DataPolicyError(
-                f"message {first.where()} failed ({first.error_class}): {first.error}{more}; "
-                "failure policy is 'fail': the connector stops without skipping it "
-                "(choose discard, discard_after_retry or dead_letter to go on)"
-            )
         bad = {(f.topic, f.partition, f.offset) for f in failures}
         flags = [c in bad for c in _all_coords(source)]
         self._limiter.check(source.num_rows, flags)
@@ -825,6 +910,19 @@ def _pct(values: deque[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
+
+
+def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
+    """What a commit of the rows before source index ``cut`` stores: per partition, the
+    offset of its first row at or after ``cut``, else the batch's next offset."""
+    out = dict(next_offsets)
+    seen: set[TopicPartition] = set()
+    for i, (topic, part, off) in enumerate(_all_coords(table)):
+        tp = TopicPartition(topic, part)
+        if i >= cut and tp not in seen:
+            seen.add(tp)
+            out[tp] = off
+    return out
 
 
 def next_offsets_of(table: pa.Table) -> Offsets:

@@ -268,6 +268,12 @@ class TransformSpec(_Spec):
         description="Spark DDL of the JSON payload, e.g. 'id BIGINT, name STRING'. With it the fields become "
         "columns; without it the payload stays one validated JSON string column 'value'.",
     )
+    on_type_mismatch: Literal["fail", "null"] = Field(
+        default="fail",
+        description="With a schema: a JSON payload that is not an object, or has a field of the wrong type "
+        "(a string where the schema says BIGINT): fail (a failed message, handled by failure.policy) or "
+        "null (Spark's permissive decoding: the field becomes NULL, the message goes on).",
+    )
     filter: str | None = Field(
         default=None,
         description="Spark SQL boolean expression; rows where it is not true are skipped (and committed).",
@@ -375,7 +381,9 @@ class FailureSpec(_Spec):
 
     policy: FailurePolicyName = Field(
         default=FailurePolicyName.FAIL,
-        description="fail (connector to Error, nothing skipped), discard, discard_after_retry or dead_letter.",
+        description="fail (the rows before the failed message are delivered and committed, nothing after it is "
+        "written; the connector goes to Error naming the message and is not restarted automatically), discard, "
+        "discard_after_retry or dead_letter.",
     )
     retries: int = Field(
         default=3,

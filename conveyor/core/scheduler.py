@@ -23,7 +23,9 @@ decision and never stops the others):
    connector assigned but never started within ``launch_timeout_s`` is reset too.
 4. **errors**: the current run failed: the connector goes to Error. An Error
    connector that should run is restarted after ``restart_backoff(restarts)``, up to
-   its ``max_restarts``, then left for the user.
+   its ``max_restarts``, then left for the user. A *data error* (a message failed
+   under the ``fail`` policy, or the dead-letter limit was hit: ``errors.is_data_error``)
+   is never restarted automatically; crashes and outages keep the restart budget.
 5. **drain / down brokers**: connectors on a draining broker, a broker that no
    longer exists or is gone (removed from the brokers file, see ``gone_brokers``), or (when another healthy broker has room) a broker whose Spark
    endpoint refuses connections are moved: reset to Idle with a bumped generation.
@@ -47,6 +49,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from conveyor.core.errors import is_data_error
 from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.core.state import StateChange
 
@@ -595,7 +598,8 @@ def _restart_after_error(x: _Connector, t: _Tick) -> list[Decision] | None:
     c = x.c
     if c.status != ConnectorStatus.ERROR:
         return None
-    if x.any_active or c.restarts >= c.max_restarts:
+    if x.any_active or c.restarts >= c.max_restarts or is_data_error(c.last_error):
+        # A data error needs a person: restarting would fail on the same message again.
         return []
     wait = t.cfg.restart_backoff(c.restarts)
     if t.now - c.status_since < wait:

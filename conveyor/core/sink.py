@@ -24,6 +24,17 @@ Contract of ``send_batch(batch) -> SendResult``:
   index and keep going with the other rows. If the system can only reject a
   whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
   batch to isolate the bad rows (:func:`send_isolating`).
+- ``fail_fast`` (an attribute the runtime sets to True under the ``fail`` failure
+  policy): write nothing after the first row that fails. Report that row in ``failed``
+  (rows after it may be left out); rows before it are written and acknowledged as usual.
+  A sink that cannot stop midway (its client reports failures only after the whole
+  batch went out) may ignore it: the runtime then commits only the rows before the
+  failed one, and the rows it wrote after it are written again on resume.
+- Partial acknowledgement: when an outage cuts a batch short and the client says which
+  rows were acknowledged (per-record futures, confirms), the sink may return instead of
+  raising, listing each row *not* acknowledged as a ``RowFailure`` of kind
+  ``ErrorKind.TRANSIENT``. The runtime then re-sends only those rows, with the outage
+  backoff; they are never data errors.
 - An outage (connection refused/reset, timeout, server shutting down, 429/5xx)
   raises ``TransientSinkError``: nothing of the batch counts as acknowledged and
   the runtime retries it later with backoff. Rows written before the outage may
@@ -116,6 +127,8 @@ def isolate_rows(
     indexes: Sequence[int],
     attempt: Callable[[Sequence[int]], Sequence[RowFailure]],
     rejection: Callable[[Exception], str | None],
+    *,
+    fail_fast: bool = False,
 ) -> list[RowFailure]:
     """Write ``indexes`` with ``attempt``; bisect a whole-request rejection down to the guilty rows.
 
@@ -125,6 +138,9 @@ def isolate_rows(
     down to single rows, which become RowFailures with that message. ``attempt`` must leave
     nothing of a refused request behind (roll back to its savepoint) before raising. Any
     other exception propagates. The one bisection of the loop and the sinks.
+
+    With ``fail_fast`` (the ``fail`` policy) nothing after the first refused row is
+    written: once the left half holds a data failure, the right half is not tried.
     """
     if not indexes:
         return []
@@ -137,21 +153,50 @@ def isolate_rows(
         if len(indexes) == 1:
             return [RowFailure(indexes[0], message)]
     mid = len(indexes) // 2
-    return isolate_rows(indexes[:mid], attempt, rejection) + isolate_rows(
-        indexes[mid:], attempt, rejection
-    )
+    left = isolate_rows(indexes[:mid], attempt, rejection, fail_fast=fail_fast)
+    if fail_fast and any(f.kind is ErrorKind.DATA for f in left):
+        return left
+    return left + isolate_rows(indexes[mid:], attempt, rejection, fail_fast=fail_fast)
 
 
-def send_isolating(sink: SinkProtocol, table: pa.Table) -> list[RowFailure]:
-    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows."""
+def first_failure_only(
+    failures: list[RowFailure], todo: list[int]
+) -> tuple[list[RowFailure], list[int]]:
+    """For ``fail_fast``: the first of the failures a sink found before writing, and the
+    rows still to write (those before it)."""
+    if not failures:
+        return failures, todo
+    first = min(failures, key=lambda f: f.index)
+    return [first], [i for i in todo if i < first.index]
+
+
+def send_isolating(
+    sink: SinkProtocol, table: pa.Table, *, fail_fast: bool = False
+) -> list[RowFailure]:
+    """One send; a whole-request rejection (BatchRejected) is bisected down to the guilty rows.
+
+    With ``fail_fast`` the sink is told to stop at its first failed row (``fail_fast``
+    attribute) and the bisection sends nothing after it; the result holds that row and
+    the rows before it that an outage left unacknowledged.
+    """
+    if fail_fast and hasattr(sink, "fail_fast"):
+        setattr(sink, "fail_fast", True)  # noqa: B010 - optional on the protocol
 
     def attempt(rows: Sequence[int]) -> list[RowFailure]:
         first = rows[0]  # bisection keeps ranges contiguous
         result = sink.send_batch(table.slice(first, len(rows)))
         return [RowFailure(first + f.index, f.message, f.kind) for f in result.failed]
 
-    return isolate_rows(
-        range(table.num_rows),
-        attempt,
-        lambda e: str(e) if isinstance(e, BatchRejected) else None,
+    failed = sorted(
+        isolate_rows(
+            range(table.num_rows),
+            attempt,
+            lambda e: str(e) if isinstance(e, BatchRejected) else None,
+            fail_fast=fail_fast,
+        ),
+        key=lambda f: f.index,
     )
+    if fail_fast:
+        first = next((f.index for f in failed if f.kind is ErrorKind.DATA), None)
+        failed = [f for f in failed if first is None or f.index <= first]
+    return failed

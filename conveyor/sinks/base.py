@@ -30,7 +30,12 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-from conveyor.core.sink import ErrorKind, RowFailure, SendResult  # noqa: F401 - re-exported
+from conveyor.core.sink import (  # noqa: F401 - re-exported
+    ErrorKind,
+    RowFailure,
+    SendResult,
+    first_failure_only,
+)
 
 
 class SinkConfig(BaseModel):
@@ -60,6 +65,7 @@ class Sink(abc.ABC):
 
     def __init__(self, config: SinkConfig):
         self.config = config
+        self.fail_fast = False  # set by the runtime under the fail policy (conveyor.core.sink)
 
     def validate(self) -> None:  # noqa: B027 - optional hook: most configs need no cross-field rule
         """Check the config beyond its model (cross-field rules). No I/O. Raises ConfigError."""

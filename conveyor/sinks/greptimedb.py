@@ -609,6 +609,12 @@ class GreptimeDBSink(Sink):
                 )
         plan = build_lines(iter_records(batch), self.config, payload_columns(batch))
         failures = list(plan.failures)
+        if self.fail_fast and failures:
+            # Nothing after the first row that cannot be written is sent.
+            first = min(f.index for f in failures)
+            failures = [f for f in failures if f.index == first]
+            keep = [k for k, row in enumerate(plan.rows) if row < first]
+            plan = LinePlan([plan.lines[k] for k in keep], [plan.rows[k] for k in keep], failures)
         if plan.lines:
             prepared = self._session.prepare_request(write_request(self.config, plan.body()))
             try:

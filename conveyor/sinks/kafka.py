@@ -477,6 +477,8 @@ class KafkaSink(Sink):
         failures: list[RowFailure] = []
         futures: list[tuple[int, Any]] = []
         for index, topic, msg in self.messages(batch):
+            if failures and self.fail_fast:
+                break  # nothing after the first refused row is produced
             if isinstance(topic, templates.TemplateError):
                 failures.append(RowFailure(index, str(topic)))
                 continue
@@ -495,6 +497,7 @@ class KafkaSink(Sink):
                 self._drop_producer()
                 raise self._error(e, f"producing to {topic!r} failed") from None
         self._flush()
+        unacked: list[tuple[int, BaseException | None]] = []
         for index, fut in futures:
             if fut.succeeded():
                 continue
@@ -502,10 +505,22 @@ class KafkaSink(Sink):
             if exc is not None and classify_kafka_error(exc) is ErrorKind.DATA:
                 failures.append(RowFailure(index, _describe(exc)))
                 continue
+            unacked.append((index, exc))
+        if unacked:
             self._drop_producer()
-            if exc is None:
-                raise TransientSinkError("Kafka did not acknowledge every record of the batch")
-            raise self._error(exc, "Kafka did not acknowledge the batch")
+            first = next((e for _, e in unacked if e is not None), None)
+            permanent = first is not None and classify_kafka_error(first) is ErrorKind.PERMANENT
+            if len(unacked) == len(futures) or permanent:
+                if first is None:
+                    raise TransientSinkError("Kafka did not acknowledge every record of the batch")
+                raise self._error(first, "Kafka did not acknowledge the batch")
+            # A partial acknowledgement: only the records not acknowledged are sent again.
+            failures.extend(
+                RowFailure(
+                    i, _describe(e) if e is not None else "not acknowledged", ErrorKind.TRANSIENT
+                )
+                for i, e in unacked
+            )
         failures.sort(key=lambda f: f.index)
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import errno
 import json
@@ -126,34 +127,51 @@ class LocalFileSink(Sink):
         return json.dumps(obj, default=_default, ensure_ascii=False, separators=(",", ":"))
 
     def send_batch(self, batch: pa.Table) -> SendResult:
-        failed = []
-        lines = []
         from conveyor.sinks.base import RowFailure
 
+        failed: list[RowFailure] = []
+        lines = []
         for rec in iter_records(batch):
             try:
                 lines.append(self._line(rec))
             except (TypeError, ValueError) as e:
                 failed.append(RowFailure(rec.index, f"not serialisable as JSON: {e}"))
+                if self.fail_fast:
+                    break  # nothing after the first failed row is written
         data = ("\n".join(lines) + "\n").encode() if lines else b""
         if data:
             try:
-                path = self._target(len(data))
-                new = not path.exists()
-                with open(path, "ab") as f:
-                    f.write(data)
-                    f.flush()
-                    if self.config.fsync:
-                        os.fsync(f.fileno())
-                if new and self.config.fsync:
-                    fd = os.open(self._dir, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                self._append(self._target(len(data)), data)
             except OSError as e:
                 raise self._os_error(e) from e
         return SendResult(rows=batch.num_rows, failed=tuple(failed))
+
+    def _append(self, path: Path, data: bytes) -> None:
+        """Append whole lines or nothing: a write that fails midway (disk full, I/O error)
+        is cut back to the file's previous size, so no partial line stays and the retry of
+        the batch does not append it twice."""
+        new = not path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            before = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.config.fsync:
+                    os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):  # the write's own error is what counts
+                    os.ftruncate(fd, before)
+                raise
+        finally:
+            os.close(fd)
+        if new and self.config.fsync:
+            fd = os.open(self._dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _os_error(self, e: OSError) -> Exception:
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

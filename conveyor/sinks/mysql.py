@@ -33,7 +33,7 @@ from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkE
 from conveyor.core.model import (
     HEADERS_COL,
 )
-from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
+from conveyor.core.sink import ErrorKind, first_failure_only, isolate_rows, sink_error
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -783,6 +783,8 @@ class MySQLSink(Sink):
             rows, failures = self._rows(batch)
             failures += self._deletes(batch, rows)
             good = [i for i, r in enumerate(rows) if r is not None]
+            if self.fail_fast:
+                failures, good = first_failure_only(failures, good)
             step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
                 # A statement above max_allowed_packet makes the server drop the connection.
@@ -790,6 +792,8 @@ class MySQLSink(Sink):
                     self.config.max_statement_bytes, self._max_packet - PACKET_MARGIN
                 )
                 for start in range(0, len(good), step):
+                    if failures and self.fail_fast:
+                        break  # nothing after the first failed row is written
                     failures += self._write_isolating(cur, rows, good[start : start + step])
             self._conn.commit()
         except (pymysql.err.MySQLError, OSError) as e:
@@ -914,4 +918,4 @@ class MySQLSink(Sink):
                 return error_text(e)
             return None
 
-        return isolate_rows(idx, attempt, rejection)
+        return isolate_rows(idx, attempt, rejection, fail_fast=self.fail_fast)

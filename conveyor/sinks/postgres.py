@@ -23,7 +23,7 @@ from pydantic import Field, SecretStr
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
-from conveyor.core.sink import isolate_rows
+from conveyor.core.sink import first_failure_only, isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -112,6 +112,12 @@ _PERMANENT_CONNECT_ERRORS = (
     "invalid dsn",
     "invalid connection option",
 )
+
+
+def _is_row_error(e: Exception) -> bool:
+    """A row's content was refused: a data error from the server, or psycopg2 refusing a
+    value before sending it (a NUL character in a string literal)."""
+    return _is_data_error(e) or (isinstance(e, ValueError) and "NUL" in str(e))
 
 
 def _is_data_error(e: Exception) -> bool:
@@ -313,9 +319,13 @@ class PostgresSink(Sink):
             self._resolve(batch)
         rows: list[Any] = self._copy_lines(batch) or self._rows(batch)
         failures, todo = self._deletes(batch, rows)
+        if self.fail_fast:
+            failures, todo = first_failure_only(failures, todo)
         try:
             failures += self._write_isolating(rows, todo)
             failures.sort(key=lambda f: f.index)
+            if self.fail_fast:
+                failures = failures[:1]
             self._conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             self.cleanup_sink()
@@ -375,8 +385,10 @@ class PostgresSink(Sink):
                 cur.execute("SAVEPOINT conveyor_sp")
                 try:
                     self._write(cur, [rows[i] for i in sub])
-                except psycopg2.Error as e:
-                    if _is_data_error(e):
+                except (psycopg2.Error, ValueError) as e:
+                    # psycopg2 refuses a NUL character in a literal with ValueError before
+                    # sending anything (COPY sends it and the server answers 22021).
+                    if _is_row_error(e):
                         cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
                         cur.execute("RELEASE SAVEPOINT conveyor_sp")
                     raise
@@ -384,11 +396,11 @@ class PostgresSink(Sink):
                 return []
 
         def rejection(e: Exception) -> str | None:
-            if not isinstance(e, psycopg2.Error) or not _is_data_error(e):
+            if not _is_row_error(e):
                 return None
-            return (e.pgerror or str(e)).strip().splitlines()[0]
+            return (getattr(e, "pgerror", None) or str(e)).strip().splitlines()[0]
 
-        return isolate_rows(idx, attempt, rejection)
+        return isolate_rows(idx, attempt, rejection, fail_fast=self.fail_fast)
 
     def _delete(self, cur: Any, keys: list[tuple[Any, ...]]) -> None:
         from psycopg2 import sql

@@ -32,6 +32,7 @@ from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, SinkError, TransientSinkError
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
+    ErrorKind,
     Record,
     RowFailure,
     SendResult,
@@ -454,7 +455,9 @@ class PulsarSink(Sink):
     def _row_failures(self, results: list[Any], sync: dict[int, Any]) -> list[RowFailure]:
         failures: list[RowFailure] = []
         transient: list[str] = []
+        unacked: list[RowFailure] = []
         permanent: list[str] = []
+        acked = 0
         for index, result in enumerate(results):
             if result is None:  # row not sent (rendering failed)
                 continue
@@ -465,6 +468,9 @@ class PulsarSink(Sink):
                 failures.append(RowFailure(index, detail))
             elif kind == "transient":
                 transient.append(detail)
+                unacked.append(RowFailure(index, detail, ErrorKind.TRANSIENT))
+            elif kind == "ok":
+                acked += 1
             elif kind == "permanent":
                 permanent.append(detail)
         if permanent:
@@ -472,9 +478,12 @@ class PulsarSink(Sink):
             raise PermanentSinkError(f"Pulsar refused {len(permanent)} message(s): {permanent[0]}")
         if transient:
             self._reset()
-            raise TransientSinkError(
-                f"Pulsar: {len(transient)} message(s) not acknowledged, e.g. {transient[0]}"
-            )
+            if not acked:
+                raise TransientSinkError(
+                    f"Pulsar: {len(transient)} message(s) not acknowledged, e.g. {transient[0]}"
+                )
+            # A partial acknowledgement: only the messages not acknowledged are sent again.
+            failures.extend(unacked)
         return failures
 
     def _reset(self) -> None:

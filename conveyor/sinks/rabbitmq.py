@@ -688,6 +688,8 @@ class RabbitMQSink(Sink):
         c = self.config
         failures: list[RowFailure] = []
         for r in iter_records(batch):
+            if failures and self.fail_fast:
+                break  # each message is confirmed before the next: nothing after a refused one
             try:
                 rk, body, props = self._prepare(r)
                 self._channel.basic_publish(

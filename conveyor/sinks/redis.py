@@ -808,13 +808,23 @@ class RedisSink(Sink):
                         bad[i] = dbad[i]
         failures = {i: RowFailure(i, msg) for i, msg in bad.items()}
         good = [i for i, r in enumerate(rows) if r is not None]
+        if self.fail_fast and failures:
+            # Nothing after a row whose command cannot be built is sent (a command the
+            # server refuses is known only once its pipeline ran: the rows after it in
+            # that pipeline are written; the next pipelines are not sent).
+            first = min(failures)
+            failures = {first: failures[first]}
+            good = [i for i in good if i < first]
         if self._client is None:
             self._client = self._connect()
         size = self.config.pipeline_size
         try:
             for start in range(0, len(good), size):
-                for f in self._run_chunk(rows, good[start : start + size], commands):
+                refused = self._run_chunk(rows, good[start : start + size], commands)
+                for f in refused:
                     failures[f.index] = f
+                if refused and self.fail_fast:
+                    break
         except (rx.RedisError, rx.RedisClusterException, OSError) as e:
             err = self._error(e, "write failed")
             self.cleanup_sink()  # a fresh connection for the retry

@@ -40,8 +40,14 @@ log = logging.getLogger("conveyor.spark")
 # pyspark logs every failed analysis as a multi-kilobyte JSON error; we report it ourselves.
 logging.getLogger("SQLQueryContextLogger").setLevel(logging.CRITICAL)
 
-BAD_COL = "__bad"
+BAD_COL = "__bad"  # null, or why the row cannot be decoded
 ROW_COL = "__row"
+CORRUPT_COL = "__corrupt"
+NOT_JSON = "undecodable payload: not valid JSON"
+NOT_OBJECT = "undecodable payload: not a JSON object"
+MISMATCH = (
+    "undecodable payload: a field does not match the schema (transform.on_type_mismatch: fail)"
+)
 
 
 class SparkTransformer:
@@ -80,28 +86,50 @@ class SparkTransformer:
         # No DataFrame property that needs the schema (``df.columns``) may be read here: on
         # Spark Connect each is an analysis round trip that uploads the whole batch again.
         if spec.decode == Decode.RAW:
-            df = df.selectExpr(ROW_COL, *used, "false AS __bad", "__value AS value")
+            df = df.selectExpr(
+                ROW_COL, *used, f"CAST(NULL AS STRING) AS {BAD_COL}", "__value AS value"
+            )
         elif spec.decode == Decode.TEXT:
-            df = df.selectExpr(ROW_COL, *used, "false AS __bad", f"{value_str} AS value")
+            df = df.selectExpr(
+                ROW_COL, *used, f"CAST(NULL AS STRING) AS {BAD_COL}", f"{value_str} AS value"
+            )
         else:
-            bad = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
+            invalid = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
+                # Spark's PERMISSIVE from_json puts a field of the wrong type (or a document
+                # that is not an object) as null: with on_type_mismatch 'fail' (the default)
+                # that is a failed message, never a silent NULL. The corrupt-record column
+                # flags it.
+                schema = f"{spec.json_schema}, {CORRUPT_COL} STRING"
+                opts = f"map('columnNameOfCorruptRecord', '{CORRUPT_COL}')"
                 df = df.selectExpr(
                     ROW_COL,
                     *used,
-                    f"{bad} AS __bad",
-                    f"from_json({value_str}, '{_sql_str(spec.json_schema)}') AS __d",
+                    f"{invalid} AS __invalid",
+                    f"{tomb} AS __tomb",
+                    f"from_json({value_str}, '{_sql_str(schema)}', {opts}) AS __d",
                 )
-                df = df.selectExpr(ROW_COL, *used, BAD_COL, "__d.*")
+                mismatch = "NULL"
+                if spec.on_type_mismatch == "fail":
+                    mismatch = (
+                        f"CASE WHEN NOT `__tomb` AND `__d` IS NULL THEN '{NOT_OBJECT}' "
+                        f"WHEN NOT `__tomb` AND `__d`.{CORRUPT_COL} IS NOT NULL THEN '{MISMATCH}' END"
+                    )
+                df = df.selectExpr(
+                    ROW_COL,
+                    *used,
+                    f"CASE WHEN `__invalid` THEN '{NOT_JSON}' ELSE {mismatch} END AS {BAD_COL}",
+                    "__d.*",
+                ).drop(CORRUPT_COL)
             else:
                 df = df.selectExpr(
                     ROW_COL,
                     *used,
-                    f"{bad} AS __bad",
+                    f"CASE WHEN {invalid} THEN '{NOT_JSON}' END AS {BAD_COL}",
                     f"CASE WHEN {tomb} THEN NULL ELSE {value_str} END AS value",
                 )
         if spec.filter:
-            df = df.where(f"__bad OR coalesce(({spec.filter}), false)")
+            df = df.where(f"{BAD_COL} IS NOT NULL OR coalesce(({spec.filter}), false)")
         if spec.select:
             df = df.selectExpr(ROW_COL, BAD_COL, *spec.select)
         elif used:
@@ -219,8 +247,11 @@ class SparkTransformer:
                 self._lost(e)
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
             raise
-        bad_mask = out.column(BAD_COL)
-        bad_rows = out.filter(bad_mask).column(ROW_COL).to_pylist()
+        bad_mask = pc.is_valid(out.column(BAD_COL))
+        bad_out = out.filter(bad_mask)
+        bad_rows = zip(
+            bad_out.column(ROW_COL).to_pylist(), bad_out.column(BAD_COL).to_pylist(), strict=True
+        )
         good = out.filter(pc.invert(bad_mask))
         payload = good.drop_columns([BAD_COL, ROW_COL])
         meta = [c for c in meta if c not in payload.column_names]
@@ -234,7 +265,7 @@ class SparkTransformer:
         )
         rejected = tuple(
             sorted(
-                [*held, *(Rejected(i, "undecodable payload: not valid JSON") for i in bad_rows)],
+                [*held, *(Rejected(i, why) for i, why in bad_rows)],
                 key=lambda r: r.index,
             )
         )

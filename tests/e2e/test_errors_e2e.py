@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +162,146 @@ def test_poison_message_under_dead_letter_policy(dagster, tansu, topic_name, pg_
 
     ev = dagster.instance().get_latest_materialization_event(AssetKey(["dead_letters", name]))
     assert ev.asset_materialization.metadata["count"].value == 0
+
+
+# -- issue 15: a bad message never halts, loops or duplicates ----------------------------------
+
+HOSTILE_PAYLOADS = [
+    json.dumps({"id": 90_001, "name": "nul \u0000 inside", "amount": 1}).encode(),  # PG refuses
+    b"\xff\xfe\x00 not UTF-8",  # not JSON
+    b"[1, 2, 3]",  # JSON, not an object
+    b"null",  # JSON null, not an object
+    json.dumps({"id": "not a number", "name": "x", "amount": 1}).encode(),  # wrong type
+    ("[" * 3000 + "]" * 3000).encode(),  # deeply nested, not an object
+    json.dumps({"id": 90_002, "name": "nul \u0000", "amount": 2}).encode(),  # PG refuses
+]
+
+
+def test_hostile_messages_are_dead_lettered_and_every_valid_one_delivered(
+    dagster, tansu, topic_name, pg_url, pg_schema
+):
+    """The issue's scenario: 2,000 valid JSON messages and a few hostile ones (two with a NUL
+    character, which PostgreSQL text refuses) into a PostgreSQL table under dead_letter:
+    all 2,000 delivered, the hostile ones dead-lettered, the connector Running, lag 0."""
+    import psycopg2
+
+    hostile_at = {100 + 250 * j: p for j, p in enumerate(HOSTILE_PAYLOADS)}
+    total = 2000 + len(hostile_at)
+    ids = iter(range(2000))
+    payloads = [
+        hostile_at[i]
+        if i in hostile_at
+        else json.dumps({"id": (n := next(ids)), "name": f"name {n}", "amount": n * 1.5}).encode()
+        for i in range(total)
+    ]
+
+    produce(tansu, topic_name, total, partitions=1, payload=payloads.__getitem__)
+    name = f"hostile_{uuid.uuid4().hex[:6]}"
+    spec = pg_spec(
+        name, topic_name, pg_url, pg_schema, batch={"max_records": 500, "max_wait_ms": 500}
+    )
+    spec["failure"] = {
+        "policy": "dead_letter",
+        "retries": 0,
+        "dead_letter": {"path": str(dagster.home / "dl" / name)},
+    }
+    dagster.write_spec(spec)
+    dagster.reload()
+    run_id = dagster.launch(name)
+    wait_for(
+        lambda: sum(dagster.store.committed_offsets(name).values()) == total,
+        240,
+        "every message committed",
+    )
+    with psycopg2.connect(pg_url) as c, c.cursor() as cur:
+        cur.execute(
+            f'SELECT count(*), count(DISTINCT id), min(id), max(id) FROM "{pg_schema}".orders'
+        )
+        assert cur.fetchone() == (2000, 2000, 0, 1999)
+    from conveyor.deadletters import SparkParquetDeadLetters
+    from conveyor.spark.session import spark_session
+
+    dl = SparkParquetDeadLetters(
+        dagster.home / "dl" / name, lambda: spark_session(dagster.env["CONVEYOR_SPARK_REMOTE"])
+    )
+    pending = dl.pending().to_pylist()
+    assert sorted(p["offset"] for p in pending) == sorted(hostile_at)
+    by_offset = {p["offset"]: p for p in pending}
+    assert by_offset[100]["error_class"] == "data" and "0x00" in by_offset[100]["error"]
+    assert by_offset[100 + 250 * 4]["error_class"] == "decode"  # the wrong type is no NULL
+    wait_for(
+        lambda: (
+            dagster.store.get(name).counters.get("dead_lettered") == len(hostile_at)
+            and dagster.store.get(name).counters.get("lag") == 0
+        ),
+        30,
+        "dead-letter counter and lag 0",
+    )
+    row = dagster.store.get(name)
+    assert row.status == ConnectorStatus.RUNNING and row.generation == 1, row
+    dagster.terminate(run_id)
+    dagster.wait_status(run_id, {"CANCELED"}, 60)
+
+
+def test_fail_policy_stops_at_the_bad_message_and_is_not_restarted(
+    dagster, tansu, topic_name, pg_url, pg_schema
+):
+    """A bad message in the middle of a batch under `fail`: every good row before it exactly
+    once, nothing after it, Error naming the message; three scheduler ticks later the same."""
+    import time
+
+    from dagster import build_sensor_context
+
+    from conveyor.resources.conveyor import ConveyorResource
+    from conveyor.sensors.scheduler import tick
+    from tests.e2e.test_connector_e2e import counts
+
+    produce(
+        tansu,
+        topic_name,
+        100,
+        partitions=1,
+        payload=lambda i: json.dumps(
+            {"id": i, "name": "nul \u0000" if i == 50 else f"name {i}", "amount": i}
+        ).encode(),
+    )
+    name = f"fail_{uuid.uuid4().hex[:6]}"
+    spec = pg_spec(
+        name, topic_name, pg_url, pg_schema, batch={"max_records": 100, "max_wait_ms": 1000}
+    )
+    error, log = run_to_error(dagster, spec)
+    where = f"{topic_name}[0]@50"
+    assert error.startswith("data error: ") and where in error and "0x00" in error, error
+    assert where in log
+
+    def check() -> None:
+        import psycopg2
+
+        assert counts(pg_url, pg_schema) == (50, 50)
+        with psycopg2.connect(pg_url) as c, c.cursor() as cur:
+            cur.execute(f'SELECT min(id), max(id) FROM "{pg_schema}".orders')
+            assert cur.fetchone() == (0, 49)  # nothing after the bad message
+        assert sum(dagster.store.committed_offsets(name).values()) == 50
+
+    check()
+    gen = dagster.store.get(name).generation
+    with dagster.instance() as instance:
+        for k in range(3):
+            ctx = build_sensor_context(
+                instance=instance,
+                resources={"conveyor": ConveyorResource(meta_url=dagster.meta_url)},
+            )
+            # Far past any restart backoff: a crash would be restarted by now.
+            _, requests = tick(ctx, dagster.store, now=time.time() + 3600 * (k + 1))
+            assert not [r for r in requests if r.tags.get("conveyor/connector") == name]
+    row = dagster.store.get(name)
+    assert row.status == ConnectorStatus.ERROR and row.generation == gen and row.restarts == 0, row
+    check()
+    listing = subprocess.run(
+        [str(Path(sys.executable).parent / "conveyor"), "connector", "list"],
+        env=dagster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert where in listing.stdout, listing.stdout

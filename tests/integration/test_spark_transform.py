@@ -237,6 +237,32 @@ def test_a_filter_and_select_can_use_tombstone(spark):
     assert out.table.column("gone").to_pylist() == [True, False]
 
 
+def test_a_json_payload_that_does_not_fit_the_schema_is_a_failed_message_not_nulls(spark):
+    deep = ("[" * 5000 + "]" * 5000).encode()
+    values = [
+        order(0),
+        b'{"id": "not a number", "name": "x", "amount": 1.0}',  # wrong type
+        b"[1, 2, 3]",  # not an object
+        b"42",  # not an object
+        order(4),
+        b'{"id": 5, "name": "nul \\u0000 inside", "amount": 1.0}',  # valid JSON, decoded
+        b"\xff\xfe not utf-8",
+        deep,
+        b'{"id": 8}',  # missing fields are nulls, not an error
+    ]
+    out = transform(spark, decode="json", schema=SCHEMA)(source(values))
+    rejected = {r.index: r.message for r in out.rejected}
+    assert set(rejected) == {1, 2, 3, 6, 7}
+    assert "does not match the schema" in rejected[1]
+    assert all(m.startswith("undecodable payload: ") for m in rejected.values())
+    assert out.table.column("id").to_pylist() == [0, 4, 5, 8]
+    assert "__corrupt" not in out.table.column_names
+    assert out.table.column("name").to_pylist()[2] == "nul \x00 inside"
+    # on_type_mismatch: null keeps Spark's permissive decoding.
+    lax = transform(spark, decode="json", schema=SCHEMA, on_type_mismatch="null")(source(values))
+    assert 1 not in {r.index for r in lax.rejected}
+
+
 def test_a_restarted_spark_server_is_an_outage_then_the_transform_uses_a_new_session(tmp_path):
     """The server restarts between two batches: its sessions are gone. The next attempt
     is an outage (retried by the loop), and the one after runs on a new session."""

@@ -128,6 +128,10 @@ class SinkContract:
 
     outage_skip_reason: ClassVar[str] = ""
 
+    #: with ``fail_fast`` the sink writes nothing after the first failed row (False: its
+    #: client reports failures only after the whole batch went out; see the sink's docs)
+    stops_at_first_failure: ClassVar[bool] = True
+
     #: (override of config fields, the field name the error must mention)
     bad_fields: ClassVar[list[tuple[dict[str, Any], str]]] = []
 
@@ -199,6 +203,41 @@ class SinkContract:
         stored = sorted(r["id"] for r in self.read_back(target))
         ids = batch.column("id").to_pylist()
         assert stored == sorted(ids[i] for i in range(batch.num_rows) if i not in bad)
+
+    def test_hostile_corpus_every_row_written_or_failed_never_a_batch_error(
+        self, sink: Sink, target: str
+    ) -> None:
+        from conveyor.core.sink import send_isolating
+        from tests.hostile import hostile_batch
+
+        batch, what = hostile_batch()
+        failed = send_isolating(sink, batch)  # the runtime's send, with its bisection
+        bad = {f.index for f in failed}
+        stored = [r["id"] for r in self.read_back(target)]
+        assert len(stored) == len(set(stored)), "a row was written twice"
+        assert not set(stored) & bad, "a row was both written and failed"
+        assert set(stored) | bad == set(range(batch.num_rows)), "a row was lost"
+        assert not [what[i] for i in bad if what[i] == "good"], "a good row failed"
+        assert all(f.message for f in failed)
+
+    def test_fail_fast_writes_nothing_after_the_first_failed_row(
+        self, sink: Sink, target: str
+    ) -> None:
+        from conveyor.core.sink import send_isolating
+
+        poison = self.poison_batch(target)
+        if poison is None:
+            pytest.skip(self.poison_skip_reason or "this system cannot reject a single message")
+        batch, bad = poison
+        first = min(bad)
+        failed = send_isolating(sink, batch, fail_fast=True)
+        assert [f.index for f in failed] == [first]
+        ids = batch.column("id").to_pylist()
+        stored = sorted(r["id"] for r in self.read_back(target))
+        if self.stops_at_first_failure:
+            assert stored == sorted(ids[:first])
+        else:
+            assert set(ids[:first]) <= set(stored)
 
     def test_outage_is_transient(self, target: str) -> None:
         cfg = self.outage_config(target)

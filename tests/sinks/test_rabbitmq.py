@@ -99,6 +99,8 @@ class TestRabbitMQContract(SinkContract):
 
     sink_type = "rabbitmq"
     idempotent = False  # AMQP publish is not idempotent: a replay is published again (message_id lets consumers dedupe)
+    # Returns and confirms arrive after the batch was published: rows after a refused one are out.
+    stops_at_first_failure = False
     keeps_keys = keeps_headers = keeps_timestamps = True
     confirm_mode = "pipelined"
 
@@ -148,6 +150,8 @@ class TestRabbitMQContract(SinkContract):
 
 class TestRabbitMQPerMessageContract(TestRabbitMQContract):
     """The same contract through pika's public per-message confirm API."""
+
+    stops_at_first_failure = True  # one confirm per message: it stops at a refused one
 
     confirm_mode = "per_message"
 

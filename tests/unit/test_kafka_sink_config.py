@@ -473,3 +473,61 @@ def test_batch_level_errors_become_sink_errors() -> None:
 
 def test_send_batch_of_nothing_needs_no_connection() -> None:
     assert sink().send_batch(make_batch(0)).rows == 0
+
+
+class _Future:
+    def __init__(self, exc: BaseException | None):
+        self.exception, self.is_done = exc, True
+
+    def succeeded(self) -> bool:
+        return self.exception is None
+
+
+class _Producer:
+    """Acknowledges every record but those whose index is in ``lost`` (a broker gone)."""
+
+    def __init__(self, lost: set[int]):
+        self.lost, self.sent = lost, []
+
+    def send(self, topic: str, **msg: Any) -> _Future:
+        self.sent.append(msg["value"])
+        n = len(self.sent) - 1
+        return _Future(ke.KafkaTimeoutError("expired") if n in self.lost else None)
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_a_batch_partly_acknowledged_reports_the_rest_as_transient_row_failures() -> None:
+    from conveyor.sinks.base import ErrorKind
+
+    s = sink()
+    s._producer = _Producer(lost={3, 4})
+    result = s.send_batch(make_batch(6))
+    assert [(f.index, f.kind) for f in result.failed] == [
+        (3, ErrorKind.TRANSIENT),
+        (4, ErrorKind.TRANSIENT),
+    ]
+    s._producer = _Producer(lost={0, 1})  # nothing acknowledged: an outage of the whole batch
+    with pytest.raises(TransientSinkError):
+        s.send_batch(make_batch(2))
+
+
+def test_fail_fast_produces_nothing_after_a_record_the_producer_refuses() -> None:
+    s = sink(max_request_size=2048)
+    s.fail_fast = True
+    producer = _Producer(lost=set())
+
+    def send(topic: str, **msg: Any) -> _Future:
+        if len(msg["value"]) > 2048:
+            raise ke.MessageSizeTooLargeError("too large")
+        return _Producer.send(producer, topic, **msg)
+
+    producer.send = send  # type: ignore[method-assign]
+    s._producer = producer
+    result = s.send_batch(make_batch(10, names={4: "x" * 5000}))
+    assert [f.index for f in result.failed] == [4]
+    assert len(producer.sent) == 4  # rows 0-3, nothing after the refused one

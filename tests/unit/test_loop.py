@@ -15,6 +15,7 @@ from conveyor.core.errors import (
     DeadLetterLimitError,
     FencedError,
     TransientSinkError,
+    is_data_error,
 )
 from conveyor.core.loop import (
     ConnectorLoop,
@@ -26,6 +27,7 @@ from conveyor.core.loop import (
     SourceBatch,
     Transformed,
     next_offsets_of,
+    offsets_before,
     run_loop,
 )
 from conveyor.core.model import (
@@ -37,7 +39,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
-from conveyor.sinks.base import RowFailure, SendResult
+from conveyor.sinks.base import ErrorKind, RowFailure, SendResult
 
 TP0 = TopicPartition("t", 0)
 
@@ -103,9 +105,18 @@ def json_transform(batch: pa.Table) -> Transformed:
 
 class FakeSink:
     def __init__(
-        self, events, *, reject_ids=(), transient_failures=0, whole_request=False, fail_times=None
+        self,
+        events,
+        *,
+        reject_ids=(),
+        transient_failures=0,
+        whole_request=False,
+        fail_times=None,
+        honours_fail_fast=True,
     ):
         self.events = events
+        if honours_fail_fast:
+            self.fail_fast = False  # set by the loop under the fail policy
         self.rows: list[int] = []
         self.reject_ids = set(reject_ids)
         self.transient_failures = transient_failures
@@ -139,6 +150,8 @@ class FakeSink:
                     bad.append(i)
         if self.whole_request and bad:
             raise BatchRejected(f"request rejected: contains bad id {ids[bad[0]]}")
+        if getattr(self, "fail_fast", False) and bad:
+            ids, bad = ids[: bad[0] + 1], bad[:1]  # nothing after the first failed row
         good = [v for i, v in enumerate(ids) if i not in bad]
         self.rows.extend(good)
         self.events.append(("send", len(good)))
@@ -286,9 +299,60 @@ def test_outage_budget_exhausted_raises_without_commit():
 
 def test_fail_policy_stops_on_undecodable_payload_naming_the_offset():
     loop, _, sink, committer, _, _ = make_loop([source_batch(0, 10, bad={5})])
-    with pytest.raises(DataPolicyError, match=r"t\[0\]@5 failed \(decode\): undecodable payload"):
+    with pytest.raises(
+        DataPolicyError, match=r"data error: message t\[0\]@5 failed \(decode\): undecodable"
+    ) as e:
         run_loop(loop)
-    assert committer.offsets == {}  # nothing skipped: the batch is not committed
+    # The rows before it are delivered and committed, nothing after it is sent.
+    assert sink.rows == [0, 1, 2, 3, 4]
+    assert committer.offsets == {TP0: 5}
+    assert (e.value.topic, e.value.partition, e.value.offset) == ("t", 0, 5)
+    assert is_data_error(str(e.value))
+
+
+@pytest.mark.parametrize("whole_request", [False, True])
+def test_fail_policy_writes_nothing_after_the_failed_row_and_resumes_exactly_at_it(whole_request):
+    events = Events()
+    sink = FakeSink(events, reject_ids={37}, whole_request=whole_request)
+    loop, source, _, committer, _, _ = make_loop(
+        [source_batch(0, 100), source_batch(100, 100)], sink=sink, events=events
+    )
+    with pytest.raises(DataPolicyError, match=r"t\[0\]@37 failed \(data\): .*bad id 37") as e:
+        run_loop(loop)
+    assert sink.rows == list(range(37))  # each good row before it once, nothing after it
+    assert committer.offsets == {TP0: 37}
+    assert e.value.offset == 37 and len(source.batches) == 1  # the next batch is not read
+    assert loop.counters.messages_out == 37 and loop.counters.failed == 1
+    # "Restarted" after a fix: it resumes exactly at the bad message; nothing is written twice.
+    sink.reject_ids = set()
+    again, _, _, _, _, _ = make_loop(
+        [source_batch(37, 63), source_batch(100, 100)], sink=sink, committer=committer
+    )
+    run_loop(again)
+    assert sink.rows == list(range(200))
+    assert committer.offsets == {TP0: 200}
+
+
+def test_fail_policy_with_a_sink_that_cannot_stop_still_commits_only_before_the_failure():
+    events = Events()
+    sink = FakeSink(events, reject_ids={5, 8}, honours_fail_fast=False)
+    loop, _, _, committer, _, _ = make_loop([source_batch(0, 10)], sink=sink, events=events)
+    with pytest.raises(DataPolicyError, match=r"t\[0\]@5 failed"):
+        run_loop(loop)
+    assert committer.offsets == {TP0: 5}  # the rows it wrote after 5 are sent again on resume
+    assert loop.counters.messages_out == 5
+
+
+def test_offsets_before_a_cut_per_partition():
+    rows = [("t", 0, 10), ("t", 1, 20), ("t", 0, 11), ("t", 1, 21), ("t", 2, 7)]
+    table = pa.Table.from_pylist(
+        [{"__topic": t, "__partition": p, "__offset": o} for t, p, o in rows]
+    )
+    nxt = next_offsets_of(table)
+    tp = TopicPartition
+    assert offsets_before(table, 2, nxt) == {tp("t", 0): 11, tp("t", 1): 21, tp("t", 2): 7}
+    assert offsets_before(table, 0, nxt) == {tp("t", 0): 10, tp("t", 1): 20, tp("t", 2): 7}
+    assert offsets_before(table, 5, nxt) == nxt
 
 
 def test_dead_letter_policy_isolates_poison_row_and_commits_after_dead_letters():
@@ -753,6 +817,48 @@ def test_reconfigure_ends_the_loop_at_a_batch_boundary_with_everything_acknowled
     counters = run_loop(nxt)
     assert sink.rows == list(range(len(sink.rows)))
     assert counters.messages_out == result["counters"].messages_out + 10
+
+
+class PartlyAckingSink(FakeSink):
+    """Acknowledges the first half of the first send, then reports the rest as not
+    acknowledged because of an outage (a partial acknowledgement)."""
+
+    def __init__(self, events, **kw):
+        super().__init__(events, **kw)
+        self.partial_once = True
+
+    def send_batch(self, batch):
+        if self.partial_once:
+            self.partial_once = False
+            ids = batch.column("id").to_pylist()
+            half = len(ids) // 2
+            self.rows.extend(ids[:half])
+            return SendResult(
+                rows=len(ids),
+                failed=tuple(
+                    RowFailure(i, "broker connection lost", ErrorKind.TRANSIENT)
+                    for i in range(half, len(ids))
+                ),
+            )
+        return super().send_batch(batch)
+
+
+def test_an_outage_retry_resends_only_the_rows_not_acknowledged():
+    events = Events()
+    sink = PartlyAckingSink(events, reject_ids={8})
+    dead = FakeDeadLetters(events)
+    loop, _, _, committer, _, sleeps = make_loop(
+        [source_batch(0, 10)],
+        sink=sink,
+        events=events,
+        dead=dead,
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0),
+    )
+    run_loop(loop)
+    assert sink.rows == [0, 1, 2, 3, 4, 5, 6, 7, 9]  # each acknowledged row sent once
+    assert [d.failed.offset for d in dead.letters] == [8]  # the data error, not the outage
+    assert committer.offsets == {TP0: 10} and sleeps == [1.0]
+    assert loop.counters.messages_out == 9 and loop.counters.dead_lettered == 1
 
 
 # -- the one bisection (conveyor.core.sink.isolate_rows) ------------------------------------

@@ -17,7 +17,7 @@ import pytest
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.sinks import build_sink
-from conveyor.sinks.base import RowFailure, iter_records
+from conveyor.sinks.base import ErrorKind, RowFailure, iter_records
 from conveyor.sinks.pulsar import (
     PulsarSink,
     PulsarSinkConfig,
@@ -265,7 +265,12 @@ def test_row_failures_from_callback_results() -> None:
         RowFailure(1, "MessageTooBig")
     ]
     with pytest.raises(TransientSinkError, match="Timeout"):
-        sink._row_failures([R.Ok, R.MessageTooBig, R.Timeout], {})
+        sink._row_failures([None, R.MessageTooBig, R.Timeout], {})
+    # Some acknowledged: a partial acknowledgement, only the unacknowledged one is re-sent.
+    assert sink._row_failures([R.Ok, R.MessageTooBig, R.Timeout], {}) == [
+        RowFailure(1, "MessageTooBig"),
+        RowFailure(2, "Timeout", ErrorKind.TRANSIENT),
+    ]
     with pytest.raises(PermanentSinkError, match="AuthorizationError"):
         sink._row_failures([R.Timeout, R.AuthorizationError], {})
 

@@ -245,6 +245,27 @@ def test_error_restarts_with_exponential_backoff_then_gives_up():
     assert s.plan([done], brokers("b1"), [], NOW, cfg).decisions == []
 
 
+def test_a_data_error_is_not_restarted_but_a_crash_or_outage_is():
+    cfg = s.SchedulerConfig(restart_backoff_s=10)
+    long_ago = NOW - 10_000
+    data = conn(
+        "a",
+        status=ERROR,
+        status_since=long_ago,
+        last_error="data error: message t[0]@37 failed (data): value too long",
+    )
+    limit = conn(
+        "b",
+        status=ERROR,
+        status_since=long_ago,
+        last_error="data error: 9 messages in a row failed",
+    )
+    crash = conn("c", status=ERROR, status_since=long_ago, last_error="RuntimeError: boom")
+    outage = conn("d", status=ERROR, status_since=long_ago, last_error="send kept failing for 600s")
+    p = s.plan([data, limit, crash, outage], brokers("b1"), [], NOW, cfg)
+    assert sorted(d.name for d in p.of(s.Restart)) == ["c", "d"]
+
+
 def test_restart_budget_comes_back_after_a_healthy_stretch():
     c = running("a", "b1", restarts=3, status_since=NOW - 601)
     assert kinds(s.plan([c], brokers("b1"), [run_of(c)], NOW)) == [("ClearRestarts", "a")]
