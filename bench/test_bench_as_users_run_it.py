@@ -27,12 +27,14 @@ Results go to docs/BENCHMARKS.md by hand, with the command and the commit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -53,9 +55,14 @@ N = int(os.environ.get("CONVEYOR_BENCH_USERS_N", "400000"))
 ROUNDS = int(os.environ.get("CONVEYOR_BENCH_USERS_ROUNDS", "2"))
 LATENCY_RATE = int(os.environ.get("CONVEYOR_BENCH_LATENCY_RATE", "10000"))
 LATENCY_S = float(os.environ.get("CONVEYOR_BENCH_LATENCY_S", "30"))
-CONTENDERS = os.environ.get("CONVEYOR_BENCH_CONTENDERS", "conveyor,librdkafka,quixstreams").split(
-    ","
-)
+# conveyor-<client>: the connector with that source.client (conveyor: the default client).
+CONTENDERS = os.environ.get(
+    "CONVEYOR_BENCH_CONTENDERS", "conveyor-confluent,conveyor-kafka-python,librdkafka,quixstreams"
+).split(",")
+OUT = os.environ.get("CONVEYOR_BENCH_OUT")  # also write the results as JSON here
+# A directory: py-spy samples each Conveyor run process (collapsed stacks + a summary).
+# Profiling costs CPU: figures of a profiled run are not the benchmark's.
+PROFILE = os.environ.get("CONVEYOR_BENCH_PROFILE")
 SCHEMA = "id BIGINT, name STRING, amount DOUBLE, ts BIGINT"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,33 +186,119 @@ def watch(
     raise AssertionError(f"{result.contender}: only {result.samples[-1].rows} of {N} rows")
 
 
-def spec(name: str, topic: str, pg_url: str, schema: str) -> dict[str, Any]:
+def client_of(contender: str) -> str | None:
+    """The source client a Conveyor contender runs with (None: the default), or "" for others.
+
+    ``conveyor-confluent:50000:200`` is that client with batches of up to 50,000 records
+    closing 200 ms after their first record (for measuring batch policies); without
+    ``:`` the connector's default batch policy."""
+    if not contender.startswith("conveyor"):
+        return ""
+    return contender.partition(":")[0].partition("-")[2] or None
+
+
+def batch_of(contender: str) -> dict[str, Any]:
+    records, _, wait = contender.partition(":")[2].partition(":")
+    policy = {
+        **({"max_records": int(records)} if records else {}),
+        **({"max_wait_ms": int(wait)} if wait else {}),
+    }
+    return {"batch": policy} if policy else {}
+
+
+def label_of(contender: str) -> str:
+    """A contender as part of a table name."""
+    return (client_of(contender) or "default").replace("-", "_") + (
+        "_b" + contender.partition(":")[2].replace(":", "_") if ":" in contender else ""
+    )
+
+
+def spec(
+    name: str, topic: str, pg_url: str, schema: str, contender: str = "conveyor"
+) -> dict[str, Any]:
     """What a user writes: defaults everywhere but the source, the decoding and the sink."""
+    client = client_of(contender)
     return {
         "name": name,
         "desired": "stopped",
-        "source": {"topics": [topic]},
+        **batch_of(contender),
+        "source": {"topics": [topic], **({"client": client} if client else {})},
         "transform": {"decode": "json", "schema": SCHEMA},
         "sink": {"type": "postgres", "url": pg_url, "schema": schema, "table": name},
     }
 
 
-def run_conveyor(stack: DevStack, name: str, pg_url: str, schema: str, jvm: int | None) -> Result:
-    result = Result("conveyor", time.monotonic())
+def run_conveyor(
+    stack: DevStack, contender: str, name: str, pg_url: str, schema: str, jvm: int | None
+) -> Result:
+    result = Result(contender, time.monotonic())
     stack.cli("connector", "start", name)
     run_pid: dict[str, int] = {}
+    spy: list[subprocess.Popen[bytes]] = []
 
     def pids() -> dict[str, int]:
         if "run" not in run_pid:
             row = stack.store.get(name)
             if row.run_pid:
                 run_pid["run"] = row.run_pid
+        # The profile covers the steady part: from 20% of the rows to the end.
+        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * N
+        if PROFILE and "run" in run_pid and not spy and steady:
+            spy.append(start_profile(run_pid["run"], Path(PROFILE) / f"{name}.txt"))
         return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
 
-    watch(result, pg_url, schema, name, pids)
+    try:
+        watch(result, pg_url, schema, name, pids)
+    finally:
+        for p in spy:
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
+    if spy:
+        print(summarize_profile(Path(PROFILE or ".") / f"{name}.txt"))
     stack.cli("connector", "stop", name)
     wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
     return result
+
+
+def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` at 100 Hz into collapsed stacks: every thread, idle ones
+    too (where a pipeline stage waits is the point), thread ids kept."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    exe = str(Path(sys.executable).parent / "py-spy")
+    return subprocess.Popen(
+        [exe, "record", "--pid", str(pid), "--format", "raw", "-r", "100", "-o", str(out),
+         "--nonblocking", "--idle", "--threads"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def summarize_profile(path: Path, top: int = 6) -> str:
+    """Per pipeline thread (the loop, the reader, the transform), the share of its wall
+    time in each of Conveyor's functions (the deepest ``conveyor/`` frame of a sample:
+    ``_Prefetcher.next`` on the loop's thread is waiting for the transform, say)."""
+    from collections import Counter, defaultdict
+
+    roots = {
+        "ConnectorLoop.run": "loop (send, commit)",
+        "_Prefetcher._read": "reader (source.read)",
+        "_Prefetcher._transform_ahead": "transform (Spark)",
+    }
+    per: dict[str, Counter[str]] = defaultdict(Counter)
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        stage = next((v for k, v in roots.items() for f in frames if f.startswith(k)), None)
+        if stage is None:
+            continue
+        own = [f for f in frames if "conveyor/" in f]
+        per[stage][own[-1].split(" (")[0] if own else "?"] += int(n)
+    lines = [f"{path.name}: share of each pipeline thread's wall time (100 Hz samples)"]
+    for stage, counts in per.items():
+        total = sum(counts.values())
+        lines.append(f"  {stage}: {total} samples")
+        lines += [f"    {c / total:6.1%}  {f}" for f, c in counts.most_common(top)]
+    return "\n".join(lines)
 
 
 def run_script(
@@ -270,9 +363,12 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
 ) -> None:
     tag = uuid.uuid4().hex[:6]
     rounds = [f"r{i}_{tag}" for i in range(ROUNDS)]
-    conveyor_names = {r: f"conv_{r}" for r in rounds}
-    latency_name = f"conv_lat_{tag}"
-    specs = [spec(n, f"t_{n}", pg_url, pg_schema) for n in [*conveyor_names.values(), latency_name]]
+    conveyors = [c for c in CONTENDERS if client_of(c) != ""]
+    table_of = {(c, r): f"conv_{label_of(c)}_{r}" for c in conveyors for r in rounds}
+    latency_names = {c: f"lat_{label_of(c)}_{tag}" for c in conveyors if LATENCY_S > 0}
+    specs = [spec(n, f"t_{n}", pg_url, pg_schema, c) for (c, _), n in table_of.items()] + [
+        spec(n, f"t_{n}", pg_url, pg_schema, c) for c, n in latency_names.items()
+    ]
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
     with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
@@ -280,13 +376,13 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
         for i, r in enumerate(rounds):
             order = CONTENDERS if i % 2 == 0 else list(reversed(CONTENDERS))
             for contender in order:
-                table = conveyor_names[r] if contender == "conveyor" else f"{contender}_{r}"
+                table = table_of.get((contender, r), f"{contender}_{r}")
                 topic = f"t_{table}"
                 if contender != "quixstreams":  # it creates its own, with its columns
                     create_table(pg_url, pg_schema, table)
                 produce(tansu, topic, N)
-                if contender == "conveyor":
-                    res = run_conveyor(stack, table, pg_url, pg_schema, jvm)
+                if contender in conveyors:
+                    res = run_conveyor(stack, contender, table, pg_url, pg_schema, jvm)
                 else:
                     args = contender_args(contender, tansu, topic, pg_url, pg_schema, table)
                     res = run_script(contender, args, pg_url, pg_schema, table, tmp_path)
@@ -298,16 +394,17 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
                     f"  peak RSS MB {res.peak_rss_mb()}"
                 )
         latency = {}
-        if "conveyor" in CONTENDERS:
-            latency["conveyor"] = conveyor_latency(stack, latency_name, tansu, pg_url, pg_schema)
-        if "librdkafka" in CONTENDERS:
+        for c, name in latency_names.items():
+            latency[c] = conveyor_latency(stack, name, tansu, pg_url, pg_schema, jvm)
+        if "librdkafka" in CONTENDERS and LATENCY_S > 0:
             latency["librdkafka"] = script_latency(tansu, pg_url, pg_schema, tmp_path)
     report(results, latency)
 
 
 def conveyor_latency(
-    stack: DevStack, name: str, bootstrap: str, pg_url: str, schema: str
-) -> tuple[float, float, int]:
+    stack: DevStack, name: str, bootstrap: str, pg_url: str, schema: str, jvm: int | None
+) -> tuple[float, float, int, float]:
+    """p50, p99 (ms), rows, and the run process's peak RSS (MB) at a steady rate."""
     create_table(pg_url, schema, name)
     produce(bootstrap, f"t_{name}", 1)  # the topic exists before the connector starts
     stack.cli("connector", "start", name)
@@ -319,11 +416,27 @@ def conveyor_latency(
         180,
         "latency connector running",
     )
-    steady_produce(bootstrap, f"t_{name}")
-    n = 1 + int(LATENCY_RATE * LATENCY_S)
-    wait_for(lambda: distinct_ids(pg_url, schema, name) >= n, 120, "latency rows")
+    run = psutil.Process(stack.store.get(name).run_pid)
+    peak = [0]
+
+    def sample() -> None:
+        while not done.is_set():
+            with contextlib.suppress(psutil.Error):
+                peak[0] = max(peak[0], run.memory_info().rss)
+            done.wait(0.2)
+
+    done = threading.Event()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        steady_produce(bootstrap, f"t_{name}")
+        n = 1 + int(LATENCY_RATE * LATENCY_S)
+        wait_for(lambda: distinct_ids(pg_url, schema, name) >= n, 120, "latency rows")
+    finally:
+        done.set()
+        sampler.join()
     stack.cli("connector", "stop", name)
-    return latencies_ms(pg_url, schema, name)
+    return (*latencies_ms(pg_url, schema, name), peak[0] / 2**20)
 
 
 def steady_produce(bootstrap: str, topic: str) -> None:
@@ -347,7 +460,7 @@ def steady_produce(bootstrap: str, topic: str) -> None:
 
 def script_latency(
     bootstrap: str, pg_url: str, schema: str, home: Path
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, float]:
     table = f"lat_librdkafka_{uuid.uuid4().hex[:6]}"
     topic = f"t_{table}"
     create_table(pg_url, schema, table)
@@ -358,42 +471,79 @@ def script_latency(
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.contenders.librdkafka_pg", *args], cwd=ROOT
     )
+    peak = 0
     try:
         wait_for(lambda: distinct_ids(pg_url, schema, table) == 1, 120, "librdkafka loop joined")
         steady_produce(bootstrap, topic)
+        with contextlib.suppress(psutil.Error):
+            peak = psutil.Process(proc.pid).memory_info().rss
         proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return latencies_ms(pg_url, schema, table)
+    return (*latencies_ms(pg_url, schema, table), peak / 2**20)
 
 
-def report(results: dict[str, list[Result]], latency: dict[str, tuple[float, float, int]]) -> None:
+def report(
+    results: dict[str, list[Result]], latency: dict[str, tuple[float, float, int, float]]
+) -> None:
+    """The issue's table (markdown, printed; JSON to $CONVEYOR_BENCH_OUT): per contender the
+    median and every round of steady and start-up-included rows/s, CPU s per 100K rows per
+    process, peak RSS per process, p50/p99 latency at a steady rate, every round's ratio
+    against the librdkafka loop."""
+
     def med(xs: list[float]) -> float:
         return statistics.median(xs)
 
-    print(f"\nas users run it: {N:,} messages, {ROUNDS} rounds (median; every round in brackets)")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     base = results.get("librdkafka")
+    out: dict[str, Any] = {
+        "n": N,
+        "rounds": ROUNDS,
+        "commit": commit,
+        "loadavg": os.getloadavg(),
+        "latency_rate": LATENCY_RATE,
+        "contenders": {},
+    }
+    lines = [
+        f"as users run it: {N:,} messages, {ROUNDS} rounds, commit {commit},"
+        f" load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        "",
+        "| contender | steady rows/s (median; rounds) | start-up included rows/s | CPU s per 100K rows"
+        " | peak RSS MB | latency p50 / p99 ms | steady ratio vs librdkafka (rounds) | start-up"
+        " included ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c, rs in results.items():
         steady = [r.steady_rate() for r in rs]
         total = [r.total_rate() for r in rs]
         cpu = {k: med([r.cpu_per_100k().get(k, 0.0) for r in rs]) for k in rs[0].cpu_per_100k()}
         rss = {k: max(r.peak_rss_mb().get(k, 0.0) for r in rs) for k in rs[0].peak_rss_mb()}
-        line = (
-            f"  {c:<11} steady {med(steady):>9,.0f} rows/s {[round(x) for x in steady]}"
-            f"  total {med(total):>9,.0f} {[round(x) for x in total]}"
-            f"  CPU s/100K { ({k: round(v, 2) for k, v in cpu.items()}) }"
-            f"  peak RSS MB { ({k: round(v) for k, v in rss.items()}) }"
-        )
+        ratios = totals = []
         if base and c != "librdkafka":
             ratios = [a.steady_rate() / b.steady_rate() for a, b in zip(rs, base, strict=True)]
             totals = [a.total_rate() / b.total_rate() for a, b in zip(rs, base, strict=True)]
-            line += (
-                f"\n{'':14}vs librdkafka: steady {[round(x, 2) for x in ratios]},"
-                f" start-up included {[round(x, 2) for x in totals]}"
-            )
-        print(line)
-    for c, (p50, p99, n) in latency.items():
-        print(
-            f"  latency {c:<11} at {LATENCY_RATE:,} msgs/s: p50 {p50:.0f} ms, p99 {p99:.0f} ms ({n:,} rows)"
+        lat = latency.get(c)
+        out["contenders"][c] = {
+            "steady": steady,
+            "total": total,
+            "cpu_per_100k": cpu,
+            "peak_rss_mb": rss,
+            "latency_p50_p99_rows_rssmb": lat,
+            "steady_ratio": ratios,
+            "total_ratio": totals,
+        }
+        lines.append(
+            f"| {c} | {med(steady):,.0f} ({', '.join(f'{x:,.0f}' for x in steady)})"
+            f" | {med(total):,.0f} ({', '.join(f'{x:,.0f}' for x in total)})"
+            f" | {', '.join(f'{k} {v:.2f}' for k, v in cpu.items())}"
+            f" | {', '.join(f'{k} {v:.0f}' for k, v in rss.items())}"
+            f" | {f'{lat[0]:.0f} / {lat[1]:.0f}' if lat else '-'}"
+            f" | {', '.join(f'{x:.2f}' for x in ratios) or '-'}"
+            f" | {', '.join(f'{x:.2f}' for x in totals) or '-'} |"
         )
+    print("\n" + "\n".join(lines))
+    if OUT:
+        Path(OUT).write_text(json.dumps(out, indent=2))

@@ -7,7 +7,8 @@ resolved here, inside the run, and the resolved values never leave the returned
 dict: do not log it.
 
 ``classify_kafka_error`` is the one place that says what an exception from
-kafka-python means: a record's content (``data``), something no retry fixes
+kafka-python or confluent-kafka (librdkafka's error names are mapped onto
+kafka-python's classes) means: a record's content (``data``), something no retry fixes
 (``permanent``: authentication, authorization, TLS certificate, an unsupported
 codec or feature, bad configuration, any error the client marks non-retriable),
 or an outage (``transient``).
@@ -179,17 +180,59 @@ def kafka_python_options(
     return kw
 
 
+# librdkafka properties a librdkafka client's client_options may not override (as
+# OWNED_OPTIONS for kafka-python).
+OWNED_LIBRDKAFKA = frozenset(
+    {
+        "group.id",
+        "enable.auto.commit",
+        "enable.auto.offset.store",
+        "auto.offset.reset",
+        "isolation.level",
+        "enable.partition.eof",
+        "error_cb",
+        "on_commit",
+        "enable.idempotence",
+        "acks",
+        "transactional.id",
+        "ssl.key.pem",
+        "ssl.certificate.pem",
+        "ssl.ca.pem",
+        *(rd for _, rd in OPTION_NAMES.values()),
+    }
+)
+
+
+def check_librdkafka_options(c: KafkaConnection, *, prefix: str) -> None:
+    """client_options of a librdkafka client: not owned by Conveyor (unknown names are
+    refused by librdkafka itself when the client is created)."""
+    for name in c.client_options:
+        if name in OWNED_LIBRDKAFKA:
+            raise ConfigError(
+                f"{name!r} is set by Conveyor (or is one of the connection's own fields)",
+                field=f"{prefix}.client_options",
+            )
+        if "_" in name and "." not in name:
+            raise ConfigError(
+                f"{name!r} is not a librdkafka property (the confluent client takes librdkafka's "
+                f"dotted names, e.g. {name.replace('_', '.')!r})",
+                field=f"{prefix}.client_options",
+            )
+
+
 def librdkafka_config(
     c: KafkaConnection,
     *,
     prefix: str,
     default_bootstrap: Callable[[], str] | None = None,
     client_id: str | None = None,
+    client_options: bool = False,
 ) -> dict[str, Any]:
     """librdkafka (confluent-kafka) properties of the connection (secrets resolved: never log them).
 
-    ``client_options`` are not included: they are named for kafka-python. A librdkafka
-    client adds its own pass-through under librdkafka's names.
+    ``client_options`` are included only for a client that takes them under librdkafka's
+    names (``client_options=True``: the confluent source); elsewhere they are named for
+    kafka-python.
     """
     bootstrap = c.bootstrap_servers or (default_bootstrap() if default_bootstrap else None)
     if not bootstrap:
@@ -235,6 +278,9 @@ def librdkafka_config(
             conf[name["ssl_key_password"]] = resolve_secret(
                 c.ssl_key_password, field=f"{prefix}.ssl_key_password"
             )
+    if client_options:
+        check_librdkafka_options(c, prefix=prefix)
+        conf.update(c.client_options)
     return conf
 
 
@@ -333,16 +379,68 @@ _NOT_PERMANENT = frozenset(
 
 _CERT_WORDS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "Hostname mismatch")
 
+# librdkafka's error names (confluent-kafka's KafkaError.name()) as the kafka-python
+# error class of the same meaning: both clients go through the sets above.
+_LIBRDKAFKA_NAMES = {
+    "TOPIC_AUTHORIZATION_FAILED": "AuthorizationError",
+    "GROUP_AUTHORIZATION_FAILED": "AuthorizationError",
+    "CLUSTER_AUTHORIZATION_FAILED": "AuthorizationError",
+    "TRANSACTIONAL_ID_AUTHORIZATION_FAILED": "AuthorizationError",
+    "SASL_AUTHENTICATION_FAILED": "SaslAuthenticationFailedError",
+    "_AUTHENTICATION": "SaslAuthenticationFailedError",
+    "UNSUPPORTED_SASL_MECHANISM": "UnsupportedSaslMechanismError",
+    "ILLEGAL_SASL_STATE": "IllegalSaslStateError",
+    "SECURITY_DISABLED": "SecurityDisabledError",
+    "UNSUPPORTED_VERSION": "UnsupportedVersionError",
+    "UNSUPPORTED_COMPRESSION_TYPE": "UnsupportedCompressionTypeError",
+    "_NOT_IMPLEMENTED": "UnsupportedCodecError",
+    "_UNSUPPORTED_FEATURE": "UnsupportedVersionError",
+    "_INVALID_ARG": "KafkaConfigurationError",
+    "POLICY_VIOLATION": "PolicyViolationError",
+    "INVALID_REQUIRED_ACKS": "InvalidRequiredAcksError",
+    "INVALID_SESSION_TIMEOUT": "InvalidSessionTimeoutError",
+    "MSG_SIZE_TOO_LARGE": "MessageSizeTooLargeError",
+    "_MSG_SIZE_TOO_LARGE": "MessageSizeTooLargeError",
+    "RECORD_LIST_TOO_LARGE": "RecordListTooLargeError",
+    "TOPIC_EXCEPTION": "InvalidTopicError",
+    "INVALID_TOPIC_EXCEPTION": "InvalidTopicError",
+    "INVALID_MSG": "CorruptRecordError",  # CORRUPT_MESSAGE in Kafka's protocol
+    "_BAD_MSG": "CorruptRecordError",
+    "INVALID_RECORD": "InvalidRecordError",
+    "INVALID_TIMESTAMP": "InvalidTimestampError",
+    "UNSUPPORTED_FOR_MESSAGE_FORMAT": "UnsupportedForMessageFormatError",
+}
+
+
+def _librdkafka_error(exc: BaseException) -> Any:
+    """The confluent-kafka KafkaError an exception carries, or None."""
+    if type(exc).__name__ == "KafkaException" and exc.args:
+        err = exc.args[0]
+        return err if hasattr(err, "fatal") and hasattr(err, "name") else None
+    return exc if type(exc).__name__ == "KafkaError" and hasattr(exc, "fatal") else None
+
 
 def classify_kafka_error(exc: BaseException) -> ErrorKind:
-    """What an exception from kafka-python means.
+    """What an exception from kafka-python or confluent-kafka means.
 
     data: a record's content (too large, corrupt, bad topic); a sink isolates the row,
     a source cannot skip it (the caller makes it permanent). permanent: auth,
     authorization, a TLS certificate the client rejects, an unsupported codec, feature
     or setting, or any error the client flags non-retriable that is not known to be an
-    outage. transient: everything else (timeouts, connection errors, no leader).
+    outage (librdkafka: any error it marks fatal). transient: everything else
+    (timeouts, connection errors, no leader).
     """
+    rd = _librdkafka_error(exc)
+    if rd is not None:
+        names = {_LIBRDKAFKA_NAMES.get(rd.name(), rd.name())}
+        if names & _DATA_ERRORS:
+            return ErrorKind.DATA
+        # librdkafka marks an error fatal when the client cannot go on (no retry helps).
+        if names & _PERMANENT_ERRORS or rd.fatal():
+            return ErrorKind.PERMANENT
+        if any(w in (rd.str() or "") for w in _CERT_WORDS):
+            return ErrorKind.PERMANENT
+        return ErrorKind.TRANSIENT
     names = {k.__name__ for k in type(exc).__mro__}
     if names & _DATA_ERRORS:
         return ErrorKind.DATA
@@ -366,5 +464,8 @@ def describe_kafka_error(exc: BaseException) -> str:
     """One line: the class name and the message (for TLS errors, the certificate problem)."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"TLS certificate rejected: {exc.verify_message or exc.reason or exc}"
+    rd = _librdkafka_error(exc)
+    if rd is not None:
+        return f"{rd.name()}: {' '.join((rd.str() or '').split())}"
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 
@@ -66,6 +66,12 @@ SOURCE_SCHEMA = pa.schema(
     ]
 )
 
+# While the partitions hold more than a batch has read (a backlog), the batch keeps
+# filling past max_wait_ms, up to max_records / max_bytes, for at most this long after
+# its first record: one Spark round trip carries a full batch instead of what one
+# short wait fetched. A source that has caught up closes its batches at max_wait_ms.
+BACKLOG_FILL_S = 1.0
+
 # Kafka's timestamp types (record attribute bit 3) as __timestamp_type values.
 TIMESTAMP_TYPES = {0: "create", 1: "log_append"}
 
@@ -103,44 +109,127 @@ def consumer_options(spec: SourceSpec, *, client_id: str, **settings: Any) -> di
 
 
 def records_to_table(records: list[Any]) -> pa.Table:
-    """kafka-python ConsumerRecords -> the source Arrow layout."""
+    """kafka-python ConsumerRecords -> the source Arrow layout, one column at a time."""
+    return columns_to_table(
+        topics=[r.topic for r in records],
+        partitions=[r.partition for r in records],
+        offsets=[r.offset for r in records],
+        timestamps=[r.timestamp for r in records],
+        timestamp_types=[getattr(r, "timestamp_type", None) for r in records],
+        type_names=TIMESTAMP_TYPES,
+        keys=[r.key for r in records],
+        headers=[r.headers for r in records],
+        values=[r.value for r in records],
+    )
+
+
+def columns_to_table(
+    *,
+    topics: list[str],
+    partitions: list[int],
+    offsets: list[int],
+    timestamps: list[int | None],
+    timestamp_types: list[int | None],
+    type_names: dict[int, str],
+    keys: list[bytes | None],
+    headers: list[Any],
+    values: list[bytes | None],
+) -> pa.Table:
+    """The source Arrow layout from a batch's columns (each a list, one item per record).
+
+    Every column is converted by Arrow in one call; the only per-record work left in
+    Python is the client's own accessors. Timestamps below 0 (none) become null,
+    timestamp types are mapped through ``type_names`` (the client's codes)."""
+    import pyarrow.compute as pc
+
+    n = len(offsets)
+    ts = pa.array(timestamps, pa.int64())
+    ts = pc.if_else(pc.less(ts, 0), pa.scalar(None, pa.int64()), ts)
+    codes = pa.array(timestamp_types, pa.int64())
+    known = sorted(type_names)
+    kinds = pc.take(
+        pa.array([type_names[k] for k in known] + [None], pa.string()),
+        pc.fill_null(pc.index_in(codes, pa.array(known, pa.int64())), len(known)),
+    )
+    # Topics repeat: a dictionary of the few names, decoded once.
+    topic_col = pc.cast(pa.array(topics, pa.string()).dictionary_encode(), pa.string())
     return pa.table(
         {
-            "__topic": pa.array([r.topic for r in records], pa.string()),
-            "__partition": pa.array([r.partition for r in records], pa.int32()),
-            "__offset": pa.array([r.offset for r in records], pa.int64()),
-            "__timestamp": pa.array(
-                [
-                    r.timestamp if r.timestamp is not None and r.timestamp >= 0 else None
-                    for r in records
-                ],
-                pa.timestamp("ms", tz="UTC"),
-            ),
-            "__timestamp_type": pa.array(
-                [TIMESTAMP_TYPES.get(getattr(r, "timestamp_type", None)) for r in records],
-                pa.string(),
-            ),
-            "__key": pa.array([r.key for r in records], pa.binary()),
-            "__headers": _headers_array(records),
-            "__destination": pa.nulls(len(records), pa.string()),
-            "__value": pa.array([r.value for r in records], pa.binary()),
+            "__topic": topic_col,
+            "__partition": pa.array(partitions, pa.int32()),
+            "__offset": pa.array(offsets, pa.int64()),
+            "__timestamp": ts.cast(pa.timestamp("ms", tz="UTC")),
+            "__timestamp_type": kinds,
+            "__key": pa.array(keys, pa.binary()),
+            "__headers": _headers_array(headers),
+            "__destination": pa.nulls(n, pa.string()),
+            "__value": pa.array(values, pa.binary()),
         },
         schema=SOURCE_SCHEMA,
     )
 
 
-def _headers_array(records: list[Any]) -> pa.Array:
+def _headers_array(headers: list[Any]) -> pa.Array:
+    """Each record's headers (a list of (key, value) pairs, or None) as the __headers column."""
     htype = SOURCE_SCHEMA.field("__headers").type
-    if not any(r.headers for r in records):  # the common case: empty lists, built in Arrow
-        offsets = pa.array([0] * (len(records) + 1), pa.int32())
+    if not any(headers):  # the common case: empty lists, built in Arrow
+        offsets = pa.array([0] * (len(headers) + 1), pa.int32())
         return pa.ListArray.from_arrays(offsets, pa.array([], htype.value_type), type=htype)
-    return pa.array(
-        [[{"key": k, "value": v} for k, v in (r.headers or [])] for r in records], htype
-    )
+    return pa.array([[{"key": k, "value": v} for k, v in (h or [])] for h in headers], htype)
+
+
+def next_offsets_of(table: pa.Table) -> Offsets:
+    """Per partition in ``table``: its last offset + 1 (grouped by Arrow, not per record)."""
+    if table.num_rows == 0:
+        return {}
+    g = table.group_by(["__topic", "__partition"]).aggregate([("__offset", "max")])
+    return {
+        TopicPartition(t, p): o + 1
+        for t, p, o in zip(
+            g.column("__topic").to_pylist(),
+            g.column("__partition").to_pylist(),
+            g.column("__offset_max").to_pylist(),
+            strict=True,
+        )
+    }
+
+
+SourceClient = Literal["confluent", "kafka-python"]
+
+
+def source_class(client: str) -> type[KafkaSource]:
+    """The source implementation of ``source.client``."""
+    if client == "confluent":
+        from conveyor.brokers.confluent import ConfluentSource
+
+        return ConfluentSource
+    if client == "kafka-python":
+        return KafkaPythonSource
+    raise ConfigError(f"unknown Kafka client {client!r}", field="source.client")
 
 
 class KafkaSource:
-    """Reads batches from every partition of the spec's topics (and of topics matching its regex)."""
+    """Reads batches from every partition of the spec's topics (and of topics matching its regex).
+
+    ``KafkaSource(spec, group_id)`` builds the client ``spec.client`` names
+    (``source_class``). This class holds everything the clients share: discovery of
+    topics and partitions, where each partition starts (committed offset, start_from,
+    earliest for partitions found later), batching on size and age, offsets handed to
+    the loop (stepping over transaction markers), lag, rewinding after a failed read,
+    throttling of the consumer-group mirror, and the classification of errors.
+
+    A client implements the primitives below (``_connect`` ... ``_close``). They may
+    block up to the request timeout; they raise the client's own exceptions, which
+    this class classifies with ``source_error`` (one classifier for both clients).
+    """
+
+    client: ClassVar[str]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> KafkaSource:
+        if cls is KafkaSource:
+            spec = args[0] if args else kwargs["spec"]
+            cls = source_class(spec.client)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -160,8 +249,6 @@ class KafkaSource:
         self.request_timeout_ms = request_timeout_ms
         self.mirror_interval_s = mirror_interval_s
         self._clock = clock
-        self._consumer: Any = None
-        self._committer: Any = None
         self._partitions: list[TopicPartition] = []
         self._highwater: dict[TopicPartition, int] = {}
         # Where the loop's offsets stand: positions handed out with the last batch (or
@@ -171,16 +258,71 @@ class KafkaSource:
         self._last_discovery = 0.0
         self._last_mirror = 0.0
         self._mirror_lock = threading.Lock()
-        # kafka-python's poll() returns nothing, without an error, while the brokers are
+        # A client's poll may return nothing, without an error, while the brokers are
         # down: after probe_interval_s without a record, a read asks the leaders for their
         # end offsets (bounded by request_timeout_ms); no answer is an outage.
         self.probe_interval_s = probe_interval_s
         self._last_contact = clock()
 
-    # -- lifecycle -------------------------------------------------------------
+    # -- the client's primitives ---------------------------------------------------------
 
-    def consumer_options(self, **settings: Any) -> dict[str, Any]:
-        return consumer_options(self.spec, client_id=self.client_id, **settings)
+    def _connect(self) -> None:
+        """Create the consumer (no group membership, no auto commit). Raises on bad settings."""
+        raise NotImplementedError
+
+    def _topic_partitions(self, topics: list[str] | None) -> dict[str, set[int]]:
+        """Partitions of ``topics`` (every topic of the cluster when None) that exist."""
+        raise NotImplementedError
+
+    def _assign(self, positions: dict[TopicPartition, int | str]) -> None:
+        """Assign exactly these partitions, each at an offset, "earliest" or "latest"."""
+        raise NotImplementedError
+
+    def _seek(self, offsets: Offsets) -> None:
+        """Move these assigned partitions to these offsets (the others keep their position)."""
+        raise NotImplementedError
+
+    def _positions(self) -> dict[TopicPartition, int | None]:
+        """Each assigned partition's next offset to read (None when not known yet)."""
+        raise NotImplementedError
+
+    def _offsets_for_time(self, parts: list[TopicPartition], ms: int) -> dict[TopicPartition, int]:
+        """The first offset stamped at or after ``ms`` (partitions without one are left out)."""
+        raise NotImplementedError
+
+    def _end_offsets(self, parts: list[TopicPartition], end: str) -> dict[TopicPartition, int]:
+        """Each partition's offset at its "earliest" or "latest" end."""
+        raise NotImplementedError
+
+    def _ask_leaders(self) -> None:
+        """One request to the partitions' leaders (their end offsets), bounded by
+        request_timeout_ms; positions do not move. Raises when there is no answer."""
+        raise NotImplementedError
+
+    def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
+        """Records that arrive within ``timeout_s`` (at most ``max_records``) in the source
+        layout, in offset order per partition, and their key + value bytes."""
+        raise NotImplementedError
+
+    def _fetched_highwaters(self) -> dict[TopicPartition, int]:
+        """High watermarks the last fetches reported (no request)."""
+        raise NotImplementedError
+
+    def _commit_group(self, offsets: Offsets) -> None:
+        """Commit ``offsets`` to the consumer group ``group_id`` (a second client)."""
+        raise NotImplementedError
+
+    def _group_committed(self, group: str) -> dict[TopicPartition, int | None]:
+        """Consumer group ``group``'s committed offsets of the assigned partitions."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def _opened(self) -> bool:
+        raise NotImplementedError
+
+    # -- lifecycle -------------------------------------------------------------
 
     def open(self, committed: Offsets, *, wait_for_topics_s: float = 30.0) -> list[TopicPartition]:
         """Connect, discover partitions, assign them and seek to the committed offsets.
@@ -189,25 +331,10 @@ class KafkaSource:
         (yet), PermanentSourceError / ConfigError for what no retry fixes (credentials,
         certificates, settings).
         """
-        from kafka import KafkaConsumer
-
-        options = self.consumer_options(
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="latest" if self.spec.start_from == "latest" else "earliest",
-            isolation_level=self.spec.isolation_level,
-            max_poll_records=100_000,
-            fetch_max_bytes=64 << 20,
-            max_partition_fetch_bytes=16 << 20,
-            fetch_max_wait_ms=100,
-            request_timeout_ms=self.request_timeout_ms,
-            metadata_max_age_ms=int(self.spec.discovery_interval_s * 1000),
-        )
-        problem = tls_problem(options)
-        if problem:
-            raise PermanentSourceError(f"cannot connect to Kafka at {self.bootstrap}: {problem}")
         try:
-            self._consumer = KafkaConsumer(**options)
+            self._connect()
+        except ConveyorError:
+            raise
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"cannot connect to Kafka at {self.bootstrap}") from None
         deadline = time.monotonic() + wait_for_topics_s
@@ -220,94 +347,78 @@ class KafkaSource:
             raise TransientSourceError(
                 f"topic(s) {', '.join(missing)} not found on {self.bootstrap}"
             )
-        self._assign(parts, committed)
+        self._assign_parts(parts, committed)
         self._last_discovery = self._clock()
         log.info(
-            "assigned %s from %s",
+            "assigned %s from %s (%s)",
             ", ".join(f"{tp}@{committed.get(tp, self.spec.start_from)}" for tp in parts)
             or f"nothing yet (topics {self.spec.describe_topics()})",
             self.bootstrap,
+            self.client,
         )
         return parts
 
     def _discover(self) -> tuple[list[TopicPartition], list[str]]:
         """Every partition to read now, and the listed topics that do not exist (yet)."""
         try:
-            names = set(self._consumer.topics()) if self.spec.topics_regex is not None else set()
-            parts: list[TopicPartition] = []
-            missing: list[str] = []
-            for topic in sorted({*self.spec.topics, *(t for t in names if self.spec.matches(t))}):
-                ps = self._consumer.partitions_for_topic(topic)
-                if not ps:
-                    if topic in self.spec.topics:
-                        missing.append(topic)
-                    continue
-                parts.extend(TopicPartition(topic, p) for p in sorted(ps))
+            found = self._topic_partitions(
+                None if self.spec.topics_regex is not None else list(self.spec.topics)
+            )
+        except ConveyorError:
+            raise
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"reading the topics' metadata from {self.bootstrap}") from None
+        parts: list[TopicPartition] = []
+        missing: list[str] = []
+        for topic in sorted({*self.spec.topics, *(t for t in found if self.spec.matches(t))}):
+            ps = found.get(topic)
+            if not ps:
+                if topic in self.spec.topics:
+                    missing.append(topic)
+                continue
+            parts.extend(TopicPartition(topic, p) for p in sorted(ps))
         return parts, missing
 
-    def _assign(self, parts: list[TopicPartition], committed: Offsets) -> None:
-        """Assign ``parts``; keep the positions of partitions already read, seek the others
-        to their committed offset or the start position."""
-        from kafka import TopicPartition as KTP
-
-        c = self._consumer
-        known = {tp: self._position(c, KTP(tp.topic, tp.partition)) for tp in self._partitions}
-        c.assign([KTP(tp.topic, tp.partition) for tp in parts])
+    def _assign_parts(self, parts: list[TopicPartition], committed: Offsets) -> None:
+        """Assign ``parts``; keep the positions of partitions already read, start the others
+        at their committed offset or the start position (start_from at open, earliest for
+        partitions found later)."""
+        known = self._positions() if self._partitions else {}
+        start = self.spec.start_from if not self._partitions else "earliest"
+        positions: dict[TopicPartition, int | str] = {}
         fresh: list[TopicPartition] = []
         for tp in parts:
-            ktp = KTP(tp.topic, tp.partition)
-            if tp in known:
-                c.seek(ktp, known[tp])
+            if known.get(tp) is not None:
+                positions[tp] = known[tp]  # type: ignore[assignment]
             elif tp in committed:
-                c.seek(ktp, committed[tp])
+                positions[tp] = committed[tp]
                 self._handed[tp] = committed[tp]
             else:
                 fresh.append(tp)
-        self._seek_start(fresh, initial=not self._partitions)
-        self._partitions = list(parts)
-
-    def _seek_start(self, parts: list[TopicPartition], *, initial: bool) -> None:
-        """Partitions without a committed offset: start_from at open, earliest when found later."""
-        from kafka import TopicPartition as KTP
-
-        if not parts:
-            return
-        ktps = [KTP(tp.topic, tp.partition) for tp in parts]
-        start = self.spec.start_from if initial else "earliest"
-        c = self._consumer
         try:
-            if start == "earliest":
-                c.seek_to_beginning(*ktps)
-            elif start == "latest":
-                c.seek_to_end(*ktps)
-            else:
+            if start in ("earliest", "latest"):
+                positions.update({tp: start for tp in fresh})
+            elif fresh:
                 ms = int(parse_start_timestamp(start).timestamp() * 1000)
-                found = c.offsets_for_times(
-                    {k: ms for k in ktps}, timeout_ms=self.request_timeout_ms
-                )
-                past_end = [k for k in ktps if found.get(k) is None]
-                for k in ktps:
-                    if found.get(k) is not None:
-                        c.seek(k, found[k].offset)
-                if past_end:  # nothing stamped at or after the time yet: from the end
-                    c.seek_to_end(*past_end)
+                found = self._offsets_for_time(fresh, ms)
+                # nothing stamped at or after the time yet: from the end
+                positions.update({tp: found.get(tp, "latest") for tp in fresh})
+            self._assign(positions)
+        except ConveyorError:
+            raise
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"finding the start offsets ({start})") from None
+        self._partitions = list(parts)
 
     @property
     def partitions(self) -> list[TopicPartition]:
         return list(self._partitions)
 
     def close(self) -> None:
-        for c in (self._consumer, self._committer):
-            if c is not None:
-                try:
-                    c.close(autocommit=False)
-                except Exception:  # noqa: BLE001 - closing is best effort
-                    log.debug("error closing consumer", exc_info=True)
-        self._consumer = self._committer = None
+        try:
+            self._close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.debug("error closing the consumer", exc_info=True)
 
     # -- reading ------------------------------------------------------------------
 
@@ -320,7 +431,7 @@ class KafkaSource:
         if new:
             # Kept partitions stay assigned even if their topic vanished from the metadata.
             keep = [tp for tp in self._partitions if tp not in set(parts)]
-            self._assign(sorted({*keep, *parts}), {})
+            self._assign_parts(sorted({*keep, *parts}), {})
             log.info(
                 "%s: reading new partition(s) %s from the earliest offset",
                 self.group_id,
@@ -329,57 +440,60 @@ class KafkaSource:
 
     def read(self, policy: BatchPolicy) -> SourceBatch | None:
         """Long-poll until the batch closes on size (records, bytes) or age."""
-        from kafka import TopicPartition as KTP
-
-        if self._consumer is None:
+        if not self._opened():
             raise TransientSourceError("source is not open")
         self._maybe_discover()
         if not self._partitions:  # a topics_regex nothing matches yet
             time.sleep(policy.max_wait_ms / 1000)
             return None
-        records: list[Any] = []
-        nbytes = 0
+        chunks: list[pa.Table] = []
+        count = nbytes = 0
         first_at: float | None = None
         wait_s = policy.max_wait_ms / 1000
+        fill_s = max(wait_s, BACKLOG_FILL_S)
         poll_deadline = time.monotonic() + wait_s
+        got = polled = False  # the last poll returned records; one poll happened
         # Where this read starts: a failed read rewinds here, so that records polled
         # before the error are read again instead of being skipped (the consumer's
         # position has already moved past them).
-        start = {tp: self._position(self._consumer, tp) for tp in self._consumer.assignment()}
+        start = self._positions()
         try:
-            while len(records) < policy.max_records and nbytes < policy.max_bytes:
+            while count < policy.max_records and nbytes < policy.max_bytes:
                 now = time.monotonic()
-                deadline = (first_at + wait_s) if first_at is not None else poll_deadline
-                remaining_ms = int((deadline - now) * 1000)
-                if remaining_ms <= 0:
+                if first_at is None:
+                    deadline = poll_deadline
+                else:
+                    deadline = first_at + wait_s
+                    if deadline - now <= 0.001 and got and self._behind():
+                        deadline = first_at + fill_s
+                remaining = deadline - now
+                if remaining <= 0.001 and polled:
                     break
-                got = self._consumer.poll(
-                    timeout_ms=remaining_ms, max_records=policy.max_records - len(records)
-                )
-                for msgs in got.values():
-                    records.extend(msgs)
-                    nbytes += sum(len(m.value or b"") + len(m.key or b"") for m in msgs)
-                if records and first_at is None:
-                    first_at = time.monotonic()
-            positions = {
-                TopicPartition(k.topic, k.partition): self._position(self._consumer, k)
-                for k in (KTP(tp.topic, tp.partition) for tp in self._partitions)
-            }
+                table, size = self._poll(policy.max_records - count, max(remaining, 0.001))
+                polled = True
+                got = table is not None and table.num_rows > 0
+                if table is not None and table.num_rows:
+                    chunks.append(table)
+                    count += table.num_rows
+                    nbytes += size
+                    if first_at is None:
+                        first_at = time.monotonic()
+            positions = self._positions()
         except Exception as e:  # noqa: BLE001 - classified
-            for tp, pos in start.items():
-                if pos is not None:
-                    self._consumer.seek(tp, pos)
+            rewind = {tp: off for tp, off in start.items() if off is not None}
+            if rewind:
+                try:
+                    self._seek(rewind)
+                except Exception:  # noqa: BLE001 - the read's error is the one to report
+                    log.debug("rewinding after a failed read", exc_info=True)
             raise source_error(e, f"reading from {self.bootstrap} failed") from None
-        if records:
+        if chunks:
             self._last_contact = self._clock()
         else:
             self._probe()
-        self._refresh_highwater()
-        nxt: Offsets = {}
-        for r in records:
-            tp = TopicPartition(r.topic, r.partition)
-            if r.offset + 1 > nxt.get(tp, -1):
-                nxt[tp] = r.offset + 1
+        self._highwater.update(self._fetched_highwaters())
+        table = chunks[0] if len(chunks) == 1 else pa.concat_tables(chunks) if chunks else None
+        nxt = next_offsets_of(table) if table is not None else {}
         # Every polled record is in this batch, so each position is where the next read
         # starts: past the batch's records and any transaction markers after them.
         for tp, pos in positions.items():
@@ -387,35 +501,29 @@ class KafkaSource:
             if known and pos is not None and pos > max(nxt.get(tp, -1), self._handed.get(tp, -1)):
                 nxt[tp] = pos
         self._handed.update(nxt)
-        if not records:
+        if table is None:
             # Only markers were read: commit past them (an empty batch), or nothing at all.
             return SourceBatch(table=SOURCE_SCHEMA.empty_table(), next_offsets=nxt) if nxt else None
-        if len(self._partitions) > 1:
-            records.sort(key=lambda r: (r.topic, r.partition, r.offset))
-        return SourceBatch(table=records_to_table(records), next_offsets=nxt, nbytes=nbytes)
+        if len(chunks) > 1 and len(self._partitions) > 1:
+            table = table.sort_by(
+                [("__topic", "ascending"), ("__partition", "ascending"), ("__offset", "ascending")]
+            )
+        return SourceBatch(table=table, next_offsets=nxt, nbytes=nbytes)
+
+    def _behind(self) -> bool:
+        """Whether a partition's high watermark (as last fetched) is past its position."""
+        hw = self._fetched_highwaters()
+        return any(p is not None and hw.get(tp, -1) > p for tp, p in self._positions().items())
 
     def _probe(self) -> None:
         """Raise TransientSourceError when the partitions' leaders do not answer (see __init__)."""
-        from kafka import TopicPartition as KTP
-
         if not self._partitions or self._clock() - self._last_contact < self.probe_interval_s:
             return
         try:
-            self._consumer.end_offsets(
-                [KTP(tp.topic, tp.partition) for tp in self._partitions],
-                timeout_ms=self.request_timeout_ms,
-            )
+            self._ask_leaders()
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"the brokers at {self.bootstrap} do not answer") from None
         self._last_contact = self._clock()
-
-    def _refresh_highwater(self) -> None:
-        from kafka import TopicPartition as KTP
-
-        for tp in self._partitions:
-            hw = self._consumer.highwater(KTP(tp.topic, tp.partition))
-            if hw is not None:
-                self._highwater[tp] = hw
 
     def lag(self, committed: Offsets) -> int | None:
         """Sum over partitions of highwater - committed (None until a fetch reported highwaters)."""
@@ -439,27 +547,7 @@ class KafkaSource:
         if not self._mirror_lock.acquire(blocking=False):
             return
         try:
-            from kafka import KafkaConsumer
-            from kafka import TopicPartition as KTP
-            from kafka.structs import OffsetAndMetadata
-
-            if self._committer is None:
-                self._committer = KafkaConsumer(
-                    **consumer_options(
-                        self.spec,
-                        client_id=f"{self.client_id}-commit",
-                        group_id=self.group_id,
-                        enable_auto_commit=False,
-                        session_timeout_ms=6_000,
-                        request_timeout_ms=self.request_timeout_ms,
-                    )
-                )
-            self._committer.commit(
-                {
-                    KTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1)
-                    for tp, off in offsets.items()
-                }
-            )
+            self._commit_group(offsets)
             self._last_mirror = now
         except Exception as e:  # noqa: BLE001 - a failed mirror never stops the connector
             log.warning(
@@ -472,6 +560,107 @@ class KafkaSource:
 
     # -- offsets of a stopped connector (conveyor offsets reset) -----------------------
 
+    def offsets_at(self, to: str) -> Offsets:
+        """Every partition's offset at ``earliest``, ``latest`` or an ISO 8601 time (open first)."""
+        parts = list(self._partitions)
+        try:
+            if to in ("earliest", "latest"):
+                return self._end_offsets(parts, to)
+            ms = int(parse_start_timestamp(to).timestamp() * 1000)
+            found = self._offsets_for_time(parts, ms)
+            ends = self._end_offsets([tp for tp in parts if tp not in found], "latest")
+            return {tp: found[tp] if tp in found else ends[tp] for tp in parts}
+        except ConveyorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"finding offsets at {to}") from None
+
+    def group_offsets(self, group: str) -> Offsets:
+        """The committed offsets of consumer group ``group`` for this source's partitions
+        (an OffsetFetch: the group is read, never joined)."""
+        try:
+            found = self._group_committed(group)
+        except ConveyorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"reading the offsets of consumer group {group!r}") from None
+        return {tp: off for tp, off in found.items() if off is not None and off >= 0}
+
+
+class KafkaPythonSource(KafkaSource):
+    """The kafka-python client: manual ``assign`` + ``seek``, positions from the consumer."""
+
+    client = "kafka-python"
+
+    def __init__(self, spec: SourceSpec, group_id: str, **kw: Any):
+        super().__init__(spec, group_id, **kw)
+        self._consumer: Any = None
+        self._committer: Any = None
+
+    def consumer_options(self, **settings: Any) -> dict[str, Any]:
+        return consumer_options(self.spec, client_id=self.client_id, **settings)
+
+    def _opened(self) -> bool:
+        return self._consumer is not None
+
+    def _connect(self) -> None:
+        from kafka import KafkaConsumer
+
+        options = self.consumer_options(
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="latest" if self.spec.start_from == "latest" else "earliest",
+            isolation_level=self.spec.isolation_level,
+            max_poll_records=100_000,
+            fetch_max_bytes=64 << 20,
+            max_partition_fetch_bytes=16 << 20,
+            fetch_max_wait_ms=100,
+            request_timeout_ms=self.request_timeout_ms,
+            metadata_max_age_ms=int(self.spec.discovery_interval_s * 1000),
+        )
+        problem = tls_problem(options)
+        if problem:
+            raise PermanentSourceError(f"cannot connect to Kafka at {self.bootstrap}: {problem}")
+        self._consumer = KafkaConsumer(**options)
+
+    def _topic_partitions(self, topics: list[str] | None) -> dict[str, set[int]]:
+        c = self._consumer
+        names = list(c.topics()) if topics is None else topics
+        out: dict[str, set[int]] = {}
+        for topic in names:
+            ps = c.partitions_for_topic(topic)
+            if ps:
+                out[topic] = set(ps)
+        return out
+
+    def _assign(self, positions: dict[TopicPartition, int | str]) -> None:
+        from kafka import TopicPartition as KTP
+
+        c = self._consumer
+        ktps = {tp: KTP(tp.topic, tp.partition) for tp in positions}
+        c.assign(list(ktps.values()))
+        earliest = [ktps[tp] for tp, p in positions.items() if p == "earliest"]
+        latest = [ktps[tp] for tp, p in positions.items() if p == "latest"]
+        for tp, p in positions.items():
+            if isinstance(p, int):
+                c.seek(ktps[tp], p)
+        if earliest:
+            c.seek_to_beginning(*earliest)
+        if latest:
+            c.seek_to_end(*latest)
+
+    def _seek(self, offsets: Offsets) -> None:
+        from kafka import TopicPartition as KTP
+
+        for tp, off in offsets.items():
+            self._consumer.seek(KTP(tp.topic, tp.partition), off)
+
+    def _positions(self) -> dict[TopicPartition, int | None]:
+        from kafka import TopicPartition as KTP
+
+        c = self._consumer
+        return {tp: self._position(c, KTP(tp.topic, tp.partition)) for tp in self._partitions}
+
     def _position(self, consumer: Any, ktp: Any) -> int:
         """The consumer's position, bounded by ``request_timeout_ms`` (an outage past it)."""
         pos = consumer.position(ktp, timeout_ms=self.request_timeout_ms)
@@ -482,61 +671,115 @@ class KafkaSource:
             )
         return int(pos)
 
-    def offsets_at(self, to: str) -> Offsets:
-        """Every partition's offset at ``earliest``, ``latest`` or an ISO 8601 time (open first)."""
+    def _offsets_for_time(self, parts: list[TopicPartition], ms: int) -> dict[TopicPartition, int]:
+        from kafka import TopicPartition as KTP
+
+        found = self._consumer.offsets_for_times(
+            {KTP(tp.topic, tp.partition): ms for tp in parts}, timeout_ms=self.request_timeout_ms
+        )
+        return {
+            tp: found[k].offset
+            for tp in parts
+            if found.get(k := KTP(tp.topic, tp.partition)) is not None
+        }
+
+    def _end_offsets(self, parts: list[TopicPartition], end: str) -> dict[TopicPartition, int]:
+        # seek + position (a ListOffsets per partition): tansu's end_offsets is wrong.
         from kafka import TopicPartition as KTP
 
         c = self._consumer
-        ktps = {tp: KTP(tp.topic, tp.partition) for tp in self._partitions}
-        try:
-            if to == "earliest":
-                c.seek_to_beginning(*ktps.values())
-            elif to == "latest":
-                c.seek_to_end(*ktps.values())
-            else:
-                ms = int(parse_start_timestamp(to).timestamp() * 1000)
-                found = c.offsets_for_times(
-                    {k: ms for k in ktps.values()}, timeout_ms=self.request_timeout_ms
-                )
-                for k in ktps.values():
-                    if found.get(k) is not None:
-                        c.seek(k, found[k].offset)
-                    else:
-                        c.seek_to_end(k)
-            return {tp: self._position(c, k) for tp, k in ktps.items()}
-        except ConveyorError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified
-            raise source_error(e, f"finding offsets at {to}") from None
+        ktps = {tp: KTP(tp.topic, tp.partition) for tp in parts}
+        if not ktps:
+            return {}
+        if end == "earliest":
+            c.seek_to_beginning(*ktps.values())
+        else:
+            c.seek_to_end(*ktps.values())
+        return {tp: self._position(c, k) for tp, k in ktps.items()}
 
-    def group_offsets(self, group: str) -> Offsets:
-        """The committed offsets of consumer group ``group`` for this source's partitions
-        (an OffsetFetch: the group is read, never joined)."""
-        from kafka import KafkaConsumer
+    def _ask_leaders(self) -> None:
         from kafka import TopicPartition as KTP
 
-        try:
-            reader = KafkaConsumer(
+        self._consumer.end_offsets(
+            [KTP(tp.topic, tp.partition) for tp in self._partitions],
+            timeout_ms=self.request_timeout_ms,
+        )
+
+    def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
+        got = self._consumer.poll(timeout_ms=max(1, int(timeout_s * 1000)), max_records=max_records)
+        records: list[Any] = []
+        nbytes = 0
+        for msgs in got.values():
+            records.extend(msgs)
+            nbytes += sum(len(m.value or b"") + len(m.key or b"") for m in msgs)
+        if not records:
+            return None, 0
+        return records_to_table(records), nbytes
+
+    def _fetched_highwaters(self) -> dict[TopicPartition, int]:
+        from kafka import TopicPartition as KTP
+
+        out: dict[TopicPartition, int] = {}
+        for tp in self._partitions:
+            hw = self._consumer.highwater(KTP(tp.topic, tp.partition))
+            if hw is not None:
+                out[tp] = hw
+        return out
+
+    def _commit_group(self, offsets: Offsets) -> None:
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KTP
+        from kafka.structs import OffsetAndMetadata
+
+        if self._committer is None:
+            self._committer = KafkaConsumer(
                 **consumer_options(
                     self.spec,
-                    client_id=f"{self.client_id}-takeover",
-                    group_id=group,
+                    client_id=f"{self.client_id}-commit",
+                    group_id=self.group_id,
                     enable_auto_commit=False,
+                    session_timeout_ms=6_000,
                     request_timeout_ms=self.request_timeout_ms,
                 )
             )
-            try:
-                found = {
-                    tp: reader.committed(
-                        KTP(tp.topic, tp.partition), timeout_ms=self.request_timeout_ms
-                    )
-                    for tp in self._partitions
-                }
-            finally:
-                reader.close(autocommit=False)
-        except Exception as e:  # noqa: BLE001 - classified
-            raise source_error(e, f"reading the offsets of consumer group {group!r}") from None
-        return {tp: off for tp, off in found.items() if off is not None and off >= 0}
+        self._committer.commit(
+            {
+                KTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1)
+                for tp, off in offsets.items()
+            }
+        )
+
+    def _group_committed(self, group: str) -> dict[TopicPartition, int | None]:
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KTP
+
+        reader = KafkaConsumer(
+            **consumer_options(
+                self.spec,
+                client_id=f"{self.client_id}-takeover",
+                group_id=group,
+                enable_auto_commit=False,
+                request_timeout_ms=self.request_timeout_ms,
+            )
+        )
+        try:
+            return {
+                tp: reader.committed(
+                    KTP(tp.topic, tp.partition), timeout_ms=self.request_timeout_ms
+                )
+                for tp in self._partitions
+            }
+        finally:
+            reader.close(autocommit=False)
+
+    def _close(self) -> None:
+        for c in (self._consumer, self._committer):
+            if c is not None:
+                try:
+                    c.close(autocommit=False)
+                except Exception:  # noqa: BLE001 - closing is best effort
+                    log.debug("error closing consumer", exc_info=True)
+        self._consumer = self._committer = None
 
 
 def source_time(value: str) -> dt.datetime:

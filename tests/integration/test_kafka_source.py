@@ -17,7 +17,10 @@ pytestmark = pytest.mark.integration
 
 def test_a_read_that_fails_midway_rewinds_so_no_record_is_skipped(tansu, topic_name):
     produce(tansu, topic_name, 300, partitions=1)
-    source = KafkaSource(SourceSpec(topics=[topic_name], bootstrap_servers=tansu), group_id="t")
+    source = KafkaSource(
+        SourceSpec(topics=[topic_name], bootstrap_servers=tansu, client="kafka-python"),
+        group_id="t",
+    )
     source.open({})
     real_poll = source._consumer.poll
     calls = {"n": 0}
@@ -58,7 +61,10 @@ def test_record_checksums_are_verified_in_c():
 
 def test_a_corrupt_record_is_permanent_not_an_outage_loop(tansu, topic_name):
     produce(tansu, topic_name, 10, partitions=1)
-    source = KafkaSource(SourceSpec(topics=[topic_name], bootstrap_servers=tansu), group_id="t")
+    source = KafkaSource(
+        SourceSpec(topics=[topic_name], bootstrap_servers=tansu, client="kafka-python"),
+        group_id="t",
+    )
     source.open({})
 
     def corrupt(*a, **kw):
@@ -86,7 +92,10 @@ def test_a_codec_whose_library_is_missing_is_a_permanent_error_naming_it(
     # As on a machine without python-snappy (the dependency is declared; this is the path
     # a missing one takes): kafka-python raises UnsupportedCodecError while decoding.
     monkeypatch.setattr(kafka.codec, "has_snappy", lambda: False)
-    source = KafkaSource(SourceSpec(topics=[topic_name], bootstrap_servers=tansu), group_id="t")
+    source = KafkaSource(
+        SourceSpec(topics=[topic_name], bootstrap_servers=tansu, client="kafka-python"),
+        group_id="t",
+    )
     source.open({})
     try:
         with pytest.raises(PermanentSourceError, match="snappy") as err:
@@ -127,7 +136,10 @@ def test_each_codec_is_really_decoded(tansu, topic_name, monkeypatch):
             Msg(b'{"codec": "%s", "pad": "%s"}' % (codec.encode(), b"ab" * 100)) for _ in range(20)
         ]
         produce_rd(tansu, topic_name, msgs, **{"compression.type": codec})
-    source = KafkaSource(SourceSpec(topics=[topic_name], bootstrap_servers=tansu), group_id="t")
+    source = KafkaSource(
+        SourceSpec(topics=[topic_name], bootstrap_servers=tansu, client="kafka-python"),
+        group_id="t",
+    )
     source.open({})
     try:
         n = 0

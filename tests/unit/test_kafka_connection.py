@@ -290,6 +290,35 @@ def test_non_retriable_kafka_errors_are_permanent_outages_transient() -> None:
     assert classify_kafka_error(OSError("connection reset")) == "transient"
 
 
+def test_librdkafka_errors_get_the_same_classes() -> None:
+    """confluent-kafka's errors go through the one classifier: the same meaning, the same class."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    def rd(code: int, text: str = "", *, fatal: bool = False) -> KafkaException:
+        return KafkaException(KafkaError(code, text, fatal=fatal))
+
+    assert classify_kafka_error(rd(KafkaError.TOPIC_AUTHORIZATION_FAILED)) == "permanent"
+    assert classify_kafka_error(rd(KafkaError.SASL_AUTHENTICATION_FAILED)) == "permanent"
+    assert classify_kafka_error(rd(KafkaError._AUTHENTICATION)) == "permanent"
+    assert classify_kafka_error(rd(KafkaError._INVALID_ARG, "No such property")) == "permanent"
+    assert classify_kafka_error(rd(KafkaError.UNSUPPORTED_COMPRESSION_TYPE)) == "permanent"
+    assert classify_kafka_error(rd(KafkaError.INVALID_MSG)) == "data"
+    assert classify_kafka_error(rd(KafkaError.MSG_SIZE_TOO_LARGE)) == "data"
+    # what librdkafka marks fatal is permanent, whatever its code
+    assert classify_kafka_error(rd(KafkaError._FENCED, fatal=True)) == "permanent"
+    assert (
+        classify_kafka_error(
+            rd(KafkaError._SSL, "SSL handshake failed: certificate verify failed: broker cert")
+        )
+        == "permanent"
+    )
+    assert classify_kafka_error(rd(KafkaError._TRANSPORT, "Connection refused")) == "transient"
+    assert classify_kafka_error(rd(KafkaError._ALL_BROKERS_DOWN)) == "transient"
+    assert classify_kafka_error(rd(KafkaError._TIMED_OUT)) == "transient"
+    assert classify_kafka_error(rd(KafkaError.NOT_LEADER_FOR_PARTITION)) == "transient"
+    assert classify_kafka_error(KafkaError(KafkaError._TRANSPORT)) == "transient"
+
+
 def test_source_spec_topics_regex_and_start_from() -> None:
     s = SourceSpec(topics_regex=r"orders\..*")
     assert (

@@ -83,7 +83,12 @@ def test_new_partitions_are_assigned_from_the_earliest_offset_and_others_keep_th
     fake: list[FakeConsumer],
 ) -> None:
     now = [0.0]
-    spec = SourceSpec(topics=["orders"], bootstrap_servers="127.0.0.1:1", start_from="latest")
+    spec = SourceSpec(
+        topics=["orders"],
+        bootstrap_servers="127.0.0.1:1",
+        start_from="latest",
+        client="kafka-python",
+    )
     source = KafkaSource(spec, group_id="c", clock=lambda: now[0])
     committed = {TopicPartition("orders", 0): 40}
     c = None
