@@ -22,7 +22,7 @@ from rich.table import Table
 
 from conveyor.core.errors import ConveyorError
 from conveyor.core.model import ConnectorStatus
-from conveyor.operations import Operations, row_summary
+from conveyor.operations import Operations, connector_kind, row_summary
 from conveyor.store.meta import LIVE_STATUSES, MetaStore, StoreError
 
 
@@ -258,6 +258,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
     table = Table(title="connectors")
     for col in (
         "name",
+        "kind",
         "state",
         "desired",
         "broker",
@@ -281,6 +282,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
         counters = r.counters
         table.add_row(
             r.name,
+            connector_kind(r),
             f"[{colors.get(r.status.value, 'white')}]{r.status.value}[/]",
             r.desired.value,
             r.broker_id or "-",

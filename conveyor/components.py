@@ -74,7 +74,11 @@ class ConnectorComponent(dg.Component, dg.Resolvable, dg.Model):
 
     name: str
     source: dict[str, Any]
-    sink: dict[str, Any]
+    sink: dict[str, Any] | None = None  # a sink connector's
+    kind: str | None = None  # 'source' for a source connector
+    kafka: dict[str, Any] | None = None  # a source connector's destination cluster
+    routing: dict[str, Any] | None = None  # a source connector's routing
+    commit_failure_threshold: int | None = None
     description: str | None = None
     batch: dict[str, Any] | str | None = None
     transform: dict[str, Any] | None = None

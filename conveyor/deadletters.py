@@ -150,9 +150,14 @@ class SparkParquetDeadLetters:
 
     def append(self, table: pa.Table) -> None:
         """Append records (DEAD_LETTER_SCHEMA); durable when Spark's write job returns."""
+        from conveyor.spark.session import discard_session, is_session_lost
+
+        spark = self.spark()
         try:
-            self.spark().createDataFrame(table).write.mode("append").parquet(self.letters_path)
+            spark.createDataFrame(table).write.mode("append").parquet(self.letters_path)
         except Exception as e:
+            if is_session_lost(e):
+                discard_session(spark)  # the server restarted: the retry gets a new session
             raise TransientSinkError(
                 f"dead-letter store {self.letters_path}: {str(e).splitlines()[0][:300]}"
             ) from e

@@ -1,7 +1,7 @@
 """Asset checks on sink assets: fail when a connector's lag keeps growing.
 
 Connector runs record a materialization on their sink asset at most once a
-minute with ``lag`` in its metadata (see ``jobs.connector._progress_logger``).
+minute with ``lag`` in its metadata (see ``jobs.progress.progress_logger``).
 The check reads those and asks the pure :func:`lag_verdict` whether lag grew
 over the last ``N`` minutes (``CONVEYOR_LAG_CHECK_MINUTES``, default 10).
 The sink assets are external (no op materializes them), so the checks run in
@@ -31,6 +31,7 @@ from dagster import (
     in_process_executor,
 )
 
+from conveyor.jobs.runs import TAG_CONNECTOR
 from conveyor.specs import LoadedSpec
 
 DEFAULT_LAG_CHECK_MINUTES = 10.0
@@ -43,7 +44,6 @@ MIN_SAMPLES_IN_WINDOW = 2
 # Materializations read per evaluation; at one a minute per connector this covers
 # two windows of 10 minutes for several connectors sharing a sink.
 FETCH_LIMIT = 1000
-TAG_CONNECTOR = "conveyor/connector"  # same tag as jobs.connector.TAG_CONNECTOR
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,16 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                 metadata={"source": (first.display() or {}).get("source") or {}},
             )
         )
+    # A topic a sink connector reads that a source connector's allowlist admits: the source
+    # may produce into it (destinations taken from the data are known only at run time).
+    for topic in topic_users:
+        for producers in systems.values():
+            for p in producers:
+                if p in topic_producers[topic] or p.source_spec is None:
+                    continue
+                adm = p.source_spec.routing.admission
+                if adm.mode == "allowlist" and adm.admits(topic) is None:
+                    topic_producers[topic].append(p)
     for topic in sorted(set(topic_users) | set(topic_producers)):
         users = topic_users.get(topic, [])
         producers = topic_producers.get(topic, [])

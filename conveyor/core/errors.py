@@ -83,3 +83,15 @@ class AlreadyClaimedError(ConveyorError):
 
 class DeadLetterLimitError(ConveyorError):
     """Too many messages failed; the connector stops instead of draining the topic."""
+
+
+class DataPolicyError(ConveyorError):
+    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped."""
+
+
+class OutageBudgetExceeded(ConveyorError):
+    """An outage outlasted the retry budget; the run gives up (the scheduler restarts it)."""
+
+
+class StageHungError(ConveyorError):
+    """A stage stayed under way past ``liveness.restart_after_s``: the run restarts itself."""

@@ -1,4 +1,5 @@
-"""Failure decisions: retry delays, the outage budget, dead-letter records and limits.
+"""Failure decisions: retry delays, the outage budget, dead-letter records and limits, and
+how an error ends a connector's run (:func:`run_outcome`).
 
 Pure: no clock calls (``now`` is passed in), randomness from an injected
 ``random.Random``. Vocabulary follows Dagster's ``RetryPolicy`` (max_retries,
@@ -8,10 +9,16 @@ as a Dagster op's.
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass, field
 
-from conveyor.core.errors import DeadLetterLimitError
+from conveyor.core.errors import (
+    ConveyorError,
+    DeadLetterLimitError,
+    FencedError,
+    OutageBudgetExceeded,
+)
 from conveyor.core.model import DeadLetterSpec, FailurePolicyName, RetrySpec
 
 
@@ -122,3 +129,47 @@ class DeadLetterLimiter:
                     "stopping instead of draining the topic"
                 )
         self.consecutive = run
+
+
+# -- how a run ends ----------------------------------------------------------------------------
+
+
+class RunEnding(str, enum.Enum):
+    """What the run's glue does with an error that ended the loop (Dagster's interrupt aside)."""
+
+    EXIT = "exit"  # fenced: another run owns the connector; leave without writing anything
+    RETRY = "retry"  # the outage budget is spent: Degraded, the op retries itself once more
+    ERROR = "error"  # the connector goes to Error with the message; the run fails
+    CRASH = "crash"  # not ours: Error with the class and message; the exception propagates
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    ending: RunEnding
+    reason: str  # for the state history
+    error: str | None = None  # for last_error (the UI, `connector list`)
+
+
+def run_outcome(error: BaseException, *, op_retries_left: int = 0) -> RunOutcome:
+    """The outcome table of a connector run, sink or source, as one pure function.
+
+    ==========================  ======================================================
+    error                       outcome
+    ==========================  ======================================================
+    FencedError                 EXIT: another run owns the connector
+    OutageBudgetExceeded        RETRY while ``op_retries_left``, then ERROR
+    any other ConveyorError     ERROR, reason = its class (ConfigError, PermanentSinkError,
+                                PermanentSourceError, DataPolicyError, DeadLetterLimitError,
+                                StageHungError, RoutingError...)
+    anything else               CRASH: a bug or a library's surprise, with its traceback
+    ==========================  ======================================================
+    """
+    if isinstance(error, FencedError):
+        return RunOutcome(RunEnding.EXIT, "fenced")
+    if isinstance(error, OutageBudgetExceeded):
+        if op_retries_left > 0:
+            return RunOutcome(RunEnding.RETRY, "outage budget spent, op retry", str(error))
+        return RunOutcome(RunEnding.ERROR, "outage budget spent", str(error))
+    if isinstance(error, ConveyorError):
+        return RunOutcome(RunEnding.ERROR, type(error).__name__, str(error))
+    return RunOutcome(RunEnding.CRASH, "unexpected error", f"{type(error).__name__}: {error}")

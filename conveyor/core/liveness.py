@@ -3,7 +3,7 @@
 Every stage of the pipeline (read, transform, send, commit, dead-letter, init) runs
 inside ``StageClock.stage(name)``, whichever thread runs it (the read-ahead thread,
 the transform-ahead thread, the loop's thread). A supervisor (the op's thread, see
-``jobs/connector.py``) heartbeats for the run at a steady pace and asks ``verdict``
+``jobs/supervision.py``) heartbeats for the run at a steady pace and asks ``verdict``
 what the stages say:
 
 - nothing under way for longer than its deadline: the run is healthy, whatever the

@@ -42,7 +42,9 @@ import pyarrow as pa
 
 from conveyor.core.errors import (
     ConveyorError,
+    DataPolicyError,
     FencedError,
+    OutageBudgetExceeded,
     TransientSinkError,
     TransientSourceError,
     TransientStoreError,
@@ -70,14 +72,6 @@ log = logging.getLogger("conveyor.loop")
 
 # Errors retried as outages: the target, the log or the meta store is briefly unavailable.
 OUTAGES = (TransientSinkError, TransientSourceError, TransientStoreError)
-
-
-class DataPolicyError(ConveyorError):
-    """A message failed under the ``fail`` policy: the connector stops, nothing is skipped."""
-
-
-class OutageBudgetExceeded(ConveyorError):
-    """An outage outlasted the retry budget; the run gives up (the scheduler restarts it)."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +256,7 @@ class ConnectorLoop:
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._first_failure: dict[tuple[str, int, int], float] = {}
         self._closed = False
-        # Liveness: every stage runs inside self.stages; a supervisor (jobs/connector.py)
+        # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
         # heartbeats for a supervised loop, which then only queues its status changes.
         self.stages = StageClock(time.monotonic)
         self.supervised = False

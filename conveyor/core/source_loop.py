@@ -267,6 +267,7 @@ class SourceLoop:
         self._pending_commit: State | None = state  # a restart owes the stored state's commit
         self.commit_failures_in_row = 0
         self._partitions: dict[str, int] = {}
+        self._lock = threading.Lock()  # stats and breakers, read by heartbeats and metrics
         self._last_heartbeat = 0.0
         self._closed = False
         self.reconfigure_requested = False
@@ -361,7 +362,8 @@ class SourceLoop:
             )
             self.writer.save(polled.state, abandoned=True)
             self.state = polled.state
-            self.stats.rejected["abandoned"] += len(polled.messages)
+            with self._lock:
+                self.stats.rejected["abandoned"] += len(polled.messages)
             self._commit(polled.state)
             self._heartbeat(force=True)
             return
@@ -387,7 +389,15 @@ class SourceLoop:
             batches=c.batches + 1,
         )
         self._rate(len(polled.messages), self.clock() - started)
-        if self.status == ConnectorStatus.DEGRADED and self.commit_failures_in_row == 0:
+        with self._lock:
+            now = self.clock()
+            open_now = sorted(t for t, b in self.board.breakers.items() if b.state(now) != "closed")
+        if open_now:
+            # Progressing, but a destination is refused: shown, not hidden behind Running.
+            self._set_status(
+                ConnectorStatus.DEGRADED, f"circuit breaker open for {', '.join(open_now[:5])}"
+            )
+        elif self.status == ConnectorStatus.DEGRADED and self.commit_failures_in_row == 0:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch produced")
         self._heartbeat()
 
@@ -431,36 +441,34 @@ class SourceLoop:
         parts = out.column(PARTITION_COL).to_pylist() if PARTITION_COL in out.column_names else []
         rows = [Row(i, dests[i], parts[i] if parts else None) for i in range(out.num_rows)]
         now = self.clock()
-        rejected_undecodable = len(tr.rejected)
-        if rejected_undecodable:
+        # Counted only once the batch went through: a failed batch comes back and is counted then.
+        rejected: Tally[str] = Tally()
+        unmatched: Tally[str] = Tally()
+        if tr.rejected:
             if self.router.on_failure == "error":
                 first = tr.rejected[0]
                 raise RoutingError(f"message {first.index}: {first.message}")
-            self.stats.rejected["undecodable"] += rejected_undecodable
-        plan = self.router.plan(
-            rows,
-            breaker_open=lambda t: self.board.is_open(t, now),
-            partitions=lambda t: self._partitions.get(t),
-        )
-        if plan.unmatched_defaulted:
-            self.stats.unmatched["default"] += plan.unmatched_defaulted
-        if plan.unmatched_dropped:
-            self.stats.unmatched["drop"] += len(plan.unmatched_dropped)
+            rejected["undecodable"] += len(tr.rejected)
+        with self._lock:
+            plan = self.router.plan(
+                rows,
+                breaker_open=lambda t: self.board.is_open(t, now),
+                partitions=lambda t: self._partitions.get(t),
+            )
+        unmatched["default"] += plan.unmatched_defaulted
+        unmatched["drop"] += len(plan.unmatched_dropped)
         for reason, idx in plan.rejected.items():
-            self.stats.rejected[reason.value] += len(idx)
+            rejected[reason.value] += len(idx)
         if plan.deferred:
             raise TransientSinkError(
                 f"{len(plan.deferred)} rows wait for destinations whose circuit breaker is open"
             )
         results = self._produce_groups(plan.groups, records)
-        self.board.record({t: r.error for t, r in results.items()}, self.clock())
-        late_rejected = 0
-        for topic, r in results.items():
-            late_rejected += r.out_of_range
-            if r.error:
-                self.stats.last_error[topic] = r.error
-        if late_rejected:
-            self.stats.rejected[Reason.PARTITION_OUT_OF_RANGE.value] += late_rejected
+        with self._lock:
+            self.board.record({t: r.error for t, r in results.items()}, self.clock())
+            for topic, r in results.items():
+                if r.error:
+                    self.stats.last_error[topic] = r.error
         permanent = [r for r in results.values() if r.permanent]
         failed = {t: r.error for t, r in results.items() if r.error}
         if failed:
@@ -470,15 +478,19 @@ class SourceLoop:
             raise TransientSinkError(
                 f"{len(failed)} of {len(results)} destinations failed: {summary}"
             )
+        for r in results.values():
+            rejected[Reason.PARTITION_OUT_OF_RANGE.value] += r.out_of_range
         sent = 0
-        for topic, r in results.items():
-            self.stats.routed[topic] += r.sent
-            sent += r.sent
-        rejected = (
-            rejected_undecodable + sum(len(v) for v in plan.rejected.values()) + late_rejected
-        )
+        with self._lock:
+            for topic, r in results.items():
+                self.stats.routed[topic] += r.sent
+                sent += r.sent
+            self.stats.rejected.update(+rejected)
+            self.stats.unmatched.update(+unmatched)
         return _Delivered(
-            sent=sent, filtered=tr.filtered + len(plan.unmatched_dropped), rejected=rejected
+            sent=sent,
+            filtered=tr.filtered + len(plan.unmatched_dropped),
+            rejected=sum(rejected.values()),
         )
 
     def _destinations(self, out: pa.Table, records: list[Record]) -> list[str | None]:
@@ -525,7 +537,8 @@ class SourceLoop:
             return self._partitions[topic]
         started = self.clock()
         count = self.producer.ensure(topic)
-        self.stats.create_ms[topic] = round((self.clock() - started) * 1000, 3)
+        with self._lock:
+            self.stats.create_ms[topic] = round((self.clock() - started) * 1000, 3)
         self._partitions[topic] = count
         return count
 
@@ -557,7 +570,8 @@ class SourceLoop:
     def heartbeat_payload(self) -> dict[str, Any]:
         now = self.clock()
         d = self.counters.as_dict()
-        d["routing"] = self.stats.as_dict(self.board, now, len(self.router.active))
+        with self._lock:
+            d["routing"] = self.stats.as_dict(self.board, now, len(self.router.active))
         d["commit_failures_in_row"] = self.commit_failures_in_row
         return d
 

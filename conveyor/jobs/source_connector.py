@@ -30,30 +30,23 @@ from dagster import (
 from conveyor.assets.lineage import static_destinations, topic_key
 from conveyor.brokers.producer import DestinationProducer
 from conveyor.core.errors import (
-    AlreadyClaimedError,
     ConfigError,
-    ConveyorError,
-    FencedError,
-    PermanentSinkError,
-    PermanentSourceError,
 )
-from conveyor.core.loop import Directive, OutageBudgetExceeded, directive_for
+from conveyor.core.loop import Directive, directive_for
 from conveyor.core.model import ConnectorStatus, Counters
-from conveyor.core.routing import Route, RoutingError
+from conveyor.core.routing import Route
 from conveyor.core.source_loop import (
     SourceLoop,
     SourceLoopConfig,
-    SourceStateVersionError,
     checked_state,
 )
-from conveyor.jobs.connector import (
-    TAG_BROKER,
+from conveyor.jobs.runs import (
     TAG_CONNECTOR,
-    TAG_GENERATION,
-    _holder_alive,
-    _next_spec,
     cancel_requested,
+    claim_run,
+    end_run,
     job_name,
+    next_spec,
 )
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sources import build_source
@@ -151,20 +144,8 @@ def run_source_connector(
         raise Failure(description=f"connector {name!r} cannot start: {loaded.error}")
     ls = loaded
     assert ls.source_spec is not None
-    tags = context.run.tags
-    expected = int(tags[TAG_GENERATION]) if TAG_GENERATION in tags else None
-    try:
-        claim = store.claim(
-            name,
-            run_id=context.run_id,
-            expected_generation=expected,
-            holder_alive=_holder_alive(context, ls.source_spec.heartbeat_timeout_s),
-            broker_id=tags.get(TAG_BROKER),
-        )
-    except AlreadyClaimedError as e:
-        raise Failure(description=str(e)) from None
-    except FencedError as e:
-        context.log.warning(f"{e}; this run exits without touching the connector")
+    claim = claim_run(context, store, name, ls.source_spec.heartbeat_timeout_s)
+    if claim is None:
         return
     gen = claim.generation
     broker = store.get_broker(claim.broker_id) if claim.broker_id else None
@@ -190,7 +171,7 @@ def run_source_connector(
                 raise DagsterExecutionInterruptedError()
             if not loop.reconfigure_requested:
                 break
-            ls, running_hash = _next_spec(context, store, ls)
+            ls, running_hash = next_spec(context, store, ls)
     except DagsterExecutionInterruptedError:
         store.release(
             name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final()
@@ -199,31 +180,9 @@ def run_source_connector(
             f"source connector {name} stopped by terminate; state stored up to the last produced batch"
         )
         raise
-    except FencedError as e:
-        context.log.warning(
-            f"{e}. Another run owns the connector now; exiting without storing state."
-        )
-        return
-    except (
-        ConfigError,
-        PermanentSinkError,
-        PermanentSourceError,
-        RoutingError,
-        SourceStateVersionError,
-        OutageBudgetExceeded,
-    ) as e:
-        store.release(
-            name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e), counters=final()
-        )
-        raise Failure(description=f"source connector {name} stopped with an error: {e}") from None
-    except ConveyorError as e:
-        store.release(name, gen, ConnectorStatus.ERROR, type(e).__name__, error=str(e))
-        raise Failure(description=f"source connector {name}: {e}") from None
     except Exception as e:
-        store.release(
-            name, gen, ConnectorStatus.ERROR, "unexpected error", error=f"{type(e).__name__}: {e}"
-        )
-        raise
+        end_run(context, store, name, gen, e, counters=final, label="source connector")
+        return
     store.release(
         name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped", counters=final()
     )

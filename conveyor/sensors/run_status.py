@@ -11,7 +11,7 @@ from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_se
 
 from conveyor.core.model import ConnectorStatus
 from conveyor.core.state import StateChange
-from conveyor.jobs.connector import TAG_CONNECTOR
+from conveyor.jobs.runs import TAG_CONNECTOR
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import UnknownConnectorError
 

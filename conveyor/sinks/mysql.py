@@ -32,11 +32,6 @@ from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import (
     HEADERS_COL,
-    KEY_COL,
-    OFFSET_COL,
-    PARTITION_COL,
-    TIMESTAMP_COL,
-    TOPIC_COL,
 )
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks.base import (
@@ -50,6 +45,14 @@ from conveyor.sinks.base import (
     require,
     secret,
 )
+from conveyor.sinks.sql import (
+    META_SOURCES,
+    SOURCES,
+    SqlDialect,
+    check_columns,
+    column_mapping,
+    column_types,
+)
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
     delete_key,
@@ -60,15 +63,6 @@ from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base impo
 
 log = logging.getLogger("conveyor.sinks.mysql")
 
-META_SOURCES = {
-    "$key": KEY_COL,
-    "$topic": TOPIC_COL,
-    "$partition": PARTITION_COL,
-    "$offset": OFFSET_COL,
-    "$timestamp": TIMESTAMP_COL,
-    "$headers": HEADERS_COL,
-}
-SOURCES = sorted([*META_SOURCES, "$payload"])
 
 #: The session's sql_mode, set in full: strict for every engine, and without
 #: NO_BACKSLASH_ESCAPES / ANSI_QUOTES, which pymysql's escaping and our backticks rely on.
@@ -250,6 +244,11 @@ def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "VARCHAR(255)" if key else "LONGTEXT"
     return "JSON"
+
+
+MYSQL = SqlDialect(
+    "mysql", lambda t, key: mysql_type(t, key=key), "JSON", frozenset({"$payload", "$headers"})
+)
 
 
 def column_values(col: pa.ChunkedArray | pa.Array) -> tuple[list[Any], dict[int, str]]:
@@ -690,22 +689,7 @@ class MySQLSink(Sink):
     def _resolve(self, batch: pa.Table) -> None:
         """Pick target and source columns on the first batch; check them against the table."""
         c = self.config
-        mapping = (
-            dict(c.columns)
-            if c.columns is not None
-            else {col: col for col in payload_columns(batch)}
-        )
-        for target, src in mapping.items():
-            if not src.startswith("$") and src not in batch.schema.names:
-                raise ConfigError(
-                    f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
-                    field="sink.columns",
-                )
-            if src in META_SOURCES and META_SOURCES[src] not in batch.schema.names:
-                raise ConfigError(
-                    f"{target}: the batch has no {META_SOURCES[src]} column for {src}",
-                    field="sink.columns",
-                )
+        mapping = column_mapping(c.columns, batch)
         if c.columns is None:
             for target in mapping:
                 problem = identifier_problem(target)
@@ -722,25 +706,13 @@ class MySQLSink(Sink):
                 )
         if not self._exists:
             self._create_table(batch, mapping)
-        missing = [t for t in mapping if t not in self._types]
-        if missing:
-            raise PermanentSinkError(
-                f"table {quote_identifier(c.table)} has no column(s) {', '.join(missing)} (it has {', '.join(self._types)})"
-            )
+        check_columns(quote_identifier(c.table), mapping, list(self._types))
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
         self._stmt = insert_statement(c.table, self._columns, c.upsert_keys)
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
-        types = {}
-        for target, src in mapping.items():
-            if src in ("$payload", "$headers"):
-                types[target] = "JSON"
-            else:
-                types[target] = mysql_type(
-                    batch.schema.field(META_SOURCES.get(src, src)).type,
-                    key=target in self.config.upsert_keys,
-                )
+        types = column_types(mapping, batch, MYSQL, self.config.upsert_keys)
         with self._conn.cursor() as cur:
             cur.execute(create_table_statement(self.config.table, types, self.config.upsert_keys))
         self._conn.commit()

@@ -23,14 +23,6 @@ from pydantic import Field, SecretStr
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
-from conveyor.core.model import (
-    HEADERS_COL,
-    KEY_COL,
-    OFFSET_COL,
-    PARTITION_COL,
-    TIMESTAMP_COL,
-    TOPIC_COL,
-)
 from conveyor.core.sink import isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
@@ -39,9 +31,16 @@ from conveyor.sinks.base import (
     UrlSinkConfig,
     iter_records,
     json_default,
-    payload_columns,
     require,
     secret,
+)
+from conveyor.sinks.sql import (
+    META_SOURCES,
+    SOURCES,
+    SqlDialect,
+    check_columns,
+    column_mapping,
+    column_types,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -52,15 +51,6 @@ from conveyor.sinks.tombstones import (
 )
 
 log = logging.getLogger("conveyor.sinks.postgres")
-
-META_SOURCES = {
-    "$key": KEY_COL,
-    "$topic": TOPIC_COL,
-    "$partition": PARTITION_COL,
-    "$offset": OFFSET_COL,
-    "$timestamp": TIMESTAMP_COL,
-    "$headers": HEADERS_COL,
-}
 
 
 class PostgresSinkConfig(UrlSinkConfig):
@@ -151,9 +141,9 @@ class PostgresSink(Sink):
         if c.columns is not None:
             require(bool(c.columns), "must map at least one column", field="sink.columns")
             for target, src in c.columns.items():
-                if src.startswith("$") and src not in META_SOURCES and src != "$payload":
+                if src.startswith("$") and src not in SOURCES:
                     raise ConfigError(
-                        f"{target}: unknown source {src!r}; one of {sorted([*META_SOURCES, '$payload'])}",
+                        f"{target}: unknown source {src!r}; one of {SOURCES}",
                         field="sink.columns",
                     )
             for k in c.upsert_keys:
@@ -213,41 +203,24 @@ class PostgresSink(Sink):
     def _resolve(self, batch: pa.Table) -> None:
         """Pick target and source columns on the first batch; check them against the table."""
         c = self.config
-        if c.columns is not None:
-            mapping = dict(c.columns)
-        else:
-            mapping = {col: col for col in payload_columns(batch)}
-        for target, src in mapping.items():
-            if not src.startswith("$") and src not in batch.schema.names:
-                raise ConfigError(
-                    f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
-                    field="sink.columns",
-                )
+        mapping = column_mapping(c.columns, batch)
         if not self._types:
             if not c.create_table:
                 raise PermanentSinkError(
                     f'table "{c.schema_}"."{c.table}" does not exist (set create_table: true to create it)'
                 )
             self._create_table(batch, mapping)
-        missing = [t for t in mapping if t not in self._types]
-        if missing:
-            raise PermanentSinkError(
-                f'table "{c.schema_}"."{c.table}" has no column(s) {", ".join(missing)} (it has {", ".join(self._types)})'
-            )
+        check_columns(f'"{c.schema_}"."{c.table}"', mapping, list(self._types))
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
         from psycopg2 import sql
 
-        defs = []
-        for target, src in mapping.items():
-            if src == "$payload":
-                pg = "jsonb"
-            else:
-                field = batch.schema.field(META_SOURCES.get(src, src))
-                pg = _pg_type(field.type)
-            defs.append(sql.SQL("{} {}").format(sql.Identifier(target), sql.SQL(pg)))
+        defs = [
+            sql.SQL("{} {}").format(sql.Identifier(target), sql.SQL(pg))
+            for target, pg in column_types(mapping, batch, POSTGRES).items()
+        ]
         if self.config.upsert_keys:
             defs.append(
                 sql.SQL("PRIMARY KEY ({})").format(
@@ -544,3 +517,6 @@ def _pg_type(t: pa.DataType) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "text"
     return "jsonb"
+
+
+POSTGRES = SqlDialect("postgres", lambda t, key: _pg_type(t), "jsonb", frozenset({"$payload"}))

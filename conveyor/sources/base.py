@@ -44,7 +44,7 @@ code location never imports paho-mqtt or psycopg2.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,8 +73,7 @@ class Polled:
 
     messages: list[SourceMessage]
     state: State
-    origin: str = ""  # shown as the rows' __topic (e.g. 'postgres/public.orders')
-    extra: dict[str, Any] = field(default_factory=dict)
+    origin: str = ""  # shown as the rows' __topic (e.g. 'public.orders')
 
 
 class SourceConfig(BaseModel):

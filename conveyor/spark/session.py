@@ -10,7 +10,9 @@ pyspark (``pyspark[connect]==4.3.*``) no longer has it:
 - ``client._builder.url``: the endpoint, to check it answers before stopping a session;
 - ``DataFrame._to_table()``: a result fetched without ``toArrow()``'s analysis RPC;
 - ``client._rpc_deadlines``: every RPC bounded (``bound_rpcs``): pyspark's defaults
-  leave an analysis waiting up to an hour on a server that stopped answering.
+  leave an analysis waiting up to an hour on a server that stopped answering;
+- ``session.release_session_on_close``: a session the server lost (it restarted) is
+  stopped without the release RPC (``discard_session``).
 """
 
 from __future__ import annotations
@@ -162,10 +164,19 @@ def _quietly(fn: Callable[[], Any]) -> None:
         log.debug("closing a Spark session: %s", e)
 
 
+# The server restarted (or is stopping): its sessions are gone, a new one is needed.
+_SESSION_LOST = (
+    "SESSION_NOT_FOUND",
+    "SESSION_CLOSED",
+    "NO_ACTIVE_SESSION",
+    "Cannot call methods on a stopped SparkContext",
+)
+
+
 def is_connect_outage(e: BaseException) -> bool:
-    """True for errors meaning the Spark Connect endpoint is unreachable."""
+    """True for errors meaning the Spark Connect endpoint is unreachable or restarted."""
     text = f"{type(e).__name__}: {e}"
-    return any(
+    return is_session_lost(e) or any(
         s in text
         for s in (
             "UNAVAILABLE",
@@ -176,6 +187,24 @@ def is_connect_outage(e: BaseException) -> bool:
             "RetriesExceeded",
         )
     )
+
+
+def is_session_lost(e: BaseException) -> bool:
+    """True when the server no longer knows the session (it restarted): retry on a new one."""
+    text = f"{type(e).__name__}: {e}"
+    return any(s in text for s in _SESSION_LOST)
+
+
+def discard_session(session: Any) -> None:
+    """Forget a session the server lost: close its channel without the release RPC and
+    clear pyspark's default session, so that the next ``spark_session()`` is a new one."""
+    with _sessions_lock:
+        _sessions.discard(session)
+    try:
+        session.release_session_on_close = False
+        session.stop()
+    except Exception as e:  # noqa: BLE001 - best effort
+        log.debug("discarding a Spark session: %s", e)
 
 
 def fetch_arrow(df: Any) -> pa.Table | None:

@@ -29,7 +29,12 @@ from conveyor.core.model import (
     NullValues,
     TransformSpec,
 )
-from conveyor.spark.session import fetch_arrow, is_connect_outage
+from conveyor.spark.session import (
+    discard_session,
+    fetch_arrow,
+    is_connect_outage,
+    is_session_lost,
+)
 
 log = logging.getLogger("conveyor.spark")
 # pyspark logs every failed analysis as a multi-kilobyte JSON error; we report it ourselves.
@@ -56,6 +61,12 @@ class SparkTransformer:
             s = self._session_or_factory
             self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
         return self._session
+
+    def _lost(self, e: BaseException) -> None:
+        """After a server restart, the next attempt runs on a new session."""
+        if is_session_lost(e) and self._session is not None and callable(self._session_or_factory):
+            discard_session(self._session)
+            self._session = None
 
     def _pipeline(self, df: Any) -> Any:
         """The Spark SQL plan. Its input holds ``__value``, ``__row`` and the message columns
@@ -149,6 +160,7 @@ class SparkTransformer:
             cols = df.limit(0).toArrow().schema.names
         except Exception as e:
             if is_connect_outage(e):
+                self._lost(e)
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
             raise ConfigError(
                 f"Spark rejected the transform: {_short(e)}", field="transform"
@@ -204,6 +216,7 @@ class SparkTransformer:
             out = self._collect(self._pipeline(self.session.createDataFrame(shipped)))
         except Exception as e:
             if is_connect_outage(e):
+                self._lost(e)
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
             raise
         bad_mask = out.column(BAD_COL)

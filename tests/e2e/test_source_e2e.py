@@ -37,9 +37,14 @@ REGIONS = ["eu", "us", "apac"]
 
 class Dev:
     def __init__(
-        self, home: Path, env: dict[str, str], proc: subprocess.Popen[bytes], meta_url: str
+        self,
+        home: Path,
+        env: dict[str, str],
+        proc: subprocess.Popen[bytes],
+        meta_url: str,
+        port: int,
     ):
-        self.home, self.env, self.proc = home, env, proc
+        self.home, self.env, self.proc, self.port = home, env, proc, port
         self.store = MetaStore(meta_url)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -116,7 +121,7 @@ def start(dev_home: dict) -> Dev:
     wait_for(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 180, "dagster dev")
     if proc.poll() is not None:
         raise RuntimeError((home / "dagster-dev.log").read_text()[-3000:])
-    return Dev(home, dev_home["env"], proc, dev_home["meta_url"])
+    return Dev(home, dev_home["env"], proc, dev_home["meta_url"], port)
 
 
 def insert(pg_url: str, table: str, start: int, n: int, prefix: str) -> None:
@@ -245,3 +250,13 @@ def test_scheduler_runs_a_routing_source_exactly_once_then_survives_kill9(
         "the eu rows in PostgreSQL through the sink connector",
         interval=2,
     )
+
+    # 4. Lineage in the code location: the source table -> the topic -> the sink's table.
+    from dagster_graphql import DagsterGraphQLClient
+
+    client = DagsterGraphQLClient("127.0.0.1", port_number=dev.port, timeout=60)
+    q = """query($k: AssetKeyInput!) { assetNodeOrError(assetKey: $k) {
+        ... on AssetNode { dependencyKeys { path } dependedByKeys { path } } } }"""
+    node = client._execute(q, {"k": {"path": ["kafka", f"src_{tag}_eu"]}})["assetNodeOrError"]
+    assert {"path": ["postgres", pg_schema, "orders"]} in node["dependencyKeys"], node
+    assert {"path": ["postgres", pg_schema, "eu"]} in node["dependedByKeys"], node

@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,7 +101,17 @@ def server(meta_url: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            status = Path(f"/proc/{proc.pid}/status")
+            masks = [ln for ln in status.read_text().splitlines() if ln.startswith("Sig")]
+            proc.kill()
+            proc.wait(10)
+            # Seen once under full-suite load (2 of 1,200 tests): recorded, not hidden.
+            warnings.warn(
+                f"metrics server outlived SIGTERM by 10 s ({'; '.join(masks)})", stacklevel=1
+            )
 
 
 def get(url: str) -> tuple[int, str, bytes]:

@@ -64,6 +64,12 @@ def test_jobs_and_lineage_from_the_source_system_to_sink_connectors(env: Path, t
     assert deps[AssetKey(["kafka", "orders_unrouted"])] == {system}
     # ... and a sink connector reading one of them continues the path.
     assert deps[AssetKey(["localfile", "out"])] == {AssetKey(["kafka", "orders_eu"])}
+    # A topic a sink reads that only the allowlist's pattern admits hangs below the system too.
+    (env / "us_out.yaml").write_text(
+        SINK.replace("eu_out", "us_out").replace("orders.eu", "orders.us") % (tmp_path / "us")
+    )
+    deps = {a.key: {d.asset_key for d in a.deps} for a in build_defs().assets}
+    assert deps[AssetKey(["kafka", "orders_us"])] == {system}
 
 
 def test_spec_sync_stores_the_redacted_source_spec_and_kind(env: Path, tmp_path: Path):
@@ -79,6 +85,10 @@ def test_spec_sync_stores_the_redacted_source_spec_and_kind(env: Path, tmp_path:
     )
     assert r.exit_code == 0, r.output
     assert [x["kind"] for x in json.loads(r.output)] == ["source"]
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(
+        main, ["--meta-url", store.url, "connector", "list"], catch_exceptions=False
+    )
+    assert "orders_in" in r.output and "source" in r.output
 
 
 @pytest.mark.parametrize(
@@ -270,3 +280,87 @@ def test_rest_api_creates_a_source_connector_and_shows_its_destinations(tmp_path
         ("webhook", "source"),
         ("postgres", "sink"),
     }
+
+
+def test_a_crash_in_the_middle_of_a_state_write_leaves_the_previous_state(tmp_path: Path):
+    """The fencing check and the state row are one transaction: a failure between them
+    (here: a state that cannot be serialised, raised after the fencing UPDATE) changes nothing."""
+    store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
+    store.sync_spec("src", spec_json='{"kind": "source"}', spec_hash=None, source="t", error=None)
+    claim = store.claim("src", run_id="r1", expected_generation=None, holder_alive=lambda r: False)
+    store.save_source_state("src", claim.generation, {"last": 5}, version=1)
+    before = store.get("src").updated_at
+    with pytest.raises(TypeError):
+        store.save_source_state("src", claim.generation, {"last": object()}, version=1)
+    assert store.source_state("src") == (1, {"last": 5})
+    assert store.get("src").updated_at == before  # the fencing UPDATE was rolled back too
+    # A stale generation stores nothing.
+    from conveyor.core.errors import FencedError
+
+    with pytest.raises(FencedError):
+        store.save_source_state("src", claim.generation - 1, {"last": 9}, version=1)
+    assert store.source_state("src") == (1, {"last": 5})
+
+
+def test_a_source_connector_as_a_dg_component_attribute_set():
+    from conveyor.components import ConnectorComponent
+
+    c = ConnectorComponent(
+        name="orders_in",
+        kind="source",
+        source={"type": "webhook", "port": 18089},
+        routing={"default_destination": "orders.all"},
+    )
+    ls = from_mapping(c.spec_mapping(), source="defs.yaml", fallback_name="orders_in")
+    assert ls.ok and ls.is_source, ls.error
+
+
+def test_route_mapping_fetched_over_http_once_and_a_bad_fetch_refuses_to_start():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from conveyor.core.errors import ConfigError
+    from conveyor.core.routing import Route, RouteSpec
+    from conveyor.jobs.source_connector import fetch_mapping
+
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            hits.append(self.path)
+            body, code = {
+                "/map.json": (b'{"eu": "orders.eu", "us": "orders.us"}', 200),
+                "/broken.json": (b'{"eu": ', 200),
+                "/empty.json": (b"{}", 200),
+            }.get(self.path, (b"no", 404))
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        route = Route.build(RouteSpec(path="region", url=f"{base}/map.json"), fetch_mapping)
+        assert [route.destination({"region": r}) for r in ("eu", "us", "eu")] == [
+            "orders.eu",
+            "orders.us",
+            "orders.eu",
+        ]
+        assert hits == ["/map.json"]  # fetched once, at start
+        for path, message in [
+            ("/broken.json", "not JSON"),
+            ("/empty.json", "non-empty JSON object"),
+            ("/missing.json", "404"),
+        ]:
+            with pytest.raises(ConfigError, match=message):
+                Route.build(RouteSpec(path="region", url=f"{base}{path}"), fetch_mapping)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ConfigError, match="cannot fetch the mapping"):
+        Route.build(RouteSpec(path="region", url=f"{base}/map.json"), fetch_mapping)  # server gone

@@ -9,6 +9,7 @@ import psycopg2
 import pytest
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.model import ConnectorStatus
 from conveyor.core.routing import RoutingError
 from conveyor.sources import build_source
 from tests.integration.sources_harness import (
@@ -227,6 +228,7 @@ def test_breaker_opens_on_a_failing_destination_while_others_flow_then_closes(
     with running(loop):
         wait_for(lambda: loop.counters.messages_out >= 10, what="the good rows flow")
         stats = loop.heartbeat_payload()["routing"]
+        assert loop.status == ConnectorStatus.DEGRADED  # flowing, but a destination is refused
         assert stats["destinations"][hole]["breaker"] in ("open", "half_open")
         assert stats["rejected"].get("circuit_open", 0) > 0
         assert "does not exist" in stats["destinations"][hole]["last_error"]
@@ -246,8 +248,69 @@ def test_breaker_opens_on_a_failing_destination_while_others_flow_then_closes(
         wait_for(
             lambda: len(read_topic(tansu, hole)) >= 3, what="rows in the recovered destination"
         )
+        wait_for(lambda: loop.status == ConnectorStatus.RUNNING, what="Running again")
     admin.close()
     goods = sorted(json.loads(m.value)["amount"] for m in read_topic(tansu, good))
     assert sorted(set(goods)) == list(range(1, 20, 2))  # every good row, while the hole failed
     # The probe after the cool-down went through, and what followed it.
     assert sorted(json.loads(m.value)["amount"] for m in read_topic(tansu, hole)) == [100, 101, 102]
+
+
+def test_timestamp_column_reads_in_time_order_and_resumes(
+    tmp_path, tansu, spark_remote, pg_url, pg_schema
+):
+    conn = psycopg2.connect(pg_url)
+    conn.autocommit = True
+    tname = f"{pg_schema}.events"
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {tname} (name text, at timestamptz NOT NULL)")
+        for i in range(6):
+            cur.execute(
+                f"INSERT INTO {tname} VALUES (%s, timestamptz '2026-01-01 00:00:00+00' + %s * interval '1 minute')",
+                (f"e{i}", 5 - i),  # inserted newest first: read in time order
+            )
+    name = f"src_{uuid.uuid4().hex[:6]}"
+    topic = f"{name}.events"
+    store, gen = claimed_store(tmp_path, name)
+    s = spec(name, pg_url, tname, destination=topic)
+    s["source"].pop("incrementing_column")
+    s["source"]["timestamp_column"] = "at"
+    loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(lambda: loop.counters.messages_out >= 6, what="6 events")
+    assert [v["name"] for v in topic_values(tansu, topic)] == ["e5", "e4", "e3", "e2", "e1", "e0"]
+    with conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {tname} VALUES ('late', timestamptz '2026-01-02 00:00:00+00')")
+    loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(lambda: loop.counters.messages_out >= 1, what="the late event")
+    assert [v["name"] for v in topic_values(tansu, topic)][-2:] == ["e0", "late"]
+    assert len(topic_values(tansu, topic)) == 7
+    conn.close()
+
+
+def test_partition_id_out_of_range_rejects_only_that_row(
+    tmp_path, tansu, spark_remote, pg_url, table
+):
+    tname, conn = table
+    name = f"src_{uuid.uuid4().hex[:6]}"
+    topic = f"{name}.p"
+    insert(conn, tname, [("x", "a", i) for i in range(9)])
+    store, gen = claimed_store(tmp_path, name)
+    s = spec(name, pg_url, tname, destination=topic)
+    s["kafka"] = {"partitions": 2}  # the destination is created with two partitions
+    s["transform"] = {
+        "schema": "id INT, amount INT",
+        "select": ["id", "amount", "CAST(amount % 3 AS INT) AS __partition"],
+    }
+    loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(
+            lambda: loop.counters.batches >= 1 and store.source_state(name) is not None,
+            what="a batch",
+        )
+    got = read_topic(tansu, topic)
+    by_partition = sorted((m.partition, json.loads(m.value)["amount"]) for m in got)
+    assert by_partition == [(0, 0), (0, 3), (0, 6), (1, 1), (1, 4), (1, 7)]
+    assert loop.heartbeat_payload()["routing"]["rejected"] == {"partition_id_out_of_range": 3}
+    assert store.source_state(name) == (1, {"last": 9})  # the batch went on without those rows

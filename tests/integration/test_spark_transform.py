@@ -8,6 +8,7 @@ timestamp, key, headers), undecodable rows reported by index, filtered rows coun
 
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import datetime, timezone
 from typing import Any
@@ -234,3 +235,43 @@ def test_a_filter_and_select_can_use_tombstone(spark):
     )(source(values))
     assert out.table.column("ref").to_pylist() == ["k1", "2"]
     assert out.table.column("gone").to_pylist() == [True, False]
+
+
+def test_a_restarted_spark_server_is_an_outage_then_the_transform_uses_a_new_session(tmp_path):
+    """The server restarts between two batches: its sessions are gone. The next attempt
+    is an outage (retried by the loop), and the one after runs on a new session."""
+    from pyspark.sql.connect.session import SparkSession
+
+    from conveyor.core.errors import TransientSinkError
+    from conveyor.spark.server import start_spark_connect
+
+    server = start_spark_connect(work_dir=tmp_path / "spark")
+    port = server.port
+    made: list[Any] = []
+
+    def factory() -> Any:
+        s = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").create()
+        made.append(s)
+        return s
+
+    try:
+        t = transform(factory, decode="json", schema=SCHEMA)
+        batch = source([order(i) for i in range(3)])
+        assert t(batch).table.num_rows == 3
+        server.stop()
+        server = start_spark_connect(port=port, work_dir=tmp_path / "spark")
+        outages = []
+        out = None
+        for _ in range(3):
+            try:
+                out = t(batch)
+                break
+            except TransientSinkError as e:
+                outages.append(str(e))
+        assert out is not None and out.table.num_rows == 3, outages
+        assert len(made) == 2, outages  # a new session after the restart
+    finally:
+        for s in made:
+            with contextlib.suppress(Exception):
+                s.client.close()
+        server.stop()

@@ -8,6 +8,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conveyor.core.errors import FencedError, TransientSinkError
 from conveyor.core.loop import Transformed
@@ -266,6 +268,7 @@ def test_breaker_opens_on_a_black_hole_while_others_flow_then_probes():
     assert stats["rejected"]["circuit_open"] > 0
     assert stats["destinations"]["hole"]["breaker"] in ("open", "half_open")
     assert "timed out" in stats["destinations"]["hole"]["last_error"]
+    assert w.statuses[-1] == ConnectorStatus.DEGRADED  # flowing, but a destination is refused
 
 
 def test_partition_id_out_of_range_rejects_only_that_row():
@@ -323,3 +326,63 @@ def test_allowlist_literals_are_prewarmed_before_the_first_poll():
     assert seen[:4] == ["ensure a", "ensure b", "ensure c", "poll"]  # 'x.*' cannot be created ahead
     assert all_ids(prod) == list(range(1, 13))
     assert seen.count("ensure a") == 1  # created once, remembered
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            ["ok", "fail_b", "crash_before_save", "crash_before_commit", "commit_fails"]
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 5),
+)
+def test_no_loss_and_duplicates_bounded_by_the_batch_in_flight(events, batch):
+    """Whatever fails when, every row arrives; each failure or crash re-sends at most one batch."""
+    rows = [(i, ["a", "b", "c"][i % 3]) for i in range(1, 21)]
+    src, prod, w = FakeSource(rows, batch=batch), FakeProducer(), FakeWriter()
+    script = list(events)
+    step = {"event": "ok"}
+    orig_save, orig_commit, orig_produce, orig_poll = w.save, src.commit, prod.produce, src.poll
+
+    def save(state, **kw):
+        if step["event"] == "crash_before_save":
+            step["event"] = "ok"
+            raise Crash()
+        orig_save(state, **kw)
+
+    def commit(state):
+        if step["event"] == "crash_before_commit":
+            step["event"] = "ok"
+            raise Crash()
+        if step["event"] == "commit_fails":
+            step["event"] = "ok"
+            raise RuntimeError("commit refused")
+        orig_commit(state)
+
+    def produce(topic, records):
+        if step["event"] == "fail_b" and topic == "b":
+            step["event"] = "ok"
+            raise TransientSinkError("b: timed out")
+        orig_produce(topic, records)
+
+    def poll(state, n, wait):
+        step["event"] = script.pop(0) if script else "ok"
+        return orig_poll(state, n, wait)
+
+    w.save, src.commit, prod.produce, src.poll = save, commit, produce, poll
+    incidents = 0
+    for _ in range(200):
+        state = w.saved[-1] if w.saved else None
+        loop = make_loop(src, prod, w, state=state)
+        try:
+            loop.run()
+        except Crash:
+            incidents += 1
+        incidents += loop.counters.retries
+        if not src.rows:
+            break
+    ids = all_ids(prod)
+    assert sorted(set(ids)) == [r[0] for r in rows]  # nothing lost
+    assert len(ids) - len(set(ids)) <= batch * incidents  # at most the batch in flight each time

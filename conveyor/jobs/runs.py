@@ -1,0 +1,163 @@
+"""What every connector run does around its loop, sink or source: tags, claim, cancel, spec
+changes, and ending by the outcome table (``core.failure.run_outcome``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dagster import DagsterRunStatus, Failure, OpExecutionContext, RetryRequested
+
+from conveyor.core.errors import AlreadyClaimedError, FencedError
+from conveyor.core.failure import RunEnding, run_outcome
+from conveyor.core.model import ConnectorStatus
+from conveyor.core.state import StateChange
+from conveyor.processes import pid_alive
+from conveyor.specs import LoadedSpec, load_source, sync_one
+from conveyor.store.meta import Claim, ConnectorRow, MetaStore
+
+TAG_CONNECTOR = "conveyor/connector"
+TAG_BROKER = "conveyor/broker"
+TAG_GENERATION = "conveyor/generation"
+
+
+def job_name(connector: str) -> str:
+    return f"connector__{connector}"
+
+
+def holder_alive(context: OpExecutionContext, timeout_s: float) -> Callable[[ConnectorRow], bool]:
+    """Whether the run holding a connector is still alive (its run, its pid, its heartbeat)."""
+
+    def alive(row: ConnectorRow) -> bool:
+        if row.run_id:
+            other = context.instance.get_run_by_id(row.run_id)
+            if other is None or other.is_finished:
+                return False
+        if row.run_host == socket.gethostname() and row.run_pid and not pid_alive(row.run_pid):
+            return False
+        if row.heartbeat_at is None:
+            # Claimed but no heartbeat yet: alive while its run is not finished (checked above).
+            return row.run_id is not None
+        return row.heartbeat_fresh(time.time(), timeout_s)
+
+    return alive
+
+
+def claim_run(
+    context: OpExecutionContext, store: MetaStore, name: str, heartbeat_timeout_s: float
+) -> Claim | None:
+    """Claim the connector for this run at the generation its tags carry; None when fenced."""
+    tags = context.run.tags
+    expected = int(tags[TAG_GENERATION]) if TAG_GENERATION in tags else None
+    try:
+        return store.claim(
+            name,
+            run_id=context.run_id,
+            expected_generation=expected,
+            holder_alive=holder_alive(context, heartbeat_timeout_s),
+            broker_id=tags.get(TAG_BROKER),
+        )
+    except AlreadyClaimedError as e:
+        raise Failure(description=str(e)) from None
+    except FencedError as e:
+        context.log.warning(f"{e}; this run exits without touching the connector")
+        return None
+
+
+def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Callable[[], bool]:
+    """True once this run is CANCELING or CANCELED (checked at most every ``every_s``).
+
+    Dagster delivers a terminate as an exception raised by its signal handler in the
+    op's thread. If that handler runs inside a garbage-collection callback (a weakref
+    finalizer, say), the interpreter prints "Exception ignored in ..." and swallows it:
+    the run would go on until a second terminate. Polling the run's own status makes
+    a terminate stop the loop within a batch either way.
+    """
+    state = {"checked": 0.0, "seen": False}
+
+    def check() -> bool:
+        if state["seen"]:
+            return True
+        now = time.monotonic()
+        if now - state["checked"] < every_s:
+            return False
+        state["checked"] = now
+        try:
+            run = context.instance.get_run_by_id(context.run_id)
+        except Exception as e:  # noqa: BLE001 - the instance may be briefly unreachable
+            context.log.debug(f"reading this run's status failed: {e}")
+            return False
+        state["seen"] = run is not None and run.status in (
+            DagsterRunStatus.CANCELING,
+            DagsterRunStatus.CANCELED,
+        )
+        return bool(state["seen"])
+
+    return check
+
+
+def next_spec(
+    context: OpExecutionContext, store: MetaStore, current: LoadedSpec
+) -> tuple[LoadedSpec, str | None]:
+    """The connector's spec file as it is now (and its hash); the current spec when the new
+    one is invalid, with the stored hash, so that the same change is not taken up again."""
+    new = load_source(current.name, current.source)
+    if new.ok:
+        sync_one(store, new)
+        context.log.info(
+            f"connector {current.name}: taking on its changed spec ({(new.spec_hash() or '')[:12]}) "
+            "at a batch boundary, in this run"
+        )
+        return new, new.spec_hash()
+    context.log.warning(
+        f"connector {current.name}: its spec changed but is invalid ({new.error}); "
+        "going on with the last valid one"
+    )
+    return current, store.get(current.name).spec_hash
+
+
+def end_run(
+    context: OpExecutionContext,
+    store: MetaStore,
+    name: str,
+    generation: int,
+    error: BaseException,
+    *,
+    counters: Callable[[], dict[str, Any]],
+    label: str = "connector",
+    op_retries: int = 0,
+    retry_delay_s: float = 0.0,
+) -> None:
+    """End the run for ``error`` by the outcome table: returns only when fenced."""
+    outcome = run_outcome(error, op_retries_left=op_retries - context.retry_number)
+    match outcome.ending:
+        case RunEnding.EXIT:
+            context.log.warning(
+                f"{error}. Another run owns the connector now; exiting without committing."
+            )
+            return
+        case RunEnding.RETRY:
+            store.apply(
+                name,
+                generation,
+                StateChange(status=ConnectorStatus.DEGRADED, error=outcome.error),
+                f"{outcome.reason} {context.retry_number + 1}",
+            )
+            raise RetryRequested(max_retries=op_retries, seconds_to_wait=retry_delay_s) from error
+        case RunEnding.ERROR:
+            store.release(
+                name,
+                generation,
+                ConnectorStatus.ERROR,
+                outcome.reason,
+                error=outcome.error,
+                counters=counters(),
+            )
+            raise Failure(description=f"{label} {name} stopped with an error: {error}") from None
+        case RunEnding.CRASH:
+            store.release(
+                name, generation, ConnectorStatus.ERROR, outcome.reason, error=outcome.error
+            )
+            raise error

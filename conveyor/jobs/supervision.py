@@ -1,0 +1,97 @@
+"""The run's supervisor: the loop on a thread of its own, heartbeats and stage deadlines from
+the op's thread (``core.liveness.Supervisor``), and the terminate path."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dagster import DagsterExecutionInterruptedError, OpExecutionContext
+
+from conveyor.core.errors import FencedError, StageHungError
+from conveyor.core.liveness import Supervisor
+from conveyor.core.loop import ConnectorLoop, run_loop
+from conveyor.core.model import Counters
+from conveyor.jobs.progress import record_stuck_stage
+from conveyor.specs import LoadedSpec
+
+# After a stop or a terminate: how long the op waits for the loop to finish its batch.
+STOP_GRACE_S = 30.0
+
+
+def supervise(
+    context: OpExecutionContext,
+    loop: ConnectorLoop,
+    loaded: LoadedSpec,
+    canceled: Callable[[], bool],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Counters:
+    """Run ``loop`` on its own thread; this thread heartbeats for it and judges its stages.
+
+    Returns the loop's counters or raises its error. A terminate (Dagster's interrupt, or
+    the run seen CANCELING) asks the loop to stop and waits up to ``STOP_GRACE_S`` for it
+    to commit what was acknowledged, then raises the interrupt. A stage past
+    ``liveness.restart_after_s`` raises StageHungError: the run fails and the scheduler
+    relaunches it; the stuck call is left behind, fenced by the next generation (it checks
+    its generation before any send and commits nothing once fenced).
+    """
+    assert loaded.spec is not None
+    spec = loaded.spec
+    loop.supervised = True
+    sup = Supervisor(
+        loop,
+        spec.liveness,
+        read_wait_s=spec.batch.max_wait_ms / 1000,
+        interval_s=loop.cfg.heartbeat_interval_s,
+        clock=clock,
+        on_report=lambda msg: context.log.warning(f"connector {loaded.name}: {msg}"),
+    )
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            outcome["counters"] = run_loop(loop)
+        except BaseException as e:  # noqa: BLE001 - handed to the op's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=body, name=f"conveyor-loop-{loaded.name}", daemon=True)
+    worker.start()
+    interrupted: BaseException | None = None
+    reported = None
+    try:
+        while worker.is_alive():
+            worker.join(sup.poll_s)
+            if not worker.is_alive():
+                break
+            if canceled():
+                interrupted = DagsterExecutionInterruptedError()
+                break
+            try:
+                v = sup.tick()
+            except FencedError:
+                continue  # the loop was told; it ends and raises FencedError
+            if v.restart:
+                loop.request_stop()
+                record_stuck_stage(context, loaded, v.reason())
+                raise StageHungError(v.reason())
+            if v.stage != reported:
+                reported = v.stage  # once per stuck stage, as it crosses its deadline
+                if v.stuck:
+                    record_stuck_stage(context, loaded, v.reason())
+    except DagsterExecutionInterruptedError as e:
+        interrupted = e
+    if interrupted is not None:
+        loop.request_stop()
+        deadline = clock() + STOP_GRACE_S
+        while worker.is_alive() and clock() < deadline:
+            worker.join(sup.poll_s)
+            with contextlib.suppress(Exception):  # fenced or store trouble: leaving anyway
+                sup.tick()
+        raise interrupted
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["counters"]  # type: ignore[no-any-return]

@@ -1,0 +1,89 @@
+"""What the SQL sinks (PostgreSQL, MySQL) share: where each column comes from, and the column
+types a table created from an Arrow batch gets, through each database's type map (its dialect).
+
+Bad rows are isolated with savepoints through the one bisection, ``core.sink.isolate_rows``;
+``url``/``url_env`` come from ``sinks.base.UrlSinkConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from conveyor.core.errors import ConfigError, PermanentSinkError
+from conveyor.core.model import (
+    HEADERS_COL,
+    KEY_COL,
+    OFFSET_COL,
+    PARTITION_COL,
+    TIMESTAMP_COL,
+    TOPIC_COL,
+)
+from conveyor.sinks.base import payload_columns
+
+#: ``columns`` sources besides payload columns: message metadata, and the payload as JSON.
+META_SOURCES = {
+    "$key": KEY_COL,
+    "$topic": TOPIC_COL,
+    "$partition": PARTITION_COL,
+    "$offset": OFFSET_COL,
+    "$timestamp": TIMESTAMP_COL,
+    "$headers": HEADERS_COL,
+}
+SOURCES = sorted([*META_SOURCES, "$payload"])
+
+
+@dataclass(frozen=True)
+class SqlDialect:
+    """A database's column types for Arrow types."""
+
+    name: str
+    type_of: Callable[[pa.DataType, bool], str]  # (Arrow type, is an upsert key) -> column type
+    json_type: str
+    json_sources: frozenset[str]  # sources always stored as JSON
+
+
+def column_mapping(columns: dict[str, str] | None, batch: pa.Table) -> dict[str, str]:
+    """Target column -> source: the configured ``columns``, or every payload column as itself.
+
+    ConfigError when a source is not in the transformed batch.
+    """
+    mapping = dict(columns) if columns is not None else {c: c for c in payload_columns(batch)}
+    names = batch.schema.names
+    for target, src in mapping.items():
+        if not src.startswith("$") and src not in names:
+            raise ConfigError(
+                f"{target}: source column {src!r} is not in the transformed batch (columns: {payload_columns(batch)})",
+                field="sink.columns",
+            )
+        if src in META_SOURCES and META_SOURCES[src] not in names:
+            raise ConfigError(
+                f"{target}: the batch has no {META_SOURCES[src]} column for {src}",
+                field="sink.columns",
+            )
+    return mapping
+
+
+def column_types(
+    mapping: dict[str, str], batch: pa.Table, dialect: SqlDialect, keys: Collection[str] = ()
+) -> dict[str, str]:
+    """Target column -> the dialect's type, for creating the table from the first batch."""
+    types = {}
+    for target, src in mapping.items():
+        if src in dialect.json_sources:
+            types[target] = dialect.json_type
+        else:
+            arrow = batch.schema.field(META_SOURCES.get(src, src)).type
+            types[target] = dialect.type_of(arrow, target in keys)
+    return types
+
+
+def check_columns(table: str, mapping: dict[str, str], existing: Collection[str]) -> None:
+    """PermanentSinkError when the table lacks a mapped column."""
+    missing = [t for t in mapping if t not in existing]
+    if missing:
+        raise PermanentSinkError(
+            f"table {table} has no column(s) {', '.join(missing)} (it has {', '.join(existing)})"
+        )
