@@ -66,7 +66,7 @@ SOURCE_SCHEMA = pa.schema(
     ]
 )
 
-# While the partitions hold more than a batch has read (a backlog), the batch keeps
+# While the partitions hold enough to fill the batch (a backlog), the batch keeps
 # filling past max_wait_ms, up to max_records / max_bytes, for at most this long after
 # its first record: one Spark round trip carries a full batch instead of what one
 # short wait fetched. A source that has caught up closes its batches at max_wait_ms.
@@ -474,7 +474,7 @@ class KafkaSource:
                     deadline = poll_deadline
                 else:
                     deadline = first_at + wait_s
-                    if deadline - now <= 0.001 and got and self._behind():
+                    if deadline - now <= 0.001 and got and self._behind(policy.max_records - count):
                         deadline = first_at + fill_s
                 remaining = deadline - now
                 if remaining <= 0.001 and polled:
@@ -520,10 +520,18 @@ class KafkaSource:
             )
         return SourceBatch(table=table, next_offsets=nxt, nbytes=nbytes)
 
-    def _behind(self) -> bool:
-        """Whether a partition's high watermark (as last fetched) is past its position."""
+    def _behind(self, room: int) -> bool:
+        """Whether the partitions hold at least ``room`` more records than read (high
+        watermarks as last fetched): a backlog, not a stream arriving as it is read."""
         hw = self._fetched_highwaters()
-        return any(p is not None and hw.get(tp, -1) > p for tp, p in self._positions().items())
+        return (
+            sum(
+                max(0, hw[tp] - p)
+                for tp, p in self._positions().items()
+                if p is not None and tp in hw
+            )
+            >= room
+        )
 
     def _probe(self) -> None:
         """Raise TransientSourceError when the partitions' leaders do not answer (see __init__)."""

@@ -209,7 +209,7 @@ BATCH_PRESETS: dict[str, dict[str, int]] = {
     "low_latency": {"max_records": 1_000, "max_bytes": 1 << 20, "max_wait_ms": 100},
     # The default (measured: docs/BENCHMARKS.md, "Batch size and wait"): large batches
     # while there is a backlog (one Spark round trip per batch), a short wait when idle.
-    "balanced": {"max_records": 50_000, "max_bytes": 16 << 20, "max_wait_ms": 100},
+    "balanced": {"max_records": 10_000, "max_bytes": 16 << 20, "max_wait_ms": 100},
     "throughput": {"max_records": 100_000, "max_bytes": 64 << 20, "max_wait_ms": 2_000},
 }
 
@@ -218,7 +218,7 @@ class BatchPolicy(_Spec):
     """When a batch closes: on size (records or bytes) or on age, whichever comes first."""
 
     max_records: int = Field(
-        default=50_000, ge=1, le=1_000_000, description="Close the batch at this many records."
+        default=10_000, ge=1, le=1_000_000, description="Close the batch at this many records."
     )
     max_bytes: int = Field(
         default=16 << 20,
@@ -231,7 +231,7 @@ class BatchPolicy(_Spec):
         ge=1,
         le=60_000,
         description="Close the batch this long after its first record, once the source has caught up. "
-        "While the partitions hold more (a backlog), the batch keeps filling up to max_records or "
+        "While the partitions hold enough to fill it (a backlog), the batch keeps filling up to max_records or "
         "max_bytes, for at most 1 s (or max_wait_ms if longer) after its first record.",
     )
 

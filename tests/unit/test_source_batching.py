@@ -76,10 +76,16 @@ def test_a_backlog_fills_the_batch_past_max_wait() -> None:
 
 
 def test_a_caught_up_source_closes_on_age_and_on_size() -> None:
+    # 250 records: less than the batch's room, a stream read as it arrives, not a
+    # backlog: the batch closes on age (after one fetch) and the next read goes on.
     source = FakeClient(end=250)
-    batch = source.read(BatchPolicy(max_records=1_000, max_wait_ms=1))
-    assert batch is not None and batch.table.num_rows == 250  # all there was
-    assert source.read(BatchPolicy(max_records=1_000, max_wait_ms=1)) is None
+    policy = BatchPolicy(max_records=1_000, max_wait_ms=1)
+    batch = source.read(policy)
+    assert batch is not None and batch.table.num_rows == 100
+    offsets = batch.table.column("__offset").to_pylist()
+    while (more := source.read(policy)) is not None:
+        offsets += more.table.column("__offset").to_pylist()
+    assert offsets == list(range(250))
     source = FakeClient(end=1_000)
     sized = source.read(BatchPolicy(max_records=300, max_wait_ms=1))
     assert sized is not None and sized.table.num_rows == 300
