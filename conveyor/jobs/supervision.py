@@ -4,8 +4,10 @@ the op's thread (``core.liveness.Supervisor``), and the terminate path."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -51,21 +53,27 @@ def supervise(
         on_report=lambda msg: context.log.warning(f"connector {loaded.name}: {msg}"),
     )
     outcome: dict[str, Any] = {}
+    # The loop's end, as an Event: Thread.join() interrupted by Dagster's terminate (an
+    # exception raised by a signal handler) marks a running thread as stopped on CPython
+    # 3.11 (bpo-45274's fix in _wait_for_tstate_lock), so is_alive() cannot be trusted
+    # after a terminate; Event.wait() can.
+    done = threading.Event()
 
     def body() -> None:
         try:
             outcome["counters"] = run_loop(loop)
         except BaseException as e:  # noqa: BLE001 - handed to the op's thread
             outcome["error"] = e
+        finally:
+            done.set()
 
     worker = threading.Thread(target=body, name=f"conveyor-loop-{loaded.name}", daemon=True)
     worker.start()
     interrupted: BaseException | None = None
     reported = None
     try:
-        while worker.is_alive():
-            worker.join(sup.poll_s)
-            if not worker.is_alive():
+        while not done.is_set():
+            if done.wait(sup.poll_s):
                 break
             if canceled():
                 interrupted = DagsterExecutionInterruptedError()
@@ -87,10 +95,17 @@ def supervise(
     if interrupted is not None:
         loop.request_stop()
         deadline = clock() + STOP_GRACE_S
-        while worker.is_alive() and clock() < deadline:
-            worker.join(sup.poll_s)
+        while not done.is_set() and clock() < deadline:
+            done.wait(sup.poll_s)
             with contextlib.suppress(Exception):  # fenced or store trouble: leaving anyway
                 sup.tick()
+        if not done.is_set():
+            frame = sys._current_frames().get(worker.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            context.log.warning(
+                f"connector {loaded.name}: the loop did not stop within {STOP_GRACE_S:.0f}s of the "
+                f"terminate; leaving it (offsets are committed only by the loop). Its stack:\n{stack}"
+            )
         raise interrupted
     if "error" in outcome:
         raise outcome["error"]

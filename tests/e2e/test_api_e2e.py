@@ -38,7 +38,7 @@ from conveyor.store.meta import MetaStore
 from tests.conftest import PG_URL
 from tests.e2e.conftest import kill_processes_of, produce, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SECRET_ENV = f"envsecret{uuid.uuid4().hex}"  # behind ${env:E2E_PG_URL}
 SECRET_FILE = f"filesecret{uuid.uuid4().hex}"  # behind ${file:...}

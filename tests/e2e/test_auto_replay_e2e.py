@@ -22,7 +22,7 @@ from tests.e2e.conftest import produce, wait_for
 from tests.e2e.test_scheduler_e2e import dev, spec  # noqa: F401 - the dagster dev fixture
 from tests.integration.test_failure_policies import rows
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 N = 200
 POISON = 100

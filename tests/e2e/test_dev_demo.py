@@ -31,7 +31,7 @@ from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import wait_for
 from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 DEMO = "demo_orders"
 

@@ -35,7 +35,7 @@ from conveyor.spark.server import SparkConnectServer, start_spark_connect
 from tests.e2e.conftest import produce, wait_for
 from tests.e2e.test_scheduler_e2e import DevHarness, dev, table_counts  # noqa: F401
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 SCHEMA_DDL = "id BIGINT, name STRING, amount DOUBLE"
 NAMES = {k: f"{k}_{uuid.uuid4().hex[:6]}" for k in ("outage", "slow", "hung")}

@@ -25,7 +25,7 @@ from tests.e2e.test_errors_e2e import run_to_error
 from tests.sources.producers import CODECS, Msg, create_topic, produce
 from tests.sources.tls import TlsBroker, socat_available, tls_tansu
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 PER_CODEC = 250
 BIG_ID = len(CODECS) * PER_CODEC  # the record near 1 MB

@@ -34,7 +34,7 @@ from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, produce, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BROKERS = ["b1", "b2", "b3"]
 HEARTBEAT_TIMEOUT = 10

@@ -24,7 +24,7 @@ import pytest
 from conveyor.core.model import ConnectorStatus
 from tests.e2e.conftest import DagsterHarness, produce, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 N = 10_000
 BATCH = 1_000

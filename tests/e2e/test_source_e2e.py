@@ -27,7 +27,7 @@ from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, wait_for
 from tests.integration.sources_harness import read_topic
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BATCH = 100
 HEARTBEAT_TIMEOUT = 10

@@ -22,7 +22,7 @@ from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from tests.e2e.conftest import DagsterHarness, dagster_webserver, produce, wait_for
 from tests.e2e.test_connector_e2e import counts, pg_spec
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 N = 3_000
 BAD = {7, 1_234, 2_999}

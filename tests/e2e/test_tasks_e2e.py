@@ -33,7 +33,7 @@ from conveyor.store.meta import MetaStore
 from conveyor.store.tasks import TaskStore
 from tests.e2e.conftest import kill_processes_of, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BROKERS = ["b1", "b2"]
 PARTITIONS = 6
