@@ -299,7 +299,8 @@ def test_fail_policy_stops_at_the_bad_message_and_is_not_restarted(
     check()
     listing = subprocess.run(
         [str(Path(sys.executable).parent / "conveyor"), "connector", "list"],
-        env={**dagster.env, "COLUMNS": "400"},  # a wide terminal: rich wraps cells at 80 without a tty
+        # A wide terminal: without a tty rich wraps the cells at 80 columns.
+        env={**dagster.env, "COLUMNS": "400"},
         capture_output=True,
         text=True,
         timeout=60,
