@@ -34,6 +34,7 @@ from conveyor.core.model import (
     TasksSpec,
     TransformSpec,
 )
+from conveyor.core.routing import DestinationRulesSpec
 from conveyor.sinks.base import SinkConfig
 
 REGENERATE = "python -m conveyor.configdoc > docs/CONFIG.md"
@@ -48,6 +49,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("failure.dead_letter", DeadLetterSpec),
     ("liveness", LivenessSpec),
     ("tasks", TasksSpec),
+    ("destinations", DestinationRulesSpec),
 ]
 _SECTION_OF = {model: title for title, model in SECTIONS}
 

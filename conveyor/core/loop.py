@@ -53,6 +53,7 @@ from conveyor.core.errors import (
 from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
 from conveyor.core.liveness import Stage, StageClock, stage_of
 from conveyor.core.model import (
+    DESTINATION_COL,
     OFFSET_COL,
     PARTITION_COL,
     TOPIC_COL,
@@ -67,6 +68,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
+from conveyor.core.routing import DestinationGate, DestinationRulesSpec
 from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
 
 log = logging.getLogger("conveyor.loop")
@@ -86,10 +88,11 @@ class SourceBatch:
 
 @dataclass(frozen=True)
 class Rejected:
-    """A source row the transform could not decode."""
+    """A source row the transform could not decode, or whose destination was refused."""
 
     index: int  # row index in the source batch
     message: str
+    error_class: str = "decode"
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,8 @@ class LoopConfig:
     transform_ahead: bool = True
     # While paused: how often to heartbeat (and so how soon a resume is seen).
     paused_poll_s: float = 0.25
+    # Admission, cap and breakers for rows that choose their destination (__destination).
+    destinations: DestinationRulesSpec | None = None
 
 
 @dataclass
@@ -251,6 +256,7 @@ class ConnectorLoop:
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._limiter = DeadLetterLimiter(config.failure.dead_letter)
+        self._gate = DestinationGate(config.destinations) if config.destinations else None
         self._last_heartbeat = 0.0
         self._last_progress: float | None = None
         self._latencies: deque[float] = deque(maxlen=256)
@@ -368,8 +374,9 @@ class ConnectorLoop:
             tr = self._with_outage_retry(
                 "transform", lambda: self.transform(sb.table), failed_first=item.outage
             )
+        tr = self._screen_destinations(sb.table, tr)
         failures = [
-            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class="decode")
+            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class=r.error_class)
             for r in tr.rejected
         ]
         self._ensure_current()
@@ -377,6 +384,7 @@ class ConnectorLoop:
             self._process_fail_fast(sb, tr, failures, started)
             return
         sent, data_failed = self._deliver(tr.table)
+        self._record_destinations(tr.table, data_failed)
         failures.extend(data_failed)
         discarded, dead = self._apply_policy(sb.table, failures)
         # Dead letters are flushed, the sink acknowledged: only now may offsets move.
@@ -418,6 +426,7 @@ class ConnectorLoop:
             keep = [position[c] < cut for c in _all_coords(table)]
             table = table.filter(pa.array(keep, pa.bool_()))
         sent, data_failed = self._deliver(table)
+        self._record_destinations(table, data_failed)
         for f in data_failed:
             i = position[(f.topic, f.partition, f.offset)]
             if cut is None or i < cut:
@@ -460,6 +469,48 @@ class ConnectorLoop:
         if self.status == ConnectorStatus.DEGRADED:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
+
+    def _screen_destinations(self, source: pa.Table, tr: Transformed) -> Transformed:
+        """Rows whose destination the connector's rules refuse leave the batch as failed
+        messages (reason cap, denylist, unknown or circuit_open), for the failure policy."""
+        if (
+            self._gate is None
+            or tr.table.num_rows == 0
+            or DESTINATION_COL not in tr.table.schema.names
+        ):
+            return tr
+        reasons = self._gate.screen(tr.table.column(DESTINATION_COL).to_pylist(), self.clock())
+        if not any(reasons):
+            return tr
+        position = {c: i for i, c in enumerate(_all_coords(source))}
+        dests = tr.table.column(DESTINATION_COL).to_pylist()
+        refused = [
+            Rejected(
+                position[c],
+                f"destination {d!r} refused ({r.value}) by the connector's destinations rules",
+                "destination",
+            )
+            for c, d, r in zip(_all_coords(tr.table), dests, reasons, strict=True)
+            if r is not None
+        ]
+        keep = pa.array([r is None for r in reasons], pa.bool_())
+        return replace(tr, table=tr.table.filter(keep), rejected=(*tr.rejected, *refused))
+
+    def _record_destinations(self, table: pa.Table, failed: list[FailedMessage]) -> None:
+        """Each destination's outcome in this batch, for its breaker."""
+        if self._gate is None or table.num_rows == 0 or DESTINATION_COL not in table.schema.names:
+            return
+        errors = {(f.topic, f.partition, f.offset): f.error for f in failed}
+        results: dict[str, str | None] = {}
+        for c, d in zip(_all_coords(table), table.column(DESTINATION_COL).to_pylist(), strict=True):
+            if not d:
+                continue
+            error = errors.get(c)
+            if error is None:
+                results[d] = None  # one delivered row: the destination answers
+            elif d not in results:
+                results[d] = error
+        self._gate.record(results, self.clock())
 
     def _deliver(self, table: pa.Table) -> tuple[int, list[FailedMessage]]:
         """Send with outage retries and data-error isolation; re-send failed rows per policy."""

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.core.connection import KafkaConnection
+from conveyor.core.routing import DestinationRulesSpec
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -497,6 +498,11 @@ class ConnectorSpec(_Spec):
     tasks: TasksSpec = Field(
         default_factory=TasksSpec,
         description="Task runs sharing the partitions, split and merged by load (section `tasks`).",
+    )
+    destinations: DestinationRulesSpec | None = Field(
+        default=None,
+        description="For sinks whose rows choose their destination (`__destination`): admission, cap "
+        "and per-destination breakers (section `destinations`); refused rows go to the failure policy.",
     )
     desired: DesiredState = Field(
         default=DesiredState.RUNNING,

@@ -526,3 +526,68 @@ class BreakerBoard:
 
     def open_count(self, now: float) -> int:
         return sum(1 for b in self.breakers.values() if b.state(now) != "closed")
+
+
+# -- sinks that route rows (__destination) ------------------------------------------------------
+
+
+class DestinationRulesSpec(_Spec):
+    """Admission, cap and breakers for a sink connector whose rows choose their destination
+    (``__destination``: a Kafka topic, a RabbitMQ routing key, a Redis key...), section
+    ``destinations``. A refused row is a failed message, handled by the failure policy."""
+
+    admission: AdmissionSpec = Field(
+        default_factory=AdmissionSpec, description="Which destinations rows may go to."
+    )
+    max_destinations: int | None = Field(
+        default=None,
+        ge=1,
+        description="Hard cap on distinct destinations since the run started; rows to more are refused (cap).",
+    )
+    breaker: bool = Field(
+        default=True,
+        description="A per-destination circuit breaker: opens after 5 consecutive failed batches to a "
+        "destination (not when every destination failed at once), 30 s cool-down, one probe; rows to an "
+        "open destination are refused (circuit_open) while the others flow.",
+    )
+
+
+class DestinationGate:
+    """Applies a sink connector's destination rules to each batch's rows (pure; ``now`` passed in)."""
+
+    def __init__(self, spec: DestinationRulesSpec, board: BreakerBoard | None = None):
+        self.spec = spec
+        self.board = board or BreakerBoard()
+        self.seen: set[str] = set()
+
+    def screen(self, destinations: Sequence[str | None], now: float) -> list[Reason | None]:
+        """Per row: None when it may be sent (rows without a destination always may)."""
+        out: list[Reason | None] = []
+        for d in destinations:
+            if not d:
+                out.append(None)
+                continue
+            reason: Reason | None
+            if self.spec.admission.mode == "open":
+                reason = None  # any name the sink accepts: a routing key need not be a topic name
+            else:
+                hit = any(pattern_matches(p, d) for p in self.spec.admission.patterns)
+                allowlist = self.spec.admission.mode == "allowlist"
+                reason = (Reason.UNKNOWN if allowlist and not hit else None) or (
+                    Reason.DENYLIST if not allowlist and hit else None
+                )
+            if reason is None and d not in self.seen:
+                cap = self.spec.max_destinations
+                if cap is not None and len(self.seen) >= cap:
+                    reason = Reason.CAP
+                else:
+                    self.seen.add(d)
+            if reason is None and self.spec.breaker and self.board.is_open(d, now):
+                reason = Reason.CIRCUIT_OPEN
+            out.append(reason)
+        return out
+
+    def record(self, results: Mapping[str, str | None], now: float) -> None:
+        """The batch's outcome per destination (None = delivered, else an error) for the breakers."""
+        if self.spec.breaker and results:
+            self.board.record(results, now)

@@ -178,7 +178,13 @@ def _build_loop(
         source.close()
         raise
     return ConnectorLoop(
-        LoopConfig(name=name, batch=spec.batch, retry=spec.retry, failure=spec.failure),
+        LoopConfig(
+            name=name,
+            batch=spec.batch,
+            retry=spec.retry,
+            failure=spec.failure,
+            destinations=spec.destinations,
+        ),
         source=source,
         transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
         sink=sink,

@@ -211,6 +211,8 @@ def make_loop(
     dead=None,
     events=None,
     stop_when_drained=True,
+    transform=json_transform,
+    destinations=None,
 ):
     events = events if events is not None else Events()
     source = FakeSource(batches, events)
@@ -233,9 +235,10 @@ def make_loop(
             retry=retry or RetrySpec(delay=1, jitter="none"),
             failure=failure or FailureSpec(),
             prefetch=False,
+            destinations=destinations,
         ),
         source=source,
-        transform=json_transform,
+        transform=transform,
         sink=sink,
         committer=committer,
         committed={},
@@ -898,3 +901,81 @@ def test_isolate_rows_lets_other_errors_through_and_keeps_row_failures() -> None
         RowFailure(6, "x")
     ]
     assert isolate_rows([], outage, lambda e: None) == []
+
+
+# -- sinks that route rows: admission, cap and breakers (issue 17) -------------------------------
+
+
+def routed_transform(batch: pa.Table) -> Transformed:
+    """json_transform, then each row's destination: t<id % 3>."""
+    tr = json_transform(batch)
+    dests = [f"t{i % 3}" for i in tr.table.column("id").to_pylist()]
+    table = tr.table
+    if "__destination" in table.schema.names:
+        table = table.drop_columns(["__destination"])
+    return Transformed(
+        table=table.append_column("__destination", pa.array(dests, pa.string())),
+        rejected=tr.rejected,
+    )
+
+
+def test_refused_destinations_are_failed_messages_for_the_policy():
+    from conveyor.core.routing import AdmissionSpec, DestinationRulesSpec
+
+    dead = FakeDeadLetters(Events())
+    rules = DestinationRulesSpec(admission=AdmissionSpec(mode="denylist", patterns=["t2"]))
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 30)],
+        transform=routed_transform,
+        destinations=rules,
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0),
+        dead=dead,
+    )
+    run_loop(loop)
+    assert sorted(sink.rows) == [i for i in range(30) if i % 3 != 2]
+    assert sorted(d.failed.offset for d in dead.letters) == [i for i in range(30) if i % 3 == 2]
+    assert all("refused (denylist)" in d.failed.error for d in dead.letters)
+    assert committer.offsets == {TP0: 30}  # every message accounted for
+
+
+def test_the_cap_refuses_destinations_past_max_destinations():
+    from conveyor.core.routing import DestinationRulesSpec
+
+    dead = FakeDeadLetters(Events())
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(0, 30)],
+        transform=routed_transform,
+        destinations=DestinationRulesSpec(max_destinations=2),
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0),
+        dead=dead,
+    )
+    run_loop(loop)
+    assert sorted(sink.rows) == [i for i in range(30) if i % 3 != 2]  # t0 and t1 came first
+    assert {d.failed.error.split("(")[1].split(")")[0] for d in dead.letters} == {"cap"}
+    assert committer.offsets == {TP0: 30}
+
+
+def test_a_failing_destination_opens_its_breaker_while_the_others_flow():
+    from conveyor.core.routing import DestinationRulesSpec
+
+    events = Events()
+    dead = FakeDeadLetters(events)
+    sink = FakeSink(events, reject_ids={i for i in range(90) if i % 3 == 1})  # t1 refuses all
+    loop, _, sink, committer, _, _ = make_loop(
+        [source_batch(10 * b, 10) for b in range(9)],
+        sink=sink,
+        events=events,
+        transform=routed_transform,
+        destinations=DestinationRulesSpec(),
+        failure=FailureSpec(policy=FailurePolicyName.DEAD_LETTER, retries=0),
+        dead=dead,
+    )
+    run_loop(loop)
+    # Five failed batches open t1's breaker: later t1 rows are refused without being sent.
+    reasons = [d.failed.error for d in dead.letters if d.failed.offset % 3 == 1]
+    assert sum("circuit_open" in r for r in reasons) == len(
+        [i for i in range(50, 90) if i % 3 == 1]
+    )
+    assert all("bad id" in r for r in reasons[: len([i for i in range(50) if i % 3 == 1])])
+    assert sorted(sink.rows) == [i for i in range(90) if i % 3 != 1]  # t0 and t2 flowed
+    assert committer.offsets == {TP0: 90}
