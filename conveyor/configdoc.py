@@ -54,6 +54,18 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
 _SECTION_OF = {model: title for title, model in SECTIONS}
 
 
+def _section_title(model: type[BaseModel]) -> str | None:
+    """The section a model is documented in: the same answer whatever was rendered before."""
+    if not _SOURCE_SECTIONS_KNOWN:
+        for title, section in _source_sections():
+            _SECTION_OF.setdefault(section, title)
+        _SOURCE_SECTIONS_KNOWN.append(True)
+    return _SECTION_OF.get(model)
+
+
+_SOURCE_SECTIONS_KNOWN: list[bool] = []
+
+
 def _environment() -> list[tuple[str, str, str]]:
     from conveyor.assets.checks import DEFAULT_LAG_CHECK_MINUTES
     from conveyor.brokers.kafka import DEFAULT_BOOTSTRAP
@@ -215,7 +227,7 @@ def type_name(annotation: Any) -> str:
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return " or ".join(f"`{m.value!r}`" for m in annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        title = _SECTION_OF.get(annotation)
+        title = _section_title(annotation)
         return f"section `{title}`" if title else "mapping"
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
