@@ -16,6 +16,7 @@ transaction markers: a partition ending in a commit marker is caught up (lag 0).
 
 from __future__ import annotations
 
+import abc
 import datetime as dt
 import logging
 import os
@@ -208,7 +209,7 @@ def source_class(client: str) -> type[KafkaSource]:
     raise ConfigError(f"unknown Kafka client {client!r}", field="source.client")
 
 
-class KafkaSource:
+class KafkaSource(abc.ABC):
     """Reads batches from every partition of the spec's topics (and of topics matching its regex).
 
     ``KafkaSource(spec, group_id)`` builds the client ``spec.client`` names
@@ -271,61 +272,63 @@ class KafkaSource:
 
     # -- the client's primitives ---------------------------------------------------------
 
+    @abc.abstractmethod
     def _connect(self) -> None:
         """Create the consumer (no group membership, no auto commit). Raises on bad settings."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _topic_partitions(self, topics: list[str] | None) -> dict[str, set[int]]:
         """Partitions of ``topics`` (every topic of the cluster when None) that exist."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _assign(self, positions: dict[TopicPartition, int | str]) -> None:
         """Assign exactly these partitions, each at an offset, "earliest" or "latest"."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _seek(self, offsets: Offsets) -> None:
         """Move these assigned partitions to these offsets (the others keep their position)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _positions(self) -> dict[TopicPartition, int | None]:
         """Each assigned partition's next offset to read (None when not known yet)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _offsets_for_time(self, parts: list[TopicPartition], ms: int) -> dict[TopicPartition, int]:
         """The first offset stamped at or after ``ms`` (partitions without one are left out)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _end_offsets(self, parts: list[TopicPartition], end: str) -> dict[TopicPartition, int]:
         """Each partition's offset at its "earliest" or "latest" end."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _ask_leaders(self) -> None:
         """One request to the partitions' leaders (their end offsets), bounded by
         request_timeout_ms; positions do not move. Raises when there is no answer."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _poll(self, max_records: int, timeout_s: float) -> tuple[pa.Table | None, int]:
         """Records that arrive within ``timeout_s`` (at most ``max_records``) in the source
         layout, in offset order per partition, and their key + value bytes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _fetched_highwaters(self) -> dict[TopicPartition, int]:
         """High watermarks the last fetches reported (no request)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _commit_group(self, offsets: Offsets) -> None:
         """Commit ``offsets`` to the consumer group ``group_id`` (a second client)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _group_committed(self, group: str) -> dict[TopicPartition, int | None]:
         """Consumer group ``group``'s committed offsets of the assigned partitions."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _close(self) -> None:
-        raise NotImplementedError
+        """Close the consumer and the group client."""
 
+    @abc.abstractmethod
     def _opened(self) -> bool:
-        raise NotImplementedError
+        """Whether the consumer is open."""
 
     # -- lifecycle -------------------------------------------------------------
 

@@ -57,6 +57,34 @@ class FakeClient(KafkaSource):
         )
         return table, 2 * n
 
+    # The primitives reading does not call.
+    def _connect(self) -> None:
+        raise AssertionError("not called")
+
+    def _topic_partitions(self, topics: list[str] | None) -> dict[str, set[int]]:
+        raise AssertionError("not called")
+
+    def _assign(self, positions: dict[TopicPartition, int | str]) -> None:
+        raise AssertionError("not called")
+
+    def _offsets_for_time(self, parts: list[TopicPartition], ms: int) -> dict[TopicPartition, int]:
+        raise AssertionError("not called")
+
+    def _end_offsets(self, parts: list[TopicPartition], end: str) -> dict[TopicPartition, int]:
+        raise AssertionError("not called")
+
+    def _ask_leaders(self) -> None:
+        raise AssertionError("not called")
+
+    def _commit_group(self, offsets: Offsets) -> None:
+        raise AssertionError("not called")
+
+    def _group_committed(self, group: str) -> dict[TopicPartition, int | None]:
+        raise AssertionError("not called")
+
+    def _close(self) -> None:
+        raise AssertionError("not called")
+
     def _maybe_discover(self) -> None:
         pass
 
