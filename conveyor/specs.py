@@ -39,8 +39,9 @@ from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
 from conveyor.core.state import StateChange
+from conveyor.registry import format_validation_error
 from conveyor.secrets import check_syntax, redact, resolve
-from conveyor.sinks import format_validation_error, parse_sink_config, sink_class
+from conveyor.sinks import parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
 from conveyor.sources.base import SourceConfig
 from conveyor.store.meta import ConnectorRow, MetaStore, UnknownConnectorError, conveyor_home

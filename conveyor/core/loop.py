@@ -70,6 +70,7 @@ from conveyor.core.model import (
 )
 from conveyor.core.routing import DestinationGate, DestinationRulesSpec
 from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
+from conveyor.core.stopping import Stopping, sleep_unless_stopped
 
 log = logging.getLogger("conveyor.loop")
 
@@ -661,7 +662,7 @@ class ConnectorLoop:
                 self._heartbeat(force=True)
                 self._sleep(delay)
                 if self._should_stop():
-                    raise _Stopping() from e
+                    raise Stopping() from e
 
     # -- commits, heartbeats, progress -----------------------------------------------
 
@@ -790,12 +791,7 @@ class ConnectorLoop:
         return self._stop_event.is_set() or self._fenced is not None or self.stop_requested()
 
     def _interruptible_sleep(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self._should_stop():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._stop_event.wait(min(left, 0.5))
+        sleep_unless_stopped(seconds, self._stop_event, self._should_stop)
 
     def _close(self) -> None:
         if self._closed:
@@ -809,15 +805,11 @@ class ConnectorLoop:
             self.on_progress(Progress(self.counters, dict(self.committed), final=True))
 
 
-class _Stopping(BaseException):
-    """Internal: a stop was requested while waiting out an outage."""
-
-
 def run_loop(loop: ConnectorLoop) -> Counters:
     """Run and treat a stop during an outage wait as a clean stop."""
     try:
         return loop.run()
-    except _Stopping:
+    except Stopping:
         return loop.counters
 
 

@@ -465,13 +465,53 @@ class SinkRef(BaseModel):
     )
 
 
-class ConnectorSpec(_Spec):
-    """One connector: a source, a sink, and how the batch travels between them."""
+class ConnectorRunSpec(_Spec):
+    """What every connector spec, sink or source, says about its run: its name, the state it is
+    created in, when its run counts as lost, how often it is restarted, and its assets' owners and
+    freshness. ``ConnectorSpec`` and ``SourceConnectorSpec`` add what they read and write."""
 
     name: str = Field(
-        description="Unique name: lower case letters, digits, underscores. Also the consumer group."
+        description="Unique name: lower case letters, digits, underscores. A sink connector's name "
+        "is also its consumer group."
     )
     description: str | None = Field(default=None, description="Shown in the Dagster UI.")
+    desired: DesiredState = Field(
+        default=DesiredState.RUNNING,
+        description="Created running, stopped or paused (applies when the connector is created).",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3_600,
+        description="Heartbeat age after which the run counts as lost.",
+    )
+    max_restarts: int = Field(
+        default=5,
+        ge=0,
+        le=1_000,
+        description="Automatic restarts of an Error connector before it is left to the user.",
+    )
+    expected_latency_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Freshness expectation of the connector's assets (a sink connector's sink "
+        "asset, a source connector's topics).",
+    )
+    owners: list[str] = Field(
+        default_factory=list, description="Asset owners (emails or team:name)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_valid(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} must match {NAME_PATTERN} (lower case, digits, underscores)")
+        return v
+
+
+class ConnectorSpec(ConnectorRunSpec):
+    """One connector: a source, a sink, and how the batch travels between them."""
+
     source: SourceSpec = Field(
         description="Where to read: topics and bootstrap servers (section `source`)."
     )
@@ -504,35 +544,6 @@ class ConnectorSpec(_Spec):
         description="For sinks whose rows choose their destination (`__destination`): admission, cap "
         "and per-destination breakers (section `destinations`); refused rows go to the failure policy.",
     )
-    desired: DesiredState = Field(
-        default=DesiredState.RUNNING,
-        description="Created running, stopped or paused (applies when the connector is created).",
-    )
-    heartbeat_timeout_s: float = Field(
-        default=30.0,
-        ge=1,
-        le=3_600,
-        description="Heartbeat age after which the run counts as lost.",
-    )
-    max_restarts: int = Field(
-        default=5,
-        ge=0,
-        le=1_000,
-        description="Automatic restarts of an Error connector before it is left to the user.",
-    )
-    expected_latency_s: float = Field(
-        default=300.0, gt=0, description="Freshness expectation of the sink asset."
-    )
-    owners: list[str] = Field(
-        default_factory=list, description="Asset owners (emails or team:name)."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _name_valid(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"{v!r} must match {NAME_PATTERN} (lower case, digits, underscores)")
-        return v
 
 
 @dataclass(frozen=True, order=True)

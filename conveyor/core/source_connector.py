@@ -12,22 +12,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.model import (
-    _NAME_RE,
-    NAME_PATTERN,
     BatchPolicy,
-    DesiredState,
+    ConnectorRunSpec,
     RetrySpec,
     TransformSpec,
+    _Spec,
 )
 from conveyor.core.routing import RoutingSpec
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class ProducerSpec(KafkaConnection, _Spec):
@@ -79,14 +74,12 @@ class SourceRef(BaseModel):
     type: str = Field(description="Source type: postgres_polling, postgres_cdc, webhook, mqtt.")
 
 
-class SourceConnectorSpec(_Spec):
+class SourceConnectorSpec(ConnectorRunSpec):
     """One source connector: a system, the topics it produces into, and how rows are routed."""
 
-    name: str = Field(description="Unique name: lower case letters, digits, underscores.")
     kind: Literal["source"] = Field(
         default="source", description="`source`: this spec is a source connector."
     )
-    description: str | None = Field(default=None, description="Shown in the Dagster UI.")
     source: SourceRef = Field(
         description="What to read: `type` plus that source's fields (section Sources)."
     )
@@ -108,21 +101,6 @@ class SourceConnectorSpec(_Spec):
     retry: RetrySpec = Field(
         default_factory=RetrySpec, description="Outage retries (section `retry`)."
     )
-    desired: DesiredState = Field(
-        default=DesiredState.RUNNING, description="Created running, stopped or paused."
-    )
-    heartbeat_timeout_s: float = Field(
-        default=30.0,
-        ge=1,
-        le=3_600,
-        description="Heartbeat age after which the run counts as lost.",
-    )
-    max_restarts: int = Field(
-        default=5,
-        ge=0,
-        le=1_000,
-        description="Automatic restarts of an Error connector before it is left to the user.",
-    )
     commit_failure_threshold: int = Field(
         default=16,
         ge=1,
@@ -130,19 +108,6 @@ class SourceConnectorSpec(_Spec):
         description="Consecutive failed commits (slot advance, deferred DELETE/UPDATE, acknowledgements) "
         "after which the connector shows Degraded; one success clears it.",
     )
-    expected_latency_s: float = Field(
-        default=300.0, gt=0, description="Freshness expectation of the topics."
-    )
-    owners: list[str] = Field(
-        default_factory=list, description="Asset owners (emails or team:name)."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _name_valid(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"{v!r} must match {NAME_PATTERN} (lower case, digits, underscores)")
-        return v
 
     def select_routes(self) -> bool:
         """Whether the transform's select sets ``__destination`` (column-derived routing)."""

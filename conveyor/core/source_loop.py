@@ -77,6 +77,7 @@ from conveyor.core.routing import (
     Row,
     SourceMode,
 )
+from conveyor.core.stopping import Stopping, sleep_unless_stopped
 
 log = logging.getLogger("conveyor.source_loop")
 
@@ -293,7 +294,7 @@ class SourceLoop:
                     continue
                 self._step()
             return self.counters
-        except _Stopping:
+        except Stopping:
             return self.counters
         finally:
             self._stop_event.set()
@@ -565,7 +566,7 @@ class SourceLoop:
         self._heartbeat(force=True)
         self._sleep(delay)
         if self._should_stop():
-            raise _Stopping() from e
+            raise Stopping() from e
 
     def heartbeat_payload(self) -> dict[str, Any]:
         now = self.clock()
@@ -615,12 +616,7 @@ class SourceLoop:
         return self._stop_event.is_set() or self.stop_requested()
 
     def _interruptible_sleep(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self._should_stop():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._stop_event.wait(min(left, 0.5))
+        sleep_unless_stopped(seconds, self._stop_event, self._should_stop)
 
     def _close(self) -> None:
         if self._closed:
@@ -630,10 +626,6 @@ class SourceLoop:
             self.producer.close()
         finally:
             self.source.close()
-
-
-class _Stopping(BaseException):
-    """Internal: a stop was requested while waiting out an outage."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import Broker, BrokersFile
-from conveyor.sinks import format_validation_error
+from conveyor.registry import format_validation_error
 from conveyor.specs import connectors_dir
 from conveyor.store.meta import MetaStore, conveyor_home, default_meta_url
 
