@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +54,14 @@ def handles_errors(fn: F) -> F:
             _fail(str(e))
 
     return wrapper  # type: ignore[return-value]
+
+
+def _table(title: str, columns: Iterable[str]) -> Table:
+    """A rich table whose cells wrap (fold) instead of being cut."""
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    return table
 
 
 def _store(ctx: click.Context) -> MetaStore:
@@ -255,21 +263,22 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([row_summary(r) for r in rows], indent=2))
         return
-    table = Table(title="connectors")
-    for col in (
-        "name",
-        "kind",
-        "state",
-        "desired",
-        "broker",
-        "gen",
-        "lag",
-        "msgs/s",
-        "delivered",
-        "heartbeat",
-        "last error",
-    ):
-        table.add_column(col, overflow="fold")
+    table = _table(
+        "connectors",
+        (
+            "name",
+            "kind",
+            "state",
+            "desired",
+            "broker",
+            "gen",
+            "lag",
+            "msgs/s",
+            "delivered",
+            "heartbeat",
+            "last error",
+        ),
+    )
     colors = {
         "Running": "green",
         "Degraded": "yellow",
@@ -307,9 +316,10 @@ def connector_destinations(ctx: click.Context, name: str, as_json: bool) -> None
     if as_json:
         click.echo(json.dumps(d, indent=2))
         return
-    table = Table(title=f"destinations of {name}")
-    for col in ("topic", "produced", "breaker", "failures", "create ms", "last error"):
-        table.add_column(col, overflow="fold")
+    table = _table(
+        f"destinations of {name}",
+        ("topic", "produced", "breaker", "failures", "create ms", "last error"),
+    )
     for topic, x in sorted(d["destinations"].items()):
         table.add_row(
             topic,
@@ -390,44 +400,26 @@ def connector_apply(ctx: click.Context, path: Path) -> None:
     )
 
 
-@connector.command("start")
-@click.argument("name")
-@click.pass_context
-@handles_errors
-def connector_start(ctx: click.Context, name: str) -> None:
-    """Desired state running; the scheduler sensor launches it."""
-    r = _ops(ctx).start(name)
-    click.echo(f"{name}: desired running (now {r.status.value})")
+def _desired_state_command(verb: str, desired: str, doc: str) -> None:
+    """``conveyor connector VERB NAME``: the operation of that name, answered with the desired
+    state it set and the connector's status now."""
+
+    @connector.command(verb, help=doc)
+    @click.argument("name")
+    @click.pass_context
+    @handles_errors
+    def command(ctx: click.Context, name: str) -> None:
+        r = getattr(_ops(ctx), verb)(name)
+        click.echo(f"{name}: desired {desired} (now {r.status.value})")
 
 
-@connector.command("stop")
-@click.argument("name")
-@click.pass_context
-@handles_errors
-def connector_stop(ctx: click.Context, name: str) -> None:
-    """Desired state stopped; the run stops itself at its next heartbeat."""
-    r = _ops(ctx).stop(name)
-    click.echo(f"{name}: desired stopped (now {r.status.value})")
-
-
-@connector.command("pause")
-@click.argument("name")
-@click.pass_context
-@handles_errors
-def connector_pause(ctx: click.Context, name: str) -> None:
-    """Pause: the run keeps its assignment and heartbeats, and reads nothing."""
-    r = _ops(ctx).pause(name)
-    click.echo(f"{name}: desired paused (now {r.status.value})")
-
-
-@connector.command("resume")
-@click.argument("name")
-@click.pass_context
-@handles_errors
-def connector_resume(ctx: click.Context, name: str) -> None:
-    """Resume a paused connector (its run reads again within a second)."""
-    r = _ops(ctx).resume(name)
-    click.echo(f"{name}: desired running (now {r.status.value})")
+for _verb, _desired, _doc in (
+    ("start", "running", "Desired state running; the scheduler sensor launches it."),
+    ("stop", "stopped", "Desired state stopped; the run stops itself at its next heartbeat."),
+    ("pause", "paused", "Pause: the run keeps its assignment and heartbeats, and reads nothing."),
+    ("resume", "running", "Resume a paused connector (its run reads again within a second)."),
+):
+    _desired_state_command(_verb, _desired, _doc)
 
 
 @connector.command("restart")
@@ -468,9 +460,10 @@ def connector_tasks(ctx: click.Context, name: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(tasks, indent=2))
         return
-    table = Table(title=f"tasks of {name}")
-    for col in ("task", "status", "broker", "gen", "partitions", "msgs/s", "lag", "heartbeat"):
-        table.add_column(col, overflow="fold")
+    table = _table(
+        f"tasks of {name}",
+        ("task", "status", "broker", "gen", "partitions", "msgs/s", "lag", "heartbeat"),
+    )
     for t in tasks:
         parts = ", ".join(
             f"{p} ({v['msgs_per_s']:.0f}/s, lag {v['lag'] if v['lag'] is not None else '-'})"
@@ -500,9 +493,7 @@ def connector_tasks(ctx: click.Context, name: str, as_json: bool) -> None:
 @handles_errors
 def connector_history(ctx: click.Context, name: str, limit: int) -> None:
     """State transitions and decisions, newest first."""
-    table = Table(title=f"history of {name}")
-    for col in ("at", "from", "to", "gen", "run", "reason"):
-        table.add_column(col, overflow="fold")
+    table = _table(f"history of {name}", ("at", "from", "to", "gen", "run", "reason"))
     for h in _ops(ctx).history(name, limit):
         table.add_row(
             dt.datetime.fromtimestamp(h["at"]).strftime("%Y-%m-%d %H:%M:%S"),
@@ -618,9 +609,10 @@ def dead_letters_show(ctx: click.Context, name: str, limit: int) -> None:
 
     _, dl = _ops(ctx).dead_letter_store(name)
     rows = sample_rows(dl.pending(limit=limit), n=limit)
-    table = Table(title=f"dead letters of {name} ({dl.count()} pending)")
-    for col in ("where", "class", "attempts", "error", "payload"):
-        table.add_column(col, overflow="fold")
+    table = _table(
+        f"dead letters of {name} ({dl.count()} pending)",
+        ("where", "class", "attempts", "error", "payload"),
+    )
     for r in rows:
         table.add_row(r["where"], r["error_class"], str(r["attempts"]), r["error"], r["payload"])
     console.print(table)
