@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from conveyor.core.errors import ConfigError
+from conveyor.core.errors import ConfigError, FieldRuleError
 from conveyor.secrets import has_reference
 
 T = TypeVar("T")
@@ -79,8 +79,12 @@ def format_validation_error(e: ValidationError, *, prefix: str = "") -> str:
     lines = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
-        path = ".".join(p for p in (prefix, loc) if p)
         msg = err.get("msg")
+        broken = (err.get("ctx") or {}).get("error")
+        if isinstance(broken, FieldRuleError):  # a cross-field rule names its own field
+            loc = ".".join(p for p in (loc, broken.field) if p)
+            msg = str(broken)
+        path = ".".join(p for p in (prefix, loc) if p)
         value = err.get("input")
         if isinstance(value, str) and has_reference(value):
             msg = (

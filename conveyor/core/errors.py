@@ -40,6 +40,25 @@ class ConfigError(ConveyorError):
         super().__init__(prefix + message)
 
 
+class FieldRuleError(ValueError):
+    """A config model's cross-field rule, broken (raised inside a pydantic validator).
+
+    ``field`` is the path of the field it names, relative to the model (``table``,
+    ``tls_cert_file``); the validation error's message puts it under the model's section
+    (``sink.table: ...``), like pydantic's own errors.
+    """
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def rule(condition: bool, message: str, *, field: str) -> None:
+    """Raise FieldRuleError naming ``field`` unless ``condition`` holds (in a model validator)."""
+    if not condition:
+        raise FieldRuleError(message, field=field)
+
+
 class SinkError(ConveyorError):
     """Base class of errors raised by a sink."""
 

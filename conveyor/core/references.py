@@ -37,3 +37,10 @@ def whole_reference_problem(value: str) -> str | None:
         )
     problem = argument_problem(m.group(2), m.group(3))
     return f"{m.group(0)}: {problem}" if problem else None
+
+
+def known_now(value: str | None) -> bool:
+    """Whether a text value is what it says already: it holds no reference, which only the run
+    resolves. A config model's rule on a value's content skips a reference; the run validates the
+    model again with the value it resolved."""
+    return value is None or not any(not m.group(1) for m in REFERENCE.finditer(value))

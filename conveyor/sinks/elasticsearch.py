@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
@@ -40,7 +40,9 @@ from conveyor.core.errors import (
     PermanentSinkError,
     SinkError,
     TransientSinkError,
+    rule,
 )
+from conveyor.core.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
@@ -49,7 +51,6 @@ from conveyor.sinks.base import (
     Sink,
     SinkConfig,
     iter_records,
-    require,
     secret,
 )
 from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
@@ -143,6 +144,57 @@ class ElasticsearchSinkConfig(SinkConfig):
 
     def kind(self) -> str:
         return "elasticsearch"
+
+    @model_validator(mode="after")
+    def _rules(self) -> ElasticsearchSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        if self.delete_enabled:
+            rule(
+                self.id_strategy == "key" or self.id_strategy.startswith("field:"),
+                "a tombstone names its document by key: use id_strategy key or field:<name>",
+                field="delete_enabled",
+            )
+        for h in filter(known_now, self.hosts):
+            rule(
+                bool(re.match(r"^https?://[^\s/]+", h)),
+                f"{h!r}: must be an http:// or https:// URL",
+                field="hosts",
+            )
+            rule(
+                "@" not in h.split("//", 1)[-1].split("/", 1)[0],
+                "credentials do not belong in a host URL (it is not secret); use username/password or api_key",
+                field="hosts",
+            )
+        problems = template_problems(self.index) if known_now(self.index) else []
+        rule(not problems, "; ".join(problems), field="index")
+        rule(
+            (self.username is None) == (self.password is None),
+            "give both username and password, or neither",
+            field="password",
+        )
+        rule(
+            not (self.api_key and self.username),
+            "give api_key or username/password, not both",
+            field="api_key",
+        )
+        if self.ca_certs is not None:
+            rule(bool(self.ca_certs.strip()), "must be a file path", field="ca_certs")
+            rule(
+                all(h.startswith("https://") for h in filter(known_now, self.hosts)),
+                "ca_certs needs https:// hosts",
+                field="ca_certs",
+            )
+        for name, value in (
+            ("metadata_field", self.metadata_field),
+            ("timestamp_field", self.timestamp_field),
+        ):
+            if value is not None:
+                rule(
+                    bool(value) and not value.startswith("_"),
+                    "must be a field name not starting with '_' (reserved)",
+                    field=name,
+                )
+        return self
 
 
 # -- index templates (pure) ------------------------------------------------------------------
@@ -449,55 +501,6 @@ class ElasticsearchSink(Sink):
     def __init__(self, config: ElasticsearchSinkConfig):
         super().__init__(config)
         self._client: Any = None
-
-    def validate(self) -> None:
-        c = self.config
-        if c.delete_enabled:
-            require(
-                c.id_strategy == "key" or c.id_strategy.startswith("field:"),
-                "a tombstone names its document by key: use id_strategy key or field:<name>",
-                field="sink.delete_enabled",
-            )
-        for h in c.hosts:
-            require(
-                bool(re.match(r"^https?://[^\s/]+", h)),
-                f"{h!r}: must be an http:// or https:// URL",
-                field="sink.hosts",
-            )
-            require(
-                "@" not in h.split("//", 1)[-1].split("/", 1)[0],
-                "credentials do not belong in a host URL (it is not secret); use username/password or api_key",
-                field="sink.hosts",
-            )
-        problems = template_problems(c.index)
-        require(not problems, "; ".join(problems), field="sink.index")
-        require(
-            (c.username is None) == (c.password is None),
-            "give both username and password, or neither",
-            field="sink.password",
-        )
-        require(
-            not (c.api_key and c.username),
-            "give api_key or username/password, not both",
-            field="sink.api_key",
-        )
-        if c.ca_certs is not None:
-            require(bool(c.ca_certs.strip()), "must be a file path", field="sink.ca_certs")
-            require(
-                all(h.startswith("https://") for h in c.hosts),
-                "ca_certs needs https:// hosts",
-                field="sink.ca_certs",
-            )
-        for name, value in (
-            ("metadata_field", c.metadata_field),
-            ("timestamp_field", c.timestamp_field),
-        ):
-            if value is not None:
-                require(
-                    bool(value) and not value.startswith("_"),
-                    "must be a field name not starting with '_' (reserved)",
-                    field=f"sink.{name}",
-                )
 
     def client_options(self) -> dict[str, Any]:
         """Keyword arguments for ``elasticsearch.Elasticsearch`` (secrets in plain text: never log this)."""

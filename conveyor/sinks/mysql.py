@@ -26,13 +26,20 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.errors import (
+    ConfigError,
+    FieldRuleError,
+    PermanentSinkError,
+    TransientSinkError,
+    rule,
+)
 from conveyor.core.model import (
     HEADERS_COL,
 )
+from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, first_failure_only, isolate_rows, sink_error
 from conveyor.sinks.base import (
     RowFailure,
@@ -163,6 +170,70 @@ class MySQLSinkConfig(UrlSinkConfig):
 
     def kind(self) -> str:
         return "mysql"
+
+    @model_validator(mode="after")
+    def _rules(self) -> MySQLSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        schemes = [n for n, v in (("url", self.url), ("host", self.host)) if v]
+        rule(
+            len(schemes) == 1,
+            f"give exactly one of url (or url_env) and host (got {', '.join(schemes) or 'none'})",
+            field="url",
+        )
+        if self.host is not None:
+            rule(bool(self.host.strip()), "must not be empty", field="host")
+            rule(
+                bool(self.database and self.database.strip()),
+                "a database is required with host",
+                field="database",
+            )
+        else:
+            for name in ("user", "password", "database"):
+                rule(
+                    getattr(self, name) is None,
+                    f"{name} goes into the URL when url (or url_env) is used",
+                    field=name,
+                )
+            rule(
+                "port" not in self.model_fields_set,
+                "port goes into the URL when url (or url_env) is used",
+                field="port",
+            )
+        problem = identifier_problem(self.table) if known_now(self.table) else None
+        rule(problem is None, f"{self.table!r}: {problem}", field="table")
+        if self.columns is not None:
+            rule(bool(self.columns), "must map at least one column", field="columns")
+            for target, src in self.columns.items():
+                problem = identifier_problem(target)
+                if problem:
+                    raise FieldRuleError(f"column {target!r}: {problem}", field="columns")
+                if src.startswith("$") and src not in SOURCES:
+                    raise FieldRuleError(
+                        f"{target}: unknown source {src!r}; one of {SOURCES}", field="columns"
+                    )
+            for k in self.upsert_keys:
+                rule(
+                    k in self.columns,
+                    f"upsert key {k!r} is not a mapped column",
+                    field="upsert_keys",
+                )
+        rule(
+            len(set(self.upsert_keys)) == len(self.upsert_keys),
+            "duplicate column",
+            field="upsert_keys",
+        )
+        rule(
+            not self.delete_enabled or bool(self.upsert_keys),
+            "a delete needs the key columns: set upsert_keys",
+            field="delete_enabled",
+        )
+        rule(
+            not known_now(self.charset)
+            or (bool(self.charset.strip()) and self.charset.replace("_", "").isalnum()),
+            f"{self.charset!r} is not a character set name",
+            field="charset",
+        )
+        return self
 
 
 def _part(s: str) -> str:
@@ -454,67 +525,9 @@ class MySQLSink(Sink):
     # -- config -----------------------------------------------------------------------------
 
     def validate(self) -> None:
-        c = self.config
-        schemes = [n for n, v in (("url", c.url), ("host", c.host)) if v]
-        require(
-            len(schemes) == 1,
-            f"give exactly one of url (or url_env) and host (got {', '.join(schemes) or 'none'})",
-            field="sink.url",
-        )
-        if c.host is not None:
-            require(bool(c.host.strip()), "must not be empty", field="sink.host")
-            require(
-                bool(c.database and c.database.strip()),
-                "a database is required with host",
-                field="sink.database",
-            )
-        else:
-            for name in ("user", "password", "database"):
-                require(
-                    getattr(c, name) is None,
-                    f"{name} goes into the URL when url (or url_env) is used",
-                    field=f"sink.{name}",
-                )
-            require(
-                "port" not in c.model_fields_set,
-                "port goes into the URL when url (or url_env) is used",
-                field="sink.port",
-            )
-        if c.host is None:
+        """The URL's parts, once its reference (if any) is resolved."""
+        if self.config.host is None:
             self._check_url(self._url())
-        problem = identifier_problem(c.table)
-        require(problem is None, f"{c.table!r}: {problem}", field="sink.table")
-        if c.columns is not None:
-            require(bool(c.columns), "must map at least one column", field="sink.columns")
-            for target, src in c.columns.items():
-                problem = identifier_problem(target)
-                if problem:
-                    raise ConfigError(f"column {target!r}: {problem}", field="sink.columns")
-                if src.startswith("$") and src not in SOURCES:
-                    raise ConfigError(
-                        f"{target}: unknown source {src!r}; one of {SOURCES}", field="sink.columns"
-                    )
-            for k in c.upsert_keys:
-                require(
-                    k in c.columns,
-                    f"upsert key {k!r} is not a mapped column",
-                    field="sink.upsert_keys",
-                )
-        require(
-            len(set(c.upsert_keys)) == len(c.upsert_keys),
-            "duplicate column",
-            field="sink.upsert_keys",
-        )
-        require(
-            not c.delete_enabled or bool(c.upsert_keys),
-            "a delete needs the key columns: set upsert_keys",
-            field="sink.delete_enabled",
-        )
-        require(
-            bool(c.charset.strip()) and c.charset.replace("_", "").isalnum(),
-            f"{c.charset!r} is not a character set name",
-            field="sink.charset",
-        )
 
     def _url(self) -> str:
         return secret(self.config.url) or ""

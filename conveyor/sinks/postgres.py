@@ -19,10 +19,15 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.errors import (
+    FieldRuleError,
+    PermanentSinkError,
+    TransientSinkError,
+    rule,
+)
 from conveyor.core.sink import first_failure_only, isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
@@ -31,7 +36,6 @@ from conveyor.sinks.base import (
     UrlSinkConfig,
     iter_records,
     json_default,
-    require,
     secret,
 )
 from conveyor.sinks.sql import (
@@ -96,6 +100,32 @@ class PostgresSinkConfig(UrlSinkConfig):
     def kind(self) -> str:
         return "postgres"
 
+    @model_validator(mode="after")
+    def _rules(self) -> PostgresSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        rule(bool(self.url), "is required (a libpq URL, or ${env:NAME})", field="url")
+        rule(bool(self.table.strip()), "must not be empty", field="table")
+        if self.columns is not None:
+            rule(bool(self.columns), "must map at least one column", field="columns")
+            for target, src in self.columns.items():
+                if src.startswith("$") and src not in SOURCES:
+                    raise FieldRuleError(
+                        f"{target}: unknown source {src!r}; one of {SOURCES}",
+                        field="columns",
+                    )
+            for k in self.upsert_keys:
+                rule(
+                    k in self.columns,
+                    f"upsert key {k!r} is not a mapped column",
+                    field="upsert_keys",
+                )
+        rule(
+            not self.delete_enabled or bool(self.upsert_keys),
+            "a delete needs the key columns: set upsert_keys",
+            field="delete_enabled",
+        )
+        return self
+
 
 def _part(s: str) -> str:
     return key_part(s)
@@ -139,30 +169,6 @@ class PostgresSink(Sink):
         self._types: dict[str, str] = {}
 
     # -- lifecycle ----------------------------------------------------------------
-
-    def validate(self) -> None:
-        c = self.config
-        require(bool(c.url), "is required (a libpq URL, or ${env:NAME})", field="sink.url")
-        require(bool(c.table.strip()), "must not be empty", field="sink.table")
-        if c.columns is not None:
-            require(bool(c.columns), "must map at least one column", field="sink.columns")
-            for target, src in c.columns.items():
-                if src.startswith("$") and src not in SOURCES:
-                    raise ConfigError(
-                        f"{target}: unknown source {src!r}; one of {SOURCES}",
-                        field="sink.columns",
-                    )
-            for k in c.upsert_keys:
-                require(
-                    k in c.columns,
-                    f"upsert key {k!r} is not a mapped column",
-                    field="sink.upsert_keys",
-                )
-        require(
-            not c.delete_enabled or bool(c.upsert_keys),
-            "a delete needs the key columns: set upsert_keys",
-            field="sink.delete_enabled",
-        )
 
     def _dsn(self) -> str:
         return secret(self.config.url) or ""

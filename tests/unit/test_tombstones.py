@@ -62,18 +62,20 @@ def test_tombstone_flags_default_to_none() -> None:
 # -- MongoDB ---------------------------------------------------------------------------------
 
 
+def mongo_raw(**kw: Any) -> dict[str, Any]:
+    return {
+        "type": "mongodb",
+        "url": "mongodb://127.0.0.1:27017",
+        "database": "db",
+        "collection": "c",
+        "write_mode": "upsert",
+        "delete_enabled": True,
+        **kw,
+    }
+
+
 def mongo(**kw: Any) -> MongoDBSinkConfig:
-    return MongoDBSinkConfig.model_validate(
-        {
-            "type": "mongodb",
-            "url": "mongodb://127.0.0.1:27017",
-            "database": "db",
-            "collection": "c",
-            "write_mode": "upsert",
-            "delete_enabled": True,
-            **kw,
-        }
-    )
+    return MongoDBSinkConfig.model_validate(mongo_raw(**kw))
 
 
 def test_mongodb_tombstones_delete_by_key_and_the_latest_operation_wins() -> None:
@@ -105,8 +107,7 @@ def test_mongodb_field_ids_of_a_tombstone_come_from_its_json_key() -> None:
     ],
 )
 def test_mongodb_delete_mode_needs_upserts_by_key(kw: dict[str, Any], message: str) -> None:
-    cfg = mongo(**kw).model_dump(by_alias=True)
-    cfg["url"] = "mongodb://127.0.0.1:27017"
+    cfg = mongo_raw(**kw)
     with pytest.raises(ConfigError, match=f"sink.delete_enabled: .*{message}"):
         build_sink(cfg)
 
@@ -114,17 +115,19 @@ def test_mongodb_delete_mode_needs_upserts_by_key(kw: dict[str, Any], message: s
 # -- Elasticsearch ----------------------------------------------------------------------------
 
 
+def es_raw(**kw: Any) -> dict[str, Any]:
+    return {
+        "type": "elasticsearch",
+        "hosts": ["http://127.0.0.1:9200"],
+        "index": "orders",
+        "delete_enabled": True,
+        "id_strategy": "key",
+        **kw,
+    }
+
+
 def es(**kw: Any) -> ElasticsearchSinkConfig:
-    return ElasticsearchSinkConfig.model_validate(
-        {
-            "type": "elasticsearch",
-            "hosts": ["http://127.0.0.1:9200"],
-            "index": "orders",
-            "delete_enabled": True,
-            "id_strategy": "key",
-            **kw,
-        }
-    )
+    return ElasticsearchSinkConfig.model_validate(es_raw(**kw))
 
 
 def test_elasticsearch_tombstones_are_delete_actions_in_order() -> None:
@@ -147,4 +150,4 @@ def test_elasticsearch_tombstones_are_delete_actions_in_order() -> None:
 
 def test_elasticsearch_delete_mode_needs_an_id_from_the_key() -> None:
     with pytest.raises(ConfigError, match="sink.delete_enabled: .*id_strategy key or field"):
-        build_sink(es(id_strategy="coordinates").model_dump(by_alias=True))
+        build_sink(es_raw(id_strategy="coordinates"))
