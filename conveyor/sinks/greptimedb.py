@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
@@ -45,7 +45,9 @@ from conveyor.core.errors import (
     PermanentSinkError,
     SinkError,
     TransientSinkError,
+    rule,
 )
+from conveyor.core.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
@@ -55,7 +57,6 @@ from conveyor.sinks.base import (
     SinkConfig,
     iter_records,
     payload_columns,
-    require,
     secret,
 )
 
@@ -142,6 +143,88 @@ class GreptimeDBSinkConfig(SinkConfig):
 
     def kind(self) -> str:
         return "greptimedb"
+
+    @model_validator(mode="after")
+    def _rules(self) -> GreptimeDBSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        rule(
+            not known_now(self.url) or bool(re.match(r"^https?://[^\s/]+", self.url)),
+            "must be an http:// or https:// base URL",
+            field="url",
+        )
+        rule(
+            not known_now(self.url) or "@" not in self.url.split("//", 1)[-1].split("/", 1)[0],
+            "credentials do not belong in the URL (it is not secret); use username/password or token",
+            field="url",
+        )
+        rule(
+            not known_now(self.database)
+            or (bool(self.database.strip()) and not re.search(r"[\s&?#/]", self.database)),
+            "must be a database name",
+            field="database",
+        )
+        if known_now(self.measurement):
+            problems = templates.problems(self.measurement, MEASUREMENT_FIELDS)
+            rule(not problems, "; ".join(problems), field="measurement")
+            static = templates.static_text(self.measurement)
+            rule(
+                bool(self.measurement.strip()) and "{" not in static and "}" not in static,
+                "must be a table name or template",
+                field="measurement",
+            )
+            rule(
+                not _LINE_BREAKS_AND_TABS.search(self.measurement),
+                "must not contain line breaks or tabs",
+                field="measurement",
+            )
+        for key, src in self.tags.items():
+            rule(
+                bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
+                f"{key!r}: not a valid tag name",
+                field="tags",
+            )
+            rule(
+                bool(src) and (not src.startswith("$") or src in META_SOURCES),
+                f"{key}: unknown source {src!r}; one of a payload column, {', '.join(META_SOURCES)}",
+                field="tags",
+            )
+        if self.fields is not None:
+            rule(bool(self.fields), "must map at least one field", field="fields")
+            for key, src in self.fields.items():
+                rule(
+                    bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
+                    f"{key!r}: not a valid field name",
+                    field="fields",
+                )
+                rule(
+                    bool(src) and (not src.startswith("$") or src in META_SOURCES),
+                    f"{key}: unknown source {src!r}",
+                    field="fields",
+                )
+                rule(key not in self.tags, f"{key!r} is both a tag and a field", field="fields")
+        rule(
+            self.timestamp == "$timestamp"
+            or (bool(self.timestamp) and not self.timestamp.startswith("$")),
+            "must be $timestamp or a payload column",
+            field="timestamp",
+        )
+        rule(
+            (self.username is None) == (self.password is None),
+            "give both username and password, or neither",
+            field="password",
+        )
+        rule(
+            not (self.token and self.username),
+            "give token or username/password, not both",
+            field="token",
+        )
+        if self.tls_ca_file is not None:
+            rule(
+                not known_now(self.url) or self.url.startswith("https://"),
+                "tls_ca_file needs an https:// URL",
+                field="tls_ca_file",
+            )
+        return self
 
 
 # -- line protocol (pure) ---------------------------------------------------------------------------
@@ -474,85 +557,6 @@ class GreptimeDBSink(Sink):
     def __init__(self, config: GreptimeDBSinkConfig):
         super().__init__(config)
         self._session: Any = None
-
-    def validate(self) -> None:
-        c = self.config
-        require(
-            bool(re.match(r"^https?://[^\s/]+", c.url)),
-            "must be an http:// or https:// base URL",
-            field="sink.url",
-        )
-        require(
-            "@" not in c.url.split("//", 1)[-1].split("/", 1)[0],
-            "credentials do not belong in the URL (it is not secret); use username/password or token",
-            field="sink.url",
-        )
-        require(
-            bool(c.database.strip()) and not re.search(r"[\s&?#/]", c.database),
-            "must be a database name",
-            field="sink.database",
-        )
-        problems = templates.problems(c.measurement, MEASUREMENT_FIELDS)
-        require(not problems, "; ".join(problems), field="sink.measurement")
-        static = templates.static_text(c.measurement)
-        require(
-            bool(c.measurement.strip()) and "{" not in static and "}" not in static,
-            "must be a table name or template",
-            field="sink.measurement",
-        )
-        require(
-            not _LINE_BREAKS_AND_TABS.search(c.measurement),
-            "must not contain line breaks or tabs",
-            field="sink.measurement",
-        )
-        for key, src in c.tags.items():
-            require(
-                bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
-                f"{key!r}: not a valid tag name",
-                field="sink.tags",
-            )
-            require(
-                bool(src) and (not src.startswith("$") or src in META_SOURCES),
-                f"{key}: unknown source {src!r}; one of a payload column, {', '.join(META_SOURCES)}",
-                field="sink.tags",
-            )
-        if c.fields is not None:
-            require(bool(c.fields), "must map at least one field", field="sink.fields")
-            for key, src in c.fields.items():
-                require(
-                    bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
-                    f"{key!r}: not a valid field name",
-                    field="sink.fields",
-                )
-                require(
-                    bool(src) and (not src.startswith("$") or src in META_SOURCES),
-                    f"{key}: unknown source {src!r}",
-                    field="sink.fields",
-                )
-                require(
-                    key not in c.tags, f"{key!r} is both a tag and a field", field="sink.fields"
-                )
-        require(
-            c.timestamp == "$timestamp" or (bool(c.timestamp) and not c.timestamp.startswith("$")),
-            "must be $timestamp or a payload column",
-            field="sink.timestamp",
-        )
-        require(
-            (c.username is None) == (c.password is None),
-            "give both username and password, or neither",
-            field="sink.password",
-        )
-        require(
-            not (c.token and c.username),
-            "give token or username/password, not both",
-            field="sink.token",
-        )
-        if c.tls_ca_file is not None:
-            require(
-                c.url.startswith("https://"),
-                "tls_ca_file needs an https:// URL",
-                field="sink.tls_ca_file",
-            )
 
     def _verify(self) -> bool | str:
         return self.config.tls_ca_file or self.config.verify_tls

@@ -26,10 +26,17 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import ConfigError, PermanentSinkError, SinkError, TransientSinkError
+from conveyor.core.errors import (
+    ConfigError,
+    PermanentSinkError,
+    SinkError,
+    TransientSinkError,
+    rule,
+)
+from conveyor.core.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     ErrorKind,
@@ -39,7 +46,6 @@ from conveyor.sinks.base import (
     Sink,
     SinkConfig,
     iter_records,
-    require,
     secret,
 )
 
@@ -160,6 +166,33 @@ class PulsarSinkConfig(SinkConfig):
 
     def kind(self) -> str:
         return "pulsar"
+
+    @model_validator(mode="after")
+    def _rules(self) -> PulsarSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        rule(
+            not known_now(self.service_url)
+            or bool(re.match(r"^pulsar(\+ssl)?://[^\s/]+", self.service_url)),
+            "must be pulsar://host:port or pulsar+ssl://host:port",
+            field="service_url",
+        )
+        problems = template_problems(self.topic) if known_now(self.topic) else []
+        rule(not problems, "; ".join(problems), field="topic")
+        if self.chunking_enabled:
+            rule(
+                not self.batching_enabled,
+                "chunking needs batching_enabled: false",
+                field="chunking_enabled",
+            )
+        if self.token is not None:
+            rule(bool(secret(self.token)), "must not be empty", field="token")
+        if self.tls_trust_certs_file_path is not None:
+            rule(
+                not known_now(self.service_url) or self.service_url.startswith("pulsar+ssl://"),
+                "needs a pulsar+ssl:// service_url",
+                field="tls_trust_certs_file_path",
+            )
+        return self
 
 
 # -- pure request building ---------------------------------------------------------------------
@@ -347,30 +380,6 @@ class PulsarSink(Sink):
         super().__init__(config)
         self._client: Any = None
         self._producers: dict[str, Any] = {}
-
-    def validate(self) -> None:
-        c = self.config
-        require(
-            bool(re.match(r"^pulsar(\+ssl)?://[^\s/]+", c.service_url)),
-            "must be pulsar://host:port or pulsar+ssl://host:port",
-            field="sink.service_url",
-        )
-        problems = template_problems(c.topic)
-        require(not problems, "; ".join(problems), field="sink.topic")
-        if c.chunking_enabled:
-            require(
-                not c.batching_enabled,
-                "chunking needs batching_enabled: false",
-                field="sink.chunking_enabled",
-            )
-        if c.token is not None:
-            require(bool(secret(c.token)), "must not be empty", field="sink.token")
-        if c.tls_trust_certs_file_path is not None:
-            require(
-                c.service_url.startswith("pulsar+ssl://"),
-                "needs a pulsar+ssl:// service_url",
-                field="sink.tls_trust_certs_file_path",
-            )
 
     def init_sink(self) -> None:
         import pulsar

@@ -236,11 +236,10 @@ def test_measurement_template() -> None:
 def test_write_request_as_requests_prepares_it() -> None:
     config = cfg(
         url="https://greptime.example.com:4000/",
-        database="metrics db",
         precision="us",
         username="writer",
         password="pw:1",
-    )
+    ).model_copy(update={"database": "metrics db"})  # a name the rules refuse: the query encodes it
     prepared = write_request(config, b"m v=1i 1\n").prepare()
     assert prepared.method == "POST"
     assert (
