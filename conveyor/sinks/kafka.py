@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from conveyor.brokers.connection import (
     classify_kafka_error,
@@ -29,7 +29,12 @@ from conveyor.brokers.connection import (
 )
 from conveyor.core.asset_keys import key_part
 from conveyor.core.connection import KafkaConnection
-from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.errors import (
+    ConfigError,
+    PermanentSinkError,
+    TransientSinkError,
+    rule,
+)
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -39,6 +44,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, sink_error
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
@@ -185,6 +191,37 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     def kind(self) -> str:
         return "kafka"
 
+    @model_validator(mode="after")
+    def _rules(self) -> KafkaSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        servers = self.bootstrap_servers.split(",") if known_now(self.bootstrap_servers) else []
+        for hp in servers:
+            host, _, port = hp.strip().rpartition(":")
+            rule(
+                bool(host) and port.isdigit(),
+                f"{hp.strip()!r} is not host:port",
+                field="bootstrap_servers",
+            )
+        problems = template_problems(self.topic) if known_now(self.topic) else []
+        rule(not problems, "; ".join(problems), field="topic")
+        if known_now(self.topic) and templates.is_static(self.topic):
+            problem = topic_name_problem(self.topic)
+            rule(problem is None, problem or "", field="topic")
+        if self.key is not None:
+            problems = template_problems(self.key) if known_now(self.key) else []
+            rule(not problems, "; ".join(problems), field="key")
+        rule(
+            not (self.idempotent and self.acks != "all"),
+            "the idempotent producer needs acks: all (or set idempotent: false)",
+            field="acks",
+        )
+        rule(
+            self.delivery_timeout_ms >= self.linger_ms + self.request_timeout_ms,
+            "must be at least linger_ms + request_timeout_ms",
+            field="delivery_timeout_ms",
+        )
+        return self
+
 
 def producer_kwargs(c: KafkaSinkConfig) -> dict[str, Any]:
     """The KafkaProducer keyword arguments for a config (secrets resolved: never log them).
@@ -257,36 +294,12 @@ class KafkaSink(Sink):
         self._partitions: dict[str, set[int]] = {}
 
     def validate(self) -> None:
+        """The compression codec's package is installed here."""
         c = self.config
-        for hp in c.bootstrap_servers.split(","):
-            host, _, port = hp.strip().rpartition(":")
-            require(
-                bool(host) and port.isdigit(),
-                f"{hp.strip()!r} is not host:port",
-                field="sink.bootstrap_servers",
-            )
-        problems = template_problems(c.topic)
-        require(not problems, "; ".join(problems), field="sink.topic")
-        if templates.is_static(c.topic):
-            problem = topic_name_problem(c.topic)
-            require(problem is None, problem or "", field="sink.topic")
-        if c.key is not None:
-            problems = template_problems(c.key)
-            require(not problems, "; ".join(problems), field="sink.key")
         require(
             codec_available(c.compression),
             f"{c.compression} needs the Python package {_CODEC_MODULES.get(c.compression)!r}, which is not installed",
             field="sink.compression",
-        )
-        require(
-            not (c.idempotent and c.acks != "all"),
-            "the idempotent producer needs acks: all (or set idempotent: false)",
-            field="sink.acks",
-        )
-        require(
-            c.delivery_timeout_ms >= c.linger_ms + c.request_timeout_ms,
-            "must be at least linger_ms + request_timeout_ms",
-            field="sink.delivery_timeout_ms",
         )
 
     def describe(self) -> str:

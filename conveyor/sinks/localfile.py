@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import PermanentSinkError, TransientSinkError
-from conveyor.sinks.base import SendResult, Sink, SinkConfig, iter_records, json_default, require
+from conveyor.core.errors import PermanentSinkError, TransientSinkError, rule
+from conveyor.core.references import known_now
+from conveyor.sinks.base import SendResult, Sink, SinkConfig, iter_records, json_default
 
 
 class LocalFileSinkConfig(SinkConfig):
@@ -51,6 +52,17 @@ class LocalFileSinkConfig(SinkConfig):
     def kind(self) -> str:
         return "file"
 
+    @model_validator(mode="after")
+    def _rules(self) -> LocalFileSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        rule(bool(self.path.strip()), "must not be empty", field="path")
+        rule(
+            not known_now(self.prefix) or bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.prefix)),
+            "letters, digits, '.', '_' and '-' only",
+            field="prefix",
+        )
+        return self
+
 
 def _b(v: bytes | None) -> str | None:
     if v is None:
@@ -75,14 +87,6 @@ class LocalFileSink(Sink):
         self._file: Any = None
         self._file_path: Path | None = None
         self._dir = Path(config.path)
-
-    def validate(self) -> None:
-        require(bool(self.config.path.strip()), "must not be empty", field="sink.path")
-        require(
-            bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.config.prefix)),
-            "letters, digits, '.', '_' and '-' only",
-            field="sink.prefix",
-        )
 
     def init_sink(self) -> None:
         try:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
@@ -51,7 +51,9 @@ from conveyor.core.errors import (
     PermanentSinkError,
     SinkError,
     TransientSinkError,
+    rule,
 )
+from conveyor.core.references import known_now
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -59,7 +61,6 @@ from conveyor.sinks.base import (
     Sink,
     UrlSinkConfig,
     iter_records,
-    require,
     secret,
 )
 from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
@@ -179,6 +180,75 @@ class MongoDBSinkConfig(UrlSinkConfig):
 
     def kind(self) -> str:
         return "mongodb"
+
+    @model_validator(mode="after")
+    def _rules(self) -> MongoDBSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        if self.delete_enabled:
+            rule(
+                self.write_mode == "upsert",
+                "deletes need write_mode: upsert (the latest operation per _id wins)",
+                field="delete_enabled",
+            )
+            rule(
+                self.id_strategy == "key" or self.id_strategy.startswith("field:"),
+                "a tombstone names its document by key: use id_strategy key or field:<name>",
+                field="delete_enabled",
+            )
+        rule(bool(self.url), "is required (a connection string, or ${env:NAME})", field="url")
+        rule(
+            not known_now(secret(self.url))
+            or (secret(self.url) or "").startswith(("mongodb://", "mongodb+srv://")),
+            "must start with mongodb:// or mongodb+srv://",
+            field="url",
+        )
+        rule(
+            not known_now(self.database)
+            or (
+                bool(self.database)
+                and len(self.database) < 64
+                and not re.search(r"[/\\. \"$\x00*<>:|?]", self.database)
+            ),
+            'must be a valid database name (1-63 characters, none of / \\ . space " $ * < > : | ?)',
+            field="database",
+        )
+        rule(
+            not known_now(self.collection)
+            or (
+                bool(self.collection)
+                and "$" not in self.collection
+                and "\x00" not in self.collection
+                and not self.collection.startswith(("system.", "."))
+            ),
+            "must be a valid collection name (no $, not starting with '.' or 'system.')",
+            field="collection",
+        )
+        if isinstance(self.w, int):
+            rule(
+                self.w >= 1,
+                "must be 1 or more: w 0 (unacknowledged) cannot confirm a batch; or use 'majority'",
+                field="w",
+            )
+        elif isinstance(self.w, str):
+            rule(bool(self.w.strip()), "must be a number, 'majority' or a tag set name", field="w")
+        if self.write_mode == "upsert":
+            rule(
+                self.id_strategy != "none",
+                "upsert needs an id_strategy other than none",
+                field="id_strategy",
+            )
+        if self.metadata_field is not None:
+            rule(
+                bool(self.metadata_field)
+                and not self.metadata_field.startswith("$")
+                and self.metadata_field != "_id"
+                and "." not in self.metadata_field,
+                "must be a top-level field name (not _id, no '.', not starting with $)",
+                field="metadata_field",
+            )
+        if self.tls_ca_file is not None:
+            rule(bool(self.tls_ca_file.strip()), "must not be empty", field="tls_ca_file")
+        return self
 
 
 def _part(s: str) -> str:
@@ -485,68 +555,6 @@ class MongoDBSink(Sink):
         super().__init__(config)
         self._client: Any = None
         self._collection: Any = None
-
-    def validate(self) -> None:
-        c = self.config
-        if c.delete_enabled:
-            require(
-                c.write_mode == "upsert",
-                "deletes need write_mode: upsert (the latest operation per _id wins)",
-                field="sink.delete_enabled",
-            )
-            require(
-                c.id_strategy == "key" or c.id_strategy.startswith("field:"),
-                "a tombstone names its document by key: use id_strategy key or field:<name>",
-                field="sink.delete_enabled",
-            )
-        require(bool(c.url), "is required (a connection string, or ${env:NAME})", field="sink.url")
-        require(
-            (secret(c.url) or "").startswith(("mongodb://", "mongodb+srv://")),
-            "must start with mongodb:// or mongodb+srv://",
-            field="sink.url",
-        )
-        require(
-            bool(c.database)
-            and len(c.database) < 64
-            and not re.search(r"[/\\. \"$\x00*<>:|?]", c.database),
-            'must be a valid database name (1-63 characters, none of / \\ . space " $ * < > : | ?)',
-            field="sink.database",
-        )
-        require(
-            bool(c.collection)
-            and "$" not in c.collection
-            and "\x00" not in c.collection
-            and not c.collection.startswith(("system.", ".")),
-            "must be a valid collection name (no $, not starting with '.' or 'system.')",
-            field="sink.collection",
-        )
-        if isinstance(c.w, int):
-            require(
-                c.w >= 1,
-                "must be 1 or more: w 0 (unacknowledged) cannot confirm a batch; or use 'majority'",
-                field="sink.w",
-            )
-        elif isinstance(c.w, str):
-            require(
-                bool(c.w.strip()), "must be a number, 'majority' or a tag set name", field="sink.w"
-            )
-        if c.write_mode == "upsert":
-            require(
-                c.id_strategy != "none",
-                "upsert needs an id_strategy other than none",
-                field="sink.id_strategy",
-            )
-        if c.metadata_field is not None:
-            require(
-                bool(c.metadata_field)
-                and not c.metadata_field.startswith("$")
-                and c.metadata_field != "_id"
-                and "." not in c.metadata_field,
-                "must be a top-level field name (not _id, no '.', not starting with $)",
-                field="sink.metadata_field",
-            )
-        if c.tls_ca_file is not None:
-            require(bool(c.tls_ca_file.strip()), "must not be empty", field="sink.tls_ca_file")
 
     def _url(self) -> str:
         return secret(self.config.url) or ""

@@ -21,11 +21,17 @@ import urllib.parse
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core import sink as sink_contract
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import PermanentSinkError, SinkError, TransientSinkError
+from conveyor.core.errors import (
+    PermanentSinkError,
+    SinkError,
+    TransientSinkError,
+    rule,
+)
+from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
@@ -35,7 +41,6 @@ from conveyor.sinks.base import (
     Sink,
     SinkConfig,
     iter_records,
-    require,
     secret,
 )
 from conveyor.sinks.kafka import template_problems, timestamp_ms
@@ -145,6 +150,73 @@ class RabbitMQSinkConfig(SinkConfig):
 
     def kind(self) -> str:
         return "rabbitmq"
+
+    @model_validator(mode="after")
+    def _rules(self) -> RabbitMQSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        by_parts = any(
+            v is not None for v in (self.host, self.port, self.vhost, self.username, self.password)
+        )
+        rule(
+            self.url is not None or by_parts,
+            "give url, or host (with port, vhost, username, password)",
+            field="url",
+        )
+        rule(
+            not (self.url is not None and by_parts),
+            "give either url or host/port/vhost/username/password, not both",
+            field="url",
+        )
+        url_known = known_now(secret(self.url))
+        if self.url is not None and url_known:
+            raw = secret(self.url) or ""
+            u = urllib.parse.urlsplit(raw)
+            rule(
+                u.scheme in ("amqp", "amqps") and bool(u.hostname),
+                "must be amqp://[user:pw@]host[:port][/vhost]",
+                field="url",
+            )
+        elif self.url is None:
+            rule(bool(self.host and self.host.strip()), "must not be empty", field="host")
+        rule(
+            not known_now(self.exchange) or bool(_EXCHANGE_NAME.match(self.exchange)),
+            "exchange names are up to 255 characters of letters, digits, - _ . :",
+            field="exchange",
+        )
+        rule(
+            not (self.declare_exchange and not self.exchange),
+            "the default exchange ('') cannot be declared",
+            field="declare_exchange",
+        )
+        rule(
+            not self.exchange.startswith("amq.") or not self.declare_exchange,
+            "amq.* exchanges cannot be declared",
+            field="declare_exchange",
+        )
+        problems = template_problems(self.routing_key) if known_now(self.routing_key) else []
+        if (
+            not problems
+            and templates.is_static(self.routing_key)
+            and len(self.routing_key.encode()) > MAX_SHORT_STRING
+        ):
+            problems = [f"longer than {MAX_SHORT_STRING} bytes"]
+        rule(not problems, "; ".join(problems), field="routing_key")
+        rule(
+            not (
+                self.ssl_cafile
+                and not (
+                    self.tls or not url_known or (secret(self.url) or "").startswith("amqps://")
+                )
+            ),
+            "only with tls or an amqps:// url",
+            field="ssl_cafile",
+        )
+        rule(
+            not (self.tls and self.url is not None),
+            "with url, use the amqps:// scheme instead",
+            field="tls",
+        )
+        return self
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -385,63 +457,6 @@ class RabbitMQSink(Sink):
         self._next_tag = 1
         self._tracker: ConfirmTracker | None = None
         self._channel_closed: BaseException | None = None
-
-    def validate(self) -> None:
-        c = self.config
-        by_parts = any(v is not None for v in (c.host, c.port, c.vhost, c.username, c.password))
-        require(
-            c.url is not None or by_parts,
-            "give url, or host (with port, vhost, username, password)",
-            field="sink.url",
-        )
-        require(
-            not (c.url is not None and by_parts),
-            "give either url or host/port/vhost/username/password, not both",
-            field="sink.url",
-        )
-        if c.url is not None:
-            raw = secret(c.url) or ""
-            u = urllib.parse.urlsplit(raw)
-            require(
-                u.scheme in ("amqp", "amqps") and bool(u.hostname),
-                "must be amqp://[user:pw@]host[:port][/vhost]",
-                field="sink.url",
-            )
-        else:
-            require(bool(c.host and c.host.strip()), "must not be empty", field="sink.host")
-        require(
-            bool(_EXCHANGE_NAME.match(c.exchange)),
-            "exchange names are up to 255 characters of letters, digits, - _ . :",
-            field="sink.exchange",
-        )
-        require(
-            not (c.declare_exchange and not c.exchange),
-            "the default exchange ('') cannot be declared",
-            field="sink.declare_exchange",
-        )
-        require(
-            not c.exchange.startswith("amq.") or not c.declare_exchange,
-            "amq.* exchanges cannot be declared",
-            field="sink.declare_exchange",
-        )
-        problems = template_problems(c.routing_key)
-        if (
-            not problems
-            and templates.is_static(c.routing_key)
-            and len(c.routing_key.encode()) > MAX_SHORT_STRING
-        ):
-            problems = [f"longer than {MAX_SHORT_STRING} bytes"]
-        require(not problems, "; ".join(problems), field="sink.routing_key")
-        require(
-            not (c.ssl_cafile and not (c.tls or (secret(c.url) or "").startswith("amqps://"))),
-            "only with tls or an amqps:// url",
-            field="sink.ssl_cafile",
-        )
-        require(
-            not (c.tls and c.url is not None),
-            "with url, use the amqps:// scheme instead",
-            field="sink.tls",
-        )
 
     def describe(self) -> str:
         return f"rabbitmq/{self.config.exchange or '(default)'}@{endpoint(self.config)}"

@@ -32,10 +32,15 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
+from conveyor.core.errors import (
+    FieldRuleError,
+    PermanentSinkError,
+    TransientSinkError,
+    rule,
+)
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -45,6 +50,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
+from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
@@ -54,7 +60,6 @@ from conveyor.sinks.base import (
     SinkConfig,
     json_default,
     payload_columns,
-    require,
     secret,
 )
 from conveyor.sinks.templates import Placeholder, TemplateError, TemplateSyntaxError
@@ -155,6 +160,65 @@ class RedisSinkConfig(SinkConfig):
 
     def kind(self) -> str:
         return "redis"
+
+    @model_validator(mode="after")
+    def _rules(self) -> RedisSinkConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        commands = _checked_commands(self.commands, "commands")
+        if self.delete_commands is not None:
+            rule(self.delete_enabled, "only with delete_enabled: true", field="delete_commands")
+            rule(bool(self.delete_commands), "must not be empty", field="delete_commands")
+            _checked_commands(self.delete_commands, "delete_commands")
+        elif self.delete_enabled and commands is not None:
+            rule(
+                bool(default_delete_commands(commands)),
+                "no command template has a key argument to DEL; give delete_commands",
+                field="delete_enabled",
+            )
+        rule(bool(self.host.strip()), "must not be empty", field="host")
+        if self.mode == "cluster":
+            rule(self.db == 0, "a Redis Cluster has only database 0", field="db")
+            rule(
+                not self.transaction,
+                "MULTI/EXEC across a chunk of rows would span hash slots; not supported in cluster mode",
+                field="transaction",
+            )
+            for node in filter(known_now, self.startup_nodes):
+                try:
+                    _node(node)
+                except ValueError as e:
+                    raise FieldRuleError(str(e), field="startup_nodes") from None
+        else:
+            rule(not self.startup_nodes, "only in cluster mode", field="startup_nodes")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            rule(getattr(self, name) is None or self.tls, "needs tls: true", field=name)
+        rule(
+            (self.tls_cert_file is None) == (self.tls_key_file is None),
+            "give tls_cert_file and tls_key_file together",
+            field="tls_cert_file",
+        )
+        rule(
+            self.password is None or bool(secret(self.password)),
+            "must not be empty (leave it out for no password)",
+            field="password",
+        )
+        return self
+
+
+def _checked_commands(
+    specs: Sequence[str | Sequence[str]], field: str
+) -> list[CommandTemplate] | None:
+    """The parsed templates (FieldRuleError naming ``field[i]`` for one that does not parse); None
+    when a template holds a reference, known only in the run."""
+    if not all(known_now(a) for spec in specs for a in ([spec] if isinstance(spec, str) else spec)):
+        return None
+    parsed = []
+    for i, spec in enumerate(specs):
+        try:
+            parsed.append(parse_command(spec))
+        except TemplateSyntaxError as e:
+            raise FieldRuleError(str(e), field=f"{field}[{i}]") from None
+    return parsed
 
 
 # -- templates (pure) ---------------------------------------------------------------------------
@@ -631,61 +695,14 @@ class RedisSink(Sink):
         self._delete_templates: list[CommandTemplate] | None = None
 
     def validate(self) -> None:
+        """Parse the command templates once (the config model checked them)."""
         c = self.config
-        commands = []
-        for i, spec in enumerate(c.commands):
-            try:
-                commands.append(parse_command(spec))
-            except TemplateSyntaxError as e:
-                raise_config(f"commands[{i}]", str(e))
-        self._templates = commands
+        self._templates = [parse_command(spec) for spec in c.commands]
         self._delete_templates = None
         if c.delete_commands is not None:
-            require(
-                c.delete_enabled, "only with delete_enabled: true", field="sink.delete_commands"
-            )
-            require(bool(c.delete_commands), "must not be empty", field="sink.delete_commands")
-            deletes = []
-            for i, spec in enumerate(c.delete_commands):
-                try:
-                    deletes.append(parse_command(spec))
-                except TemplateSyntaxError as e:
-                    raise_config(f"delete_commands[{i}]", str(e))
-            self._delete_templates = deletes
+            self._delete_templates = [parse_command(spec) for spec in c.delete_commands]
         elif c.delete_enabled:
-            self._delete_templates = default_delete_commands(commands)
-            require(
-                bool(self._delete_templates),
-                "no command template has a key argument to DEL; give delete_commands",
-                field="sink.delete_enabled",
-            )
-        require(bool(c.host.strip()), "must not be empty", field="sink.host")
-        if c.mode == "cluster":
-            require(c.db == 0, "a Redis Cluster has only database 0", field="sink.db")
-            require(
-                not c.transaction,
-                "MULTI/EXEC across a chunk of rows would span hash slots; not supported in cluster mode",
-                field="sink.transaction",
-            )
-            for s in c.startup_nodes:
-                try:
-                    _node(s)
-                except ValueError as e:
-                    raise_config("startup_nodes", str(e))
-        else:
-            require(not c.startup_nodes, "only in cluster mode", field="sink.startup_nodes")
-        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
-            require(getattr(c, name) is None or c.tls, "needs tls: true", field=f"sink.{name}")
-        require(
-            (c.tls_cert_file is None) == (c.tls_key_file is None),
-            "give tls_cert_file and tls_key_file together",
-            field="sink.tls_cert_file",
-        )
-        require(
-            c.password is None or bool(secret(c.password)),
-            "must not be empty (leave it out for no password)",
-            field="sink.password",
-        )
+            self._delete_templates = default_delete_commands(self._templates)
 
     def templates(self) -> list[CommandTemplate]:
         if self._templates is None:
@@ -891,10 +908,6 @@ def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[Command
         seen.add(t.args[1])
         out.append(CommandTemplate(source=f"DEL <key of {t.source}>", args=((b"DEL",), t.args[1])))
     return out
-
-
-def raise_config(field: str, message: str) -> None:
-    raise ConfigError(message, field=f"sink.{field}")
 
 
 def _arity(info: Any, name: str) -> int | None:
