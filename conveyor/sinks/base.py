@@ -67,8 +67,10 @@ class Sink(abc.ABC):
         self.config = config
         self.fail_fast = False  # set by the runtime under the fail policy (conveyor.core.sink)
 
-    def validate(self) -> None:  # noqa: B027 - optional hook: most configs need no cross-field rule
-        """Check the config beyond its model (cross-field rules). No I/O. Raises ConfigError."""
+    def validate(self) -> None:  # noqa: B027 - optional hook: most sinks need no such check
+        """Check what the config model cannot know: the environment (an installed package, a
+        value once its reference is resolved). No I/O. Raises ConfigError. The cross-field rules
+        are the config model's validators (``core.errors.rule``)."""
 
     @abc.abstractmethod
     def init_sink(self) -> None:
@@ -220,6 +222,7 @@ class UrlSinkConfig(SinkConfig):
 
 
 def require(condition: bool, message: str, *, field: str) -> None:
-    """Raise ConfigError naming ``field`` unless ``condition`` holds."""
+    """Raise ConfigError naming ``field`` unless ``condition`` holds (in ``Sink.validate``; a
+    config model's validator uses ``core.errors.rule``)."""
     if not condition:
         raise ConfigError(message, field=field)
