@@ -41,6 +41,7 @@ from conveyor.core.errors import (
 )
 from conveyor.core.loop import SourceBatch
 from conveyor.core.model import (
+    MESSAGE_SCHEMA,
     BatchPolicy,
     Offsets,
     SourceSpec,
@@ -53,19 +54,8 @@ log = logging.getLogger("conveyor.kafka")
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
-SOURCE_SCHEMA = pa.schema(
-    [
-        ("__topic", pa.string()),
-        ("__partition", pa.int32()),
-        ("__offset", pa.int64()),
-        ("__timestamp", pa.timestamp("ms", tz="UTC")),
-        ("__timestamp_type", pa.string()),
-        ("__key", pa.binary()),
-        ("__headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
-        ("__destination", pa.string()),
-        ("__value", pa.binary()),
-    ]
-)
+# What a batch read from the log looks like (one schema for every reader of messages).
+SOURCE_SCHEMA = MESSAGE_SCHEMA
 
 # While the partitions hold enough to fill the batch (a backlog), the batch keeps
 # filling past max_wait_ms, up to max_records / max_bytes, for at most this long after

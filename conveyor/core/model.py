@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.core.connection import KafkaConnection
@@ -46,6 +47,23 @@ META_COLUMNS = (
     HEADERS_COL,
     DESTINATION_COL,
     TOMBSTONE_COL,
+)
+
+# A batch as read, before the transform: the message columns and the raw payload. The Kafka
+# source reads into it, and a source connector's polled messages take it too, so that one
+# transform serves sink and source connectors.
+MESSAGE_SCHEMA = pa.schema(
+    [
+        (TOPIC_COL, pa.string()),
+        (PARTITION_COL, pa.int32()),
+        (OFFSET_COL, pa.int64()),
+        (TIMESTAMP_COL, pa.timestamp("ms", tz="UTC")),
+        (TIMESTAMP_TYPE_COL, pa.string()),
+        (KEY_COL, pa.binary()),
+        (HEADERS_COL, pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
+        (DESTINATION_COL, pa.string()),
+        (VALUE_COL, pa.binary()),
+    ]
 )
 
 

@@ -59,6 +59,7 @@ from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
     KEY_COL,
+    MESSAGE_SCHEMA,
     META_COLUMNS,
     PARTITION_COL,
     TIMESTAMP_COL,
@@ -82,22 +83,6 @@ from conveyor.core.stopping import Stopping, sleep_unless_stopped
 log = logging.getLogger("conveyor.source_loop")
 
 State = dict[str, Any]
-
-# The Arrow schema a polled batch has on its way to Spark: the message columns the
-# Kafka source gives the transform, so that one transform serves sinks and sources.
-BATCH_SCHEMA = pa.schema(
-    [
-        ("__topic", pa.string()),
-        ("__partition", pa.int32()),
-        ("__offset", pa.int64()),
-        ("__timestamp", pa.timestamp("ms", tz="UTC")),
-        ("__timestamp_type", pa.string()),
-        ("__key", pa.binary()),
-        ("__headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
-        ("__destination", pa.string()),
-        ("__value", pa.binary()),
-    ]
-)
 
 
 class SourceStateVersionError(ConveyorError):
@@ -644,7 +629,7 @@ class _GroupResult:
 
 
 def messages_to_table(messages: Sequence[Any], origin: str) -> pa.Table:
-    """Polled messages as the Arrow batch the transform takes (``BATCH_SCHEMA``)."""
+    """Polled messages as the Arrow batch the transform takes (``MESSAGE_SCHEMA``)."""
     import datetime as dt
 
     def ts(ms: int | None) -> dt.datetime | None:
@@ -661,7 +646,7 @@ def messages_to_table(messages: Sequence[Any], origin: str) -> pa.Table:
         "__destination": [m.destination for m in messages],
         "__value": [m.payload for m in messages],
     }
-    return pa.table(cols, schema=BATCH_SCHEMA)
+    return pa.table(cols, schema=MESSAGE_SCHEMA)
 
 
 def table_records(out: pa.Table) -> list[Record]:
