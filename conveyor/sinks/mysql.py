@@ -31,7 +31,6 @@ from pydantic import Field, SecretStr, model_validator
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     ConfigError,
-    FieldRuleError,
     PermanentSinkError,
     TransientSinkError,
     rule,
@@ -54,11 +53,11 @@ from conveyor.sinks.base import (
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
-    SOURCES,
     SqlDialect,
     check_columns,
     column_mapping,
     column_types,
+    mapping_rules,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -201,31 +200,16 @@ class MySQLSinkConfig(UrlSinkConfig):
             )
         problem = identifier_problem(self.table) if known_now(self.table) else None
         rule(problem is None, f"{self.table!r}: {problem}", field="table")
-        if self.columns is not None:
-            rule(bool(self.columns), "must map at least one column", field="columns")
-            for target, src in self.columns.items():
-                problem = identifier_problem(target)
-                if problem:
-                    raise FieldRuleError(f"column {target!r}: {problem}", field="columns")
-                if src.startswith("$") and src not in SOURCES:
-                    raise FieldRuleError(
-                        f"{target}: unknown source {src!r}; one of {SOURCES}", field="columns"
-                    )
-            for k in self.upsert_keys:
-                rule(
-                    k in self.columns,
-                    f"upsert key {k!r} is not a mapped column",
-                    field="upsert_keys",
-                )
+        mapping_rules(
+            self.columns,
+            self.upsert_keys,
+            self.delete_enabled,
+            column_problem=identifier_problem,
+        )
         rule(
             len(set(self.upsert_keys)) == len(self.upsert_keys),
             "duplicate column",
             field="upsert_keys",
-        )
-        rule(
-            not self.delete_enabled or bool(self.upsert_keys),
-            "a delete needs the key columns: set upsert_keys",
-            field="delete_enabled",
         )
         rule(
             not known_now(self.charset)

@@ -23,7 +23,6 @@ from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
-    FieldRuleError,
     PermanentSinkError,
     TransientSinkError,
     rule,
@@ -40,11 +39,11 @@ from conveyor.sinks.base import (
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
-    SOURCES,
     SqlDialect,
     check_columns,
     column_mapping,
     column_types,
+    mapping_rules,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -105,25 +104,7 @@ class PostgresSinkConfig(UrlSinkConfig):
         """Cross-field rules (no I/O): each error names its field."""
         rule(bool(self.url), "is required (a libpq URL, or ${env:NAME})", field="url")
         rule(bool(self.table.strip()), "must not be empty", field="table")
-        if self.columns is not None:
-            rule(bool(self.columns), "must map at least one column", field="columns")
-            for target, src in self.columns.items():
-                if src.startswith("$") and src not in SOURCES:
-                    raise FieldRuleError(
-                        f"{target}: unknown source {src!r}; one of {SOURCES}",
-                        field="columns",
-                    )
-            for k in self.upsert_keys:
-                rule(
-                    k in self.columns,
-                    f"upsert key {k!r} is not a mapped column",
-                    field="upsert_keys",
-                )
-        rule(
-            not self.delete_enabled or bool(self.upsert_keys),
-            "a delete needs the key columns: set upsert_keys",
-            field="delete_enabled",
-        )
+        mapping_rules(self.columns, self.upsert_keys, self.delete_enabled)
         return self
 
 

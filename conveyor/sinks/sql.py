@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from conveyor.core.errors import ConfigError, PermanentSinkError
+from conveyor.core.errors import ConfigError, FieldRuleError, PermanentSinkError, rule
 from conveyor.core.model import (
     HEADERS_COL,
     KEY_COL,
@@ -43,6 +43,34 @@ class SqlDialect:
     type_of: Callable[[pa.DataType, bool], str]  # (Arrow type, is an upsert key) -> column type
     json_type: str
     json_sources: frozenset[str]  # sources always stored as JSON
+
+
+def mapping_rules(
+    columns: dict[str, str] | None,
+    upsert_keys: list[str],
+    delete_enabled: bool,
+    *,
+    column_problem: Callable[[str], str | None] = lambda _name: None,
+) -> None:
+    """The rules of a SQL sink's ``columns``, ``upsert_keys`` and ``delete_enabled`` (run by its
+    config model's validator; ``column_problem`` says why a name cannot be a column, if ever)."""
+    if columns is not None:
+        rule(bool(columns), "must map at least one column", field="columns")
+        for target, src in columns.items():
+            problem = column_problem(target)
+            if problem:
+                raise FieldRuleError(f"column {target!r}: {problem}", field="columns")
+            if src.startswith("$") and src not in SOURCES:
+                raise FieldRuleError(
+                    f"{target}: unknown source {src!r}; one of {SOURCES}", field="columns"
+                )
+        for k in upsert_keys:
+            rule(k in columns, f"upsert key {k!r} is not a mapped column", field="upsert_keys")
+    rule(
+        not delete_enabled or bool(upsert_keys),
+        "a delete needs the key columns: set upsert_keys",
+        field="delete_enabled",
+    )
 
 
 def column_mapping(columns: dict[str, str] | None, batch: pa.Table) -> dict[str, str]:
