@@ -13,21 +13,33 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from conveyor.core.errors import ConfigError, FieldRuleError
 from conveyor.secrets import has_reference
 
-T = TypeVar("T")
+P = TypeVar("P")  # the plugin class: Sink, Source
+C = TypeVar("C", bound=BaseModel)  # its config model's base: SinkConfig, SourceConfig
 
 
-class Registry(Generic[T]):
-    """Types of one ``kind`` (``sink``, ``source``) by name, imported lazily."""
+class Registry(Generic[P, C]):
+    """Types of one ``kind`` (``sink``, ``source``) by name, imported lazily.
 
-    def __init__(self, kind: str, entries: Mapping[str, str], aliases: Mapping[str, str]):
+    A registered class has ``config_class`` (its config model, a subclass of ``config_base``)
+    and ``validate()`` (the checks that need the environment).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        entries: Mapping[str, str],
+        aliases: Mapping[str, str],
+        config_base: type[C],
+    ):
         self.kind = kind
         self.entries = dict(entries)
         self.aliases = dict(aliases)
+        self.config_base = config_base
 
     def types(self) -> list[str]:
         return sorted(self.entries)
@@ -47,13 +59,13 @@ class Registry(Generic[T]):
             field=f"{self.kind}.type",
         )
 
-    def load(self, name: str) -> type[T]:
+    def load(self, name: str) -> type[P]:
         """The class registered for ``name``, its module imported now; ConfigError when its
         client library is missing."""
         key = self.canonical_type(name)
         module_name, _, attr = self.entries[key].partition(":")
         try:
-            return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+            return getattr(importlib.import_module(module_name), attr)
         except ImportError as e:
             raise ConfigError(
                 f"{self.kind} type {key!r} cannot be loaded ({e}); install its extra: "
@@ -61,7 +73,7 @@ class Registry(Generic[T]):
                 field=f"{self.kind}.type",
             ) from None
 
-    def parse_config(self, raw: Mapping[str, Any]) -> Any:
+    def parse_config(self, raw: Mapping[str, Any]) -> C:
         """Validate a raw mapping (with ``type``) into that type's config model."""
         if "type" not in raw:
             raise ConfigError("missing field 'type'", field=f"{self.kind}.type")
@@ -72,6 +84,15 @@ class Registry(Generic[T]):
             return cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(format_validation_error(e, prefix=self.kind)) from None
+
+    def build(self, config: C | Mapping[str, Any]) -> P:
+        """An instance for a config (validated first when given as a mapping), its
+        environment checked (``validate()``)."""
+        if not isinstance(config, self.config_base):
+            config = self.parse_config(config)  # type: ignore[arg-type]
+        instance = self.load(config.type)(config)  # type: ignore[attr-defined, call-arg]
+        instance.validate()  # type: ignore[attr-defined]
+        return instance
 
 
 def format_validation_error(e: ValidationError, *, prefix: str = "") -> str:

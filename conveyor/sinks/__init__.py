@@ -7,9 +7,6 @@ subclass and a ``Sink`` subclass (with ``config_class``), plus one entry in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from conveyor.registry import Registry
 from conveyor.sinks.base import Sink, SinkConfig
 
@@ -39,32 +36,10 @@ _ALIASES: dict[str, str] = {
 }
 
 
-REGISTRY: Registry[Sink] = Registry("sink", _SINKS, _ALIASES)
+REGISTRY: Registry[Sink, SinkConfig] = Registry("sink", _SINKS, _ALIASES, SinkConfig)
 
-
-def sink_types() -> list[str]:
-    return REGISTRY.types()
-
-
-def canonical_type(name: str) -> str:
-    """The registered name for ``name`` (aliases resolved), or ConfigError with a did-you-mean."""
-    return REGISTRY.canonical_type(name)
-
-
-def sink_class(name: str) -> type[Sink]:
-    return REGISTRY.load(name)
-
-
-def parse_sink_config(raw: Mapping[str, Any]) -> SinkConfig:
-    """Validate a raw sink mapping (with ``type``) into that sink's config model."""
-    config: SinkConfig = REGISTRY.parse_config(raw)
-    return config
-
-
-def build_sink(config: SinkConfig | Mapping[str, Any]) -> Sink:
-    """A sink instance for a config (validated first when given as a mapping)."""
-    if not isinstance(config, SinkConfig):
-        config = parse_sink_config(config)
-    sink = sink_class(config.type)(config)
-    sink.validate()
-    return sink
+sink_types = REGISTRY.types
+canonical_type = REGISTRY.canonical_type  # aliases resolved, or ConfigError with a did-you-mean
+sink_class = REGISTRY.load
+parse_sink_config = REGISTRY.parse_config  # a raw mapping (with ``type``) -> that sink's config
+build_sink = REGISTRY.build  # a sink for a config (a mapping is validated first)

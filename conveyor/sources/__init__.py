@@ -7,9 +7,6 @@ subclass and a ``Source`` subclass (with ``config_class``), plus one entry in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from conveyor.registry import Registry
 from conveyor.sources.base import Source, SourceConfig
 
@@ -30,32 +27,10 @@ _ALIASES: dict[str, str] = {
 }
 
 
-REGISTRY: Registry[Source] = Registry("source", _SOURCES, _ALIASES)
+REGISTRY: Registry[Source, SourceConfig] = Registry("source", _SOURCES, _ALIASES, SourceConfig)
 
-
-def source_types() -> list[str]:
-    return REGISTRY.types()
-
-
-def canonical_type(name: str) -> str:
-    """The registered name for ``name`` (aliases resolved), or ConfigError with a did-you-mean."""
-    return REGISTRY.canonical_type(name)
-
-
-def source_class(name: str) -> type[Source]:
-    return REGISTRY.load(name)
-
-
-def parse_source_config(raw: Mapping[str, Any]) -> SourceConfig:
-    """Validate a raw source mapping (with ``type``) into that source's config model."""
-    config: SourceConfig = REGISTRY.parse_config(raw)
-    return config
-
-
-def build_source(config: SourceConfig | Mapping[str, Any]) -> Source:
-    """A source instance for a config (validated first when given as a mapping)."""
-    if not isinstance(config, SourceConfig):
-        config = parse_source_config(config)
-    source = source_class(config.type)(config)
-    source.validate()
-    return source
+source_types = REGISTRY.types
+canonical_type = REGISTRY.canonical_type  # aliases resolved, or ConfigError with a did-you-mean
+source_class = REGISTRY.load
+parse_source_config = REGISTRY.parse_config  # a raw mapping (with ``type``) -> that source's config
+build_source = REGISTRY.build  # a source for a config (a mapping is validated first)
