@@ -25,6 +25,7 @@ from pydantic import Field
 
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, TransientSinkError
+from conveyor.core.sink import invalid_utf8, utf8_reason
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -231,12 +232,6 @@ class InvalidUTF8(ValueError):
     """A payload or column value that is not valid UTF-8 (the message says where)."""
 
 
-def utf8_reason(e: UnicodeDecodeError, what: str) -> str:
-    """``payload is not valid UTF-8: invalid start byte ff at byte offset 12``."""
-    bad = bytes(e.object[e.start : e.end])
-    return f"{what} is not valid UTF-8: {e.reason} {bad.hex(' ')} at byte offset {e.start}"
-
-
 def records_or_failures(batch: pa.Table) -> list[Record | RowFailure]:
     """The batch's records; when a text column holds invalid UTF-8 (Arrow does not check
     buffers it did not build, e.g. a Spark cast of bytes to string), each row is converted
@@ -251,14 +246,7 @@ def records_or_failures(batch: pa.Table) -> list[Record | RowFailure]:
         try:
             (rec,) = iter_records(row)
         except UnicodeDecodeError as e:
-            reason = utf8_reason(e, "a value")
-            for name in row.schema.names:
-                try:
-                    row.column(name).to_pylist()
-                except UnicodeDecodeError as ce:
-                    reason = utf8_reason(ce, f"column {name!r}")
-                    break
-            out.append(RowFailure(i, reason))
+            out.append(RowFailure(i, invalid_utf8(row) or utf8_reason(e, "a text value")))
             continue
         rec.index = i
         out.append(rec)

@@ -616,6 +616,8 @@ class RabbitMQSink(Sink):
         except SinkError:
             self._close()
             raise
+        except UnicodeDecodeError:
+            raise  # a text column with invalid UTF-8, met before publishing: the runtime bisects it
         except Exception as e:  # noqa: BLE001 - classified
             self._close()
             raise sink_error(
