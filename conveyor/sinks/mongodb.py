@@ -53,6 +53,7 @@ from conveyor.core.errors import (
     SinkError,
     TransientSinkError,
 )
+from conveyor.core.sink import utf8_reason
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -216,8 +217,20 @@ class MongoPlan:
         )
 
 
+class InvalidUTF8(ValueError):
+    """A raw payload that is not valid UTF-8 (the message says where)."""
+
+
 def document_of(record: Record) -> dict[str, Any]:
-    """The document for one message: the payload object, or ``{"value": payload}`` for a non-object payload."""
+    """The document for one message: the payload object, or ``{"value": payload}`` for a non-object payload.
+
+    A raw payload that is not valid UTF-8 raises InvalidUTF8 naming the byte offset (it is
+    never stored with replacement characters)."""
+    if isinstance(record.payload, bytes):
+        try:
+            record.payload.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidUTF8(utf8_reason(e, "payload")) from None
     payload = record.payload if isinstance(record.payload, dict) else record.payload_json()
     doc = dict(payload) if isinstance(payload, dict) else {"value": payload}
     return {str(k): bson_value(v) for k, v in doc.items()}
@@ -318,6 +331,9 @@ def build_operations(
         try:
             doc = document_of(rec)
             _id = document_id(rec, doc, config.id_strategy)
+        except InvalidUTF8 as e:
+            plan.failures.append(RowFailure(rec.index, str(e)))
+            continue
         except (ValueError, TypeError, ArithmeticError) as e:
             plan.failures.append(RowFailure(rec.index, f"{type(e).__name__}: {e}"))
             continue

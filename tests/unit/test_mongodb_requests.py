@@ -527,3 +527,17 @@ def test_fail_fast_upserts_send_every_row_in_order() -> None:
     ordered = build_operations(iter_records(batch), config, ordered=True)
     assert ordered.rows == [0, 1, 2, 3] and ordered.superseded == []
     assert all(isinstance(op, ReplaceOne) for op in ordered.ops)
+
+
+def test_invalid_utf8_payloads_are_row_failures_with_the_byte_offset() -> None:
+    """The hostile bytes corpus: each invalid payload fails before sending, naming the
+    offset (it used to be stored with replacement characters)."""
+    from tests.hostile import HOSTILE_BYTES, hostile_bytes_batch
+
+    batch, what = hostile_bytes_batch()
+    plan = build_operations(iter_records(batch), cfg())
+    assert [what[f.index] for f in plan.failures] == [label for label, _, _ in HOSTILE_BYTES]
+    for f, (_label, _payload, offset) in zip(plan.failures, HOSTILE_BYTES, strict=True):
+        assert f.message.startswith("payload is not valid UTF-8: ")
+        assert f.message.endswith(f"at byte offset {offset}")
+    assert [what[r] for r in plan.rows] == ["good"] * 10
