@@ -713,6 +713,28 @@ def test_acl_user_password_and_permissions(prefix: str, acl_user: tuple[str, str
             denied.cleanup_sink()
 
 
+def test_fail_fast_without_permission_to_run_scripts_pipelines(prefix: str) -> None:
+    """An ACL user without EVALSHA/EVAL: fail_fast falls back to pipelines (logged), the
+    batch is still written and a refused command is still that row's failure."""
+    user, pw = f"conveyor_{uuid.uuid4().hex[:8]}", "pw"
+    r = client()
+    r.execute_command("ACL", "SETUSER", user, "on", f">{pw}", "~*", "+@all", "-@scripting")
+    try:
+        client().set(f"{prefix}:5", b"a string")
+        s = _sink(f"HSET {prefix}:${{payload.id}} n ${{payload.name}}", username=user, password=pw)
+        s.init_sink()
+        s.fail_fast = True
+        try:
+            assert [f.index for f in s.send_batch(make_batch(3)).failed] == []
+            assert [f.index for f in s.send_batch(make_batch(10)).failed] == [5]
+            assert s._noscript
+        finally:
+            s.cleanup_sink()
+        assert r.hget(f"{prefix}:2", "n") == b"name 2"
+    finally:
+        r.execute_command("ACL", "DELUSER", user)
+
+
 def test_timeout_is_transient(prefix: str) -> None:
     s = _sink(f"BLPOP {prefix}:never 5", socket_timeout_s=0.5)
     s.init_sink()
