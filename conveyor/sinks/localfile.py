@@ -114,11 +114,13 @@ class LocalFileSink(Sink):
             raise PermanentSinkError(f"directory {self._dir} is not writable")
         # A run killed mid-append wrote its last file most recently: cut its partial line
         # now (the target may have rotated since, so the next append would not see it).
-        files = [
-            *self._dir.glob(f"{self.config.prefix}-*.jsonl"),
-            self._dir / f"{self.config.prefix}.jsonl",
+        # Only this sink's own names: another prefix ("data-eu" next to "data") is not ours.
+        own = re.compile(re.escape(self.config.prefix) + r"(-\d{8}(-\d{2})?|-\d{6})?\.jsonl")
+        existing = [
+            f
+            for f in self._dir.glob(f"{self.config.prefix}*.jsonl")
+            if own.fullmatch(f.name) and f.is_file()
         ]
-        existing = [f for f in files if f.is_file()]
         if existing:
             newest = max(existing, key=lambda f: f.stat().st_mtime)
             try:

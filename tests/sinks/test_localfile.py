@@ -182,3 +182,11 @@ def test_invalid_utf8_in_a_text_column_names_the_column(tmp_path: Path) -> None:
     assert f.index == 3
     assert f.message == "column 'name' is not valid UTF-8: invalid start byte ff at byte offset 2"
     assert [r["id"] for r in _lines(tmp_path / "data.jsonl")] == [0, 1, 2, 4, 5]
+
+
+def test_only_the_sinks_own_files_are_cut_at_start(tmp_path: Path) -> None:
+    """Another prefix in the same directory ("data-eu" next to "data") is left alone."""
+    other = tmp_path / "data-eu-20261125.jsonl"
+    other.write_bytes(b'{"id":1}\n{"id":2,"na')
+    build_sink({"type": "localfile", "path": str(tmp_path), "rotation": "daily"}).init_sink()
+    assert other.read_bytes() == b'{"id":1}\n{"id":2,"na'
