@@ -199,8 +199,9 @@ def send_isolating(
     attribute) and the bisection sends nothing after it; the result holds that row and
     the rows before it that an outage left unacknowledged.
     """
-    if fail_fast and hasattr(sink, "fail_fast"):
-        setattr(sink, "fail_fast", True)  # noqa: B010 - optional on the protocol
+    if hasattr(sink, "fail_fast"):
+        # Both ways: a policy changed at a batch boundary (live configuration) applies.
+        setattr(sink, "fail_fast", fail_fast)  # noqa: B010 - optional on the protocol
 
     def attempt(rows: Sequence[int]) -> list[RowFailure]:
         first = rows[0]  # bisection keeps ranges contiguous
