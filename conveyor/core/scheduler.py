@@ -16,7 +16,8 @@ decision and never stops the others):
 2. **zombie**: the connector's current run is CANCELED (a force-terminate from the
    UI) but the connector is still Running or Degraded (its heartbeat fresh, or stale
    because the process hangs): the connector is stopped and fenced (generation
-   bumped), and a process still alive is killed when the run launcher is local.
+   bumped), and a process still alive is killed when the run launcher is local (first:
+   a hung process may hold the SQLite meta store's write lock).
 3. **heartbeat check**: a Running or Degraded connector whose heartbeat is older
    than its ``heartbeat_timeout_s`` goes back to Idle, its broker cleared, its
    generation bumped (which fences the lost run), and its old run terminated. A
@@ -508,10 +509,10 @@ def _zombie(x: _Connector, t: _Tick) -> list[Decision] | None:
     if current is None or current.status != "CANCELED" or c.status not in LIVE:
         return None
     state = "still heartbeats" if x.fresh else "was never released"
-    out: list[Decision] = [
-        Stop(c.name, f"run {current.run_id} was canceled but {state}: fenced as a zombie")
-    ]
+    out: list[Decision] = []
     if current.local and current.pid and current.process_alive is not False:
+        # The kill comes first: a hung process may hold the meta store's write lock (SQLite),
+        # and the Stop below could not be written until it is gone.
         out.append(
             KillZombie(
                 c.name,
@@ -520,6 +521,7 @@ def _zombie(x: _Connector, t: _Tick) -> list[Decision] | None:
                 f"zombie run {current.run_id} (pid {current.pid})",
             )
         )
+    out.append(Stop(c.name, f"run {current.run_id} was canceled but {state}: fenced as a zombie"))
     return out
 
 

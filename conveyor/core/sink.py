@@ -24,6 +24,10 @@ Contract of ``send_batch(batch) -> SendResult``:
   index and keep going with the other rows. If the system can only reject a
   whole request, the sink may raise ``BatchRejected``; the runtime then bisects the
   batch to isolate the bad rows (:func:`send_isolating`).
+- A text column holding invalid UTF-8 (Arrow does not check buffers it did not build)
+  makes a sink's conversion of the batch raise ``UnicodeDecodeError`` before anything is
+  sent; a sink lets it propagate and the runtime bisects it like ``BatchRejected``: the row
+  fails with "column 'x' is not valid UTF-8: ... at byte offset N".
 - ``fail_fast`` (an attribute the runtime sets to True under the ``fail`` failure
   policy): write nothing after the first row that fails. Report that row in ``failed``
   (rows after it may be left out); rows before it are written and acknowledged as usual.
@@ -170,6 +174,22 @@ def first_failure_only(
     return [first], [i for i in todo if i < first.index]
 
 
+def utf8_reason(e: UnicodeDecodeError, what: str) -> str:
+    """``column 'name' is not valid UTF-8: invalid start byte ff at byte offset 2``."""
+    bad = bytes(e.object[e.start : e.end])
+    return f"{what} is not valid UTF-8: {e.reason} {bad.hex(' ')} at byte offset {e.start}"
+
+
+def invalid_utf8(table: pa.Table) -> str | None:
+    """Which text column of ``table`` first holds invalid UTF-8, and where; None if none."""
+    for name in table.schema.names:
+        try:
+            table.column(name).to_pylist()
+        except UnicodeDecodeError as e:
+            return utf8_reason(e, f"column {name!r}")
+    return None
+
+
 def send_isolating(
     sink: SinkProtocol, table: pa.Table, *, fail_fast: bool = False
 ) -> list[RowFailure]:
@@ -179,12 +199,20 @@ def send_isolating(
     attribute) and the bisection sends nothing after it; the result holds that row and
     the rows before it that an outage left unacknowledged.
     """
-    if fail_fast and hasattr(sink, "fail_fast"):
-        setattr(sink, "fail_fast", True)  # noqa: B010 - optional on the protocol
+    if hasattr(sink, "fail_fast"):
+        # Both ways: a policy changed at a batch boundary (live configuration) applies.
+        setattr(sink, "fail_fast", fail_fast)  # noqa: B010 - optional on the protocol
 
     def attempt(rows: Sequence[int]) -> list[RowFailure]:
         first = rows[0]  # bisection keeps ranges contiguous
-        result = sink.send_batch(table.slice(first, len(rows)))
+        part = table.slice(first, len(rows))
+        try:
+            result = sink.send_batch(part)
+        except UnicodeDecodeError as e:
+            # A text column holding invalid UTF-8 (Arrow does not check buffers it did not
+            # build) fails a sink's conversion of the batch, before anything is sent: a
+            # whole-request rejection, bisected down to the row like any other.
+            raise BatchRejected(invalid_utf8(part) or utf8_reason(e, "a text value")) from None
         return [RowFailure(first + f.index, f.message, f.kind) for f in result.failed]
 
     failed = sorted(

@@ -123,8 +123,19 @@ class ConveyorResource(ConfigurableResource):
         except ConfigError as e:
             log.error("%s; keeping the brokers in the meta store", e)
             return
+        # Only what changed is written: a tick that writes nothing takes no write lock, so a
+        # run that hangs holding the SQLite lock cannot wedge the scheduler before it decides.
+        stored = {x.id: x for x in store.list_brokers()}
+        marked_gone = store.gone_brokers()
         for b in brokers:
-            store.upsert_broker(b)
+            old = stored.get(b.id)
+            if (
+                old is None
+                or b.id in marked_gone
+                or (old.capacity, old.spark_remote, old.run_tags)
+                != (b.capacity, b.spark_remote, b.run_tags)
+            ):
+                store.upsert_broker(b)
         gone = gone_brokers([b.id for b in brokers], broker_views(store, check_endpoints=False))
         if gone:
             log.warning("brokers %s are no longer in the brokers file: marked gone", gone)

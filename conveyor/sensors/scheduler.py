@@ -336,7 +336,10 @@ def scheduler_sensor(
         context: SensorEvaluationContext, conveyor: ConveyorResource
     ) -> SensorResult:
         store = conveyor.store()
-        conveyor.sync_brokers(store)
+        try:
+            conveyor.sync_brokers(store)
+        except Exception as e:  # noqa: BLE001 - scheduling goes on with the stored brokers
+            context.log.error(f"syncing the brokers file failed: {type(e).__name__}: {e}")
         if sources is not None:
             try:
                 sync_and_reload(context, store, sources, loaded_fp)

@@ -292,6 +292,8 @@ class KafkaSink(Sink):
         super().__init__(config)
         self._producer: Any = None
         self._partitions: dict[str, set[int]] = {}
+        self._limits: dict[str, int | None] = {}  # topic -> max.message.bytes (None: unknown)
+        self._admin: Any = None  # reads the limits (fail_fast), opened on first use
 
     def validate(self) -> None:
         """The compression codec's package is installed here."""
@@ -356,9 +358,75 @@ class KafkaSink(Sink):
         self._partitions[topic] = parts
         return parts
 
+    def topic_limit(self, topic: str) -> int | None:
+        """The topic's ``max.message.bytes`` (DescribeConfigs, once per topic), or None when
+        the cluster does not say (no permission, an old broker): then only the producer's
+        ``max_request_size`` is checked before sending."""
+        if topic in self._limits:
+            return self._limits[topic]
+        from kafka import KafkaProducer
+
+        limit: int | None = None
+        if isinstance(self._producer, KafkaProducer):  # read through the cluster it writes to
+            try:
+                from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+
+                if self._admin is None:
+                    c = self.config
+                    self._admin = KafkaAdminClient(
+                        **kafka_python_options(c, "admin", prefix="sink"),
+                        request_timeout_ms=min(c.request_timeout_ms, 10_000),
+                        bootstrap_timeout_ms=min(c.connect_timeout_ms, 10_000),
+                    )
+                reply = self._admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, topic)], config_filter="all"
+                )
+                entry = reply.get("topic", {}).get(topic, {}).get("max.message.bytes")
+                value = entry.get("value") if isinstance(entry, dict) else entry
+                limit = int(value) if value not in (None, "") else None
+            except Exception as e:  # noqa: BLE001 - the check is a refinement, never a failure
+                log.info("max.message.bytes of topic %r unknown (%s): not checked", topic, e)
+        self._limits[topic] = limit
+        return limit
+
+    def _close_admin(self) -> None:
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            try:
+                admin.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("error closing admin client", exc_info=True)
+
+    def too_large(self, topic: str, msg: dict[str, Any]) -> str | None:
+        """Why the broker would refuse this record for its size, checked before sending.
+
+        The broker compares a record batch with the topic's ``max.message.bytes``; one
+        record alone in a batch is estimated the way kafka-python sizes it (an upper bound).
+        With compression the batch may be smaller than that: not checked (the broker still
+        refuses it after the batch went out). Under fail_fast only (one DescribeConfigs per
+        topic); the other policies learn of the refusal from the broker, for that row."""
+        if not self.fail_fast or self.config.compression != "none":
+            return None
+        limit = self.topic_limit(topic)
+        if limit is None:
+            return None
+        from kafka.record.default_records import DefaultRecordBatchBuilder
+
+        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(
+            msg["key"], msg["value"], msg["headers"]
+        )
+        if size <= limit:
+            return None
+        return (
+            f"record too large: {size} bytes as a record batch, above max.message.bytes {limit} "
+            f"of topic {topic!r} (the broker would refuse it)"
+        )
+
     def _drop_producer(self) -> None:
         p, self._producer = self._producer, None
         self._partitions.clear()
+        self._limits.clear()
+        self._close_admin()
         if p is not None:
             try:
                 # Records still buffered after a failure are abandoned: the batch is retried.
@@ -369,6 +437,8 @@ class KafkaSink(Sink):
     def cleanup_sink(self) -> None:
         p, self._producer = self._producer, None
         self._partitions.clear()
+        self._limits.clear()
+        self._close_admin()
         if p is not None:
             try:
                 p.close(timeout=5)
@@ -494,6 +564,10 @@ class KafkaSink(Sink):
                 break  # nothing after the first refused row is produced
             if isinstance(topic, templates.TemplateError):
                 failures.append(RowFailure(index, str(topic)))
+                continue
+            reason = self.too_large(topic, msg)
+            if reason is not None:
+                failures.append(RowFailure(index, reason))
                 continue
             if msg["partition"] is not None:
                 parts = self._topic_partitions(topic)

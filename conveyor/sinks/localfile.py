@@ -1,4 +1,10 @@
-"""LocalFile sink: JSON lines, rotated by size, hour or day, fsynced before acknowledging."""
+"""LocalFile sink: JSON lines, rotated by size, hour or day, fsynced before acknowledging.
+
+A line is whole or absent: a write that fails midway is cut back, and a partial last line
+left by a process killed mid-append (no trailing newline) is cut before the next append
+(and at start, in the newest file). A payload that is not valid UTF-8 is a row failure
+naming the byte offset (it is never written with replacement characters).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import contextlib
 import datetime as dt
 import errno
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -19,7 +26,18 @@ from pydantic import Field, model_validator
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, TransientSinkError, rule
 from conveyor.core.references import known_now
-from conveyor.sinks.base import SendResult, Sink, SinkConfig, iter_records, json_default
+from conveyor.core.sink import invalid_utf8, utf8_reason
+from conveyor.sinks.base import (
+    Record,
+    RowFailure,
+    SendResult,
+    Sink,
+    SinkConfig,
+    iter_records,
+    json_default,
+)
+
+log = logging.getLogger("conveyor.sinks.localfile")
 
 
 class LocalFileSinkConfig(SinkConfig):
@@ -97,6 +115,27 @@ class LocalFileSink(Sink):
             raise self._os_error(e) from e
         if not os.access(self._dir, os.W_OK):
             raise PermanentSinkError(f"directory {self._dir} is not writable")
+        # A run killed mid-append wrote its last file most recently: cut its partial line
+        # now (the target may have rotated since, so the next append would not see it).
+        # Only this sink's own names: another prefix ("data-eu" next to "data") is not ours.
+        own = re.compile(re.escape(self.config.prefix) + r"(-\d{8}(-\d{2})?|-\d{6})?\.jsonl")
+        existing = [
+            f
+            for f in self._dir.glob(f"{self.config.prefix}*.jsonl")
+            if own.fullmatch(f.name) and f.is_file()
+        ]
+        if existing:
+            newest = max(existing, key=lambda f: f.stat().st_mtime)
+            try:
+                fd = os.open(newest, os.O_RDWR)
+            except OSError as e:
+                raise self._os_error(e) from e
+            try:
+                cut_partial_line(fd, newest)
+            except OSError as e:
+                raise self._os_error(e) from e
+            finally:
+                os.close(fd)
 
     def _target(self, incoming: int) -> Path:
         now = self._clock()
@@ -131,17 +170,25 @@ class LocalFileSink(Sink):
         return json.dumps(obj, default=_default, ensure_ascii=False, separators=(",", ":"))
 
     def send_batch(self, batch: pa.Table) -> SendResult:
-        from conveyor.sinks.base import RowFailure
-
         failed: list[RowFailure] = []
         lines = []
-        for rec in iter_records(batch):
-            try:
-                lines.append(self._line(rec))
-            except (TypeError, ValueError) as e:
-                failed.append(RowFailure(rec.index, f"not serialisable as JSON: {e}"))
-                if self.fail_fast:
-                    break  # nothing after the first failed row is written
+        for rec in records_or_failures(batch):
+            if isinstance(rec, RowFailure):
+                failed.append(rec)
+            else:
+                try:
+                    if isinstance(rec.payload, bytes):
+                        try:
+                            rec.payload.decode("utf-8")
+                        except UnicodeDecodeError as e:
+                            raise InvalidUTF8(utf8_reason(e, "payload")) from None
+                    lines.append(self._line(rec))
+                except InvalidUTF8 as e:
+                    failed.append(RowFailure(rec.index, str(e)))
+                except (TypeError, ValueError) as e:
+                    failed.append(RowFailure(rec.index, f"not serialisable as JSON: {e}"))
+            if failed and self.fail_fast:
+                break  # nothing after the first failed row is written
         data = ("\n".join(lines) + "\n").encode() if lines else b""
         if data:
             try:
@@ -155,9 +202,9 @@ class LocalFileSink(Sink):
         is cut back to the file's previous size, so no partial line stays and the retry of
         the batch does not append it twice."""
         new = not path.exists()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            before = os.fstat(fd).st_size
+            before = cut_partial_line(fd, path)
             try:
                 view = memoryview(data)
                 while view:
@@ -184,6 +231,58 @@ class LocalFileSink(Sink):
 
     def cleanup_sink(self) -> None:
         """Nothing stays open between batches."""
+
+
+class InvalidUTF8(ValueError):
+    """A payload or column value that is not valid UTF-8 (the message says where)."""
+
+
+def records_or_failures(batch: pa.Table) -> list[Record | RowFailure]:
+    """The batch's records; when a text column holds invalid UTF-8 (Arrow does not check
+    buffers it did not build, e.g. a Spark cast of bytes to string), each row is converted
+    alone and a row that cannot be is a RowFailure naming the column and the byte offset."""
+    try:
+        return list(iter_records(batch))
+    except UnicodeDecodeError:
+        pass
+    out: list[Record | RowFailure] = []
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        try:
+            (rec,) = iter_records(row)
+        except UnicodeDecodeError as e:
+            out.append(RowFailure(i, invalid_utf8(row) or utf8_reason(e, "a text value")))
+            continue
+        rec.index = i
+        out.append(rec)
+    return out
+
+
+def cut_partial_line(fd: int, path: Path) -> int:
+    """Cut a last line without its newline (a process killed mid-append left it) back to
+    the end of the last whole line; returns the file's size after."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = size
+    keep = 0
+    while end > 0:
+        start = max(0, end - 65536)
+        chunk = os.pread(fd, end - start, start)
+        nl = chunk.rfind(b"\n")
+        if nl >= 0:
+            keep = start + nl + 1
+            break
+        end = start
+    os.ftruncate(fd, keep)
+    os.fsync(fd)
+    log.warning(
+        "%s ended in a partial line (%d bytes without a newline, left by an interrupted "
+        "append): cut before appending",
+        path,
+        size - keep,
+    )
+    return keep
 
 
 def _default(o: Any) -> Any:

@@ -2,6 +2,7 @@
 
 One ``bulk_write(ordered=False)`` per batch, at the configured write concern;
 ``send_batch`` returns once the server acknowledged the bulk at that write concern.
+Under ``fail_fast`` the bulk is ordered: the server stops at the first refused document.
 
 Identity and replays (``id_strategy``):
 
@@ -54,6 +55,7 @@ from conveyor.core.errors import (
     rule,
 )
 from conveyor.core.references import known_now
+from conveyor.core.sink import utf8_reason
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -285,8 +287,20 @@ class MongoPlan:
         )
 
 
+class InvalidUTF8(ValueError):
+    """A raw payload that is not valid UTF-8 (the message says where)."""
+
+
 def document_of(record: Record) -> dict[str, Any]:
-    """The document for one message: the payload object, or ``{"value": payload}`` for a non-object payload."""
+    """The document for one message: the payload object, or ``{"value": payload}`` for a non-object payload.
+
+    A raw payload that is not valid UTF-8 raises InvalidUTF8 naming the byte offset (it is
+    never stored with replacement characters)."""
+    if isinstance(record.payload, bytes):
+        try:
+            record.payload.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidUTF8(utf8_reason(e, "payload")) from None
     payload = record.payload if isinstance(record.payload, dict) else record.payload_json()
     doc = dict(payload) if isinstance(payload, dict) else {"value": payload}
     return {str(k): bson_value(v) for k, v in doc.items()}
@@ -364,9 +378,15 @@ def build_operations(
     records: Iterable[Record],
     config: MongoDBSinkConfig,
     tombstones: frozenset[int] = frozenset(),
+    *,
+    ordered: bool = False,
 ) -> MongoPlan:
     """The pymongo write operations for a batch (no I/O). With delete_enabled, the rows in
-    ``tombstones`` delete their ``_id`` (the latest operation per ``_id`` wins)."""
+    ``tombstones`` delete their ``_id`` (the latest operation per ``_id`` wins).
+
+    ``ordered`` (fail_fast: an ordered bulk): upserts keep every row's operation, in order
+    (the server applies them in order, so the last still wins, and a row is never left
+    to a later one that an earlier failure stops)."""
     from pymongo import DeleteOne, InsertOne, ReplaceOne
 
     plan = MongoPlan()
@@ -381,6 +401,9 @@ def build_operations(
         try:
             doc = document_of(rec)
             _id = document_id(rec, doc, config.id_strategy)
+        except InvalidUTF8 as e:
+            plan.failures.append(RowFailure(rec.index, str(e)))
+            continue
         except (ValueError, TypeError, ArithmeticError) as e:
             plan.failures.append(RowFailure(rec.index, f"{type(e).__name__}: {e}"))
             continue
@@ -397,8 +420,10 @@ def build_operations(
         last: dict[Any, int] = {}
         for pos, (_row, _id, _doc) in enumerate(staged):
             last[_hashable(_id)] = pos
+        if ordered:
+            last = {}
         for pos, (row, _id, doc) in enumerate(staged):
-            if last[_hashable(_id)] != pos:
+            if last.get(_hashable(_id), pos) != pos:
                 plan.superseded.append(row)
                 continue
             if doc is None:
@@ -617,12 +642,95 @@ class MongoDBSink(Sink):
             iter_records(batch),
             self.config,
             frozenset(i for i, t in enumerate(tombstone_flags(batch)) if t),
+            ordered=self.fail_fast,
         )
         failures = list(plan.failures)
-        if plan.ops:
+        if self.fail_fast:
+            # One ordered bulk: the server stops at the first refused document and writes
+            # nothing after it; a row refused before sending cuts the bulk there too.
+            if failures:
+                first = min(f.index for f in failures)
+                failures = [f for f in failures if f.index == first]
+                plan = plan.without({p for p, row in enumerate(plan.rows) if row > first})
+            refused = self._bulk_in_order(plan) if plan.ops else []
+            failures = sorted(failures + refused, key=lambda f: f.index)[:1]
+        elif plan.ops:
             failures.extend(self._bulk(plan, isolate=True))
         failures.sort(key=lambda f: f.index)
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _bulk_in_order(self, plan: MongoPlan, *, resend: bool = False) -> list[RowFailure]:
+        """fail_fast: ``bulk_write(ordered=True)``; the first refused row (at most one) is the
+        failure and nothing after it was written. A duplicate ``_id`` that means "already
+        stored" (a replay) also stops an ordered bulk: the operations stored already are
+        looked up once (one ``find`` by ``_id``) and the rest is sent again."""
+        from bson.errors import InvalidDocument
+        from pymongo.errors import BulkWriteError
+
+        looked_up = False
+        while plan.ops:
+            try:
+                self._collection.bulk_write(
+                    plan.ops,
+                    ordered=True,
+                    bypass_document_validation=self.config.bypass_document_validation or None,
+                )
+                return []
+            except BulkWriteError as e:
+                failures = map_bulk_write_error(e.details, plan, self.config, resend=resend)
+                if failures:
+                    return failures[:1]
+                errors = e.details.get("writeErrors") or []
+                if not errors:
+                    return []
+                stop = int(errors[0]["index"])  # a replayed _id, acknowledged: go on after it
+                plan = plan.without(set(range(stop + 1)))
+                if not looked_up:
+                    plan, looked_up = self._without_stored(plan), True
+            except (InvalidDocument, OverflowError) as e:
+                # The driver encodes while sending: the sub-batches before the bad document
+                # may be stored already (resent below as a replay); nothing after it is sent.
+                bad = unencodable(plan)
+                if not bad:
+                    raise BatchRejected(f"document cannot be encoded as BSON: {e}") from None
+                pos, reason = bad[0]
+                before = plan.without(set(range(pos, len(plan.ops))))
+                return self._bulk_in_order(before, resend=True) or [
+                    RowFailure(plan.rows[pos], reason)
+                ]
+            except Exception as e:
+                mapped = map_error(e)
+                if mapped is None:
+                    raise
+                raise mapped from None
+        return []
+
+    def _without_stored(self, plan: MongoPlan) -> MongoPlan:
+        """The plan minus the inserts whose ``_id`` is stored already (a replayed batch)."""
+        ids = [
+            op._doc["_id"]
+            for op in plan.ops
+            if isinstance(getattr(op, "_doc", None), dict) and "_id" in op._doc
+        ]
+        if not ids or self.config.write_mode != "insert":
+            return plan
+        try:
+            stored = {
+                _hashable(d["_id"])
+                for d in self._collection.find({"_id": {"$in": ids}}, {"_id": 1})
+            }
+        except Exception as e:
+            mapped = map_error(e)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return plan.without(
+            {
+                p
+                for p, op in enumerate(plan.ops)
+                if _hashable(getattr(op, "_doc", {}).get("_id")) in stored
+            }
+        )
 
     def _bulk(self, plan: MongoPlan, *, isolate: bool) -> list[RowFailure]:
         from bson.errors import InvalidDocument

@@ -4,7 +4,8 @@ A batch is acknowledged when the broker confirmed (``basic.ack``) every message 
 it. Confirms are pipelined by default: the whole batch is published, then the
 confirms are collected, which is several times faster than waiting for each one.
 With ``mandatory: true`` a message no queue takes comes back (``basic.return``) and
-its row is reported as a data error.
+its row is reported as a data error; under ``fail_fast`` such a batch is published one
+confirm at a time (a return arrives only after the message went out).
 
 AMQP has no idempotent publish: a replayed batch is published again. Each message
 carries ``message_id = "<topic>-<partition>-<offset>"`` so that consumers can drop
@@ -454,6 +455,7 @@ class RabbitMQSink(Sink):
         super().__init__(config)
         self._conn: Any = None
         self._channel: Any = None
+        self._exact_channel: Any = None  # fail_fast with mandatory: per-message confirms
         self._next_tag = 1
         self._tracker: ConfirmTracker | None = None
         self._channel_closed: BaseException | None = None
@@ -515,6 +517,7 @@ class RabbitMQSink(Sink):
 
     def _close(self) -> None:
         conn, self._conn, self._channel = self._conn, None, None
+        self._exact_channel = None
         if conn is not None and conn.is_open:
             try:
                 conn.close()
@@ -616,13 +619,20 @@ class RabbitMQSink(Sink):
             return SendResult(rows=0)
         self._ensure_open()
         try:
-            if self.config.confirm_mode == "pipelined":
-                failures = self._send_pipelined(batch)
+            if self.config.confirm_mode == "per_message":
+                failures = self._send_per_message(batch, self._channel)
+            elif self.fail_fast and self.config.mandatory:
+                # A basic.return arrives only after the message went out (in a transaction,
+                # only at tx.commit, for all of them): waiting for each confirm is the one
+                # way to publish nothing after an unroutable message.
+                failures = self._send_per_message(batch, self._confirming_channel())
             else:
-                failures = self._send_per_message(batch)
+                failures = self._send_pipelined(batch)
         except SinkError:
             self._close()
             raise
+        except UnicodeDecodeError:
+            raise  # a text column with invalid UTF-8, met before publishing: the runtime bisects it
         except Exception as e:  # noqa: BLE001 - classified
             self._close()
             raise sink_error(
@@ -650,6 +660,8 @@ class RabbitMQSink(Sink):
                     )
                 except templates.TemplateError as e:
                     failures.append(RowFailure(r.index, str(e)))
+                    if self.fail_fast:
+                        break  # without mandatory nothing comes back: this is the first failure
                     continue
                 except Exception as e:  # noqa: BLE001 - an encoding error sends nothing (pika marshals every frame first)
                     if (
@@ -658,6 +670,8 @@ class RabbitMQSink(Sink):
                     ):
                         raise
                     failures.append(RowFailure(r.index, _describe(e)))
+                    if self.fail_fast:
+                        break
                     continue
                 self._next_tag = tracker.published(r.index, mid) + 1
                 if n % 1000 == 0:
@@ -696,7 +710,16 @@ class RabbitMQSink(Sink):
                 exchange=self.config.exchange,
             )
 
-    def _send_per_message(self, batch: pa.Table) -> list[RowFailure]:
+    def _confirming_channel(self) -> Any:
+        """A second channel in pika's blocking confirm mode (the first one's confirms are
+        collected by the pipelined callbacks), opened on first use."""
+        if self._exact_channel is None or not self._exact_channel.is_open:
+            ch = self._conn.channel()
+            ch.confirm_delivery()
+            self._exact_channel = ch
+        return self._exact_channel
+
+    def _send_per_message(self, batch: pa.Table, channel: Any) -> list[RowFailure]:
         import pika
         from pika import exceptions as px
 
@@ -707,7 +730,7 @@ class RabbitMQSink(Sink):
                 break  # each message is confirmed before the next: nothing after a refused one
             try:
                 rk, body, props = self._prepare(r)
-                self._channel.basic_publish(
+                channel.basic_publish(
                     c.exchange, rk, body, pika.BasicProperties(**props), mandatory=c.mandatory
                 )
             except templates.TemplateError as e:
@@ -725,7 +748,7 @@ class RabbitMQSink(Sink):
                     f"RabbitMQ nacked the message of row {r.index}; the batch is retried"
                 ) from None
             except Exception as e:  # noqa: BLE001 - classified
-                if classify_amqp_error(e) is not ErrorKind.DATA or self._channel.is_closed:
+                if classify_amqp_error(e) is not ErrorKind.DATA or channel.is_closed:
                     raise
                 failures.append(RowFailure(r.index, _describe(e)))
         return failures

@@ -10,7 +10,9 @@ A chunk of ``pipeline_size`` rows is one round trip (per node in cluster mode), 
 a MULTI/EXEC transaction with ``transaction: true``. ``send_batch`` returns after
 Redis answered every command of the batch. A command Redis rejects (WRONGTYPE, not
 a number...) or a row that cannot fill a template is a data error for that row;
-the other rows are written. The client never retries by itself: an outage raises
+the other rows are written. Under ``fail_fast`` a standalone server runs each chunk
+in one Lua script that stops at the first refused command. The client never
+retries by itself: an outage raises
 ``TransientSinkError`` and the runtime retries the batch, so non-idempotent
 commands (XADD with ``*``, LPUSH, INCR...) may run twice for rows of a replayed
 batch.
@@ -693,6 +695,8 @@ class RedisSink(Sink):
         self._client: Any = None
         self._templates: list[CommandTemplate] | None = None
         self._delete_templates: list[CommandTemplate] | None = None
+        self._script: Any = None  # STOP_AT_FIRST_ERROR registered on the client (fail_fast)
+        self._noscript = False  # a template command Redis does not allow in scripts
 
     def validate(self) -> None:
         """Parse the command templates once (the config model checked them)."""
@@ -787,6 +791,8 @@ class RedisSink(Sink):
             except (rx.RedisError, rx.RedisClusterException, OSError) as e:
                 raise self._error(e, f"checking command {t.name}") from None
             arity = _arity(info, t.name)
+            if _flags(info) & {"noscript", "no_script"}:
+                self._noscript = True  # fail_fast then pipelines (not exact; DESIGN says so)
             if arity is None:
                 raise PermanentSinkError(
                     f"sink.{i}: Redis does not know the command {t.name!r} ({t.source})"
@@ -803,6 +809,7 @@ class RedisSink(Sink):
             with contextlib.suppress(Exception):  # closing is best effort
                 self._client.close()
             self._client = None
+        self._script = None
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -827,17 +834,20 @@ class RedisSink(Sink):
         good = [i for i, r in enumerate(rows) if r is not None]
         if self.fail_fast and failures:
             # Nothing after a row whose command cannot be built is sent (a command the
-            # server refuses is known only once its pipeline ran: the rows after it in
-            # that pipeline are written; the next pipelines are not sent).
+            # server refuses stops the script; in cluster mode it is known only once its
+            # pipeline ran: the rows after it in that pipeline are written).
             first = min(failures)
             failures = {first: failures[first]}
             good = [i for i in good if i < first]
         if self._client is None:
             self._client = self._connect()
         size = self.config.pipeline_size
+        # Under fail_fast a standalone server runs each chunk in one Lua script that stops
+        # at the first refused command: nothing after it runs (a pipeline runs it all).
+        run_chunk = self._run_script_chunk if self._use_script() else self._run_chunk
         try:
             for start in range(0, len(good), size):
-                refused = self._run_chunk(rows, good[start : start + size], commands)
+                refused = run_chunk(rows, good[start : start + size], commands)
                 for f in refused:
                     failures[f.index] = f
                 if refused and self.fail_fast:
@@ -850,6 +860,57 @@ class RedisSink(Sink):
             self.cleanup_sink()
             raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures[i] for i in sorted(failures)))
+
+    def _use_script(self) -> bool:
+        """fail_fast on a standalone server whose template commands may run in a script."""
+        return self.fail_fast and self.config.mode == "standalone" and not self._noscript
+
+    def _run_script_chunk(
+        self,
+        rows: list[list[list[bytes | str]] | None],
+        idx: list[int],
+        commands: list[CommandTemplate],
+    ) -> list[RowFailure]:
+        """One EVALSHA for the rows ``idx``, their commands in order; the script stops at the
+        first error reply, so nothing after a refused command runs. A data error becomes
+        that row's RowFailure (the rows before it are written); any other error raises."""
+        from redis import exceptions as rx
+
+        if self._script is None:
+            self._script = self._client.register_script(STOP_AT_FIRST_ERROR)
+        args: list[bytes | str] = []
+        owners: list[tuple[int, bytes | str]] = []
+        for i in idx:
+            for cmd in rows[i]:  # type: ignore[union-attr]
+                args.append(len(cmd))
+                args.extend(cmd)
+                owners.append((i, cmd[0]))
+        try:
+            reply = self._script(keys=[], args=args, client=self._client)
+        except rx.NoPermissionError as e:
+            # An ACL user without EVALSHA/EVAL: refused before the script ran. Pipelines
+            # then (not exact: the rows after a refused command in its pipeline are written).
+            if "evalsha" not in str(e).lower() and "'eval'" not in str(e).lower():
+                raise
+            log.warning(
+                "Redis user may not run scripts (%s): fail_fast pipelines instead, so the rows "
+                "after a refused command in its pipeline are written",
+                redis_error_text(e),
+            )
+            self._noscript = True
+            return self._run_chunk(rows, idx, commands)
+        if isinstance(reply, int):
+            if reply != len(owners):
+                raise TransientSinkError(f"Redis ran {reply} commands of {len(owners)}")
+            return []
+        pos, text = int(reply[0]), reply[1]
+        text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+        err = rx.ResponseError(text)
+        if classify_redis_error(err) is not ErrorKind.DATA:
+            raise err
+        i, name = owners[pos - 1]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return [RowFailure(i, f"{name.upper()}: {redis_error_text(err)}")]
 
     def _run_chunk(
         self,
@@ -898,6 +959,24 @@ class RedisSink(Sink):
         return isolate_rows(idx, attempt, rejection)
 
 
+#: Runs the commands packed in ARGV (each: its word count, then its words) in order with
+#: redis.pcall and stops at the first error reply: returns the number of commands run, or
+#: {the 1-based position of the refused command, its error}. Used under fail_fast.
+STOP_AT_FIRST_ERROR = """
+local i, n, c = 1, #ARGV, 0
+while i <= n do
+  local argc = tonumber(ARGV[i])
+  local r = redis.pcall(unpack(ARGV, i + 1, i + argc))
+  c = c + 1
+  if type(r) == 'table' and r.err then
+    return {c, r.err}
+  end
+  i = i + argc + 1
+end
+return c
+"""
+
+
 def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[CommandTemplate]:
     """``DEL <key>`` for the key argument (the first) of each template, each key once."""
     out: list[CommandTemplate] = []
@@ -908,6 +987,15 @@ def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[Command
         seen.add(t.args[1])
         out.append(CommandTemplate(source=f"DEL <key of {t.source}>", args=((b"DEL",), t.args[1])))
     return out
+
+
+def _flags(info: Any) -> set[str]:
+    """The flags of a raw COMMAND INFO reply (write, noscript...)."""
+    if isinstance(info, list) and info and isinstance(info[0], list) and len(info[0]) > 2:
+        flags = info[0][2]
+        if isinstance(flags, (list, set, tuple)):
+            return {f.decode() if isinstance(f, bytes) else str(f) for f in flags}
+    return set()
 
 
 def _arity(info: Any, name: str) -> int | None:

@@ -214,6 +214,19 @@ class MetaStore:
         if self._schema_ready:
             return
         try:
+            # Already current (every process but the first): found by a read, so opening a
+            # store takes no write lock.
+            with self._read_only() as c:
+                current = (
+                    sa.inspect(c).has_table(t.schema_version.name)
+                    and c.execute(
+                        sa.select(t.schema_version.c.version).where(t.schema_version.c.id == 1)
+                    ).scalar()
+                    == t.SCHEMA_VERSION
+                )
+            if current:
+                self._schema_ready = True
+                return
             t.metadata.create_all(self.engine, checkfirst=True)
             with self.engine.begin() as c:
                 row = c.execute(
@@ -243,14 +256,32 @@ class MetaStore:
         self._schema_ready = True
 
     def schema_version(self) -> int:
-        with self._tx() as c:
+        with self._read() as c:
             return int(c.execute(sa.select(t.schema_version.c.version)).scalar_one())
 
     @contextmanager
     def _tx(self) -> Iterator[sa.Connection]:
+        """A read-write transaction (on SQLite ``BEGIN IMMEDIATE``: it holds the write lock)."""
         self.ensure_schema()
         with self.engine.begin() as c:
             yield c
+
+    @contextmanager
+    def _read(self) -> Iterator[sa.Connection]:
+        """A read-only transaction. On SQLite a deferred ``BEGIN``: in WAL mode it takes no
+        write lock, so a reader neither queues behind a writer nor blocks one, and a process
+        that hangs while reading (SIGSTOP, a debugger, a paused VM) holds nothing the
+        scheduler and the other runs need."""
+        self.ensure_schema()
+        with self._read_only() as c:
+            yield c
+
+    @contextmanager
+    def _read_only(self) -> Iterator[sa.Connection]:
+        with self.engine.connect() as c:
+            c.execution_options(conveyor_read_only=True)
+            with c.begin():
+                yield c
 
     # -- connectors -------------------------------------------------------------
 
@@ -269,6 +300,12 @@ class MetaStore:
         A spec error puts the connector in Error with the message; fixing the spec
         returns it to Idle so it can be scheduled again.
         """
+        # Unchanged (every tick of the scheduler, for every spec): answered by a read, so the
+        # sync takes no write lock when there is nothing to write.
+        with self._read() as c:
+            cur = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
+        if cur is not None and _spec_unchanged(_row(cur), spec_hash, source, error):
+            return _row(cur)
         now = self.clock()
         with self._tx() as c:
             cur = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
@@ -299,11 +336,7 @@ class MetaStore:
                 values: dict[str, Any] = {"spec_source": source, "spec_error": error}
                 if error is None:
                     values.update(spec_json=spec_json, spec_hash=spec_hash)
-                if (
-                    row.spec_error == error
-                    and (error is not None or row.spec_hash == spec_hash)
-                    and row.spec_source == source
-                ):
+                if _spec_unchanged(row, spec_hash, source, error):
                     return row
                 values["updated_at"] = now
                 if error and row.status in LIVE_STATUSES:
@@ -351,14 +384,14 @@ class MetaStore:
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
     def get(self, name: str) -> ConnectorRow:
-        with self._tx() as c:
+        with self._read() as c:
             r = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
         if r is None:
             raise UnknownConnectorError(f"no connector named {name!r}")
         return _row(r)
 
     def list(self) -> list[ConnectorRow]:
-        with self._tx() as c:
+        with self._read() as c:
             return [
                 _row(r) for r in c.execute(sa.select(t.connectors).order_by(t.connectors.c.name))
             ]
@@ -623,7 +656,7 @@ class MetaStore:
 
     def ensure_current(self, name: str, generation: int) -> None:
         """Raise FencedError unless ``generation`` is still the connector's (read only)."""
-        with transient_errors("checking the generation"), self._tx() as c:
+        with transient_errors("checking the generation"), self._read() as c:
             current = c.execute(
                 sa.select(t.connectors.c.generation).where(t.connectors.c.name == name)
             ).scalar()
@@ -650,7 +683,7 @@ class MetaStore:
     # -- offsets --------------------------------------------------------------------
 
     def committed_offsets(self, name: str) -> Offsets:
-        with self._tx() as c:
+        with self._read() as c:
             return self._offsets(c, name)
 
     def _offsets(self, c: sa.Connection, name: str) -> Offsets:
@@ -761,7 +794,7 @@ class MetaStore:
                 c.execute(t.brokers.update().where(t.brokers.c.id == broker.id).values(**values))
 
     def list_brokers(self) -> list[Broker]:
-        with self._tx() as c:
+        with self._read() as c:
             return [
                 Broker(
                     id=r.id,
@@ -778,7 +811,7 @@ class MetaStore:
 
     def gone_brokers(self) -> set[str]:
         """Ids of the brokers marked gone (no longer in the brokers file)."""
-        with self._tx() as c:
+        with self._read() as c:
             return set(
                 c.execute(
                     sa.select(t.brokers.c.id).where(t.brokers.c.gone_at.is_not(None))
@@ -842,7 +875,7 @@ class MetaStore:
         q = sa.select(t.state_history).order_by(t.state_history.c.id.desc()).limit(limit)
         if name:
             q = q.where(t.state_history.c.connector == name)
-        with self._tx() as c:
+        with self._read() as c:
             return [
                 HistoryRow(
                     r.connector, r.at, r.from_status, r.to_status, r.reason, r.run_id, r.generation
@@ -908,7 +941,7 @@ class MetaStore:
 
     def source_state_info(self, name: str) -> dict[str, Any] | None:
         """The stored state row: version, state, generation, saved_at, abandon bookkeeping."""
-        with self._tx() as c:
+        with self._read() as c:
             r = c.execute(
                 sa.select(t.source_state).where(t.source_state.c.connector == name)
             ).first()
@@ -1006,6 +1039,17 @@ def is_transient(e: sa.exc.DBAPIError) -> bool:
     )
 
 
+def _spec_unchanged(
+    row: ConnectorRow, spec_hash: str | None, source: str, error: str | None
+) -> bool:
+    """``sync_spec`` would write nothing: same source, same error, same spec when valid."""
+    return (
+        row.spec_error == error
+        and (error is not None or row.spec_hash == spec_hash)
+        and row.spec_source == source
+    )
+
+
 def _sqlite_on_connect(dbapi_conn: Any, _record: Any, busy_timeout_s: float = 30.0) -> None:
     # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE: writers queue on the
     # busy timeout instead of failing with "database is locked" on lock upgrade.
@@ -1018,7 +1062,10 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any, busy_timeout_s: float = 30
 
 
 def _sqlite_on_begin(conn: sa.Connection) -> None:
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    if conn.get_execution_options().get("conveyor_read_only"):
+        conn.exec_driver_sql("BEGIN")  # deferred: a reader takes no write lock (WAL)
+    else:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def offsets_from_pairs(pairs: Iterable[tuple[str, int, int]]) -> Offsets:

@@ -226,7 +226,7 @@ class TaskStore:
     # -- reading ------------------------------------------------------------------------
 
     def tasks(self, connector: str) -> list[TaskRow]:
-        with self.meta._tx() as c:
+        with self.meta._read() as c:
             return self._rows(c, connector)
 
     def _rows(self, c: sa.Connection, connector: str) -> list[TaskRow]:
@@ -263,13 +263,13 @@ class TaskStore:
 
     def connectors(self) -> list[str]:
         """Connectors that have task rows."""
-        with self.meta._tx() as c:
+        with self.meta._read() as c:
             return sorted(
                 r.connector for r in c.execute(sa.select(t.task_groups.c.connector)).all()
             )
 
     def epoch(self, connector: str) -> int:
-        with self.meta._tx() as c:
+        with self.meta._read() as c:
             row = c.execute(
                 sa.select(t.task_groups.c.epoch).where(t.task_groups.c.connector == connector)
             ).first()
@@ -277,7 +277,7 @@ class TaskStore:
 
     def partitions(self, connector: str) -> list[TopicPartition]:
         """Every partition of the connector's topics, as its tasks (or the scheduler) found them."""
-        with self.meta._tx() as c:
+        with self.meta._read() as c:
             text = c.execute(
                 sa.select(t.task_groups.c.partitions_json).where(
                     t.task_groups.c.connector == connector
@@ -607,7 +607,7 @@ class TaskStore:
 
     def ensure_current(self, connector: str, task_id: int, generation: int) -> None:
         """Raises FencedError when this task was restarted or removed."""
-        with self.meta._tx() as c:
+        with self.meta._read() as c:
             self._fenced_task(c, connector, task_id, generation)
 
     def grant(self, connector: str, task_id: int, generation: int) -> Grant:

@@ -352,11 +352,20 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
         run = instance.get_run_by_id(zrow.run_id)
         assert run is not None
         instance.report_run_canceled(run, message="test: marked canceled, process not told")
-    marked = time.monotonic()
+    marked, marked_wall = time.monotonic(), time.time()
+
+    def zombie_handled() -> bool:
+        return not pid_alive(zrow.run_pid) and store.get(zombie).status == ConnectorStatus.STOPPED
+
+    # Waits on scheduler ticks, not on a time: three complete ticks after the mark must have
+    # killed and stopped it (one does; a loaded machine only makes ticks later).
     wait_for(
-        lambda: not pid_alive(zrow.run_pid), 2 * TICK + 10, "zombie process ended by the scheduler"
+        lambda: zombie_handled() or h.scheduler_ticks_since(marked_wall) >= 3,
+        300,
+        "the zombie killed and stopped, or three scheduler ticks",
     )
     timings["zombie_killed_s"] = time.monotonic() - marked
+    assert not pid_alive(zrow.run_pid), "three scheduler ticks left the zombie alive"
     row = store.get(zombie)
     assert row.status == ConnectorStatus.STOPPED and row.generation > zrow.generation, row
     assert any("zombie" in x.reason for x in store.history(zombie))

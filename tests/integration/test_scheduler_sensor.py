@@ -219,3 +219,60 @@ def test_broker_list_in_store_matches_the_yaml(env):
         ("b2", 2, {"pool": "b2"}),
     ]
     assert isinstance(store.list_brokers()[0], Broker)
+
+
+HOLD_THE_LOCK = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")  # a run's write transaction, as a heartbeat takes it
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_hung_zombie_holding_the_store_lock_is_killed_and_stopped_in_one_tick(env, tmp_path):
+    """A run process SIGSTOPped in the middle of a meta-store write (CI, 2026-11-23: the
+    scheduler e2e's zombie outlived the test). It holds SQLite's write lock, so any write
+    of the tick waits for it: the tick must kill it first, then write the Stop."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conveyor.processes import pid_alive
+
+    instance, store, url = env
+    tick(instance, url)
+    row = store.get("alpha")
+    run = create_run_for_test(
+        instance,
+        job_name=job_name("alpha"),
+        status=DagsterRunStatus.STARTED,
+        tags={TAG_CONNECTOR: "alpha", TAG_GENERATION: str(row.generation), TAG_BROKER: "b1"},
+    )
+    db = url.removeprefix("sqlite:///")
+    hung = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, db], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        claim = store.claim(
+            "alpha",
+            run_id=run.run_id,
+            expected_generation=row.generation,
+            holder_alive=lambda r: True,
+            pid=hung.pid,
+        )
+        store.heartbeat("alpha", claim.generation, {})
+        assert hung.stdout is not None and hung.stdout.readline().strip() == "locked"
+        os.kill(hung.pid, signal.SIGSTOP)
+        instance.report_run_canceled(instance.get_run_by_id(run.run_id), message="test")
+        tick(instance, url)
+        hung.wait(10)  # reaped: killed by the tick
+        assert not pid_alive(hung.pid)
+        after = store.get("alpha")
+        assert after.status == ConnectorStatus.STOPPED and after.generation > claim.generation
+        assert any("zombie" in h.reason and "killed" in h.reason for h in store.history("alpha"))
+    finally:
+        if hung.poll() is None:
+            hung.kill()
+            hung.wait()

@@ -22,6 +22,7 @@ plus the metadata columns.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -238,6 +239,25 @@ class SinkContract:
             assert stored == sorted(ids[:first])
         else:
             assert set(ids[:first]) <= set(stored)
+
+    def test_invalid_utf8_in_a_text_column_is_a_row_failure(self, sink: Sink, target: str) -> None:
+        """A string column holding invalid UTF-8 (Arrow does not check buffers it did not
+        build, e.g. Spark casting bytes to a string): that row fails with a reason naming
+        invalid UTF-8 and the rest is written; under fail_fast nothing after it."""
+        from conveyor.core.sink import send_isolating
+        from tests.hostile import with_invalid_utf8
+
+        batch = with_invalid_utf8(make_batch(20), "name", {7, 12})
+        failed = send_isolating(sink, batch, fail_fast=True)
+        assert [f.index for f in failed] == [7]
+        assert re.search("utf-?8", failed[0].message, re.I), failed[0].message
+        first = sorted(r["id"] for r in self.read_back(target))
+        assert first == list(range(7))
+        sink.fail_fast = False  # send_isolating sets it; the other policies leave it off
+        failed = send_isolating(sink, batch.slice(8))
+        assert [f.index for f in failed] == [4]
+        stored = {r["id"] for r in self.read_back(target)} | set(first)  # a queue is drained
+        assert stored == set(range(20)) - {7, 12}
 
     def test_outage_is_transient(self, target: str) -> None:
         cfg = self.outage_config(target)

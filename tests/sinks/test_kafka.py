@@ -91,8 +91,9 @@ def as_row(rec: Any) -> dict[str, Any]:
 class TestKafkaContract(SinkContract):
     sink_type = "kafka"
     idempotent = False  # append-only log: a replay is written again (documented)
-    # fail_fast stops at a record the producer refuses (too large, no topic); a record the
-    # broker refuses is known only after the batch was produced (see the sink's docs).
+    # fail_fast stops at a record the producer refuses (above max_request_size, no topic)
+    # and at one above the topic's max.message.bytes (checked before sending); another
+    # broker-side refusal is known only after the batch was produced (see the sink's docs).
     keeps_keys = keeps_headers = keeps_timestamps = True
     bootstrap = "127.0.0.1:9092"
 
@@ -175,6 +176,38 @@ def _sink(**cfg: Any) -> Any:
     )
     s.init_sink()
     return s
+
+
+def test_a_record_above_the_topic_limit_fails_before_sending(tansu: str) -> None:
+    """The topic's max.message.bytes (5,000) is below the producer's max_request_size (1 MiB):
+    the broker would refuse row 40 after the batch went out. The sink reads the limit
+    (DescribeConfigs) and refuses the row before sending: under fail_fast nothing after it is
+    produced. (tansu stores the limit but does not enforce it, so without the check every
+    record would be written; the other policies leave the refusal to the broker.)"""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from conveyor.core.sink import send_isolating
+
+    topic = unique("klimit")
+    admin = KafkaAdminClient(bootstrap_servers=tansu, request_timeout_ms=10_000)
+    try:
+        admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "5000"})])
+    finally:
+        admin.close()
+    batch = make_batch(100, names={40: "x" * 6_000, 70: "y" * 6_000})
+    s = _sink(bootstrap_servers=tansu, topic=topic, max_request_size=1 << 20)
+    try:
+        assert s.topic_limit(topic) == 5000
+        failed = send_isolating(s, batch, fail_fast=True)
+        assert [f.index for f in failed] == [40]
+        assert "max.message.bytes 5000" in failed[0].message
+        assert sorted(as_row(r)["id"] for r in consume_all(tansu, topic)) == list(range(40))
+        assert [f.index for f in send_isolating(s, batch.slice(41), fail_fast=True)] == [29]
+        ids = sorted(as_row(r)["id"] for r in consume_all(tansu, topic))
+        assert ids == [i for i in range(70) if i != 40]
+    finally:
+        s.cleanup_sink()
+        delete_topics(tansu, topic)
 
 
 def test_idempotent_producer_gets_a_producer_id_from_tansu(tansu: str, kafka_topic: str) -> None:

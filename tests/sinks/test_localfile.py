@@ -10,14 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.sinks.contract import SinkContract
+import pyarrow as pa
+import pytest
+
+from conveyor.sinks import build_sink
+from tests.hostile import HOSTILE_BYTES, hostile_bytes_batch, with_invalid_utf8
+from tests.sinks.contract import SinkContract, make_batch
 
 
 class TestLocalFileContract(SinkContract):
     sink_type = "localfile"
     idempotent = False  # an append-only file: a replayed batch is appended again
     keeps_keys = keeps_headers = keeps_timestamps = True
-    poison_skip_reason = "JSONL accepts every decoded row; LocalFile has no per-message data errors"
     outage_skip_reason = (
         "a local directory has no server to lose (I/O errors are unit-tested in the loop)"
     )
@@ -45,6 +49,11 @@ class TestLocalFileContract(SinkContract):
                     }
                 )
         return out
+
+    def poison_batch(self, target: str) -> tuple[pa.Table, set[int]]:
+        # Rows 250 and 400 hold a name that is not valid UTF-8 (a string column Arrow did
+        # not check): each is a row failure naming the column and the byte offset.
+        return with_invalid_utf8(make_batch(500), "name", {250, 400}), {250, 400}
 
     bad_fields = [
         ({"rotation": "weekly"}, "rotation"),
@@ -98,3 +107,86 @@ def test_a_failed_append_leaves_no_partial_line_and_the_retry_writes_the_batch_o
         ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
         assert ids == list(range(20))
         sink.cleanup_sink()
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    text = path.read_bytes()
+    assert text.endswith(b"\n")
+    return [json.loads(line) for line in text.decode().splitlines()]
+
+
+@pytest.mark.parametrize("rotation", ["none", "daily", "size"])
+def test_a_partial_last_line_left_by_a_killed_process_is_cut_at_start(
+    tmp_path: Path, rotation: str
+) -> None:
+    """A run killed (kill -9) mid-append left half a line; the next sink's start cuts it, so
+    no corrupt line remains and the batch (never acknowledged) is appended whole."""
+    cfg = {"type": "localfile", "path": str(tmp_path), "rotation": rotation}
+    first = build_sink(cfg)
+    first.init_sink()
+    assert first.send_batch(make_batch(5)).failed == ()
+    (path,) = tmp_path.glob("*.jsonl")
+    with open(path, "ab") as f:  # what a kill -9 between two write() calls leaves
+        f.write(b'{"id":5,"name":"na')
+    second = build_sink(cfg)
+    second.init_sink()
+    assert [r["id"] for r in _lines(path)] == list(range(5))  # cut at start, before any send
+    assert second.send_batch(make_batch(5, start=5)).failed == ()
+    assert [r["id"] for r in _lines(path)] == list(range(10))
+
+
+def test_a_partial_line_without_any_newline_and_one_appearing_later_are_cut(
+    tmp_path: Path,
+) -> None:
+    cfg = {"type": "localfile", "path": str(tmp_path), "rotation": "none"}
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"id":0,"na')  # the very first line was cut short
+    sink = build_sink(cfg)
+    sink.init_sink()
+    assert path.read_bytes() == b""
+    assert sink.send_batch(make_batch(3)).failed == ()
+    with open(path, "ab") as f:  # a partial line appearing while the sink runs
+        f.write(b'{"id":3,"name":"x' * 10_000)  # longer than one read-back chunk
+    assert sink.send_batch(make_batch(3, start=3)).failed == ()
+    assert [r["id"] for r in _lines(path)] == list(range(6))
+
+
+def test_invalid_utf8_payloads_fail_with_their_own_reason(tmp_path: Path) -> None:
+    """The hostile bytes corpus: each invalid payload is a row failure saying invalid UTF-8
+    and the byte offset (never written with replacement characters); under fail_fast
+    nothing after the first one is written."""
+    from conveyor.core.sink import send_isolating
+
+    batch, what = hostile_bytes_batch()
+    sink = build_sink({"type": "localfile", "path": str(tmp_path), "rotation": "none"})
+    sink.init_sink()
+    failed = send_isolating(sink, batch)
+    assert [what[f.index] for f in failed] == [label for label, _, _ in HOSTILE_BYTES]
+    for f, (_label, _payload, offset) in zip(failed, HOSTILE_BYTES, strict=True):
+        assert f.message.startswith("payload is not valid UTF-8: "), f.message
+        assert f.message.endswith(f"at byte offset {offset}"), f.message
+    path = tmp_path / "data.jsonl"
+    assert [r["id"] for r in _lines(path)] == [i for i, w in enumerate(what) if w == "good"]
+    assert "\ufffd" not in path.read_text()
+    path.unlink()
+    failed = send_isolating(sink, batch, fail_fast=True)
+    assert [f.index for f in failed] == [what.index(HOSTILE_BYTES[0][0])]
+    assert [r["id"] for r in _lines(path)] == list(range(what.index(HOSTILE_BYTES[0][0])))
+
+
+def test_invalid_utf8_in_a_text_column_names_the_column(tmp_path: Path) -> None:
+    batch = with_invalid_utf8(make_batch(6), "name", {3})
+    sink = build_sink({"type": "localfile", "path": str(tmp_path), "rotation": "none"})
+    sink.init_sink()
+    (f,) = sink.send_batch(batch).failed
+    assert f.index == 3
+    assert f.message == "column 'name' is not valid UTF-8: invalid start byte ff at byte offset 2"
+    assert [r["id"] for r in _lines(tmp_path / "data.jsonl")] == [0, 1, 2, 4, 5]
+
+
+def test_only_the_sinks_own_files_are_cut_at_start(tmp_path: Path) -> None:
+    """Another prefix in the same directory ("data-eu" next to "data") is left alone."""
+    other = tmp_path / "data-eu-20261125.jsonl"
+    other.write_bytes(b'{"id":1}\n{"id":2,"na')
+    build_sink({"type": "localfile", "path": str(tmp_path), "rotation": "daily"}).init_sink()
+    assert other.read_bytes() == b'{"id":1}\n{"id":2,"na'

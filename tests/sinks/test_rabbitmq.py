@@ -99,8 +99,9 @@ class TestRabbitMQContract(SinkContract):
 
     sink_type = "rabbitmq"
     idempotent = False  # AMQP publish is not idempotent: a replay is published again (message_id lets consumers dedupe)
-    # Returns and confirms arrive after the batch was published: rows after a refused one are out.
-    stops_at_first_failure = False
+    # Returns arrive after the batch was published, so under fail_fast with mandatory the
+    # sink waits for each confirm (a second channel): nothing after an unroutable row.
+    stops_at_first_failure = True
     keeps_keys = keeps_headers = keeps_timestamps = True
     confirm_mode = "pipelined"
 
@@ -179,6 +180,35 @@ def _sink(**cfg: Any) -> Any:
     )
     s.init_sink()
     return s
+
+
+def test_fail_fast_pipelined_without_mandatory_stops_at_a_row_it_cannot_build(
+    target: str,
+) -> None:
+    """Without mandatory nothing comes back: fail_fast pipelines and stops at the first row
+    that cannot be published (a missing routing-key field); with mandatory it confirms one
+    message at a time, on a second channel, and the pipelined channel still works."""
+    from conveyor.core.sink import send_isolating
+
+    s = _sink(exchange=target, routing_key="${payload.name}", mandatory=False)
+    try:
+        failed = send_isolating(s, make_batch(300, names={120: None}), fail_fast=True)
+        assert [f.index for f in failed] == [120]
+        assert sorted(json.loads(b)["id"] for _, _, b in drain(target)) == list(range(120))
+        assert s._exact_channel is None  # never needed
+    finally:
+        s.cleanup_sink()
+    s = _sink(exchange=target, routing_key="${payload.name}", mandatory=True)
+    try:
+        failed = send_isolating(s, make_batch(300, names={7: "un.routable"}), fail_fast=True)
+        assert [f.index for f in failed] == [7]
+        assert "unroutable" in failed[0].message
+        assert sorted(json.loads(b)["id"] for _, _, b in drain(target)) == list(range(7))
+        s.fail_fast = False  # the other policies pipeline on the first channel
+        assert [f.index for f in s.send_batch(make_batch(20, names={3: "x.y"})).failed] == [3]
+        assert len(drain(target)) == 19
+    finally:
+        s.cleanup_sink()
 
 
 def test_message_properties(target: str) -> None:

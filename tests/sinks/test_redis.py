@@ -74,9 +74,9 @@ def hash_read_back(r: Any, target: str) -> list[dict[str, Any]]:
 class TestRedisContract(SinkContract):
     sink_type = "redis"
     idempotent = True  # HSET on a key per id
-    # fail_fast stops at a command that cannot be built and after the pipeline holding a
-    # refused one; the rows after it in that pipeline (or MULTI) are written.
-    stops_at_first_failure = False
+    # fail_fast stops at a command that cannot be built (row 250 of the poison batch), and
+    # runs each chunk in one Lua script that stops at a refused command (WRONGTYPE, row 400).
+    stops_at_first_failure = True
     keeps_keys = keeps_headers = keeps_timestamps = True
 
     def redis(self) -> Any:
@@ -106,6 +106,31 @@ class TestRedisContract(SinkContract):
 
     def outage_config(self, target: str) -> dict[str, Any]:
         return {**self.config(target), "port": closed_port(), "socket_connect_timeout_s": 2}
+
+    #: A command Redis refuses (not one that cannot be built) stops fail_fast exactly: the
+    #: Lua script path. Cluster mode pipelines (a script cannot span slots).
+    stops_at_refused_command = True
+
+    def test_fail_fast_stops_at_a_command_redis_refuses(self, sink: Any, target: str) -> None:
+        """WRONGTYPE on row 400 (the first failure): nothing after it is written."""
+        from conveyor.core.sink import send_isolating
+
+        self.redis().set(f"{target}:400", b"not a hash")
+        batch = make_batch(500)
+        failed = send_isolating(sink, batch, fail_fast=True)
+        assert [f.index for f in failed] == [400]
+        assert "WRONGTYPE" in failed[0].message
+        stored = sorted(r["id"] for r in self.read_back(target))
+        if self.stops_at_refused_command:
+            assert stored == list(range(400))
+        else:  # the rest of row 400's pipeline is written; the next pipelines are not sent
+            assert set(range(400)) <= set(stored)
+        # without fail_fast the pipelines write every other row
+        sink.fail_fast = False
+        assert [f.index for f in send_isolating(sink, batch)] == [400]
+        assert sorted(r["id"] for r in self.read_back(target)) == [
+            i for i in range(500) if i != 400
+        ]
 
     bad_fields = [
         ({"commands": []}, "commands"),
@@ -168,6 +193,9 @@ class TestRedisStreamContract(TestRedisContract):
                 ]
             ],
         }
+
+    def test_fail_fast_stops_at_a_command_redis_refuses(self, sink: Any, target: str) -> None:
+        pytest.skip("an XADD with '*' on an existing stream is not refused by one row")
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         out = []
@@ -297,6 +325,8 @@ class TestRedisClusterContract(TestRedisContract):
 
     def outage_config(self, target: str) -> dict[str, Any]:
         return {**self.config(target), "port": closed_port(), "socket_connect_timeout_s": 2}
+
+    stops_at_refused_command = False  # pipelines per node: documented in docs/sinks/redis.md
 
     bad_fields = [b for b in TestRedisContract.bad_fields if b[1] != "startup_nodes"] + [
         ({"db": 2}, "db"),
@@ -681,6 +711,28 @@ def test_acl_user_password_and_permissions(prefix: str, acl_user: tuple[str, str
                 denied.send_batch(make_batch(3))
         finally:
             denied.cleanup_sink()
+
+
+def test_fail_fast_without_permission_to_run_scripts_pipelines(prefix: str) -> None:
+    """An ACL user without EVALSHA/EVAL: fail_fast falls back to pipelines (logged), the
+    batch is still written and a refused command is still that row's failure."""
+    user, pw = f"conveyor_{uuid.uuid4().hex[:8]}", "pw"
+    r = client()
+    r.execute_command("ACL", "SETUSER", user, "on", f">{pw}", "~*", "+@all", "-@scripting")
+    try:
+        client().set(f"{prefix}:5", b"a string")
+        s = _sink(f"HSET {prefix}:${{payload.id}} n ${{payload.name}}", username=user, password=pw)
+        s.init_sink()
+        s.fail_fast = True
+        try:
+            assert [f.index for f in s.send_batch(make_batch(3)).failed] == []
+            assert [f.index for f in s.send_batch(make_batch(10)).failed] == [5]
+            assert s._noscript
+        finally:
+            s.cleanup_sink()
+        assert r.hget(f"{prefix}:2", "n") == b"name 2"
+    finally:
+        r.execute_command("ACL", "DELUSER", user)
 
 
 def test_timeout_is_transient(prefix: str) -> None:

@@ -422,3 +422,122 @@ def test_an_unreachable_server_is_transient() -> None:
     finally:
         sink.cleanup_sink()
         sink.cleanup_sink()
+
+
+# -- fail_fast: one ordered bulk ------------------------------------------------------------
+
+
+class OrderedCollection:
+    """A collection that applies a bulk like the server: a unique ``_id``, a validator
+    (``refuse``), and an ordered bulk stops at its first write error."""
+
+    def __init__(self, refuse: Any = lambda doc: False) -> None:
+        self.docs: dict[Any, dict[str, Any]] = {}
+        self.refuse = refuse
+        self.calls: list[tuple[int, bool]] = []  # (operations, ordered) per bulk_write
+        self.finds = 0
+
+    def bulk_write(self, ops: list[Any], ordered: bool, **kw: Any) -> None:
+        self.calls.append((len(ops), ordered))
+        errors: list[dict[str, Any]] = []
+        for index, op in enumerate(ops):
+            doc = op._doc
+            if isinstance(op, InsertOne) and doc["_id"] in self.docs:
+                errors.append(
+                    {
+                        "index": index,
+                        "code": 11000,
+                        "errmsg": "E11000 duplicate key error index: _id_ dup key",
+                        "keyPattern": {"_id": 1},
+                    }
+                )
+            elif self.refuse(doc):
+                errors.append({"index": index, "code": 121, "errmsg": "Document failed validation"})
+            else:
+                self.docs[doc["_id"]] = doc
+                continue
+            if ordered:
+                break
+        if errors:
+            raise bulk_error(errors)
+
+    def find(self, query: dict[str, Any], projection: dict[str, Any]) -> list[dict[str, Any]]:
+        self.finds += 1
+        return [{"_id": i} for i in query["_id"]["$in"] if i in self.docs]
+
+
+def sink_on(collection: OrderedCollection, *, fail_fast: bool, **kw: Any) -> Any:
+    s = build_sink({"type": "mongodb", "url": URL, "database": "db", "collection": "c", **kw})
+    s._collection = collection
+    s.fail_fast = fail_fast
+    return s
+
+
+def stored_offsets(collection: OrderedCollection) -> list[int]:
+    return sorted(d.get("id") for d in collection.docs.values())
+
+
+def test_fail_fast_is_one_ordered_bulk_that_stops_at_the_first_refused_row() -> None:
+    def bad(doc: dict[str, Any]) -> bool:
+        return doc.get("name") == "bad"
+
+    batch = make_batch(10, names={4: "bad", 7: "bad"})
+    ordered = OrderedCollection(bad)
+    result = sink_on(ordered, fail_fast=True).send_batch(batch)
+    assert [(f.index, f.message) for f in result.failed] == [
+        (4, "E121: Document failed validation")
+    ]
+    assert stored_offsets(ordered) == [0, 1, 2, 3]  # nothing after row 4
+    assert ordered.calls == [(10, True)]
+    # the other policies keep one unordered bulk that writes every other row
+    unordered = OrderedCollection(bad)
+    result = sink_on(unordered, fail_fast=False).send_batch(batch)
+    assert [f.index for f in result.failed] == [4, 7]
+    assert stored_offsets(unordered) == [0, 1, 2, 3, 5, 6, 8, 9]
+    assert unordered.calls == [(10, False)]
+
+
+def test_fail_fast_replay_goes_on_after_stored_ids_with_one_lookup() -> None:
+    """A replayed batch: its first rows are stored already (duplicate _id = acknowledged)."""
+    collection = OrderedCollection(lambda doc: doc.get("name") == "bad")
+    sink_on(collection, fail_fast=True).send_batch(make_batch(6))
+    result = sink_on(collection, fail_fast=True).send_batch(make_batch(10, names={8: "bad"}))
+    assert [f.index for f in result.failed] == [8]
+    assert stored_offsets(collection) == list(range(8))
+    # first bulk stops on the stored _id of row 0; one find drops rows 1-5; rows 6-9 sent
+    assert collection.calls == [(6, True), (10, True), (4, True)]
+    assert collection.finds == 1
+
+
+def test_fail_fast_row_refused_before_sending_cuts_the_bulk_there() -> None:
+    batch = make_batch(6).set_column(
+        7, "__key", pa.array([b"a", b"b", None, b"d", b"e", b"f"], pa.binary())
+    )
+    collection = OrderedCollection()
+    result = sink_on(collection, fail_fast=True, id_strategy="key").send_batch(batch)
+    assert [f.index for f in result.failed] == [2]
+    assert sorted(collection.docs) == ["a", "b"]
+    assert collection.calls == [(2, True)]
+
+
+def test_fail_fast_upserts_send_every_row_in_order() -> None:
+    batch = make_batch(4).set_column(7, "__key", pa.array([b"a", b"b", b"a", b"c"], pa.binary()))
+    config = cfg(write_mode="upsert", id_strategy="key")
+    assert build_operations(iter_records(batch), config).rows == [1, 2, 3]
+    ordered = build_operations(iter_records(batch), config, ordered=True)
+    assert ordered.rows == [0, 1, 2, 3] and ordered.superseded == []
+    assert all(isinstance(op, ReplaceOne) for op in ordered.ops)
+
+
+def test_invalid_utf8_payloads_are_row_failures_with_the_byte_offset() -> None:
+    """The hostile bytes corpus: each invalid payload fails before sending, naming the
+    offset (it used to be stored with replacement characters)."""
+    from tests.hostile import HOSTILE_BYTES, hostile_bytes_batch
+
+    batch, what = hostile_bytes_batch()
+    plan = build_operations(iter_records(batch), cfg())
+    assert [what[f.index] for f in plan.failures] == [label for label, _, _ in HOSTILE_BYTES]
+    for f, (_label, _payload, offset) in zip(plan.failures, HOSTILE_BYTES, strict=True):
+        assert f.message.startswith("payload is not valid UTF-8: ")
+        assert f.message.endswith(f"at byte offset {offset}")
+    assert [what[r] for r in plan.rows] == ["good"] * 10

@@ -169,7 +169,7 @@ def test_zombie_is_fenced_stopped_and_killed_when_local():
     c = running("a", "b1", hb_age=2)
     z = run_of(c, status="CANCELED", pid=4242, local=True)
     p = s.plan([c], brokers("b1"), [z], NOW)
-    assert kinds(p) == [("Stop", "a"), ("KillZombie", "a")]
+    assert kinds(p) == [("KillZombie", "a"), ("Stop", "a")]
     assert p.of(s.KillZombie)[0].pid == 4242
 
 
@@ -185,7 +185,7 @@ def test_zombie_whose_heartbeat_went_stale_is_still_stopped_and_killed():
     c = running("a", "b1", hb_age=45)
     z = run_of(c, status="CANCELED", pid=4242, local=True, process_alive=True)
     p = s.plan([c], brokers("b1", "b2"), [z], NOW)
-    assert kinds(p) == [("Stop", "a"), ("KillZombie", "a")]
+    assert kinds(p) == [("KillZombie", "a"), ("Stop", "a")]
     assert p.of(s.Assign) == []
 
 
