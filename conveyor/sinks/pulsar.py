@@ -5,6 +5,12 @@ that row; then every producer used is flushed and ``send_batch`` waits until eve
 has fired (bounded by ``send_timeout_ms``). Only then does it return, so a row counts as
 acknowledged only after the broker persisted it.
 
+Under ``fail_fast`` (the ``fail`` policy) the rows are sent one at a time, in order: each
+``send_async`` is flushed and its callback awaited before the next row goes out, so a
+refused message stops the batch and nothing after it is sent. A refusal arrives in the
+callback, possibly after ``send_async`` returned (with batching, when the client batch
+closes), so waiting is the one way to be exact; it costs one broker round trip per message.
+
 Per-message results: ``MessageTooBig`` and ``InvalidMessage`` are data errors of that row;
 timeouts, lost connections and overload make the whole batch transient; auth, missing or
 terminated topics are permanent.
@@ -421,6 +427,8 @@ class PulsarSink(Sink):
         if self._client is None:
             self.init_sink()
         records = list(iter_records(batch))
+        if self.fail_fast:
+            return SendResult(rows=batch.num_rows, failed=tuple(self._send_in_order(records)))
         acks = _Acks(len(records))
         failures: list[RowFailure] = []
         sync: dict[int, Any] = {}  # rows whose send failed at once, by exception
@@ -460,6 +468,55 @@ class PulsarSink(Sink):
                 sorted(failures + self._row_failures(acks.results, sync), key=lambda f: f.index)
             ),
         )
+
+    def _send_in_order(self, records: list[Record]) -> list[RowFailure]:
+        """fail_fast: one message at a time, each acknowledged before the next is sent. The
+        first refused row is the failure (the rows after it are not sent); an outage after
+        some rows were acknowledged lists the rest as not acknowledged (TRANSIENT)."""
+        timeout_s = self.config.send_timeout_ms / 1000 + 10
+        for position, rec in enumerate(records):
+            try:
+                topic = render_topic(self.config.topic, rec)
+            except ValueError as e:
+                return [RowFailure(rec.index, str(e))]
+            producer = self._producer(topic)
+            acks = _Acks(1)
+            acks.expect()
+            detail = ""
+            try:
+                producer.send_async(
+                    message_content(rec), acks.callback(0), **message_kwargs(rec, self.config)
+                )
+            except Exception as e:  # noqa: BLE001 - classified below
+                acks.callback(0)(type(e).__name__ if map_error(e) else "InvalidMessage", None)
+                detail = f": {e}"
+            if acks.results[0] is None:
+                with contextlib.suppress(Exception):  # the result arrives in the callback
+                    producer.flush()  # a client batch of one: no batching delay per message
+            if not acks.wait(timeout_s):
+                result: Any = "Timeout"
+                detail = f": not acknowledged within {self.config.send_timeout_ms} ms"
+            else:
+                result = acks.results[0]
+            kind = classify_result(result)
+            if kind == "ok":
+                continue
+            name = result if isinstance(result, str) else getattr(result, "name", str(result))
+            if kind == "data":
+                return [RowFailure(rec.index, f"{name}{detail}")]
+            self._reset()
+            if kind == "permanent":
+                raise PermanentSinkError(f"Pulsar refused message {rec.index}: {name}{detail}")
+            if position == 0:
+                raise TransientSinkError(f"Pulsar: message not acknowledged, {name}{detail}")
+            # The rows before it are acknowledged: only this one and the rest are sent again.
+            return [
+                RowFailure(
+                    r.index, f"{name}{detail}" if r is rec else "not sent", ErrorKind.TRANSIENT
+                )
+                for r in records[position:]
+            ]
+        return []
 
     def _row_failures(self, results: list[Any], sync: dict[int, Any]) -> list[RowFailure]:
         failures: list[RowFailure] = []

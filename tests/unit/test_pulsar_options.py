@@ -351,3 +351,112 @@ def test_event_timestamps_are_exact_integers() -> None:
         ts = BASE_TS + dt.timedelta(milliseconds=ms, microseconds=999)
         assert epoch_ms(ts) == 1793534400000 + ms
     assert epoch_ms(dt.datetime(1970, 1, 1, 0, 0, 1)) == 1000  # naive = UTC
+
+
+# -- fail_fast: one message at a time -----------------------------------------------------------
+
+
+class FakeProducer:
+    """Results as the client gives them: ``refuse`` maps a message id to its Result, reported
+    in the callback at ``flush`` (as for a client batch that closes), ``raise_on`` makes
+    ``send_async`` raise. ``sent`` is every message handed to the client, ``stored`` the
+    ones the broker persisted."""
+
+    def __init__(
+        self, refuse: dict[int, Any] | None = None, raise_on: frozenset[int] = frozenset()
+    ):
+        self.refuse = refuse or {}
+        self.raise_on = raise_on
+        self.sent: list[int] = []
+        self.stored: list[int] = []
+        self.pending: list[tuple[int, Any]] = []
+        self.flushes = 0
+
+    def send_async(self, content: bytes, callback: Any, **kwargs: Any) -> None:
+        import json
+
+        row = json.loads(content)["id"]
+        if row in self.raise_on:
+            raise ValueError("Argument 'properties' has incorrect type")
+        self.sent.append(row)
+        self.pending.append((row, callback))
+
+    def flush(self) -> None:
+        self.flushes += 1
+        pending, self.pending = self.pending, []
+        for row, callback in pending:
+            result = self.refuse.get(row, pulsar.Result.Ok)
+            if result == pulsar.Result.Ok:
+                self.stored.append(row)
+            callback(result, None)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeClient:
+    def __init__(self, producer: FakeProducer):
+        self.producer = producer
+
+    def create_producer(self, topic: str, **kwargs: Any) -> FakeProducer:
+        return self.producer
+
+    def close(self) -> None:
+        pass
+
+
+def fake_sink(producer: FakeProducer) -> PulsarSink:
+    sink = PulsarSink(cfg())
+    sink._client = FakeClient(producer)
+    return sink
+
+
+def test_fail_fast_sends_nothing_after_a_refused_message() -> None:
+    from conveyor.core.sink import send_isolating
+
+    producer = FakeProducer(refuse={7: pulsar.Result.MessageTooBig})
+    failed = send_isolating(fake_sink(producer), make_batch(20), fail_fast=True)
+    assert failed == [RowFailure(7, "MessageTooBig")]
+    assert producer.sent == list(range(8))  # the refused one is the last handed to the client
+    assert producer.stored == list(range(7))
+    assert producer.flushes == 8  # each message acknowledged before the next
+
+
+def test_fail_fast_stops_at_a_message_send_async_refuses() -> None:
+    producer = FakeProducer(raise_on=frozenset({3}))
+    sink = fake_sink(producer)
+    sink.fail_fast = True
+    result = sink.send_batch(make_batch(10))
+    assert [f.index for f in result.failed] == [3]
+    assert result.failed[0].message.startswith("InvalidMessage: ")
+    assert producer.sent == producer.stored == [0, 1, 2]
+
+
+def test_fail_fast_outage_after_some_acknowledged_resends_the_rest() -> None:
+    producer = FakeProducer(refuse={4: pulsar.Result.Timeout})
+    sink = fake_sink(producer)
+    sink.fail_fast = True
+    result = sink.send_batch(make_batch(6))
+    assert result.failed == (
+        RowFailure(4, "Timeout", ErrorKind.TRANSIENT),
+        RowFailure(5, "not sent", ErrorKind.TRANSIENT),
+    )
+    assert producer.sent == [0, 1, 2, 3, 4]
+    producer = FakeProducer(refuse={0: pulsar.Result.Timeout})
+    sink = fake_sink(producer)
+    sink.fail_fast = True
+    with pytest.raises(TransientSinkError, match="Timeout"):
+        sink.send_batch(make_batch(6))
+    sink = fake_sink(FakeProducer(refuse={2: pulsar.Result.AuthorizationError}))
+    sink.fail_fast = True
+    with pytest.raises(PermanentSinkError, match="message 2: AuthorizationError"):
+        sink.send_batch(make_batch(6))
+
+
+def test_without_fail_fast_every_message_is_sent_and_the_refusal_reported() -> None:
+    producer = FakeProducer(refuse={7: pulsar.Result.MessageTooBig})
+    failed = fake_sink(producer).send_batch(make_batch(20)).failed
+    assert failed == (RowFailure(7, "MessageTooBig"),)
+    assert producer.sent == list(range(20))  # the client reports it after the batch went out
+    assert producer.stored == [i for i in range(20) if i != 7]
+    assert producer.flushes == 1
