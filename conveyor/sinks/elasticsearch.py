@@ -15,6 +15,12 @@ deterministic ``_id`` means "already stored" and counts as acknowledged.
 The bulk response is read item by item: a rejected document (mapping error, bad value)
 is a data error for its row; 429 and 5xx items make the whole batch transient (the
 runtime retries it; replays are harmless with deterministic ids); 401/403 are permanent.
+
+``_bulk`` applies its items independently: nothing in the bulk API or the client stops a
+request at its first refused item. Under ``fail_fast`` (the ``fail`` policy) the batch is sent
+as several ``_bulk`` requests of ``fail_fast_chunk_size`` documents, in order, and the sink
+stops after the request holding the first refused document: at most
+``fail_fast_chunk_size - 1`` documents after the failed row are written (none with 1).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import decimal
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,8 +49,10 @@ from conveyor.core.errors import (
     rule,
 )
 from conveyor.core.references import known_now
+from conveyor.core.sink import isolate_rows
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
+    ErrorKind,
     Record,
     RowFailure,
     SendResult,
@@ -137,6 +145,21 @@ class ElasticsearchSinkConfig(SinkConfig):
         le=10,
         description="Immediate retries by the client on connection errors and 429/502/503/504 before the batch counts as an outage.",
     )
+
+    fail_fast_chunk_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="Under the fail policy: documents per _bulk request, sent in order; the sink stops after the "
+        "request holding the first refused document, so at most this minus one documents after it are written "
+        "(1: none, one request per document). Default: 100, or 1 with id_strategy none (a replay would duplicate them).",
+    )
+
+    def fail_fast_chunk(self) -> int:
+        """Documents per ``_bulk`` request under fail_fast (``fail_fast_chunk_size`` or its default)."""
+        if self.fail_fast_chunk_size is not None:
+            return self.fail_fast_chunk_size
+        return 1 if self.id_strategy == "none" else 100
 
     def asset_key_path(self) -> list[str]:
         static = templates.static_text(self.index, "x")
@@ -327,6 +350,25 @@ class BulkPlan:
     )  # action, source, action, source, ...
     rows: list[int] = field(default_factory=list)
     failures: list[RowFailure] = field(default_factory=list)  # rejected before sending
+
+    def items(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Each row with its operations: an action line, then its source unless a delete."""
+        out: list[tuple[int, list[dict[str, Any]]]] = []
+        pos = 0
+        for row in self.rows:
+            n = 1 if "delete" in self.operations[pos] else 2
+            out.append((row, self.operations[pos : pos + n]))
+            pos += n
+        return out
+
+    @classmethod
+    def of(cls, items: Iterable[tuple[int, list[dict[str, Any]]]]) -> BulkPlan:
+        """A plan of the given rows and their operations (nothing rejected before sending)."""
+        plan = cls()
+        for row, ops in items:
+            plan.operations.extend(ops)
+            plan.rows.append(row)
+        return plan
 
 
 def build_bulk(
@@ -570,17 +612,66 @@ class ElasticsearchSink(Sink):
             frozenset(i for i, t in enumerate(tombstone_flags(batch)) if t),
         )
         failures = list(plan.failures)
-        if plan.operations:
-            try:
-                response = self._client.bulk(operations=plan.operations, **self.bulk_params())
-            except Exception as e:
-                mapped = map_error(e)
-                if mapped is None:
-                    raise
-                raise mapped from None
-            failures.extend(map_bulk_response(response.body, plan, self.config))
+        if self.fail_fast:
+            # A row refused before sending cuts the batch there: nothing after it is sent.
+            first = min((f.index for f in failures), default=None)
+            if first is not None:
+                failures = [f for f in failures if f.index == first]
+                plan = BulkPlan.of((row, ops) for row, ops in plan.items() if row < first)
+            refused = self._bulk_in_order(plan) if plan.rows else []
+            if any(f.kind is ErrorKind.DATA for f in refused):
+                failures = refused  # refused by the server, before the row refused here
+            else:
+                failures = refused + failures  # rows an outage left unacknowledged, if any
+        elif plan.operations:
+            failures.extend(self._bulk(plan))
         failures.sort(key=lambda f: f.index)
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _bulk(self, plan: BulkPlan) -> list[RowFailure]:
+        """One ``_bulk`` request; the rows it refused."""
+        try:
+            response = self._client.bulk(operations=plan.operations, **self.bulk_params())
+        except Exception as e:
+            mapped = map_error(e)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return map_bulk_response(response.body, plan, self.config)
+
+    def _bulk_in_order(self, plan: BulkPlan) -> list[RowFailure]:
+        """fail_fast: ``_bulk`` requests of ``fail_fast_chunk_size`` documents, in order; stop
+        after the one holding the first refused document (at most one failure). A request
+        rejected as a whole (400, 413: nothing of it applied) is bisected in order, stopping at
+        its first guilty row; an outage after some requests were acknowledged lists the rows
+        not acknowledged (TRANSIENT) so only those are sent again."""
+        ops = dict(plan.items())
+        rows = list(ops)
+        size = self.config.fail_fast_chunk()
+
+        def attempt(chunk: Sequence[int]) -> list[RowFailure]:
+            return self._bulk(BulkPlan.of((row, ops[row]) for row in chunk))
+
+        for start in range(0, len(rows), size):
+            try:
+                failures = isolate_rows(
+                    rows[start : start + size],
+                    attempt,
+                    lambda e: str(e) if isinstance(e, BatchRejected) else None,
+                    fail_fast=True,
+                )
+            except TransientSinkError as e:
+                if start == 0:
+                    raise
+                return [
+                    RowFailure(row, str(e) if n == start else "not sent", ErrorKind.TRANSIENT)
+                    for n, row in enumerate(rows)
+                    if n >= start
+                ]
+            data = [f for f in failures if f.kind is ErrorKind.DATA]
+            if data:
+                return [min(data, key=lambda f: f.index)]
+        return []
 
     def cleanup_sink(self) -> None:
         client, self._client = self._client, None

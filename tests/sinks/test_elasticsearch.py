@@ -63,6 +63,23 @@ class TestElasticsearchContract(SinkContract):
     sink_type = "elasticsearch"
     idempotent = True
     keeps_keys = keeps_headers = keeps_timestamps = True
+    # fail_fast sends _bulk requests of fail_fast_chunk_size (100) in order and stops after
+    # the one holding the refused document: the rest of that request is written (bounded,
+    # checked below); TestElasticsearchExactContract sets 1 and writes nothing after it.
+    stops_at_first_failure = False
+
+    def test_fail_fast_writes_at_most_the_rest_of_its_request(self, sink: Any, target: str) -> None:
+        from conveyor.core.sink import send_isolating
+
+        batch, bad = self.poison_batch(target)
+        first = min(bad)
+        failed = send_isolating(sink, batch, fail_fast=True)
+        assert [f.index for f in failed] == [first]
+        size = sink.config.fail_fast_chunk()
+        end = (first // size + 1) * size  # requests start at rows 0, size, 2 * size, ...
+        ids = batch.column("id").to_pylist()
+        stored = sorted(r["id"] for r in self.read_back(target))
+        assert set(ids[:first]) <= set(stored) <= set(ids[:first] + ids[first + 1 : end])
 
     def make_target(self) -> Iterator[str]:
         name = unique("orders")  # lower case already
@@ -140,3 +157,12 @@ class TestElasticsearchCreateContract(TestElasticsearchContract):
 
     def config(self, target: str) -> dict[str, Any]:
         return {**super().config(target), "op_type": "create", "refresh": "wait_for"}
+
+
+class TestElasticsearchExactContract(TestElasticsearchContract):
+    """``fail_fast_chunk_size: 1``: one document per request under fail_fast, nothing after the failed row."""
+
+    stops_at_first_failure = True
+
+    def config(self, target: str) -> dict[str, Any]:
+        return {**super().config(target), "fail_fast_chunk_size": 1}

@@ -13,7 +13,13 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from elastic_transport import ApiResponseMeta, HttpHeaders, NdjsonSerializer, NodeConfig
+from elastic_transport import (
+    ApiResponseMeta,
+    BaseNode,
+    HttpHeaders,
+    NdjsonSerializer,
+    NodeConfig,
+)
 from elasticsearch import ApiError, ConnectionError, ConnectionTimeout, SerializationError, SSLError
 from elasticsearch.exceptions import HTTP_EXCEPTIONS, UnsupportedProductError
 
@@ -437,3 +443,159 @@ def test_an_unreachable_server_is_transient() -> None:
     finally:
         sink.cleanup_sink()
         sink.cleanup_sink()
+
+
+# -- fail_fast: _bulk requests in order -------------------------------------------------------
+
+
+class FakeNode(BaseNode):
+    """A fake transport node behind the real client: applies each ``_bulk`` item
+    independently as Elasticsearch does, refusing the documents whose ``id`` is in
+    ``REFUSE`` (400 mapping error), or the whole request (400 malformed) when it holds one
+    in ``REJECT_REQUEST``, or answering 503 from request ``UNAVAILABLE_FROM`` on."""
+
+    REFUSE: frozenset[int] = frozenset()
+    REJECT_REQUEST: frozenset[int] = frozenset()
+    UNAVAILABLE_FROM: int | None = None
+    stored: list[int] = []
+    requests: list[list[int]] = []
+
+    def perform_request(self, method: str, target: str, body: bytes | None = None, **kw: Any):
+        from elastic_transport._node._base import NodeApiResponse
+
+        lines = [json.loads(line) for line in (body or b"").splitlines() if line.strip()]
+        docs = [line for line in lines if "id" in line]
+        ids = [d["id"] for d in docs]
+        status, out = 200, {"took": 1, "errors": False, "items": []}
+        if target.split("?")[0] == "/_bulk":
+            type(self).requests.append(ids)
+            if (
+                self.UNAVAILABLE_FROM is not None
+                and len(type(self).requests) > self.UNAVAILABLE_FROM
+            ):
+                status, out = 503, {"error": {"type": "unavailable", "reason": "shutting down"}}
+            elif self.REJECT_REQUEST & set(ids):
+                status = 400
+                out = {"error": {"type": "illegal_argument_exception", "reason": "Malformed"}}
+            else:
+                for i in ids:
+                    if i in self.REFUSE:
+                        out["errors"] = True
+                        out["items"].append({"index": {"status": 400, "error": MAPPING_ERROR}})
+                    else:
+                        type(self).stored.append(i)
+                        out["items"].append({"index": {"status": 201, "_id": str(i)}})
+        meta = ApiResponseMeta(
+            status=status,
+            http_version="1.1",
+            headers=HttpHeaders(
+                {"x-elastic-product": "Elasticsearch", "content-type": "application/json"}
+            ),
+            duration=0.0,
+            node=self.config,
+        )
+        return NodeApiResponse(meta, json.dumps(out).encode())
+
+
+def fake_es_sink(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> Any:
+    from elasticsearch import Elasticsearch
+
+    monkeypatch.setattr(FakeNode, "stored", [])
+    monkeypatch.setattr(FakeNode, "requests", [])
+    sink = build_sink({**BASE, **kw})
+    sink._client = Elasticsearch(  # type: ignore[attr-defined]
+        **{**sink.client_options(), "max_retries": 0},  # type: ignore[attr-defined]
+        node_class=FakeNode,
+    )
+    return sink
+
+
+def test_fail_fast_stops_after_the_request_holding_the_refused_document(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from conveyor.core.sink import send_isolating
+
+    monkeypatch.setattr(FakeNode, "REFUSE", frozenset({250, 260}))
+    sink = fake_es_sink(monkeypatch, fail_fast_chunk_size=100)
+    failed = send_isolating(sink, make_batch(500), fail_fast=True)
+    assert [f.index for f in failed] == [250]
+    assert "document_parsing_exception" in failed[0].message
+    # Requests of 100 in order; the third holds row 250: rows 251-299 (the bound, 99) are
+    # written, nothing from row 300 on.
+    assert [r[0] for r in FakeNode.requests] == [0, 100, 200]
+    assert FakeNode.stored == [i for i in range(300) if i not in (250, 260)]
+
+
+def test_fail_fast_with_chunks_of_one_writes_nothing_after_the_refused_document(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from conveyor.core.sink import send_isolating
+
+    monkeypatch.setattr(FakeNode, "REFUSE", frozenset({7}))
+    sink = fake_es_sink(monkeypatch, fail_fast_chunk_size=1)
+    failed = send_isolating(sink, make_batch(20), fail_fast=True)
+    assert [f.index for f in failed] == [7]
+    assert FakeNode.stored == list(range(7))
+    assert FakeNode.requests == [[i] for i in range(8)]
+    # id_strategy none (a replay would duplicate): one document per request by default.
+    assert cfg(id_strategy="none").fail_fast_chunk() == 1
+    assert cfg().fail_fast_chunk() == 100
+
+
+def test_fail_fast_a_row_refused_before_sending_cuts_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Row 5 is NaN (refused by the sink): nothing from row 5 on is sent; a server refusal
+    # before it wins.
+    sink = fake_es_sink(monkeypatch)
+    sink.fail_fast = True
+    result = sink.send_batch(make_batch(10, amounts={5: float("nan")}))
+    assert [f.index for f in result.failed] == [5]
+    assert FakeNode.stored == [0, 1, 2, 3, 4]
+    monkeypatch.setattr(FakeNode, "REFUSE", frozenset({3}))
+    sink = fake_es_sink(monkeypatch)
+    sink.fail_fast = True
+    result = sink.send_batch(make_batch(10, amounts={5: float("nan")}))
+    assert [f.index for f in result.failed] == [3]
+    assert FakeNode.stored == [0, 1, 2, 4]
+
+
+def test_fail_fast_a_request_rejected_whole_is_bisected_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from conveyor.core.sink import send_isolating
+
+    monkeypatch.setattr(FakeNode, "REJECT_REQUEST", frozenset({130}))
+    sink = fake_es_sink(monkeypatch, fail_fast_chunk_size=100)
+    failed = send_isolating(sink, make_batch(300), fail_fast=True)
+    assert [f.index for f in failed] == [130]
+    assert "Malformed" in failed[0].message
+    assert FakeNode.stored == list(range(130))  # the first request is not sent again
+
+
+def test_fail_fast_outage_after_some_requests_resends_only_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(FakeNode, "UNAVAILABLE_FROM", 2)
+    sink = fake_es_sink(monkeypatch, fail_fast_chunk_size=100)
+    sink.fail_fast = True
+    result = sink.send_batch(make_batch(250))
+    assert FakeNode.stored == list(range(200))
+    assert [f.index for f in result.failed] == list(range(200, 250))
+    assert {f.kind for f in result.failed} == {ErrorKind.TRANSIENT}
+    monkeypatch.setattr(FakeNode, "UNAVAILABLE_FROM", 0)
+    sink = fake_es_sink(monkeypatch)
+    sink.fail_fast = True
+    with pytest.raises(TransientSinkError):
+        sink.send_batch(make_batch(250))
+
+
+def test_without_fail_fast_one_bulk_and_the_refusal_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(FakeNode, "REFUSE", frozenset({7}))
+    sink = fake_es_sink(monkeypatch)
+    result = sink.send_batch(make_batch(500))
+    assert [f.index for f in result.failed] == [7]
+    assert len(FakeNode.requests) == 1
+    assert FakeNode.stored == [i for i in range(500) if i != 7]
