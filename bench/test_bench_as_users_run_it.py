@@ -282,7 +282,7 @@ def summarize_profile(path: Path, top: int = 6) -> str:
     roots = {
         "ConnectorLoop.run": "loop (send, commit)",
         "_Prefetcher._read": "reader (source.read)",
-        "_Prefetcher._transform_ahead": "transform (Spark)",
+        "_Prefetcher._transform_worker": "transform (Spark)",
     }
     per: dict[str, Counter[str]] = defaultdict(Counter)
     for line in path.read_text().splitlines():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -56,22 +57,26 @@ class SparkTransformer:
         self.spec = spec
         self._session_or_factory = session
         self._session: Any = None
+        self._session_lock = threading.Lock()  # batches may be transformed on several threads
         self._out_schema: pa.Schema | None = (
             None  # the pipeline's Arrow output, known after one batch
         )
 
     @property
     def session(self) -> Any:
-        if self._session is None:
-            s = self._session_or_factory
-            self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
-        return self._session
+        with self._session_lock:
+            if self._session is None:
+                s = self._session_or_factory
+                self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
+            return self._session
 
     def _lost(self, e: BaseException) -> None:
         """After a server restart, the next attempt runs on a new session."""
-        if is_session_lost(e) and self._session is not None and callable(self._session_or_factory):
-            discard_session(self._session)
-            self._session = None
+        with self._session_lock:
+            lost = self._session
+            if is_session_lost(e) and lost is not None and callable(self._session_or_factory):
+                discard_session(lost)
+                self._session = None
 
     def _pipeline(self, df: Any) -> Any:
         """The Spark SQL plan. Its input holds ``__value``, ``__row`` and the message columns
