@@ -979,8 +979,10 @@ class _Prefetcher:
 
     def stop(self) -> None:
         self._stop.set()
+        # One bound for all the threads (the reader first), however deep the pipeline.
+        deadline = time.monotonic() + max(self._policy.max_wait_ms / 1000 * 2, 5.0)
         for t in self._threads:
-            t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
