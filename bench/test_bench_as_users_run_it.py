@@ -194,11 +194,17 @@ def client_of(contender: str) -> str | None:
     ``:`` the connector's default batch policy."""
     if not contender.startswith("conveyor"):
         return ""
-    return contender.partition(":")[0].partition("-")[2] or None
+    return contender.partition("/")[0].partition(":")[0].partition("-")[2] or None
+
+
+def depth_of(contender: str) -> dict[str, Any]:
+    """``conveyor-confluent/d1``: that contender with ``transform.pipeline_depth`` 1."""
+    depth = contender.partition("/")[2].removeprefix("d")
+    return {"pipeline_depth": int(depth)} if depth else {}
 
 
 def batch_of(contender: str) -> dict[str, Any]:
-    records, _, wait = contender.partition(":")[2].partition(":")
+    records, _, wait = contender.partition("/")[0].partition(":")[2].partition(":")
     policy = {
         **({"max_records": int(records)} if records else {}),
         **({"max_wait_ms": int(wait)} if wait else {}),
@@ -208,8 +214,11 @@ def batch_of(contender: str) -> dict[str, Any]:
 
 def label_of(contender: str) -> str:
     """A contender as part of a table name."""
-    return (client_of(contender) or "default").replace("-", "_") + (
-        "_b" + contender.partition(":")[2].replace(":", "_") if ":" in contender else ""
+    base, _, depth = contender.partition("/")
+    return (
+        (client_of(contender) or "default").replace("-", "_")
+        + ("_b" + base.partition(":")[2].replace(":", "_") if ":" in base else "")
+        + (f"_{depth}" if depth else "")
     )
 
 
@@ -223,7 +232,7 @@ def spec(
         "desired": "stopped",
         **batch_of(contender),
         "source": {"topics": [topic], **({"client": client} if client else {})},
-        "transform": {"decode": "json", "schema": SCHEMA},
+        "transform": {"decode": "json", "schema": SCHEMA, **depth_of(contender)},
         "sink": {"type": "postgres", "url": pg_url, "schema": schema, "table": name},
     }
 
@@ -282,7 +291,7 @@ def summarize_profile(path: Path, top: int = 6) -> str:
     roots = {
         "ConnectorLoop.run": "loop (send, commit)",
         "_Prefetcher._read": "reader (source.read)",
-        "_Prefetcher._transform_ahead": "transform (Spark)",
+        "_Prefetcher._transform_worker": "transform (Spark)",
     }
     per: dict[str, Counter[str]] = defaultdict(Counter)
     for line in path.read_text().splitlines():
@@ -371,6 +380,7 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
     ]
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
+    loads: list[tuple[int, str, tuple[float, float, float]]] = []  # after each drain
     with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
         wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
         for i, r in enumerate(rounds):
@@ -388,8 +398,9 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
                     res = run_script(contender, args, pg_url, pg_schema, table, tmp_path)
                 assert distinct_ids(pg_url, pg_schema, table) == N, (contender, r)
                 results[contender].append(res)
+                loads.append((i + 1, contender, os.getloadavg()))
                 print(
-                    f"round {i + 1} {contender:<11} steady {res.steady_rate():>9,.0f} rows/s"
+                    f"round {i + 1} {contender:<11} load {os.getloadavg()} steady {res.steady_rate():>9,.0f} rows/s"
                     f"  total {res.total_rate():>9,.0f}  cpu/100K {res.cpu_per_100k()}"
                     f"  peak RSS MB {res.peak_rss_mb()}"
                 )
@@ -398,7 +409,7 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
             latency[c] = conveyor_latency(stack, name, tansu, pg_url, pg_schema, jvm)
         if "librdkafka" in CONTENDERS and LATENCY_S > 0:
             latency["librdkafka"] = script_latency(tansu, pg_url, pg_schema, tmp_path)
-    report(results, latency)
+    report(results, latency, loads)
 
 
 def conveyor_latency(
@@ -485,7 +496,9 @@ def script_latency(
 
 
 def report(
-    results: dict[str, list[Result]], latency: dict[str, tuple[float, float, int, float]]
+    results: dict[str, list[Result]],
+    latency: dict[str, tuple[float, float, int, float]],
+    loads: list[tuple[int, str, tuple[float, float, float]]] | None = None,
 ) -> None:
     """The issue's table (markdown, printed; JSON to $CONVEYOR_BENCH_OUT): per contender the
     median and every round of steady and start-up-included rows/s, CPU s per 100K rows per
@@ -504,6 +517,7 @@ def report(
         "rounds": ROUNDS,
         "commit": commit,
         "loadavg": os.getloadavg(),
+        "loadavg_per_drain": loads or [],
         "latency_rate": LATENCY_RATE,
         "contenders": {},
     }

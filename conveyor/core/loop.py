@@ -3,9 +3,10 @@
 Order inside one batch, always: transform, send, failed messages follow the
 failure policy (dead letters flushed), then offsets committed, then heartbeat.
 Nothing is committed before the sink acknowledged. Batches flow through a
-three-stage pipeline: while batch N is in the sink, N+1 is transformed (Spark)
-and N+2 is read, each stage on its own thread holding one batch. Sending,
-committing and every error decision stay on the loop's thread, in order.
+three-stage pipeline: while batch N is in the sink, N+1 (up to N+depth,
+``LoopConfig.transform_depth``) is transformed (Spark) and the next is read, each
+stage on its own threads. Sending, committing and every error decision stay on the
+loop's thread, in source order.
 
 Control (``Directive``, the answer to each heartbeat): a *pause* takes effect at the
 next batch boundary: the loop and its read-ahead stop reading (batches already read
@@ -34,6 +35,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
@@ -205,6 +208,8 @@ class LoopConfig:
     prefetch: bool = True  # read the next batch on a thread
     # With prefetch: also transform the next batch on a thread, while this one is sent.
     transform_ahead: bool = True
+    # With transform_ahead: how many batches may be in the transform (Spark) at once.
+    transform_depth: int = 1
     # While paused: how often to heartbeat (and so how soon a resume is seen).
     paused_poll_s: float = 0.25
     # Admission, cap and breakers for rows that choose their destination (__destination).
@@ -337,7 +342,14 @@ class ConnectorLoop:
         if not self.cfg.prefetch:
             return None
         ahead = self.transform if self.cfg.transform_ahead else None
-        return _Prefetcher(self.source, self.cfg.batch, ahead, self._pause_event, self.stages)
+        return _Prefetcher(
+            self.source,
+            self.cfg.batch,
+            ahead,
+            self._pause_event,
+            self.stages,
+            depth=self.cfg.transform_depth,
+        )
 
     def _read(self) -> SourceBatch | None:
         with self.stages.stage(Stage.READ):
@@ -827,15 +839,19 @@ class _Ahead:
 
 
 class _Prefetcher:
-    """Reads ahead on one thread and, given a transform, transforms ahead on another.
+    """Reads ahead on one thread and, given a transform, transforms ahead on others.
 
-    Each stage holds at most one batch, so at most three are in memory: the one being
-    sent, the one being transformed and the one being read. Reading errors are handed
-    to the loop's thread (and end the reading). A transform that fails ahead is not
-    reported from here: the batch goes on untransformed and the loop's thread runs the
-    transform again under its retry policy, where every error is handled as usual. An
-    outage met ahead counts there as the first failed attempt, so that detecting one
-    does not take twice as long.
+    Up to ``depth`` batches are in the transform at once (each on its own worker thread;
+    Spark runs their queries side by side), and the loop's thread takes them in the
+    order they were read, whatever order their transforms end in: sends and commits stay
+    in source order. Besides those, one batch waits in the reader and up to ``depth``
+    transformed ones wait for the loop's thread. Reading errors are handed to the loop's
+    thread (and end the reading). A transform that fails ahead is not reported from
+    here: the batch goes on untransformed, in its place, and the loop's thread runs the
+    transform again under its retry policy, where every error is handled as usual (an
+    error there ends the run after the batches before it, and nothing past it, were
+    committed). An outage met ahead counts there as the first failed attempt, so that
+    detecting one does not take twice as long.
     """
 
     def __init__(
@@ -845,6 +861,7 @@ class _Prefetcher:
         transform: Callable[[pa.Table], Transformed] | None = None,
         paused: threading.Event | None = None,
         stages: StageClock | None = None,
+        depth: int = 1,
     ):
         self._stages = stages or StageClock(time.monotonic)
         self._source = source
@@ -852,15 +869,24 @@ class _Prefetcher:
         self._transform = transform
         self._paused = paused or threading.Event()  # set: no new read starts
         self._stop = threading.Event()
-        self._out: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._depth = max(1, depth)
+        # In source order: ("batch", _Ahead | Future[_Ahead]) or ("error", exception).
+        self._out: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self._depth)
+        self._head: Future[_Ahead] | None = None  # taken from _out, its transform not ended
         self._threads = [threading.Thread(target=self._read, name="conveyor-prefetch", daemon=True)]
         self._read_q = self._out
         if transform is not None:
             self._read_q = queue.Queue(maxsize=1)
+            self._slots = threading.Semaphore(self._depth)  # batches in the transform
+            self._work: queue.Queue[tuple[_Ahead, Future[_Ahead]]] = queue.Queue()
             self._threads.append(
+                threading.Thread(target=self._dispatch, name="conveyor-dispatch", daemon=True)
+            )
+            self._threads.extend(
                 threading.Thread(
-                    target=self._transform_ahead, name="conveyor-transform", daemon=True
+                    target=self._transform_worker, name="conveyor-transform", daemon=True
                 )
+                for _ in range(self._depth)
             )
         for t in self._threads:
             t.start()
@@ -888,37 +914,67 @@ class _Prefetcher:
             if not self._put(self._read_q, item) or item[0] == "error":
                 return
 
-    def _transform_ahead(self) -> None:
-        assert self._transform is not None
+    def _dispatch(self) -> None:
+        """Hands each batch to a transform worker, in order, when fewer than ``depth``
+        are in the transform; its future takes the batch's place in ``_out``."""
         while not self._stop.is_set():
             try:
                 kind, value = self._read_q.get(timeout=0.2)
             except queue.Empty:
                 continue
             if kind == "batch" and value is not None and value.batch.table.num_rows:
-                try:
-                    with self._stages.stage(Stage.TRANSFORM):
-                        value = _Ahead(value.batch, self._transform(value.batch.table))
-                except OUTAGES as e:
-                    value = _Ahead(value.batch, outage=e)
-                except Exception as e:  # noqa: BLE001 - run again on the loop's thread
-                    log.debug("transform ahead failed (the loop runs it again): %s", e)
+                while not self._slots.acquire(timeout=0.2):
+                    if self._stop.is_set():
+                        return
+                future: Future[_Ahead] = Future()
+                self._work.put((value, future))
+                value = future
             if not self._put(self._out, (kind, value)) or kind == "error":
                 return
 
+    def _transform_worker(self) -> None:
+        assert self._transform is not None
+        while not self._stop.is_set():
+            try:
+                ahead, future = self._work.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                with self._stages.stage(Stage.TRANSFORM):
+                    ahead = _Ahead(ahead.batch, self._transform(ahead.batch.table))
+            except OUTAGES as e:
+                ahead = _Ahead(ahead.batch, outage=e)
+            except Exception as e:  # noqa: BLE001 - run again on the loop's thread
+                log.debug("transform ahead failed (the loop runs it again): %s", e)
+            finally:
+                self._slots.release()
+                future.set_result(ahead)
+
     def next(self) -> _Ahead | None:
+        wait = max(self._policy.max_wait_ms / 1000 * 2, 1.0)
+        if self._head is None:
+            try:
+                kind, value = self._out.get(timeout=wait)
+            except queue.Empty:
+                return None
+            if kind == "error":
+                raise value
+            if not isinstance(value, Future):
+                return value
+            self._head = value
         try:
-            kind, value = self._out.get(timeout=max(self._policy.max_wait_ms / 1000 * 2, 1.0))
-        except queue.Empty:
-            return None
-        if kind == "error":
-            raise value
-        return value
+            ahead = self._head.result(timeout=wait)
+        except FutureTimeout:
+            return None  # still in the transform: the loop heartbeats and asks again
+        self._head = None
+        return ahead
 
     def stop(self) -> None:
         self._stop.set()
+        # One bound for all the threads (the reader first), however deep the pipeline.
+        deadline = time.monotonic() + max(self._policy.max_wait_ms / 1000 * 2, 5.0)
         for t in self._threads:
-            t.join(timeout=max(self._policy.max_wait_ms / 1000 * 2, 5.0))
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:

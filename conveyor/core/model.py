@@ -307,6 +307,14 @@ class TransformSpec(_Spec):
     rename: dict[str, str] = Field(
         default_factory=dict, description="Output column renames, old -> new."
     )
+    pipeline_depth: int = Field(
+        default=2,
+        ge=1,
+        le=8,
+        description="Sink connectors: how many batches may be in Spark at once, transformed ahead while the "
+        "loop sends the one before (sends and commits stay in source order). 1: one Spark round trip at a "
+        "time. Source connectors transform one batch at a time.",
+    )
 
 
 class RetrySpec(_Spec):

@@ -184,6 +184,7 @@ def _build_loop(
             retry=spec.retry,
             failure=spec.failure,
             destinations=spec.destinations,
+            transform_depth=spec.transform.pipeline_depth,
         ),
         source=source,
         transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),

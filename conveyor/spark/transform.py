@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,6 @@ BAD_COL = "__bad"  # null, or why the row cannot be decoded
 ROW_COL = "__row"
 CORRUPT_COL = "__corrupt"
 NOT_JSON = "undecodable payload: not valid JSON"
-NOT_OBJECT = "undecodable payload: not a JSON object"
 MISMATCH = (
     "undecodable payload: a field does not match the schema (transform.on_type_mismatch: fail)"
 )
@@ -57,22 +57,26 @@ class SparkTransformer:
         self.spec = spec
         self._session_or_factory = session
         self._session: Any = None
+        self._session_lock = threading.Lock()  # batches may be transformed on several threads
         self._out_schema: pa.Schema | None = (
             None  # the pipeline's Arrow output, known after one batch
         )
 
     @property
     def session(self) -> Any:
-        if self._session is None:
-            s = self._session_or_factory
-            self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
-        return self._session
+        with self._session_lock:
+            if self._session is None:
+                s = self._session_or_factory
+                self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
+            return self._session
 
     def _lost(self, e: BaseException) -> None:
         """After a server restart, the next attempt runs on a new session."""
-        if is_session_lost(e) and self._session is not None and callable(self._session_or_factory):
-            discard_session(self._session)
-            self._session = None
+        with self._session_lock:
+            lost = self._session
+            if is_session_lost(e) and lost is not None and callable(self._session_or_factory):
+                discard_session(lost)
+                self._session = None
 
     def _pipeline(self, df: Any) -> Any:
         """The Spark SQL plan. Its input holds ``__value``, ``__row`` and the message columns
@@ -96,29 +100,34 @@ class SparkTransformer:
         else:
             invalid = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
-                # Spark's PERMISSIVE from_json puts a field of the wrong type (or a document
-                # that is not an object) as null: with on_type_mismatch 'fail' (the default)
-                # that is a failed message, never a silent NULL. The corrupt-record column
-                # flags it.
+                # One parse per row: from_json in PERMISSIVE mode with a corrupt-record
+                # column. A document that is not JSON, not an object, or has a field of the
+                # wrong type sets that column (all nulls in the rest); a blank one decodes to
+                # NULL. Only those rows, rare, are parsed a second time (try_parse_json,
+                # inside the CASE branch, evaluated for them alone) to tell "not valid JSON"
+                # from a mismatch: with on_type_mismatch 'fail' (the default) a mismatch is
+                # a failed message, never a silent NULL. The options make from_json as
+                # strict as try_parse_json (no NaN/Infinity tokens, no single quotes).
                 schema = f"{spec.json_schema}, {CORRUPT_COL} STRING"
-                opts = f"map('columnNameOfCorruptRecord', '{CORRUPT_COL}')"
+                opts = (
+                    f"map('columnNameOfCorruptRecord', '{CORRUPT_COL}', "
+                    "'allowNonNumericNumbers', 'false', 'allowSingleQuotes', 'false')"
+                )
+                mismatch = f"'{MISMATCH}'" if spec.on_type_mismatch == "fail" else "NULL"
                 df = df.selectExpr(
                     ROW_COL,
                     *used,
-                    f"{invalid} AS __invalid",
                     f"{tomb} AS __tomb",
                     f"from_json({value_str}, '{_sql_str(schema)}', {opts}) AS __d",
+                    "__value",
                 )
-                mismatch = "NULL"
-                if spec.on_type_mismatch == "fail":
-                    mismatch = (
-                        f"CASE WHEN NOT `__tomb` AND `__d` IS NULL THEN '{NOT_OBJECT}' "
-                        f"WHEN NOT `__tomb` AND `__d`.{CORRUPT_COL} IS NOT NULL THEN '{MISMATCH}' END"
-                    )
                 df = df.selectExpr(
                     ROW_COL,
                     *used,
-                    f"CASE WHEN `__invalid` THEN '{NOT_JSON}' ELSE {mismatch} END AS {BAD_COL}",
+                    f"CASE WHEN `__tomb` THEN NULL WHEN `__d` IS NULL THEN '{NOT_JSON}' "
+                    f"WHEN `__d`.{CORRUPT_COL} IS NOT NULL THEN CASE WHEN "
+                    f"try_parse_json({value_str}) IS NULL THEN '{NOT_JSON}' ELSE {mismatch} END "
+                    f"END AS {BAD_COL}",
                     "__d.*",
                 ).drop(CORRUPT_COL)
             else:

@@ -263,6 +263,29 @@ def test_a_json_payload_that_does_not_fit_the_schema_is_a_failed_message_not_nul
     assert 1 not in {r.index for r in lax.rejected}
 
 
+def test_json_that_only_a_lenient_parser_takes_is_not_valid_json(spark):
+    """One parse (from_json) flags what the strict parser (try_parse_json) refused: NaN
+    and Infinity tokens, single quotes, comments, trailing commas, blank payloads."""
+    values = [
+        order(0),
+        b'{"id": 1, "amount": NaN}',
+        b'{"id": 2, "amount": -Infinity}',
+        b"{'id': 3}",
+        b'{"id": 4, /* c */ "name": "x"}',
+        b'{"id": 5,}',
+        b"   ",
+        order(7),
+    ]
+    for mismatch in ("fail", "null"):
+        out = transform(spark, decode="json", schema=SCHEMA, on_type_mismatch=mismatch)(
+            source(values)
+        )
+        assert [(r.index, r.message) for r in out.rejected] == [
+            (i, "undecodable payload: not valid JSON") for i in range(1, 7)
+        ]
+        assert out.table.column("id").to_pylist() == [0, 7]
+
+
 def test_a_restarted_spark_server_is_an_outage_then_the_transform_uses_a_new_session(tmp_path):
     """The server restarts between two batches: its sessions are gone. The next attempt
     is an outage (retried by the loop), and the one after runs on a new session."""

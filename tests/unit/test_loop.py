@@ -641,6 +641,87 @@ def test_a_transform_error_ahead_surfaces_from_the_loops_thread_with_nothing_com
     assert committer.offsets == {TP0: 10}  # batch 0 only; nothing past the failed batch
 
 
+def depth_loop(batches, transform, depth, sink_delay=0.0):
+    """A loop with read-ahead and ``depth`` batches in the transform at once."""
+    import threading
+
+    events = Events()
+    source = FakeSource(batches, events)
+    committer = FakeCommitter(events)
+
+    class SlowSink(FakeSink):
+        def send_batch(self, batch):
+            threading.Event().wait(sink_delay)
+            return super().send_batch(batch)
+
+    sink = SlowSink(events)
+    final = sum(b.table.num_rows for b in batches)
+    loop = ConnectorLoop(
+        LoopConfig(name="c", batch=BatchPolicy(max_wait_ms=10), transform_depth=depth),
+        source=source,
+        transform=transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        stop_requested=lambda: committer.offsets.get(TP0) == final,
+    )
+    return loop, sink, committer, events
+
+
+def test_several_batches_in_the_transform_at_once_are_sent_and_committed_in_source_order():
+    import threading
+
+    batches = [source_batch(i * 10, 10) for i in range(24)]
+    lock = threading.Lock()
+    running = [0]
+    most = [0]
+
+    def transform(batch):
+        first = batch.column("__offset")[0].as_py()
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            # Later batches of each three end first: order comes from the loop, not Spark.
+            threading.Event().wait(0.002 * (3 - (first // 10) % 3))
+            return json_transform(batch)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    loop, sink, committer, events = depth_loop(batches, transform, depth=3, sink_delay=0.005)
+    run_loop(loop)
+    assert sink.rows == list(range(240))
+    commits = [e[1][TP0] for e in events if e[0] == "commit"]
+    assert commits == list(range(10, 241, 10))  # one commit per batch, in source order
+    assert 2 <= most[0] <= 3  # batches overlapped in the transform, never more than the depth
+
+
+@pytest.mark.parametrize("failing", [0, 2, 4])
+def test_an_error_in_any_batch_in_the_transform_surfaces_with_nothing_committed_past_it(failing):
+    """Depth 3: the failing batch is in the transform with others, ahead of and behind it,
+    and fails first (the others are slow). The batches before it are delivered and
+    committed; it and everything after it are neither sent nor committed."""
+    import threading
+
+    batches = [source_batch(i * 10, 10) for i in range(8)]
+
+    def transform(batch):
+        first = batch.column("__offset")[0].as_py()
+        if first == failing * 10:
+            raise ValueError(f"Spark rejected batch {failing}")
+        threading.Event().wait(0.02)
+        return json_transform(batch)
+
+    loop, sink, committer, events = depth_loop(batches, transform, depth=3)
+    with pytest.raises(ValueError, match=f"Spark rejected batch {failing}"):
+        run_loop(loop)
+    assert sink.rows == list(range(failing * 10))
+    commits = [e[1][TP0] for e in events if e[0] == "commit"]
+    assert commits == list(range(10, failing * 10 + 1, 10))
+    assert committer.offsets == ({TP0: failing * 10} if failing else {})
+
+
 def test_next_offsets_per_partition():
     t = pa.Table.from_pylist(
         [

@@ -1,0 +1,195 @@
+"""The Spark transform alone, side by side on one Spark Connect server (issue 18).
+
+Two questions, each answered by contenders measured in alternating rounds in one run:
+
+1. **One pass**: the JSON decoding of ``decode: json`` with a schema as it was (a
+   ``from_json`` and a ``try_parse_json`` over every row, ``two-pass`` below, the
+   pipeline of commit d486175) against the current one (one ``from_json`` with a
+   corrupt-record column; ``try_parse_json`` only on the rows it flags). Per contender:
+   the Spark JVM's CPU seconds per 100,000 rows and the wall time of one 10,000-row batch
+   (median), one batch at a time.
+2. **Pipeline depth**: ``depth`` batches in Spark at once (threads each transforming
+   batches in turn, as the loop's transform stage does), rows/s and JVM CPU per 100,000
+   rows per depth.
+
+```bash
+CONVEYOR_BENCH_OUT=/tmp/transform.json .venv/bin/python -m pytest bench/test_bench_transform.py -m bench -s -n 0
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+
+from bench.harness import BATCH, PARTITIONS, order
+from bench.stack import listening_pid
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(3600)]
+
+SCHEMA = "id BIGINT, name STRING, amount DOUBLE, ts BIGINT"  # as bench_as_users_run_it
+BATCHES = int(os.environ.get("CONVEYOR_BENCH_TRANSFORM_BATCHES", "20"))  # per contender, round
+ROUNDS = int(os.environ.get("CONVEYOR_BENCH_TRANSFORM_ROUNDS", "3"))
+DEPTHS = [int(d) for d in os.environ.get("CONVEYOR_BENCH_DEPTHS", "1,2,3,4").split(",")]
+OUT = os.environ.get("CONVEYOR_BENCH_OUT")
+
+
+def batch() -> Any:
+    from conveyor.brokers.kafka import records_to_table
+
+    records = [
+        SimpleNamespace(
+            topic="bench",
+            partition=i % PARTITIONS,
+            offset=i,
+            timestamp=1_700_000_000_000,
+            key=str(i).encode(),
+            headers=[],
+            value=json.dumps({**order(i), "ts": 1_700_000_000_000 + i}).encode(),
+        )
+        for i in range(BATCH)
+    ]
+    return records_to_table(records)
+
+
+def two_pass(spark: Any) -> Any:
+    """The transform as it was: try_parse_json over every row, then from_json."""
+    from conveyor.core.model import TransformSpec
+    from conveyor.spark import transform as tr
+
+    class TwoPass(tr.SparkTransformer):
+        def _pipeline(self, df: Any) -> Any:
+            value_str = "CAST(__value AS STRING)"
+            tomb = "(__value IS NULL OR length(__value) = 0)"
+            invalid = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
+            schema = f"{self.spec.json_schema}, {tr.CORRUPT_COL} STRING"
+            opts = f"map('columnNameOfCorruptRecord', '{tr.CORRUPT_COL}')"
+            df = df.selectExpr(
+                tr.ROW_COL,
+                f"{invalid} AS __invalid",
+                f"{tomb} AS __tomb",
+                f"from_json({value_str}, '{schema}', {opts}) AS __d",
+            )
+            mismatch = (
+                "CASE WHEN NOT `__tomb` AND `__d` IS NULL THEN 'not an object' "
+                f"WHEN NOT `__tomb` AND `__d`.{tr.CORRUPT_COL} IS NOT NULL THEN '{tr.MISMATCH}' END"
+            )
+            return df.selectExpr(
+                tr.ROW_COL,
+                f"CASE WHEN `__invalid` THEN '{tr.NOT_JSON}' ELSE {mismatch} END AS {tr.BAD_COL}",
+                "__d.*",
+            ).drop(tr.CORRUPT_COL)
+
+    return TwoPass(TransformSpec(decode="json", schema=SCHEMA), spark)
+
+
+def one_pass(spark: Any) -> Any:
+    from conveyor.core.model import TransformSpec
+    from conveyor.spark.transform import SparkTransformer
+
+    return SparkTransformer(TransformSpec(decode="json", schema=SCHEMA), spark)
+
+
+def jvm_cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system + getattr(t, "children_user", 0) + getattr(t, "children_system", 0)
+
+
+def measure(transform: Any, b: Any, proc: psutil.Process, batches: int, depth: int) -> dict:
+    """``batches`` batches through ``transform`` by ``depth`` threads at once."""
+    times: list[float] = []
+    left = [batches]
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if left[0] == 0:
+                    return
+                left[0] -= 1
+            t = time.monotonic()
+            assert transform(b).table.num_rows == BATCH
+            with lock:
+                times.append(time.monotonic() - t)
+
+    cpu0, wall0 = jvm_cpu(proc), time.monotonic()
+    threads = [threading.Thread(target=work) for _ in range(depth)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall, cpu = time.monotonic() - wall0, jvm_cpu(proc) - cpu0
+    rows = batches * BATCH
+    return {
+        "rows_per_s": rows / wall,
+        "jvm_cpu_s_per_100k": cpu / rows * 100_000,
+        "batch_ms_median": statistics.median(times) * 1000,
+    }
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None:
+    from conveyor.spark.session import spark_session
+
+    port = urlparse(warm_spark_remote.replace("sc://", "http://")).port
+    pid = listening_pid(port) if port else None
+    assert pid, "the Spark Connect JVM's pid"
+    proc = psutil.Process(pid)
+    spark = spark_session(warm_spark_remote)
+    b = batch()
+    contenders = {"two-pass": two_pass(spark), "one-pass": one_pass(spark)}
+    for t in contenders.values():
+        t.prepare()
+        for _ in range(10):  # this contender's query compiled and JIT-warm
+            t(b)
+    results: dict[str, Any] = {"commit": os.popen("git rev-parse --short HEAD").read().strip()}
+    passes: dict[str, list[dict]] = {k: [] for k in contenders}
+    for r in range(ROUNDS):
+        order_ = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+        for name in order_:
+            m = measure(contenders[name], b, proc, BATCHES, 1)
+            m["load"] = load()
+            passes[name].append(m)
+            print(f"round {r} {name}: {m}")
+    results["passes"] = passes
+    results["one_vs_two"] = {
+        "jvm_cpu_ratio": [
+            o["jvm_cpu_s_per_100k"] / t["jvm_cpu_s_per_100k"]
+            for o, t in zip(passes["one-pass"], passes["two-pass"], strict=True)
+        ],
+        "batch_ms_ratio": [
+            o["batch_ms_median"] / t["batch_ms_median"]
+            for o, t in zip(passes["one-pass"], passes["two-pass"], strict=True)
+        ],
+    }
+    print("one-pass / two-pass:", results["one_vs_two"])
+    depths: dict[int, list[dict]] = {d: [] for d in DEPTHS}
+    t = contenders["one-pass"]
+    for r in range(ROUNDS):
+        for d in DEPTHS if r % 2 == 0 else list(reversed(DEPTHS)):
+            m = measure(t, b, proc, BATCHES, d)
+            m["load"] = load()
+            depths[d].append(m)
+            print(f"round {r} depth {d}: {m}")
+    results["depths"] = depths
+    results["depth_vs_1_rate"] = {
+        d: [x["rows_per_s"] / y["rows_per_s"] for x, y in zip(depths[d], depths[1], strict=True)]
+        for d in DEPTHS
+        if 1 in depths
+    }
+    print("rate vs depth 1:", results["depth_vs_1_rate"])
+    if OUT:
+        with open(OUT, "w") as f:
+            json.dump(results, f, indent=1)
