@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,13 @@ import psutil
 import pytest
 
 from bench.stack import DevStack, dev_stack, listening_pid
-from bench.test_bench_as_users_run_it import SCHEMA, Sample, produce
+from bench.test_bench_as_users_run_it import (
+    SCHEMA,
+    Sample,
+    produce,
+    start_profile,
+    summarize_profile,
+)
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
@@ -55,6 +62,9 @@ N = int(os.environ.get("CONVEYOR_BENCH_SINKS_N", "200000"))
 ROUNDS = int(os.environ.get("CONVEYOR_BENCH_SINKS_ROUNDS", "2"))
 SINKS = os.environ.get("CONVEYOR_BENCH_SINKS", "mysql,redis,kafka").split(",")
 OUT = os.environ.get("CONVEYOR_BENCH_OUT")
+# A directory: py-spy samples each Conveyor run process from 20% of the rows to the end
+# (collapsed stacks + a per-thread summary). Figures of a profiled run are not the benchmark's.
+PROFILE = os.environ.get("CONVEYOR_BENCH_PROFILE")
 MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}
 MYSQL_URL = os.environ.get("CONVEYOR_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
@@ -304,14 +314,26 @@ def run_conveyor(stack: DevStack, sink: str, name: str, target: Target, jvm: int
     stack.cli("connector", "start", name)
     run_pid: dict[str, int] = {}
 
+    spy: list[subprocess.Popen[bytes]] = []
+
     def pids() -> dict[str, int]:
         if "run" not in run_pid:
             row = stack.store.get(name)
             if row.run_pid:
                 run_pid["run"] = row.run_pid
+        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * N
+        if PROFILE and "run" in run_pid and not spy and steady:
+            spy.append(start_profile(run_pid["run"], Path(PROFILE) / f"{name}.txt"))
         return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
 
-    watch(result, target, pids)
+    try:
+        watch(result, target, pids)
+    finally:
+        for p in spy:
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
+    if spy:
+        print(summarize_profile(Path(PROFILE or ".") / f"{name}.txt"))
     stack.cli("connector", "stop", name)
     wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
     return result
