@@ -1,0 +1,473 @@
+"""Benchmark: the MySQL, Redis and Kafka sinks as users run them, against bare librdkafka loops.
+
+Issue 18's method (bench/test_bench_as_users_run_it.py, PostgreSQL) for the other
+sinks. Per sink, two contenders drain the same backlog (``N`` JSON orders ``id``,
+``name``, ``amount``, ``ts`` on 2 partitions of a fresh tansu topic, produced before the
+clock starts) into a fresh target:
+
+- **conveyor**: a connector spec with default settings (the source, the decoding and the
+  sink's required fields only), desired stopped, in a ``dagster dev`` stack;
+  ``conveyor connector start`` starts the clock, the scheduler sensor launches the run,
+  progress events are on;
+- **librdkafka**: bench/contenders/librdkafka_{mysql,redis,kafka}.py, the 30-line
+  confluent-kafka loop (``consume(10000)``, ``json.loads``, the sink's writes with its
+  default settings, commit per batch, one thread).
+
+The targets: a MySQL table created beforehand (plain INSERT, the sink's default), rows
+counted with ``count(*)``; ``HSET <prefix>:<id> name .. amount .. ts ..`` in a Redis
+database of its own (counted with ``DBSIZE``); a Kafka topic of 2 partitions, counted by
+a consumer reading it from the start (tansu answers ListOffsets from record batches,
+not records: docs/DESIGN.md). Every 0.2 s; **steady** rows/s is between 20% and 90% of
+``N``. CPU seconds per 100,000 rows over the steady window per process (Conveyor's run
+process and the Spark Connect JVM; the loop's process); peak RSS. Each round alternates
+the order. Afterwards every target must hold exactly ``N`` distinct ids (the benchmark
+fails if rows are lost).
+
+    PYTHONPATH=. CONVEYOR_BENCH_OUT=results.json .venv/bin/python -m pytest \
+        bench/test_bench_sinks_as_users_run_it.py -m bench -s -n 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from bench.stack import DevStack, dev_stack, listening_pid
+from bench.test_bench_as_users_run_it import (
+    SCHEMA,
+    Sample,
+    produce,
+    start_profile,
+    summarize_profile,
+)
+from tests.e2e.conftest import wait_for
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
+
+N = int(os.environ.get("CONVEYOR_BENCH_SINKS_N", "200000"))
+ROUNDS = int(os.environ.get("CONVEYOR_BENCH_SINKS_ROUNDS", "2"))
+SINKS = os.environ.get("CONVEYOR_BENCH_SINKS", "mysql,redis,kafka").split(",")
+OUT = os.environ.get("CONVEYOR_BENCH_OUT")
+# A directory: py-spy samples each Conveyor run process from 20% of the rows to the end
+# (collapsed stacks + a per-thread summary). Figures of a profiled run are not the benchmark's.
+PROFILE = os.environ.get("CONVEYOR_BENCH_PROFILE")
+MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}
+MYSQL_URL = os.environ.get("CONVEYOR_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+ROOT = Path(__file__).resolve().parent.parent
+CONTENDERS = ("conveyor", "librdkafka")
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+class Target:
+    """One fresh target of a sink: the connector's sink config, the loop's arguments, a row
+    counter (polled), the distinct ids written (afterwards), a cleanup."""
+
+    def sink(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def loop_args(self) -> list[str]:
+        raise NotImplementedError
+
+    def create(self) -> None:
+        pass
+
+    def count(self) -> int:
+        raise NotImplementedError
+
+    def distinct_ids(self) -> tuple[int, int]:
+        """(rows, distinct ids) in the target."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class MySQLTarget(Target):
+    def __init__(self, name: str):
+        import pymysql
+
+        self.table = name
+        self.conn = pymysql.connect(**MYSQL, autocommit=True)
+
+    def sink(self) -> dict[str, Any]:
+        return {"type": "mysql", "url": MYSQL_URL, "table": self.table}
+
+    def loop_args(self) -> list[str]:
+        return ["--table", self.table]
+
+    def create(self) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(
+                f"CREATE TABLE `{self.table}` (id BIGINT, name VARCHAR(255), amount DOUBLE,"
+                " ts BIGINT) ENGINE=InnoDB"
+            )
+
+    def count(self) -> int:
+        with self.conn.cursor() as cur:
+            cur.execute(f"SELECT count(*) FROM `{self.table}`")
+            return int(cur.fetchone()[0])
+
+    def distinct_ids(self) -> tuple[int, int]:
+        with self.conn.cursor() as cur:
+            cur.execute(f"SELECT count(*), count(DISTINCT id) FROM `{self.table}`")
+            rows, ids = cur.fetchone()
+            return int(rows), int(ids)
+
+    def close(self) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(f"DROP TABLE IF EXISTS `{self.table}`")
+        self.conn.close()
+
+
+def free_redis_db() -> int:
+    """An empty Redis database (15 down to 1): the runs' keys are counted with DBSIZE."""
+    import redis
+
+    for db in range(15, 0, -1):
+        r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=db)
+        try:
+            if r.dbsize() == 0:
+                return db
+        finally:
+            r.close()
+    raise RuntimeError("no empty Redis database")
+
+
+class RedisTarget(Target):
+    def __init__(self, name: str, db: int):
+        import redis
+
+        self.prefix, self.db = name, db
+        self.r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=db)
+
+    def sink(self) -> dict[str, Any]:
+        return {
+            "type": "redis",
+            "host": REDIS_HOST,
+            "port": REDIS_PORT,
+            "db": self.db,
+            "commands": [
+                f"HSET {self.prefix}:${{payload.id}} name ${{payload.name}}"
+                " amount ${payload.amount} ts ${payload.ts}"
+            ],
+        }
+
+    def loop_args(self) -> list[str]:
+        return ["--port", str(REDIS_PORT), "--db", str(self.db), "--prefix", self.prefix]
+
+    def create(self) -> None:
+        assert self.r.dbsize() == 0, f"Redis db {self.db} is not empty"
+
+    def count(self) -> int:
+        return int(self.r.dbsize())
+
+    def distinct_ids(self) -> tuple[int, int]:
+        keys = list(self.r.scan_iter(f"{self.prefix}:*", count=10_000))
+        ids = {int(k.rsplit(b":", 1)[1]) for k in keys}
+        assert self.r.hmget(f"{self.prefix}:7", "name", "amount") == [b"name 7", b"3.5"]
+        return len(keys), len(ids & set(range(N)))
+
+    def close(self) -> None:
+        self.r.flushdb()  # its own database (free_redis_db)
+        self.r.close()
+
+
+class KafkaTarget(Target):
+    def __init__(self, name: str, bootstrap: str):
+        self.topic, self.bootstrap = f"out_{name}", bootstrap
+        self.rows = 0
+        self.ids: set[int] = set()
+        self.consumer: Any = None
+
+    def sink(self) -> dict[str, Any]:
+        return {"type": "kafka", "bootstrap_servers": self.bootstrap, "topic": self.topic}
+
+    def loop_args(self) -> list[str]:
+        return ["--target", self.topic]
+
+    def create(self) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        for f in admin.create_topics([NewTopic(self.topic, 2, 1)]).values():
+            f.result(30)
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"count_{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 50,
+            }
+        )
+        self.consumer.assign([TopicPartition(self.topic, p, 0) for p in (0, 1)])
+
+    def count(self) -> int:
+        while True:
+            msgs = self.consumer.consume(50_000, timeout=0.05)
+            for m in msgs:
+                if m.error() is None:
+                    self.rows += 1
+                    self.ids.add(json.loads(m.value())["id"])
+            if len(msgs) < 50_000:
+                return self.rows
+
+    def distinct_ids(self) -> tuple[int, int]:
+        deadline = time.monotonic() + 3  # anything written after the N-th row (duplicates)
+        while time.monotonic() < deadline:
+            self.count()
+        return self.rows, len(self.ids & set(range(N)))
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    sink: str
+    contender: str
+    started: float
+    samples: list[Sample] = field(default_factory=list)
+    loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    rows: int = 0
+
+    def _at(self, rows: float) -> Sample:
+        return next(s for s in self.samples if s.rows >= rows)
+
+    def steady_rate(self) -> float:
+        a, b = self._at(0.2 * N), self._at(0.9 * N)
+        if a is b:
+            raise AssertionError(f"{self.sink} {self.contender}: 20% to 90% in one write")
+        return (b.rows - a.rows) / (b.t - a.t)
+
+    def total_rate(self) -> float:
+        return N / (self._at(N).t - self.started)
+
+    def cpu_per_100k(self) -> dict[str, float]:
+        a, b = self._at(0.2 * N), self._at(0.9 * N)
+        return {
+            k: (b.cpu.get(k, 0.0) - a.cpu.get(k, 0.0)) * 100_000 / (b.rows - a.rows) for k in b.cpu
+        }
+
+    def peak_rss_mb(self) -> dict[str, float]:
+        keys = {k for s in self.samples for k in s.rss}
+        return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}
+
+
+def watch(
+    result: Result, target: Target, pids: Callable[[], dict[str, int]], timeout: float = 900
+) -> Result:
+    """Sample rows, CPU and RSS every 0.2 s until all ``N`` rows are in."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = target.count()
+        cpu, rss = {}, {}
+        for k, pid in pids().items():
+            try:
+                p = psutil.Process(pid)
+                ct = p.cpu_times()
+                cpu[k] = ct.user + ct.system
+                rss[k] = p.memory_info().rss
+            except psutil.Error:
+                pass
+        result.samples.append(Sample(time.monotonic(), rows, cpu, rss))
+        if rows >= N:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"{result.sink} {result.contender}: only {result.samples[-1].rows} of {N}")
+
+
+def spec(name: str, target: Target) -> dict[str, Any]:
+    """What a user writes: defaults everywhere but the source, the decoding and the sink."""
+    return {
+        "name": name,
+        "desired": "stopped",
+        "source": {"topics": [f"t_{name}"]},
+        "transform": {"decode": "json", "schema": SCHEMA},
+        "sink": target.sink(),
+    }
+
+
+def run_conveyor(stack: DevStack, sink: str, name: str, target: Target, jvm: int | None) -> Result:
+    result = Result(sink, "conveyor", time.monotonic())
+    stack.cli("connector", "start", name)
+    run_pid: dict[str, int] = {}
+
+    spy: list[subprocess.Popen[bytes]] = []
+
+    def pids() -> dict[str, int]:
+        if "run" not in run_pid:
+            row = stack.store.get(name)
+            if row.run_pid:
+                run_pid["run"] = row.run_pid
+        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * N
+        if PROFILE and "run" in run_pid and not spy and steady:
+            spy.append(start_profile(run_pid["run"], Path(PROFILE) / f"{name}.txt"))
+        return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
+
+    try:
+        watch(result, target, pids)
+    finally:
+        for p in spy:
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
+    if spy:
+        print(summarize_profile(Path(PROFILE or ".") / f"{name}.txt"))
+    stack.cli("connector", "stop", name)
+    wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
+    return result
+
+
+def run_loop(sink: str, name: str, target: Target, bootstrap: str, home: Path) -> Result:
+    result = Result(sink, "librdkafka", time.monotonic())
+    log_path = home / f"librdkafka-{name}.log"
+    args = [
+        "--bootstrap", bootstrap, "--topic", f"t_{name}", "--group", f"g_{name}",
+        "--n", str(N), *target.loop_args(),
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"bench.contenders.librdkafka_{sink}", *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            watch(result, target, lambda: {"process": proc.pid})
+            proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, log_path.read_text()[-2000:]
+    return result
+
+
+def test_sinks_as_users_run_them_vs_librdkafka_loops(
+    tansu: str, warm_spark_remote: str, tmp_path: Path
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    rounds = [f"r{i}_{tag}" for i in range(ROUNDS)]
+    db = free_redis_db() if "redis" in SINKS else 0
+
+    def make(sink: str, name: str) -> Target:
+        if sink == "mysql":
+            return MySQLTarget(name)
+        if sink == "redis":
+            return RedisTarget(name, db)
+        return KafkaTarget(name, tansu)
+
+    names = {(s, c, r): f"{s}_{c}_{r}" for s in SINKS for c in CONTENDERS for r in rounds}
+    targets = {k: make(k[0], n) for k, n in names.items()}
+    specs = [spec(names[k], t) for k, t in targets.items() if k[1] == "conveyor"]
+    jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
+    results: dict[str, dict[str, list[Result]]] = {s: {c: [] for c in CONTENDERS} for s in SINKS}
+    try:
+        with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
+            wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
+            for i, r in enumerate(rounds):
+                order = CONTENDERS if i % 2 == 0 else tuple(reversed(CONTENDERS))
+                for sink in SINKS:
+                    for contender in order:
+                        name, target = names[sink, contender, r], targets[sink, contender, r]
+                        target.create()
+                        produce(tansu, f"t_{name}", N)
+                        if contender == "conveyor":
+                            res = run_conveyor(stack, sink, name, target, jvm)
+                        else:
+                            res = run_loop(sink, name, target, tansu, tmp_path)
+                        res.loadavg = os.getloadavg()
+                        rows, ids = target.distinct_ids()
+                        res.rows = rows
+                        target.close()
+                        assert ids == N, (sink, contender, r, rows, ids)
+                        results[sink][contender].append(res)
+                        print(
+                            f"round {i + 1} {sink:<5} {contender:<10} steady"
+                            f" {res.steady_rate():>9,.0f} rows/s  total {res.total_rate():>9,.0f}"
+                            f"  rows {rows:,} ids {ids:,}  cpu/100K"
+                            f" { ({k: round(v, 2) for k, v in res.cpu_per_100k().items()}) }"
+                            f"  peak RSS MB"
+                            f" { ({k: round(v) for k, v in res.peak_rss_mb().items()}) }"
+                            f"  load {' '.join(f'{x:.1f}' for x in res.loadavg)}",
+                            flush=True,
+                        )
+    finally:
+        for t in targets.values():
+            with contextlib.suppress(Exception):  # best effort (a target closed twice)
+                t.close()
+    report(results)
+
+
+def report(results: dict[str, dict[str, list[Result]]]) -> None:
+    """Per sink and contender: steady rows/s per round, the ratio against the loop of the
+    same round, CPU s per 100K rows per process (median), peak RSS, load averages."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    out: dict[str, Any] = {"n": N, "rounds": ROUNDS, "commit": commit, "sinks": {}}
+    lines = [
+        f"sinks as users run them: {N:,} messages, {ROUNDS} rounds, commit {commit}",
+        "",
+        "| sink | contender | steady rows/s (rounds) | ratio vs its librdkafka loop (rounds)"
+        " | start-up included rows/s (rounds) | CPU s per 100K rows | peak RSS MB"
+        " | load average (rounds) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for sink, per in results.items():
+        base = per["librdkafka"]
+        out["sinks"][sink] = {}
+        for c, rs in per.items():
+            if not rs:
+                continue
+            steady = [x.steady_rate() for x in rs]
+            total = [x.total_rate() for x in rs]
+            ratios = (
+                [a.steady_rate() / b.steady_rate() for a, b in zip(rs, base, strict=True)]
+                if c != "librdkafka"
+                else []
+            )
+            keys = rs[0].cpu_per_100k()
+            cpu = {k: statistics.median([x.cpu_per_100k().get(k, 0.0) for x in rs]) for k in keys}
+            rss = {k: max(x.peak_rss_mb().get(k, 0.0) for x in rs) for k in rs[0].peak_rss_mb()}
+            loads = [x.loadavg[0] for x in rs]
+            out["sinks"][sink][c] = {
+                "steady": steady,
+                "total": total,
+                "steady_ratio": ratios,
+                "cpu_per_100k": cpu,
+                "peak_rss_mb": rss,
+                "loadavg": [x.loadavg for x in rs],
+                "rows": [x.rows for x in rs],
+            }
+            lines.append(
+                f"| {sink} | {c} | {', '.join(f'{x:,.0f}' for x in steady)}"
+                f" | {', '.join(f'{x:.2f}' for x in ratios) or '-'}"
+                f" | {', '.join(f'{x:,.0f}' for x in total)}"
+                f" | {', '.join(f'{k} {v:.2f}' for k, v in cpu.items())}"
+                f" | {', '.join(f'{k} {v:.0f}' for k, v in rss.items())}"
+                f" | {', '.join(f'{x:.1f}' for x in loads)} |"
+            )
+    print("\n" + "\n".join(lines))
+    if OUT:
+        Path(OUT).write_text(json.dumps(out, indent=2))
