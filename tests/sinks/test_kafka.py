@@ -443,3 +443,75 @@ def test_missing_ssl_file_is_permanent(client: str, tansu: str) -> None:
     with pytest.raises(PermanentSinkError, match="ssl_cafile"):
         s.init_sink()
     s.cleanup_sink()
+
+
+def test_a_broker_stopped_mid_batch_loses_nothing(client: str, tmp_path: Any) -> None:
+    """tansu is SIGSTOPped while batches are being produced (requests hang, connections stay
+    open) for longer than delivery_timeout_ms, then continued. As the runtime does, a batch
+    that raised TransientSinkError is sent again whole, and the rows reported unacknowledged
+    are sent again alone: every row ends up in the topic, and the duplicates are at most
+    the rows sent again."""
+    import os
+    import signal
+    import threading
+
+    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+    s = None
+    try:
+        topic = unique("kstop")
+        create_topic(broker.bootstrap, topic, partitions=2)
+        s = _sink(
+            client=client,
+            bootstrap_servers=broker.bootstrap,
+            topic=topic,
+            request_timeout_ms=1_000,
+            delivery_timeout_ms=2_000,
+            max_block_ms=3_000,
+        )
+        batches, size = 12, 5_000
+        resent = 0
+        errors: list[BaseException] = []
+        progress = threading.Event()
+
+        def produce_all() -> None:
+            nonlocal resent
+            try:
+                for b in range(batches):
+                    pending = make_batch(size, start=b * size)
+                    for _attempt in range(30):
+                        progress.set()
+                        try:
+                            result = s.send_batch(pending)
+                        except TransientSinkError:
+                            resent += pending.num_rows
+                            time.sleep(0.5)  # the runtime's backoff
+                            continue
+                        assert all(f.kind is ErrorKind.TRANSIENT for f in result.failed)
+                        if not result.failed:
+                            break
+                        pending = pending.take([f.index for f in result.failed])
+                        resent += pending.num_rows
+                    else:
+                        raise AssertionError(f"batch {b} never acknowledged")
+            except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                errors.append(e)
+
+        worker = threading.Thread(target=produce_all, daemon=True)
+        worker.start()
+        assert progress.wait(10)
+        time.sleep(0.3)  # mid-batch
+        os.kill(broker.process.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4)  # past delivery_timeout_ms: records expire unacknowledged
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+        worker.join(180)
+        assert not worker.is_alive(), "the producer did not finish after the broker came back"
+        assert not errors, errors
+        ids = [json.loads(r.value)["id"] for r in consume_all(broker.bootstrap, topic, 60)]
+        assert set(ids) == set(range(batches * size))  # nothing lost
+        assert len(ids) - batches * size <= resent  # duplicates bounded by the rows sent again
+    finally:
+        if s is not None:
+            s.cleanup_sink()
+        broker.stop()
