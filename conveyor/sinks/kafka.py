@@ -105,7 +105,7 @@ def codec_available(codec: str) -> bool:
 
 
 #: The sink's default client (docs/sinks/kafka.md, "Performance", says why).
-DEFAULT_CLIENT: Literal["confluent", "kafka-python"] = "kafka-python"
+DEFAULT_CLIENT: Literal["confluent", "kafka-python"] = "confluent"
 
 
 class KafkaSinkConfig(SinkConfig, KafkaConnection):
