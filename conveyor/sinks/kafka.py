@@ -145,7 +145,8 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     )
     partitioning: Literal["key", "source"] = Field(
         default="key",
-        description="`key`: the producer's partitioner (murmur2 of the key; sticky when there is none). "
+        description="`key`: murmur2 of the key, the same partition with either client (kafka-python's "
+        "partitioner, librdkafka's murmur2_random); sticky when there is no key. "
         "`source`: the source partition number (the target topic needs at least as many partitions).",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
@@ -174,7 +175,8 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
         default=1 << 20,
         ge=1024,
         le=1 << 30,
-        description="Largest record (key + value + headers) accepted; a larger row is a data error.",
+        description="Largest record (key + value + headers) accepted; a larger row is a data error "
+        "(librdkafka: message.max.bytes, at most 1,000,000,000).",
     )
     request_timeout_ms: int = Field(
         default=30_000, ge=100, description="Timeout of one produce request."
@@ -185,7 +187,10 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
         description="Upper bound for a record to be acknowledged, retries included; bounds send_batch.",
     )
     max_block_ms: int = Field(
-        default=60_000, ge=100, description="How long send() may block waiting for topic metadata."
+        default=60_000,
+        ge=100,
+        description="How long producing may block waiting for topic metadata or for room in the "
+        "producer's buffer.",
     )
     connect_timeout_ms: int = Field(
         default=30_000, ge=100, description="How long to try to reach a bootstrap server at start."
