@@ -70,6 +70,15 @@ MYSQL_URL = os.environ.get("CONVEYOR_TEST_MYSQL_URL", "mysql://root@127.0.0.1:33
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = ("conveyor", "librdkafka")
+# The Kafka sink's clients to run side by side ("confluent,kafka-python"): one Conveyor
+# contender per client, conveyor-<client>, in the same rounds; empty: the default client.
+KAFKA_CLIENTS = [c for c in os.environ.get("CONVEYOR_BENCH_KAFKA_CLIENTS", "").split(",") if c]
+
+
+def contenders(sink: str) -> tuple[str, ...]:
+    if sink == "kafka" and KAFKA_CLIENTS:
+        return (*(f"conveyor-{c}" for c in KAFKA_CLIENTS), "librdkafka")
+    return CONTENDERS
 
 
 # -- targets ------------------------------------------------------------------------------------
@@ -190,14 +199,15 @@ class RedisTarget(Target):
 
 
 class KafkaTarget(Target):
-    def __init__(self, name: str, bootstrap: str):
-        self.topic, self.bootstrap = f"out_{name}", bootstrap
+    def __init__(self, name: str, bootstrap: str, client: str | None = None):
+        self.topic, self.bootstrap, self.client = f"out_{name}", bootstrap, client
         self.rows = 0
         self.ids: set[int] = set()
         self.consumer: Any = None
 
     def sink(self) -> dict[str, Any]:
-        return {"type": "kafka", "bootstrap_servers": self.bootstrap, "topic": self.topic}
+        client = {"client": self.client} if self.client else {}
+        return {"type": "kafka", "bootstrap_servers": self.bootstrap, "topic": self.topic, **client}
 
     def loop_args(self) -> list[str]:
         return ["--target", self.topic]
@@ -309,8 +319,15 @@ def spec(name: str, target: Target) -> dict[str, Any]:
     }
 
 
-def run_conveyor(stack: DevStack, sink: str, name: str, target: Target, jvm: int | None) -> Result:
-    result = Result(sink, "conveyor", time.monotonic())
+def run_conveyor(
+    stack: DevStack,
+    sink: str,
+    name: str,
+    target: Target,
+    jvm: int | None,
+    contender: str = "conveyor",
+) -> Result:
+    result = Result(sink, contender, time.monotonic())
     stack.cli("connector", "start", name)
     run_pid: dict[str, int] = {}
 
@@ -370,30 +387,36 @@ def test_sinks_as_users_run_them_vs_librdkafka_loops(
     rounds = [f"r{i}_{tag}" for i in range(ROUNDS)]
     db = free_redis_db() if "redis" in SINKS else 0
 
-    def make(sink: str, name: str) -> Target:
+    def make(sink: str, contender: str, name: str) -> Target:
         if sink == "mysql":
             return MySQLTarget(name)
         if sink == "redis":
             return RedisTarget(name, db)
-        return KafkaTarget(name, tansu)
+        client = contender.removeprefix("conveyor-") if contender.startswith("conveyor-") else None
+        return KafkaTarget(name, tansu, client)
 
-    names = {(s, c, r): f"{s}_{c}_{r}" for s in SINKS for c in CONTENDERS for r in rounds}
-    targets = {k: make(k[0], n) for k, n in names.items()}
-    specs = [spec(names[k], t) for k, t in targets.items() if k[1] == "conveyor"]
+    names = {
+        (s, c, r): f"{s}_{c.replace('-', '_')}_{r}"
+        for s in SINKS
+        for c in contenders(s)
+        for r in rounds
+    }
+    targets = {k: make(k[0], k[1], n) for k, n in names.items()}
+    specs = [spec(names[k], t) for k, t in targets.items() if k[1].startswith("conveyor")]
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
-    results: dict[str, dict[str, list[Result]]] = {s: {c: [] for c in CONTENDERS} for s in SINKS}
+    results: dict[str, dict[str, list[Result]]] = {s: {c: [] for c in contenders(s)} for s in SINKS}
     try:
         with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
             wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
             for i, r in enumerate(rounds):
-                order = CONTENDERS if i % 2 == 0 else tuple(reversed(CONTENDERS))
                 for sink in SINKS:
+                    order = contenders(sink) if i % 2 == 0 else contenders(sink)[::-1]
                     for contender in order:
                         name, target = names[sink, contender, r], targets[sink, contender, r]
                         target.create()
                         produce(tansu, f"t_{name}", N)
-                        if contender == "conveyor":
-                            res = run_conveyor(stack, sink, name, target, jvm)
+                        if contender.startswith("conveyor"):
+                            res = run_conveyor(stack, sink, name, target, jvm, contender)
                         else:
                             res = run_loop(sink, name, target, tansu, tmp_path)
                         res.loadavg = os.getloadavg()
@@ -403,7 +426,7 @@ def test_sinks_as_users_run_them_vs_librdkafka_loops(
                         assert ids == N, (sink, contender, r, rows, ids)
                         results[sink][contender].append(res)
                         print(
-                            f"round {i + 1} {sink:<5} {contender:<10} steady"
+                            f"round {i + 1} {sink:<5} {contender:<22} steady"
                             f" {res.steady_rate():>9,.0f} rows/s  total {res.total_rate():>9,.0f}"
                             f"  rows {rows:,} ids {ids:,}  cpu/100K"
                             f" { ({k: round(v, 2) for k, v in res.cpu_per_100k().items()}) }"

@@ -1,8 +1,13 @@
-"""Kafka sink (kafka-python): each row becomes one record on a target topic.
+"""Kafka sink: each row becomes one record on a target topic.
 
 The target topic is a ``${...}`` template (or the row's ``__destination``). The
 message key, headers and source timestamp are kept. A batch is acknowledged when
 ``flush()`` returned and every record's future succeeded at ``acks=all``.
+
+Two clients, ``sink.client``: ``confluent`` (librdkafka, ``conveyor.sinks.kafka_confluent``:
+delivery reports settle the futures) and ``kafka-python`` (``KafkaProducer``). Only
+producing, flushing, acknowledging and the topic-limit lookup differ; the records, the
+routing and the failure semantics below are the same for both.
 
 Kafka is append-only: a replayed batch is written again (at-least-once). The
 idempotent producer only removes duplicates of the producer's own internal retries
@@ -99,11 +104,21 @@ def codec_available(codec: str) -> bool:
     )
 
 
+#: The sink's default client (docs/sinks/kafka.md, "Performance", says why).
+DEFAULT_CLIENT: Literal["confluent", "kafka-python"] = "confluent"
+
+
 class KafkaSinkConfig(SinkConfig, KafkaConnection):
     """Rows as records on a Kafka(-protocol) topic. The connection fields (TLS, SASL, client
     options) are the same as the source's."""
 
     type: Literal["kafka"] = "kafka"
+    client: Literal["confluent", "kafka-python"] = Field(
+        default=DEFAULT_CLIENT,
+        description="The Kafka client that produces: confluent (librdkafka: batching, compression and "
+        "partitioning in C threads, delivery reports per record) or kafka-python (pure Python). "
+        "client_options are under the chosen client's names (librdkafka's dotted properties for confluent).",
+    )
     bootstrap_servers: str = Field(  # type: ignore[assignment]
         description="Comma-separated host:port list of the target cluster's brokers."
     )
@@ -130,12 +145,14 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     )
     partitioning: Literal["key", "source"] = Field(
         default="key",
-        description="`key`: the producer's partitioner (murmur2 of the key; sticky when there is none). "
+        description="`key`: murmur2 of the key, the same partition with either client (kafka-python's "
+        "partitioner, librdkafka's murmur2_random); sticky when there is no key. "
         "`source`: the source partition number (the target topic needs at least as many partitions).",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="none",
-        description="Compression codec; snappy, lz4 and zstd need their Python library installed.",
+        description="Compression codec; with kafka-python, snappy, lz4 and zstd need their Python library "
+        "installed (librdkafka has them built in).",
     )
     idempotent: bool = Field(
         default=True,
@@ -158,7 +175,8 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
         default=1 << 20,
         ge=1024,
         le=1 << 30,
-        description="Largest record (key + value + headers) accepted; a larger row is a data error.",
+        description="Largest record (key + value + headers) accepted; a larger row is a data error "
+        "(librdkafka: message.max.bytes, at most 1,000,000,000).",
     )
     request_timeout_ms: int = Field(
         default=30_000, ge=100, description="Timeout of one produce request."
@@ -169,7 +187,10 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
         description="Upper bound for a record to be acknowledged, retries included; bounds send_batch.",
     )
     max_block_ms: int = Field(
-        default=60_000, ge=100, description="How long send() may block waiting for topic metadata."
+        default=60_000,
+        ge=100,
+        description="How long producing may block waiting for topic metadata or for room in the "
+        "producer's buffer.",
     )
     connect_timeout_ms: int = Field(
         default=30_000, ge=100, description="How long to try to reach a bootstrap server at start."
@@ -296,10 +317,11 @@ class KafkaSink(Sink):
         self._admin: Any = None  # reads the limits (fail_fast), opened on first use
 
     def validate(self) -> None:
-        """The compression codec's package is installed here."""
+        """The compression codec's package is installed here (kafka-python; librdkafka has
+        every codec built in)."""
         c = self.config
         require(
-            codec_available(c.compression),
+            c.client == "confluent" or codec_available(c.compression),
             f"{c.compression} needs the Python package {_CODEC_MODULES.get(c.compression)!r}, which is not installed",
             field="sink.compression",
         )
@@ -310,6 +332,8 @@ class KafkaSink(Sink):
     # -- lifecycle ----------------------------------------------------------------------
 
     def _connect(self) -> Any:
+        if self.config.client == "confluent":
+            return self._connect_confluent()
         from kafka import KafkaProducer
 
         c = self.config
@@ -324,6 +348,24 @@ class KafkaSink(Sink):
             return KafkaProducer(**kwargs)
         except Exception as e:  # noqa: BLE001 - classified below
             raise self._error(e, f"cannot connect to Kafka at {c.bootstrap_servers}") from None
+
+    def _connect_confluent(self) -> Any:
+        from conveyor.sinks import kafka_confluent as rd
+
+        c = self.config
+        try:
+            conf = rd.producer_config(c)
+            problem = tls_problem(rd.tls_check_options(c))
+        except ConfigError as e:
+            raise PermanentSinkError(str(e)) from None
+        if problem:
+            raise PermanentSinkError(f"cannot connect to Kafka at {c.bootstrap_servers}: {problem}")
+        try:
+            producer = rd.ConfluentProducer(c, conf)
+            producer.bootstrap(c.connect_timeout_ms / 1000)
+        except Exception as e:  # noqa: BLE001 - classified below
+            raise self._error(e, f"cannot connect to Kafka at {c.bootstrap_servers}") from None
+        return producer
 
     def _error(self, exc: BaseException, context: str) -> Exception:
         # A data error outside a row (e.g. a codec the broker refuses) is the config's fault.
@@ -366,8 +408,12 @@ class KafkaSink(Sink):
             return self._limits[topic]
         from kafka import KafkaProducer
 
+        from conveyor.sinks.kafka_confluent import ConfluentProducer
+
         limit: int | None = None
-        if isinstance(self._producer, KafkaProducer):  # read through the cluster it writes to
+        if isinstance(self._producer, ConfluentProducer):
+            limit = self._confluent_topic_limit(topic)
+        elif isinstance(self._producer, KafkaProducer):  # read through the cluster it writes to
             try:
                 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
@@ -389,9 +435,23 @@ class KafkaSink(Sink):
         self._limits[topic] = limit
         return limit
 
+    def _confluent_topic_limit(self, topic: str) -> int | None:
+        from conveyor.sinks import kafka_confluent as rd
+
+        c = self.config
+        try:
+            if self._admin is None:
+                from confluent_kafka.admin import AdminClient
+
+                self._admin = AdminClient(rd.admin_config(c))
+            return rd.topic_limit(self._admin, topic, min(c.request_timeout_ms, 10_000) / 1000)
+        except Exception as e:  # noqa: BLE001 - the check is a refinement, never a failure
+            log.info("max.message.bytes of topic %r unknown (%s): not checked", topic, e)
+            return None
+
     def _close_admin(self) -> None:
         admin, self._admin = self._admin, None
-        if admin is not None:
+        if admin is not None and hasattr(admin, "close"):  # librdkafka's has no close()
             try:
                 admin.close()
             except Exception:  # noqa: BLE001 - closing is best effort

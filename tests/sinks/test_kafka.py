@@ -89,7 +89,10 @@ def as_row(rec: Any) -> dict[str, Any]:
 
 
 class TestKafkaContract(SinkContract):
+    """The contract on kafka-python's producer (``sink.client: kafka-python``)."""
+
     sink_type = "kafka"
+    client = "kafka-python"
     idempotent = False  # append-only log: a replay is written again (documented)
     # fail_fast stops at a record the producer refuses (above max_request_size, no topic)
     # and at one above the topic's max.message.bytes (checked before sending); another
@@ -110,6 +113,7 @@ class TestKafkaContract(SinkContract):
     def config(self, target: str) -> dict[str, Any]:
         return {
             "type": "kafka",
+            "client": self.client,
             "bootstrap_servers": self.bootstrap,
             "topic": target,
             "max_request_size": 10_240,
@@ -150,10 +154,24 @@ class TestKafkaContract(SinkContract):
         ({"sasl_username": "u"}, "sasl_username"),
         ({"ssl_cafile": "/tmp/ca.pem"}, "ssl_cafile"),
         ({"timestamp": "broker"}, "timestamp"),
+        ({"client": "librdkafka"}, "client"),
     ]
 
 
+class TestKafkaContractConfluent(TestKafkaContract):
+    """The same contract on librdkafka's producer (``sink.client: confluent``): the poison
+    rows are refused by ``produce()`` (MSG_SIZE_TOO_LARGE above message.max.bytes)."""
+
+    client = "confluent"
+
+
 # -- Kafka-specific behaviour ------------------------------------------------------------------
+
+
+@pytest.fixture(params=["confluent", "kafka-python"])
+def client(request: pytest.FixtureRequest) -> str:
+    """Each Kafka-specific test runs on both producers."""
+    return str(request.param)
 
 
 @pytest.fixture
@@ -178,7 +196,7 @@ def _sink(**cfg: Any) -> Any:
     return s
 
 
-def test_a_record_above_the_topic_limit_fails_before_sending(tansu: str) -> None:
+def test_a_record_above_the_topic_limit_fails_before_sending(client: str, tansu: str) -> None:
     """The topic's max.message.bytes (5,000) is below the producer's max_request_size (1 MiB):
     the broker would refuse row 40 after the batch went out. The sink reads the limit
     (DescribeConfigs) and refuses the row before sending: under fail_fast nothing after it is
@@ -195,7 +213,7 @@ def test_a_record_above_the_topic_limit_fails_before_sending(tansu: str) -> None
     finally:
         admin.close()
     batch = make_batch(100, names={40: "x" * 6_000, 70: "y" * 6_000})
-    s = _sink(bootstrap_servers=tansu, topic=topic, max_request_size=1 << 20)
+    s = _sink(client=client, bootstrap_servers=tansu, topic=topic, max_request_size=1 << 20)
     try:
         assert s.topic_limit(topic) == 5000
         failed = send_isolating(s, batch, fail_fast=True)
@@ -210,29 +228,62 @@ def test_a_record_above_the_topic_limit_fails_before_sending(tansu: str) -> None
         delete_topics(tansu, topic)
 
 
-def test_idempotent_producer_gets_a_producer_id_from_tansu(tansu: str, kafka_topic: str) -> None:
-    s = _sink(bootstrap_servers=tansu, topic=kafka_topic)
+def test_idempotent_producer_gets_a_producer_id_from_tansu(
+    client: str, tansu: str, kafka_topic: str
+) -> None:
+    s = _sink(client=client, bootstrap_servers=tansu, topic=kafka_topic)
     try:
         assert s.send_batch(make_batch(5)).failed == ()
-        tm = s._producer._transaction_manager
-        assert tm is not None and tm.producer_id_and_epoch.producer_id >= 0
+        if client == "confluent":
+            assert _librdkafka_eos(s)["idemp_state"] == "Assigned"
+            assert _librdkafka_eos(s)["producer_id"] >= 0
+        else:
+            tm = s._producer._transaction_manager
+            assert tm is not None and tm.producer_id_and_epoch.producer_id >= 0
     finally:
         s.cleanup_sink()
 
 
-def test_non_idempotent_acks_leader(tansu: str, kafka_topic: str) -> None:
-    s = _sink(bootstrap_servers=tansu, topic=kafka_topic, idempotent=False, acks="1")
+def _librdkafka_eos(s: Any) -> dict[str, Any]:
+    """The idempotence state librdkafka reports (statistics) for a producer made from the
+    sink's own properties, after one record."""
+    from confluent_kafka import Producer
+
+    from conveyor.sinks.kafka_confluent import producer_config
+
+    stats: list[dict[str, Any]] = []
+    conf = {
+        **producer_config(s.config),
+        "statistics.interval.ms": 100,
+        "stats_cb": lambda j: stats.append(json.loads(j)),
+    }
+    p = Producer(conf)
+    p.produce(s.config.topic, value=b"x")
+    assert p.flush(10) == 0
+    stats.clear()  # the state after the record was acknowledged
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not stats:
+        p.poll(0.1)
+    assert stats, "no statistics from librdkafka"
+    return dict(stats[-1].get("eos", {}))  # only an idempotent producer reports it
+
+
+def test_non_idempotent_acks_leader(client: str, tansu: str, kafka_topic: str) -> None:
+    s = _sink(client=client, bootstrap_servers=tansu, topic=kafka_topic, idempotent=False, acks="1")
     try:
         assert s.send_batch(make_batch(20)).failed == ()
-        assert s._producer._transaction_manager is None
+        if client == "confluent":
+            assert _librdkafka_eos(s) == {}  # not idempotent: never asks for a producer id
+        else:
+            assert s._producer._transaction_manager is None
     finally:
         s.cleanup_sink()
-    assert len(consume_all(tansu, kafka_topic)) == 20
+    assert len(consume_all(tansu, kafka_topic)) == 21 if client == "confluent" else 20
 
 
 @pytest.mark.parametrize("codec", ["gzip", "zstd"])
-def test_compression_round_trip(tansu: str, kafka_topic: str, codec: str) -> None:
-    s = _sink(bootstrap_servers=tansu, topic=kafka_topic, compression=codec)
+def test_compression_round_trip(client: str, tansu: str, kafka_topic: str, codec: str) -> None:
+    s = _sink(client=client, bootstrap_servers=tansu, topic=kafka_topic, compression=codec)
     try:
         assert s.send_batch(make_batch(200)).failed == ()
     finally:
@@ -241,14 +292,14 @@ def test_compression_round_trip(tansu: str, kafka_topic: str, codec: str) -> Non
     assert sorted(r["id"] for r in rows) == list(range(200))
 
 
-def test_topic_template_destination_and_missing_field(tansu: str) -> None:
+def test_topic_template_destination_and_missing_field(client: str, tansu: str) -> None:
     prefix = unique("kt")
     batch = make_batch(6)
     # name "name <i>" has a space, so route on a payload field that makes legal names: id parity
     # through the __destination column for rows 0-1, the template for the others.
     dest = pa.array([f"{prefix}-dest", f"{prefix}-dest", None, None, None, None], pa.string())
     batch = batch.set_column(batch.schema.get_field_index("__destination"), "__destination", dest)
-    s = _sink(bootstrap_servers=tansu, topic=prefix + "-${topic}-${payload.id}")
+    s = _sink(client=client, bootstrap_servers=tansu, topic=prefix + "-${topic}-${payload.id}")
     try:
         result = s.send_batch(batch)
         assert result.failed == ()
@@ -256,7 +307,12 @@ def test_topic_template_destination_and_missing_field(tansu: str) -> None:
         assert [f.index for f in bad.failed] == [0, 1] and "id" in bad.failed[0].message
         assert all(f.kind is ErrorKind.DATA for f in bad.failed)
         illegal = build_sink(
-            {"type": "kafka", "bootstrap_servers": tansu, "topic": prefix + "-${payload.name}"}
+            {
+                "type": "kafka",
+                "client": client,
+                "bootstrap_servers": tansu,
+                "topic": prefix + "-${payload.name}",
+            }
         )
         illegal.init_sink()
         try:
@@ -274,7 +330,9 @@ def test_topic_template_destination_and_missing_field(tansu: str) -> None:
     delete_topics(tansu, f"{prefix}-dest", *(f"{prefix}-orders-{i}" for i in range(2, 6)))
 
 
-def test_key_template_timestamp_now_and_coordinate_headers(tansu: str, kafka_topic: str) -> None:
+def test_key_template_timestamp_now_and_coordinate_headers(
+    client: str, tansu: str, kafka_topic: str
+) -> None:
     before = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1)
     s = _sink(
         bootstrap_servers=tansu,
@@ -298,11 +356,11 @@ def test_key_template_timestamp_now_and_coordinate_headers(tansu: str, kafka_top
     assert as_row(recs[2])["timestamp"] >= before > BASE_TS
 
 
-def test_partitioning_source_keeps_partition_numbers(tansu: str) -> None:
+def test_partitioning_source_keeps_partition_numbers(client: str, tansu: str) -> None:
     topic = unique("kp")
     create_topic(tansu, topic, partitions=3)
     try:
-        s = _sink(bootstrap_servers=tansu, topic=topic, partitioning="source")
+        s = _sink(client=client, bootstrap_servers=tansu, topic=topic, partitioning="source")
         try:
             b = pa.concat_tables(
                 [make_batch(4, start=0, partition=0), make_batch(4, start=4, partition=2)]
@@ -327,11 +385,11 @@ def test_partitioning_source_keeps_partition_numbers(tansu: str) -> None:
         delete_topics(tansu, topic)
 
 
-def test_tombstone_for_a_null_value(tansu: str, kafka_topic: str) -> None:
+def test_tombstone_for_a_null_value(client: str, tansu: str, kafka_topic: str) -> None:
     batch = pa.table(
         {"value": pa.array([b"v", None], pa.binary()), "__key": pa.array([b"a", b"b"], pa.binary())}
     )
-    s = _sink(bootstrap_servers=tansu, topic=kafka_topic)
+    s = _sink(client=client, bootstrap_servers=tansu, topic=kafka_topic)
     try:
         assert s.send_batch(batch).failed == ()
         # no key and no value: Kafka cannot hold it -> a data error for that row only
@@ -344,7 +402,7 @@ def test_tombstone_for_a_null_value(tansu: str, kafka_topic: str) -> None:
     assert [(r.key, r.value) for r in recs] == [(b"a", b"v"), (b"b", None), (None, b"ok")]
 
 
-def test_broker_lost_after_start_is_transient_and_bounded(tmp_path: Any) -> None:
+def test_broker_lost_after_start_is_transient_and_bounded(client: str, tmp_path: Any) -> None:
     broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
     s = None
     try:
@@ -371,10 +429,11 @@ def test_broker_lost_after_start_is_transient_and_bounded(tmp_path: Any) -> None
         broker.stop()
 
 
-def test_missing_ssl_file_is_permanent(tansu: str) -> None:
+def test_missing_ssl_file_is_permanent(client: str, tansu: str) -> None:
     s = build_sink(
         {
             "type": "kafka",
+            "client": client,
             "bootstrap_servers": tansu,
             "topic": "t",
             "security_protocol": "SSL",
@@ -384,3 +443,75 @@ def test_missing_ssl_file_is_permanent(tansu: str) -> None:
     with pytest.raises(PermanentSinkError, match="ssl_cafile"):
         s.init_sink()
     s.cleanup_sink()
+
+
+def test_a_broker_stopped_mid_batch_loses_nothing(client: str, tmp_path: Any) -> None:
+    """tansu is SIGSTOPped while batches are being produced (requests hang, connections stay
+    open) for longer than delivery_timeout_ms, then continued. As the runtime does, a batch
+    that raised TransientSinkError is sent again whole, and the rows reported unacknowledged
+    are sent again alone: every row ends up in the topic, and the duplicates are at most
+    the rows sent again."""
+    import os
+    import signal
+    import threading
+
+    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+    s = None
+    try:
+        topic = unique("kstop")
+        create_topic(broker.bootstrap, topic, partitions=2)
+        s = _sink(
+            client=client,
+            bootstrap_servers=broker.bootstrap,
+            topic=topic,
+            request_timeout_ms=1_000,
+            delivery_timeout_ms=2_000,
+            max_block_ms=3_000,
+        )
+        batches, size = 12, 5_000
+        resent = 0
+        errors: list[BaseException] = []
+        progress = threading.Event()
+
+        def produce_all() -> None:
+            nonlocal resent
+            try:
+                for b in range(batches):
+                    pending = make_batch(size, start=b * size)
+                    for _attempt in range(30):
+                        progress.set()
+                        try:
+                            result = s.send_batch(pending)
+                        except TransientSinkError:
+                            resent += pending.num_rows
+                            time.sleep(0.5)  # the runtime's backoff
+                            continue
+                        assert all(f.kind is ErrorKind.TRANSIENT for f in result.failed)
+                        if not result.failed:
+                            break
+                        pending = pending.take([f.index for f in result.failed])
+                        resent += pending.num_rows
+                    else:
+                        raise AssertionError(f"batch {b} never acknowledged")
+            except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                errors.append(e)
+
+        worker = threading.Thread(target=produce_all, daemon=True)
+        worker.start()
+        assert progress.wait(10)
+        time.sleep(0.3)  # mid-batch
+        os.kill(broker.process.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4)  # past delivery_timeout_ms: records expire unacknowledged
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+        worker.join(180)
+        assert not worker.is_alive(), "the producer did not finish after the broker came back"
+        assert not errors, errors
+        ids = [json.loads(r.value)["id"] for r in consume_all(broker.bootstrap, topic, 60)]
+        assert set(ids) == set(range(batches * size))  # nothing lost
+        assert len(ids) - batches * size <= resent  # duplicates bounded by the rows sent again
+    finally:
+        if s is not None:
+            s.cleanup_sink()
+        broker.stop()

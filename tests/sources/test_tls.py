@@ -62,13 +62,14 @@ def test_right_ca_messages_flow_through_every_client(tls_broker: TlsBroker, tmp_
         [Msg(b'{"id": %d}' % i, key=b"k%d" % i) for i in range(20)],
         **{k: v for k, v in conf.items() if k != "bootstrap.servers"},
     )
-    # the Kafka sink, through TLS, appends 5 more
-    sink = build_sink({"type": "kafka", "topic": t, **tls(tls_broker)})
-    sink.init_sink()
-    try:
-        assert sink.send_batch(make_batch(5)).failed == ()
-    finally:
-        sink.cleanup_sink()
+    # the Kafka sink, through TLS, appends 5 more on each client
+    for client in ("confluent", "kafka-python"):
+        sink = build_sink({"type": "kafka", "client": client, "topic": t, **tls(tls_broker)})
+        sink.init_sink()
+        try:
+            assert sink.send_batch(make_batch(5)).failed == ()
+        finally:
+            sink.cleanup_sink()
     # the dead-letter writer, through TLS, to <connector>.dlq
     dlq = f"{t}.dlq"
     create_topic(
@@ -94,12 +95,12 @@ def test_right_ca_messages_flow_through_every_client(tls_broker: TlsBroker, tmp_
     source = KafkaSource(spec, group_id=f"g_{t}")
     source.open({})
     try:
-        got = rows(read_until(source, 25))
-        assert [r["__offset"] for r in got] == list(range(25))
-        assert got[0]["__key"] == b"k0" and got[24]["__key"] == b"k4"
+        got = rows(read_until(source, 30))
+        assert [r["__offset"] for r in got] == list(range(30))
+        assert got[0]["__key"] == b"k0" and got[24]["__key"] == b"k4" and got[29]["__key"] == b"k4"
         # the offsets mirror commits through TLS; the takeover path reads it back
-        source.mirror_commit({TopicPartition(t, 0): 25}, force=True)
-        assert source.group_offsets(f"g_{t}") == {TopicPartition(t, 0): 25}
+        source.mirror_commit({TopicPartition(t, 0): 30}, force=True)
+        assert source.group_offsets(f"g_{t}") == {TopicPartition(t, 0): 30}
     finally:
         source.close()
     dl_source = KafkaSource(SourceSpec(topics=[dlq], **tls(tls_broker)), group_id="g_dlq")  # type: ignore[arg-type]
@@ -134,12 +135,13 @@ def test_wrong_ca_or_host_is_a_permanent_error_naming_the_certificate_problem(
         assert problem in str(err.value) and "\n" not in str(err.value)
     finally:
         source.close()
-    sink = build_sink({"type": "kafka", "topic": "any", **kw})
-    try:
-        with pytest.raises(PermanentSinkError, match=problem):
-            sink.init_sink()
-    finally:
-        sink.cleanup_sink()
+    for client in ("confluent", "kafka-python"):
+        sink = build_sink({"type": "kafka", "client": client, "topic": "any", **kw})
+        try:
+            with pytest.raises(PermanentSinkError, match=problem):
+                sink.init_sink()
+        finally:
+            sink.cleanup_sink()
     letters = KafkaDeadLetters(KafkaConnection(**kw), "any.dlq", connector="c")  # type: ignore[arg-type]
     with pytest.raises(PermanentSinkError, match=problem):
         letters.write(

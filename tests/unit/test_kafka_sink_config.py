@@ -209,7 +209,7 @@ def test_asset_key_and_describe() -> None:
 
 
 def test_importing_the_sink_modules_does_not_import_their_clients() -> None:
-    code = "import sys, conveyor.sinks.kafka, conveyor.sinks.rabbitmq; sys.exit(1 if {'kafka', 'pika'} & set(sys.modules) else 0)"
+    code = "import sys, conveyor.sinks.kafka, conveyor.sinks.kafka_confluent, conveyor.sinks.rabbitmq; sys.exit(1 if {'kafka', 'confluent_kafka', 'pika'} & set(sys.modules) else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -531,3 +531,135 @@ def test_fail_fast_produces_nothing_after_a_record_the_producer_refuses() -> Non
     result = s.send_batch(make_batch(10, names={4: "x" * 5000}))
     assert [f.index for f in result.failed] == [4]
     assert len(producer.sent) == 4  # rows 0-3, nothing after the refused one
+
+
+# -- the librdkafka client (sink.client: confluent) ----------------------------------------------
+
+
+def test_librdkafka_producer_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import Producer
+
+    from conveyor.sinks.kafka_confluent import producer_config
+
+    for name in ("ca.pem", "c.pem", "k.pem"):
+        (tmp_path / name).write_text("PEM")
+    monkeypatch.setenv("SINK_KAFKA_PW", "s3cret")
+    cfg = parse_sink_config(
+        {
+            **BASE,
+            "client": "confluent",
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_username": "svc",
+            "sasl_password": "${env:SINK_KAFKA_PW}",
+            "ssl_cafile": str(tmp_path / "ca.pem"),
+            "compression": "zstd",
+            "max_request_size": 1 << 30,
+            "client_options": {"socket.keepalive.enable": True},
+        }
+    )
+    assert isinstance(cfg, KafkaSinkConfig)
+    conf = producer_config(cfg)
+    assert {k: conf[k] for k in ("acks", "enable.idempotence", "compression.type")} == {
+        "acks": "all",
+        "enable.idempotence": True,
+        "compression.type": "zstd",
+    }
+    assert conf["message.max.bytes"] == 1_000_000_000  # librdkafka's bound
+    assert conf["message.timeout.ms"] == 120_000 and conf["partitioner"] == "murmur2_random"
+    assert conf["sasl.mechanism"] == "SCRAM-SHA-512" and conf["sasl.password"] == "s3cret"
+    assert conf["ssl.ca.location"] == str(tmp_path / "ca.pem")
+    assert conf["socket.keepalive.enable"] is True  # client_options under librdkafka's names
+    plain = producer_config(
+        parse_sink_config({**BASE, "client": "confluent", "idempotent": False, "acks": "1"})  # type: ignore[arg-type]
+    )
+    assert plain["acks"] == 1 and plain["enable.idempotence"] is False
+    Producer(plain)  # librdkafka accepts every property (it refuses unknown ones)
+
+
+def test_librdkafka_client_options_are_librdkafka_names() -> None:
+    s = sink(client="confluent", client_options={"linger_ms": 3})
+    with pytest.raises(PermanentSinkError, match="librdkafka property"):
+        s.init_sink()
+    s.cleanup_sink()
+    # kafka-python's codec libraries do not matter to librdkafka
+    sink(client="confluent", compression="snappy").validate()
+
+
+def _delivered(fail: dict[int, int]) -> Any:
+    """A ConfluentProducer whose librdkafka producer reports each record delivered, except
+    the records in ``fail`` (index -> librdkafka error code), at flush."""
+    from confluent_kafka import KafkaError
+
+    from conveyor.sinks.kafka_confluent import ConfluentProducer
+
+    class _Rd:
+        def __init__(self) -> None:
+            self.queued: list[Any] = []
+            self.sent: list[bytes] = []
+
+        def produce(self, topic: str, **kw: Any) -> None:
+            self.queued.append(kw["on_delivery"])
+            self.sent.append(kw["value"])
+
+        def flush(self, timeout: float) -> int:
+            for n, cb in enumerate(self.queued):
+                cb(KafkaError(fail[n]) if n in fail else None, None)
+            self.queued = []
+            return 0
+
+        def purge(self, **kw: Any) -> None:
+            pass
+
+    p = ConfluentProducer.__new__(ConfluentProducer)
+    p._p = _Rd()
+    return p
+
+
+def test_librdkafka_delivery_reports_are_per_row() -> None:
+    from confluent_kafka import KafkaError
+
+    from conveyor.sinks.base import ErrorKind
+
+    s = sink(client="confluent")
+    s._producer = _delivered({2: KafkaError.MSG_SIZE_TOO_LARGE, 4: KafkaError._MSG_TIMED_OUT})
+    result = s.send_batch(make_batch(6))
+    assert [(f.index, f.kind) for f in result.failed] == [
+        (2, ErrorKind.DATA),  # the broker refused the record: that row only
+        (4, ErrorKind.TRANSIENT),  # not acknowledged: only it is sent again
+    ]
+    assert "MSG_SIZE_TOO_LARGE" in result.failed[0].message
+    s._producer = _delivered({1: KafkaError.INVALID_RECORD})
+    assert [(f.index, f.kind) for f in s.send_batch(make_batch(3)).failed] == [(1, ErrorKind.DATA)]
+    s._producer = _delivered({0: KafkaError._MSG_TIMED_OUT, 1: KafkaError._MSG_TIMED_OUT})
+    with pytest.raises(TransientSinkError):  # nothing acknowledged: an outage of the batch
+        s.send_batch(make_batch(2))
+    assert s._producer is None  # dropped; the next batch reconnects
+    s._producer = _delivered({0: KafkaError.TOPIC_AUTHORIZATION_FAILED})
+    with pytest.raises(PermanentSinkError, match="TOPIC_AUTHORIZATION_FAILED"):
+        s.send_batch(make_batch(2))
+
+
+def test_librdkafka_fail_fast_produces_nothing_after_a_refused_record() -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    s = sink(client="confluent", max_request_size=2048)
+    s.fail_fast = True
+    producer = _delivered({})
+    rd = producer._p
+    produce = rd.produce
+
+    def refuse_large(topic: str, **kw: Any) -> None:
+        if len(kw["value"]) > 2048:  # as librdkafka's produce() above message.max.bytes
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        produce(topic, **kw)
+
+    rd.produce = refuse_large
+    s._producer = producer
+    result = s.send_batch(make_batch(10, names={4: "x" * 5000}))
+    assert [f.index for f in result.failed] == [4]
+    assert len(rd.sent) == 4  # rows 0-3, nothing after the refused one
+    # a record with neither key nor value is refused before librdkafka sees it
+    nokey = pa.table({"value": pa.array([None, b"ok"], pa.binary())})
+    s.fail_fast = False
+    assert [f.index for f in s.send_batch(nokey).failed] == [0]

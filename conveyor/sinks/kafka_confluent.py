@@ -1,0 +1,202 @@
+"""The Kafka sink's librdkafka client (confluent-kafka): ``sink.client: confluent``.
+
+Record encoding, batching, compression and the partitioner run in librdkafka's C
+threads, outside the GIL; Python only calls ``produce`` per row. ``ConfluentProducer``
+gives the librdkafka producer the few kafka-python ``KafkaProducer`` calls the sink makes
+(``send`` returning a future, ``flush``, ``partitions_for``, ``close``), so everything
+else in ``conveyor.sinks.kafka`` (message building, templates, routing, the failure
+semantics) is shared by both clients. Each record's delivery report settles its future:
+per-row acknowledgement, as kafka-python's futures give it.
+
+The connection becomes librdkafka properties in
+``conveyor.brokers.connection.librdkafka_config`` (the source's mapping);
+``client_options`` take librdkafka's dotted names, as for ``source.client: confluent``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from conveyor.brokers.connection import kafka_python_options, librdkafka_config
+
+if TYPE_CHECKING:
+    from conveyor.sinks.kafka import KafkaSinkConfig
+
+log = logging.getLogger("conveyor.sinks.kafka")
+
+# librdkafka's bound of message.max.bytes.
+_MAX_MESSAGE_BYTES = 1_000_000_000
+
+
+def producer_config(c: KafkaSinkConfig) -> dict[str, Any]:
+    """librdkafka producer properties of a sink config: the sink's settings, then the
+    connection (secrets resolved: never log them), whose client_options (librdkafka
+    names) win. Raises ConfigError naming the field."""
+    return {
+        "log.connection.close": False,
+        "logger": log,  # librdkafka's log lines through Python logging, not stderr
+        "acks": "all" if c.acks == "all" else 1,
+        "enable.idempotence": c.idempotent,
+        "compression.type": c.compression,
+        "linger.ms": c.linger_ms,
+        "batch.size": c.batch_size,
+        "message.max.bytes": min(c.max_request_size, _MAX_MESSAGE_BYTES),
+        "request.timeout.ms": c.request_timeout_ms,
+        "message.timeout.ms": c.delivery_timeout_ms,
+        "socket.connection.setup.timeout.ms": max(c.connect_timeout_ms, 1_000),
+        # kafka-python's (and Java's) partitioner: murmur2 of the key, so a key lands on
+        # the same partition with either client; a null key goes to a random partition
+        # (sticky for sticky.partitioning.linger.ms).
+        "partitioner": "murmur2_random",
+        # A batch is produced whole before one flush: room for large batches in the queue.
+        "queue.buffering.max.messages": 2_000_000,
+        **librdkafka_config(c, prefix="sink", client_options=True),
+    }
+
+
+def admin_config(c: KafkaSinkConfig) -> dict[str, Any]:
+    """librdkafka properties of the admin client that reads a topic's limits."""
+    conf = librdkafka_config(c, prefix="sink", client_options=False)
+    return {"log.connection.close": False, "logger": log, **conf}
+
+
+def tls_check_options(c: KafkaSinkConfig) -> dict[str, Any]:
+    """The connection as kafka-python options, for ``tls_problem``'s handshake (the one check
+    of certificates before librdkafka retries them silently); client_options and SASL are
+    left out (they are librdkafka's here and play no part in the handshake)."""
+    if not c.security_protocol.endswith("SSL"):
+        return {}
+    plain = c.model_copy(update={"client_options": {}, "sasl_mechanism": None})
+    if plain.security_protocol == "SASL_SSL":
+        plain = plain.model_copy(update={"security_protocol": "SSL"})
+    return kafka_python_options(plain, "producer", prefix="sink")
+
+
+class Delivery:
+    """A record's delivery report, as a kafka-python future: ``is_done``, ``exception``,
+    ``succeeded()``."""
+
+    __slots__ = ("exception", "is_done")
+
+    def __init__(self) -> None:
+        self.is_done = False
+        self.exception: BaseException | None = None
+
+    def __call__(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            from confluent_kafka import KafkaException
+
+            self.exception = KafkaException(err)
+        self.is_done = True
+
+    def succeeded(self) -> bool:
+        return self.is_done and self.exception is None
+
+
+class ConfluentProducer:
+    """A librdkafka producer behind the calls the sink makes of kafka-python's."""
+
+    def __init__(self, c: KafkaSinkConfig, conf: dict[str, Any]):
+        from confluent_kafka import Producer
+
+        self.config = c
+        self._p = Producer({**conf, "error_cb": self._on_error})
+
+    def _on_error(self, err: Any) -> None:
+        # Outages are retried by librdkafka and end in the records' delivery reports.
+        log.debug("librdkafka: %s", err)
+
+    def bootstrap(self, timeout_s: float) -> None:
+        """Reach the cluster (a metadata request), as kafka-python does when it starts."""
+        self._p.list_topics(timeout=timeout_s)
+
+    def send(
+        self,
+        topic: str,
+        *,
+        value: bytes | None,
+        key: bytes | None,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int | None,
+        partition: int | None,
+    ) -> Delivery:
+        if value is None and key is None:
+            raise ValueError("a record needs a key or a value (both are null)")
+        d = Delivery()
+        kw: dict[str, Any] = {"value": value, "key": key, "on_delivery": d}
+        if headers:
+            kw["headers"] = headers
+        if timestamp_ms is not None:
+            kw["timestamp"] = timestamp_ms
+        if partition is not None:
+            kw["partition"] = partition
+        try:
+            self._p.produce(topic, **kw)
+        except BufferError:
+            self._wait_for_room(topic, kw)
+        return d
+
+    def _wait_for_room(self, topic: str, kw: dict[str, Any]) -> None:
+        # The local queue is full: serve delivery reports until there is room, at most
+        # max_block_ms (kafka-python's bound on a send() waiting for buffer space).
+        deadline = time.monotonic() + self.config.max_block_ms / 1000
+        while True:
+            self._p.poll(0.05)
+            try:
+                self._p.produce(topic, **kw)
+                return
+            except BufferError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"the producer's queue stayed full for {self.config.max_block_ms} ms"
+                    ) from None
+
+    def flush(self, timeout: float | None = None) -> None:
+        left = self._p.flush(-1 if timeout is None else timeout)
+        if left:
+            from kafka.errors import KafkaTimeoutError
+
+            raise KafkaTimeoutError(f"{left} record(s) not delivered within {timeout} s")
+
+    def partitions_for(self, topic: str) -> set[int]:
+        """The topic's partitions; kafka-python's KafkaTimeoutError when the cluster says
+        it does not exist (as kafka-python raises after max_block_ms)."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        md = self._p.list_topics(topic=topic, timeout=self.config.max_block_ms / 1000)
+        t = md.topics.get(topic)
+        if t is None or (
+            t.error is not None and t.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+        ):
+            from kafka.errors import KafkaTimeoutError
+
+            raise KafkaTimeoutError(f"topic {topic!r} not found")
+        if t.error is not None:
+            raise KafkaException(t.error)
+        return set(t.partitions)
+
+    def close(self, timeout: float | None = None, null_logger: bool = False) -> None:
+        """Deliver what is buffered within ``timeout``; with 0, abandon it (the batch is
+        sent again)."""
+        if timeout == 0:
+            self._p.purge(in_queue=True, in_flight=True, blocking=False)
+            self._p.flush(0)
+        else:
+            self._p.flush(-1 if timeout is None else timeout)
+        self._p = None
+
+
+def topic_limit(admin: Any, topic: str, timeout_s: float) -> int | None:
+    """The topic's ``max.message.bytes`` through a librdkafka AdminClient, or None."""
+    from confluent_kafka.admin import ConfigResource
+
+    futures = admin.describe_configs(
+        [ConfigResource(ConfigResource.Type.TOPIC, topic)], request_timeout=timeout_s
+    )
+    for fut in futures.values():
+        entry = fut.result(timeout=timeout_s + 1).get("max.message.bytes")
+        value = getattr(entry, "value", None)
+        return int(value) if value not in (None, "") else None
+    return None
