@@ -22,8 +22,8 @@ import pyarrow as pa
 
 from conveyor.brokers.connection import (
     classify_kafka_error,
-    kafka_python_options,
     librdkafka_config,
+    tls_handshake_options,
     tls_problem,
 )
 from conveyor.brokers.kafka import KafkaSource, columns_to_table, default_bootstrap
@@ -119,22 +119,14 @@ class ConfluentSource(KafkaSource):
                 "error_cb": self._on_error,
             }
         )
-        problem = tls_problem(self._tls_options())
+        problem = tls_problem(
+            tls_handshake_options(
+                self.spec, "consumer", prefix="source", default_bootstrap=default_bootstrap
+            )
+        )
         if problem:
             raise PermanentSourceError(f"cannot connect to Kafka at {self.bootstrap}: {problem}")
         self._consumer = Consumer(conf)
-
-    def _tls_options(self) -> dict[str, Any]:
-        """The connection as kafka-python options, for ``tls_problem``'s handshake (the one
-        check of certificates before a client retries them silently)."""
-        if not self.spec.security_protocol.endswith("SSL"):
-            return {}
-        plain = self.spec.model_copy(update={"client_options": {}, "sasl_mechanism": None})
-        if plain.security_protocol == "SASL_SSL":
-            plain = plain.model_copy(update={"security_protocol": "SSL"})
-        return kafka_python_options(
-            plain, "consumer", prefix="source", default_bootstrap=default_bootstrap
-        )
 
     def _topic_partitions(self, topics: list[str] | None) -> dict[str, set[int]]:
         self._raise_reported()

@@ -284,6 +284,25 @@ def librdkafka_config(
     return conf
 
 
+def tls_handshake_options(
+    c: KafkaConnection,
+    role: ClientRole,
+    *,
+    prefix: str,
+    default_bootstrap: Callable[[], str] | None = None,
+) -> dict[str, Any]:
+    """The connection of a librdkafka client as kafka-python options, for ``tls_problem``'s
+    handshake (the one check of certificates before librdkafka retries them silently).
+    Empty without TLS; client_options (librdkafka's names there) and SASL are left out:
+    they play no part in the handshake."""
+    if not c.security_protocol.endswith("SSL"):
+        return {}
+    plain = c.model_copy(update={"client_options": {}, "sasl_mechanism": None})
+    if plain.security_protocol == "SASL_SSL":
+        plain = plain.model_copy(update={"security_protocol": "SSL"})
+    return kafka_python_options(plain, role, prefix=prefix, default_bootstrap=default_bootstrap)
+
+
 def tls_problem(options: dict[str, Any], timeout_s: float = 10.0) -> str | None:
     """Why a TLS connection with these kafka-python options cannot work, or None.
 

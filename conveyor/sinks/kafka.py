@@ -20,6 +20,7 @@ import datetime as dt
 import importlib.util
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from conveyor.brokers.connection import (
     classify_kafka_error,
     describe_kafka_error,
     kafka_python_options,
+    tls_handshake_options,
     tls_problem,
 )
 from conveyor.core.asset_keys import key_part
@@ -212,6 +214,26 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     def kind(self) -> str:
         return "kafka"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kafka_python_options_keep_their_client(cls, data: Any) -> Any:
+        """A spec written before confluent became the default, with kafka-python's option
+        names and no ``client``, keeps kafka-python (with a warning) instead of failing."""
+        if not isinstance(data, dict) or "client" in data:
+            return data
+        options = data.get("client_options") or {}
+        named = [n for n in options if isinstance(n, str) and "_" in n and "." not in n]
+        if not named:
+            return data
+        warnings.warn(
+            f"sink.client_options {named} are kafka-python names: this sink keeps the "
+            "kafka-python client; set client: kafka-python to keep it, or client: confluent "
+            "with librdkafka's dotted names",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return {**data, "client": "kafka-python"}
+
     @model_validator(mode="after")
     def _rules(self) -> KafkaSinkConfig:
         """Cross-field rules (no I/O): each error names its field."""
@@ -355,7 +377,7 @@ class KafkaSink(Sink):
         c = self.config
         try:
             conf = rd.producer_config(c)
-            problem = tls_problem(rd.tls_check_options(c))
+            problem = tls_problem(tls_handshake_options(c, "producer", prefix="sink"))
         except ConfigError as e:
             raise PermanentSinkError(str(e)) from None
         if problem:

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from conveyor.brokers.connection import kafka_python_options, librdkafka_config
+from conveyor.brokers.connection import librdkafka_config
 
 if TYPE_CHECKING:
     from conveyor.sinks.kafka import KafkaSinkConfig
@@ -60,18 +60,6 @@ def admin_config(c: KafkaSinkConfig) -> dict[str, Any]:
     """librdkafka properties of the admin client that reads a topic's limits."""
     conf = librdkafka_config(c, prefix="sink", client_options=False)
     return {"log.connection.close": False, "logger": log, **conf}
-
-
-def tls_check_options(c: KafkaSinkConfig) -> dict[str, Any]:
-    """The connection as kafka-python options, for ``tls_problem``'s handshake (the one check
-    of certificates before librdkafka retries them silently); client_options and SASL are
-    left out (they are librdkafka's here and play no part in the handshake)."""
-    if not c.security_protocol.endswith("SSL"):
-        return {}
-    plain = c.model_copy(update={"client_options": {}, "sasl_mechanism": None})
-    if plain.security_protocol == "SASL_SSL":
-        plain = plain.model_copy(update={"security_protocol": "SSL"})
-    return kafka_python_options(plain, "producer", prefix="sink")
 
 
 class Delivery:

@@ -663,3 +663,21 @@ def test_librdkafka_fail_fast_produces_nothing_after_a_refused_record() -> None:
     nokey = pa.table({"value": pa.array([None, b"ok"], pa.binary())})
     s.fail_fast = False
     assert [f.index for f in s.send_batch(nokey).failed] == [0]
+
+
+def test_a_spec_with_kafka_python_options_and_no_client_keeps_kafka_python():
+    import warnings
+
+    from conveyor.sinks.kafka import KafkaSinkConfig
+
+    base = {"type": "kafka", "bootstrap_servers": "127.0.0.1:9092", "topic": "t"}
+    with pytest.warns(FutureWarning, match="linger_ms"):
+        old = KafkaSinkConfig.model_validate({**base, "client_options": {"linger_ms": 5}})
+    assert old.client == "kafka-python"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert KafkaSinkConfig.model_validate(base).client == "confluent"
+        dotted = {**base, "client_options": {"socket.keepalive.enable": True}}
+        assert KafkaSinkConfig.model_validate(dotted).client == "confluent"
+        explicit = {**base, "client": "kafka-python", "client_options": {"linger_ms": 5}}
+        assert KafkaSinkConfig.model_validate(explicit).client == "kafka-python"
