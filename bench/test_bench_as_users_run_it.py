@@ -38,7 +38,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ import psutil
 import psycopg2
 import pytest
 
+from bench.drain import Result, Sample
 from bench.stack import DevStack, dev_stack, listening_pid
 from tests.e2e.conftest import wait_for
 
@@ -113,43 +113,6 @@ def count(cur: Any, schema: str, table: str) -> int:
         return 0
     cur.execute(f'SELECT count(*) FROM "{schema}"."{table}"')
     return int(cur.fetchone()[0])
-
-
-@dataclass
-class Sample:
-    t: float
-    rows: int
-    cpu: dict[str, float]
-    rss: dict[str, int]
-
-
-@dataclass
-class Result:
-    contender: str
-    started: float
-    samples: list[Sample] = field(default_factory=list)
-
-    def _at(self, rows: float) -> Sample:
-        return next(s for s in self.samples if s.rows >= rows)
-
-    def steady_rate(self) -> float:
-        a, b = self._at(0.2 * N), self._at(0.9 * N)
-        if a is b:
-            raise AssertionError(f"{self.contender}: 20% to 90% of N in one write: raise N")
-        return (b.rows - a.rows) / (b.t - a.t)
-
-    def total_rate(self) -> float:
-        return N / (self._at(N).t - self.started)
-
-    def cpu_per_100k(self) -> dict[str, float]:
-        a, b = self._at(0.2 * N), self._at(0.9 * N)
-        return {
-            k: (b.cpu.get(k, 0.0) - a.cpu.get(k, 0.0)) * 100_000 / (b.rows - a.rows) for k in b.cpu
-        }
-
-    def peak_rss_mb(self) -> dict[str, float]:
-        keys = {k for s in self.samples for k in s.rss}
-        return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}
 
 
 def watch(
@@ -240,7 +203,7 @@ def spec(
 def run_conveyor(
     stack: DevStack, contender: str, name: str, pg_url: str, schema: str, jvm: int | None
 ) -> Result:
-    result = Result(contender, time.monotonic())
+    result = Result(contender, time.monotonic(), N)
     stack.cli("connector", "start", name)
     run_pid: dict[str, int] = {}
     spy: list[subprocess.Popen[bytes]] = []
@@ -314,7 +277,7 @@ def run_script(
     contender: str, args: list[str], pg_url: str, schema: str, table: str, home: Path
 ) -> Result:
     script = {"librdkafka": "librdkafka_pg", "quixstreams": "quix_pg"}[contender]
-    result = Result(contender, time.monotonic())
+    result = Result(contender, time.monotonic(), N)
     log = open(home / f"{contender}-{table}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", f"bench.contenders.{script}", *args],

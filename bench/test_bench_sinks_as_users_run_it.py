@@ -39,17 +39,16 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from bench.drain import Result, Sample
 from bench.stack import DevStack, dev_stack, listening_pid
 from bench.test_bench_as_users_run_it import (
     SCHEMA,
-    Sample,
     produce,
     start_profile,
     summarize_profile,
@@ -253,38 +252,6 @@ class KafkaTarget(Target):
 # -- measuring ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    sink: str
-    contender: str
-    started: float
-    samples: list[Sample] = field(default_factory=list)
-    loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    rows: int = 0
-
-    def _at(self, rows: float) -> Sample:
-        return next(s for s in self.samples if s.rows >= rows)
-
-    def steady_rate(self) -> float:
-        a, b = self._at(0.2 * N), self._at(0.9 * N)
-        if a is b:
-            raise AssertionError(f"{self.sink} {self.contender}: 20% to 90% in one write")
-        return (b.rows - a.rows) / (b.t - a.t)
-
-    def total_rate(self) -> float:
-        return N / (self._at(N).t - self.started)
-
-    def cpu_per_100k(self) -> dict[str, float]:
-        a, b = self._at(0.2 * N), self._at(0.9 * N)
-        return {
-            k: (b.cpu.get(k, 0.0) - a.cpu.get(k, 0.0)) * 100_000 / (b.rows - a.rows) for k in b.cpu
-        }
-
-    def peak_rss_mb(self) -> dict[str, float]:
-        keys = {k for s in self.samples for k in s.rss}
-        return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}
-
-
 def watch(
     result: Result, target: Target, pids: Callable[[], dict[str, int]], timeout: float = 900
 ) -> Result:
@@ -327,7 +294,7 @@ def run_conveyor(
     jvm: int | None,
     contender: str = "conveyor",
 ) -> Result:
-    result = Result(sink, contender, time.monotonic())
+    result = Result(contender, time.monotonic(), N, sink=sink)
     stack.cli("connector", "start", name)
     run_pid: dict[str, int] = {}
 
@@ -357,7 +324,7 @@ def run_conveyor(
 
 
 def run_loop(sink: str, name: str, target: Target, bootstrap: str, home: Path) -> Result:
-    result = Result(sink, "librdkafka", time.monotonic())
+    result = Result("librdkafka", time.monotonic(), N, sink=sink)
     log_path = home / f"librdkafka-{name}.log"
     args = [
         "--bootstrap", bootstrap, "--topic", f"t_{name}", "--group", f"g_{name}",
