@@ -8,7 +8,18 @@ window, and peak RSS, per process.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.stack import DevStack
+
+Pids = Callable[[], dict[str, int]]
 
 
 @dataclass
@@ -52,3 +63,85 @@ class Result:
     def peak_rss_mb(self) -> dict[str, float]:
         keys = {k for s in self.samples for k in s.rss}
         return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}
+
+
+def drain_connector(
+    stack: DevStack,
+    result: Result,
+    name: str,
+    jvm: int | None,
+    watch: Callable[[Result, Pids], object],
+    profile: str | None = None,
+) -> Result:
+    """Start connector ``name`` with ``conveyor connector start`` (the scheduler launches its
+    run), ``watch`` the drain with the run process's pid (and the Spark JVM's), py-spy on the
+    run from 20% of the rows when ``profile`` names a folder, then stop it."""
+    from tests.e2e.conftest import wait_for
+
+    stack.cli("connector", "start", name)
+    run_pid: dict[str, int] = {}
+    spy: list[subprocess.Popen[bytes]] = []
+
+    def pids() -> dict[str, int]:
+        if "run" not in run_pid:
+            row = stack.store.get(name)
+            if row.run_pid:
+                run_pid["run"] = row.run_pid
+        # The profile covers the steady part: from 20% of the rows to the end.
+        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * result.n
+        if profile and "run" in run_pid and not spy and steady:
+            spy.append(start_profile(run_pid["run"], Path(profile) / f"{name}.txt"))
+        return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
+
+    try:
+        watch(result, pids)
+    finally:
+        for p in spy:
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
+    if spy:
+        print(summarize_profile(Path(profile or ".") / f"{name}.txt"))
+    stack.cli("connector", "stop", name)
+    wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
+    return result
+
+
+def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` at 100 Hz into collapsed stacks: every thread, idle ones
+    too (where a pipeline stage waits is the point), thread ids kept."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    exe = str(Path(sys.executable).parent / "py-spy")
+    return subprocess.Popen(
+        [exe, "record", "--pid", str(pid), "--format", "raw", "-r", "100", "-o", str(out),
+         "--nonblocking", "--idle", "--threads"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def summarize_profile(path: Path, top: int = 6) -> str:
+    """Per pipeline thread (the loop, the reader, the transform), the share of its wall
+    time in each of Conveyor's functions (the deepest ``conveyor/`` frame of a sample:
+    ``_Prefetcher.next`` on the loop's thread is waiting for the transform, say)."""
+    from collections import Counter, defaultdict
+
+    roots = {
+        "ConnectorLoop.run": "loop (send, commit)",
+        "_Prefetcher._read": "reader (source.read)",
+        "_Prefetcher._transform_worker": "transform (Spark)",
+    }
+    per: dict[str, Counter[str]] = defaultdict(Counter)
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        stage = next((v for k, v in roots.items() for f in frames if f.startswith(k)), None)
+        if stage is None:
+            continue
+        own = [f for f in frames if "conveyor/" in f]
+        per[stage][own[-1].split(" (")[0] if own else "?"] += int(n)
+    lines = [f"{path.name}: share of each pipeline thread's wall time (100 Hz samples)"]
+    for stage, counts in per.items():
+        total = sum(counts.values())
+        lines.append(f"  {stage}: {total} samples")
+        lines += [f"    {c / total:6.1%}  {f}" for f, c in counts.most_common(top)]
+    return "\n".join(lines)

@@ -45,7 +45,7 @@ import psutil
 import psycopg2
 import pytest
 
-from bench.drain import Result, Sample
+from bench.drain import Result, Sample, drain_connector
 from bench.stack import DevStack, dev_stack, listening_pid
 from tests.e2e.conftest import wait_for
 
@@ -204,73 +204,9 @@ def run_conveyor(
     stack: DevStack, contender: str, name: str, pg_url: str, schema: str, jvm: int | None
 ) -> Result:
     result = Result(contender, time.monotonic(), N)
-    stack.cli("connector", "start", name)
-    run_pid: dict[str, int] = {}
-    spy: list[subprocess.Popen[bytes]] = []
-
-    def pids() -> dict[str, int]:
-        if "run" not in run_pid:
-            row = stack.store.get(name)
-            if row.run_pid:
-                run_pid["run"] = row.run_pid
-        # The profile covers the steady part: from 20% of the rows to the end.
-        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * N
-        if PROFILE and "run" in run_pid and not spy and steady:
-            spy.append(start_profile(run_pid["run"], Path(PROFILE) / f"{name}.txt"))
-        return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
-
-    try:
-        watch(result, pg_url, schema, name, pids)
-    finally:
-        for p in spy:
-            p.send_signal(signal.SIGINT)
-            p.wait(60)
-    if spy:
-        print(summarize_profile(Path(PROFILE or ".") / f"{name}.txt"))
-    stack.cli("connector", "stop", name)
-    wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
-    return result
-
-
-def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy sampling ``pid`` at 100 Hz into collapsed stacks: every thread, idle ones
-    too (where a pipeline stage waits is the point), thread ids kept."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    exe = str(Path(sys.executable).parent / "py-spy")
-    return subprocess.Popen(
-        [exe, "record", "--pid", str(pid), "--format", "raw", "-r", "100", "-o", str(out),
-         "--nonblocking", "--idle", "--threads"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def summarize_profile(path: Path, top: int = 6) -> str:
-    """Per pipeline thread (the loop, the reader, the transform), the share of its wall
-    time in each of Conveyor's functions (the deepest ``conveyor/`` frame of a sample:
-    ``_Prefetcher.next`` on the loop's thread is waiting for the transform, say)."""
-    from collections import Counter, defaultdict
-
-    roots = {
-        "ConnectorLoop.run": "loop (send, commit)",
-        "_Prefetcher._read": "reader (source.read)",
-        "_Prefetcher._transform_worker": "transform (Spark)",
-    }
-    per: dict[str, Counter[str]] = defaultdict(Counter)
-    for line in path.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        frames = stack.split(";")
-        stage = next((v for k, v in roots.items() for f in frames if f.startswith(k)), None)
-        if stage is None:
-            continue
-        own = [f for f in frames if "conveyor/" in f]
-        per[stage][own[-1].split(" (")[0] if own else "?"] += int(n)
-    lines = [f"{path.name}: share of each pipeline thread's wall time (100 Hz samples)"]
-    for stage, counts in per.items():
-        total = sum(counts.values())
-        lines.append(f"  {stage}: {total} samples")
-        lines += [f"    {c / total:6.1%}  {f}" for f, c in counts.most_common(top)]
-    return "\n".join(lines)
+    return drain_connector(
+        stack, result, name, jvm, lambda r, pids: watch(r, pg_url, schema, name, pids), PROFILE
+    )
 
 
 def run_script(

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,14 +44,9 @@ from typing import Any
 import psutil
 import pytest
 
-from bench.drain import Result, Sample
+from bench.drain import Result, Sample, drain_connector
 from bench.stack import DevStack, dev_stack, listening_pid
-from bench.test_bench_as_users_run_it import (
-    SCHEMA,
-    produce,
-    start_profile,
-    summarize_profile,
-)
+from bench.test_bench_as_users_run_it import SCHEMA, produce
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
@@ -295,32 +289,9 @@ def run_conveyor(
     contender: str = "conveyor",
 ) -> Result:
     result = Result(contender, time.monotonic(), N, sink=sink)
-    stack.cli("connector", "start", name)
-    run_pid: dict[str, int] = {}
-
-    spy: list[subprocess.Popen[bytes]] = []
-
-    def pids() -> dict[str, int]:
-        if "run" not in run_pid:
-            row = stack.store.get(name)
-            if row.run_pid:
-                run_pid["run"] = row.run_pid
-        steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * N
-        if PROFILE and "run" in run_pid and not spy and steady:
-            spy.append(start_profile(run_pid["run"], Path(PROFILE) / f"{name}.txt"))
-        return {**run_pid, **({"spark_jvm": jvm} if jvm else {})}
-
-    try:
-        watch(result, target, pids)
-    finally:
-        for p in spy:
-            p.send_signal(signal.SIGINT)
-            p.wait(60)
-    if spy:
-        print(summarize_profile(Path(PROFILE or ".") / f"{name}.txt"))
-    stack.cli("connector", "stop", name)
-    wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
-    return result
+    return drain_connector(
+        stack, result, name, jvm, lambda r, pids: watch(r, target, pids), PROFILE
+    )
 
 
 def run_loop(sink: str, name: str, target: Target, bootstrap: str, home: Path) -> Result:
