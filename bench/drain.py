@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,33 @@ class Result:
     def peak_rss_mb(self) -> dict[str, float]:
         keys = {k for s in self.samples for k in s.rss}
         return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}
+
+
+def sample_until_done(
+    result: Result, count: Callable[[], int], pids: Pids, timeout: float = 900
+) -> Result:
+    """Sample the target's row count (``count``) and each process's CPU seconds and RSS
+    every 0.2 s until all ``result.n`` rows are in; fails after ``timeout`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = count()
+        cpu, rss = {}, {}
+        for k, pid in pids().items():
+            try:
+                p = psutil.Process(pid)
+                ct = p.cpu_times()
+                cpu[k] = ct.user + ct.system
+                rss[k] = p.memory_info().rss
+            except psutil.Error:
+                pass
+        result.samples.append(Sample(time.monotonic(), rows, cpu, rss))
+        if rows >= result.n:
+            return result
+        time.sleep(0.2)
+    last = result.samples[-1].rows if result.samples else 0
+    raise AssertionError(f"{result.sink} {result.contender}: only {last} of {result.n} rows")
 
 
 def drain_connector(

@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ import psutil
 import psycopg2
 import pytest
 
-from bench.drain import Result, Sample, drain_connector
+from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
 from tests.e2e.conftest import wait_for
 
@@ -120,33 +119,17 @@ def watch(
     pg_url: str,
     schema: str,
     table: str,
-    pids: Callable[[], dict[str, int]],
+    pids: Pids,
     timeout: float = 900,
 ) -> Result:
-    """Sample rows, CPU and RSS every 0.2 s until all ``N`` rows are in."""
+    """Sample the table's row count, CPU and RSS every 0.2 s until all ``N`` rows are in."""
     conn = psycopg2.connect(pg_url)
     conn.autocommit = True
-    deadline = time.monotonic() + timeout
     try:
         with conn.cursor() as cur:
-            while time.monotonic() < deadline:
-                rows = count(cur, schema, table)
-                cpu, rss = {}, {}
-                for k, pid in pids().items():
-                    try:
-                        p = psutil.Process(pid)
-                        ct = p.cpu_times()
-                        cpu[k] = ct.user + ct.system
-                        rss[k] = p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                result.samples.append(Sample(time.monotonic(), rows, cpu, rss))
-                if rows >= N:
-                    return result
-                time.sleep(0.2)
+            return sample_until_done(result, lambda: count(cur, schema, table), pids, timeout)
     finally:
         conn.close()
-    raise AssertionError(f"{result.contender}: only {result.samples[-1].rows} of {N} rows")
 
 
 def client_of(contender: str) -> str | None:

@@ -37,14 +37,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from bench.drain import Result, Sample, drain_connector
+from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
 from bench.test_bench_as_users_run_it import SCHEMA, produce
 from tests.e2e.conftest import wait_for
@@ -246,27 +244,9 @@ class KafkaTarget(Target):
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def watch(
-    result: Result, target: Target, pids: Callable[[], dict[str, int]], timeout: float = 900
-) -> Result:
-    """Sample rows, CPU and RSS every 0.2 s until all ``N`` rows are in."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = target.count()
-        cpu, rss = {}, {}
-        for k, pid in pids().items():
-            try:
-                p = psutil.Process(pid)
-                ct = p.cpu_times()
-                cpu[k] = ct.user + ct.system
-                rss[k] = p.memory_info().rss
-            except psutil.Error:
-                pass
-        result.samples.append(Sample(time.monotonic(), rows, cpu, rss))
-        if rows >= N:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"{result.sink} {result.contender}: only {result.samples[-1].rows} of {N}")
+def watch(result: Result, target: Target, pids: Pids, timeout: float = 900) -> Result:
+    """Sample the target's row count, CPU and RSS every 0.2 s until all ``N`` rows are in."""
+    return sample_until_done(result, target.count, pids, timeout)
 
 
 def spec(name: str, target: Target) -> dict[str, Any]:
