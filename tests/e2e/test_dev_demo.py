@@ -27,7 +27,7 @@ import pytest
 from conveyor.core.model import ConnectorStatus
 from conveyor.ports import free_port, port_open
 from conveyor.processes import pid_alive
-from conveyor.store.meta import MetaStore
+from conveyor.store.meta import MetaStore, UnknownConnectorError
 from tests.e2e.conftest import wait_for
 from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir
 
@@ -108,11 +108,14 @@ def graphql(dev: Dev, query: str) -> dict[str, Any]:
 
 def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: Dev) -> None:
     # Nobody launches anything: the scheduler sensor assigns the demo to broker `local`.
-    wait_for(
-        lambda: (r := dev.store.get(DEMO)).status == ConnectorStatus.RUNNING and r.heartbeat_at,
-        180,
-        f"{DEMO} Running\n{dev.log()}",
-    )
+    def demo_running() -> bool:
+        try:
+            r = dev.store.get(DEMO)
+        except UnknownConnectorError:
+            return False  # the scheduler's first tick has not synced the spec file yet
+        return r.status == ConnectorStatus.RUNNING and bool(r.heartbeat_at)
+
+    wait_for(demo_running, 180, f"{DEMO} Running\n{dev.log()}")
     row = dev.store.get(DEMO)
     assert row.broker_id == "local" and row.run_id
     # Through conveyor dev's own Spark Connect server.
