@@ -29,6 +29,7 @@ fails if rows are lost).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -75,28 +76,32 @@ def contenders(sink: str) -> tuple[str, ...]:
 # -- targets ------------------------------------------------------------------------------------
 
 
-class Target:
+class Target(abc.ABC):
     """One fresh target of a sink: the connector's sink config, the loop's arguments, a row
     counter (polled), the distinct ids written (afterwards), a cleanup."""
 
+    @abc.abstractmethod
     def sink(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def loop_args(self) -> list[str]:
         raise NotImplementedError
 
-    def create(self) -> None:
-        pass
+    def create(self) -> None:  # noqa: B027 - optional: most targets need nothing made
+        return None
 
+    @abc.abstractmethod
     def count(self) -> int:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def distinct_ids(self) -> tuple[int, int]:
         """(rows, distinct ids) in the target."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional: most targets hold nothing open
+        return None
 
 
 class MySQLTarget(Target):
