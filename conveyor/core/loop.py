@@ -810,11 +810,19 @@ class ConnectorLoop:
             return
         self._closed = True
         try:
-            self.sink.cleanup_sink()
+            try:
+                self.sink.cleanup_sink()
+            finally:
+                self.source.close()
         finally:
-            self.source.close()
-        if self.on_progress:
-            self.on_progress(Progress(self.counters, dict(self.committed), final=True))
+            # The run's last word in the UI, even when closing a client failed.
+            if self.on_progress:
+                try:
+                    self.on_progress(Progress(self.counters, dict(self.committed), final=True))
+                except Exception:  # noqa: BLE001 - never hides the error that ended the loop
+                    log.warning(
+                        "%s: could not report the final progress", self.cfg.name, exc_info=True
+                    )
 
 
 def run_loop(loop: ConnectorLoop) -> Counters:

@@ -3,7 +3,10 @@ changes, and ending by the outcome table (``core.failure.run_outcome``)."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +24,8 @@ from conveyor.store.meta import Claim, ConnectorRow, MetaStore
 TAG_CONNECTOR = "conveyor/connector"
 TAG_BROKER = "conveyor/broker"
 TAG_GENERATION = "conveyor/generation"
+
+log = logging.getLogger(__name__)
 
 
 def job_name(connector: str) -> str:
@@ -66,6 +71,27 @@ def claim_run(
         return None
 
 
+def hold_interrupts() -> None:
+    """From now on, an interrupt (SIGINT, SIGTERM) of this run process is logged, not raised.
+
+    Called once the run stops for its terminate (the interrupt arrived, or the cancel poll
+    saw the run CANCELING first): a terminate is one request, and its interrupt arriving
+    a moment after the poll must not cut short the loop's last commit, its final progress
+    event and the connector's release. Dagster puts its own handler back when the step
+    ends. A no-op outside the main thread (only it can set handlers).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def held(signo: int, _frame: Any) -> None:
+        log.info(
+            "interrupt (signal %s) held: this run is already stopping for its terminate", signo
+        )
+
+    for signo in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signo, held)
+
+
 def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Callable[[], bool]:
     """True once this run is CANCELING or CANCELED (checked at most every ``every_s``).
 
@@ -93,6 +119,8 @@ def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Calla
             DagsterRunStatus.CANCELING,
             DagsterRunStatus.CANCELED,
         )
+        if state["seen"]:
+            hold_interrupts()
         return bool(state["seen"])
 
     return check

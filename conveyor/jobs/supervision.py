@@ -18,6 +18,7 @@ from conveyor.core.liveness import Supervisor
 from conveyor.core.loop import ConnectorLoop, run_loop
 from conveyor.core.model import Counters
 from conveyor.jobs.progress import record_stuck_stage
+from conveyor.jobs.runs import hold_interrupts
 from conveyor.specs import LoadedSpec
 
 # After a stop or a terminate: how long the op waits for the loop to finish its batch.
@@ -93,6 +94,7 @@ def supervise(
     except DagsterExecutionInterruptedError as e:
         interrupted = e
     if interrupted is not None:
+        hold_interrupts()  # the terminate's interrupt may follow the poll: let the stop finish
         loop.request_stop()
         deadline = clock() + STOP_GRACE_S
         while not done.is_set() and clock() < deadline:

@@ -68,4 +68,7 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
     from dagster import AssetKey
 
     ev = inst.get_latest_materialization_event(AssetKey(["localfile", "out"]))
-    assert ev is not None and ev.asset_materialization.metadata["messages_out"].value == n // 2
+    assert ev is not None, dagster.run_log(run_id)
+    assert ev.asset_materialization.metadata["messages_out"].value == n // 2, dagster.run_log(
+        run_id
+    )
