@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.core.errors import ConveyorError
-from conveyor.ports import free_port, port_open
+from conveyor.ports import free_port, listens_on, port_open
 
 
 class EmbeddedBrokerError(ConveyorError):
@@ -68,17 +68,36 @@ def start_embedded_broker(
     *,
     log_path: Path | None = None,
     ready_timeout: float = 15.0,
+    attempts: int = 3,
 ) -> EmbeddedBroker:
-    """Start tansu and wait until it accepts connections.
+    """Start tansu and wait until it serves its port.
 
-    A port clash makes tansu exit 0 without serving, so readiness is "the process is
-    alive, printed its ready line and the port accepts connections".
+    Ready means the process is alive and holds the listening socket (on Linux, from
+    procfs; elsewhere: the port accepts connections). A port picked free can be taken by
+    another process (another test worker's server) before tansu binds it; tansu then
+    exits, and a port that merely accepts connections would be the other process's. On a
+    port picked here, such a start is tried again on another port (``attempts``); on a
+    port the caller chose it is an error.
     """
-    port = port or free_port(host)
-    if port_open(host, port):
+    if port is not None and port_open(host, port):
         raise EmbeddedBrokerError(
             f"port {host}:{port} is already in use; choose another with --kafka-port"
         )
+    tries = 1 if port is not None else attempts
+    for attempt in range(1, tries + 1):
+        try:
+            return _start(port or free_port(host), host, log_path, ready_timeout)
+        except _PortTaken as e:
+            if attempt == tries:
+                raise EmbeddedBrokerError(str(e)) from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _start(port: int, host: str, log_path: Path | None, ready_timeout: float) -> EmbeddedBroker:
     url = f"tcp://{host}:{port}"
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
     cmd = [
@@ -98,13 +117,15 @@ def start_embedded_broker(
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise EmbeddedBrokerError(
+            raise _PortTaken(
                 f"tansu exited with code {proc.returncode} before it was ready (port {port} taken?)"
             )
-        if port_open(host, port, timeout=0.2):
+        owns = listens_on(proc.pid, port)
+        if owns or (owns is None and port_open(host, port, timeout=0.2)):
             return EmbeddedBroker(host, port, proc, log_path)
         time.sleep(0.05)
     proc.kill()
+    proc.wait()
     raise EmbeddedBrokerError(
         f"tansu did not accept connections on {host}:{port} within {ready_timeout}s"
     )
