@@ -16,7 +16,8 @@ benchmark before it starts a connector; comma-separated) is read at start-up:
 - ``trim``: ``malloc_trim(0)`` every second;
 - ``rkstats``: librdkafka statistics every second (the fetch queue's size);
 - ``olda``: the run's allocators as before issue 18's settings (conveyor/jobs/allocators.py
-  off: glibc's arenas, no trimming, Arrow's own pool).
+  off: glibc's arenas, no trimming, Arrow's own pool); one of them off: ``notrim``,
+  ``noarena``, ``arrowpool``.
 
 pymalloc's arenas are read every second with ``sys._debugmallocstats`` (which writes to
 fd 2: the process's stderr goes to a temporary file for that moment).
@@ -212,9 +213,11 @@ def _start() -> None:
         levers = {x.strip() for x in f.read().split(",") if x.strip()}
     if "arena2" in levers:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 2)
-    if "olda" in levers:
+    if levers & {"olda", "noarena"}:
         os.environ["CONVEYOR_MALLOC_ARENA_MAX"] = "0"
+    if levers & {"olda", "notrim"}:
         os.environ["CONVEYOR_MALLOC_TRIM_S"] = "0"
+    if levers & {"olda", "arrowpool"}:
         os.environ["CONVEYOR_ARROW_MEMORY_POOL"] = "arrow"
     if "sysmem" in levers:
         os.environ["ARROW_DEFAULT_MEMORY_POOL"] = "system"
