@@ -334,25 +334,3 @@ def test_source_spec_topics_regex_and_start_from() -> None:
         SourceSpec(topics=["t"], start_from="2026-11-01T00:00:00Z").isolation_level
         == "read_committed"
     )
-
-
-def test_librdkafka_fetches_ahead_at_most_two_batches_per_partition_unless_told(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The source's consumer holds what it fetched ahead within queued.min.messages and
-    max.partition.fetch.bytes (the run's RSS, docs/BENCHMARKS.md); client_options win."""
-    import confluent_kafka
-
-    from conveyor.brokers.kafka import KafkaSource
-
-    made: list[dict[str, Any]] = []
-    monkeypatch.setattr(confluent_kafka, "Consumer", lambda conf: made.append(conf) or object())
-    spec = SourceSpec(topics=["t"], bootstrap_servers="127.0.0.1:9", client="confluent")
-    KafkaSource(spec, group_id="g")._connect()
-    assert made[-1]["queued.min.messages"] == 20_000
-    assert made[-1]["max.partition.fetch.bytes"] == 2 << 20
-    options = {"queued.min.messages": 100_000, "max.partition.fetch.bytes": 16 << 20}
-    told = spec.model_copy(update={"client_options": options})
-    KafkaSource(told, group_id="g")._connect()
-    assert made[-1]["queued.min.messages"] == 100_000
-    assert made[-1]["max.partition.fetch.bytes"] == 16 << 20
