@@ -67,26 +67,14 @@ _SOURCE_SECTIONS_KNOWN: list[bool] = []
 
 
 def _run_environment() -> list[tuple[str, str, str]]:
-    """A connector run process's allocators (conveyor/jobs/allocators.py)."""
+    """A connector run process's allocator (conveyor/jobs/allocators.py)."""
     from conveyor.jobs import allocators as a
 
     return [
         (
-            a.ARENA_MAX_ENV,
-            "glibc malloc arenas of a connector's run process (fewer arenas, less freed memory "
-            "held; `0`: glibc's default, 8 per core)",
-            f"`{a.DEFAULT_ARENA_MAX}`",
-        ),
-        (
-            a.TRIM_ENV,
-            "seconds between the run process's `malloc_trim(0)` calls, which give glibc's free "
-            "memory back to the system (`0`: never)",
-            f"`{a.DEFAULT_TRIM_S:g}`",
-        ),
-        (
             a.ARROW_POOL_ENV,
-            "Arrow's memory pool in the run process: `system` (malloc) or `arrow` (Arrow's own "
-            "default, mimalloc in the wheels, or `ARROW_DEFAULT_MEMORY_POOL`)",
+            "Arrow's memory pool in a connector's run process: `system` (malloc) or `arrow` (Arrow's "
+            "own default, mimalloc in the wheels, or `ARROW_DEFAULT_MEMORY_POOL`)",
             f"`{a.DEFAULT_ARROW_POOL}`",
         ),
     ]

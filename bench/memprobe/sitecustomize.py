@@ -15,9 +15,10 @@ benchmark before it starts a connector; comma-separated) is read at start-up:
 - ``sysmem``: ``ARROW_DEFAULT_MEMORY_POOL=system`` (Arrow on glibc malloc, not mimalloc);
 - ``trim``: ``malloc_trim(0)`` every second;
 - ``rkstats``: librdkafka statistics every second (the fetch queue's size);
-- ``olda``: the run's allocators as before issue 18's settings (conveyor/jobs/allocators.py
-  off: glibc's arenas, no trimming, Arrow's own pool); one of them off: ``notrim``,
-  ``noarena``, ``arrowpool``.
+- ``olda``: the run's allocators as before issue 18's settings: Arrow's own pool
+  (``CONVEYOR_ARROW_MEMORY_POOL=arrow``; also glibc's arenas and no trimming, settings of
+  commits b42536a-8023ed4 that were measured and dropped); one of them off: ``arrowpool``,
+  ``noarena``, ``notrim`` (the last two: no-ops since they were dropped).
 
 pymalloc's arenas are read every second with ``sys._debugmallocstats`` (which writes to
 fd 2: the process's stderr goes to a temporary file for that moment).
