@@ -113,7 +113,7 @@ class ConfluentSource(KafkaSource):
                 "fetch.wait.max.ms": 100,
                 "fetch.max.bytes": 64 << 20,
                 # librdkafka fetches ahead while it holds fewer than queued.min.messages
-                # (100,000) records per partition: over 200,000 records, about 30 MB of the
+                # (100,000) records per partition: over 200,000 records, 30-40 MB of the
                 # run's RSS, while it drains a backlog. Kept: 50,000 saved 25-33 MB and cost
                 # a fifth to a third of the rate, 20,000 with 2 MiB fetches half of it; 2 MiB
                 # fetches alone saved 2-10 MB (docs/BENCHMARKS.md, "Run-process memory").
