@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bench.stack import DevStack
@@ -40,6 +40,8 @@ class Result:
     samples: list[Sample] = field(default_factory=list)
     loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
     rows: int = 0
+    run_pid: int | None = None  # Conveyor's run process
+    memory: dict[str, Any] = field(default_factory=dict)  # bench/memory.py's summary
 
     def _at(self, rows: float) -> Sample:
         return next(s for s in self.samples if s.rows >= rows)
@@ -114,7 +116,7 @@ def drain_connector(
         if "run" not in run_pid:
             row = stack.store.get(name)
             if row.run_pid:
-                run_pid["run"] = row.run_pid
+                run_pid["run"] = result.run_pid = row.run_pid
         # The profile covers the steady part: from 20% of the rows to the end.
         steady = bool(result.samples) and result.samples[-1].rows >= 0.2 * result.n
         if profile and "run" in run_pid and not spy and steady:

@@ -44,6 +44,7 @@ import psutil
 import psycopg2
 import pytest
 
+from bench import memory
 from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
 from tests.e2e.conftest import wait_for
@@ -140,17 +141,20 @@ def client_of(contender: str) -> str | None:
     ``:`` the connector's default batch policy."""
     if not contender.startswith("conveyor"):
         return ""
+    contender = contender.partition("+")[0]
     return contender.partition("/")[0].partition(":")[0].partition("-")[2] or None
 
 
 def depth_of(contender: str) -> dict[str, Any]:
     """``conveyor-confluent/d1``: that contender with ``transform.pipeline_depth`` 1."""
-    depth = contender.partition("/")[2].removeprefix("d")
+    depth = contender.partition("+")[0].partition("/")[2].removeprefix("d")
     return {"pipeline_depth": int(depth)} if depth else {}
 
 
 def batch_of(contender: str) -> dict[str, Any]:
-    records, _, wait = contender.partition("/")[0].partition(":")[2].partition(":")
+    records, _, wait = (
+        contender.partition("+")[0].partition("/")[0].partition(":")[2].partition(":")
+    )
     policy = {
         **({"max_records": int(records)} if records else {}),
         **({"max_wait_ms": int(wait)} if wait else {}),
@@ -160,12 +164,33 @@ def batch_of(contender: str) -> dict[str, Any]:
 
 def label_of(contender: str) -> str:
     """A contender as part of a table name."""
+    contender, *levers = contender.split("+")
     base, _, depth = contender.partition("/")
     return (
         (client_of(contender) or "default").replace("-", "_")
         + ("_b" + base.partition(":")[2].replace(":", "_") if ":" in base else "")
         + (f"_{depth}" if depth else "")
+        + "".join(f"_{lever}" for lever in levers)
     )
+
+
+def levers_of(contender: str) -> list[str]:
+    """``conveyor-confluent+arena2+q16384``: that contender with the memory levers of
+    bench/memprobe (with ``CONVEYOR_BENCH_MEMPROBE`` set), ``qN``: librdkafka's
+    ``queued.max.messages.kbytes`` N, ``mN``: its ``queued.min.messages`` N and ``fN``: its
+    ``max.partition.fetch.bytes`` N KiB (through the spec's ``source.client_options``)."""
+    return contender.split("+")[1:]
+
+
+def source_options_of(contender: str) -> dict[str, Any]:
+    names = {"q": "queued.max.messages.kbytes", "m": "queued.min.messages"}
+    names["f"] = "max.partition.fetch.bytes"
+    options = {
+        names[lever[0]]: int(lever[1:]) * (1024 if lever[0] == "f" else 1)
+        for lever in levers_of(contender)
+        if lever[:1] in names and lever[1:].isdigit()
+    }
+    return {"client_options": options} if options else {}
 
 
 def spec(
@@ -177,7 +202,11 @@ def spec(
         "name": name,
         "desired": "stopped",
         **batch_of(contender),
-        "source": {"topics": [topic], **({"client": client} if client else {})},
+        "source": {
+            "topics": [topic],
+            **({"client": client} if client else {}),
+            **source_options_of(contender),
+        },
         "transform": {"decode": "json", "schema": SCHEMA, **depth_of(contender)},
         "sink": {"type": "postgres", "url": pg_url, "schema": schema, "table": name},
     }
@@ -186,6 +215,7 @@ def spec(
 def run_conveyor(
     stack: DevStack, contender: str, name: str, pg_url: str, schema: str, jvm: int | None
 ) -> Result:
+    memory.set_levers(levers_of(contender))
     result = Result(contender, time.monotonic(), N)
     return drain_connector(
         stack, result, name, jvm, lambda r, pids: watch(r, pg_url, schema, name, pids), PROFILE
@@ -263,6 +293,7 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
     loads: list[tuple[int, str, tuple[float, float, float]]] = []  # after each drain
+    memory.probe_env()
     with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
         wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
         for i, r in enumerate(rounds):
@@ -286,6 +317,9 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
                     f"  total {res.total_rate():>9,.0f}  cpu/100K {res.cpu_per_100k()}"
                     f"  peak RSS MB {res.peak_rss_mb()}"
                 )
+                if memory.PROBE:
+                    res.memory = memory.summary(res.run_pid)
+                    print(memory.describe(res.memory))
         latency = {}
         for c, name in latency_names.items():
             latency[c] = conveyor_latency(stack, name, tansu, pg_url, pg_schema, jvm)
@@ -430,6 +464,7 @@ def report(
             "latency_p50_p99_rows_rssmb": lat,
             "steady_ratio": ratios,
             "total_ratio": totals,
+            "memory": [r.memory for r in rs],
         }
         lines.append(
             f"| {c} | {med(steady):,.0f} ({', '.join(f'{x:,.0f}' for x in steady)})"

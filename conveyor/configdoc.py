@@ -66,6 +66,20 @@ def _section_title(model: type[BaseModel]) -> str | None:
 _SOURCE_SECTIONS_KNOWN: list[bool] = []
 
 
+def _run_environment() -> list[tuple[str, str, str]]:
+    """A connector run process's allocator (conveyor/jobs/allocators.py)."""
+    from conveyor.jobs import allocators as a
+
+    return [
+        (
+            a.ARROW_POOL_ENV,
+            "Arrow's memory pool in a connector's run process: `system` (malloc) or `arrow` (Arrow's "
+            "own default, mimalloc in the wheels, or `ARROW_DEFAULT_MEMORY_POOL`)",
+            f"`{a.DEFAULT_ARROW_POOL}`",
+        ),
+    ]
+
+
 def _environment() -> list[tuple[str, str, str]]:
     from conveyor.assets.checks import DEFAULT_LAG_CHECK_MINUTES
     from conveyor.brokers.kafka import DEFAULT_BOOTSTRAP
@@ -111,6 +125,7 @@ def _environment() -> list[tuple[str, str, str]]:
         ),
     ]
     rows += _scheduler_environment()
+    rows += _run_environment()
     rows += [
         (
             "CONVEYOR_DAGSTER_URL",

@@ -112,6 +112,11 @@ class ConfluentSource(KafkaSource):
                 "auto.offset.reset": "latest" if self.spec.start_from == "latest" else "earliest",
                 "fetch.wait.max.ms": 100,
                 "fetch.max.bytes": 64 << 20,
+                # librdkafka fetches ahead while it holds fewer than queued.min.messages
+                # (100,000) records per partition: over 200,000 records, 30-40 MB of the
+                # run's RSS, while it drains a backlog. Kept: 50,000 saved 25-33 MB and cost
+                # a fifth to a third of the rate, 20,000 with 2 MiB fetches half of it; 2 MiB
+                # fetches alone saved 2-10 MB (docs/BENCHMARKS.md, "Run-process memory").
                 "max.partition.fetch.bytes": 16 << 20,
                 "queued.max.messages.kbytes": 256 << 10,
                 "socket.timeout.ms": self.request_timeout_ms,

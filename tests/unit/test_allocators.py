@@ -1,0 +1,80 @@
+"""The run process's allocator (conveyor/jobs/allocators.py): Arrow on the system pool
+unless told otherwise, set by the connector op before its connector runs. Pools are read
+in a fresh interpreter (the setting is process-wide). No sizes or timings are asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conveyor.jobs import allocators
+
+POOL = (
+    "import pyarrow as pa\n"
+    "from conveyor.jobs import allocators\n"
+    "before = pa.default_memory_pool().backend_name\n"
+    "print(before, allocators.use_arrow_pool(), pa.default_memory_pool().backend_name)\n"
+)
+
+
+def pools(**env: str) -> tuple[str, str, str]:
+    """Arrow's pool before, the one use_arrow_pool reports, and the one in use after."""
+    clean = {k: v for k, v in os.environ.items() if k != allocators.ARROW_POOL_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", POOL],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    return out[0], out[1], out[2]
+
+
+def test_arrow_goes_on_the_system_pool_by_default() -> None:
+    before, reported, after = pools()
+    assert before != "system"  # the wheels' own default (mimalloc or jemalloc)
+    assert reported == after == "system"
+
+
+def test_arrow_keeps_its_own_pool_when_told() -> None:
+    before, reported, after = pools(CONVEYOR_ARROW_MEMORY_POOL="arrow")
+    assert reported == after == before != "system"
+
+
+def test_an_unknown_pool_falls_back_to_the_system_one() -> None:
+    _, reported, after = pools(CONVEYOR_ARROW_MEMORY_POOL="jemalloc")
+    assert reported == after == "system"
+
+
+def test_the_connector_op_sets_the_pool_before_its_connector_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+
+    from conveyor.jobs import connector
+    from conveyor.resources.conveyor import ConveyorResource
+    from conveyor.specs import LoadedSpec
+
+    monkeypatch.delenv(allocators.ARROW_POOL_ENV, raising=False)
+    seen: list[str] = []
+
+    def run_connector(context: object, conveyor: object, name: str, ls: object) -> None:
+        seen.append(pa.default_memory_pool().backend_name)
+
+    monkeypatch.setattr(connector, "run_connector", run_connector)
+    before = pa.default_memory_pool()
+    try:
+        job = connector.connector_job(LoadedSpec(name="c1", source="c1.yaml", error="unused"))
+        result = job.execute_in_process(
+            resources={"conveyor": ConveyorResource(meta_url=f"sqlite:///{tmp_path / 'm.db'}")}
+        )
+    finally:
+        pa.set_memory_pool(before)
+    assert result.success
+    assert seen == ["system"]
