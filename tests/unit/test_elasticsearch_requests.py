@@ -392,7 +392,18 @@ def test_the_client_accepts_the_options() -> None:
         }
     )
     client = Elasticsearch(**sink.client_options())  # type: ignore[attr-defined]
-    client.close()
+    try:
+        # The client took each option as meant: the node, TLS without verification, basic auth.
+        (node,) = client.transport.node_pool.all()
+        assert (node.config.scheme, node.config.host, node.config.port) == (
+            "https",
+            "127.0.0.1",
+            9200,
+        )
+        assert node.config.verify_certs is False
+        assert client._headers["authorization"] == "Basic dTpw"  # base64("u:p")
+    finally:
+        client.close()
 
 
 BAD_FIELDS: list[tuple[dict[str, Any], str]] = [

@@ -134,8 +134,12 @@ def test_client_options_with_token_and_tls() -> None:
 def test_the_client_accepts_the_options() -> None:
     # Creating a client does not connect; this checks the keyword names and types.
     opts = client_options(cfg(token="t0ken"))
+    assert isinstance(opts["authentication"], pulsar.AuthenticationToken)
     client = pulsar.Client("pulsar://127.0.0.1:6650", **opts)
-    client.close()
+    try:
+        assert client._client is not None  # the C++ client was built from these options
+    finally:
+        client.close()
 
 
 # -- messages -----------------------------------------------------------------------------------
@@ -200,9 +204,12 @@ def test_the_producer_accepts_the_message_arguments() -> None:
     rec = next(iter_records(make_batch(1)))
     producer = Producer()
     producer._schema = pulsar.schema.BytesSchema()
-    producer._build_msg(message_content(rec), None, None, None, None, None, False, None, None, None)
+    bare = producer._build_msg(
+        message_content(rec), None, None, None, None, None, False, None, None, None
+    )
+    assert bare.data() == message_content(rec) and bare.properties() == {}
     kw = message_kwargs(rec, cfg())
-    producer._build_msg(
+    msg = producer._build_msg(
         message_content(rec),
         kw["properties"],
         kw["partition_key"],
@@ -214,6 +221,11 @@ def test_the_producer_accepts_the_message_arguments() -> None:
         None,
         None,
     )
+    # The built message carries what we meant it to.
+    assert msg.data() == message_content(rec)
+    assert msg.properties() == kw["properties"]
+    assert msg.partition_key() == kw["partition_key"]
+    assert msg.event_timestamp() == kw["event_timestamp"]
 
 
 def test_topic_templates() -> None:
