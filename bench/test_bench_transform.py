@@ -2,12 +2,15 @@
 
 Two questions, each answered by contenders measured in alternating rounds in one run:
 
-1. **One pass**: the JSON decoding of ``decode: json`` with a schema as it was (a
-   ``from_json`` and a ``try_parse_json`` over every row, ``two-pass`` below, the
-   pipeline of commit d486175) against the current one (one ``from_json`` with a
-   corrupt-record column; ``try_parse_json`` only on the rows it flags). Per contender:
-   the Spark JVM's CPU seconds per 100,000 rows and the wall time of one 10,000-row batch
-   (median), one batch at a time.
+1. **What a batch's decoding costs the JVM**: the JSON decoding of ``decode: json`` with
+   a schema as it was (a ``from_json`` and a ``try_parse_json`` over every row,
+   ``two-pass`` below, the pipeline of commit d486175), one pass with the decoded fields
+   taken by ``__d.*`` (``one-pass-star``, commit cd9219f), the current one (one
+   ``from_json`` with a corrupt-record column, ``try_parse_json`` only on the rows it
+   flags, the fields projected by name), and two floors no transform on Spark Connect
+   goes below: the batch's round trip with a cast only, and with a bare ``from_json``.
+   Per contender: the Spark JVM's CPU seconds per 100,000 rows and the wall time of one
+   10,000-row batch (median), one batch at a time.
 2. **Pipeline depth**: ``depth`` batches in Spark at once (threads each transforming
    batches in turn, as the loop's transform stage does), rows/s and JVM CPU per 100,000
    rows per depth.
@@ -99,6 +102,33 @@ def one_pass(spark: Any) -> Any:
     return SparkTransformer(TransformSpec(decode="json", schema=SCHEMA), spark)
 
 
+def one_pass_star(spark: Any) -> Any:
+    """One pass with the decoded fields taken by ``__d.*`` and a drop (commit cd9219f),
+    not by name."""
+    t = one_pass(spark)
+    t.prepare = lambda: None  # prepare learns the fields; without it the star stays
+    return t
+
+
+def floor(spark: Any, decode: bool) -> Any:
+    """What any transform on Spark Connect costs at least: the batch's round trip with a
+    cast only (``decode`` False), or with a bare ``from_json`` and no checks at all."""
+    from conveyor.spark import transform as tr
+
+    class Floor(tr.SparkTransformer):
+        def _pipeline(self, df: Any) -> Any:
+            value = "CAST(__value AS STRING)"
+            if not decode:
+                return df.selectExpr(tr.ROW_COL, f"CAST(NULL AS STRING) AS {tr.BAD_COL}", value)
+            return df.selectExpr(
+                tr.ROW_COL,
+                f"CAST(NULL AS STRING) AS {tr.BAD_COL}",
+                f"from_json({value}, '{SCHEMA}') AS __d",
+            ).selectExpr(tr.ROW_COL, tr.BAD_COL, "__d.*")
+
+    return Floor(one_pass(spark).spec, spark)
+
+
 def jvm_cpu(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return t.user + t.system + getattr(t, "children_user", 0) + getattr(t, "children_system", 0)
@@ -149,7 +179,13 @@ def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None
     proc = psutil.Process(pid)
     spark = spark_session(warm_spark_remote)
     b = batch()
-    contenders = {"two-pass": two_pass(spark), "one-pass": one_pass(spark)}
+    contenders = {
+        "two-pass": two_pass(spark),
+        "one-pass-star": one_pass_star(spark),
+        "one-pass": one_pass(spark),
+        "floor-cast-only": floor(spark, decode=False),
+        "floor-from_json-only": floor(spark, decode=True),
+    }
     for t in contenders.values():
         t.prepare()
         for _ in range(10):  # this contender's query compiled and JIT-warm
@@ -164,6 +200,14 @@ def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None
             passes[name].append(m)
             print(f"round {r} {name}: {m}")
     results["passes"] = passes
+    results["vs_one_pass_jvm_cpu"] = {
+        name: [
+            m["jvm_cpu_s_per_100k"] / o["jvm_cpu_s_per_100k"]
+            for m, o in zip(passes[name], passes["one-pass"], strict=True)
+        ]
+        for name in contenders
+    }
+    print("JVM CPU per row vs one-pass:", results["vs_one_pass_jvm_cpu"])
     results["one_vs_two"] = {
         "jvm_cpu_ratio": [
             o["jvm_cpu_s_per_100k"] / t["jvm_cpu_s_per_100k"]

@@ -263,6 +263,32 @@ def test_a_json_payload_that_does_not_fit_the_schema_is_a_failed_message_not_nul
     assert 1 not in {r.index for r in lax.rejected}
 
 
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+def test_json_fields_with_names_that_need_quoting_nesting_and_case_twins(spark, prepared):
+    """After ``prepare`` each batch projects the schema's fields by name; names with a
+    backtick, a space or a dot, nested structs and arrays come out exactly as without it
+    (``__d.*``), and two names that differ only in case keep the star."""
+    schema = "`a.b` BIGINT, `we``ird` STRING, `sp ace` DOUBLE, n STRUCT<x: INT, y: ARRAY<STRING>>"
+    doc = {"a.b": 1, "we`ird": "w", "sp ace": 2.5, "n": {"x": 3, "y": ["p", "q"]}}
+    values = [json.dumps(doc).encode(), b"{oops", b'{"a.b": "x"}']
+    t = SparkTransformer(TransformSpec.model_validate({"decode": "json", "schema": schema}), spark)
+    if prepared:
+        t.prepare()
+        assert t._json_fields == ["a.b", "we`ird", "sp ace", "n"]
+    out = t(source(values))
+    assert [(r.index, r.message.split(":")[0]) for r in out.rejected] == [
+        (1, "undecodable payload"),
+        (2, "undecodable payload"),
+    ]
+    assert out.table.column_names[-4:] == ["a.b", "we`ird", "sp ace", "n"]
+    assert out.table.select(["a.b", "we`ird", "sp ace", "n"]).to_pylist() == [doc]
+
+    twins = transform(spark, decode="json", schema="a INT, A STRING")
+    assert twins._json_fields is None
+    out = twins(source([b'{"a": 1, "A": "one"}']))
+    assert out.table.select(["a", "A"]).to_pylist() == [{"a": 1, "A": "one"}]
+
+
 def test_json_that_only_a_lenient_parser_takes_is_not_valid_json(spark):
     """One parse (from_json) flags what the strict parser (try_parse_json) refused: NaN
     and Infinity tokens, single quotes, comments, trailing commas, blank payloads."""

@@ -52,25 +52,35 @@ def test_an_unknown_pool_falls_back_to_the_system_one() -> None:
     assert reported == after == "system"
 
 
+@pytest.mark.parametrize(
+    ("module", "builder", "body"),
+    [
+        ("connector", "connector_job", "run_connector"),
+        ("source_connector", "source_connector_job", "run_source_connector"),
+    ],
+    ids=["sink connector", "source connector"],
+)
 def test_the_connector_op_sets_the_pool_before_its_connector_runs(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, module: str, builder: str, body: str
 ) -> None:
+    import importlib
+
     import pyarrow as pa
 
-    from conveyor.jobs import connector
     from conveyor.resources.conveyor import ConveyorResource
     from conveyor.specs import LoadedSpec
 
+    jobs = importlib.import_module(f"conveyor.jobs.{module}")
     monkeypatch.delenv(allocators.ARROW_POOL_ENV, raising=False)
     seen: list[str] = []
 
-    def run_connector(context: object, conveyor: object, name: str, ls: object) -> None:
+    def run(context: object, conveyor: object, name: str, ls: object) -> None:
         seen.append(pa.default_memory_pool().backend_name)
 
-    monkeypatch.setattr(connector, "run_connector", run_connector)
+    monkeypatch.setattr(jobs, body, run)
     before = pa.default_memory_pool()
     try:
-        job = connector.connector_job(LoadedSpec(name="c1", source="c1.yaml", error="unused"))
+        job = getattr(jobs, builder)(LoadedSpec(name="c1", source="c1.yaml", error="unused"))
         result = job.execute_in_process(
             resources={"conveyor": ConveyorResource(meta_url=f"sqlite:///{tmp_path / 'm.db'}")}
         )
