@@ -8,6 +8,7 @@ window, and peak RSS, per process.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ class Result:
     rows: int = 0
     run_pid: int | None = None  # Conveyor's run process
     memory: dict[str, Any] = field(default_factory=dict)  # bench/memory.py's summary
+    batches: int | None = None  # Conveyor's batches for the drain (its run's counters)
 
     def _at(self, rows: float) -> Sample:
         return next(s for s in self.samples if s.rows >= rows)
@@ -133,17 +135,23 @@ def drain_connector(
         print(summarize_profile(Path(profile or ".") / f"{name}.txt"))
     stack.cli("connector", "stop", name)
     wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
+    result.batches = stack.store.get(name).counters.get("batches")
+    if result.batches:
+        print(f"{name}: {result.batches} batches, {result.n / result.batches:,.0f} messages each")
     return result
 
 
 def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
     """py-spy sampling ``pid`` at 100 Hz into collapsed stacks: every thread, idle ones
-    too (where a pipeline stage waits is the point), thread ids kept."""
+    too (where a pipeline stage waits is the point), thread ids kept. With
+    ``CONVEYOR_BENCH_PROFILE_CPU=1`` only busy samples (where the run's CPU goes; the time
+    in a C call is its Python caller's)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     exe = str(Path(sys.executable).parent / "py-spy")
+    how = [] if os.environ.get("CONVEYOR_BENCH_PROFILE_CPU") == "1" else ["--idle"]
     return subprocess.Popen(
         [exe, "record", "--pid", str(pid), "--format", "raw", "-r", "100", "-o", str(out),
-         "--nonblocking", "--idle", "--threads"],
+         "--nonblocking", *how, "--threads"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
