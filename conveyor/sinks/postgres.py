@@ -242,24 +242,24 @@ class PostgresSink(Sink):
 
     # -- writing --------------------------------------------------------------------
 
-    def _copy_lines(self, batch: pa.Table) -> list[str] | None:
-        """COPY text lines built column by column in Arrow, when the write is a plain COPY
-        of columns and message fields (None otherwise: ``_rows`` then goes row by row).
+    def _copy_lines(self, batch: pa.Table) -> CopyText | None:
+        """The batch's COPY text built column by column in Arrow, when the write is a plain
+        COPY of columns and message fields (None otherwise: ``_rows`` then goes row by row).
 
-        Integers, booleans, floats and strings are cast and escaped by Arrow; any other
-        type goes through ``_copy_value`` value by value, as in the row path."""
+        Integers, booleans, floats, strings, dates and timestamps are cast and escaped by
+        Arrow; any other type goes through ``_copy_value`` value by value."""
         assert self._sources is not None
         if self.config.upsert_keys or self.config.write_method != "copy":
             return None
         if "$payload" in self._sources or "$headers" in self._sources:
             return None
-        columns: list[list[str]] = []
+        columns: list[pa.Array | pa.ChunkedArray] = []
         for src in self._sources:
             name = META_SOURCES.get(src, src) if src.startswith("$") else src
             if name not in batch.schema.names:
                 return None
             columns.append(_copy_column(batch.column(name)))
-        return list(map("\t".join, zip(*columns, strict=True)))
+        return CopyText.of(columns)
 
     def _rows(self, batch: pa.Table) -> list[tuple[Any, ...]]:
         assert self._sources is not None
@@ -304,7 +304,8 @@ class PostgresSink(Sink):
             self._describe_table()
         if self._columns is None:
             self._resolve(batch)
-        rows: list[Any] = self._copy_lines(batch) or self._rows(batch)
+        copy = self._copy_lines(batch)
+        rows: Any = copy if copy is not None else self._rows(batch)
         failures, todo = self._deletes(batch, rows)
         if self.fail_fast:
             failures, todo = first_failure_only(failures, todo)
@@ -371,7 +372,9 @@ class PostgresSink(Sink):
             with self._conn.cursor() as cur:
                 cur.execute("SAVEPOINT conveyor_sp")
                 try:
-                    self._write(cur, [rows[i] for i in sub])
+                    # The whole batch as Arrow built it; a part of it (bisecting) line by line.
+                    whole = isinstance(rows, CopyText) and len(sub) == len(rows)
+                    self._write(cur, rows if whole else [rows[i] for i in sub])
                 except (psycopg2.Error, ValueError) as e:
                     # psycopg2 refuses a NUL character in a literal with ValueError before
                     # sending anything (COPY sends it and the server answers 22021).
@@ -442,38 +445,102 @@ class PostgresSink(Sink):
             stmt = sql.SQL("INSERT INTO {} ({}) VALUES %s").format(self._fq(), cols)
             execute_values(cur, stmt.as_string(cur), rows, page_size=len(rows))
         else:
-            buf = io.StringIO()
-            for r in rows:
-                buf.write(r if isinstance(r, str) else "\t".join(_copy_value(v) for v in r))
-                buf.write("\n")
-            buf.seek(0)
+            if isinstance(rows, CopyText):
+                data: io.IOBase = rows.reader()
+            else:
+                data = io.StringIO()
+                for r in rows:
+                    data.write(r if isinstance(r, str) else "\t".join(_copy_value(v) for v in r))
+                    data.write("\n")
+                data.seek(0)
             stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self._fq(), cols)
-            cur.copy_expert(stmt.as_string(cur), buf)
+            cur.copy_expert(stmt.as_string(cur), data)
 
 
 class _Delete(tuple):  # type: ignore[type-arg]
     """A tombstone's key values (upsert_keys order): a DELETE, not a write."""
 
 
+_UTC_ZONES = frozenset({"UTC", "Etc/UTC", "+00:00", "Z", "GMT", "Etc/GMT", "UCT", "Etc/UCT"})
 _COPY_ESCAPES = (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r"))
 
 
-def _copy_column(column: pa.ChunkedArray) -> list[str]:
-    """A column's values in COPY's text format (``\\N`` for null), like ``_copy_value``."""
+def _copy_column(column: pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """A column's values in COPY's text format (``\\N`` for null), like ``_copy_value``,
+    as Arrow large strings."""
     import pyarrow.compute as pc
 
     t = column.type
     if pa.types.is_integer(t) or pa.types.is_floating(t):
-        text = pc.cast(column, pa.string())
+        text = pc.cast(column, pa.large_string())
     elif pa.types.is_boolean(t):
         text = pc.if_else(column, "t", "f")
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
         text = column
         for old, new in _COPY_ESCAPES:
             text = pc.replace_substring(text, old, new)
+    elif pa.types.is_date(t):
+        text = pc.cast(column, pa.string())
+    elif pa.types.is_timestamp(t) and (t.tz is None or t.tz in _UTC_ZONES):
+        # ISO 8601 (with the offset when the column has a zone): the instant and the wall
+        # time ``isoformat()`` gave. Arrow holds UTC: without the zone, the cast is cheap.
+        text = pc.cast(column.cast(pa.timestamp(t.unit)), pa.string())
+        if t.tz is not None:
+            utc = pa.scalar("+00:00", pa.string())
+            text = pc.binary_join_element_wise(text, utc, pa.scalar("", pa.string()))
+    elif pa.types.is_timestamp(t):
+        # Another zone: the wall time there, with its offset, as ``isoformat()`` wrote it.
+        try:
+            text = pc.strftime(column, format="%Y-%m-%dT%H:%M:%S%z")
+        except pa.ArrowException:  # a zone Arrow cannot find here: Python's conversion
+            return pa.array([_copy_value(v) for v in column.to_pylist()], pa.large_string())
     else:
-        return [_copy_value(v) for v in column.to_pylist()]
-    return pc.fill_null(text, "\\N").to_pylist()  # type: ignore[no-any-return]
+        return pa.array([_copy_value(v) for v in column.to_pylist()], pa.large_string())
+    return pc.cast(pc.fill_null(text, "\\N"), pa.large_string())
+
+
+class CopyText(Sequence[str]):
+    """A batch's rows in COPY's text format, built by Arrow without a Python object per
+    row: the whole batch is one buffer for ``copy_expert``; a row (``text[i]``, when
+    bisecting to the rows the server refused) is a line without its newline."""
+
+    def __init__(self, lines: pa.Array):
+        self._lines = lines  # large strings, no nulls, each ending in a newline
+        self._rows: list[str] | None = None
+
+    @classmethod
+    def of(cls, columns: list[pa.Array | pa.ChunkedArray]) -> CopyText:
+        """The lines of ``columns`` (COPY text, no nulls), tab-separated, in row order."""
+        import pyarrow.compute as pc
+
+        def text(s: str) -> pa.Scalar:
+            return pa.scalar(s, pa.large_string())
+
+        lines = pc.binary_join_element_wise(*columns, text("\t"))
+        lines = pc.binary_join_element_wise(lines, text(""), text("\n"))  # line + "\n" + ""
+        if isinstance(lines, pa.ChunkedArray):
+            lines = lines.combine_chunks()
+        return cls(lines)
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        if self._rows is None:
+            self._rows = [line[:-1] for line in self._lines.to_pylist()]
+        return self._rows[i]
+
+    def reader(self) -> io.BytesIO:
+        """All lines, as one UTF-8 buffer."""
+        lines = self._lines
+        if not len(lines):
+            return io.BytesIO(b"")
+        _, offsets, data = lines.buffers()
+        first, last = (
+            int.from_bytes(offsets[8 * i : 8 * i + 8], "little", signed=True)
+            for i in (lines.offset, lines.offset + len(lines))
+        )
+        return io.BytesIO(memoryview(data)[first:last])
 
 
 def _copy_value(v: Any) -> str:
