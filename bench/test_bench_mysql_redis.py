@@ -289,3 +289,64 @@ def test_bench_redis_sink_vs_bare_pipeline() -> None:
         for p in prefixes.values():
             _delete(r, p)
         r.close()
+
+
+def test_bench_mysql_literals_from_arrow_vs_pymysql_escaping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The MySQL sink's ``send_batch`` with its rows' literals built by Arrow (now) and
+    escaped by pymysql value by value (before: ``_literals`` off), alternating rounds,
+    this process's CPU per 100,000 rows (the sink runs on the calling thread). The
+    connector's orders (id, name, amount, ts as in bench/test_bench_as_users_run_it.py),
+    and the same with the message's timestamp."""
+    import statistics
+
+    from conveyor.sinks.mysql import MySQLSink
+
+    rounds = int(os.environ.get("CONVEYOR_BENCH_ROUNDS", "6"))
+    ts = pa.array(range(1_700_000_000_000, 1_700_000_000_000 + ROWS), pa.int64())
+    data = [b.append_column("ts", ts) for b in batches()]
+    layouts = {
+        "orders": ("ts BIGINT", {"ts": "ts"}),
+        "orders-with-time": ("ts BIGINT, sent DATETIME(3)", {"ts": "ts", "sent": "$timestamp"}),
+    }
+    for layout, (ddl, extra) in layouts.items():
+
+        def drain(how: str, ddl: str = ddl, extra: dict = extra) -> dict:
+            table = f"bench_lit_{uuid.uuid4().hex[:8]}"
+            _mysql_exec(
+                f"CREATE TABLE {table} (id BIGINT, name VARCHAR(255), amount DOUBLE, {ddl}) ENGINE=InnoDB"
+            )
+            try:
+                with monkeypatch.context() as m:
+                    if how == "pymysql":
+                        m.setattr(MySQLSink, "_literals", lambda self, batch: None)
+                    cols = {"id": "id", "name": "name", "amount": "amount", **extra}
+                    sink = build_sink({"type": "mysql", "url": MYSQL_URL, "table": table, "columns": cols})  # fmt: skip
+                    sink.init_sink()
+                    try:
+                        cpu, wall = time.process_time(), time.perf_counter()
+                        for b in data:
+                            assert sink.send_batch(b).failed == ()
+                        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                    finally:
+                        sink.cleanup_sink()
+                assert _mysql_exec(f"SELECT count(DISTINCT id) FROM {table}") == [(BATCHES * ROWS,)]
+            finally:
+                _mysql_exec(f"DROP TABLE IF EXISTS {table}")
+            n = BATCHES * ROWS
+            return {"cpu_s_per_100k": cpu / n * 100_000, "rows_per_s": n / wall}
+
+        results: dict[str, list[dict]] = {"arrow": [], "pymysql": []}
+        drain("arrow"), drain("pymysql")  # warm
+        for r in range(rounds):
+            for how in ("arrow", "pymysql") if r % 2 == 0 else ("pymysql", "arrow"):
+                results[how].append(drain(how))
+        for how, ms in results.items():
+            print(
+                f"\n{layout} {how}: CPU s per 100K {statistics.median(m['cpu_s_per_100k'] for m in ms):.3f},"
+                f" rows/s {statistics.median(m['rows_per_s'] for m in ms):,.0f}"
+            )
+        pairs = list(zip(results["arrow"], results["pymysql"], strict=True))
+        print(f"{layout} arrow / pymysql CPU per row:", [f"{a['cpu_s_per_100k'] / p['cpu_s_per_100k']:.2f}" for a, p in pairs])  # fmt: skip
+        print(f"{layout} arrow / pymysql rate:", [f"{a['rows_per_s'] / p['rows_per_s']:.2f}" for a, p in pairs])  # fmt: skip

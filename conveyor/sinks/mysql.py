@@ -15,13 +15,14 @@ savepoint and bisected until the guilty rows are found; the good rows are kept.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import itertools
 import json
 import logging
 import math
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -252,20 +253,30 @@ def _q(name: str) -> str:
     return quote_identifier(name).replace("%", "%%")
 
 
+def insert_parts(
+    table: str, columns: Sequence[str], upsert_keys: Sequence[str] = ()
+) -> tuple[str, str]:
+    """The INSERT (or upsert) around its rows of values: the text before them and after."""
+    q = quote_identifier
+    prefix = f"INSERT INTO {q(table)} ({', '.join(q(c) for c in columns)}) VALUES "
+    if not upsert_keys:
+        return prefix, ""
+    others = [c for c in columns if c not in upsert_keys]
+    # VALUES(col) works on MariaDB and MySQL (MySQL 8.0.20+ deprecates it for an alias,
+    # which MariaDB does not have). A key-only table updates nothing: k = k.
+    sets = (
+        ", ".join(f"{q(c)} = VALUES({q(c)})" for c in others)
+        or f"{q(upsert_keys[0])} = {q(upsert_keys[0])}"
+    )
+    return prefix, f" ON DUPLICATE KEY UPDATE {sets}"
+
+
 def insert_statement(table: str, columns: Sequence[str], upsert_keys: Sequence[str] = ()) -> str:
-    """The parameterized INSERT (or upsert) of one row, for ``cursor.executemany``."""
-    cols = ", ".join(_q(c) for c in columns)
-    stmt = f"INSERT INTO {_q(table)} ({cols}) VALUES ({', '.join(['%s'] * len(columns))})"
-    if upsert_keys:
-        others = [c for c in columns if c not in upsert_keys]
-        # VALUES(col) works on MariaDB and MySQL (MySQL 8.0.20+ deprecates it for an alias,
-        # which MariaDB does not have). A key-only table updates nothing: k = k.
-        sets = (
-            ", ".join(f"{_q(c)} = VALUES({_q(c)})" for c in others)
-            or f"{_q(upsert_keys[0])} = {_q(upsert_keys[0])}"
-        )
-        stmt += f" ON DUPLICATE KEY UPDATE {sets}"
-    return stmt
+    """The parameterized INSERT (or upsert) of one row, for ``cursor.executemany``: the
+    identifiers' '%' doubled (pymysql %-formats the statement)."""
+    prefix, postfix = insert_parts(table, columns, upsert_keys)
+    values = f"({', '.join(['%s'] * len(columns))})"
+    return prefix.replace("%", "%%") + values + postfix.replace("%", "%%")
 
 
 def create_table_statement(table: str, columns: dict[str, str], upsert_keys: Sequence[str]) -> str:
@@ -347,6 +358,87 @@ def headers_json(col: pa.ChunkedArray | pa.Array) -> list[str]:
             )
         )
     return out
+
+
+def _text(s: str) -> pa.Scalar:
+    return pa.scalar(s, pa.large_string())
+
+
+def _concat(*parts: Any) -> Any:
+    """Element-wise concatenation of Arrow text arrays and scalars."""
+    return pc.binary_join_element_wise(*parts, _text(""))
+
+
+#: pymysql's string escaping (``converters._escape_table``), the backslash first.
+_STRING_ESCAPES = (
+    ("\\", "\\\\"),
+    ("\0", "\\0"),
+    ("\n", "\\n"),
+    ("\r", "\\r"),
+    ("\032", "\\Z"),
+    ('"', '\\"'),
+    ("'", "\\'"),
+)
+
+
+def literal_column(col: pa.ChunkedArray | pa.Array) -> Any:
+    """A column as MySQL literals built by Arrow, exactly as pymysql's escaping writes each
+    value (``NULL``, numbers, quoted and escaped text, dates and times), or None for a type
+    left to pymysql value by value. The session has no NO_BACKSLASH_ESCAPES (``SQL_MODE``).
+
+    Floats are written as pymysql does (``repr``, then ``e0`` unless it has an exponent: a
+    DOUBLE literal); NaN and infinities never get here (``column_values`` fails their
+    rows). Timestamps are the naive UTC wall time, as ``column_values`` gives pymysql."""
+    t = col.type
+    if pa.types.is_integer(t):
+        text = pc.cast(col, pa.large_string())
+    elif pa.types.is_boolean(t):
+        text = pc.if_else(col, _text("1"), _text("0"))
+    elif pa.types.is_floating(t):
+        text = pc.cast(pc.cast(col, pa.float64()), pa.large_string())
+        text = pc.if_else(pc.match_substring(text, "e"), text, _concat(text, _text("e0")))
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        text = pc.cast(col, pa.large_string())
+        for old, new in _STRING_ESCAPES:
+            text = pc.replace_substring(text, old, new)
+        text = _concat(_text("'"), text, _text("'"))
+    elif pa.types.is_timestamp(t) or pa.types.is_date(t):
+        if pa.types.is_timestamp(t) and (t.tz is not None or t.unit == "ns"):
+            col = col.cast(pa.timestamp("us" if t.unit == "ns" else t.unit), safe=False)
+        text = _concat(_text("'"), pc.cast(col, pa.large_string()), _text("'"))
+    else:
+        return None
+    return pc.fill_null(text, _text("NULL"))
+
+
+def row_literals(columns: list[Any]) -> pa.LargeStringArray:
+    """Each row's ``(v1,v2,...),`` from its columns' literals."""
+    row = pc.binary_join_element_wise(*columns, _text(","))
+    out = _concat(_text("("), row, _text("),"))
+    return out.combine_chunks() if isinstance(out, pa.ChunkedArray) else out
+
+
+def literal_statements(
+    rows: pa.LargeStringArray, prefix: bytes, postfix: bytes, max_length: int
+) -> Iterator[bytes]:
+    """The INSERT statements of ``rows`` (``row_literals``), as pymysql's ``executemany``
+    splits them: as many rows per statement as ``max_length`` bytes hold, at least one."""
+    import numpy as np
+
+    if not len(rows):
+        return
+    _, offsets_buf, data = rows.buffers()
+    offsets = np.frombuffer(offsets_buf, np.int64)[rows.offset : rows.offset + len(rows) + 1]
+    view = memoryview(data)
+    # A statement of rows [a, b) holds offsets[b] - offsets[a] - 1 bytes of values (no
+    # trailing comma).
+    room = max_length - len(prefix) - len(postfix) + 1
+    a = 0
+    while a < len(rows):
+        b = int(np.searchsorted(offsets, offsets[a] + room, side="right")) - 1
+        b = min(max(b, a + 1), len(rows))
+        yield prefix + view[offsets[a] : offsets[b] - 1].tobytes() + postfix
+        a = b
 
 
 def payload_json(batch: pa.Table) -> list[str]:
@@ -504,6 +596,7 @@ class MySQLSink(Sink):
         self._columns: list[str] | None = None  # target columns, in order
         self._sources: list[str] | None = None  # their sources
         self._stmt: str | None = None
+        self._insert: tuple[str, str] | None = None  # the INSERT's text around its values
         self._max_packet = 16 << 20  # the server's max_allowed_packet, read at start
 
     # -- config -----------------------------------------------------------------------------
@@ -707,6 +800,7 @@ class MySQLSink(Sink):
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
         self._stmt = insert_statement(c.table, self._columns, c.upsert_keys)
+        self._insert = insert_parts(c.table, self._columns, c.upsert_keys)
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
         types = column_types(mapping, batch, MYSQL, self.config.upsert_keys)
@@ -779,6 +873,7 @@ class MySQLSink(Sink):
                 self._resolve(batch)
             rows, failures = self._rows(batch)
             failures += self._deletes(batch, rows)
+            literals = None if any(isinstance(r, _Delete) for r in rows) else self._literals(batch)
             good = [i for i, r in enumerate(rows) if r is not None]
             if self.fail_fast:
                 failures, good = first_failure_only(failures, good)
@@ -791,7 +886,9 @@ class MySQLSink(Sink):
                 for start in range(0, len(good), step):
                     if failures and self.fail_fast:
                         break  # nothing after the first failed row is written
-                    failures += self._write_isolating(cur, rows, good[start : start + step])
+                    failures += self._write_isolating(
+                        cur, rows, good[start : start + step], literals
+                    )
             self._conn.commit()
         except (pymysql.err.MySQLError, OSError) as e:
             kind = classify_mysql_error(e)
@@ -884,6 +981,43 @@ class MySQLSink(Sink):
             else:
                 cur.executemany(self._stmt, part)
 
+    def _literals(self, batch: pa.Table) -> pa.LargeStringArray | None:
+        """The batch's rows as MySQL literals built by Arrow (``row_literals``), or None to
+        let pymysql escape them value by value: JSON built from the whole message, binary
+        values, a connection that is not UTF-8 or escapes without backslashes."""
+        from pymysql.constants import SERVER_STATUS
+
+        assert self._sources is not None
+        conn = self._conn
+        if codecs.lookup(conn.encoding).name != "utf-8" or (
+            conn.server_status & SERVER_STATUS.SERVER_STATUS_NO_BACKSLASH_ESCAPES
+        ):
+            return None
+        columns = []
+        for src in self._sources:
+            if src in ("$payload", "$headers"):
+                return None
+            col = batch.column(META_SOURCES.get(src, src))
+            literals = literal_column(col)
+            if literals is None:
+                if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+                    return None  # pymysql's bytes literals are not UTF-8 text
+                try:  # any other type: pymysql's literal of the value it would be given
+                    values, _ = column_values(col)
+                    literals = pa.array([conn.literal(v) for v in values], pa.large_string())
+                except (UnicodeError, pa.ArrowException):
+                    return None
+            columns.append(literals)
+        return row_literals(columns)
+
+    def _execute_literals(self, cur: Any, rows: pa.LargeStringArray) -> None:
+        """Write ``rows`` (``row_literals``) with the INSERT statement, split as pymysql's
+        ``executemany`` splits it."""
+        assert self._insert is not None
+        prefix, postfix = (part.encode() for part in self._insert)
+        for stmt in literal_statements(rows, prefix, postfix, cur.max_stmt_length):
+            cur.execute(stmt)
+
     def _rollback(self) -> None:
         try:
             if self._conn is not None:
@@ -892,7 +1026,11 @@ class MySQLSink(Sink):
             self.cleanup_sink()
 
     def _write_isolating(
-        self, cur: Any, rows: list[tuple[Any, ...] | None], idx: list[int]
+        self,
+        cur: Any,
+        rows: list[tuple[Any, ...] | None],
+        idx: list[int],
+        literals: pa.LargeStringArray | None = None,
     ) -> list[RowFailure]:
         """Write rows behind a savepoint; on a data error roll back to it and bisect."""
         import pymysql
@@ -903,7 +1041,10 @@ class MySQLSink(Sink):
             if self._transactional:
                 cur.execute("SAVEPOINT conveyor_sp")
             try:
-                self._execute(cur, [rows[i] for i in sub])
+                if literals is not None:
+                    self._execute_literals(cur, literals.take(pa.array(sub, pa.int64())))
+                else:
+                    self._execute(cur, [rows[i] for i in sub])
             except pymysql.err.MySQLError as e:
                 if self._transactional and classify_mysql_error(e) is ErrorKind.DATA:
                     cur.execute("ROLLBACK TO SAVEPOINT conveyor_sp")
