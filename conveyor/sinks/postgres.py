@@ -258,7 +258,13 @@ class PostgresSink(Sink):
             name = META_SOURCES.get(src, src) if src.startswith("$") else src
             if name not in batch.schema.names:
                 return None
-            columns.append(_copy_column(batch.column(name)))
+            column = batch.column(name)
+            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                try:  # Arrow does not check buffers it did not build (Spark's strings)
+                    column.validate(full=True)
+                except pa.ArrowInvalid:
+                    return None  # the row path names the column and the byte (issue 15)
+            columns.append(_copy_column(column))
         return CopyText.of(columns)
 
     def _rows(self, batch: pa.Table) -> list[tuple[Any, ...]]:

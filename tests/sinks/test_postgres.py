@@ -211,3 +211,32 @@ def test_copy_writes_dates_and_timestamps_as_python_values_did(unit, monkeypatch
     if unit in ("us", "ns"):
         assert arrow[1][1] == dt.datetime(2023, 11, 14, 22, 13, 20, 123456, tzinfo=dt.timezone.utc)
     assert arrow[3][1:5] == (None,) * 4 and arrow[2][5] is None  # the nulls
+
+
+def test_invalid_utf8_on_the_copy_text_path_names_the_column_and_byte():
+    """Arrow's COPY text would hand invalid UTF-8 to the server, whose refusal names neither
+    the column nor the byte: such a batch takes the row path, which does (issue 15)."""
+    from conveyor.core.sink import send_isolating
+    from conveyor.sinks import build_sink
+    from tests.hostile import with_invalid_utf8
+
+    table = unique("utf8")
+    _exec(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
+    _exec(f'CREATE TABLE "{SCHEMA}"."{table}" (id bigint, name text, amount double precision)')
+    try:
+        cols = {"id": "id", "name": "name", "amount": "amount"}
+        cfg = {"type": "postgres", "url": PG_URL, "schema": SCHEMA, "table": table, "columns": cols}
+        sink = build_sink(cfg)
+        sink.init_sink()
+        try:
+            failed = send_isolating(sink, with_invalid_utf8(make_batch(20), "name", {7, 12}))
+        finally:
+            sink.cleanup_sink()
+        assert [(f.index, f.message) for f in failed] == [
+            (i, "column 'name' is not valid UTF-8: invalid start byte ff at byte offset 2")
+            for i in (7, 12)
+        ]
+        rows = _exec(f'SELECT id FROM "{SCHEMA}"."{table}" ORDER BY id', fetch=True)
+        assert [r[0] for r in rows] == [i for i in range(20) if i not in (7, 12)]
+    finally:
+        _exec(f'DROP TABLE IF EXISTS "{SCHEMA}"."{table}"')
