@@ -1,8 +1,9 @@
 """MySQL / MariaDB sink (pymysql): multi-row INSERT or upsert, one transaction per batch.
 
 Identifiers are backtick-quoted with embedded backticks doubled (``quote_identifier``);
-values always go through pymysql's parameter escaping (``cursor.executemany`` with
-``%s`` placeholders, which pymysql turns into multi-row INSERT statements). The
+values are written as the literals pymysql's escaping makes, built column by column by
+Arrow where the type allows (``literal_column``), else by pymysql's parameter escaping
+(``cursor.executemany`` with ``%s`` placeholders), in multi-row INSERT statements. The
 session runs with ``STRICT_ALL_TABLES`` so a bad value is an error, never a warning
 and a silently truncated row, and with ``time_zone = '+00:00'``.
 
