@@ -18,6 +18,11 @@ from pathlib import Path
 from conveyor.core.errors import ConveyorError
 from conveyor.ports import free_port, port_open
 
+#: The server JVM's collector. ParallelGC against the JVM's default (G1) on the connector's
+#: transform, each from its own client, alternating rounds: 1.20x the rate at 0.80x the
+#: JVM's CPU per row (docs/BENCHMARKS.md, "The Spark JVM's collector"); SerialGC was worse.
+DRIVER_JAVA_OPTIONS = ("-XX:+UseParallelGC",)
+
 
 class SparkServerError(ConveyorError):
     """The Spark Connect server could not be started."""
@@ -136,7 +141,8 @@ def start_spark_connect(
         "--conf",
         f"spark.sql.warehouse.dir={work_dir / 'warehouse'}",
         "--conf",
-        f"spark.driver.extraJavaOptions=-Dderby.system.home={work_dir}",
+        "spark.driver.extraJavaOptions="
+        + " ".join((f"-Dderby.system.home={work_dir}", *DRIVER_JAVA_OPTIONS)),
     ]
     if executor_memory:  # on a cluster: what each executor asks its worker for
         cmd += ["--conf", f"spark.executor.memory={executor_memory}"]

@@ -103,3 +103,23 @@ def test_the_pinned_pyspark_still_has_the_internals_conveyor_relies_on(spark_rem
     unknown = {k for keys in asked for k in keys} - _CREATE_DATAFRAME_CONFS
     assert not unknown, f"createDataFrame reads confs the cache does not cover: {unknown}"
     assert len(rpcs) == len(set(asked)) < len(asked), (rpcs, asked)
+
+
+def test_the_local_server_jvm_runs_with_conveyors_collector(spark_remote: str) -> None:
+    """``start_spark_connect`` gives the server's JVM DRIVER_JAVA_OPTIONS (ParallelGC,
+    measured in docs/BENCHMARKS.md) next to its derby home."""
+    import psutil
+
+    from conveyor.spark.server import DRIVER_JAVA_OPTIONS
+
+    port = spark_remote.rsplit(":", 1)[1]
+    jvms = [
+        p.cmdline()
+        for p in psutil.process_iter(["name"])
+        if p.info["name"] == "java"
+        and f"spark.connect.grpc.binding.port={port}" in " ".join(p.cmdline())
+    ]
+    assert len(jvms) == 1, jvms
+    assert DRIVER_JAVA_OPTIONS == ("-XX:+UseParallelGC",)
+    assert "-XX:+UseParallelGC" in jvms[0]
+    assert any(a.startswith("-Dderby.system.home=") for a in jvms[0])
