@@ -29,6 +29,8 @@ import pyarrow as pa
 log = logging.getLogger("conveyor.spark")
 
 _sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+_remote_of: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_own: dict[str, Any] = {}  # sessions of a second endpoint in this process, by URL
 _sessions_lock = threading.Lock()
 _atexit_registered = False
 
@@ -36,16 +38,28 @@ _atexit_registered = False
 def spark_session(remote: str) -> Any:
     """A Spark Connect session for ``remote`` (sc://host:port), created through dagster-pyspark.
 
+    pyspark's ``getOrCreate`` hands back the process's existing session whatever URL it is
+    asked for; a process that talks to a second endpoint (the REST API reading dead letters
+    of connectors on two brokers) gets a session of its own for it, kept by URL.
     Every session is closed when the process exits (see ``close_spark_sessions``).
     """
     global _atexit_registered
     from dagster_pyspark import LazyPySparkResource
 
     session = LazyPySparkResource(spark_config={"spark.remote": remote}).spark_session
+    with _sessions_lock:
+        other = _remote_of.get(session)
+        if other is not None and other != remote:
+            session = _own.get(remote)
+            if session is None or getattr(session, "is_stopped", False):
+                from pyspark.sql import SparkSession
+
+                session = _own[remote] = SparkSession.builder.remote(remote).create()
     _cache_static_confs(session)
     bound_rpcs(session)
     with _sessions_lock:
         _sessions.add(session)
+        _remote_of.setdefault(session, remote)
         if not _atexit_registered:
             # Registered after pyspark's own client hook, so it runs first (atexit is LIFO).
             atexit.register(close_spark_sessions)
@@ -200,6 +214,9 @@ def discard_session(session: Any) -> None:
     clear pyspark's default session, so that the next ``spark_session()`` is a new one."""
     with _sessions_lock:
         _sessions.discard(session)
+        for url, own in list(_own.items()):
+            if own is session:
+                del _own[url]
     try:
         session.release_session_on_close = False
         session.stop()

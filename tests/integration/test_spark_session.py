@@ -108,18 +108,39 @@ def test_the_pinned_pyspark_still_has_the_internals_conveyor_relies_on(spark_rem
 def test_the_local_server_jvm_runs_with_conveyors_collector(spark_remote: str) -> None:
     """``start_spark_connect`` gives the server's JVM DRIVER_JAVA_OPTIONS (ParallelGC,
     measured in docs/BENCHMARKS.md) next to its derby home."""
-    import psutil
+    from pathlib import Path
 
     from conveyor.spark.server import DRIVER_JAVA_OPTIONS
 
     port = spark_remote.rsplit(":", 1)[1]
-    jvms = [
-        p.cmdline()
-        for p in psutil.process_iter(["name"])
-        if p.info["name"] == "java"
-        and f"spark.connect.grpc.binding.port={port}" in " ".join(p.cmdline())
-    ]
+    jvms = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # gone meanwhile
+            continue
+        if args[0].endswith("/java") and f"spark.connect.grpc.binding.port={port}" in args:
+            jvms.append(args)
     assert len(jvms) == 1, jvms
     assert DRIVER_JAVA_OPTIONS == ("-XX:+UseParallelGC",)
     assert "-XX:+UseParallelGC" in jvms[0]
     assert any(a.startswith("-Dderby.system.home=") for a in jvms[0])
+
+
+def test_a_process_talking_to_two_endpoints_gets_a_session_on_each(spark_remote, tmp_path):
+    """pyspark's getOrCreate returns the process's first session whatever the URL; the
+    second endpoint (another broker's server) must get a session of its own, and each URL
+    keeps its session afterwards. Each server reports its own binding port."""
+    from conveyor.spark.server import start_spark_connect
+    from conveyor.spark.session import spark_session
+
+    port = "spark.connect.grpc.binding.port"
+    first = spark_session(spark_remote)
+    assert first.conf.get(port) == spark_remote.rsplit(":", 1)[1]
+    with start_spark_connect(work_dir=tmp_path / "second") as other:
+        second = spark_session(other.remote)
+        assert second.conf.get(port) == str(other.port)
+        again = spark_session(spark_remote)
+        assert again.conf.get(port) == spark_remote.rsplit(":", 1)[1]
+        assert spark_session(other.remote) is second
+        assert second.range(3).count() == 3
