@@ -59,7 +59,10 @@ from conveyor.sinks.sql import (
     check_columns,
     column_mapping,
     column_types,
+    concat_text,
     mapping_rules,
+    text_offsets,
+    text_scalar,
 )
 from conveyor.sinks.tombstones import (  # noqa: E402 - after the sink base imports
     DeleteKeyError,
@@ -361,15 +364,6 @@ def headers_json(col: pa.ChunkedArray | pa.Array) -> list[str]:
     return out
 
 
-def _text(s: str) -> pa.Scalar:
-    return pa.scalar(s, pa.large_string())
-
-
-def _concat(*parts: Any) -> Any:
-    """Element-wise concatenation of Arrow text arrays and scalars."""
-    return pc.binary_join_element_wise(*parts, _text(""))
-
-
 #: pymysql's string escaping (``converters._escape_table``), the backslash first.
 _STRING_ESCAPES = (
     ("\\", "\\\\"),
@@ -394,28 +388,28 @@ def literal_column(col: pa.ChunkedArray | pa.Array) -> Any:
     if pa.types.is_integer(t):
         text = pc.cast(col, pa.large_string())
     elif pa.types.is_boolean(t):
-        text = pc.if_else(col, _text("1"), _text("0"))
+        text = pc.if_else(col, text_scalar("1"), text_scalar("0"))
     elif pa.types.is_floating(t):
         text = pc.cast(pc.cast(col, pa.float64()), pa.large_string())
-        text = pc.if_else(pc.match_substring(text, "e"), text, _concat(text, _text("e0")))
+        text = pc.if_else(pc.match_substring(text, "e"), text, concat_text(text, text_scalar("e0")))
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
         text = pc.cast(col, pa.large_string())
         for old, new in _STRING_ESCAPES:
             text = pc.replace_substring(text, old, new)
-        text = _concat(_text("'"), text, _text("'"))
+        text = concat_text(text_scalar("'"), text, text_scalar("'"))
     elif pa.types.is_timestamp(t) or pa.types.is_date(t):
         if pa.types.is_timestamp(t) and (t.tz is not None or t.unit == "ns"):
             col = col.cast(pa.timestamp("us" if t.unit == "ns" else t.unit), safe=False)
-        text = _concat(_text("'"), pc.cast(col, pa.large_string()), _text("'"))
+        text = concat_text(text_scalar("'"), pc.cast(col, pa.large_string()), text_scalar("'"))
     else:
         return None
-    return pc.fill_null(text, _text("NULL"))
+    return pc.fill_null(text, text_scalar("NULL"))
 
 
 def row_literals(columns: list[Any]) -> pa.LargeStringArray:
     """Each row's ``(v1,v2,...),`` from its columns' literals."""
-    row = pc.binary_join_element_wise(*columns, _text(","))
-    out = _concat(_text("("), row, _text("),"))
+    row = pc.binary_join_element_wise(*columns, text_scalar(","))
+    out = concat_text(text_scalar("("), row, text_scalar("),"))
     return out.combine_chunks() if isinstance(out, pa.ChunkedArray) else out
 
 
@@ -428,9 +422,7 @@ def literal_statements(
 
     if not len(rows):
         return
-    _, offsets_buf, data = rows.buffers()
-    offsets = np.frombuffer(offsets_buf, np.int64)[rows.offset : rows.offset + len(rows) + 1]
-    view = memoryview(data)
+    offsets, view = text_offsets(rows)
     # A statement of rows [a, b) holds offsets[b] - offsets[a] - 1 bytes of values (no
     # trailing comma).
     room = max_length - len(prefix) - len(postfix) + 1

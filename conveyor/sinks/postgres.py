@@ -43,7 +43,10 @@ from conveyor.sinks.sql import (
     check_columns,
     column_mapping,
     column_types,
+    concat_text,
     mapping_rules,
+    text_offsets,
+    text_scalar,
 )
 from conveyor.sinks.tombstones import (
     DeleteKeyError,
@@ -519,11 +522,8 @@ class CopyText(Sequence[str]):
         """The lines of ``columns`` (COPY text, no nulls), tab-separated, in row order."""
         import pyarrow.compute as pc
 
-        def text(s: str) -> pa.Scalar:
-            return pa.scalar(s, pa.large_string())
-
-        lines = pc.binary_join_element_wise(*columns, text("\t"))
-        lines = pc.binary_join_element_wise(lines, text(""), text("\n"))  # line + "\n" + ""
+        lines = pc.binary_join_element_wise(*columns, text_scalar("\t"))
+        lines = concat_text(lines, text_scalar("\n"))
         if isinstance(lines, pa.ChunkedArray):
             lines = lines.combine_chunks()
         return cls(lines)
@@ -538,15 +538,10 @@ class CopyText(Sequence[str]):
 
     def reader(self) -> io.BytesIO:
         """All lines, as one UTF-8 buffer."""
-        lines = self._lines
-        if not len(lines):
+        if not len(self._lines):
             return io.BytesIO(b"")
-        _, offsets, data = lines.buffers()
-        first, last = (
-            int.from_bytes(offsets[8 * i : 8 * i + 8], "little", signed=True)
-            for i in (lines.offset, lines.offset + len(lines))
-        )
-        return io.BytesIO(memoryview(data)[first:last])
+        offsets, data = text_offsets(self._lines)
+        return io.BytesIO(data[offsets[0] : offsets[-1]])
 
 
 def _copy_value(v: Any) -> str:

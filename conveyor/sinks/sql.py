@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -115,3 +116,28 @@ def check_columns(table: str, mapping: dict[str, str], existing: Collection[str]
         raise PermanentSinkError(
             f"table {table} has no column(s) {', '.join(missing)} (it has {', '.join(existing)})"
         )
+
+
+# -- statement text built by Arrow (the PostgreSQL COPY text, the MySQL literals) -------------
+
+
+def text_scalar(s: str) -> pa.Scalar:
+    """A large-string scalar, to join with the large-string columns of statement text."""
+    return pa.scalar(s, pa.large_string())
+
+
+def concat_text(*parts: Any) -> Any:
+    """Element-wise concatenation of Arrow large-string arrays and scalars."""
+    import pyarrow.compute as pc
+
+    return pc.binary_join_element_wise(*parts, text_scalar(""))
+
+
+def text_offsets(text: pa.LargeStringArray) -> tuple[Any, memoryview]:
+    """The byte offsets of ``text``'s values (``len(text) + 1`` of them, as numpy int64)
+    and its data buffer: the bytes of values ``[a, b)`` are ``data[off[a]:off[b]]``."""
+    import numpy as np
+
+    _, offsets, data = text.buffers()
+    off = np.frombuffer(offsets, np.int64)[text.offset : text.offset + len(text) + 1]
+    return off, memoryview(data) if data is not None else memoryview(b"")
