@@ -52,9 +52,7 @@ def spark_session(remote: str) -> Any:
         if other is not None and other != remote:
             session = _own.get(remote)
             if session is None or getattr(session, "is_stopped", False):
-                from pyspark.sql import SparkSession
-
-                session = _own[remote] = SparkSession.builder.remote(remote).create()
+                session = _own[remote] = _unregistered_session(remote)
     _cache_static_confs(session)
     bound_rpcs(session)
     with _sessions_lock:
@@ -65,6 +63,20 @@ def spark_session(remote: str) -> Any:
             atexit.register(close_spark_sessions)
             _atexit_registered = True
     return session
+
+
+def _unregistered_session(remote: str) -> Any:
+    """A session for ``remote`` that does not become pyspark's default or active session.
+
+    ``builder.create()`` makes a new session the process's default (and the thread's
+    active) one when none is set, and pyspark reads the active session's conf on its own:
+    ``orderBy`` asks it whether DataFrame debugging is on. A second endpoint's session in
+    that role makes every later ``orderBy`` on the first endpoint wait on the second, for
+    as long as the retries last once that server is gone.
+    """
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    return ConnectSession(connection=remote)
 
 
 # The SQL confs pyspark's ``createDataFrame`` reads on every call (one Config RPC per

@@ -10,6 +10,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from conveyor.ports import free_port
 
@@ -131,16 +133,42 @@ def test_a_process_talking_to_two_endpoints_gets_a_session_on_each(spark_remote,
     """pyspark's getOrCreate returns the process's first session whatever the URL; the
     second endpoint (another broker's server) must get a session of its own, and each URL
     keeps its session afterwards. Each server reports its own binding port."""
-    from conveyor.spark.server import start_spark_connect
     from conveyor.spark.session import spark_session
 
     port = "spark.connect.grpc.binding.port"
     first = spark_session(spark_remote)
     assert first.conf.get(port) == spark_remote.rsplit(":", 1)[1]
-    with start_spark_connect(work_dir=tmp_path / "second") as other:
-        second = spark_session(other.remote)
-        assert second.conf.get(port) == str(other.port)
-        again = spark_session(spark_remote)
-        assert again.conf.get(port) == spark_remote.rsplit(":", 1)[1]
-        assert spark_session(other.remote) is second
-        assert second.range(3).count() == 3
+    # pyspark's active session is per thread: a thread that never made one (a REST API
+    # worker thread, a Dagster op's) is where a new session would take that role.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(_two_endpoints_from_a_new_thread, spark_remote, tmp_path).result()
+    # With the second server gone, the first endpoint's work goes on.
+    assert spark_session(spark_remote).range(4).orderBy("id").count() == 4
+
+
+def _two_endpoints_from_a_new_thread(spark_remote: str, tmp_path: Path) -> None:
+    from pyspark.sql.connect.session import SparkSession
+
+    from conveyor.spark.server import start_spark_connect
+    from conveyor.spark.session import discard_session, spark_session
+
+    port = "spark.connect.grpc.binding.port"
+    assert spark_session(spark_remote).conf.get(port) == spark_remote.rsplit(":", 1)[1]
+    second = None
+    try:
+        with start_spark_connect(work_dir=tmp_path / "second") as other:
+            second = spark_session(other.remote)
+            assert second.conf.get(port) == str(other.port)
+            again = spark_session(spark_remote)
+            assert again.conf.get(port) == spark_remote.rsplit(":", 1)[1]
+            assert spark_session(other.remote) is second
+            assert second.range(3).count() == 3
+            # pyspark consults its default/active session on its own (orderBy asks it
+            # whether DataFrame debugging is on): the second endpoint's must never be it,
+            # or the first endpoint's work waits on the second server once it is gone.
+            assert SparkSession.getActiveSession() is not second
+            assert SparkSession._get_default_session() is not second
+    finally:
+        if second is not None:
+            discard_session(second)
+    assert spark_session(spark_remote).range(4).orderBy("id").count() == 4
