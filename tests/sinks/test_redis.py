@@ -599,6 +599,60 @@ def test_per_command_errors_map_to_their_rows(prefix: str) -> None:
         )
 
 
+@pytest.mark.parametrize("packer", ["hiredis", "redis-py"])
+def test_pipeline_replies_are_redis_pys_pipeline_replies(
+    prefix: str, packer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sink's own pipeline (one write, every reply read) answers as redis-py's
+    ``pipeline(transaction=False).execute(raise_on_error=False)``: the same replies in the
+    same places, error replies as the same errors, and leaves the same data; with hiredis's
+    packer and with redis-py's own (no hiredis). Values: CR/LF, NUL, non-UTF-8, 1 MB."""
+    from conveyor.sinks import redis as redis_sink
+
+    if packer == "redis-py":
+        monkeypatch.setattr(redis_sink, "hiredis_packer", lambda: None)
+    big = b"\x00\r\n\xff" * 262_144
+
+    def commands(p: str) -> list[list[bytes | str]]:
+        return [
+            ["SET", f"{p}:a".encode(), b"one\r\n*2\r\n$3\r\nDEL"],
+            ["INCR", f"{p}:a".encode()],  # a string: refused, the rest still runs
+            ["HSET", f"{p}:h".encode(), b"f\x00", b"\xff\xfe", b"g", big],
+            ["SADD", f"{p}:h".encode(), b"x"],  # WRONGTYPE
+            ["RPUSH", f"{p}:l".encode(), b"1", b"2", b"3"],
+            ["HINCRBYFLOAT", f"{p}:n".encode(), b"t", b"nan"],
+            ["GET", f"{p}:a".encode()],
+        ]
+
+    s = _sink(f"SET {prefix}:x y")
+    s.init_sink()
+    r = client()
+    try:
+        ours = s._pipeline(commands(f"{prefix}:ours"))
+        pipe = r.pipeline(transaction=False)
+        for cmd in commands(f"{prefix}:theirs"):
+            pipe.execute_command(*cmd)
+        theirs = pipe.execute(raise_on_error=False)
+        assert len(ours) == len(theirs) == 7
+        for mine, other in zip(ours, theirs, strict=True):
+            if isinstance(other, Exception):
+                assert type(mine) is type(other)
+                assert redis_sink.redis_error_text(mine) == redis_sink.redis_error_text(other)
+            else:
+                assert not isinstance(mine, Exception), mine
+        assert [type(x).__name__ for x in ours] == [
+            "bytes", "ResponseError", "int", "ResponseError", "int", "ResponseError", "bytes"
+        ]  # fmt: skip
+        for k in ("a", "l"):
+            assert r.dump(f"{prefix}:ours:{k}") == r.dump(f"{prefix}:theirs:{k}")
+        assert r.hgetall(f"{prefix}:ours:h") == r.hgetall(f"{prefix}:theirs:h")
+        assert r.hget(f"{prefix}:ours:h", b"g") == big
+        # The connection is in step: the next pipeline's replies are its own.
+        assert s._pipeline([["GET", f"{prefix}:ours:a".encode()]]) == [b"one\r\n*2\r\n$3\r\nDEL"]
+    finally:
+        s.cleanup_sink()
+
+
 def test_several_commands_per_row(prefix: str) -> None:
     """A row fails once even when it has several commands; its earlier commands stay written (documented)."""
     client().set(f"{prefix}:idx", b"a string, not a set")

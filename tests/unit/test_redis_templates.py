@@ -23,6 +23,7 @@ from conveyor.sinks.redis import (
     RedisSink,
     RedisSinkConfig,
     TemplateSyntaxError,
+    arrow_value_bytes,
     classify_redis_error,
     client_kwargs,
     make_client,
@@ -595,3 +596,51 @@ def test_the_docs_examples_are_valid_configs() -> None:
         assert isinstance(s, RedisSink) and s.templates()
     cluster = build_sink(blocks[1])
     assert cluster.templates()[0].args[1] == (b"session:{", Placeholder("payload.user"), b"}:last")
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        pa.array([0, -1, None, 127, -128], pa.int8()),
+        pa.array([0, 65535, None], pa.uint16()),
+        pa.array([-(2**63), 2**63 - 1, None, 0], pa.int64()),
+        pa.array([0, 2**64 - 1, None], pa.uint64()),
+        pa.array(["", "plain", None, "é ✓ 🚀", "quote ' \" back \\ nul \x00 crlf \r\n", "%s"]),
+        pa.array(["large", None, "🚀"], pa.large_string()),
+        pa.array([b"", b"\x00\xff\r\n", None, b"bytes"], pa.binary()),
+        pa.array([b"x" * 70_000, None], pa.large_binary()),
+    ],
+    ids=lambda a: str(a.type),
+)
+def test_arrow_value_bytes_are_value_bytes(array: pa.Array) -> None:
+    """Integers and text converted by Arrow give exactly the bytes ``value_bytes`` gives
+    each Python value (nulls stay None), also over a chunked column."""
+    expected = [None if v is None else value_bytes(v) for v in array.to_pylist()]
+    assert arrow_value_bytes(array) == expected
+    chunked = pa.chunked_array([array.slice(0, 1), array.slice(1)])
+    assert arrow_value_bytes(chunked) == expected
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        pa.array([1.5, 100.0, None]),  # Arrow writes 100 where repr writes 100.0
+        pa.array([True, False]),
+        pa.array([dt.datetime(2024, 1, 1)], pa.timestamp("us")),
+        pa.array([decimal.Decimal("1.10")]),
+        pa.array([{"a": 1}]),
+    ],
+    ids=lambda a: str(a.type),
+)
+def test_arrow_value_bytes_leaves_other_types_to_python(array: pa.Array) -> None:
+    assert arrow_value_bytes(array) is None
+
+
+def test_arrow_value_bytes_leaves_invalid_utf8_to_the_row_path() -> None:
+    """A string column with invalid UTF-8 (Spark's cast of bytes) is not passed through as
+    bytes: the row path fails that row and names UTF-8 (issue 15)."""
+    from tests.hostile import with_invalid_utf8
+
+    batch = with_invalid_utf8(pa.table({"name": ["ab", "cd", "ef"]}), "name", {1})
+    assert arrow_value_bytes(batch.column("name")) is None
+    assert arrow_value_bytes(batch.column("name").slice(2)) == [b"ef"]
