@@ -158,7 +158,72 @@ def payload_values(batch: pa.Table) -> list[bytes | None]:
             else:
                 out.append(encode(v).encode())
         return out
+    objects = json_objects(batch.select(pcols))
+    if objects is not None:
+        return objects
     return [encode(d).encode() for d in batch.select(pcols).to_pylist()]
+
+
+def json_objects(table: pa.Table) -> list[bytes | None] | None:
+    """Each row as the JSON object ``_JSON.encode`` writes for its dict, byte for byte, built
+    column by column: integers, finite floats, booleans and text (nulls as ``null``). None
+    when a column has another type (or two columns share a name): the per-row encoder then.
+
+    Each value is encoded by the function ``_JSON`` uses for its type (``int.__repr__``,
+    ``float.__repr__``, the C ``encode_basestring_ascii``), so only the per-row dict and
+    the encoder's walk over it are saved (two thirds of the Kafka sink's payload cost).
+    """
+    names = table.schema.names
+    if len(set(names)) != len(names):
+        return None
+    fragments = []
+    for column in table.columns:
+        encoded = _json_fragments(column)
+        if encoded is None:
+            return None
+        fragments.append(encoded)
+    if not fragments:
+        return [b"{}"] * table.num_rows
+    row = "{" + ",".join(_json_key(n).replace("%", "%%") + ":%s" for n in names) + "}"
+    return [(row % values).encode() for values in zip(*fragments, strict=True)]
+
+
+def _json_key(name: str) -> str:
+    from json.encoder import encode_basestring_ascii
+
+    return str(encode_basestring_ascii(name))
+
+
+def _json_fragments(column: pa.ChunkedArray) -> list[str] | None:
+    """The column's values as ``_JSON`` writes each (``null`` for a null), or None when
+    its type is not covered or (floats) a value is not finite (``NaN``: the encoder's own)."""
+    from json.encoder import encode_basestring_ascii
+
+    import pyarrow.compute as pc
+
+    t = column.type
+    encode: Any
+    if pa.types.is_null(t):
+        return ["null"] * len(column)
+    if pa.types.is_integer(t):
+        encode = int.__repr__
+    elif pa.types.is_floating(t):
+        if pa.types.is_float16(t) or pc.any(pc.invert(pc.is_finite(column))).as_py():
+            return None
+        encode = float.__repr__
+    elif pa.types.is_boolean(t):
+        encode = _JSON_BOOL.__getitem__
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        encode = encode_basestring_ascii
+    else:
+        return None
+    values = column.to_pylist()
+    if column.null_count == 0:
+        return list(map(encode, values))
+    return ["null" if v is None else encode(v) for v in values]
+
+
+_JSON_BOOL = {True: "true", False: "false"}
 
 
 def iter_records(batch: pa.Table) -> Iterator[Record]:

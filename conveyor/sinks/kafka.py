@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
 from conveyor.brokers.connection import (
@@ -318,6 +319,14 @@ def epoch_ms(column: pa.ChunkedArray | pa.Array) -> list[int | None]:
     return [None if v is None else v // per_ms for v in raw]
 
 
+def _any_header(batch: pa.Table) -> bool:
+    """Whether a row of the batch has a header (most batches have none: not read per row)."""
+    if HEADERS_COL not in batch.schema.names:
+        return False
+    lengths = pc.list_value_length(batch.column(HEADERS_COL))
+    return bool(pc.max(lengths).as_py())
+
+
 def _header_bytes(v: Any) -> bytes:
     return v if isinstance(v, bytes) else (b"" if v is None else str(v).encode())
 
@@ -598,7 +607,7 @@ class KafkaSink(Sink):
             else [None] * n
         )
         partitions = col(PARTITION_COL)
-        headers = col(HEADERS_COL) if c.keep_headers else [None] * n
+        headers = col(HEADERS_COL) if c.keep_headers and _any_header(batch) else [None] * n
         dests = col(DESTINATION_COL) if c.use_destination else [None] * n
         topics = col(TOPIC_COL) if c.coordinate_headers else None
         offsets = col(OFFSET_COL) if c.coordinate_headers else None
