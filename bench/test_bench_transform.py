@@ -129,6 +129,25 @@ def floor(spark: Any, decode: bool) -> Any:
     return Floor(one_pass(spark).spec, spark)
 
 
+class Reattachable:
+    """``one_pass`` with pyspark's reattachable execution, its default (Conveyor's transform
+    runs each batch's query as one stream: ``one_stream_per_query``). Depth 1 only: the
+    switch is the session's."""
+
+    def __init__(self, spark: Any):
+        self.t, self.client = one_pass(spark), spark.client
+
+    def prepare(self) -> None:
+        self.t.prepare()
+
+    def __call__(self, b: Any) -> Any:
+        self.client.enable_reattachable_execute()
+        try:
+            return self.t(b)
+        finally:
+            self.client.disable_reattachable_execute()
+
+
 def jvm_cpu(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return t.user + t.system + getattr(t, "children_user", 0) + getattr(t, "children_system", 0)
@@ -151,17 +170,19 @@ def measure(transform: Any, b: Any, proc: psutil.Process, batches: int, depth: i
             with lock:
                 times.append(time.monotonic() - t)
 
-    cpu0, wall0 = jvm_cpu(proc), time.monotonic()
+    cpu0, wall0, client0 = jvm_cpu(proc), time.monotonic(), time.process_time()
     threads = [threading.Thread(target=work) for _ in range(depth)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall, cpu = time.monotonic() - wall0, jvm_cpu(proc) - cpu0
+    client = time.process_time() - client0  # this process: the Spark Connect client
     rows = batches * BATCH
     return {
         "rows_per_s": rows / wall,
         "jvm_cpu_s_per_100k": cpu / rows * 100_000,
+        "client_cpu_s_per_100k": client / rows * 100_000,
         "batch_ms_median": statistics.median(times) * 1000,
     }
 
@@ -183,6 +204,7 @@ def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None
         "two-pass": two_pass(spark),
         "one-pass-star": one_pass_star(spark),
         "one-pass": one_pass(spark),
+        "one-pass-reattachable": Reattachable(spark),
         "floor-cast-only": floor(spark, decode=False),
         "floor-from_json-only": floor(spark, decode=True),
     }
@@ -208,6 +230,14 @@ def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None
         for name in contenders
     }
     print("JVM CPU per row vs one-pass:", results["vs_one_pass_jvm_cpu"])
+    results["vs_one_pass_client_cpu"] = {
+        name: [
+            m["client_cpu_s_per_100k"] / o["client_cpu_s_per_100k"]
+            for m, o in zip(passes[name], passes["one-pass"], strict=True)
+        ]
+        for name in contenders
+    }
+    print("client CPU per row vs one-pass:", results["vs_one_pass_client_cpu"])
     results["one_vs_two"] = {
         "jvm_cpu_ratio": [
             o["jvm_cpu_s_per_100k"] / t["jvm_cpu_s_per_100k"]

@@ -12,7 +12,9 @@ pyspark (``pyspark[connect]==4.3.*``) no longer has it:
 - ``client._rpc_deadlines``: every RPC bounded (``bound_rpcs``): pyspark's defaults
   leave an analysis waiting up to an hour on a server that stopped answering;
 - ``session.release_session_on_close``: a session the server lost (it restarted) is
-  stopped without the release RPC (``discard_session``).
+  stopped without the release RPC (``discard_session``);
+- ``client.disable_reattachable_execute()``: a batch's query is one ExecutePlan stream
+  (``one_stream_per_query``), without the reattach and release RPCs.
 """
 
 from __future__ import annotations
@@ -150,6 +152,25 @@ def bound_rpcs(session: Any, deadline_s: float = SPARK_RPC_DEADLINE_S) -> bool:
         for f in dataclasses.fields(current)
     }
     client._rpc_deadlines = dataclasses.replace(current, **bounded)
+    return True
+
+
+def one_stream_per_query(session: Any) -> bool:
+    """Run the session's queries as one ExecutePlan stream each, not reattachable.
+
+    pyspark's reattachable execution sends one or two ReleaseExecute RPCs per query from
+    a thread pool and keeps each result reattachable: for a connector's per-batch queries
+    (a result of one batch, in tens of milliseconds) that is a third of the client's CPU
+    per row and a little of the server's (bench/test_bench_transform.py's reattach
+    contender; docs/BENCHMARKS.md). A stream broken mid-result is then an outage (the batch
+    is transformed again); a server that stops answering is caught by the run's liveness
+    (``liveness.restart_after_s``), as with reattachable execution. False when the client
+    has no such switch (nothing changed).
+    """
+    disable = getattr(getattr(session, "client", None), "disable_reattachable_execute", None)
+    if disable is None:
+        return False
+    disable()
     return True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -105,6 +106,45 @@ def test_the_pinned_pyspark_still_has_the_internals_conveyor_relies_on(spark_rem
     unknown = {k for keys in asked for k in keys} - _CREATE_DATAFRAME_CONFS
     assert not unknown, f"createDataFrame reads confs the cache does not cover: {unknown}"
     assert len(rpcs) == len(set(asked)) < len(asked), (rpcs, asked)
+
+
+def test_a_transforms_queries_are_one_stream_each(spark_remote: str) -> None:
+    """The transformer turns pyspark's reattachable execution off on its session (a
+    public client switch; fails loudly if it goes): each batch is one ExecutePlan stream,
+    without ReleaseExecute RPCs from a thread pool."""
+    import pyarrow as pa
+
+    from conveyor.core.model import TransformSpec
+    from conveyor.spark.session import one_stream_per_query, spark_session
+    from conveyor.spark.transform import SparkTransformer
+
+    session = spark_session(spark_remote)
+    session.client.enable_reattachable_execute()
+    assert session.client._use_reattachable_execute is True
+    t = SparkTransformer(TransformSpec(decode="json", schema="id BIGINT"), lambda: session)
+    out = t(pa.table({"__value": [b'{"id": 1}', b"not json"], "__offset": [0, 1]}))
+    assert session.client._use_reattachable_execute is False, "pyspark's switch is gone"
+    assert out.table.column("id").to_pylist() == [1]
+    assert [r.index for r in out.rejected] == [1]
+    released = threading.Event()
+    real = session.client._stub.ReleaseExecute
+
+    def spy(*a: object, **k: object) -> object:
+        released.set()
+        return real(*a, **k)
+
+    session.client._stub.ReleaseExecute = spy
+    batch = pa.table({"__value": [b'{"id": 2}'], "__offset": [2]})
+    try:
+        assert t(batch).table.num_rows == 1
+        assert not released.is_set()  # one stream per query: nothing to release
+        session.client.enable_reattachable_execute()  # pyspark's default, for contrast
+        assert t(batch).table.num_rows == 1
+        assert released.wait(30), "the spy sees pyspark's release RPCs when reattachable"
+    finally:
+        session.client.disable_reattachable_execute()
+        session.client._stub.ReleaseExecute = real
+    assert one_stream_per_query(object()) is False
 
 
 def test_the_local_server_jvm_runs_with_conveyors_collector(spark_remote: str) -> None:
