@@ -222,22 +222,13 @@ def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None
             passes[name].append(m)
             print(f"round {r} {name}: {m}")
     results["passes"] = passes
-    results["vs_one_pass_jvm_cpu"] = {
-        name: [
-            m["jvm_cpu_s_per_100k"] / o["jvm_cpu_s_per_100k"]
-            for m, o in zip(passes[name], passes["one-pass"], strict=True)
-        ]
-        for name in contenders
-    }
-    print("JVM CPU per row vs one-pass:", results["vs_one_pass_jvm_cpu"])
-    results["vs_one_pass_client_cpu"] = {
-        name: [
-            m["client_cpu_s_per_100k"] / o["client_cpu_s_per_100k"]
-            for m, o in zip(passes[name], passes["one-pass"], strict=True)
-        ]
-        for name in contenders
-    }
-    print("client CPU per row vs one-pass:", results["vs_one_pass_client_cpu"])
+    for who in ("jvm", "client"):  # each contender's CPU per row against one-pass's, per round
+        key = f"{who}_cpu_s_per_100k"
+        results[f"vs_one_pass_{who}_cpu"] = {
+            name: [m[key] / o[key] for m, o in zip(passes[name], passes["one-pass"], strict=True)]
+            for name in contenders
+        }
+        print(f"{who} CPU per row vs one-pass:", results[f"vs_one_pass_{who}_cpu"])
     results["one_vs_two"] = {
         "jvm_cpu_ratio": [
             o["jvm_cpu_s_per_100k"] / t["jvm_cpu_s_per_100k"]
