@@ -99,6 +99,10 @@ def test_any_values(ints, floats, texts, name) -> None:  # type: ignore[no-untyp
     )
     ts = texts.draw(st.lists(st.one_of(st.none(), st.text()), min_size=n, max_size=n))
     table = pa.table(
-        {"i": pa.array(ints, pa.int64()), "f": pa.array(fs, pa.float64()), name + "_": pa.array(ts, pa.string())}
+        {
+            "i": pa.array(ints, pa.int64()),
+            "f": pa.array(fs, pa.float64()),
+            name + "_": pa.array(ts, pa.string()),
+        }
     )
     assert json_objects(table) == per_row(table)
