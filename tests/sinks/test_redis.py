@@ -195,7 +195,23 @@ class TestRedisStreamContract(TestRedisContract):
         }
 
     def test_fail_fast_stops_at_a_command_redis_refuses(self, sink: Any, target: str) -> None:
-        pytest.skip("an XADD with '*' on an existing stream is not refused by one row")
+        """An XADD with '*' is refused for one row only when it cannot be built; Redis
+        refuses it when the key holds another type, then for every row: under fail_fast
+        the first row fails and nothing after it is sent (the key is untouched); without
+        it every row fails with WRONGTYPE."""
+        from conveyor.core.sink import send_isolating
+
+        self.redis().set(target, b"not a stream")
+        batch = make_batch(50)
+        failed = send_isolating(sink, batch, fail_fast=True)
+        assert [f.index for f in failed] == [0]
+        assert "WRONGTYPE" in failed[0].message
+        assert self.redis().get(target) == b"not a stream"
+        sink.fail_fast = False
+        failed = send_isolating(sink, batch)
+        assert [f.index for f in failed] == list(range(50))
+        assert all("WRONGTYPE" in f.message for f in failed)
+        assert self.redis().get(target) == b"not a stream"
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         out = []
