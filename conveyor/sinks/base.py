@@ -171,7 +171,8 @@ def json_objects(table: pa.Table) -> list[bytes | None] | None:
 
     Each value is encoded by the function ``_JSON`` uses for its type (``int.__repr__``,
     ``float.__repr__``, the C ``encode_basestring_ascii``), so only the per-row dict and
-    the encoder's walk over it are saved (two thirds of the Kafka sink's payload cost).
+    the encoder's walk over it are saved (the Kafka sink's ``send_batch``: 0.55 -> 0.40 s
+    of CPU per 100K rows, docs/sinks/kafka.md).
     """
     names = table.schema.names
     if len(set(names)) != len(names):

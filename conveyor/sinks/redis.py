@@ -962,7 +962,8 @@ class RedisSink(Sink):
         """Every command in one write on one standalone connection, then every reply: an
         error reply in its command's place, as ``pipeline(transaction=False).execute(
         raise_on_error=False)`` returns them, without the pipeline's per-command bookkeeping
-        (a third of the sink's CPU: docs/sinks/redis.md). A connection that fails is closed."""
+        (with hiredis packing: ``send_batch`` 0.81 -> 0.35 s of CPU per 100K rows,
+        docs/sinks/redis.md). A connection that fails is closed."""
         from redis import exceptions as rx
 
         pool = self._client.connection_pool
