@@ -7,6 +7,15 @@ pass and split off locally, so a batch costs one Spark round trip. Only the
 payload and the message columns an expression uses make that trip; the rest
 (topic, partition, offset, timestamp, key, headers) are joined back locally by
 row number.
+
+A large batch crosses as one row: a single list of its rows, unnested on the server
+by ``inline`` (``as_one_row``). Spark's analyser and optimizer walk every row of a
+``LocalRelation`` in each rule they apply, which made up most of the server's CPU
+for a large batch (60% of a cast-only query's samples at 40,000 rows); one row is
+walked once, and the batch's rows are then worked on by one compiled task. That task
+costs a fixed 10-18 ms of the server's CPU per query, so small batches keep the
+plain ``LocalRelation`` (docs/BENCHMARKS.md, "The transform alone: a large batch as
+one row").
 """
 
 from __future__ import annotations
@@ -45,6 +54,13 @@ logging.getLogger("SQLQueryContextLogger").setLevel(logging.CRITICAL)
 BAD_COL = "__bad"  # null, or why the row cannot be decoded
 ROW_COL = "__row"
 CORRUPT_COL = "__corrupt"
+BATCH_COL = "__batch"
+# From this many rows a batch crosses to Spark as one row (``as_one_row``): measured,
+# the server's CPU per row is about even at 20,000 rows and 25% lower at 40,000. A task
+# carries the one row: above ONE_ROW_MAX_BYTES (well under spark.rpc.message.maxSize,
+# 128 MiB, on a cluster) the batch keeps the plain relation.
+ONE_ROW_FROM = 20_000
+ONE_ROW_MAX_BYTES = 64 << 20
 NOT_JSON = "undecodable payload: not valid JSON"
 MISMATCH = (
     "undecodable payload: a field does not match the schema (transform.on_type_mismatch: fail)"
@@ -180,6 +196,14 @@ class SparkTransformer:
             shipped = shipped.append_column(TOMBSTONE_COL, mask)
         return shipped
 
+    def _input(self, shipped: pa.Table) -> Any:
+        """The shipped columns as a DataFrame: a large batch as one row, unnested on the
+        server (the module's docstring says why); a small one as its rows."""
+        if shipped.num_rows >= ONE_ROW_FROM and shipped.nbytes <= ONE_ROW_MAX_BYTES:
+            one = self.session.createDataFrame(as_one_row(shipped))
+            return one.selectExpr(f"inline({BATCH_COL})")
+        return self.session.createDataFrame(shipped)
+
     def _row_numbers(self, n: int) -> pa.Array:
         """0..n-1 as int64, kept for the next batch of the same size (most batches are full:
         built per batch it was 3% of the run process's busy time)."""
@@ -280,7 +304,7 @@ class SparkTransformer:
                 table=batch.select(meta).slice(0, 0), rejected=tuple(held), filtered=skipped
             )
         try:
-            out = self._collect(self._pipeline(self.session.createDataFrame(shipped)))
+            out = self._collect(self._pipeline(self._input(shipped)))
         except Exception as e:
             if is_connect_outage(e):
                 self._lost(e)
@@ -310,6 +334,16 @@ class SparkTransformer:
         )
         filtered = skipped + shipped.num_rows - out.num_rows
         return Transformed(table=table, rejected=rejected, filtered=filtered)
+
+
+def as_one_row(table: pa.Table) -> pa.Table:
+    """``table`` as one row: a column ``__batch`` holding the list of its rows (structs of
+    its columns). No data is copied beyond joining a column's chunks."""
+    rows = pa.StructArray.from_arrays(
+        [c.combine_chunks() for c in table.columns], fields=list(table.schema)
+    )
+    offsets = pa.array([0, len(rows)], pa.int32())
+    return pa.table({BATCH_COL: pa.ListArray.from_arrays(offsets, rows)})
 
 
 def without_payload(batch: pa.Table) -> pa.Array:

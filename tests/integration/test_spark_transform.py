@@ -4,6 +4,8 @@ Each batch is built in the source layout (``records_to_table``'s schema) and goe
 through ``SparkTransformer`` exactly as in the loop. What comes back is checked row
 by row: payload columns, the message's own columns (topic, partition, offset,
 timestamp, key, headers), undecodable rows reported by index, filtered rows counted.
+Every test runs both ways a batch crosses to Spark: as its rows, and as one row
+unnested on the server (``as_one_row``, the way of large batches).
 """
 
 from __future__ import annotations
@@ -19,17 +21,29 @@ import pytest
 from conveyor.brokers.kafka import SOURCE_SCHEMA
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import TransformSpec
+from conveyor.spark import transform as transform_module
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
 
 pytestmark = pytest.mark.integration
 
 SCHEMA = "id BIGINT, name STRING, amount DOUBLE"
+DEFAULT_ONE_ROW_FROM = transform_module.ONE_ROW_FROM  # before any test changes it
 
 
 @pytest.fixture(scope="module")
 def spark(spark_remote: str) -> Any:
     return spark_session(spark_remote)
+
+
+@pytest.fixture(autouse=True, params=["rows", "one_row"])
+def crossing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How batches cross to Spark: as their rows, or (from one row on) as one row."""
+    if request.param == "one_row":
+        monkeypatch.setattr(transform_module, "ONE_ROW_FROM", 1)
+    else:
+        monkeypatch.setattr(transform_module, "ONE_ROW_FROM", 1 << 62)
+    return str(request.param)
 
 
 def source(values: list[bytes | None], *, partition_of=lambda i: i % 2) -> pa.Table:
@@ -312,6 +326,7 @@ def test_json_that_only_a_lenient_parser_takes_is_not_valid_json(spark):
         assert out.table.column("id").to_pylist() == [0, 7]
 
 
+@pytest.mark.parametrize("crossing", ["rows"], indirect=True)  # not about the crossing
 def test_a_restarted_spark_server_is_an_outage_then_the_transform_uses_a_new_session(tmp_path):
     """The server restarts between two batches: its sessions are gone. The next attempt
     is an outage (retried by the loop), and the one after runs on a new session."""
@@ -350,3 +365,47 @@ def test_a_restarted_spark_server_is_an_outage_then_the_transform_uses_a_new_ses
             with contextlib.suppress(Exception):
                 s.client.close()
         server.stop()
+
+
+@pytest.mark.parametrize("crossing", ["rows"], indirect=True)  # sets its own thresholds
+def test_a_large_batch_crosses_as_one_row_and_comes_back_the_same(spark, monkeypatch):
+    """At the default threshold a batch of ONE_ROW_FROM rows crosses as one row, a smaller
+    one as its rows; both give what the rows give: every payload and message column,
+    the same failed messages (not JSON, a mismatch), tombstones, filter and select on
+    message columns."""
+    n = DEFAULT_ONE_ROW_FROM
+    monkeypatch.setattr(transform_module, "ONE_ROW_FROM", n)
+    hostile = [b"{not json", b'{"id": "x"}', b"[1, 2]", None, b"", b'"just a string"']
+    values = [hostile[i // 997 % len(hostile)] if i % 997 == 0 else order(i) for i in range(n)]
+    batch = source(values, partition_of=lambda i: i % 3)
+    spec = {
+        "decode": "json",
+        "schema": SCHEMA,
+        "null_values": "pass",
+        "filter": "__offset % 5 <> 1 OR id IS NULL",
+        "select": ["id", "name", "amount * 2 AS doubled", "__key AS k", "__offset AS o"],
+    }
+    sizes: list[int] = []
+    real = spark.createDataFrame
+
+    def spy(data: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(data.num_rows)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(spark, "createDataFrame", spy)
+    one_row = transform(spark, **spec)
+    sizes.clear()
+    got = one_row(batch)
+    assert sizes == [1]  # the batch crossed as one row
+    smaller = one_row(batch.slice(0, n - 1))
+    assert sizes == [1, n - 1]  # one row fewer: as its rows
+    monkeypatch.setattr(transform_module, "ONE_ROW_FROM", 1 << 62)
+    want = transform(spark, **spec)(batch)
+    assert got.table.equals(want.table)
+    assert got.rejected == want.rejected and got.filtered == want.filtered
+    assert {r.message for r in got.rejected} == {
+        "undecodable payload: not valid JSON",
+        "undecodable payload: a field does not match the schema (transform.on_type_mismatch: fail)",
+    }
+    assert got.table.num_rows > 0.7 * n
+    assert smaller.table.equals(got.table.slice(0, got.table.num_rows - 1))  # last one passes
