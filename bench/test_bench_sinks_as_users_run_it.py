@@ -45,7 +45,7 @@ import pytest
 
 from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
-from bench.test_bench_as_users_run_it import SCHEMA, produce
+from bench.test_bench_as_users_run_it import SCHEMA, batch_of, produce
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
@@ -61,7 +61,11 @@ MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "database": "test"}
 MYSQL_URL = os.environ.get("CONVEYOR_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("conveyor", "librdkafka")
+# "conveyor:10000" is the connector with batches of up to 10,000 records (and
+# "conveyor:10000:200" closing 200 ms after the first), as in bench_as_users_run_it.
+CONTENDERS = tuple(
+    os.environ.get("CONVEYOR_BENCH_SINKS_CONTENDERS", "conveyor,librdkafka").split(",")
+)
 # The Kafka sink's clients to run side by side ("confluent,kafka-python"): one Conveyor
 # contender per client, conveyor-<client>, in the same rounds; empty: the default client.
 KAFKA_CLIENTS = [c for c in os.environ.get("CONVEYOR_BENCH_KAFKA_CLIENTS", "").split(",") if c]
@@ -254,11 +258,12 @@ def watch(result: Result, target: Target, pids: Pids, timeout: float = 900) -> R
     return sample_until_done(result, target.count, pids, timeout)
 
 
-def spec(name: str, target: Target) -> dict[str, Any]:
+def spec(name: str, target: Target, contender: str = "conveyor") -> dict[str, Any]:
     """What a user writes: defaults everywhere but the source, the decoding and the sink."""
     return {
         "name": name,
         "desired": "stopped",
+        **batch_of(contender),
         "source": {"topics": [f"t_{name}"]},
         "transform": {"decode": "json", "schema": SCHEMA},
         "sink": target.sink(),
@@ -319,13 +324,13 @@ def test_sinks_as_users_run_them_vs_librdkafka_loops(
         return KafkaTarget(name, tansu, client)
 
     names = {
-        (s, c, r): f"{s}_{c.replace('-', '_')}_{r}"
+        (s, c, r): f"{s}_{c.replace('-', '_').replace(':', '_')}_{r}"
         for s in SINKS
         for c in contenders(s)
         for r in rounds
     }
     targets = {k: make(k[0], k[1], n) for k, n in names.items()}
-    specs = [spec(names[k], t) for k, t in targets.items() if k[1].startswith("conveyor")]
+    specs = [spec(names[k], t, k[1]) for k, t in targets.items() if k[1].startswith("conveyor")]
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     results: dict[str, dict[str, list[Result]]] = {s: {c: [] for c in contenders(s)} for s in SINKS}
     try:
