@@ -14,6 +14,11 @@ Two questions, each answered by contenders measured in alternating rounds in one
 2. **Pipeline depth**: ``depth`` batches in Spark at once (threads each transforming
    batches in turn, as the loop's transform stage does), rows/s and JVM CPU per 100,000
    rows per depth.
+3. **A large batch as one row** (``test_a_large_batch_as_one_row_vs_as_its_rows``): per
+   batch size (``CONVEYOR_BENCH_ONE_ROW_SIZES``), the transform and the cast-only floor
+   with the batch crossing as its rows (a ``LocalRelation`` of them) and as one row
+   unnested by ``inline`` (``as_one_row``), two batches in Spark at once as the
+   connector runs them: JVM and client CPU per 100,000 rows, rows/s.
 
 ```bash
 CONVEYOR_BENCH_OUT=/tmp/transform.json .venv/bin/python -m pytest bench/test_bench_transform.py -m bench -s -n 0
@@ -43,10 +48,13 @@ SCHEMA = "id BIGINT, name STRING, amount DOUBLE, ts BIGINT"  # as bench_as_users
 BATCHES = int(os.environ.get("CONVEYOR_BENCH_TRANSFORM_BATCHES", "20"))  # per contender, round
 ROUNDS = int(os.environ.get("CONVEYOR_BENCH_TRANSFORM_ROUNDS", "3"))
 DEPTHS = [int(d) for d in os.environ.get("CONVEYOR_BENCH_DEPTHS", "1,2,3,4").split(",")]
+SIZES = [
+    int(n) for n in os.environ.get("CONVEYOR_BENCH_ONE_ROW_SIZES", "10000,20000,40000").split(",")
+]
 OUT = os.environ.get("CONVEYOR_BENCH_OUT")
 
 
-def batch() -> Any:
+def batch(n: int = BATCH) -> Any:
     from conveyor.brokers.kafka import records_to_table
 
     records = [
@@ -59,7 +67,7 @@ def batch() -> Any:
             headers=[],
             value=json.dumps({**order(i), "ts": 1_700_000_000_000 + i}).encode(),
         )
-        for i in range(BATCH)
+        for i in range(n)
     ]
     return records_to_table(records)
 
@@ -166,7 +174,7 @@ def measure(transform: Any, b: Any, proc: psutil.Process, batches: int, depth: i
                     return
                 left[0] -= 1
             t = time.monotonic()
-            assert transform(b).table.num_rows == BATCH
+            assert transform(b).table.num_rows == b.num_rows
             with lock:
                 times.append(time.monotonic() - t)
 
@@ -178,7 +186,7 @@ def measure(transform: Any, b: Any, proc: psutil.Process, batches: int, depth: i
         t.join()
     wall, cpu = time.monotonic() - wall0, jvm_cpu(proc) - cpu0
     client = time.process_time() - client0  # this process: the Spark Connect client
-    rows = batches * BATCH
+    rows = batches * b.num_rows
     return {
         "rows_per_s": rows / wall,
         "jvm_cpu_s_per_100k": cpu / rows * 100_000,
@@ -257,4 +265,69 @@ def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None
     print("rate vs depth 1:", results["depth_vs_1_rate"])
     if OUT:
         with open(OUT, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+class Crossing:
+    """A transform with its batches crossing to Spark as one row (``one_row``) or as
+    their rows, whatever their size (``ONE_ROW_FROM`` set around each call)."""
+
+    def __init__(self, t: Any, one_row: bool):
+        self.t, self.one_row = t, one_row
+
+    def prepare(self) -> None:
+        self.t.prepare()
+
+    def __call__(self, b: Any) -> Any:
+        from conveyor.spark import transform as tr
+
+        tr.ONE_ROW_FROM = 1 if self.one_row else 1 << 62
+        return self.t(b)
+
+
+def test_a_large_batch_as_one_row_vs_as_its_rows(warm_spark_remote: str) -> None:
+    from conveyor.spark import transform as tr
+    from conveyor.spark.session import spark_session
+
+    port = urlparse(warm_spark_remote.replace("sc://", "http://")).port
+    pid = listening_pid(port) if port else None
+    assert pid, "the Spark Connect JVM's pid"
+    proc = psutil.Process(pid)
+    spark = spark_session(warm_spark_remote)
+    default = tr.ONE_ROW_FROM
+    contenders = {
+        f"{name} as {how}": Crossing(make(), how == "one row")
+        for name, make in (("one-pass", lambda: one_pass(spark)), ("floor-cast-only", lambda: floor(spark, False)))
+        for how in ("rows", "one row")
+    }  # fmt: skip
+    batches = {n: batch(n) for n in SIZES}
+    results: dict[str, Any] = {"commit": os.popen("git rev-parse --short HEAD").read().strip()}
+    runs: dict[str, dict[int, list[dict]]] = {k: {n: [] for n in SIZES} for k in contenders}
+    try:
+        for t in contenders.values():
+            t.prepare()
+            for b in batches.values():
+                for _ in range(5):  # compiled and JIT-warm for this size
+                    t(b)
+        for r in range(ROUNDS):
+            for name in list(contenders) if r % 2 == 0 else list(reversed(contenders)):
+                for n, b in batches.items():
+                    m = measure(contenders[name], b, proc, max(4, BATCHES * BATCH // n), 2)
+                    m["load"] = load()
+                    runs[name][n].append(m)
+                    print(f"round {r} {name} {n:,} rows: {m}")
+    finally:
+        tr.ONE_ROW_FROM = default
+    results["runs"] = runs
+    results["one_row_vs_rows_jvm_cpu"] = {
+        f"{base} {n}": [
+            o["jvm_cpu_s_per_100k"] / w["jvm_cpu_s_per_100k"]
+            for o, w in zip(runs[f"{base} as one row"][n], runs[f"{base} as rows"][n], strict=True)
+        ]
+        for base in ("one-pass", "floor-cast-only")
+        for n in SIZES
+    }
+    print("JVM CPU per row, one row / its rows:", results["one_row_vs_rows_jvm_cpu"])
+    if OUT:
+        with open(OUT.replace(".json", "_one_row.json"), "w") as f:
             json.dump(results, f, indent=1)

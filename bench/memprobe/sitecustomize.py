@@ -12,6 +12,9 @@ Levers, for attributing the RSS one part at a time: ``<folder>/levers`` (written
 benchmark before it starts a connector; comma-separated) is read at start-up:
 
 - ``arena2``: glibc ``mallopt(M_ARENA_MAX, 2)`` before any thread starts;
+- ``mmapN``: glibc ``mallopt(M_MMAP_THRESHOLD, N KiB)``: blocks from N KiB on are mapped
+  and unmapped on free (a fixed threshold; glibc otherwise raises it up to 32 MiB after
+  freeing a large block, and then serves such blocks from its heap);
 - ``sysmem``: ``ARROW_DEFAULT_MEMORY_POOL=system`` (Arrow on glibc malloc, not mimalloc);
 - ``trim``: ``malloc_trim(0)`` every second;
 - ``rkstats``: librdkafka statistics every second (the fetch queue's size);
@@ -36,6 +39,7 @@ import time
 
 FOLDER = os.environ.get("CONVEYOR_BENCH_MEMPROBE")
 M_ARENA_MAX = -8
+M_MMAP_THRESHOLD = -3
 
 
 class _MallInfo2(ctypes.Structure):
@@ -214,6 +218,9 @@ def _start() -> None:
         levers = {x.strip() for x in f.read().split(",") if x.strip()}
     if "arena2" in levers:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 2)
+    for lever in levers:
+        if lever.startswith("mmap") and lever[4:].isdigit():
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(lever[4:]) * 1024)
     if levers & {"olda", "noarena"}:
         os.environ["CONVEYOR_MALLOC_ARENA_MAX"] = "0"
     if levers & {"olda", "notrim"}:
