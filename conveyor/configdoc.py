@@ -77,6 +77,12 @@ def _run_environment() -> list[tuple[str, str, str]]:
             "own default, mimalloc in the wheels, or `ARROW_DEFAULT_MEMORY_POOL`)",
             f"`{a.DEFAULT_ARROW_POOL}`",
         ),
+        (
+            a.MMAP_THRESHOLD_ENV,
+            "glibc's mmap threshold in a connector's run process, KiB: blocks this large are mapped "
+            "on their own and returned to the system when freed; `0` keeps glibc's own rule",
+            f"`{a.DEFAULT_MMAP_THRESHOLD_KIB}`",
+        ),
     ]
 
 

@@ -34,7 +34,7 @@ from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.errors import ConfigError
 from conveyor.core.loop import ConnectorLoop, LoopConfig
 from conveyor.core.model import ConnectorStatus, Counters, FailurePolicyName, Offsets
-from conveyor.jobs.allocators import use_arrow_pool
+from conveyor.jobs.allocators import use_run_allocators
 from conveyor.jobs.committer import StoreCommitter
 from conveyor.jobs.progress import progress_logger
 from conveyor.jobs.runs import (  # noqa: F401 - TAG_* and job_name re-exported for the sensors
@@ -220,7 +220,7 @@ def connector_job(ls: LoadedSpec) -> JobDefinition:
 
     @op(name=f"run_connector__{name}", description=desc, tags={"kind": "spark"})
     def run_connector_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
-        use_arrow_pool()  # the run's RSS (conveyor/jobs/allocators.py)
+        use_run_allocators()  # the run's RSS (conveyor/jobs/allocators.py)
         run_connector(context, conveyor, name, ls)
 
     @job(

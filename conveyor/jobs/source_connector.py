@@ -40,7 +40,7 @@ from conveyor.core.source_loop import (
     SourceLoopConfig,
     checked_state,
 )
-from conveyor.jobs.allocators import use_arrow_pool
+from conveyor.jobs.allocators import use_run_allocators
 from conveyor.jobs.runs import (
     TAG_CONNECTOR,
     cancel_requested,
@@ -264,7 +264,7 @@ def source_connector_job(ls: LoadedSpec) -> JobDefinition:
 
     @op(name=f"run_connector__{name}", description=desc, tags={"kind": "spark"})
     def run_source_connector_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
-        use_arrow_pool()  # as a sink connector's run (conveyor/jobs/allocators.py)
+        use_run_allocators()  # as a sink connector's run (conveyor/jobs/allocators.py)
         run_source_connector(context, conveyor, name, ls)
 
     @job(

@@ -1,5 +1,6 @@
 """The run process's allocator (conveyor/jobs/allocators.py): Arrow on the system pool
-unless told otherwise, set by the connector op before its connector runs. Pools are read
+unless told otherwise, and glibc's mmap threshold fixed, set by the connector op before
+its connector runs. Pools are read
 in a fresh interpreter (the setting is process-wide). No sizes or timings are asserted.
 """
 
@@ -47,6 +48,54 @@ def test_arrow_keeps_its_own_pool_when_told() -> None:
     assert reported == after == before != "system"
 
 
+# After a 1 MiB block is freed, glibc's own rule raises its mmap threshold to 1 MiB and
+# serves a 512 KiB block from its heap; with the threshold fixed at 128 KiB that block is
+# mapped on its own (mallinfo2's hblkhd: bytes in mapped blocks).
+MMAP = (
+    "import ctypes\n"
+    "from conveyor.jobs import allocators\n"
+    "class Info(ctypes.Structure):\n"
+    "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks',"
+    " 'hblkhd', 'usmblks', 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
+    "libc = ctypes.CDLL('libc.so.6')\n"
+    "libc.malloc.restype = ctypes.c_void_p\n"
+    "libc.free.argtypes = [ctypes.c_void_p]\n"
+    "libc.mallinfo2.restype = Info\n"
+    "print(allocators.fix_mmap_threshold())\n"
+    "libc.free(libc.malloc(1 << 20))\n"
+    "before = libc.mallinfo2().hblkhd\n"
+    "block = libc.malloc(512 << 10)\n"
+    "print(libc.mallinfo2().hblkhd - before >= 512 << 10)\n"
+)
+
+
+def large_block_mapped(**env: str) -> tuple[str, bool]:
+    """What fix_mmap_threshold returned, and whether a 512 KiB block was then mapped."""
+    clean = {k: v for k, v in os.environ.items() if k != allocators.MMAP_THRESHOLD_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", MMAP],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    return out[0], out[1] == "True"
+
+
+def test_large_blocks_are_mapped_and_returned_after_a_larger_one_was_freed() -> None:
+    assert large_block_mapped() == ("128", True)
+
+
+def test_glibcs_own_rule_is_kept_when_told_and_serves_them_from_its_heap() -> None:
+    assert large_block_mapped(CONVEYOR_MALLOC_MMAP_THRESHOLD_KIB="0") == ("None", False)
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "99999999"])
+def test_a_bad_mmap_threshold_falls_back_to_the_default(raw: str) -> None:
+    assert large_block_mapped(CONVEYOR_MALLOC_MMAP_THRESHOLD_KIB=raw) == ("128", True)
+
+
 def test_an_unknown_pool_falls_back_to_the_system_one() -> None:
     _, reported, after = pools(CONVEYOR_ARROW_MEMORY_POOL="jemalloc")
     assert reported == after == "system"
@@ -73,9 +122,13 @@ def test_the_connector_op_sets_the_pool_before_its_connector_runs(
     jobs = importlib.import_module(f"conveyor.jobs.{module}")
     monkeypatch.delenv(allocators.ARROW_POOL_ENV, raising=False)
     seen: list[str] = []
+    thresholds: list[int | None] = []
+    fix = allocators.fix_mmap_threshold
+    monkeypatch.setattr(allocators, "fix_mmap_threshold", lambda: thresholds.append(fix()))
 
     def run(context: object, conveyor: object, name: str, ls: object) -> None:
         seen.append(pa.default_memory_pool().backend_name)
+        assert thresholds == [128]  # before the connector runs
 
     monkeypatch.setattr(jobs, body, run)
     before = pa.default_memory_pool()
