@@ -15,7 +15,8 @@ def warm_spark_remote(spark_remote: str) -> Iterator[str]:  # noqa: F811
 
     queries, first, last = warm_spark(spark_session(spark_remote))
     print(
-        f"\nSpark warm-up: {queries} transforms of a {BATCH:,}-message batch in"
-        f" {SPARK_WARMUP_S:.0f} s, first {first:.0f} ms, median of the last 50 {last:.0f} ms"
+        f"\nSpark warm-up: {queries} transforms of {BATCH:,}-message and default-size batches in"
+        f" {SPARK_WARMUP_S:.0f} s; {BATCH:,} messages: first {first:.0f} ms, median of the"
+        f" last 50 {last:.0f} ms"
     )
     yield spark_remote

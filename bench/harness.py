@@ -84,35 +84,45 @@ def produce(
 
 
 def warm_spark(spark: Any, seconds: float = SPARK_WARMUP_S) -> tuple[int, float, float]:
-    """Run the benchmark's transform on a synthetic batch for ``seconds``.
+    """Run the benchmark's transform on synthetic batches for ``seconds``, in turn one of
+    ``BATCH`` messages and one of the default batch's size (``batch.max_records``): from
+    ``ONE_ROW_FROM`` rows a batch crosses to Spark as one row, a query of its own to warm.
 
-    Returns (queries, first query ms, median ms of the last 50)."""
+    Returns (queries, first query ms, median ms of the last 50 ``BATCH``-message ones)."""
     from conveyor.brokers.kafka import records_to_table
-    from conveyor.core.model import TransformSpec
+    from conveyor.core.model import BatchPolicy, TransformSpec
     from conveyor.spark.transform import SparkTransformer
 
-    records = [
-        SimpleNamespace(
-            topic="warm",
-            partition=i % PARTITIONS,
-            offset=i,
-            timestamp=1_700_000_000_000,
-            key=str(i).encode(),
-            headers=[],
-            value=json.dumps(order(i)).encode(),
+    def synthetic(n: int) -> Any:
+        return records_to_table(
+            [
+                SimpleNamespace(
+                    topic="warm",
+                    partition=i % PARTITIONS,
+                    offset=i,
+                    timestamp=1_700_000_000_000,
+                    key=str(i).encode(),
+                    headers=[],
+                    value=json.dumps(order(i)).encode(),
+                )
+                for i in range(n)
+            ]
         )
-        for i in range(BATCH)
-    ]
-    batch = records_to_table(records)
+
+    batches = [synthetic(BATCH), synthetic(BatchPolicy().max_records)]
     transform = SparkTransformer(TransformSpec(decode="json", schema=SCHEMA), spark)
     transform.prepare()
     times: list[float] = []
+    queries = 0
     deadline = time.monotonic() + seconds
     while not times or time.monotonic() < deadline:
-        t = time.monotonic()
-        assert transform(batch).table.num_rows == BATCH
-        times.append((time.monotonic() - t) * 1000)
-    return len(times), times[0], statistics.median(times[-50:])
+        for batch in batches:
+            t = time.monotonic()
+            assert transform(batch).table.num_rows == batch.num_rows
+            queries += 1
+            if batch is batches[0]:
+                times.append((time.monotonic() - t) * 1000)
+    return queries, times[0], statistics.median(times[-50:])
 
 
 def new_topic() -> str:
