@@ -83,33 +83,39 @@ def produce(
     p.close()
 
 
+def synthetic_batch(
+    n: int, topic: str = "warm", payload: Callable[[int], dict[str, Any]] = order
+) -> Any:
+    """``n`` JSON messages ``payload(i)`` on ``PARTITIONS`` partitions, as the source hands
+    a batch to the transform (``records_to_table``)."""
+    from conveyor.brokers.kafka import records_to_table
+
+    return records_to_table(
+        [
+            SimpleNamespace(
+                topic=topic,
+                partition=i % PARTITIONS,
+                offset=i,
+                timestamp=1_700_000_000_000,
+                key=str(i).encode(),
+                headers=[],
+                value=json.dumps(payload(i)).encode(),
+            )
+            for i in range(n)
+        ]
+    )
+
+
 def warm_spark(spark: Any, seconds: float = SPARK_WARMUP_S) -> tuple[int, float, float]:
     """Run the benchmark's transform on synthetic batches for ``seconds``, in turn one of
     ``BATCH`` messages and one of the default batch's size (``batch.max_records``): from
     ``ONE_ROW_FROM`` rows a batch crosses to Spark as one row, a query of its own to warm.
 
     Returns (queries, first query ms, median ms of the last 50 ``BATCH``-message ones)."""
-    from conveyor.brokers.kafka import records_to_table
     from conveyor.core.model import BatchPolicy, TransformSpec
     from conveyor.spark.transform import SparkTransformer
 
-    def synthetic(n: int) -> Any:
-        return records_to_table(
-            [
-                SimpleNamespace(
-                    topic="warm",
-                    partition=i % PARTITIONS,
-                    offset=i,
-                    timestamp=1_700_000_000_000,
-                    key=str(i).encode(),
-                    headers=[],
-                    value=json.dumps(order(i)).encode(),
-                )
-                for i in range(n)
-            ]
-        )
-
-    batches = [synthetic(BATCH), synthetic(BatchPolicy().max_records)]
+    batches = [synthetic_batch(BATCH), synthetic_batch(BatchPolicy().max_records)]
     transform = SparkTransformer(TransformSpec(decode="json", schema=SCHEMA), spark)
     transform.prepare()
     times: list[float] = []

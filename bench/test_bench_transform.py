@@ -32,14 +32,13 @@ import os
 import statistics
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
 import psutil
 import pytest
 
-from bench.harness import BATCH, PARTITIONS, order
+from bench.harness import BATCH, order, synthetic_batch
 from bench.stack import listening_pid
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(3600)]
@@ -55,21 +54,7 @@ OUT = os.environ.get("CONVEYOR_BENCH_OUT")
 
 
 def batch(n: int = BATCH) -> Any:
-    from conveyor.brokers.kafka import records_to_table
-
-    records = [
-        SimpleNamespace(
-            topic="bench",
-            partition=i % PARTITIONS,
-            offset=i,
-            timestamp=1_700_000_000_000,
-            key=str(i).encode(),
-            headers=[],
-            value=json.dumps({**order(i), "ts": 1_700_000_000_000 + i}).encode(),
-        )
-        for i in range(n)
-    ]
-    return records_to_table(records)
+    return synthetic_batch(n, "bench", lambda i: {**order(i), "ts": 1_700_000_000_000 + i})
 
 
 def two_pass(spark: Any) -> Any:
@@ -195,18 +180,22 @@ def measure(transform: Any, b: Any, proc: psutil.Process, batches: int, depth: i
     }
 
 
+def jvm_and_session(remote: str) -> tuple[psutil.Process, Any]:
+    """The Spark Connect server's JVM process (for its CPU) and a session on it."""
+    from conveyor.spark.session import spark_session
+
+    port = urlparse(remote.replace("sc://", "http://")).port
+    pid = listening_pid(port) if port else None
+    assert pid, "the Spark Connect JVM's pid"
+    return psutil.Process(pid), spark_session(remote)
+
+
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def test_one_pass_vs_two_pass_and_pipeline_depth(warm_spark_remote: str) -> None:
-    from conveyor.spark.session import spark_session
-
-    port = urlparse(warm_spark_remote.replace("sc://", "http://")).port
-    pid = listening_pid(port) if port else None
-    assert pid, "the Spark Connect JVM's pid"
-    proc = psutil.Process(pid)
-    spark = spark_session(warm_spark_remote)
+    proc, spark = jvm_and_session(warm_spark_remote)
     b = batch()
     contenders = {
         "two-pass": two_pass(spark),
@@ -287,13 +276,8 @@ class Crossing:
 
 def test_a_large_batch_as_one_row_vs_as_its_rows(warm_spark_remote: str) -> None:
     from conveyor.spark import transform as tr
-    from conveyor.spark.session import spark_session
 
-    port = urlparse(warm_spark_remote.replace("sc://", "http://")).port
-    pid = listening_pid(port) if port else None
-    assert pid, "the Spark Connect JVM's pid"
-    proc = psutil.Process(pid)
-    spark = spark_session(warm_spark_remote)
+    proc, spark = jvm_and_session(warm_spark_remote)
     default = tr.ONE_ROW_FROM
     contenders = {
         f"{name} as {how}": Crossing(make(), how == "one row")

@@ -23,17 +23,24 @@ POOL = (
 )
 
 
-def pools(**env: str) -> tuple[str, str, str]:
-    """Arrow's pool before, the one use_arrow_pool reports, and the one in use after."""
-    clean = {k: v for k, v in os.environ.items() if k != allocators.ARROW_POOL_ENV}
-    out = subprocess.run(
-        [sys.executable, "-c", POOL],
+def fresh(script: str, **env: str) -> list[str]:
+    """What ``script`` prints in a fresh interpreter, with the run's allocator settings
+    only as in ``env``."""
+    unset = (allocators.ARROW_POOL_ENV, allocators.MMAP_THRESHOLD_ENV)
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(
+        [sys.executable, "-c", script],
         env={**clean, **env},
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     ).stdout.split()
+
+
+def pools(**env: str) -> tuple[str, str, str]:
+    """Arrow's pool before, the one use_arrow_pool reports, and the one in use after."""
+    out = fresh(POOL, **env)
     return out[0], out[1], out[2]
 
 
@@ -71,15 +78,7 @@ MMAP = (
 
 def large_block_mapped(**env: str) -> tuple[str, bool]:
     """What fix_mmap_threshold returned, and whether a 512 KiB block was then mapped."""
-    clean = {k: v for k, v in os.environ.items() if k != allocators.MMAP_THRESHOLD_ENV}
-    out = subprocess.run(
-        [sys.executable, "-c", MMAP],
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout.split()
+    out = fresh(MMAP, **env)
     return out[0], out[1] == "True"
 
 
