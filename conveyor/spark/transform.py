@@ -56,7 +56,8 @@ ROW_COL = "__row"
 CORRUPT_COL = "__corrupt"
 BATCH_COL = "__batch"
 # From this many rows a batch crosses to Spark as one row (``as_one_row``): measured,
-# the server's CPU per row is about even at 20,000 rows and 25% lower at 40,000. A task
+# the server's CPU per row is 0.82-0.98x the rows' at 20,000 rows, 0.57-0.70x at 40,000
+# and 1.11-1.41x at 10,000 (bench/test_bench_transform.py, one_row). A task
 # carries the one row: above ONE_ROW_MAX_BYTES (well under spark.rpc.message.maxSize,
 # 128 MiB, on a cluster) the batch keeps the plain relation.
 ONE_ROW_FROM = 20_000
