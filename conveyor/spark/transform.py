@@ -11,7 +11,7 @@ row number.
 A large batch crosses as one row: a single list of its rows, unnested on the server
 by ``inline`` (``as_one_row``). Spark's analyser and optimizer walk every row of a
 ``LocalRelation`` in each rule they apply, which made up most of the server's CPU
-for a large batch (60% of a cast-only query's samples at 40,000 rows); one row is
+for a large batch (48-60% of a cast-only query's samples at 40,000 rows); one row is
 walked once, and the batch's rows are then worked on by one compiled task. That task
 costs a fixed 10-18 ms of the server's CPU per query, so small batches keep the
 plain ``LocalRelation`` (docs/BENCHMARKS.md, "The transform alone: a large batch as
