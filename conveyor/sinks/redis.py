@@ -25,6 +25,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -33,6 +34,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr, model_validator
@@ -316,11 +318,12 @@ def value_bytes(v: Any) -> bytes:
     return str(v).encode()
 
 
-def arrow_value_bytes(col: pa.ChunkedArray | pa.Array) -> list[bytes | None] | None:
-    """The column's values as ``value_bytes`` writes them, converted by Arrow (None for a
-    type it does not cover): integers (their decimal text) and text/binary (their bytes).
-    Nulls stay None. Floats keep ``repr`` (Arrow's text differs: ``100`` for ``100.0``).
-    Text holding invalid UTF-8 is left to the row path too, whose failure names it."""
+def arrow_value_array(col: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array | None:
+    """The column's values as ``value_bytes`` writes them, converted by Arrow to a binary
+    column (None for a type it does not cover): integers (their decimal text) and
+    text/binary (their bytes). Nulls stay null. Floats keep ``repr`` (Arrow's text differs:
+    ``100`` for ``100.0``). Text holding invalid UTF-8 is left to the row path too, whose
+    failure names it."""
     t = col.type
     if pa.types.is_integer(t):
         col = pc.cast(col, pa.large_string())
@@ -331,8 +334,13 @@ def arrow_value_bytes(col: pa.ChunkedArray | pa.Array) -> list[bytes | None] | N
             return None
     elif not (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
         return None
-    out: list[bytes | None] = pc.cast(col, pa.large_binary()).to_pylist()
-    return out
+    return pc.cast(col, pa.large_binary())
+
+
+def arrow_value_bytes(col: pa.ChunkedArray | pa.Array) -> list[bytes | None] | None:
+    """``arrow_value_array`` as Python bytes (None for a type it does not cover)."""
+    arr = arrow_value_array(col)
+    return None if arr is None else arr.to_pylist()
 
 
 _MISSING = object()
@@ -452,14 +460,43 @@ class BatchValues:
             return [value_bytes(row) for row in self._payload_json()]
         return self._payload_field(ph)
 
+    def _arrow_field(self, ph: Placeholder) -> pa.ChunkedArray | pa.Array | None:
+        """A top-level payload field's bytes converted by Arrow, when its type allows."""
+        if ph.root != "payload" or self.single or len(ph.path) != 1 or ph.path[0] not in self.pcols:
+            return None
+        return arrow_value_array(self.batch.column(ph.path[0]))
+
+    def arrow(self, ph: Placeholder) -> tuple[pa.Array, dict[int, str]]:
+        """The bytes of ``ph`` for every row as one Arrow binary array, null for a row that
+        lacks it, and those rows' errors: converted by Arrow where the type allows, else
+        from ``values`` (the same bytes)."""
+        key = f"\0arrow {ph.name}"
+        if key not in self._cache:
+            fast = self._arrow_field(ph)
+            if fast is not None:
+                arr = fast.combine_chunks() if isinstance(fast, pa.ChunkedArray) else fast
+                errors: dict[int, str] = {}
+                if arr.null_count:
+                    msg = f"payload field {'.'.join(ph.path)!r} is null (${{{ph.name}}})"
+                    nulls = pc.indices_nonzero(pc.is_null(arr)).to_pylist()
+                    errors = dict.fromkeys(nulls, msg)
+            else:
+                vals: list[Any] = self.values(ph)
+                errors = {i: str(v) for i, v in enumerate(vals) if isinstance(v, TemplateError)}
+                if errors:
+                    vals = [None if isinstance(v, TemplateError) else v for v in vals]
+                arr = pa.array(vals, pa.large_binary())
+            self._cache[key] = [arr, errors]
+        arr, errors = self._cache[key]
+        return arr, errors
+
     def _payload_field(self, ph: Placeholder) -> list[bytes | TemplateError]:
         path = ph.path
         dotted = ".".join(path)
-        if not self.single and len(path) == 1 and path[0] in self.pcols:
-            fast = arrow_value_bytes(self.batch.column(path[0]))
-            if fast is not None:
-                null = TemplateError(f"payload field {dotted!r} is null (${{{ph.name}}})")
-                return [null if v is None else v for v in fast]
+        fast_col = self._arrow_field(ph)
+        if fast_col is not None:
+            null = TemplateError(f"payload field {dotted!r} is null (${{{ph.name}}})")
+            return [null if v is None else v for v in fast_col.to_pylist()]
         if not self.single and path[0] in self.pcols:
             firsts: list[Any] = self.batch.column(path[0]).to_pylist()
             rest = path[1:]
@@ -541,6 +578,61 @@ def render_batch(
     else:
         rows = [None if i in failures else [cmds[i] for cmds in per_template] for i in range(n)]
     return rows, failures
+
+
+_EMPTY = pa.scalar(b"", pa.large_binary())
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def encode_commands(
+    commands: Sequence[CommandTemplate], values: BatchValues, *, argv: bool
+) -> tuple[pa.Array, dict[int, str]]:
+    """Every row's commands in the Redis protocol, built column by column by Arrow: one
+    binary value per row (null for a row that cannot fill them), and those rows' errors
+    (the first of a row, in ``render_batch``'s order). With ``argv`` each command is
+    written as ``STOP_AT_FIRST_ERROR``'s ARGV wants it: its word count, then its words;
+    otherwise as a command (``*<words>``). The bytes are those hiredis packs from
+    ``render_batch``'s rows (tests/sinks/test_redis.py)."""
+    n = values.n
+    errors: dict[int, str] = {}
+    pieces: list[Any] = []
+    for t in commands:
+        words = len(t.args)
+        pieces.append(_bulk(b"%d" % words) if argv else b"*%d\r\n" % words)
+        pieces.append(_bulk(t.name.encode()))
+        for arg in t.args[1:]:
+            if all(isinstance(p, bytes) for p in arg):
+                pieces.append(_bulk(b"".join(arg)))  # type: ignore[arg-type]
+                continue
+            parts: list[Any] = []
+            for p in arg:
+                if isinstance(p, bytes):
+                    parts.append(pa.scalar(p, pa.large_binary()))
+                else:
+                    arr, errs = values.arrow(p)
+                    for i, msg in errs.items():
+                        errors.setdefault(i, msg)
+                    parts.append(arr)
+            joined = parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, _EMPTY)
+            length = pc.cast(
+                pc.cast(pc.binary_length(joined), pa.large_string()), pa.large_binary()
+            )
+            pieces += [b"$", length, b"\r\n", joined, b"\r\n"]
+    # Adjacent literals as one; a command without placeholders is the same bytes every row.
+    merged: list[Any] = []
+    for piece in pieces:
+        if isinstance(piece, bytes) and merged and isinstance(merged[-1], bytes):
+            merged[-1] += piece
+        else:
+            merged.append(piece)
+    if len(merged) == 1 and isinstance(merged[0], bytes):
+        return pa.array([merged[0]] * n, pa.large_binary()), errors
+    args = [pa.scalar(p, pa.large_binary()) if isinstance(p, bytes) else p for p in merged]
+    out = args[0] if len(args) == 1 else pc.binary_join_element_wise(*args, _EMPTY)
+    return out, errors
 
 
 def _note_errors(values: list[Any], failures: dict[int, str]) -> None:
@@ -741,7 +833,6 @@ class RedisSink(Sink):
         self._client: Any = None
         self._templates: list[CommandTemplate] | None = None
         self._delete_templates: list[CommandTemplate] | None = None
-        self._script: Any = None  # STOP_AT_FIRST_ERROR registered on the client (fail_fast)
         self._noscript = False  # a template command Redis does not allow in scripts
 
     def validate(self) -> None:
@@ -855,7 +946,6 @@ class RedisSink(Sink):
             with contextlib.suppress(Exception):  # closing is best effort
                 self._client.close()
             self._client = None
-        self._script = None
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -864,40 +954,13 @@ class RedisSink(Sink):
 
         if batch.num_rows == 0:
             return SendResult(rows=0)
-        commands = self.templates()
-        rows, bad = render_batch(commands, batch)
-        deletes = self.delete_templates()
-        if deletes is not None and has_tombstones(batch):
-            # A tombstone runs the delete templates; each row keeps its own errors only.
-            drows, dbad = render_batch(deletes, batch)
-            for i, tomb in enumerate(tombstone_flags(batch)):
-                if tomb:
-                    rows[i] = drows[i]
-                    bad.pop(i, None)
-                    if i in dbad:
-                        bad[i] = dbad[i]
-        failures = {i: RowFailure(i, msg) for i, msg in bad.items()}
-        good = [i for i, r in enumerate(rows) if r is not None]
-        if self.fail_fast and failures:
-            # Nothing after a row whose command cannot be built is sent (a command the
-            # server refuses stops the script; in cluster mode it is known only once its
-            # pipeline ran: the rows after it in that pipeline are written).
-            first = min(failures)
-            failures = {first: failures[first]}
-            good = [i for i in good if i < first]
         if self._client is None:
             self._client = self._connect()
-        size = self.config.pipeline_size
-        # Under fail_fast a standalone server runs each chunk in one Lua script that stops
-        # at the first refused command: nothing after it runs (a pipeline runs it all).
-        run_chunk = self._run_script_chunk if self._use_script() else self._run_chunk
         try:
-            for start in range(0, len(good), size):
-                refused = run_chunk(rows, good[start : start + size], commands)
-                for f in refused:
-                    failures[f.index] = f
-                if refused and self.fail_fast:
-                    break
+            if self._use_script():
+                failures = self._send_scripted(batch)
+            else:
+                failures = self._send_pipelined(batch)
         except (rx.RedisError, rx.RedisClusterException, OSError) as e:
             err = self._error(e, "write failed")
             self.cleanup_sink()  # a fresh connection for the retry
@@ -907,56 +970,150 @@ class RedisSink(Sink):
             raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures[i] for i in sorted(failures)))
 
+    def _render(
+        self, batch: pa.Table
+    ) -> tuple[list[list[list[bytes | str]] | None], dict[int, str]]:
+        """Every row's commands, and the rows that cannot fill them (a tombstone runs the
+        delete templates; each row keeps its own errors only)."""
+        rows, bad = render_batch(self.templates(), batch)
+        deletes = self.delete_templates()
+        if deletes is not None and has_tombstones(batch):
+            drows, dbad = render_batch(deletes, batch)
+            for i, tomb in enumerate(tombstone_flags(batch)):
+                if tomb:
+                    rows[i] = drows[i]
+                    bad.pop(i, None)
+                    if i in dbad:
+                        bad[i] = dbad[i]
+        return rows, bad
+
+    def _send_pipelined(self, batch: pa.Table) -> dict[int, RowFailure]:
+        """The batch in pipelines of ``pipeline_size`` rows (or ``MULTI``/``EXEC``, or a
+        cluster's pipelines). Under fail_fast nothing after a row whose command cannot be
+        built is sent, and no pipeline after one with a refused command (in cluster mode a
+        refusal is known only once its pipeline ran: the rows after it in that pipeline are
+        written)."""
+        commands = self.templates()
+        rows, bad = self._render(batch)
+        failures = {i: RowFailure(i, msg) for i, msg in bad.items()}
+        good = [i for i, r in enumerate(rows) if r is not None]
+        if self.fail_fast and failures:
+            first = min(failures)
+            failures = {first: failures[first]}
+            good = [i for i in good if i < first]
+        size = self.config.pipeline_size
+        for start in range(0, len(good), size):
+            refused = self._run_chunk(rows, good[start : start + size], commands)
+            failures.update((f.index, f) for f in refused)
+            if refused and self.fail_fast:
+                break
+        return failures
+
     def _use_script(self) -> bool:
         """fail_fast on a standalone server whose template commands may run in a script."""
         return self.fail_fast and self.config.mode == "standalone" and not self._noscript
 
-    def _run_script_chunk(
-        self,
-        rows: list[list[list[bytes | str]] | None],
-        idx: list[int],
-        commands: list[CommandTemplate],
-    ) -> list[RowFailure]:
-        """One EVALSHA for the rows ``idx``, their commands in order; the script stops at the
-        first error reply, so nothing after a refused command runs. A data error becomes
-        that row's RowFailure (the rows before it are written); any other error raises."""
+    def _send_scripted(self, batch: pa.Table) -> dict[int, RowFailure]:
+        """Under fail_fast on a standalone server: each chunk of ``pipeline_size`` rows in
+        one EVALSHA of STOP_AT_FIRST_ERROR, their commands in order, on one connection. The
+        script stops at the first error reply, so nothing after a refused command runs and
+        no chunk after it is sent; nothing after a row whose command cannot be built is sent.
+        A data error becomes that row's RowFailure (the rows before it are written); any
+        other error raises.
+
+        The commands are encoded by Arrow, column by column (``encode_commands``): no Python
+        work per row. While the server runs one chunk's script the next chunk's call is cut
+        (a script costs the server about three times a pipeline's commands); it is sent
+        only once the reply said the chunk ran whole."""
         from redis import exceptions as rx
 
-        if self._script is None:
-            self._script = self._client.register_script(STOP_AT_FIRST_ERROR)
-        args: list[bytes | str] = []
-        owners: list[tuple[int, bytes | str]] = []
-        for i in idx:
-            for cmd in rows[i]:  # type: ignore[union-attr]
-                args.append(len(cmd))
-                args.extend(cmd)
-                owners.append((i, cmd[0]))
-        try:
-            reply = self._script(keys=[], args=args, client=self._client)
-        except rx.NoPermissionError as e:
-            # An ACL user without EVALSHA/EVAL: refused before the script ran. Pipelines
-            # then (not exact: the rows after a refused command in its pipeline are written).
-            if "evalsha" not in str(e).lower() and "'eval'" not in str(e).lower():
-                raise
-            log.warning(
-                "Redis user may not run scripts (%s): fail_fast pipelines instead, so the rows "
-                "after a refused command in its pipeline are written",
-                redis_error_text(e),
+        n = batch.num_rows
+        values = BatchValues(batch)
+        commands = self.templates()
+        resp, bad = encode_commands(commands, values, argv=True)
+        # Each row's command names and ARGV words (its commands' word counts and words).
+        names = [[t.name for t in commands]] * n
+        argv_words = [sum(1 + len(t.args) for t in commands)] * n
+        deletes = self.delete_templates()
+        tombs = deletes is not None and has_tombstones(batch)
+        if deletes is not None and tombs:
+            dresp, dbad = encode_commands(deletes, values, argv=True)
+            flags = tombstone_flags(batch)
+            resp = pc.if_else(pa.array(flags, pa.bool_()), dresp, resp)
+            dnames = [t.name for t in deletes]
+            dwords = sum(1 + len(t.args) for t in deletes)
+            for i, tomb in enumerate(flags):
+                if tomb:
+                    names[i] = dnames
+                    argv_words[i] = dwords
+                    bad.pop(i, None)
+                    if i in dbad:
+                        bad[i] = dbad[i]
+        end = min(bad) if bad else n  # every row before the first failure is sent
+        offsets = np.frombuffer(resp.buffers()[1], np.int64)[resp.offset : resp.offset + n + 1]
+        data = resp.buffers()[2]
+
+        def call(start: int) -> tuple[list[bytes], int]:
+            stop = min(start + self.config.pipeline_size, end)
+            words = (
+                sum(argv_words[i] for i in range(start, stop))
+                if tombs
+                else (stop - start) * argv_words[0]
             )
-            self._noscript = True
-            return self._run_chunk(rows, idx, commands)
-        if isinstance(reply, int):
-            if reply != len(owners):
-                raise TransientSinkError(f"Redis ran {reply} commands of {len(owners)}")
-            return []
-        pos, text = int(reply[0]), reply[1]
-        text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
-        err = rx.ResponseError(text)
-        if classify_redis_error(err) is not ErrorKind.DATA:
-            raise err
-        i, name = owners[pos - 1]
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        return [RowFailure(i, f"{name.upper()}: {redis_error_text(err)}")]
+            head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (
+                3 + words,
+                STOP_AT_FIRST_ERROR_SHA.encode(),
+            )
+            body = data.slice(offsets[start], offsets[stop] - offsets[start]).to_pybytes()
+            return [head, body], stop
+
+        starts = range(0, end, self.config.pipeline_size)
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            nxt = call(0) if end else None
+            for k, start in enumerate(starts):
+                assert nxt is not None
+                packed, stop = nxt
+                conn.send_packed_command(packed)
+                if k + 1 < len(starts):
+                    nxt = call(starts[k + 1])
+                try:
+                    try:
+                        reply = conn.read_response(disable_decoding=True)
+                    except rx.NoScriptError:  # a new server, or SCRIPT FLUSH: load it
+                        conn.send_command("SCRIPT", "LOAD", STOP_AT_FIRST_ERROR)
+                        conn.read_response()
+                        conn.send_packed_command(packed)
+                        reply = conn.read_response(disable_decoding=True)
+                except rx.NoPermissionError as e:
+                    if not any(w in str(e).lower() for w in ("evalsha", "'eval'", "script")):
+                        raise
+                    # An ACL user without scripts: refused before the script ran. Pipelines
+                    # from this chunk on (not exact: the rows after a refused command in its
+                    # pipeline are written).
+                    log.warning(
+                        "Redis user may not run scripts (%s): fail_fast pipelines instead, "
+                        "so the rows after a refused command in its pipeline are written",
+                        redis_error_text(e),
+                    )
+                    self._noscript = True
+                    return {
+                        i + start: dataclasses.replace(f, index=f.index + start)
+                        for i, f in self._send_pipelined(batch.slice(start)).items()
+                    }
+                owners = [(i, name) for i in range(start, stop) for name in names[i]]
+                refused = _script_refusal(reply, owners)
+                if refused is not None:
+                    return {refused.index: refused}
+            if end < n:
+                return {end: RowFailure(end, bad[end])}
+            return {}
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: the connection is not reused
+            raise
+        finally:
+            pool.release(conn)
 
     def _pipeline(self, commands: list[list[bytes | str]]) -> list[Any]:
         """Every command in one write on one standalone connection, then every reply: an
@@ -1049,6 +1206,25 @@ while i <= n do
 end
 return c
 """
+STOP_AT_FIRST_ERROR_SHA = hashlib.sha1(STOP_AT_FIRST_ERROR.encode()).hexdigest()
+
+
+def _script_refusal(reply: Any, owners: list[tuple[int, str]]) -> RowFailure | None:
+    """The refused row from STOP_AT_FIRST_ERROR's reply over the commands ``owners`` (each
+    command's row and name, in order); None if every command ran."""
+    from redis import exceptions as rx
+
+    if isinstance(reply, int):
+        if reply != len(owners):
+            raise TransientSinkError(f"Redis ran {reply} commands of {len(owners)}")
+        return None
+    pos, text = int(reply[0]), reply[1]
+    text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+    err = rx.ResponseError(text)
+    if classify_redis_error(err) is not ErrorKind.DATA:
+        raise err
+    i, name = owners[pos - 1]
+    return RowFailure(i, f"{name.upper()}: {redis_error_text(err)}")
 
 
 def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[CommandTemplate]:

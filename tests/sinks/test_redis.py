@@ -27,7 +27,7 @@ import redis
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.sinks import build_sink
-from conveyor.sinks.redis import RedisSink
+from conveyor.sinks.redis import STOP_AT_FIRST_ERROR_SHA, RedisSink
 from tests.sinks.contract import (
     BASE_TS,
     HEADERS_TYPE,
@@ -803,6 +803,52 @@ def test_fail_fast_without_permission_to_run_scripts_pipelines(prefix: str) -> N
         assert r.hget(f"{prefix}:2", "n") == b"name 2"
     finally:
         r.execute_command("ACL", "DELUSER", user)
+
+
+def test_fail_fast_sends_no_chunk_after_a_refused_command(prefix: str) -> None:
+    """Under fail_fast the next chunk's script call is built while the server runs the
+    current one, but it is sent only after that one ran whole: with chunks of 100 rows and
+    row 250 refused, rows 0..249 are written and nothing from the chunks after it."""
+    client().set(f"{prefix}:250", b"a string")
+    s = _sink(f"HSET {prefix}:${{payload.id}} n ${{payload.name}}", pipeline_size=100)
+    s.init_sink()
+    s.fail_fast = True
+    try:
+        failed = s.send_batch(make_batch(1_000)).failed
+        assert [f.index for f in failed] == [250]
+        assert "WRONGTYPE" in failed[0].message
+        written = {int(k.split(b":")[-1]) for k in client().scan_iter(match=f"{prefix}:*")}
+        assert written == set(range(251))  # 250 is the string set above, untouched
+        assert client().type(f"{prefix}:250") == b"string"
+        assert client().type(f"{prefix}:251") == b"none"
+        # A row that cannot be built (null name) in a later chunk: the chunks before it and
+        # its chunk's rows before it are written, nothing after it.
+        client().delete(f"{prefix}:250")
+        failed = s.send_batch(make_batch(1_000, names={650: None})).failed
+        assert [f.index for f in failed] == [650]
+        written = {int(k.split(b":")[-1]) for k in client().scan_iter(match=f"{prefix}:*")}
+        assert written == set(range(650))
+    finally:
+        s.cleanup_sink()
+
+
+def test_fail_fast_loads_its_script_again_after_a_script_flush(prefix: str) -> None:
+    """The server forgets scripts (a restart, SCRIPT FLUSH): the next batch loads it again
+    and still writes every row, stopping exactly at a refused command."""
+    s = _sink(f"HSET {prefix}:${{payload.id}} n ${{payload.name}}", pipeline_size=50)
+    s.init_sink()
+    s.fail_fast = True
+    try:
+        assert s.send_batch(make_batch(120)).failed == ()
+        client().script_flush()
+        client().set(f"{prefix}:130", b"a string")
+        failed = s.send_batch(make_batch(200)).failed
+        assert [f.index for f in failed] == [130]
+        assert client().hget(f"{prefix}:129", "n") == b"name 129"
+        assert client().type(f"{prefix}:131") == b"none"
+        assert client().script_exists(STOP_AT_FIRST_ERROR_SHA) == [True]
+    finally:
+        s.cleanup_sink()
 
 
 def test_timeout_is_transient(prefix: str) -> None:

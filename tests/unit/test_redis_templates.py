@@ -644,3 +644,85 @@ def test_arrow_value_bytes_leaves_invalid_utf8_to_the_row_path() -> None:
     batch = with_invalid_utf8(pa.table({"name": ["ab", "cd", "ef"]}), "name", {1})
     assert arrow_value_bytes(batch.column("name")) is None
     assert arrow_value_bytes(batch.column("name").slice(2)) == [b"ef"]
+
+
+# -- the Redis protocol built by Arrow (the fail_fast script path) -------------------------------
+
+
+def _hostile_batch() -> pa.Table:
+    """Nulls in every kind of column, invalid UTF-8 text, empty values, a missing header."""
+    b = make_batch(6, names={1: None, 3: ""}, amounts={2: None, 4: 1e20})
+    return b.set_column(
+        b.schema.get_field_index("__key"),
+        "__key",
+        pa.array([b"k0", None, b"", b"k\r\n3", b"k4", b"k5"], pa.binary()),
+    )
+
+
+ENCODED_TEMPLATES = [
+    "HSET orders:${payload.id} name ${payload.name} amount ${payload.amount} ts ${timestamp}",
+    "SET k:${payload.id}:${key} ${payload}",
+    "XADD s * t ${topic} p ${partition} o ${offset} h ${headers.h} all ${headers}",
+    "SADD fixed member",
+    "SET ${payload.name} x${payload.id}y${payload.amount}z",
+]
+
+
+@pytest.mark.parametrize("argv", [True, False], ids=["argv", "command"])
+@pytest.mark.parametrize(
+    "batch",
+    [
+        make_batch(50),
+        _hostile_batch(),
+        pa.table({"value": pa.array([b'{"a": 1}', None, b"\x00\xff raw", b""], pa.binary())}),
+        pa.table({"value": pa.array(["ünï", None, "x"], pa.string())}),
+        pa.table({"n": pa.array([b"\xff\xfe", b"ok"], pa.binary()), "s": pa.array(["a", None])}),
+    ],
+    ids=["plain", "hostile", "raw-bytes", "raw-text", "binary-field"],
+)
+def test_arrow_encoding_is_hiredis_packing_of_the_rendered_rows(
+    batch: pa.Table, argv: bool
+) -> None:
+    """``encode_commands`` gives, row by row, exactly what hiredis packs from
+    ``render_batch``'s rows (the script's ARGV: each command's word count, then its
+    words), and the same failures with the same messages."""
+    from hiredis import pack_command
+
+    from conveyor.sinks.redis import BatchValues, encode_commands
+
+    for source in [*ENCODED_TEMPLATES, "HSET h ${payload.n} ${payload.s}", "SET k ${payload.a}"]:
+        templates = [parse_command(source)]
+        rows, bad = render_batch(templates, batch)
+        encoded, errors = encode_commands(templates, BatchValues(batch), argv=argv)
+        assert errors == bad, source
+        got = encoded.to_pylist()
+        for i, row in enumerate(rows):
+            if row is None:
+                assert got[i] is None, (source, i)
+                continue
+            want = b"".join(
+                (
+                    pack_command((len(c), *c))[len(b"*%d\r\n" % (len(c) + 1)) :]
+                    if argv
+                    else pack_command(tuple(c))
+                )
+                for c in row
+            )
+            assert got[i] == want, (source, i)
+    # several templates per row: their commands in order, a row failing in any of them
+    templates = [parse_command(t) for t in ENCODED_TEMPLATES]
+    rows, bad = render_batch(templates, batch)
+    encoded, errors = encode_commands(templates, BatchValues(batch), argv=argv)
+    assert errors == bad
+    for i, row in enumerate(rows):
+        expected = (
+            None
+            if row is None
+            else b"".join(
+                pack_command((len(c), *c))[len(b"*%d\r\n" % (len(c) + 1)) :]
+                if argv
+                else pack_command(tuple(c))
+                for c in row
+            )
+        )
+        assert encoded[i].as_py() == expected
