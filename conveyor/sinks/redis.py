@@ -635,6 +635,55 @@ def encode_commands(
     return out, errors
 
 
+class EncodedBatch:
+    """A batch's commands in the Redis protocol, encoded by Arrow (``encode_commands``): a
+    tombstone's row holds the delete templates' commands. ``bad`` are the rows that cannot
+    fill their commands (null in ``resp``); ``names`` each row's command names and ``words``
+    its ARGV words (each command's word count and words: STOP_AT_FIRST_ERROR's)."""
+
+    def __init__(
+        self,
+        batch: pa.Table,
+        commands: Sequence[CommandTemplate],
+        deletes: Sequence[CommandTemplate] | None,
+        *,
+        argv: bool,
+    ):
+        n = batch.num_rows
+        values = BatchValues(batch)
+        resp, bad = encode_commands(commands, values, argv=argv)
+        self.names: list[list[str]] = [[t.name for t in commands]] * n
+        self.words: list[int] = [sum(1 + len(t.args) for t in commands)] * n
+        if deletes is not None and has_tombstones(batch):
+            dresp, dbad = encode_commands(deletes, values, argv=argv)
+            flags = tombstone_flags(batch)
+            resp = pc.if_else(pa.array(flags, pa.bool_()), dresp, resp)
+            dnames = [t.name for t in deletes]
+            dwords = sum(1 + len(t.args) for t in deletes)
+            for i, tomb in enumerate(flags):
+                if tomb:
+                    self.names[i] = dnames
+                    self.words[i] = dwords
+                    bad.pop(i, None)
+                    if i in dbad:
+                        bad[i] = dbad[i]
+        self.bad = bad
+        self._offsets = np.frombuffer(resp.buffers()[1], np.int64)[
+            resp.offset : resp.offset + n + 1
+        ]
+        self._data = resp.buffers()[2]
+
+    def body(self, idx: Sequence[int]) -> bytes:
+        """The commands of rows ``idx`` (sent rows: none of them in ``bad``), in order."""
+        if not idx:
+            return b""
+        first, last = idx[0], idx[-1]
+        if last - first + 1 == len(idx):  # a run of rows: one slice of the data
+            o = self._offsets
+            return self._data.slice(o[first], o[last + 1] - o[first]).to_pybytes()
+        return b"".join(self.body([i]) for i in idx)
+
+
 def _note_errors(values: list[Any], failures: dict[int, str]) -> None:
     """Record the rows whose value is a TemplateError (the first error of a row wins)."""
     for i, v in enumerate(values):
@@ -992,18 +1041,37 @@ class RedisSink(Sink):
         cluster's pipelines). Under fail_fast nothing after a row whose command cannot be
         built is sent, and no pipeline after one with a refused command (in cluster mode a
         refusal is known only once its pipeline ran: the rows after it in that pipeline are
-        written)."""
-        commands = self.templates()
-        rows, bad = self._render(batch)
+        written). A standalone pipeline's commands are encoded by Arrow (``EncodedBatch``)."""
+        if self.config.mode == "standalone" and not self.config.transaction:
+            enc = EncodedBatch(batch, self.templates(), self.delete_templates(), argv=False)
+            bad = enc.bad
+            names = enc.names
+
+            def execute(sub: Sequence[int]) -> list[Any]:
+                return self._pipeline_packed(
+                    lambda _conn: [enc.body(sub)], sum(len(names[i]) for i in sub)
+                )
+
+        else:
+            rows, bad = self._render(batch)
+            names = [[] if r is None else [str(c[0]) for c in r] for r in rows]
+
+            def execute(sub: Sequence[int]) -> list[Any]:
+                pipe = self._client.pipeline(transaction=self.config.transaction)
+                for i in sub:
+                    for cmd in rows[i]:  # type: ignore[union-attr]
+                        pipe.execute_command(*cmd)
+                return list(pipe.execute(raise_on_error=False))
+
         failures = {i: RowFailure(i, msg) for i, msg in bad.items()}
-        good = [i for i, r in enumerate(rows) if r is not None]
+        good = [i for i in range(batch.num_rows) if i not in bad]
         if self.fail_fast and failures:
             first = min(failures)
             failures = {first: failures[first]}
             good = [i for i in good if i < first]
         size = self.config.pipeline_size
         for start in range(0, len(good), size):
-            refused = self._run_chunk(rows, good[start : start + size], commands)
+            refused = self._run_chunk(good[start : start + size], names, execute)
             failures.update((f.index, f) for f in refused)
             if refused and self.fail_fast:
                 break
@@ -1028,44 +1096,18 @@ class RedisSink(Sink):
         from redis import exceptions as rx
 
         n = batch.num_rows
-        values = BatchValues(batch)
-        commands = self.templates()
-        resp, bad = encode_commands(commands, values, argv=True)
-        # Each row's command names and ARGV words (its commands' word counts and words).
-        names = [[t.name for t in commands]] * n
-        argv_words = [sum(1 + len(t.args) for t in commands)] * n
-        deletes = self.delete_templates()
-        tombs = deletes is not None and has_tombstones(batch)
-        if deletes is not None and tombs:
-            dresp, dbad = encode_commands(deletes, values, argv=True)
-            flags = tombstone_flags(batch)
-            resp = pc.if_else(pa.array(flags, pa.bool_()), dresp, resp)
-            dnames = [t.name for t in deletes]
-            dwords = sum(1 + len(t.args) for t in deletes)
-            for i, tomb in enumerate(flags):
-                if tomb:
-                    names[i] = dnames
-                    argv_words[i] = dwords
-                    bad.pop(i, None)
-                    if i in dbad:
-                        bad[i] = dbad[i]
+        enc = EncodedBatch(batch, self.templates(), self.delete_templates(), argv=True)
+        bad, names, argv_words = enc.bad, enc.names, enc.words
         end = min(bad) if bad else n  # every row before the first failure is sent
-        offsets = np.frombuffer(resp.buffers()[1], np.int64)[resp.offset : resp.offset + n + 1]
-        data = resp.buffers()[2]
 
         def call(start: int) -> tuple[list[bytes], int]:
             stop = min(start + self.config.pipeline_size, end)
-            words = (
-                sum(argv_words[i] for i in range(start, stop))
-                if tombs
-                else (stop - start) * argv_words[0]
-            )
+            words = sum(argv_words[start:stop])
             head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (
                 3 + words,
                 STOP_AT_FIRST_ERROR_SHA.encode(),
             )
-            body = data.slice(offsets[start], offsets[stop] - offsets[start]).to_pybytes()
-            return [head, body], stop
+            return [head, enc.body(range(start, stop))], stop
 
         starts = range(0, end, self.config.pipeline_size)
         pool = self._client.connection_pool
@@ -1116,19 +1158,22 @@ class RedisSink(Sink):
             pool.release(conn)
 
     def _pipeline(self, commands: list[list[bytes | str]]) -> list[Any]:
-        """Every command in one write on one standalone connection, then every reply: an
-        error reply in its command's place, as ``pipeline(transaction=False).execute(
-        raise_on_error=False)`` returns them, without the pipeline's per-command bookkeeping
-        (with hiredis packing: ``send_batch`` 0.81 -> 0.35 s of CPU per 100K rows,
-        docs/sinks/redis.md). A connection that fails is closed."""
+        """``commands`` through ``_pipeline_packed``, packed by hiredis (or redis-py)."""
+        return self._pipeline_packed(lambda conn: pack_commands(conn, commands), len(commands))
+
+    def _pipeline_packed(self, pack: Callable[[Any], list[bytes]], count: int) -> list[Any]:
+        """``count`` commands (``pack(connection)`` gives their bytes) in one write on one
+        standalone connection, then every reply: an error reply in its command's place, as
+        ``pipeline(transaction=False).execute(raise_on_error=False)`` returns them, without
+        the pipeline's per-command bookkeeping. A connection that fails is closed."""
         from redis import exceptions as rx
 
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(pack_commands(conn, commands))
+            conn.send_packed_command(pack(conn))
             replies: list[Any] = []
-            for _ in commands:
+            for _ in range(count):
                 try:
                     replies.append(conn.read_response(disable_decoding=True))
                 except rx.ResponseError as e:  # this command's error reply; the rest follow
@@ -1142,23 +1187,18 @@ class RedisSink(Sink):
 
     def _run_chunk(
         self,
-        rows: list[list[list[bytes | str]] | None],
         idx: list[int],
-        commands: list[CommandTemplate],
+        names: list[list[str]],
+        execute: Callable[[Sequence[int]], list[Any]],
     ) -> list[RowFailure]:
-        """One round trip for the rows ``idx``; data errors become RowFailures, others raise."""
+        """One round trip for the rows ``idx`` (``execute`` sends their commands and returns
+        a reply per command; ``names`` are each row's command names); data errors become
+        RowFailures, others raise."""
         from redis import exceptions as rx
 
         def attempt(sub: Sequence[int]) -> list[RowFailure]:
-            if self.config.mode == "standalone" and not self.config.transaction:
-                results = self._pipeline([cmd for i in sub for cmd in rows[i]])  # type: ignore[union-attr]
-            else:
-                pipe = self._client.pipeline(transaction=self.config.transaction)
-                for i in sub:
-                    for cmd in rows[i]:  # type: ignore[union-attr]
-                        pipe.execute_command(*cmd)
-                results = pipe.execute(raise_on_error=False)
-            counts = [len(rows[i]) for i in sub]  # type: ignore[arg-type]
+            results = execute(sub)
+            counts = [len(names[i]) for i in sub]
             if len(results) != sum(counts):
                 raise TransientSinkError(
                     f"Redis answered {len(results)} replies for {sum(counts)} commands"
@@ -1171,8 +1211,7 @@ class RedisSink(Sink):
                     if isinstance(r, Exception):
                         if classify_redis_error(r) is not ErrorKind.DATA:
                             raise r
-                        name = str(rows[i][k][0]).upper()  # type: ignore[index]
-                        out.append(RowFailure(i, f"{name}: {redis_error_text(r)}"))
+                        out.append(RowFailure(i, f"{names[i][k].upper()}: {redis_error_text(r)}"))
                         break
                 pos += count
             return out

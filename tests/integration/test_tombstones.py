@@ -261,7 +261,8 @@ def test_mysql_delete_mode_deletes_with_upsert_keys():
         conn.close()
 
 
-def test_redis_delete_mode_runs_del_on_each_templates_key():
+@pytest.mark.parametrize("fail_fast", [False, True], ids=["pipelines", "script"])
+def test_redis_delete_mode_runs_del_on_each_templates_key(fail_fast: bool):
     import redis
 
     prefix = f"tomb:{uuid.uuid4().hex[:8]}"
@@ -276,6 +277,7 @@ def test_redis_delete_mode_runs_del_on_each_templates_key():
     }
     sink = build_sink(cfg)
     sink.init_sink()
+    sink.fail_fast = fail_fast  # the fail policy: each chunk in one script
     try:
         assert sink.send_batch(make_batch(4)).failed == ()
         assert r.get(f"{prefix}:k1") == b"name 1"
