@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import datetime as dt
 import decimal
-import functools
 import hashlib
 import itertools
 import json
@@ -847,27 +846,6 @@ def make_client(c: RedisSinkConfig) -> Any:
     return RedisCluster(startup_nodes=nodes, retry=no_retry, **kw)
 
 
-def pack_commands(conn: Any, commands: list[list[bytes | str]]) -> list[bytes]:
-    """The commands in the Redis protocol: hiredis's C packer when installed (the ``redis``
-    extra installs it), else the connection's own. The sink's arguments are bytes already
-    (the command name str), so both give the same bytes."""
-    pack = hiredis_packer()
-    if pack is not None:
-        return [b"".join([pack(tuple(c)) for c in commands])]
-    packed: list[bytes] = conn.pack_commands(commands)
-    return packed
-
-
-@functools.cache
-def hiredis_packer() -> Callable[..., bytes] | None:
-    """hiredis's ``pack_command``, or None without hiredis (imported at first use)."""
-    try:
-        from hiredis import pack_command
-    except ImportError:
-        return None
-    return pack_command
-
-
 # -- the sink -----------------------------------------------------------------------------------
 
 
@@ -1156,10 +1134,6 @@ class RedisSink(Sink):
             raise
         finally:
             pool.release(conn)
-
-    def _pipeline(self, commands: list[list[bytes | str]]) -> list[Any]:
-        """``commands`` through ``_pipeline_packed``, packed by hiredis (or redis-py)."""
-        return self._pipeline_packed(lambda conn: pack_commands(conn, commands), len(commands))
 
     def _pipeline_packed(self, pack: Callable[[Any], list[bytes]], count: int) -> list[Any]:
         """``count`` commands (``pack(connection)`` gives their bytes) in one write on one
