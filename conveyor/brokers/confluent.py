@@ -229,9 +229,11 @@ class ConfluentSource(KafkaSource):
             values=values,
         )
         # consume() returns each partition's records in offset order: the last one per
-        # partition is where it stands (dict assignment keeps the last).
-        for tp, off in zip(zip(topics, partitions, strict=True), offsets, strict=True):
-            self._position[TopicPartition(*tp)] = off + 1
+        # partition is where it stands (dict() keeps the last; built in C, one
+        # TopicPartition per partition rather than per record).
+        last = dict(zip(zip(topics, partitions, strict=True), offsets, strict=True))
+        for (topic, partition), off in last.items():
+            self._position[TopicPartition(topic, partition)] = off + 1
         self._reached(ends)
         nbytes = sum(map(len, filter(None, values))) + sum(map(len, filter(None, keys)))
         return table, nbytes
