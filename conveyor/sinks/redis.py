@@ -336,12 +336,6 @@ def arrow_value_array(col: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.A
     return pc.cast(col, pa.large_binary())
 
 
-def arrow_value_bytes(col: pa.ChunkedArray | pa.Array) -> list[bytes | None] | None:
-    """``arrow_value_array`` as Python bytes (None for a type it does not cover)."""
-    arr = arrow_value_array(col)
-    return None if arr is None else arr.to_pylist()
-
-
 _MISSING = object()
 
 
@@ -476,9 +470,8 @@ class BatchValues:
                 arr = fast.combine_chunks() if isinstance(fast, pa.ChunkedArray) else fast
                 errors: dict[int, str] = {}
                 if arr.null_count:
-                    msg = f"payload field {'.'.join(ph.path)!r} is null (${{{ph.name}}})"
                     nulls = pc.indices_nonzero(pc.is_null(arr)).to_pylist()
-                    errors = dict.fromkeys(nulls, msg)
+                    errors = dict.fromkeys(nulls, _null_field(ph))
             else:
                 vals: list[Any] = self.values(ph)
                 errors = {i: str(v) for i, v in enumerate(vals) if isinstance(v, TemplateError)}
@@ -494,7 +487,7 @@ class BatchValues:
         dotted = ".".join(path)
         fast_col = self._arrow_field(ph)
         if fast_col is not None:
-            null = TemplateError(f"payload field {dotted!r} is null (${{{ph.name}}})")
+            null = TemplateError(_null_field(ph))
             return [null if v is None else v for v in fast_col.to_pylist()]
         if not self.single and path[0] in self.pcols:
             firsts: list[Any] = self.batch.column(path[0]).to_pylist()
@@ -513,10 +506,14 @@ class BatchValues:
             if v is _MISSING:
                 out.append(TemplateError(f"payload has no field {dotted!r} (${{{ph.name}}})"))
             elif v is None:
-                out.append(TemplateError(f"payload field {dotted!r} is null (${{{ph.name}}})"))
+                out.append(TemplateError(_null_field(ph)))
             else:
                 out.append(value_bytes(v))
         return out
+
+
+def _null_field(ph: Placeholder) -> str:
+    return f"payload field {'.'.join(ph.path)!r} is null (${{{ph.name}}})"
 
 
 def render_batch(
@@ -634,6 +631,19 @@ def encode_commands(
     return out, errors
 
 
+def tombstone_rows(
+    batch: pa.Table, bad: dict[int, str], dbad: dict[int, str], flags: list[bool] | None = None
+) -> list[int]:
+    """The tombstones of ``batch``, which run the delete templates: each takes its errors
+    from those (``dbad``) in ``bad``, not the templates'."""
+    rows = [i for i, tomb in enumerate(flags or tombstone_flags(batch)) if tomb]
+    for i in rows:
+        bad.pop(i, None)
+        if i in dbad:
+            bad[i] = dbad[i]
+    return rows
+
+
 class EncodedBatch:
     """A batch's commands in the Redis protocol, encoded by Arrow (``encode_commands``): a
     tombstone's row holds the delete templates' commands. ``bad`` are the rows that cannot
@@ -659,13 +669,9 @@ class EncodedBatch:
             resp = pc.if_else(pa.array(flags, pa.bool_()), dresp, resp)
             dnames = [t.name for t in deletes]
             dwords = sum(1 + len(t.args) for t in deletes)
-            for i, tomb in enumerate(flags):
-                if tomb:
-                    self.names[i] = dnames
-                    self.words[i] = dwords
-                    bad.pop(i, None)
-                    if i in dbad:
-                        bad[i] = dbad[i]
+            for i in tombstone_rows(batch, bad, dbad, flags):
+                self.names[i] = dnames
+                self.words[i] = dwords
         self.bad = bad
         self._offsets = np.frombuffer(resp.buffers()[1], np.int64)[
             resp.offset : resp.offset + n + 1
@@ -1006,12 +1012,8 @@ class RedisSink(Sink):
         deletes = self.delete_templates()
         if deletes is not None and has_tombstones(batch):
             drows, dbad = render_batch(deletes, batch)
-            for i, tomb in enumerate(tombstone_flags(batch)):
-                if tomb:
-                    rows[i] = drows[i]
-                    bad.pop(i, None)
-                    if i in dbad:
-                        bad[i] = dbad[i]
+            for i in tombstone_rows(batch, bad, dbad):
+                rows[i] = drows[i]
         return rows, bad
 
     def _send_pipelined(self, batch: pa.Table) -> dict[int, RowFailure]:
@@ -1122,8 +1124,7 @@ class RedisSink(Sink):
                         i + start: dataclasses.replace(f, index=f.index + start)
                         for i, f in self._send_pipelined(batch.slice(start)).items()
                     }
-                owners = [(i, name) for i in range(start, stop) for name in names[i]]
-                refused = _script_refusal(reply, owners)
+                refused = _script_refusal(reply, names, start, stop)
                 if refused is not None:
                     return {refused.index: refused}
             if end < n:
@@ -1222,21 +1223,22 @@ return c
 STOP_AT_FIRST_ERROR_SHA = hashlib.sha1(STOP_AT_FIRST_ERROR.encode()).hexdigest()
 
 
-def _script_refusal(reply: Any, owners: list[tuple[int, str]]) -> RowFailure | None:
-    """The refused row from STOP_AT_FIRST_ERROR's reply over the commands ``owners`` (each
-    command's row and name, in order); None if every command ran."""
+def _script_refusal(reply: Any, names: list[list[str]], start: int, stop: int) -> RowFailure | None:
+    """The refused row from STOP_AT_FIRST_ERROR's reply over the commands of rows
+    ``start``..``stop`` (``names``: each row's command names); None if every command ran."""
     from redis import exceptions as rx
 
     if isinstance(reply, int):
-        if reply != len(owners):
-            raise TransientSinkError(f"Redis ran {reply} commands of {len(owners)}")
+        count = sum(map(len, names[start:stop]))
+        if reply != count:
+            raise TransientSinkError(f"Redis ran {reply} commands of {count}")
         return None
     pos, text = int(reply[0]), reply[1]
     text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
     err = rx.ResponseError(text)
     if classify_redis_error(err) is not ErrorKind.DATA:
         raise err
-    i, name = owners[pos - 1]
+    i, name = [(i, name) for i in range(start, stop) for name in names[i]][pos - 1]
     return RowFailure(i, f"{name.upper()}: {redis_error_text(err)}")
 
 

@@ -23,7 +23,7 @@ from conveyor.sinks.redis import (
     RedisSink,
     RedisSinkConfig,
     TemplateSyntaxError,
-    arrow_value_bytes,
+    arrow_value_array,
     classify_redis_error,
     client_kwargs,
     make_client,
@@ -37,6 +37,11 @@ from conveyor.sinks.redis import (
 from tests.sinks.contract import BASE_TS, HEADERS_TYPE, closed_port, make_batch
 
 BASE = {"type": "redis", "commands": ["SET k:${payload.id} ${payload.name}"]}
+
+
+def arrow_value_bytes(col: pa.ChunkedArray | pa.Array) -> list[bytes | None] | None:
+    arr = arrow_value_array(col)
+    return None if arr is None else arr.to_pylist()
 
 
 def sink(**over: Any) -> RedisSink:
