@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
 import shutil
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +20,7 @@ from conveyor.sinks import build_sink
 from conveyor.sinks.base import ErrorKind
 from conveyor.sinks.rabbitmq import sink_error
 from tests.sinks.contract import BASE_TS, SinkContract, closed_port, make_batch, unique
+from tests.sinks.relay import CuttingRelay
 
 pytestmark = pytest.mark.integration
 
@@ -381,64 +379,6 @@ def test_confirms_span_batches_on_one_channel(target: str) -> None:
     finally:
         s.cleanup_sink()
     assert len(drain(target)) == 3 * 1499
-
-
-class CuttingRelay:
-    """A TCP relay to the real RabbitMQ that can cut every connection, at once or after
-    the client sent ``cut_after`` more bytes (a network failure in the middle of a batch)."""
-
-    def __init__(self, upstream: tuple[str, int] = ("127.0.0.1", 5672)):
-        self.upstream = upstream
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen()
-        self.port = self.listener.getsockname()[1]
-        self.cut_after: int | None = None
-        self.sent = 0
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.upstream)
-            with self._lock:
-                self._socks += [client, up]
-            threading.Thread(target=self._pump, args=(client, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-                if upstream:
-                    with self._lock:
-                        self.sent += len(data)
-                        cut = self.cut_after is not None and self.sent >= self.cut_after
-                    if cut:
-                        self.cut()
-                        return
-        except OSError:
-            pass
-
-    def cut_in(self, nbytes: int) -> None:
-        with self._lock:
-            self.cut_after = self.sent + nbytes
-
-    def cut(self, *, listener: bool = False) -> None:
-        with self._lock:
-            socks, self._socks = self._socks, []
-        if listener:
-            socks.append(self.listener)  # shutdown wakes the thread blocked in accept()
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
 
 
 def test_connection_lost_in_the_middle_of_a_batch_is_transient(target: str) -> None:

@@ -8,7 +8,6 @@ certificates made by ``openssl``), skipped only when those binaries are missing.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
@@ -37,6 +36,7 @@ from tests.sinks.contract import (
     make_batch,
     unique,
 )
+from tests.sinks.relay import CuttingRelay
 
 pytestmark = pytest.mark.integration
 
@@ -851,55 +851,6 @@ def test_fail_fast_loads_its_script_again_after_a_script_flush(prefix: str) -> N
         s.cleanup_sink()
 
 
-class StallingProxy:
-    """A TCP proxy in front of the local Redis whose replies can be held back (a target that
-    is slow, not down) and whose connections can be cut (a server that vanishes mid-call)."""
-
-    def __init__(self) -> None:
-        self.replies = threading.Event()  # set: replies flow
-        self.replies.set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection((HOST, PORT))
-            self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
-            threading.Thread(
-                target=self._pump, args=(server, client, self.replies), daemon=True
-            ).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, gate: threading.Event | None) -> None:
-        try:
-            while data := src.recv(65536):
-                while gate is not None and not gate.wait(0.05):
-                    pass
-                dst.sendall(data)
-        except OSError:
-            pass
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        """Every connection through the proxy is closed (the server vanished)."""
-        for sock in self._socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.replies.set()
-        self.cut()
-        self._listener.close()
-
-
 def test_fail_fast_with_a_slow_or_vanishing_server_sends_no_chunk_unacknowledged(
     prefix: str,
 ) -> None:
@@ -908,7 +859,7 @@ def test_fail_fast_with_a_slow_or_vanishing_server_sends_no_chunk_unacknowledged
     unanswered one was never sent (built ahead, sent only after a reply): the server holds
     the first chunk's rows only. A connection cut mid-call is transient too. Each time the
     batch sent again writes every row (at-least-once: the first chunk again)."""
-    proxy = StallingProxy()
+    proxy = CuttingRelay((HOST, PORT))
     s = _sink(
         f"HSET {prefix}:${{payload.id}} n ${{payload.name}}",
         port=proxy.port,
@@ -923,27 +874,24 @@ def test_fail_fast_with_a_slow_or_vanishing_server_sends_no_chunk_unacknowledged
         return {int(k.split(b":")[-1]) for k in client().scan_iter(match=f"{prefix}:*")}
 
     try:
-        proxy.replies.clear()  # slow: the script runs, its reply is held back
-        with pytest.raises(TransientSinkError, match="(?i)timeout|timed out"):
-            s.send_batch(batch)
-        assert written() == set(range(500))
-        proxy.replies.set()
-        assert s.send_batch(batch).failed == ()
-        assert written() == set(range(2_000))
-
-        client().delete(*[f"{prefix}:{i}" for i in range(2_000)])
-        proxy.replies.clear()
-        threading.Timer(0.3, proxy.cut).start()  # the server vanishes while a reply is due
-        with pytest.raises(TransientSinkError, match="(?i)connection|closed|timeout"):
-            s.send_batch(batch)
-        assert written() == set(range(500))
-        proxy.replies.set()
-        assert s.send_batch(batch).failed == ()
-        assert written() == set(range(2_000))
+        # slow: the script runs, its reply is held back; then the server vanishes while a
+        # reply is due
+        for fail, error in ((None, "timeout|timed out"), (proxy.cut, "connection|closed")):
+            client().delete(*[f"{prefix}:{i}" for i in range(2_000)])
+            proxy.replies.clear()
+            if fail is not None:
+                threading.Timer(0.3, fail).start()
+            with pytest.raises(TransientSinkError, match=f"(?i){error}"):
+                s.send_batch(batch)
+            assert written() == set(range(500))
+            proxy.replies.set()
+            assert s.send_batch(batch).failed == ()
+            assert written() == set(range(2_000))
         assert client().hget(f"{prefix}:1999", "n") == b"name 1999"
     finally:
+        proxy.replies.set()
         s.cleanup_sink()
-        proxy.close()
+        proxy.cut(listener=True)
 
 
 def test_timeout_is_transient(prefix: str) -> None:
