@@ -21,7 +21,8 @@ import importlib.util
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -331,6 +332,47 @@ def _header_bytes(v: Any) -> bytes:
     return v if isinstance(v, bytes) else (b"" if v is None else str(v).encode())
 
 
+@dataclass
+class Outgoing:
+    """One batch's records, column by column: row ``i`` goes to ``topics[i]`` (or has that
+    TemplateError) as ``producer.send(topics[i], **message(i))``."""
+
+    topics: list[str | templates.TemplateError]
+    values: list[bytes | None]  # None: a tombstone
+    keys: list[bytes | None]
+    headers: list[list[tuple[str, bytes]] | None]  # None: no headers
+    stamps: list[int | None]  # epoch ms; None: the producer's clock
+    partitions: list[int | None]  # None: the partitioner chooses
+
+    def message(self, i: int) -> dict[str, Any]:
+        """Row ``i``'s ``producer.send`` keyword arguments (topic excluded)."""
+        return {
+            "value": self.values[i],
+            "key": self.keys[i],
+            "headers": list(self.headers[i] or ()),
+            "timestamp_ms": self.stamps[i],
+            "partition": self.partitions[i],
+        }
+
+    def largest_record(self) -> int:
+        """An upper bound of every row's size as ``too_large`` estimates it (kafka-python's
+        ``estimate_size_in_bytes``: the batch header 61, record overhead 21, each length's
+        varint at most 5 bytes): the largest key, value and headers added together."""
+
+        def longest(items: list[bytes | None]) -> int:
+            return max(map(len, filter(None, items)), default=0)
+
+        headers = max(
+            (
+                5 + sum(10 + len(k.encode()) + len(v or b"") for k, v in hs)
+                for hs in self.headers
+                if hs
+            ),
+            default=5,
+        )
+        return 61 + 21 + 5 + longest(self.keys) + 5 + longest(self.values) + headers
+
+
 # -- the sink -------------------------------------------------------------------------------
 
 
@@ -576,104 +618,133 @@ class KafkaSink(Sink):
             "partition": r.partition if c.partitioning == "source" else None,
         }
 
-    def messages(
-        self, batch: pa.Table
-    ) -> Iterator[tuple[int, str | templates.TemplateError, dict[str, Any]]]:
-        """Each row's target topic (or why it has none) and ``producer.send`` arguments.
+    def outgoing(self, batch: pa.Table) -> Outgoing:
+        """Every row's target topic (or why it has none) and record, column by column.
 
-        Column by column when the topic is fixed (or the row's ``__destination``) and the
-        key is the source key, the common case; row by row through ``message`` otherwise.
-        Both give the same messages (tests/unit/test_kafka_sink_config.py).
+        Built from the batch's columns when the topic is fixed (or the row's
+        ``__destination``) and the key is the source key, the common case; row by row
+        through ``target_topic`` and ``message`` otherwise. Both give the same records
+        (tests/unit/test_kafka_sink_config.py).
         """
         c = self.config
         if c.key is not None or not templates.is_static(c.topic):
-            for r in iter_records(batch):
-                try:
-                    yield r.index, self.target_topic(r), self.message(r)
-                except templates.TemplateError as e:
-                    yield r.index, e, {}
-            return
+            return self._outgoing_by_row(batch)
         n = batch.num_rows
         names = batch.schema.names
 
         def col(name: str) -> list[Any]:
             return batch.column(name).to_pylist() if name in names else [None] * n
 
-        keys = col(KEY_COL)
-        values = payload_values(batch)
-        stamps = (
-            epoch_ms(batch.column(TIMESTAMP_COL))
-            if c.timestamp == "source" and TIMESTAMP_COL in names
-            else [None] * n
-        )
         partitions = col(PARTITION_COL)
-        headers = col(HEADERS_COL) if c.keep_headers and _any_header(batch) else [None] * n
-        dests = col(DESTINATION_COL) if c.use_destination else [None] * n
-        topics = col(TOPIC_COL) if c.coordinate_headers else None
-        offsets = col(OFFSET_COL) if c.coordinate_headers else None
-        for i in range(n):
-            topic = c.topic
-            if dests[i]:
-                problem = topic_name_problem(dests[i])
-                if problem:
-                    yield i, templates.TemplateError(problem), {}
-                    continue
-                topic = dests[i]
-            hs: list[tuple[str, bytes]] = []
-            if headers[i]:
-                hs.extend((str(h["key"]), _header_bytes(h["value"])) for h in headers[i])
-            if topics is not None and offsets is not None:
-                hs += [
-                    ("x-conveyor-topic", (topics[i] or "").encode()),
+        topics: list[str | templates.TemplateError] = [c.topic] * n
+        if c.use_destination and DESTINATION_COL in names:
+            dests = batch.column(DESTINATION_COL)
+            if dests.null_count < n:
+                for i, d in enumerate(dests.to_pylist()):
+                    if d:
+                        problem = topic_name_problem(d)
+                        topics[i] = templates.TemplateError(problem) if problem else d
+        headers: list[list[tuple[str, bytes]] | None] = [None] * n
+        if c.keep_headers and _any_header(batch):
+            headers = [
+                [(str(h["key"]), _header_bytes(h["value"])) for h in hs] if hs else None
+                for hs in batch.column(HEADERS_COL).to_pylist()
+            ]
+        if c.coordinate_headers:
+            sources, offsets = col(TOPIC_COL), col(OFFSET_COL)
+            headers = [
+                [
+                    *(hs or ()),
+                    ("x-conveyor-topic", (sources[i] or "").encode()),
                     ("x-conveyor-partition", str(partitions[i] or 0).encode()),
                     (
                         "x-conveyor-offset",
                         str(offsets[i] if offsets[i] is not None else i).encode(),
                     ),
                 ]
-            yield (
-                i,
-                topic,
-                {
-                    "value": values[i],
-                    "key": keys[i],
-                    "headers": hs,
-                    "timestamp_ms": stamps[i],
-                    "partition": (partitions[i] or 0) if c.partitioning == "source" else None,
-                },
-            )
+                for i, hs in enumerate(headers)
+            ]
+        return Outgoing(
+            topics=topics,
+            values=payload_values(batch),
+            keys=col(KEY_COL),
+            headers=headers,
+            stamps=(
+                epoch_ms(batch.column(TIMESTAMP_COL))
+                if c.timestamp == "source" and TIMESTAMP_COL in names
+                else [None] * n
+            ),
+            partitions=([p or 0 for p in partitions] if c.partitioning == "source" else [None] * n),
+        )
+
+    def _outgoing_by_row(self, batch: pa.Table) -> Outgoing:
+        out = Outgoing([], [], [], [], [], [])
+        for r in iter_records(batch):
+            topic: str | templates.TemplateError
+            try:
+                topic, m = self.target_topic(r), self.message(r)
+            except templates.TemplateError as e:
+                topic, m = e, {"value": None, "key": None, "headers": None}
+            out.topics.append(topic)
+            out.values.append(m["value"])
+            out.keys.append(m["key"])
+            out.headers.append(m["headers"] or None)
+            out.stamps.append(m.get("timestamp_ms"))
+            out.partitions.append(m.get("partition"))
+        return out
+
+    def messages(
+        self, batch: pa.Table
+    ) -> Iterator[tuple[int, str | templates.TemplateError, dict[str, Any]]]:
+        """Each row's target topic (or why it has none) and ``producer.send`` arguments
+        (``outgoing`` row by row)."""
+        out = self.outgoing(batch)
+        for i, topic in enumerate(out.topics):
+            yield i, topic, {} if isinstance(topic, templates.TemplateError) else out.message(i)
+
+    def _sizes_to_check(self, out: Outgoing) -> bool:
+        """Whether a row may be above its topic's ``max.message.bytes`` (``too_large``
+        checks each row then): False when even the batch's largest key, value and headers
+        together fit every topic's limit, the usual case, so no row is sized one by one."""
+        if not self.fail_fast or self.config.compression != "none":
+            return False
+        limits = [self.topic_limit(t) for t in set(out.topics) if isinstance(t, str)]
+        known = [limit for limit in limits if limit is not None]
+        if not known:
+            return False
+        return out.largest_record() > min(known)
 
     def send_batch(self, batch: pa.Table) -> SendResult:
         if batch.num_rows == 0:
             return SendResult(rows=0)
         if self._producer is None:
             self._producer = self._connect()
+        out = self.outgoing(batch)
+        refused = self._refused(out)  # rows that are not produced, in order
+        self._check_partitions(out, refused)
+        n = batch.num_rows
+        if self.fail_fast and refused:
+            n = min(refused)  # nothing after the first refused row is produced
+            refused = {n: refused[n]}
+        rows = [i for i in range(n) if i not in refused] if refused else range(n)
         failures: list[RowFailure] = []
         futures: list[tuple[int, Any]] = []
-        for index, topic, msg in self.messages(batch):
-            if failures and self.fail_fast:
-                break  # nothing after the first refused row is produced
-            if isinstance(topic, templates.TemplateError):
-                failures.append(RowFailure(index, str(topic)))
-                continue
-            reason = self.too_large(topic, msg)
-            if reason is not None:
-                failures.append(RowFailure(index, reason))
-                continue
-            if msg["partition"] is not None:
-                parts = self._topic_partitions(topic)
-                if msg["partition"] not in parts:
-                    raise PermanentSinkError(
-                        f"topic {topic!r} has {len(parts)} partition(s); partitioning: source needs partition {msg['partition']}"
-                    )
-            try:
-                futures.append((index, self._producer.send(topic, **msg)))
-            except Exception as e:  # noqa: BLE001 - classified
-                if classify_kafka_error(e) is ErrorKind.DATA:
-                    failures.append(RowFailure(index, _describe(e)))
-                    continue
+        while rows:
+            sent, error = self._produce(out, rows)
+            futures.extend(sent)
+            if error is None:
+                break
+            index, e = error
+            topic = out.topics[index]
+            if classify_kafka_error(e) is not ErrorKind.DATA:
                 self._drop_producer()
                 raise self._error(e, f"producing to {topic!r} failed") from None
+            failures.append(RowFailure(index, _describe(e)))
+            if self.fail_fast:
+                refused = {}  # the rows after this one are not produced either
+                break
+            rows = rows[len(sent) + 1 :]
+        failures.extend(refused.values())
         self._flush()
         unacked: list[tuple[int, BaseException | None]] = []
         for index, fut in futures:
@@ -701,6 +772,57 @@ class KafkaSink(Sink):
             )
         failures.sort(key=lambda f: f.index)
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _refused(self, out: Outgoing) -> dict[int, RowFailure]:
+        """The rows refused before producing: no legal topic, or (``fail_fast``) above
+        their topic's size limit."""
+        refused = {
+            i: RowFailure(i, str(t))
+            for i, t in enumerate(out.topics)
+            if isinstance(t, templates.TemplateError)
+        }
+        if self._sizes_to_check(out):
+            for i, topic in enumerate(out.topics):
+                if isinstance(topic, str):
+                    reason = self.too_large(topic, out.message(i))
+                    if reason is not None:
+                        refused[i] = RowFailure(i, reason)
+        return dict(sorted(refused.items()))
+
+    def _check_partitions(self, out: Outgoing, refused: dict[int, RowFailure]) -> None:
+        """With ``partitioning: source``, every target topic has the rows' partitions
+        (checked before anything is produced)."""
+        if self.config.partitioning != "source":
+            return
+        wanted: dict[str, set[int]] = {}
+        for i, (topic, partition) in enumerate(zip(out.topics, out.partitions, strict=True)):
+            if isinstance(topic, str) and partition is not None and i not in refused:
+                wanted.setdefault(topic, set()).add(partition)
+        for topic, needed in wanted.items():
+            parts = self._topic_partitions(topic)
+            missing = sorted(needed - parts)
+            if missing:
+                raise PermanentSinkError(
+                    f"topic {topic!r} has {len(parts)} partition(s); partitioning: source "
+                    f"needs partition {missing[0]}"
+                )
+
+    def _produce(
+        self, out: Outgoing, rows: Sequence[int]
+    ) -> tuple[list[tuple[int, Any]], tuple[int, Exception] | None]:
+        """Produce ``rows`` in order: each row's future, and the row whose produce call
+        raised (nothing after it is produced), if one did."""
+        from conveyor.sinks.kafka_confluent import ConfluentProducer
+
+        if isinstance(self._producer, ConfluentProducer):
+            return self._producer.send_rows(out, rows)
+        sent: list[tuple[int, Any]] = []
+        for i in rows:
+            try:
+                sent.append((i, self._producer.send(out.topics[i], **out.message(i))))
+            except Exception as e:  # noqa: BLE001 - the caller classifies it
+                return sent, (i, e)
+        return sent, None
 
     def _flush(self) -> None:
         # delivery_timeout_ms already bounds every record; the margin only covers the flush call.

@@ -1,12 +1,13 @@
 """The Kafka sink's librdkafka client (confluent-kafka): ``sink.client: confluent``.
 
 Record encoding, batching, compression and the partitioner run in librdkafka's C
-threads, outside the GIL; Python only calls ``produce`` per row. ``ConfluentProducer``
-gives the librdkafka producer the few kafka-python ``KafkaProducer`` calls the sink makes
-(``send`` returning a future, ``flush``, ``partitions_for``, ``close``), so everything
-else in ``conveyor.sinks.kafka`` (message building, templates, routing, the failure
-semantics) is shared by both clients. Each record's delivery report settles its future:
-per-row acknowledgement, as kafka-python's futures give it.
+threads, outside the GIL; Python only calls ``produce`` per row, in one loop over the
+batch's records (``send_rows``: each row a future, where kafka-python's ``send`` is
+called per row). ``ConfluentProducer`` gives the librdkafka producer the other
+kafka-python ``KafkaProducer`` calls the sink makes (``flush``, ``partitions_for``,
+``close``), so everything else in ``conveyor.sinks.kafka`` (message building, templates,
+routing, the failure semantics) is shared by both clients. Each record's delivery report
+settles its future: per-row acknowledgement, as kafka-python's futures give it.
 
 The connection becomes librdkafka properties in
 ``conveyor.brokers.connection.librdkafka_config`` (the source's mapping);
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from conveyor.brokers.connection import librdkafka_config
 
 if TYPE_CHECKING:
-    from conveyor.sinks.kafka import KafkaSinkConfig
+    from conveyor.sinks.kafka import KafkaSinkConfig, Outgoing
 
 log = logging.getLogger("conveyor.sinks.kafka")
 
@@ -100,40 +102,58 @@ class ConfluentProducer:
         """Reach the cluster (a metadata request), as kafka-python does when it starts."""
         self._p.list_topics(timeout=timeout_s)
 
-    def send(
-        self,
-        topic: str,
-        *,
-        value: bytes | None,
-        key: bytes | None,
-        headers: list[tuple[str, bytes]],
-        timestamp_ms: int | None,
-        partition: int | None,
-    ) -> Delivery:
-        if value is None and key is None:
-            raise ValueError("a record needs a key or a value (both are null)")
-        d = Delivery()
-        kw: dict[str, Any] = {"value": value, "key": key, "on_delivery": d}
-        if headers:
-            kw["headers"] = headers
-        if timestamp_ms is not None:
-            kw["timestamp"] = timestamp_ms
-        if partition is not None:
-            kw["partition"] = partition
-        try:
-            self._p.produce(topic, **kw)
-        except BufferError:
-            self._wait_for_room(topic, kw)
-        return d
+    def send_rows(
+        self, out: Outgoing, rows: Sequence[int]
+    ) -> tuple[list[tuple[int, Delivery]], tuple[int, Exception] | None]:
+        """``send`` for each of ``rows`` of a batch's records, in order, in one loop: each
+        row's delivery, and the row whose ``produce`` raised (nothing after it is
+        produced), if one did."""
+        produce = self._p.produce
+        topics, values, keys, headers = out.topics, out.values, out.keys, out.headers
+        stamps, partitions = out.stamps, out.partitions
+        sent: list[tuple[int, Delivery]] = []
+        for i in rows:
+            d = Delivery()
+            topic, value, key, ts, partition = (
+                topics[i],
+                values[i],
+                keys[i],
+                stamps[i],
+                partitions[i],
+            )
+            # Positional (librdkafka's keyword parsing costs a third of the call): topic,
+            # value, key, partition (-1: the partitioner's), on_delivery, its alias,
+            # timestamp (0: the producer's clock), headers.
+            args = (
+                topic,
+                value,
+                key,
+                -1 if partition is None else partition,
+                d,
+                None,
+                0 if ts is None else ts,
+                headers[i],
+            )
+            try:
+                if value is None and key is None:
+                    raise ValueError("a record needs a key or a value (both are null)")
+                try:
+                    produce(*args)
+                except BufferError:
+                    self._wait_for_room(args)
+            except Exception as e:  # noqa: BLE001 - the sink classifies it
+                return sent, (i, e)
+            sent.append((i, d))
+        return sent, None
 
-    def _wait_for_room(self, topic: str, kw: dict[str, Any]) -> None:
+    def _wait_for_room(self, args: tuple[Any, ...]) -> None:
         # The local queue is full: serve delivery reports until there is room, at most
         # max_block_ms (kafka-python's bound on a send() waiting for buffer space).
         deadline = time.monotonic() + self.config.max_block_ms / 1000
         while True:
             self._p.poll(0.05)
             try:
-                self._p.produce(topic, **kw)
+                self._p.produce(*args)
                 return
             except BufferError:
                 if time.monotonic() >= deadline:

@@ -598,9 +598,10 @@ def _delivered(fail: dict[int, int]) -> Any:
             self.queued: list[Any] = []
             self.sent: list[bytes] = []
 
-        def produce(self, topic: str, **kw: Any) -> None:
-            self.queued.append(kw["on_delivery"])
-            self.sent.append(kw["value"])
+        def produce(self, topic: str, value: bytes | None, *args: Any) -> None:
+            # librdkafka's positional order: key, partition, on_delivery, ...
+            self.queued.append(args[2])
+            self.sent.append(value)
 
         def flush(self, timeout: float) -> int:
             for n, cb in enumerate(self.queued):
@@ -649,10 +650,10 @@ def test_librdkafka_fail_fast_produces_nothing_after_a_refused_record() -> None:
     rd = producer._p
     produce = rd.produce
 
-    def refuse_large(topic: str, **kw: Any) -> None:
-        if len(kw["value"]) > 2048:  # as librdkafka's produce() above message.max.bytes
+    def refuse_large(topic: str, value: bytes, *args: Any) -> None:
+        if len(value) > 2048:  # as librdkafka's produce() above message.max.bytes
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
-        produce(topic, **kw)
+        produce(topic, value, *args)
 
     rd.produce = refuse_large
     s._producer = producer
