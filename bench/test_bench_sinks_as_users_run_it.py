@@ -45,7 +45,7 @@ import pytest
 
 from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
-from bench.test_bench_as_users_run_it import SCHEMA, batch_of, produce
+from bench.test_bench_as_users_run_it import SCHEMA, batch_of, depth_of, produce
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
@@ -280,7 +280,7 @@ def spec(name: str, target: Target, contender: str = "conveyor") -> dict[str, An
         "desired": "stopped",
         **batch_of(contender),
         "source": {"topics": [f"t_{name}"]},
-        "transform": {"decode": "json", "schema": SCHEMA},
+        "transform": {"decode": "json", "schema": SCHEMA, **depth_of(contender)},
         "sink": target.sink(),
     }
 
@@ -339,7 +339,7 @@ def test_sinks_as_users_run_them_vs_librdkafka_loops(
         return KafkaTarget(name, tansu, client)
 
     names = {
-        (s, c, r): f"{s}_{c.replace('-', '_').replace(':', '_')}_{r}"
+        (s, c, r): f"{s}_{c.replace('-', '_').replace(':', '_').replace('/', '_')}_{r}"
         for s in SINKS
         for c in contenders(s)
         for r in rounds

@@ -14,7 +14,9 @@ properties in ``conveyor.brokers.connection.librdkafka_config``.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import threading
 from typing import Any
 
@@ -205,27 +207,31 @@ class ConfluentSource(KafkaSource):
             return None, 0
         if max_records > 1:
             msgs += self._consumer.consume(min(max_records - 1, CONSUME_MAX), 0)
+        from confluent_kafka import Message
+
         ends: dict[TopicPartition, int] = {}
-        if any(m.error() is not None for m in msgs):
+        # (KafkaError's == with None sets an exception: compared by identity, in C)
+        if any(map(operator.is_not, map(Message.error, msgs), itertools.repeat(None))):
             msgs, ends = self._events(msgs)
             if not msgs:
                 self._reached(ends)
                 return None, 0
-        offsets = [m.offset() for m in msgs]
-        partitions = [m.partition() for m in msgs]
-        topics = [m.topic() for m in msgs]
-        stamps = [m.timestamp() for m in msgs]
-        keys = [m.key() for m in msgs]
-        values = [m.value() for m in msgs]
+        # Each accessor mapped over the batch in C (no bound method per record).
+        offsets = list(map(Message.offset, msgs))
+        partitions = list(map(Message.partition, msgs))
+        topics = list(map(Message.topic, msgs))
+        types, stamps = zip(*map(Message.timestamp, msgs), strict=True)
+        keys = list(map(Message.key, msgs))
+        values = list(map(Message.value, msgs))
         table = columns_to_table(
             topics=topics,
             partitions=partitions,
             offsets=offsets,
-            timestamps=[s[1] for s in stamps],
-            timestamp_types=[s[0] for s in stamps],
+            timestamps=list(stamps),
+            timestamp_types=list(types),
             type_names=TIMESTAMP_TYPES,
             keys=keys,
-            headers=[m.headers() for m in msgs],
+            headers=list(map(Message.headers, msgs)),
             values=values,
         )
         # consume() returns each partition's records in offset order: the last one per

@@ -39,6 +39,9 @@ def test_every_covered_type_with_nulls_and_hostile_names() -> None:
             "b": pa.array([True, False, None, True, False, True, False]),
             "s": pa.array(HOSTILE_TEXT),
             "ls": pa.array([None, *HOSTILE_TEXT[1:]], pa.large_string()),
+            # text with nothing to escape (Arrow writes it), edges of printable ASCII
+            "plain": pa.array(["", None, " !#$", "[]^_`~", "a b", "% %s", "0"]),
+            "lplain": pa.array([None, None, None, None, None, None, None], pa.large_string()),
             'we"ird % \\ 名': pa.array(range(7)),
             "void": pa.nulls(7),
         }
