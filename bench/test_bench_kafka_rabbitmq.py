@@ -5,8 +5,10 @@ messages: 10 batches of 10,000 decoded rows (``tests.sinks.contract.make_batch``
 one header, timestamp, JSON payload of id/name/amount). The bare loops start from the
 same Arrow batch, as a hand-written consumer would after decoding:
 
-- Kafka: ``KafkaProducer`` (idempotent, acks=all, same linger/batch size), ``send`` per
-  row with key, headers and timestamp, ``flush()``, then every future checked.
+- Kafka, per client (``sink.client``): the same library's producer (idempotent, acks=all,
+  same linger/batch size), a call per row with key, headers and timestamp (confluent-kafka
+  ``produce`` with a delivery callback, kafka-python ``send``), ``flush()``, then every
+  delivery checked.
 - RabbitMQ: ``BlockingChannel.confirm_delivery()`` and ``basic_publish`` per row
   (persistent, message_id, headers), i.e. pika's public API waiting for each confirm.
 
@@ -44,12 +46,16 @@ def batches() -> list[pa.Table]:
 
 
 def timed(label: str, fn: Callable[[pa.Table], None], data: list[pa.Table]) -> float:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for b in data:
         fn(b)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
     rate = BATCHES * ROWS / elapsed
-    print(f"  {label:<42} {BATCHES * ROWS:>7} msgs in {elapsed:6.2f} s = {rate:>9,.0f} msgs/s")
+    per = cpu / (BATCHES * ROWS) * 100_000
+    print(
+        f"  {label:<42} {BATCHES * ROWS:>7} msgs in {elapsed:6.2f} s = {rate:>9,.0f} msgs/s, "
+        f"calling thread's CPU {per:.2f} s per 100K"
+    )
     return rate
 
 
@@ -60,57 +66,116 @@ def report(title: str, sink_rate: float, bare_rate: float) -> None:
 # -- Kafka ---------------------------------------------------------------------------------------
 
 
-def test_bench_kafka_sink_vs_bare_producer(tansu: str) -> None:
+def _bare_confluent(tansu: str, topic: str, settings: dict[str, int]) -> tuple[Callable, Callable]:
+    """What a user writes with confluent-kafka: ``produce`` per row with key, headers,
+    timestamp and a delivery callback, ``flush()``, every delivery checked."""
+    from confluent_kafka import Producer
+
+    producer = Producer(
+        {
+            "bootstrap.servers": tansu,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": settings["linger_ms"],
+            "batch.size": settings["batch_size"],
+            "queue.buffering.max.messages": 2_000_000,
+        }
+    )
+
+    def bare(b: pa.Table) -> None:
+        errors: list[object] = []
+
+        def delivered(err: object, _msg: object) -> None:
+            if err is not None:
+                errors.append(err)
+
+        for row in b.to_pylist():
+            value = json.dumps(
+                {"id": row["id"], "name": row["name"], "amount": row["amount"]},
+                separators=(",", ":"),
+            ).encode()
+            producer.produce(
+                topic,
+                value=value,
+                key=row["__key"],
+                headers=[(h["key"], h["value"]) for h in row["__headers"]],
+                timestamp=timestamp_ms(row["__timestamp"]) or 0,
+                on_delivery=delivered,
+            )
+        assert producer.flush(60) == 0 and not errors
+
+    return bare, lambda: producer.flush(10)
+
+
+def _bare_kafka_python(
+    tansu: str, topic: str, settings: dict[str, int]
+) -> tuple[Callable, Callable]:
+    """What a user writes with kafka-python: ``send`` per row, ``flush()``, every future checked."""
     from kafka import KafkaProducer
 
+    producer = KafkaProducer(
+        bootstrap_servers=tansu, acks="all", enable_idempotence=True, **settings
+    )
+
+    def bare(b: pa.Table) -> None:
+        futures = []
+        for row in b.to_pylist():
+            value = json.dumps(
+                {"id": row["id"], "name": row["name"], "amount": row["amount"]},
+                separators=(",", ":"),
+            ).encode()
+            headers = [(h["key"], h["value"]) for h in row["__headers"]]
+            futures.append(
+                producer.send(
+                    topic,
+                    value=value,
+                    key=row["__key"],
+                    headers=headers,
+                    timestamp_ms=timestamp_ms(row["__timestamp"]),
+                )
+            )
+        producer.flush()
+        assert all(f.succeeded() for f in futures)
+
+    return bare, producer.close
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_bench_kafka_sink_vs_bare_producer(tansu: str, client: str) -> None:
+    """The sink with ``client`` against a bare loop of the same client library."""
     data = batches()
     t_sink, t_bare = f"bench_ks_{uuid.uuid4().hex[:8]}", f"bench_kb_{uuid.uuid4().hex[:8]}"
     create_topic(tansu, t_sink)
     create_topic(tansu, t_bare)
     settings = {"linger_ms": 5, "batch_size": 256 * 1024}
     print(
-        f"\nKafka -> tansu at {tansu}: {BATCHES} batches x {ROWS} rows, acks=all, idempotent, linger 5 ms, batch 256 KiB"
+        f"\nKafka ({client}) -> tansu at {tansu}: {BATCHES} batches x {ROWS} rows, acks=all, "
+        "idempotent, linger 5 ms, batch 256 KiB"
     )
     try:
         sink = build_sink(
-            {"type": "kafka", "bootstrap_servers": tansu, "topic": t_sink, **settings}
+            {
+                "type": "kafka",
+                "bootstrap_servers": tansu,
+                "topic": t_sink,
+                "client": client,
+                **settings,
+            }
         )
         sink.init_sink()
 
         def via_sink(b: pa.Table) -> None:
             assert sink.send_batch(b).failed == ()
 
-        producer = KafkaProducer(
-            bootstrap_servers=tansu, acks="all", enable_idempotence=True, **settings
-        )
-
-        def bare(b: pa.Table) -> None:
-            futures = []
-            for row in b.to_pylist():
-                value = json.dumps(
-                    {"id": row["id"], "name": row["name"], "amount": row["amount"]},
-                    separators=(",", ":"),
-                ).encode()
-                headers = [(h["key"], h["value"]) for h in row["__headers"]]
-                futures.append(
-                    producer.send(
-                        t_bare,
-                        value=value,
-                        key=row["__key"],
-                        headers=headers,
-                        timestamp_ms=timestamp_ms(row["__timestamp"]),
-                    )
-                )
-            producer.flush()
-            assert all(f.succeeded() for f in futures)
-
+        make = _bare_confluent if client == "confluent" else _bare_kafka_python
+        bare, close = make(tansu, t_bare, settings)
         try:
-            bare_rate = timed("bare KafkaProducer send + flush", bare, data)
-            sink_rate = timed("KafkaSink.send_batch", via_sink, data)
+            bare_rate = timed(f"bare {client} producer loop", bare, data)
+            sink_rate = timed(f"KafkaSink.send_batch ({client})", via_sink, data)
         finally:
-            producer.close()
+            close()
             sink.cleanup_sink()
-        report("Kafka", sink_rate, bare_rate)
+        report(f"Kafka ({client})", sink_rate, bare_rate)
         assert len(consume_all(tansu, t_sink, timeout_s=120)) == BATCHES * ROWS
         assert len(consume_all(tansu, t_bare, timeout_s=120)) == BATCHES * ROWS
     finally:

@@ -309,7 +309,7 @@ class TransformSpec(_Spec):
         default_factory=dict, description="Output column renames, old -> new."
     )
     pipeline_depth: int = Field(
-        default=2,
+        default=3,
         ge=1,
         le=8,
         description="Sink connectors: how many batches may be in Spark at once, transformed ahead while the "
