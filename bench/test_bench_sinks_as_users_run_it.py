@@ -8,7 +8,8 @@ clock starts) into a fresh target:
 - **conveyor**: a connector spec with default settings (the source, the decoding and the
   sink's required fields only), desired stopped, in a ``dagster dev`` stack;
   ``conveyor connector start`` starts the clock, the scheduler sensor launches the run,
-  progress events are on;
+  progress events are on; ``conveyor/dN``: the same with ``transform.pipeline_depth`` N,
+  ``conveyor+lever``: with a lever of bench/memprobe (``CONVEYOR_BENCH_MEMPROBE`` set);
 - **librdkafka**: bench/contenders/librdkafka_{mysql,redis,kafka}.py, the 30-line
   confluent-kafka loop (``consume(10000)``, ``json.loads``, the sink's writes with its
   default settings, commit per batch, one thread).
@@ -43,9 +44,10 @@ from typing import Any
 
 import pytest
 
+from bench import memory
 from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
-from bench.test_bench_as_users_run_it import SCHEMA, batch_of, depth_of, produce
+from bench.test_bench_as_users_run_it import SCHEMA, batch_of, depth_of, levers_of, produce
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
@@ -293,6 +295,7 @@ def run_conveyor(
     jvm: int | None,
     contender: str = "conveyor",
 ) -> Result:
+    memory.set_levers(levers_of(contender))
     result = Result(contender, time.monotonic(), N, sink=sink)
     return drain_connector(
         stack, result, name, jvm, lambda r, pids: watch(r, target, pids), PROFILE
@@ -339,7 +342,11 @@ def test_sinks_as_users_run_them_vs_librdkafka_loops(
         return KafkaTarget(name, tansu, client)
 
     names = {
-        (s, c, r): f"{s}_{c.replace('-', '_').replace(':', '_').replace('/', '_')}_{r}"
+        (
+            s,
+            c,
+            r,
+        ): f"{s}_{c.replace('-', '_').replace(':', '_').replace('/', '_').replace('+', '_')}_{r}"
         for s in SINKS
         for c in contenders(s)
         for r in rounds

@@ -18,6 +18,8 @@ benchmark before it starts a connector; comma-separated) is read at start-up:
 - ``sysmem``: ``ARROW_DEFAULT_MEMORY_POOL=system`` (Arrow on glibc malloc, not mimalloc);
 - ``trim``: ``malloc_trim(0)`` every second;
 - ``rkstats``: librdkafka statistics every second (the fetch queue's size);
+- ``swN``: ``sys.setswitchinterval(N / 1000)``: the interpreter lock handed between threads
+  every N ms instead of 5 (not memory: the latency of the threads waiting on I/O);
 - ``olda``: the run's allocators as before issue 18's settings: Arrow's own pool
   (``CONVEYOR_ARROW_MEMORY_POOL=arrow``; also glibc's arenas and no trimming, settings of
   commits b42536a-8023ed4 that were measured and dropped); one of them off: ``arrowpool``,
@@ -216,6 +218,9 @@ def _start() -> None:
     levers: set[str] = set()
     with contextlib.suppress(OSError), open(os.path.join(FOLDER, "levers")) as f:
         levers = {x.strip() for x in f.read().split(",") if x.strip()}
+    for lever in levers:
+        if lever.startswith("sw") and lever[2:].isdigit():
+            sys.setswitchinterval(int(lever[2:]) / 1000)
     if "arena2" in levers:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 2)
     for lever in levers:
