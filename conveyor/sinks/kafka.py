@@ -721,12 +721,12 @@ class KafkaSink(Sink):
             self._producer = self._connect()
         out = self.outgoing(batch)
         refused = self._refused(out)  # rows that are not produced, in order
-        self._check_partitions(out, refused)
         n = batch.num_rows
         if self.fail_fast and refused:
             n = min(refused)  # nothing after the first refused row is produced
             refused = {n: refused[n]}
         rows = [i for i in range(n) if i not in refused] if refused else range(n)
+        self._check_partitions(out, rows)
         failures: list[RowFailure] = []
         futures: list[tuple[int, Any]] = []
         while rows:
@@ -789,14 +789,15 @@ class KafkaSink(Sink):
                         refused[i] = RowFailure(i, reason)
         return dict(sorted(refused.items()))
 
-    def _check_partitions(self, out: Outgoing, refused: dict[int, RowFailure]) -> None:
-        """With ``partitioning: source``, every target topic has the rows' partitions
-        (checked before anything is produced)."""
+    def _check_partitions(self, out: Outgoing, rows: Sequence[int]) -> None:
+        """With ``partitioning: source``, the target topics have the partitions of the
+        rows to produce (checked before any is produced)."""
         if self.config.partitioning != "source":
             return
         wanted: dict[str, set[int]] = {}
-        for i, (topic, partition) in enumerate(zip(out.topics, out.partitions, strict=True)):
-            if isinstance(topic, str) and partition is not None and i not in refused:
+        for i in rows:
+            topic, partition = out.topics[i], out.partitions[i]
+            if isinstance(topic, str) and partition is not None:
                 wanted.setdefault(topic, set()).add(partition)
         for topic, needed in wanted.items():
             parts = self._topic_partitions(topic)

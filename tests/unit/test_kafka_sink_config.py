@@ -10,6 +10,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kafka import errors as ke
 
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
@@ -664,6 +666,78 @@ def test_librdkafka_fail_fast_produces_nothing_after_a_refused_record() -> None:
     nokey = pa.table({"value": pa.array([None, b"ok"], pa.binary())})
     s.fail_fast = False
     assert [f.index for f in s.send_batch(nokey).failed] == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.binary(max_size=300)),
+            st.one_of(st.none(), st.binary(max_size=20_000)),
+            st.lists(
+                st.tuples(st.text(max_size=40), st.one_of(st.none(), st.binary(max_size=200))),
+                max_size=4,
+            ),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_the_largest_record_bounds_every_row_s_size_estimate(rows: list[Any]) -> None:
+    """``Outgoing.largest_record`` is at least kafka-python's estimate of every row (what
+    ``too_large`` compares with the topic's limit), so a batch under it needs no row sized."""
+    from kafka.record.default_records import DefaultRecordBatchBuilder
+
+    from conveyor.sinks.kafka import Outgoing
+
+    n = len(rows)
+    out = Outgoing(
+        topics=["t"] * n,
+        values=[v for _, v, _ in rows],
+        keys=[k for k, _, _ in rows],
+        headers=[list(h) or None for _, _, h in rows],
+        stamps=[None] * n,
+        partitions=[None] * n,
+    )
+    bound = out.largest_record()
+    for k, v, h in rows:
+        assert DefaultRecordBatchBuilder.estimate_size_in_bytes(k, v, h) <= bound
+
+
+def test_rows_are_sized_one_by_one_only_when_the_largest_may_pass_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = sink(client="confluent")
+    s.fail_fast = True
+    s._producer = _delivered({})
+    monkeypatch.setattr(s, "topic_limit", lambda topic: 5_000)
+    sized: list[int] = []
+    too_large = s.too_large
+    monkeypatch.setattr(s, "too_large", lambda t, m: sized.append(1) or too_large(t, m))
+    assert s.send_batch(make_batch(50)).failed == ()
+    assert sized == []  # every row fits: none sized
+    result = s.send_batch(make_batch(50, names={7: "x" * 6_000}))
+    assert [f.index for f in result.failed] == [7]
+    assert "max.message.bytes 5000" in result.failed[0].message
+    assert len(sized) == 50  # one may not fit: each row sized, as before
+    assert len(s._producer._p.sent) == 50 + 7  # nothing after the refused row
+
+
+def test_source_partitions_are_checked_before_anything_is_produced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = sink(client="confluent", partitioning="source")
+    s._producer = _delivered({})
+    monkeypatch.setattr(s, "_topic_partitions", lambda topic: {0, 1})
+    batch = make_batch(6)
+    batch = batch.set_column(
+        batch.schema.get_field_index("__partition"),
+        "__partition",
+        pa.array([0, 1, 0, 2, 1, 0], pa.int32()),
+    )
+    with pytest.raises(PermanentSinkError, match="has 2 partition.*needs partition 2"):
+        s.send_batch(batch)
+    assert s._producer._p.sent == []
 
 
 def test_a_spec_with_kafka_python_options_and_no_client_keeps_kafka_python():
