@@ -105,8 +105,8 @@ class ConfluentProducer:
     def send_rows(
         self, out: Outgoing, rows: Sequence[int]
     ) -> tuple[list[tuple[int, Delivery]], tuple[int, Exception] | None]:
-        """``send`` for each of ``rows`` of a batch's records, in order, in one loop: each
-        row's delivery, and the row whose ``produce`` raised (nothing after it is
+        """Produce each of ``rows`` of a batch's records, in order, in one loop: each row's
+        delivery (its future), and the row whose ``produce`` raised (nothing after it is
         produced), if one did."""
         produce = self._p.produce
         topics, values, keys, headers = out.topics, out.values, out.keys, out.headers
@@ -121,7 +121,7 @@ class ConfluentProducer:
                 stamps[i],
                 partitions[i],
             )
-            # Positional (librdkafka's keyword parsing costs a third of the call): topic,
+            # Positional (confluent-kafka's keyword parsing costs a third of the call): topic,
             # value, key, partition (-1: the partitioner's), on_delivery, its alias,
             # timestamp (0: the producer's clock), headers.
             args = (
