@@ -21,7 +21,7 @@ import importlib.util
 import logging
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -692,15 +692,6 @@ class KafkaSink(Sink):
             out.stamps.append(m.get("timestamp_ms"))
             out.partitions.append(m.get("partition"))
         return out
-
-    def messages(
-        self, batch: pa.Table
-    ) -> Iterator[tuple[int, str | templates.TemplateError, dict[str, Any]]]:
-        """Each row's target topic (or why it has none) and ``producer.send`` arguments
-        (``outgoing`` row by row)."""
-        out = self.outgoing(batch)
-        for i, topic in enumerate(out.topics):
-            yield i, topic, {} if isinstance(topic, templates.TemplateError) else out.message(i)
 
     def _sizes_to_check(self, out: Outgoing) -> bool:
         """Whether a row may be above its topic's ``max.message.bytes`` (``too_large``

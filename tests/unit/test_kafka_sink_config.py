@@ -325,9 +325,10 @@ def _row_by_row(s: KafkaSink, batch: pa.Table) -> list[tuple[int, str, dict[str,
 
 
 def _columnar(s: KafkaSink, batch: pa.Table) -> list[tuple[int, str, dict[str, Any]]]:
+    out = s.outgoing(batch)
     return [
-        (i, f"error: {t}" if isinstance(t, TemplateError) else t, m)
-        for i, t, m in s.messages(batch)
+        (i, f"error: {t}", {}) if isinstance(t, TemplateError) else (i, t, out.message(i))
+        for i, t in enumerate(out.topics)
     ]
 
 
