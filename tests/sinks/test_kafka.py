@@ -402,6 +402,44 @@ def test_tombstone_for_a_null_value(client: str, tansu: str, kafka_topic: str) -
     assert [(r.key, r.value) for r in recs] == [(b"a", b"v"), (b"b", None), (None, b"ok")]
 
 
+def test_a_producer_queue_smaller_than_the_batch_waits_for_room(tmp_path: Any) -> None:
+    """librdkafka's local queue holds 7 records, the batch 200: ``produce`` refuses with
+    BufferError and the sink serves delivery reports until there is room, so every row is
+    written once and in order. With the broker gone the queue never drains: the batch fails
+    as an outage within ``max_block_ms``, not a hang."""
+    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+    s = None
+    try:
+        topic = unique("kq")
+        create_topic(broker.bootstrap, topic, partitions=1)
+        s = _sink(
+            client="confluent",
+            bootstrap_servers=broker.bootstrap,
+            topic=topic,
+            max_block_ms=2_000,
+            request_timeout_ms=1_000,
+            delivery_timeout_ms=3_000,
+            client_options={"queue.buffering.max.messages": 7},
+        )
+        waits: list[int] = []
+        wait = s._producer._wait_for_room
+        s._producer._wait_for_room = lambda args: waits.append(1) or wait(args)
+        assert s.send_batch(make_batch(200)).failed == ()
+        assert waits  # the queue was full: produce refused and the sink waited
+        ids = [as_row(r)["id"] for r in consume_all(broker.bootstrap, topic)]
+        assert ids == list(range(200))
+        broker.process.kill()
+        broker.process.wait(5)
+        started = time.monotonic()
+        with pytest.raises(TransientSinkError):
+            s.send_batch(make_batch(50, start=200))
+        assert time.monotonic() - started < 15
+    finally:
+        if s is not None:
+            s.cleanup_sink()
+        broker.stop()
+
+
 def test_broker_lost_after_start_is_transient_and_bounded(client: str, tmp_path: Any) -> None:
     broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
     s = None
