@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from conveyor.brokers.embedded import start_embedded_broker
+from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
 from conveyor.core.errors import PermanentSinkError, TransientSinkError
 from conveyor.sinks import build_sink
 from conveyor.sinks.base import ErrorKind
@@ -180,6 +180,16 @@ def kafka_topic(tansu: str) -> Iterator[str]:
     create_topic(tansu, topic)
     yield topic
     delete_topics(tansu, topic)
+
+
+@pytest.fixture
+def own_broker(tmp_path: Any) -> Iterator[EmbeddedBroker]:
+    """A tansu of the test's own, to kill or stop; stopped when the test ends, pass or fail."""
+    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+    try:
+        yield broker
+    finally:
+        broker.stop()
 
 
 def _sink(**cfg: Any) -> Any:
@@ -402,12 +412,12 @@ def test_tombstone_for_a_null_value(client: str, tansu: str, kafka_topic: str) -
     assert [(r.key, r.value) for r in recs] == [(b"a", b"v"), (b"b", None), (None, b"ok")]
 
 
-def test_a_producer_queue_smaller_than_the_batch_waits_for_room(tmp_path: Any) -> None:
+def test_a_producer_queue_smaller_than_the_batch_waits_for_room(own_broker: EmbeddedBroker) -> None:
     """librdkafka's local queue holds 7 records, the batch 200: ``produce`` refuses with
     BufferError and the sink serves delivery reports until there is room, so every row is
     written once and in order. With the broker gone the queue never drains: the batch fails
     as an outage within ``max_block_ms``, not a hang."""
-    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+    broker = own_broker
     s = None
     try:
         topic = unique("kq")
@@ -437,11 +447,12 @@ def test_a_producer_queue_smaller_than_the_batch_waits_for_room(tmp_path: Any) -
     finally:
         if s is not None:
             s.cleanup_sink()
-        broker.stop()
 
 
-def test_broker_lost_after_start_is_transient_and_bounded(client: str, tmp_path: Any) -> None:
-    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+def test_broker_lost_after_start_is_transient_and_bounded(
+    client: str, own_broker: EmbeddedBroker
+) -> None:
+    broker = own_broker
     s = None
     try:
         topic = unique("kl")
@@ -464,7 +475,6 @@ def test_broker_lost_after_start_is_transient_and_bounded(client: str, tmp_path:
     finally:
         if s is not None:
             s.cleanup_sink()
-        broker.stop()
 
 
 def test_missing_ssl_file_is_permanent(client: str, tansu: str) -> None:
@@ -483,7 +493,7 @@ def test_missing_ssl_file_is_permanent(client: str, tansu: str) -> None:
     s.cleanup_sink()
 
 
-def test_a_broker_stopped_mid_batch_loses_nothing(client: str, tmp_path: Any) -> None:
+def test_a_broker_stopped_mid_batch_loses_nothing(client: str, own_broker: EmbeddedBroker) -> None:
     """tansu is SIGSTOPped while batches are being produced (requests hang, connections stay
     open) for longer than delivery_timeout_ms, then continued. As the runtime does, a batch
     that raised TransientSinkError is sent again whole, and the rows reported unacknowledged
@@ -493,7 +503,7 @@ def test_a_broker_stopped_mid_batch_loses_nothing(client: str, tmp_path: Any) ->
     import signal
     import threading
 
-    broker = start_embedded_broker(log_path=tmp_path / "tansu.log")
+    broker = own_broker
     s = None
     try:
         topic = unique("kstop")
@@ -552,4 +562,3 @@ def test_a_broker_stopped_mid_batch_loses_nothing(client: str, tmp_path: Any) ->
     finally:
         if s is not None:
             s.cleanup_sink()
-        broker.stop()
