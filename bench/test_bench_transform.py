@@ -19,6 +19,12 @@ Two questions, each answered by contenders measured in alternating rounds in one
    with the batch crossing as its rows (a ``LocalRelation`` of them) and as one row
    unnested by ``inline`` (``as_one_row``), two batches in Spark at once as the
    connector runs them: JVM and client CPU per 100,000 rows, rows/s.
+4. **A batch inside its query or as artifacts**
+   (``test_a_batch_inside_its_query_vs_as_artifacts``): the default batch (40,000 rows)
+   at the default depth (3) with the session's ``localRelationCacheThreshold`` at 64 MiB
+   (the batch inside the ExecutePlan request) and at pyspark's default, 1 MiB (uploaded
+   as artifacts first: two more RPCs, which were 29% of a transform thread's wall time in
+   the Kafka sink's profile): rows/s, JVM and client CPU per 100,000 rows.
 
 ```bash
 CONVEYOR_BENCH_OUT=/tmp/transform.json .venv/bin/python -m pytest bench/test_bench_transform.py -m bench -s -n 0
@@ -314,4 +320,48 @@ def test_a_large_batch_as_one_row_vs_as_its_rows(warm_spark_remote: str) -> None
     print("JVM CPU per row, one row / its rows:", results["one_row_vs_rows_jvm_cpu"])
     if OUT:
         with open(OUT.replace(".json", "_one_row.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def cache_threshold(spark: Any, limit: int) -> None:
+    """The session's ``localRelationCacheThreshold``: from that many bytes ``createDataFrame``
+    uploads a table as artifacts before its query (read again by the next call)."""
+    spark.conf.set("spark.sql.session.localRelationCacheThreshold", str(limit))
+    spark.client.get_config_dict.cache.clear()  # conveyor.spark.session.ConfCache
+
+
+def test_a_batch_inside_its_query_vs_as_artifacts(warm_spark_remote: str) -> None:
+    proc, spark = jvm_and_session(warm_spark_remote)
+    default = spark.conf.get("spark.sql.session.localRelationCacheThreshold")
+    t = one_pass(spark)
+    t.prepare()
+    b = batch(40_000)
+    limits = {"inside its query": 64 << 20, "as artifacts": int(default)}
+    results: dict[str, Any] = {"commit": os.popen("git rev-parse --short HEAD").read().strip()}
+    runs: dict[str, list[dict]] = {k: [] for k in limits}
+    try:
+        for limit in limits.values():
+            cache_threshold(spark, limit)
+            for _ in range(5):
+                t(b)
+        for r in range(ROUNDS):
+            for name in list(limits) if r % 2 == 0 else list(reversed(limits)):
+                cache_threshold(spark, limits[name])
+                m = measure(t, b, proc, max(24, BATCHES * BATCH // b.num_rows), 3)
+                m["load"] = load()
+                runs[name].append(m)
+                print(f"round {r} {name}: {m}")
+    finally:
+        cache_threshold(spark, int(default))
+    results["runs"] = runs
+    results["inside_vs_artifacts"] = {
+        key: [
+            i[key] / a[key]
+            for i, a in zip(runs["inside its query"], runs["as artifacts"], strict=True)
+        ]
+        for key in ("rows_per_s", "jvm_cpu_s_per_100k", "client_cpu_s_per_100k")
+    }
+    print("inside its query / as artifacts:", results["inside_vs_artifacts"])
+    if OUT:
+        with open(OUT, "w") as f:
             json.dump(results, f, indent=1)
