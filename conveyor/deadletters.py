@@ -310,10 +310,9 @@ class KafkaDeadLetters:
     def close(self) -> None:
         p, self._producer = self._producer, None
         if p is not None:
-            try:
-                p.close(timeout=5)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                log.debug("error closing the dead-letter producer", exc_info=True)
+            from conveyor.brokers.connection import close_producer
+
+            close_producer(p, timeout=5)
 
 
 def dead_letter_writer(

@@ -11,12 +11,14 @@ kafka-python or confluent-kafka (librdkafka's error names are mapped onto
 kafka-python's classes) means: a record's content (``data``), something no retry fixes
 (``permanent``: authentication, authorization, TLS certificate, an unsupported
 codec or feature, bad configuration, any error the client marks non-retriable),
-or an outage (``transient``).
+or an outage (``transient``). ``close_producer`` closes either client's producer without
+leaving kafka-python's network thread behind.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import ssl
 from collections.abc import Callable
 from typing import Any, Literal
@@ -25,6 +27,8 @@ from conveyor.core.connection import OPTION_NAMES, KafkaConnection
 from conveyor.core.errors import ConfigError
 from conveyor.core.sink import ErrorKind
 from conveyor.secrets import resolve
+
+log = logging.getLogger("conveyor.kafka")
 
 ClientRole = Literal["consumer", "producer", "admin"]
 
@@ -437,6 +441,35 @@ def _librdkafka_error(exc: BaseException) -> Any:
         err = exc.args[0]
         return err if hasattr(err, "fatal") and hasattr(err, "name") else None
     return exc if type(exc).__name__ == "KafkaError" and hasattr(exc, "fatal") else None
+
+
+def close_producer(producer: Any, timeout: float, *, quiet: bool = False) -> None:
+    """Close a producer, delivering what it buffers within ``timeout`` s and abandoning the
+    rest (the batch is sent again); ``quiet``: without kafka-python's closing log lines.
+
+    kafka-python's ``close`` flushes before it stops its network thread, even with timeout
+    0, and raises when records are still in flight: the thread then kept running, with its
+    connections, after the producer was dropped (one per outage, for the process's life).
+    When ``close`` raises, the thread is stopped without sending (``Sender.force_close``:
+    the records left fail) and the producer closed again. Best effort: a producer that
+    cannot be closed is logged.
+    """
+    try:
+        producer.close(timeout=timeout, null_logger=quiet)
+        return
+    except Exception:  # noqa: BLE001 - records in flight; stopped below
+        log.debug("closing the producer within %s s failed", timeout, exc_info=True)
+    network = getattr(producer, "_sender", None)  # kafka-python's I/O thread
+    if network is None:
+        return
+    try:
+        network.force_close()
+        network.join(5)
+        producer.close(timeout=0, null_logger=True)
+    except Exception:  # noqa: BLE001 - closing is best effort
+        log.debug("error closing producer", exc_info=True)
+    if network.is_alive():
+        log.warning("a Kafka producer's network thread did not stop within 5 s")
 
 
 def classify_kafka_error(exc: BaseException) -> ErrorKind:

@@ -19,6 +19,7 @@ from typing import Any
 
 from conveyor.brokers.connection import (
     classify_kafka_error,
+    close_producer,
     describe_kafka_error,
     kafka_python_options,
     tls_problem,
@@ -159,7 +160,4 @@ class DestinationProducer:
         self._drop_admin()
         p, self._producer = self._producer, None
         if p is not None:
-            try:
-                p.close(timeout=5)
-            except Exception:  # noqa: BLE001 - best effort
-                log.debug("closing producer failed", exc_info=True)
+            close_producer(p, timeout=5)

@@ -31,6 +31,7 @@ from pydantic import Field, model_validator
 
 from conveyor.brokers.connection import (
     classify_kafka_error,
+    close_producer,
     describe_kafka_error,
     kafka_python_options,
     tls_handshake_options,
@@ -561,11 +562,8 @@ class KafkaSink(Sink):
         self._limits.clear()
         self._close_admin()
         if p is not None:
-            try:
-                # Records still buffered after a failure are abandoned: the batch is retried.
-                p.close(timeout=0, null_logger=True)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                log.debug("error closing producer", exc_info=True)
+            # Records still buffered after a failure are abandoned: the batch is retried.
+            close_producer(p, timeout=0, quiet=True)
 
     def cleanup_sink(self) -> None:
         p, self._producer = self._producer, None
@@ -573,10 +571,7 @@ class KafkaSink(Sink):
         self._limits.clear()
         self._close_admin()
         if p is not None:
-            try:
-                p.close(timeout=5)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                log.debug("error closing producer", exc_info=True)
+            close_producer(p, timeout=5)
 
     # -- writing ------------------------------------------------------------------------
 

@@ -493,6 +493,64 @@ def test_missing_ssl_file_is_permanent(client: str, tansu: str) -> None:
     s.cleanup_sink()
 
 
+@pytest.mark.parametrize("owner", ["sink", "dead-letters", "source-producer"])
+def test_a_producer_closed_with_records_in_flight_stops_its_network_thread(
+    owner: str, own_broker: EmbeddedBroker
+) -> None:
+    """kafka-python's producers as Conveyor drops them after an outage, while their records
+    are still in flight (the broker hangs): the Kafka sink's, the dead-letter topic's and the
+    source connectors' producer each stop their network thread and connections.
+    kafka-python's ``close`` flushes first, even with timeout 0, and raises with records in
+    flight before stopping that thread: closed that way, every outage left one running for
+    the process's life."""
+    import os
+    import signal
+    import threading
+
+    from conveyor.brokers.producer import DestinationProducer
+    from conveyor.core.connection import KafkaConnection
+    from conveyor.core.source_connector import ProducerSpec
+    from conveyor.deadletters import KafkaDeadLetters
+
+    broker = own_broker
+    topic = unique("kdrop")
+    create_topic(broker.bootstrap, topic)
+    sink = _sink(client="kafka-python", bootstrap_servers=broker.bootstrap, topic=topic)
+    letters = KafkaDeadLetters(KafkaConnection(bootstrap_servers=broker.bootstrap), topic)
+    source = DestinationProducer(
+        ProducerSpec(bootstrap_servers=broker.bootstrap), client_id="conveyor-test"
+    )
+    if owner == "sink":
+        assert sink.send_batch(make_batch(10)).failed == ()
+        producer, close = sink._producer, sink._drop_producer  # as after a failed batch
+    elif owner == "dead-letters":
+        producer, close = letters._get_producer(), letters.close
+    else:
+        source.init()
+        producer, close = source._producer, source.close
+    producer.send(topic, value=b"{}").get(timeout=30)  # connected
+    network = producer._sender
+    assert network.is_alive()
+    try:
+        os.kill(broker.process.pid, signal.SIGSTOP)
+        try:
+            for i in range(100):
+                producer.send(topic, value=b"{}", key=str(i).encode())  # in flight, unanswered
+            close()  # the records are abandoned (the batch is sent again)
+            network.join(10)
+            leaked = [t.name for t in threading.enumerate() if t is network]
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+        assert not leaked, f"the closed producer's network thread still runs: {leaked}"
+        if owner == "sink":
+            assert sink._producer is None
+            assert sink.send_batch(make_batch(10)).failed == ()  # a new producer after it
+    finally:
+        sink.cleanup_sink()
+        letters.close()
+        source.close()
+
+
 def test_a_broker_stopped_mid_batch_loses_nothing(client: str, own_broker: EmbeddedBroker) -> None:
     """tansu is SIGSTOPped while batches are being produced (requests hang, connections stay
     open) for longer than delivery_timeout_ms, then continued. As the runtime does, a batch
