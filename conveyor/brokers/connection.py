@@ -465,7 +465,7 @@ def close_producer(producer: Any, timeout: float, *, quiet: bool = False) -> Non
     try:
         network.force_close()
         network.join(5)
-        producer.close(timeout=0, null_logger=True)
+        producer.close(timeout=0, null_logger=quiet)
     except Exception:  # noqa: BLE001 - closing is best effort
         log.debug("error closing producer", exc_info=True)
     if network.is_alive():
