@@ -378,7 +378,7 @@ class Outgoing:
 
 
 class KafkaSink(Sink):
-    """Produces each row, flushes, then checks every record's future."""
+    """Produces each row, flushes, then checks every record's acknowledgement."""
 
     config_class = KafkaSinkConfig
     config: KafkaSinkConfig
@@ -386,6 +386,7 @@ class KafkaSink(Sink):
     def __init__(self, config: KafkaSinkConfig):
         super().__init__(config)
         self._producer: Any = None
+        self._futures: list[tuple[int, Any]] = []  # kafka-python: each produced row's future
         self._partitions: dict[str, set[int]] = {}
         self._limits: dict[str, int | None] = {}  # topic -> max.message.bytes (None: unknown)
         self._admin: Any = None  # reads the limits (fail_fast), opened on first use
@@ -714,10 +715,11 @@ class KafkaSink(Sink):
         rows = [i for i in range(n) if i not in refused] if refused else range(n)
         self._check_partitions(out, rows)
         failures: list[RowFailure] = []
-        futures: list[tuple[int, Any]] = []
+        self._futures = []
+        produced = 0
         while rows:
             sent, error = self._produce(out, rows)
-            futures.extend(sent)
+            produced += sent
             if error is None:
                 break
             index, e = error
@@ -729,14 +731,11 @@ class KafkaSink(Sink):
             if self.fail_fast:
                 refused = {}  # the rows after this one are not produced either
                 break
-            rows = rows[len(sent) + 1 :]
+            rows = rows[sent + 1 :]
         failures.extend(refused.values())
         self._flush()
         unacked: list[tuple[int, BaseException | None]] = []
-        for index, fut in futures:
-            if fut.succeeded():
-                continue
-            exc = fut.exception if fut.is_done else None
+        for index, exc in self._not_acknowledged():
             if exc is not None and classify_kafka_error(exc) is ErrorKind.DATA:
                 failures.append(RowFailure(index, _describe(exc)))
                 continue
@@ -745,7 +744,7 @@ class KafkaSink(Sink):
             self._drop_producer()
             first = next((e for _, e in unacked if e is not None), None)
             permanent = first is not None and classify_kafka_error(first) is ErrorKind.PERMANENT
-            if len(unacked) == len(futures) or permanent:
+            if len(unacked) == produced or permanent:
                 if first is None:
                     raise TransientSinkError("Kafka did not acknowledge every record of the batch")
                 raise self._error(first, "Kafka did not acknowledge the batch")
@@ -796,20 +795,33 @@ class KafkaSink(Sink):
 
     def _produce(
         self, out: Outgoing, rows: Sequence[int]
-    ) -> tuple[list[tuple[int, Any]], tuple[int, Exception] | None]:
-        """Produce ``rows`` in order: each row's future, and the row whose produce call
-        raised (nothing after it is produced), if one did."""
+    ) -> tuple[int, tuple[int, Exception] | None]:
+        """Produce ``rows`` in order: how many were produced, and the row whose produce
+        call raised (nothing after it is produced), if one did."""
         from conveyor.sinks.kafka_confluent import ConfluentProducer
 
         if isinstance(self._producer, ConfluentProducer):
             return self._producer.send_rows(out, rows)
-        sent: list[tuple[int, Any]] = []
+        sent = 0
         for i in rows:
             try:
-                sent.append((i, self._producer.send(out.topics[i], **out.message(i))))
+                self._futures.append((i, self._producer.send(out.topics[i], **out.message(i))))
             except Exception as e:  # noqa: BLE001 - the caller classifies it
                 return sent, (i, e)
+            sent += 1
         return sent, None
+
+    def _not_acknowledged(self) -> list[tuple[int, BaseException | None]]:
+        """After the flush: the rows produced in this batch that were not acknowledged, with
+        their error (None: no report, kafka-python's future not done)."""
+        from conveyor.sinks.kafka_confluent import ConfluentProducer
+
+        if isinstance(self._producer, ConfluentProducer):
+            return sorted(self._producer.take_failures(), key=lambda f: f[0])
+        futures, self._futures = self._futures, []
+        return [
+            (i, fut.exception if fut.is_done else None) for i, fut in futures if not fut.succeeded()
+        ]
 
     def _flush(self) -> None:
         # delivery_timeout_ms already bounds every record; the margin only covers the flush call.

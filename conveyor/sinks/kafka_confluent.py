@@ -2,12 +2,19 @@
 
 Record encoding, batching, compression and the partitioner run in librdkafka's C
 threads, outside the GIL; Python only calls ``produce`` per row, in one loop over the
-batch's records (``send_rows``: each row a future, where kafka-python's ``send`` is
-called per row). ``ConfluentProducer`` gives the librdkafka producer the other
-kafka-python ``KafkaProducer`` calls the sink makes (``flush``, ``partitions_for``,
-``close``), so everything else in ``conveyor.sinks.kafka`` (message building, templates,
-routing, the failure semantics) is shared by both clients. Each record's delivery report
-settles its future: per-row acknowledgement, as kafka-python's futures give it.
+batch's records (``send_rows``, where kafka-python's ``send`` is called per row).
+``ConfluentProducer`` gives the librdkafka producer the other kafka-python
+``KafkaProducer`` calls the sink makes (``flush``, ``partitions_for``, ``close``), so
+everything else in ``conveyor.sinks.kafka`` (message building, templates, routing, the
+failure semantics) is shared by both clients.
+
+Acknowledgement is per row, as kafka-python's futures give it, without a Python object or
+call per delivered record: each row is produced with its index's reporter (``_Report``,
+made once per index and reused by every batch), and ``delivery.report.only.error`` has
+confluent-kafka call it only for a record that failed. Once ``flush`` returned with
+nothing left in the queue, every record was either acknowledged or reported failed
+(``take_failures``). A delivery report object per row cost the loop's thread three times
+the CPU of the rest of ``send_rows`` (docs/sinks/kafka.md).
 
 The connection becomes librdkafka properties in
 ``conveyor.brokers.connection.librdkafka_config`` (the source's mapping);
@@ -54,6 +61,8 @@ def producer_config(c: KafkaSinkConfig) -> dict[str, Any]:
         "partitioner": "murmur2_random",
         # A batch is produced whole before one flush: room for large batches in the queue.
         "queue.buffering.max.messages": 2_000_000,
+        # Delivery reports reach Python for failed records only (ConfluentProducer).
+        "delivery.report.only.error": True,
         **librdkafka_config(c, prefix="sink", client_options=True),
     }
 
@@ -64,35 +73,35 @@ def admin_config(c: KafkaSinkConfig) -> dict[str, Any]:
     return {"log.connection.close": False, "logger": log, **conf}
 
 
-class Delivery:
-    """A record's delivery report, as a kafka-python future: ``is_done``, ``exception``,
-    ``succeeded()``."""
+class _Report:
+    """Row ``row``'s delivery report: records a failure (with ``delivery.report.only.error``
+    confluent-kafka calls it for failures only; a success is ignored either way)."""
 
-    __slots__ = ("exception", "is_done")
+    __slots__ = ("failures", "row")
 
-    def __init__(self) -> None:
-        self.is_done = False
-        self.exception: BaseException | None = None
+    def __init__(self, row: int, failures: list[tuple[int, BaseException]]):
+        self.row = row
+        self.failures = failures
 
     def __call__(self, err: Any, _msg: Any) -> None:
         if err is not None:
             from confluent_kafka import KafkaException
 
-            self.exception = KafkaException(err)
-        self.is_done = True
-
-    def succeeded(self) -> bool:
-        return self.is_done and self.exception is None
+            self.failures.append((self.row, KafkaException(err)))
 
 
 class ConfluentProducer:
     """A librdkafka producer behind the calls the sink makes of kafka-python's."""
 
-    def __init__(self, c: KafkaSinkConfig, conf: dict[str, Any]):
-        from confluent_kafka import Producer
-
+    def __init__(self, c: KafkaSinkConfig, conf: dict[str, Any], *, client: Any = None):
         self.config = c
-        self._p = Producer({**conf, "error_cb": self._on_error})
+        self._failures: list[tuple[int, BaseException]] = []
+        self._reports: list[_Report] = []  # row i's reporter at index i
+        if client is None:
+            from confluent_kafka import Producer
+
+            client = Producer({**conf, "error_cb": self._on_error})
+        self._p = client
 
     def _on_error(self, err: Any) -> None:
         # Outages are retried by librdkafka and end in the records' delivery reports.
@@ -104,16 +113,20 @@ class ConfluentProducer:
 
     def send_rows(
         self, out: Outgoing, rows: Sequence[int]
-    ) -> tuple[list[tuple[int, Delivery]], tuple[int, Exception] | None]:
-        """Produce each of ``rows`` of a batch's records, in order, in one loop: each row's
-        delivery (its future), and the row whose ``produce`` raised (nothing after it is
-        produced), if one did."""
+    ) -> tuple[int, tuple[int, Exception] | None]:
+        """Produce each of ``rows`` of a batch's records, in order, in one loop: how many
+        were produced, and the row whose ``produce`` raised (nothing after it is
+        produced), if one did. Failed deliveries are reported by ``take_failures`` after
+        ``flush``."""
         produce = self._p.produce
         topics, values, keys, headers = out.topics, out.values, out.keys, out.headers
         stamps, partitions = out.stamps, out.partitions
-        sent: list[tuple[int, Delivery]] = []
+        reports = self._reports
+        if len(out.topics) > len(reports):
+            failures = self._failures
+            reports.extend(_Report(i, failures) for i in range(len(reports), len(out.topics)))
+        sent = 0
         for i in rows:
-            d = Delivery()
             topic, value, key, ts, partition = (
                 topics[i],
                 values[i],
@@ -129,7 +142,7 @@ class ConfluentProducer:
                 value,
                 key,
                 -1 if partition is None else partition,
-                d,
+                reports[i],
                 None,
                 0 if ts is None else ts,
                 headers[i],
@@ -143,8 +156,15 @@ class ConfluentProducer:
                     self._wait_for_room(args)
             except Exception as e:  # noqa: BLE001 - the sink classifies it
                 return sent, (i, e)
-            sent.append((i, d))
+            sent += 1
         return sent, None
+
+    def take_failures(self) -> list[tuple[int, BaseException]]:
+        """The rows whose delivery failed since the last call, with librdkafka's error, in
+        report order. After ``flush`` returned, every other row produced was acknowledged."""
+        failures = self._failures.copy()
+        self._failures.clear()  # in place: every reporter holds this list
+        return failures
 
     def _wait_for_room(self, args: tuple[Any, ...]) -> None:
         # The local queue is full: serve delivery reports until there is room, at most

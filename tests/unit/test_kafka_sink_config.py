@@ -589,9 +589,11 @@ def test_librdkafka_client_options_are_librdkafka_names() -> None:
     sink(client="confluent", compression="snappy").validate()
 
 
-def _delivered(fail: dict[int, int]) -> Any:
+def _delivered(fail: dict[int, int], *, only_errors: bool = False) -> Any:
     """A ConfluentProducer whose librdkafka producer reports each record delivered, except
-    the records in ``fail`` (index -> librdkafka error code), at flush."""
+    the records in ``fail`` (index -> librdkafka error code), at flush (a report for every
+    record, as without ``delivery.report.only.error``, whose successes are ignored; with
+    ``only_errors``, for the failed records only, as librdkafka with it)."""
     from confluent_kafka import KafkaError
 
     from conveyor.sinks.kafka_confluent import ConfluentProducer
@@ -600,6 +602,7 @@ def _delivered(fail: dict[int, int]) -> Any:
         def __init__(self) -> None:
             self.queued: list[Any] = []
             self.sent: list[bytes] = []
+            self.fail = fail
 
         def produce(self, topic: str, value: bytes | None, *args: Any) -> None:
             # librdkafka's positional order: key, partition, on_delivery, ...
@@ -608,16 +611,15 @@ def _delivered(fail: dict[int, int]) -> Any:
 
         def flush(self, timeout: float) -> int:
             for n, cb in enumerate(self.queued):
-                cb(KafkaError(fail[n]) if n in fail else None, None)
+                if n in self.fail or not only_errors:
+                    cb(KafkaError(self.fail[n]) if n in self.fail else None, None)
             self.queued = []
             return 0
 
         def purge(self, **kw: Any) -> None:
             pass
 
-    p = ConfluentProducer.__new__(ConfluentProducer)
-    p._p = _Rd()
-    return p
+    return ConfluentProducer(sink(client="confluent").config, {}, client=_Rd())
 
 
 def test_librdkafka_delivery_reports_are_per_row() -> None:
@@ -642,6 +644,34 @@ def test_librdkafka_delivery_reports_are_per_row() -> None:
     s._producer = _delivered({0: KafkaError.TOPIC_AUTHORIZATION_FAILED})
     with pytest.raises(PermanentSinkError, match="TOPIC_AUTHORIZATION_FAILED"):
         s.send_batch(make_batch(2))
+
+
+def test_librdkafka_failure_reports_name_their_rows_batch_after_batch() -> None:
+    """With failures reported alone (``delivery.report.only.error``, the producer's config),
+    each names its row through the row's reporter, reused by every batch; a batch's
+    failures do not carry over to the next."""
+    from confluent_kafka import KafkaError
+
+    from conveyor.sinks.base import ErrorKind
+    from conveyor.sinks.kafka_confluent import producer_config
+
+    assert producer_config(sink(client="confluent").config)["delivery.report.only.error"] is True
+    s = sink(client="confluent")
+    producer = _delivered(
+        {3: KafkaError.MSG_SIZE_TOO_LARGE, 7: KafkaError.INVALID_RECORD}, only_errors=True
+    )
+    s._producer = producer
+    assert [(f.index, f.kind) for f in s.send_batch(make_batch(10)).failed] == [
+        (3, ErrorKind.DATA),
+        (7, ErrorKind.DATA),
+    ]
+    reports = producer._reports
+    producer._p.fail = {}
+    assert s.send_batch(make_batch(5)).failed == ()  # nothing from the batch before
+    producer._p.fail = {12: KafkaError._MSG_TIMED_OUT}
+    result = s.send_batch(make_batch(40))
+    assert [(f.index, f.kind) for f in result.failed] == [(12, ErrorKind.TRANSIENT)]
+    assert producer._reports is reports and len(reports) == 40  # made once per index
 
 
 def test_librdkafka_fail_fast_produces_nothing_after_a_refused_record() -> None:
