@@ -311,14 +311,15 @@ _PER_MS = {"s": None, "ms": 1, "us": 1_000, "ns": 1_000_000}
 
 def epoch_ms(column: pa.ChunkedArray | pa.Array) -> list[int | None]:
     """A timestamp column as epoch milliseconds (floored, as ``timestamp_ms``)."""
-    unit = column.type.unit
-    raw = column.cast(pa.int64()).to_pylist()
-    per_ms = _PER_MS[unit]
+    per_ms = _PER_MS[column.type.unit]
+    raw = column.cast(pa.int64())
     if per_ms is None:
-        return [None if v is None else v * 1000 for v in raw]
+        return [None if v is None else v * 1000 for v in raw.to_pylist()]
     if per_ms == 1:
-        return raw
-    return [None if v is None else v // per_ms for v in raw]
+        return raw.to_pylist()
+    if (pc.min(raw).as_py() or 0) >= 0:  # Arrow's integer division truncates: floors here
+        return pc.divide(raw, per_ms).to_pylist()
+    return [None if v is None else v // per_ms for v in raw.to_pylist()]
 
 
 def _any_header(batch: pa.Table) -> bool:

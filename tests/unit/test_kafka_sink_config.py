@@ -387,6 +387,12 @@ def test_columnar_messages_of_odd_rows() -> None:
     assert got[0][2]["timestamp_ms"] == -1  # floored, like timestamp_ms
     assert got[1][2]["timestamp_ms"] == timestamp_ms(BASE_TS) + 1
     assert got[0][2]["headers"] == [("h", b"")]
+    after = _columnar(sink(), _odd_batch().slice(1))  # none before the epoch: Arrow divides
+    assert [m.get("timestamp_ms") for _, _, m in after] == [
+        timestamp_ms(BASE_TS) + 1,
+        None,
+        timestamp_ms(BASE_TS),
+    ]
 
 
 def test_timestamp_ms_is_exact() -> None:

@@ -109,3 +109,41 @@ def test_any_values(ints, floats, texts, name) -> None:  # type: ignore[no-untyp
         }
     )
     assert json_objects(table) == per_row(table)
+
+
+def test_doubles_as_repr_writes_them_over_random_bit_patterns_and_ranges() -> None:
+    """Arrow writes the doubles it writes in fixed notation within repr's fixed range; every
+    other value is repr's own: the same text for any finite double."""
+    import numpy as np
+
+    rng = np.random.default_rng(18)
+    bits = rng.integers(0, 2**64, 200_000, dtype=np.uint64).view(np.float64)
+    values = np.concatenate(
+        [
+            bits[np.isfinite(bits)],
+            rng.uniform(-1e6, 1e6, 50_000),
+            np.round(rng.uniform(-1e6, 1e6, 50_000), 2),
+            rng.integers(-(10**17), 10**17, 50_000).astype(np.float64),
+            10.0 ** np.arange(-30, 30),
+            -(10.0 ** np.arange(-30, 30)),
+            [0.0, -0.0, 5e-324, 1e-4, 9.999999999999999e-05, 1e15, 9999999999999998.0, 1e16],
+        ]
+    )
+    column = pa.array(values)
+    table = pa.table({"x": column})
+    assert json_objects(table) == [f'{{"x":{float.__repr__(v)}}}'.encode() for v in values.tolist()]
+
+
+def test_sliced_chunked_and_empty_columns() -> None:
+    table = pa.table(
+        {
+            "f": pa.array([1.0, None, 2.5e-7, 3e20, 4.0], pa.float64()),
+            "g": pa.array([0.1, None, 1.0, 2.0, None], pa.float32()),
+            "b": pa.array([True, None, False, True, None]),
+            "s": pa.array(["a", "é", None, "b", "c"], pa.large_string()),
+            "n": pa.array([None] * 5, pa.string()),
+        }
+    )
+    for t in (table, table.slice(1, 3), pa.concat_tables([table.slice(0, 2), table.slice(2)])):
+        assert json_objects(t) == per_row(t)
+    assert json_objects(table.slice(0, 0)) == []
