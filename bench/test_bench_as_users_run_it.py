@@ -55,6 +55,8 @@ N = int(os.environ.get("CONVEYOR_BENCH_USERS_N", "400000"))
 ROUNDS = int(os.environ.get("CONVEYOR_BENCH_USERS_ROUNDS", "2"))
 LATENCY_RATE = int(os.environ.get("CONVEYOR_BENCH_LATENCY_RATE", "10000"))
 LATENCY_S = float(os.environ.get("CONVEYOR_BENCH_LATENCY_S", "30"))
+# Latency measurements per contender, one after another (each its own connector and table).
+LATENCY_REPEATS = int(os.environ.get("CONVEYOR_BENCH_LATENCY_REPEATS", "1"))
 # conveyor-<client>: the connector with that source.client (conveyor: the default client).
 CONTENDERS = os.environ.get(
     "CONVEYOR_BENCH_CONTENDERS", "conveyor-confluent,conveyor-kafka-python,librdkafka,quixstreams"
@@ -286,9 +288,14 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
     rounds = [f"r{i}_{tag}" for i in range(ROUNDS)]
     conveyors = [c for c in CONTENDERS if client_of(c) != ""]
     table_of = {(c, r): f"conv_{label_of(c)}_{r}" for c in conveyors for r in rounds}
-    latency_names = {c: f"lat_{label_of(c)}_{tag}" for c in conveyors if LATENCY_S > 0}
+    latency_names = {
+        (c, k): f"lat_{label_of(c)}_{tag}_{k}"
+        for c in conveyors
+        for k in range(LATENCY_REPEATS)
+        if LATENCY_S > 0
+    }
     specs = [spec(n, f"t_{n}", pg_url, pg_schema, c) for (c, _), n in table_of.items()] + [
-        spec(n, f"t_{n}", pg_url, pg_schema, c) for c, n in latency_names.items()
+        spec(n, f"t_{n}", pg_url, pg_schema, c) for (c, _), n in latency_names.items()
     ]
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
@@ -320,11 +327,16 @@ def test_connector_as_users_run_it_vs_librdkafka_and_quixstreams(
                 if memory.PROBE:
                     res.memory = memory.summary(res.run_pid)
                     print(memory.describe(res.memory))
-        latency = {}
-        for c, name in latency_names.items():
-            latency[c] = conveyor_latency(stack, name, tansu, pg_url, pg_schema, jvm)
-        if "librdkafka" in CONTENDERS and LATENCY_S > 0:
-            latency["librdkafka"] = script_latency(tansu, pg_url, pg_schema, tmp_path)
+        latency: dict[str, list[tuple[float, float, int, float]]] = {}
+        for k in range(LATENCY_REPEATS if LATENCY_S > 0 else 0):
+            for c in conveyors:
+                measured = conveyor_latency(
+                    stack, latency_names[c, k], tansu, pg_url, pg_schema, jvm
+                )
+                latency.setdefault(c, []).append(measured)
+            if "librdkafka" in CONTENDERS:
+                measured = script_latency(tansu, pg_url, pg_schema, tmp_path)
+                latency.setdefault("librdkafka", []).append(measured)
     report(results, latency, loads)
 
 
@@ -413,12 +425,12 @@ def script_latency(
 
 def report(
     results: dict[str, list[Result]],
-    latency: dict[str, tuple[float, float, int, float]],
+    latency: dict[str, list[tuple[float, float, int, float]]],
     loads: list[tuple[int, str, tuple[float, float, float]]] | None = None,
 ) -> None:
     """The issue's table (markdown, printed; JSON to $CONVEYOR_BENCH_OUT): per contender the
     median and every round of steady and start-up-included rows/s, CPU s per 100K rows per
-    process, peak RSS per process, p50/p99 latency at a steady rate, every round's ratio
+    process, peak RSS per process, p50/p99 latency at a steady rate (each measurement), every round's ratio
     against the librdkafka loop."""
 
     def med(xs: list[float]) -> float:
@@ -471,7 +483,7 @@ def report(
             f" | {med(total):,.0f} ({', '.join(f'{x:,.0f}' for x in total)})"
             f" | {', '.join(f'{k} {v:.2f}' for k, v in cpu.items())}"
             f" | {', '.join(f'{k} {v:.0f}' for k, v in rss.items())}"
-            f" | {f'{lat[0]:.0f} / {lat[1]:.0f}' if lat else '-'}"
+            f" | {'; '.join(f'{x[0]:.0f} / {x[1]:.0f}' for x in lat) if lat else '-'}"
             f" | {', '.join(f'{x:.2f}' for x in ratios) or '-'}"
             f" | {', '.join(f'{x:.2f}' for x in totals) or '-'} |"
         )
