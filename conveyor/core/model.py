@@ -309,13 +309,13 @@ class TransformSpec(_Spec):
         default_factory=dict, description="Output column renames, old -> new."
     )
     pipeline_depth: int = Field(
-        default=3,
+        default=4,
         ge=1,
         le=8,
         description="Sink connectors: how many batches may be in Spark at once, transformed ahead while the "
         "loop sends the one before (sends and commits stay in source order). 1: one Spark round trip at a "
-        "time. Each batch ahead is held in the run process's memory (the third: about 10 MB more peak RSS at "
-        "40,000 records of four fields, docs/BENCHMARKS.md run AG). Source connectors transform one batch "
+        "time. Each batch ahead is held in the run process's memory (the fourth: 10-18 MB more peak RSS at "
+        "40,000 records of four fields, docs/BENCHMARKS.md run AU). Source connectors transform one batch "
         "at a time.",
     )
 
