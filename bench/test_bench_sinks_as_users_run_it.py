@@ -47,7 +47,14 @@ import pytest
 from bench import memory
 from bench.drain import Pids, Result, drain_connector, sample_until_done
 from bench.stack import DevStack, dev_stack, listening_pid
-from bench.test_bench_as_users_run_it import SCHEMA, batch_of, depth_of, levers_of, produce
+from bench.test_bench_as_users_run_it import (
+    SCHEMA,
+    batch_of,
+    depth_of,
+    levers_of,
+    produce,
+    source_options_of,
+)
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(7200)]
@@ -204,7 +211,6 @@ class KafkaTarget(Target):
     def __init__(self, name: str, bootstrap: str, client: str | None = None):
         self.topic, self.bootstrap, self.client = f"out_{name}", bootstrap, client
         self.rows = 0
-        self.ids: set[int] = set()
         self.consumer: Any = None
 
     def sink(self) -> dict[str, Any]:
@@ -232,20 +238,45 @@ class KafkaTarget(Target):
         self.consumer.assign([TopicPartition(self.topic, p, 0) for p in (0, 1)])
 
     def count(self) -> int:
-        while True:
+        """Records read from the topic so far: at most four ``consume`` calls per sample
+        (looping until the topic was drained kept the sampler in here for a whole drain
+        while it was being written). Not the high watermarks: tansu's ListOffsets answers
+        the last batch's first offset (below the end by a batch), partition-EOF events the
+        end."""
+        for _ in range(4):
             msgs = self.consumer.consume(50_000, timeout=0.05)
-            for m in msgs:
-                if m.error() is None:
-                    self.rows += 1
-                    self.ids.add(json.loads(m.value())["id"])
+            self.rows += sum(1 for m in msgs if m.error() is None)
             if len(msgs) < 50_000:
-                return self.rows
+                break
+        return self.rows
 
     def distinct_ids(self) -> tuple[int, int]:
-        deadline = time.monotonic() + 3  # anything written after the N-th row (duplicates)
-        while time.monotonic() < deadline:
-            self.count()
-        return self.rows, len(self.ids & set(range(N)))
+        """Every record in the topic (read again from the start to both partitions' ends)
+        and the ids among them."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        reader = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"ids_{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+            }
+        )
+        reader.assign([TopicPartition(self.topic, p, 0) for p in (0, 1)])
+        rows, ids, ends = 0, set(), set()
+        deadline = time.monotonic() + 120
+        try:
+            while len(ends) < 2 and time.monotonic() < deadline:
+                for m in reader.consume(50_000, timeout=1):
+                    if m.error() is not None:
+                        ends.add(m.partition())
+                    else:
+                        rows += 1
+                        ids.add(json.loads(m.value())["id"])
+        finally:
+            reader.close()
+        return rows, len(ids & set(range(N)))
 
     def close(self) -> None:
         if self.consumer is not None:
@@ -281,7 +312,7 @@ def spec(name: str, target: Target, contender: str = "conveyor") -> dict[str, An
         "name": name,
         "desired": "stopped",
         **batch_of(contender),
-        "source": {"topics": [f"t_{name}"]},
+        "source": {"topics": [f"t_{name}"], **source_options_of(contender)},
         "transform": {"decode": "json", "schema": SCHEMA, **depth_of(contender)},
         "sink": target.sink(),
     }
