@@ -265,6 +265,7 @@ class KafkaTarget(Target):
         )
         reader.assign([TopicPartition(self.topic, p, 0) for p in (0, 1)])
         rows, ids, ends = 0, set(), set()
+        seven: dict[str, Any] = {}
         deadline = time.monotonic() + 120
         try:
             while len(ends) < 2 and time.monotonic() < deadline:
@@ -273,9 +274,13 @@ class KafkaTarget(Target):
                         ends.add(m.partition())
                     else:
                         rows += 1
-                        ids.add(json.loads(m.value())["id"])
+                        row = json.loads(m.value())
+                        ids.add(row["id"])
+                        if row["id"] == 7:
+                            seven = row
         finally:
             reader.close()
+        assert (seven["name"], seven["amount"]) == ("name 7", 3.5), seven
         return rows, len(ids & set(range(N)))
 
     def close(self) -> None:
