@@ -17,8 +17,9 @@ clock starts) into a fresh target:
 The targets: a MySQL table created beforehand (plain INSERT, the sink's default), rows
 counted with ``count(*)``; ``HSET <prefix>:<id> name .. amount .. ts ..`` in a Redis
 database of its own (counted with ``DBSIZE``); a Kafka topic of 2 partitions, counted by
-a consumer reading it from the start (tansu answers ListOffsets from record batches,
-not records: docs/DESIGN.md). Every 0.2 s; **steady** rows/s is between 20% and 90% of
+a consumer reading it from the start, at most four ``consume`` calls of 50,000 per
+sample, not decoded (tansu answers ListOffsets from record batches, not records:
+docs/DESIGN.md), its ids and the record of id 7 read again afterwards. Every 0.2 s; **steady** rows/s is between 20% and 90% of
 ``N``. CPU seconds per 100,000 rows over the steady window per process (Conveyor's run
 process and the Spark Connect JVM; the loop's process); peak RSS. Each round alternates
 the order. Afterwards every target must hold exactly ``N`` distinct ids (the benchmark
