@@ -9,7 +9,8 @@ clock starts) into a fresh target:
   sink's required fields only), desired stopped, in a ``dagster dev`` stack;
   ``conveyor connector start`` starts the clock, the scheduler sensor launches the run,
   progress events are on; ``conveyor/dN``: the same with ``transform.pipeline_depth`` N,
-  ``conveyor+lever``: with a lever of bench/memprobe (``CONVEYOR_BENCH_MEMPROBE`` set);
+  ``conveyor+lever``: with a lever of bench/memprobe (``CONVEYOR_BENCH_MEMPROBE`` set)
+  or a librdkafka source option (``+fN``, ``+mN``, ``+qN``: bench/test_bench_as_users_run_it.py);
 - **librdkafka**: bench/contenders/librdkafka_{mysql,redis,kafka}.py, the 30-line
   confluent-kafka loop (``consume(10000)``, ``json.loads``, the sink's writes with its
   default settings, commit per batch, one thread).
@@ -19,8 +20,8 @@ counted with ``count(*)``; ``HSET <prefix>:<id> name .. amount .. ts ..`` in a R
 database of its own (counted with ``DBSIZE``); a Kafka topic of 2 partitions, counted by
 a consumer reading it from the start, at most four ``consume`` calls of 50,000 per
 sample, not decoded (tansu answers ListOffsets from record batches, not records:
-docs/DESIGN.md), its ids and the record of id 7 read again afterwards. Every 0.2 s; **steady** rows/s is between 20% and 90% of
-``N``. CPU seconds per 100,000 rows over the steady window per process (Conveyor's run
+docs/DESIGN.md), its ids and the record of id 7 read again afterwards. Every 0.2 s;
+**steady** rows/s is between 20% and 90% of ``N``. CPU seconds per 100,000 rows over the steady window per process (Conveyor's run
 process and the Spark Connect JVM; the loop's process); peak RSS. Each round alternates
 the order. Afterwards every target must hold exactly ``N`` distinct ids (the benchmark
 fails if rows are lost).
@@ -254,7 +255,7 @@ class KafkaTarget(Target):
     def distinct_ids(self) -> tuple[int, int]:
         """Every record in the topic (read again from the start to both partitions' ends)
         and the ids among them."""
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
         reader = Consumer(
             {
@@ -271,16 +272,20 @@ class KafkaTarget(Target):
         try:
             while len(ends) < 2 and time.monotonic() < deadline:
                 for m in reader.consume(50_000, timeout=1):
-                    if m.error() is not None:
+                    err = m.error()
+                    if err is not None and err.code() == KafkaError._PARTITION_EOF:
                         ends.add(m.partition())
-                    else:
-                        rows += 1
-                        row = json.loads(m.value())
-                        ids.add(row["id"])
-                        if row["id"] == 7:
-                            seven = row
+                        continue
+                    if err is not None:
+                        raise KafkaException(err)
+                    rows += 1
+                    row = json.loads(m.value())
+                    ids.add(row["id"])
+                    if row["id"] == 7:
+                        seven = row
         finally:
             reader.close()
+        assert len(ends) == 2, f"{self.topic}: not read to its end in 120 s"
         assert (seven["name"], seven["amount"]) == ("name 7", 3.5), seven
         return rows, len(ids & set(range(N)))
 
