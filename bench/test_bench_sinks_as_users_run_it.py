@@ -10,7 +10,8 @@ clock starts) into a fresh target:
   ``conveyor connector start`` starts the clock, the scheduler sensor launches the run,
   progress events are on; ``conveyor/dN``: the same with ``transform.pipeline_depth`` N,
   ``conveyor+lever``: with a lever of bench/memprobe (``CONVEYOR_BENCH_MEMPROBE`` set)
-  or a librdkafka source option (``+fN``, ``+mN``, ``+qN``: bench/test_bench_as_users_run_it.py);
+  or a librdkafka source option (``+fN``, ``+mN``, ``+qN``, as in
+  bench/test_bench_as_users_run_it.py);
 - **librdkafka**: bench/contenders/librdkafka_{mysql,redis,kafka}.py, the 30-line
   confluent-kafka loop (``consume(10000)``, ``json.loads``, the sink's writes with its
   default settings, commit per batch, one thread).
@@ -21,8 +22,9 @@ database of its own (counted with ``DBSIZE``); a Kafka topic of 2 partitions, co
 a consumer reading it from the start, at most four ``consume`` calls of 50,000 per
 sample, not decoded (tansu answers ListOffsets from record batches, not records:
 docs/DESIGN.md), its ids and the record of id 7 read again afterwards. Every 0.2 s;
-**steady** rows/s is between 20% and 90% of ``N``. CPU seconds per 100,000 rows over the steady window per process (Conveyor's run
-process and the Spark Connect JVM; the loop's process); peak RSS. Each round alternates
+**steady** rows/s is between 20% and 90% of ``N``. CPU seconds per 100,000 rows over the
+steady window per process (Conveyor's run process and the Spark Connect JVM; the loop's
+process); peak RSS. Each round alternates
 the order. Afterwards every target must hold exactly ``N`` distinct ids (the benchmark
 fails if rows are lost).
 
