@@ -9,7 +9,7 @@ a run holds beyond this is Dagster's run and the pipeline (docs/BENCHMARKS.md, r
     .venv/bin/python -m bench.memory_floor                      # starts a local Connect server
     .venv/bin/python -m bench.memory_floor sc://127.0.0.1:15002 [batches]
 
-Arrow runs on the system allocator, as in a run (``conveyor/jobs/allocators.py``).
+The allocators are set as a run sets them (``conveyor/jobs/allocators.py``).
 Not a test.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -58,12 +57,11 @@ class Ledger:
 
 
 def orders_batch(rows: int) -> object:
+    from bench.harness import order
     from conveyor.brokers.confluent import TIMESTAMP_TYPES
     from conveyor.brokers.kafka import columns_to_table
 
-    values: list[bytes | None] = [
-        json.dumps({"id": i, "name": f"name {i}", "amount": i * 0.5}).encode() for i in range(rows)
-    ]
+    values: list[bytes | None] = [json.dumps(order(i)).encode() for i in range(rows)]
     return columns_to_table(
         topics=["orders"] * rows,
         partitions=[i % 2 for i in range(rows)],
@@ -83,9 +81,11 @@ def measure(remote: str, batches: int) -> None:
         importlib.import_module(name)
         ledger.mark(f"import {name}")
     from conveyor.core.model import TransformSpec
+    from conveyor.jobs.allocators import use_run_allocators
     from conveyor.spark.session import spark_session
     from conveyor.spark.transform import SparkTransformer
 
+    use_run_allocators()  # Arrow's pool and glibc's mmap threshold, as a run sets them
     session = spark_session(remote)
     ledger.mark("Spark Connect session")
     transform = SparkTransformer(
@@ -104,7 +104,6 @@ def measure(remote: str, batches: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     batches = int(argv[1]) if len(argv) > 1 else 3
     if argv:
         measure(argv[0], batches)
