@@ -1,11 +1,18 @@
 """HTTP webhook source (opaque): JSON posts, answered 2xx only once their batch is stored.
 
-A small Starlette app on uvicorn, in a thread of the run. A request's messages (a JSON
-object, or an array of objects: one message each) get sequence numbers and wait in
-memory; ``poll`` hands out those after the stored state's sequence number;
-``commit`` answers the requests whose messages the state covers with 200. A request
-whose batch is not stored within ``ack_timeout_s`` (or whose run stops) gets 503, and
-the sender retries: at least once. A full buffer answers 429.
+A small Starlette app on uvicorn (h11), in a thread of the run. A request's messages (a
+JSON object, or an array of objects: one message each) get sequence numbers and wait in
+memory; ``poll`` hands out those after the stored state's sequence number; ``commit``
+answers the requests whose messages the state covers with 200. A request whose batch is
+not stored within ``ack_timeout_s`` (or whose run stops) gets 503, and the sender
+retries: at least once. A full buffer answers 429.
+
+Made for the open internet: authentication is required (``auth``, checked in constant
+time; ``conveyor.sources.webhook_auth``), the body is read against ``max_body_bytes``
+and a deadline while it streams in (413 / 408, the connection closed, nothing more
+buffered), a new connection must send its request head within ``header_timeout_s``,
+requests beyond ``max_concurrent_requests`` get 503, and a body that is not strict
+JSON (NaN and Infinity included) gets 400 with a short reason.
 """
 
 from __future__ import annotations
@@ -16,26 +23,64 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core.errors import PermanentSourceError
+from conveyor.core.errors import PermanentSourceError, rule
+from conveyor.core.references import known_now
 from conveyor.core.routing import SourceMode
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
+from conveyor.sources.webhook_auth import AuthMode, needs_body, verifier
 
 
 class WebhookConfig(SourceConfig):
-    """An HTTP endpoint that accepts JSON posts."""
+    """An HTTP endpoint that accepts JSON posts (an object, or an array of objects). Answers:
+    200 once the batch holding the post is stored; 400 for a body that is not strict JSON
+    (NaN, Infinity included) or not objects; 401 when `auth` fails; 408 when the request head
+    or body does not arrive in time; 413 for a body over `max_body_bytes` (refused from its
+    Content-Length, or cut while it streams in); 429 when `max_pending` messages wait; 503 over
+    `max_concurrent_requests` or when the batch is not stored within `ack_timeout_s` (the
+    sender retries: at least once). An answer sent before the body was read to its end closes
+    the connection."""
 
     type: Literal["webhook"] = "webhook"
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8088, ge=1, le=65_535, description="Port to listen on.")
     path: str = Field(default="/", pattern=r"^/", description="Path that accepts POST requests.")
+    auth: AuthMode | None = Field(
+        default=None,
+        description=(
+            "How a sender proves itself: token (Authorization: Bearer <token>), hmac_sha256 (a hex "
+            "HMAC-SHA256 of the raw body in signature_header, 'sha256=' prefix optional), github "
+            "(X-Hub-Signature-256: sha256=<hex>), stripe (Stripe-Signature: t=...,v1=..., t within "
+            "signature_tolerance_s) or none. Required: none must be written to accept anyone; "
+            "left out with a token given, it is token."
+        ),
+    )
     token: SecretStr | None = Field(
         default=None,
-        description="Bearer token the sender must present: a reference, ${env:NAME} or ${file:/path}.",
+        description="auth token: the bearer token, a reference ${env:NAME} or ${file:/path}.",
+    )
+    secret: SecretStr | None = Field(
+        default=None,
+        description=(
+            "auth hmac_sha256, github, stripe: the HMAC key (GitHub's webhook secret, Stripe's "
+            "endpoint signing secret whsec_...), a reference ${env:NAME} or ${file:/path}."
+        ),
+    )
+    signature_header: str = Field(
+        default="X-Signature-256",
+        pattern=r"^[A-Za-z0-9-]{1,64}$",
+        description="auth hmac_sha256: the header holding the signature.",
+    )
+    signature_tolerance_s: int = Field(
+        default=300,
+        ge=1,
+        le=86_400,
+        description="auth stripe: largest distance between the signature's t and now, seconds.",
     )
     max_pending: int = Field(
         default=10_000, ge=1, le=10_000_000, description="Messages held before new posts get 429."
@@ -43,7 +88,61 @@ class WebhookConfig(SourceConfig):
     ack_timeout_s: float = Field(
         default=30.0, gt=0, le=3_600, description="A post not stored within this gets 503."
     )
-    max_body_bytes: int = Field(default=8 << 20, ge=1024, description="Largest request body.")
+    max_body_bytes: int = Field(
+        default=8 << 20,
+        ge=1024,
+        le=1 << 30,
+        description="Largest request body; a larger one gets 413 while it streams in.",
+    )
+    max_concurrent_requests: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Requests handled at once (each waits for its batch); more get 503.",
+    )
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        le=100_000,
+        description="Open connections at most; a request on a connection beyond gets 503.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="A new connection's request head must arrive within this (else 408, closed).",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3_600,
+        description="A request's whole body must arrive within this after its head (else 408, closed).",
+    )
+
+    @model_validator(mode="after")
+    def _auth_rules(self) -> WebhookConfig:
+        """Authentication is chosen explicitly; each mode has its key, and only its key."""
+        auth = self.auth
+        if auth is None:
+            rule(
+                self.token is not None,
+                "required: token, hmac_sha256, github, stripe, or none to accept anyone",
+                field="auth",
+            )
+            auth = "token"
+            object.__setattr__(self, "auth", auth)
+        if auth == "token":
+            rule(self.token is not None, "required with auth: token", field="token")
+        if needs_body(auth):
+            rule(self.secret is not None, f"required with auth: {auth}", field="secret")
+        for name, value in (("token", self.token), ("secret", self.secret)):
+            if value is None:
+                continue
+            wanted = name == "token" if auth == "token" else name == "secret" and auth != "none"
+            rule(wanted, f"not used with auth: {auth}", field=name)
+            text = value.get_secret_value()
+            rule(not known_now(text) or bool(text.strip()), "must not be empty", field=name)
+        return self
 
     def asset_key_path(self) -> list[str]:
         return ["webhook", f"{self.host}_{self.port}"]
@@ -79,18 +178,24 @@ class WebhookSource(Source):
         self._buf = _Buffer()
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._active = 0  # requests being handled, on the server's event loop only
 
     def init(self, state: State | None) -> None:
         import uvicorn
 
         if state is not None:
             self._buf.next_seq = int(state.get("seq", 0)) + 1
+        c = self.config
         server = uvicorn.Server(
             uvicorn.Config(
                 self._app(),
-                host=self.config.host,
-                port=self.config.port,
+                host=c.host,
+                port=c.port,
+                http=head_timed_h11(c.header_timeout_s),
+                limit_concurrency=c.max_connections,
+                timeout_keep_alive=5,
                 log_level="warning",
+                access_log=False,
                 lifespan="off",
             )
         )
@@ -102,7 +207,7 @@ class WebhookSource(Source):
         while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise PermanentSourceError(
-                    f"webhook cannot listen on {self.config.host}:{self.config.port} (port in use?)"
+                    f"webhook cannot listen on {c.host}:{c.port} (port in use?)"
                 )
             time.sleep(0.05)
 
@@ -113,49 +218,76 @@ class WebhookSource(Source):
     def _app(self) -> Any:
         from starlette.applications import Starlette
         from starlette.requests import Request
-        from starlette.responses import JSONResponse
+        from starlette.responses import Response
         from starlette.routing import Route
 
-        token = self.config.token.get_secret_value() if self.config.token else None
+        c = self.config
+        assert c.auth is not None  # the config's validator chose it
+        key = c.token if c.auth == "token" else c.secret
+        check = verifier(
+            c.auth,
+            key.get_secret_value() if key is not None else None,
+            signature_header=c.signature_header,
+            tolerance_s=c.signature_tolerance_s,
+            clock=time.time,
+        )
+        signed = needs_body(c.auth)
 
-        async def receive(request: Request) -> JSONResponse:
-            if token is not None and request.headers.get("authorization") != f"Bearer {token}":
-                return JSONResponse({"error": "unauthorized"}, status_code=401)
-            body = await request.body()
-            if len(body) > self.config.max_body_bytes:
-                return JSONResponse({"error": "body too large"}, status_code=413)
+        async def receive(request: Request) -> Response:
+            if self._active >= c.max_concurrent_requests:
+                return _answer(503, "too many concurrent requests", close=True)
+            self._active += 1  # the server's event loop is single-threaded
             try:
-                data = json.loads(body)
-            except ValueError:
-                return JSONResponse({"error": "body is not JSON"}, status_code=400)
-            items = data if isinstance(data, list) else [data]
-            if not items or not all(isinstance(x, dict) for x in items):
-                return JSONResponse(
-                    {"error": "post a JSON object or an array of objects"}, status_code=400
+                return await self._handle(request, check, signed)
+            finally:
+                self._active -= 1
+
+        return Starlette(routes=[Route(c.path, receive, methods=["POST"])])
+
+    async def _handle(self, request: Any, check: Any, signed: bool) -> Any:
+        """Refuse early what can be refused from the head; read the body bounded; enqueue."""
+        c = self.config
+        refused = _length_refused(request.headers.get("content-length"), c.max_body_bytes)
+        if refused is not None:
+            return refused
+        if not signed and (reason := check(request.headers, b"")) is not None:
+            return _answer(401, reason, close=True)
+        deadline = asyncio.get_running_loop().time() + c.body_timeout_s
+        body = await _read_body(request.receive, c.max_body_bytes, deadline)
+        if not isinstance(body, bytes):
+            return body
+        if signed and (reason := check(request.headers, body)) is not None:
+            return _answer(401, reason)
+        items = strict_json_objects(body)
+        if isinstance(items, str):
+            return _answer(400, items)
+        return await self._enqueue(items)
+
+    async def _enqueue(self, items: list[dict[str, Any]]) -> Any:
+        """Hold the request's messages until a commit covers them (200) or the timeout (503)."""
+        from starlette.responses import JSONResponse
+
+        now_ms = int(time.time() * 1000)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
+        with self._buf.cond:
+            if len(self._buf.messages) + len(items) > self.config.max_pending:
+                return _answer(429, "too many pending messages")
+            for x in items:
+                msg = SourceMessage(
+                    json.dumps(x, separators=(",", ":")).encode(), timestamp_ms=now_ms
                 )
-            now_ms = int(time.time() * 1000)
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[bool] = loop.create_future()
-            with self._buf.cond:
-                if len(self._buf.messages) + len(items) > self.config.max_pending:
-                    return JSONResponse({"error": "too many pending messages"}, status_code=429)
-                for x in items:
-                    msg = SourceMessage(
-                        json.dumps(x, separators=(",", ":")).encode(), timestamp_ms=now_ms
-                    )
-                    self._buf.messages.append((self._buf.next_seq, msg))
-                    self._buf.next_seq += 1
-                self._buf.requests.append(_Request(self._buf.next_seq - 1, loop, fut))
-                self._buf.cond.notify_all()
-            try:
-                ok = await asyncio.wait_for(fut, self.config.ack_timeout_s)
-            except asyncio.TimeoutError:
-                ok = False
-            if not ok:
-                return JSONResponse({"error": "not stored in time; retry"}, status_code=503)
-            return JSONResponse({"accepted": len(items)}, status_code=200)
-
-        return Starlette(routes=[Route(self.config.path, receive, methods=["POST"])])
+                self._buf.messages.append((self._buf.next_seq, msg))
+                self._buf.next_seq += 1
+            self._buf.requests.append(_Request(self._buf.next_seq - 1, loop, fut))
+            self._buf.cond.notify_all()
+        try:
+            ok = await asyncio.wait_for(fut, self.config.ack_timeout_s)
+        except asyncio.TimeoutError:
+            ok = False
+        if not ok:
+            return _answer(503, "not stored in time; retry")
+        return JSONResponse({"accepted": len(items)}, status_code=200)
 
     def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
         after = int((state or {}).get("seq", 0))
@@ -198,3 +330,119 @@ class WebhookSource(Source):
 def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _answer(status: int, reason: str, *, close: bool = False) -> Any:
+    """A short JSON error; ``close`` ends the connection (its body was not read to the end)."""
+    from starlette.responses import JSONResponse
+
+    headers = {"connection": "close"} if close else None
+    return JSONResponse({"error": reason}, status_code=status, headers=headers)
+
+
+def _length_refused(value: str | None, limit: int) -> Any:
+    """413 for a declared Content-Length over the limit, before a byte of the body is read."""
+    if value is None:
+        return None
+    v = value.strip()
+    if not (v.isascii() and v.isdigit()):
+        return _answer(400, "malformed Content-Length", close=True)
+    if len(v) > 19 or int(v) > limit:
+        return _answer(413, f"body over {limit} bytes", close=True)
+    return None
+
+
+async def _read_body(
+    receive: Callable[[], Awaitable[dict[str, Any]]], limit: int, deadline: float
+) -> bytes | Any:
+    """The body as it streams in, or the answer: 413 past ``limit``, 408 past ``deadline``.
+
+    uvicorn pauses reading the socket while a chunk waits unread, so stopping here stops
+    the sender: nothing past the limit (and the server's small read-ahead) is buffered.
+    """
+    loop = asyncio.get_running_loop()
+    body = bytearray()
+    while True:
+        left = deadline - loop.time()
+        try:
+            if left <= 0:
+                raise asyncio.TimeoutError
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return _answer(408, "body not received in time", close=True)
+        if message["type"] != "http.request":
+            return _answer(400, "the client went away", close=True)
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return _answer(413, f"body over {limit} bytes", close=True)
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} is out of a double's range")
+    return value
+
+
+def strict_json_objects(body: bytes) -> list[dict[str, Any]] | str:
+    """The JSON object (or array of objects) a body holds, or the reason it is refused.
+
+    Strict JSON: NaN, Infinity and numbers out of a double's range are refused (they would
+    be written on as non-JSON); so are too deeply nested documents and bodies not in UTF-8.
+    """
+    try:
+        data = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        return "body is nested too deeply"
+    except json.JSONDecodeError as e:
+        return f"body is not JSON: {e.msg} at char {e.pos}"
+    except UnicodeDecodeError:
+        return "body is not UTF-8"
+    except ValueError as e:
+        return f"body is not JSON: {str(e)[:80]}"
+    items = data if isinstance(data, list) else [data]
+    if not items or not all(isinstance(x, dict) for x in items):
+        return "post a JSON object or an array of objects"
+    return items
+
+
+def head_timed_h11(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline for a new connection's request head.
+
+    uvicorn times out idle keep-alive connections but not a first request head sent byte
+    by byte (slowloris); this closes such a connection with 408 after ``timeout_s``.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimedH11(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.head_timer = self.loop.call_later(timeout_s, self.head_timeout)
+
+        def head_timeout(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.write(_TIMEOUT_408)
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeadTimedH11
+
+
+_HEAD_TIMEOUT_BODY = b'{"error":"request head not received in time"}'
+_TIMEOUT_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+    % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY)
+)

@@ -249,7 +249,7 @@ def test_rest_api_creates_a_source_connector_and_shows_its_destinations(tmp_path
     body = {
         "name": "hook_in",
         "kind": "source",
-        "source": {"type": "webhook", "port": 18088},
+        "source": {"type": "webhook", "port": 18088, "auth": "none"},
         "routing": {"route": {"path": "k", "mapping": {"a": "t.a"}, "default": "t.rest"}},
     }
     r = client.post("/connectors", json={"name": "hook_in", "config": body}, headers=auth)
@@ -308,7 +308,7 @@ def test_a_source_connector_as_a_dg_component_attribute_set():
     c = ConnectorComponent(
         name="orders_in",
         kind="source",
-        source={"type": "webhook", "port": 18089},
+        source={"type": "webhook", "port": 18089, "auth": "none"},
         routing={"default_destination": "orders.all"},
     )
     ls = from_mapping(c.spec_mapping(), source="defs.yaml", fallback_name="orders_in")

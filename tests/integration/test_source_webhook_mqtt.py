@@ -84,7 +84,7 @@ def _up(url: str) -> bool:
 
 def test_webhook_answers_503_when_the_batch_is_not_stored_in_time():
     port = free_port()
-    source = build_source({"type": "webhook", "port": port, "ack_timeout_s": 0.5})
+    source = build_source({"type": "webhook", "port": port, "auth": "none", "ack_timeout_s": 0.5})
     source.init(None)
     try:
         wait_for(lambda: _up(f"http://127.0.0.1:{port}/"), what="listening")
