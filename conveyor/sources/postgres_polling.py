@@ -1,4 +1,4 @@
-"""PostgreSQL polling source: rows of a table past an incrementing or timestamp column."""
+"""PostgreSQL polling source: rows of a table in the order of a position column and key."""
 
 from __future__ import annotations
 
@@ -8,17 +8,44 @@ import logging
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from conveyor.core.errors import ConfigError, PermanentSourceError, TransientSourceError
+from conveyor.core.errors import (
+    ConfigError,
+    PermanentSourceError,
+    TransientSourceError,
+    rule,
+)
 from conveyor.core.routing import SourceMode, topic_problem
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 
 log = logging.getLogger("conveyor.sources.postgres")
 
+_XID_SPACE = 1 << 32
+
 
 class PostgresPollingConfig(SourceConfig):
-    """Reads new rows of one table in the order of a column that only grows."""
+    """Reads the rows of one table in the order of a position column (incrementing or
+    timestamp), then the row's key (the primary key or `unique_key`), so equal positions are
+    never skipped. Without `delete_after_read` / `processed_column` the state is the last row
+    read and a poll reads strictly after it; a visibility horizon from the poll's own snapshot
+    (`pg_current_snapshot()`) ends a batch before the first row written by a transaction not
+    older than the snapshot's xmin, so a transaction that took a lower id or timestamp and
+    commits later is not skipped (it holds rows written after it back, as long as it stays
+    open, anywhere in the cluster; rows frozen by VACUUM FREEZE and xid wraparound are handled).
+    What the horizon cannot see: a value drawn before its transaction wrote anything (`SELECT
+    nextval()` and an INSERT later, a sequence with CACHE > 1, now() of a transaction that
+    first read) and committed after a higher value was read; for a timestamp column
+    `delay_ms` covers such transactions that commit within it. With `delete_after_read` or
+    `processed_column` (and `destructive: true`) a poll reads every row left (not yet marked),
+    with no lower bound, so a late row is read whenever it commits; the state holds each row
+    read (key and row version, `xmin`) and commit deletes or marks exactly those rows, never a
+    range: a row changed after it was read is read again, a commit re-run after a crash
+    touches nothing else. A commit that fails and is overtaken by the next batch leaves its
+    rows to be read again (duplicates, never a loss). Rows with a NULL position are read only
+    by the destructive modes. The table must be a table (not a view). State version 2: a
+    version-1 state refuses to start (`conveyor connector reset-state`; a non-destructive
+    source then reads the table from its start)."""
 
     type: Literal["postgres_polling"] = "postgres_polling"
     url: str = Field(
@@ -31,8 +58,23 @@ class PostgresPollingConfig(SourceConfig):
     )
     timestamp_column: str | None = Field(
         default=None,
-        description="A timestamp column set when a row is written; rows are read in its order (strictly after "
-        "the last one read: rows written later with an equal timestamp are not read).",
+        description="A timestamp column set when a row is written; rows are read in (timestamp, key) "
+        "order and a poll resumes strictly after the last (timestamp, key) read, so rows of an equal "
+        "timestamp are all read. Needs a key (the primary key or unique_key).",
+    )
+    unique_key: list[str] | None = Field(
+        default=None,
+        description="Columns that identify a row (NOT NULL, covered by a unique index): the order "
+        "after the position column and what destructive commits match. Default: the primary key. "
+        "Required (or a primary key) with timestamp_column, delete_after_read and processed_column.",
+    )
+    delay_ms: int = Field(
+        default=0,
+        ge=0,
+        le=86_400_000,
+        description="timestamp_column only: read a row only once its timestamp is this much older "
+        "than the poll's transaction (Kafka Connect's timestamp.delay.interval.ms), for transactions "
+        "whose timestamp was taken before they first wrote.",
     )
     destination: str | None = Field(
         default=None, description="Topic of every row of this table (per-table routing)."
@@ -55,11 +97,14 @@ class PostgresPollingConfig(SourceConfig):
     )
     delete_after_read: bool = Field(
         default=False,
-        description="DELETE the rows read, in commit (after the batch is stored), never in poll.",
+        description="DELETE the rows read (by key and row version), in commit (after the batch is "
+        "stored), never in poll.",
     )
     processed_column: str | None = Field(
         default=None,
-        description="Boolean column set to true on the rows read, in commit (after the batch is stored).",
+        description="Boolean column set to true on the rows read (by key and row version), in commit "
+        "(after the batch is stored); rows where it is true are not read. An index WHERE NOT it "
+        "keeps polls cheap on a large table.",
     )
     poll_interval_ms: int = Field(
         default=200,
@@ -68,12 +113,30 @@ class PostgresPollingConfig(SourceConfig):
         description="Pause between queries while the table has no new rows.",
     )
 
+    @field_validator("unique_key")
+    @classmethod
+    def _key_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or any(not c.strip() for c in v) or len(set(v)) != len(v)):
+            raise ValueError("unique_key: give one or more distinct, non-empty column names")
+        return v
+
     @model_validator(mode="after")
     def _one_position(self) -> PostgresPollingConfig:
-        if (self.incrementing_column is None) == (self.timestamp_column is None):
-            raise ValueError("give exactly one of incrementing_column and timestamp_column")
-        if self.destination is not None and self.destination_column is not None:
-            raise ValueError("give destination or destination_column, not both")
+        rule(
+            (self.incrementing_column is None) != (self.timestamp_column is None),
+            "give exactly one of incrementing_column and timestamp_column",
+            field="incrementing_column",
+        )
+        rule(
+            not (self.delay_ms and self.timestamp_column is None),
+            "delay_ms applies to timestamp_column only",
+            field="delay_ms",
+        )
+        rule(
+            self.destination is None or self.destination_column is None,
+            "give destination or destination_column, not both",
+            field="destination",
+        )
         if self.destination is not None and topic_problem(self.destination):
             raise ValueError(f"destination: {topic_problem(self.destination)}")
         return self
@@ -97,16 +160,36 @@ class PostgresPollingConfig(SourceConfig):
         return "postgres"
 
 
+def recent_xmin(xmin: Any, lo: Any, hi: Any) -> Any:
+    """SQL: whether a visible row's inserting xid ``xmin`` (32-bit) is in ``[lo, hi)``, the xid8
+    xmin and xmax of the snapshot that sees it: a transaction older than it may be running.
+
+    Distances are taken back from ``hi`` modulo 2^32: a committed, unfrozen xid is within 2^31
+    of it (PostgreSQL's wraparound limit). A frozen row keeps its raw xmin, which may be any
+    number of epochs old: it reads as recent only if its low 32 bits fall in ``[lo, hi)``, and
+    then only until the transactions running now end. Xids below 3 (frozen, bootstrap) are old.
+    """
+    from psycopg2 import sql
+
+    return sql.SQL(
+        "({x} >= 3 AND mod(mod({hi}, {n}) - {x} + {n}, {n}) BETWEEN 1 AND ({hi}) - ({lo}))"
+    ).format(x=xmin, lo=lo, hi=hi, n=sql.Literal(_XID_SPACE))
+
+
 class PostgresPollingSource(Source):
-    """Polls a PostgreSQL table; deletes or marks the rows read in commit when configured."""
+    """Polls a PostgreSQL table; deletes or marks exactly the rows read in commit when configured."""
 
     config_class = PostgresPollingConfig
     mode: ClassVar[SourceMode] = SourceMode.POLLING
+    # 2: the state is the last row's position and key ({"last": {...}}) and, when destructive,
+    # the rows read ({"read": [[key..., xmin], ...]}); version 1 was a bare position.
+    state_version: ClassVar[int] = 2
     config: PostgresPollingConfig
 
     def __init__(self, config: SourceConfig):
         super().__init__(config)
         self._conn: Any = None
+        self._key: list[str] = []
 
     @property
     def destructive(self) -> bool:
@@ -115,6 +198,11 @@ class PostgresPollingSource(Source):
     @property
     def column_routing(self) -> bool:
         return self.config.destination is not None or self.config.destination_column is not None
+
+    @property
+    def _order(self) -> list[str]:
+        pos = self.config.position_column
+        return [pos, *(k for k in self._key if k != pos)]
 
     def validate(self) -> None:
         c = self.config
@@ -173,6 +261,8 @@ class PostgresPollingSource(Source):
             with contextlib.suppress(Exception):
                 c.close()
 
+    # -- init: the table, its columns and its key ---------------------------------------------
+
     def init(self, state: State | None) -> None:
         c = self.config
         schema, table = c.schema_table
@@ -182,122 +272,258 @@ class PostgresPollingSource(Source):
             if col is not None
         ]
 
-        def check(cur: Any) -> None:
+        def check(cur: Any) -> list[str]:
             cur.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s",
+                "SELECT c.oid, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname = %s",
                 (schema, table),
             )
-            have = {r[0] for r in cur.fetchall()}
-            if not have:
-                raise PermanentSourceError(
-                    f"table {schema}.{table} does not exist (or has no columns)"
+            found = cur.fetchone()
+            if found is None:
+                raise PermanentSourceError(f"table {schema}.{table} does not exist")
+            if found[1] not in ("r", "p"):
+                raise ConfigError(
+                    f"{schema}.{table} is not a table (a view has no row versions to read by)",
+                    field="source.table",
                 )
-            missing = [col for col in wanted if col not in have]
+            cols = _columns(cur, found[0])
+            missing = [col for col in wanted + (c.unique_key or []) if col not in cols]
             if missing:
                 raise PermanentSourceError(
                     f"table {schema}.{table} has no column {', '.join(missing)}"
                 )
+            if c.processed_column and cols[c.processed_column][0] != "boolean":
+                raise ConfigError(
+                    f"column {c.processed_column} is {cols[c.processed_column][0]}, not boolean",
+                    field="source.processed_column",
+                )
+            return self._resolve_key(cur, found[0], cols)
 
-        self._run(check)
+        self._key = self._run(check)
 
-    # -- poll / commit -----------------------------------------------------------------------
+    def _resolve_key(self, cur: Any, oid: int, cols: dict[str, tuple[str, bool]]) -> list[str]:
+        """The configured unique_key (checked: NOT NULL, a unique index within it) or the primary key."""
+        c = self.config
+        where = f"{c.schema_table[0]}.{c.schema_table[1]}"
+        cur.execute(
+            "SELECT i.indisprimary, array_agg(a.attname ORDER BY k.n) FROM pg_index i "
+            "CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, n) "
+            "LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+            "WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL AND i.indimmediate "
+            "GROUP BY i.indexrelid, i.indisprimary",
+            (oid,),
+        )
+        indexes = [
+            (bool(p), [n for n in names if n is not None], None in names) for p, names in cur
+        ]
+        if c.unique_key is not None:
+            nullable = [k for k in c.unique_key if not cols[k][1]]
+            if nullable:
+                raise ConfigError(
+                    f"unique_key column {', '.join(nullable)} of {where} may be NULL",
+                    field="source.unique_key",
+                )
+            if not any(not expr and set(ix) <= set(c.unique_key) for _, ix, expr in indexes):
+                raise ConfigError(
+                    f"no unique index of {where} lies within ({', '.join(c.unique_key)})",
+                    field="source.unique_key",
+                )
+            return list(c.unique_key)
+        primary = next((ix for p, ix, _ in indexes if p), [])
+        if not primary and (self.destructive or c.timestamp_column is not None):
+            raise ConfigError(
+                f"{where} has no primary key: give unique_key (a timestamp column and destructive "
+                "commits need a key to order and to match the rows read)",
+                field="source.unique_key",
+            )
+        return primary
 
-    def _query(self, state: State | None, limit: int) -> tuple[Any, list[Any]]:
+    # -- poll ----------------------------------------------------------------------------
+
+    def _query(self, state: State | None, limit: int) -> Any:
+        """One statement (one snapshot): the rows after ``state``, each with its position
+        object, row version and, when not destructive, whether it is past the horizon."""
         from psycopg2 import sql
 
         c = self.config
-        schema, table = c.schema_table
-        pos = sql.Identifier(c.position_column)
+        tbl = sql.Identifier(*c.schema_table)
         payload: sql.Composable = sql.SQL("to_jsonb(t)")
         if c.destination_column and c.strip_routing_columns:
             payload = sql.SQL("(to_jsonb(t) - {})").format(sql.Literal(c.destination_column))
-        dest = (
-            sql.SQL("t.{}::text").format(sql.Identifier(c.destination_column))
-            if c.destination_column
-            else sql.SQL("NULL")
+        dest, key = (
+            sql.SQL("t.{}::text").format(sql.Identifier(col)) if col else sql.SQL("NULL")
+            for col in (c.destination_column, c.key_column)
         )
-        key = (
-            sql.SQL("t.{}::text").format(sql.Identifier(c.key_column))
-            if c.key_column
-            else sql.SQL("NULL")
+        position = sql.SQL("jsonb_build_object({})::text").format(
+            sql.SQL(", ").join(
+                sql.SQL("{}, t.{}").format(sql.Literal(col), sql.Identifier(col))
+                for col in self._order
+            )
         )
-        where = sql.SQL("")
-        args: list[Any] = []
-        if state is not None and state.get("last") is not None:
-            where = sql.SQL("WHERE t.{} > %s").format(pos)
-            args.append(state["last"])
-        q = sql.SQL(
-            "SELECT {payload}::text, {dest}, {key}, t.{pos}, "
-            "(extract(epoch from clock_timestamp()) * 1000)::bigint FROM {tbl} AS t {where} ORDER BY t.{pos} LIMIT %s"
+        where, args = self._where(state)
+        recent = (
+            sql.SQL("false")
+            if self.destructive
+            else recent_xmin(sql.SQL("t.xmin::text::bigint"), sql.SQL("h.lo"), sql.SQL("h.hi"))
+        )
+        order = sql.SQL(", ").join(sql.SQL("t.{}").format(sql.Identifier(o)) for o in self._order)
+        return sql.SQL(
+            "SELECT {payload}::text, {dest}, {key}, {position}, t.xmin::text, {recent}, "
+            "(extract(epoch from clock_timestamp()) * 1000)::bigint "
+            "FROM {tbl} AS t, (SELECT pg_snapshot_xmin(s)::text::bigint AS lo, "
+            "pg_snapshot_xmax(s)::text::bigint AS hi FROM pg_current_snapshot() AS s) AS h "
+            "WHERE {where} ORDER BY {order} LIMIT %s"
         ).format(
             payload=payload,
             dest=dest,
             key=key,
-            pos=pos,
-            tbl=sql.Identifier(schema, table),
+            position=position,
+            recent=recent,
+            tbl=tbl,
             where=where,
+            order=order,
+        ), [*args, limit]
+
+    def _where(self, state: State | None) -> tuple[Any, list[Any]]:
+        """Destructive: every row left but those ``state`` read. Otherwise: strictly after the
+        last (position, key) read, not NULL, and older than ``delay_ms``."""
+        from psycopg2 import sql
+
+        c = self.config
+        pos = sql.Identifier(c.position_column)
+        if self.destructive:
+            parts: list[sql.Composable] = []
+            args: list[Any] = []
+            if c.processed_column:
+                parts.append(sql.SQL("t.{} IS NOT TRUE").format(sql.Identifier(c.processed_column)))
+            read = (state or {}).get("read") or []
+            if read:
+                rows, rargs = self._read_rows(read)
+                parts.append(
+                    sql.SQL("NOT EXISTS (SELECT 1 FROM {} WHERE {})").format(rows, self._match())
+                )
+                args += rargs
+            return (sql.SQL(" AND ").join(parts) if parts else sql.SQL("true")), args
+        parts = [sql.SQL("t.{} IS NOT NULL").format(pos)]
+        args = []
+        last = (state or {}).get("last")
+        if last:
+            cols = [sql.Identifier(o) for o in self._order]
+            parts.append(
+                sql.SQL(
+                    "({}) > (SELECT {} FROM jsonb_populate_record(NULL::{}, %s::jsonb) AS l)"
+                ).format(
+                    sql.SQL(", ").join(sql.SQL("t.{}").format(col) for col in cols),
+                    sql.SQL(", ").join(sql.SQL("l.{}").format(col) for col in cols),
+                    sql.Identifier(*c.schema_table),
+                )
+            )
+            args.append(json.dumps(last))
+        if c.delay_ms:
+            parts.append(sql.SQL("t.{} <= now() - %s * interval '1 millisecond'").format(pos))
+            args.append(c.delay_ms)
+        return sql.SQL(" AND ").join(parts), args
+
+    def _read_rows(self, read: list[Any]) -> tuple[Any, list[Any]]:
+        """SQL: the rows a state read as ``r(e, x)`` (key object, row version) and ``k`` (the key
+        typed as the table's columns), with its two parameters."""
+        from psycopg2 import sql
+
+        keys = [dict(zip(self._key, row[:-1], strict=True)) for row in read]
+        xmins = [str(int(row[-1])) for row in read]
+        frm = sql.SQL(
+            "ROWS FROM (jsonb_array_elements(%s::jsonb), unnest(%s::text[]::xid[])) AS r(e, x), "
+            "LATERAL jsonb_populate_record(NULL::{}, r.e) AS k"
+        ).format(sql.Identifier(*self.config.schema_table))
+        return frm, [json.dumps(keys), xmins]
+
+    def _match(self) -> Any:
+        from psycopg2 import sql
+
+        return sql.SQL(" AND ").join(
+            [
+                *(sql.SQL("t.{0} = k.{0}").format(sql.Identifier(k)) for k in self._key),
+                sql.SQL("t.xmin = r.x"),
+            ]
         )
-        args.append(limit)
-
-        def fetch(cur: Any) -> list[Any]:
-            cur.execute(q, args)
-            return list(cur.fetchall())
-
-        return q, self._run(fetch)
 
     def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
         deadline = time.monotonic() + max_wait_s
+        q, args = self._query(state, max_records)
         while True:
-            _, rows = self._query(state, max_records)
+            rows = self._run(lambda cur: (cur.execute(q, args), cur.fetchall())[1])
+            held = next((i for i, r in enumerate(rows) if r[5]), None)
+            if held is not None:
+                # Written by a transaction not older than the snapshot's xmin: one still running
+                # may commit a lower position. Read up to it, and it next time.
+                log.debug(
+                    "%s: %d rows held back by the visibility horizon",
+                    self.describe(),
+                    len(rows) - held,
+                )
+                rows = rows[:held]
             if rows:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
             time.sleep(min(left, self.config.poll_interval_ms / 1000))
+        return self._polled(rows)
+
+    def _polled(self, rows: list[Any]) -> Polled:
         c = self.config
-        last = rows[-1][3]
-        if self.config.timestamp_column is not None:
-            last = last.isoformat() if hasattr(last, "isoformat") else str(last)
         messages = [
             SourceMessage(
                 payload=r[0].encode(),
                 destination=c.destination if c.destination is not None else r[1],
                 key=r[2].encode() if r[2] is not None else None,
-                timestamp_ms=int(r[4]),
+                timestamp_ms=int(r[6]),
             )
             for r in rows
         ]
+        state: State = {"last": _exact_json(rows[-1][3])}
+        if self.destructive:
+            state["read"] = [
+                [*(pos[k] for k in self._key), int(r[4])]
+                for r, pos in ((r, _exact_json(r[3])) for r in rows)
+            ]
         schema, table = c.schema_table
-        return Polled(messages, {"last": _jsonable(last)}, origin=f"{schema}.{table}")
+        return Polled(messages, state, origin=f"{schema}.{table}")
+
+    # -- commit --------------------------------------------------------------------------
 
     def commit(self, state: State) -> None:
         from psycopg2 import sql
 
         c = self.config
-        if not self.destructive or state.get("last") is None:
+        read = state.get("read") or []
+        if not self.destructive or not read:
             return
-        schema, table = c.schema_table
-        pos = sql.Identifier(c.position_column)
+        rows, args = self._read_rows(read)
+        tbl = sql.Identifier(*c.schema_table)
         if c.delete_after_read:
-            q = sql.SQL("DELETE FROM {} WHERE {} <= %s").format(sql.Identifier(schema, table), pos)
+            q = sql.SQL("DELETE FROM {} AS t USING {} WHERE {}").format(tbl, rows, self._match())
         else:
             assert c.processed_column is not None
-            col = sql.Identifier(c.processed_column)
-            q = sql.SQL("UPDATE {} SET {} = true WHERE {} <= %s AND {} IS NOT TRUE").format(
-                sql.Identifier(schema, table), col, pos, col
+            q = sql.SQL("UPDATE {tbl} AS t SET {col} = true FROM {rows} WHERE {match}").format(
+                tbl=tbl, col=sql.Identifier(c.processed_column), rows=rows, match=self._match()
             )
-        self._run(lambda cur: cur.execute(q, (state["last"],)))
+        self._run(lambda cur: cur.execute(q, args))
 
     def close(self) -> None:
         self._drop()
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, (int, float, str)) or v is None:
-        return v
-    try:
-        json.dumps(v)
-        return v
-    except TypeError:
-        return str(v)
+def _columns(cur: Any, oid: int) -> dict[str, tuple[str, bool]]:
+    """Column name -> (type, NOT NULL) of a table."""
+    cur.execute(
+        "SELECT attname, format_type(atttypid, atttypmod), attnotnull FROM pg_attribute "
+        "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
+        (oid,),
+    )
+    return {name: (typ, bool(notnull)) for name, typ, notnull in cur}
+
+
+def _exact_json(text: str) -> Any:
+    """JSON text with its fractional numbers kept as their digits (no float rounding of a key)."""
+    return json.loads(text, parse_float=str)

@@ -86,7 +86,7 @@ def test_column_routing_into_three_topics_with_keys_and_state(
         for m, d in zip(got, decoded, strict=True):
             # A NULL partition key means no key.
             assert m.key == (None if d["customer"] is None else d["customer"].encode())
-    assert store.source_state(name) == (1, {"last": 120})
+    assert store.source_state(name) == (2, {"last": {"id": 120}})
     stats = loop.heartbeat_payload()["routing"]
     assert stats["routed"] == 120 and stats["destinations_active"] == 3
 
@@ -96,7 +96,7 @@ def test_column_routing_into_three_topics_with_keys_and_state(
     with running(loop2):
         wait_for(lambda: loop2.counters.messages_out >= 1, what="the new row")
     assert len(read_topic(tansu, prefix + "eu")) == 41
-    assert store.source_state(name) == (1, {"last": 121})
+    assert store.source_state(name) == (2, {"last": {"id": 121}})
 
 
 def test_delete_after_read_runs_in_commit_and_needs_destructive(
@@ -263,10 +263,12 @@ def test_timestamp_column_reads_in_time_order_and_resumes(
     conn.autocommit = True
     tname = f"{pg_schema}.events"
     with conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {tname} (name text, at timestamptz NOT NULL)")
+        cur.execute(
+            f"CREATE TABLE {tname} (id serial PRIMARY KEY, name text, at timestamptz NOT NULL)"
+        )
         for i in range(6):
             cur.execute(
-                f"INSERT INTO {tname} VALUES (%s, timestamptz '2026-01-01 00:00:00+00' + %s * interval '1 minute')",
+                f"INSERT INTO {tname} (name, at) VALUES (%s, timestamptz '2026-01-01 00:00:00+00' + %s * interval '1 minute')",
                 (f"e{i}", 5 - i),  # inserted newest first: read in time order
             )
     name = f"src_{uuid.uuid4().hex[:6]}"
@@ -280,7 +282,9 @@ def test_timestamp_column_reads_in_time_order_and_resumes(
         wait_for(lambda: loop.counters.messages_out >= 6, what="6 events")
     assert [v["name"] for v in topic_values(tansu, topic)] == ["e5", "e4", "e3", "e2", "e1", "e0"]
     with conn.cursor() as cur:
-        cur.execute(f"INSERT INTO {tname} VALUES ('late', timestamptz '2026-01-02 00:00:00+00')")
+        cur.execute(
+            f"INSERT INTO {tname} (name, at) VALUES ('late', timestamptz '2026-01-02 00:00:00+00')"
+        )
     loop = build_loop(s, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
     with running(loop):
         wait_for(lambda: loop.counters.messages_out >= 1, what="the late event")
@@ -313,4 +317,7 @@ def test_partition_id_out_of_range_rejects_only_that_row(
     by_partition = sorted((m.partition, json.loads(m.value)["amount"]) for m in got)
     assert by_partition == [(0, 0), (0, 3), (0, 6), (1, 1), (1, 4), (1, 7)]
     assert loop.heartbeat_payload()["routing"]["rejected"] == {"partition_id_out_of_range": 3}
-    assert store.source_state(name) == (1, {"last": 9})  # the batch went on without those rows
+    assert store.source_state(name) == (
+        2,
+        {"last": {"id": 9}},
+    )  # the batch went on without those rows
