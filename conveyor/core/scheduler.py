@@ -22,11 +22,16 @@ decision and never stops the others):
    than its ``heartbeat_timeout_s`` goes back to Idle, its broker cleared, its
    generation bumped (which fences the lost run), and its old run terminated. A
    connector assigned but never started within ``launch_timeout_s`` is reset too.
-4. **errors**: the current run failed: the connector goes to Error. An Error
-   connector that should run is restarted after ``restart_backoff(restarts)``, up to
-   its ``max_restarts``, then left for the user. A *data error* (a message failed
-   under the ``fail`` policy, or the dead-letter limit was hit: ``errors.is_data_error``)
-   is never restarted automatically; crashes and outages keep the restart budget.
+4. **errors**: a *crash* and a *failure* are told apart. A failing connector releases
+   itself as Error before its run ends; a connector still Running or Degraded whose
+   current run failed, or whose local process is gone, had its process die under it
+   (``kill -9``, the OOM killer): it is relaunched at once (a restart, counted), in the
+   same tick. A crash again before the budget came back (``healthy_reset_s`` of running)
+   is a failing restart: Error. An Error connector that should run is restarted after
+   ``restart_backoff(restarts)``, growing with each restart, up to its ``max_restarts``,
+   then left for the user. A *data error* (a message failed under the ``fail`` policy, or
+   the dead-letter limit was hit: ``errors.is_data_error``) is never restarted
+   automatically; crashes and outages keep the restart budget.
 5. **drain / down brokers**: connectors on a draining broker, a broker that no
    longer exists or is gone (removed from the brokers file, see ``gone_brokers``), or (when another healthy broker has room) a broker whose Spark
    endpoint refuses connections are moved: reset to Idle with a bumped generation.
@@ -160,6 +165,17 @@ class _Decision:
         """The state change this decision writes, or None for a side effect only."""
         return None
 
+    @property
+    def while_run(self) -> str | None:
+        """A run that must still hold the connector live for the change to apply, or None.
+
+        Set on the decisions that take a failed run for a crash: the snapshot of the
+        connectors is read before the runs, and a run that released its connector as Error
+        and then failed must not be taken for a process that died (the glue reads the
+        connector again: the release happened before the failure it saw).
+        """
+        return None
+
     def expected_generation(self, planned_on: int) -> int:
         """The generation the store must still hold for the change to apply."""
         return planned_on
@@ -216,10 +232,15 @@ class MarkError(_Decision):
     name: str
     reason: str
     message: str
+    run_id: str | None = None  # set when a crashed run is the cause (see ``while_run``)
 
     @property
     def change(self) -> StateChange:
         return StateChange.mark_error(self.message)
+
+    @property
+    def while_run(self) -> str | None:
+        return self.run_id
 
 
 @dataclass(frozen=True)
@@ -233,6 +254,25 @@ class Restart(_Decision):
     @property
     def change(self) -> StateChange:
         return StateChange.restart(self.restarts)
+
+
+@dataclass(frozen=True)
+class Relaunch(_Decision):
+    """The run's process died (no failure reported): to Idle at once, counted as a restart;
+    the assignment step places it again in the same tick."""
+
+    name: str
+    run_id: str
+    reason: str
+    restarts: int
+
+    @property
+    def change(self) -> StateChange:
+        return StateChange.restart(self.restarts)
+
+    @property
+    def while_run(self) -> str | None:
+        return self.run_id
 
 
 @dataclass(frozen=True)
@@ -294,6 +334,7 @@ Decision = (
     | Stop
     | MarkError
     | Restart
+    | Relaunch
     | ClearRestarts
     | Move
     | Assign
@@ -569,15 +610,48 @@ def _never_heartbeated(x: _Connector, t: _Tick) -> list[Decision] | None:
     ]
 
 
-def _run_failed(x: _Connector, t: _Tick) -> list[Decision] | None:
-    c, current = x.c, x.current
-    if c.status not in LIVE or current is None or current.status != "FAILURE":
+def _process_died(x: _Connector, t: _Tick) -> list[Decision] | None:
+    """The connector is live, but its current run failed or its local process is gone.
+
+    A connector that fails releases itself as Error before its run ends, so this one
+    reported nothing: its process died (``kill -9``, the OOM killer, a crashed
+    interpreter). That is no reason to wait: it is relaunched at once, counted as a
+    restart. A crash again before the budget came back (``healthy_reset_s`` of running,
+    ``_healthy_again``) means the restarts keep failing: Error, and the growing backoff
+    of ``_restart_after_error`` from there.
+    """
+    c, run = x.c, x.current
+    if c.status not in LIVE or run is None:
         return None
-    return [
-        MarkError(
-            c.name, f"run {current.run_id} failed", c.last_error or f"run {current.run_id} failed"
+    out: list[Decision] = []
+    if run.status == "FAILURE":
+        how = f"run {run.run_id} failed while the connector was {c.status.value}"
+    elif run.active and run.status != "CANCELING" and run.process_alive is False:
+        how = f"run {run.run_id}'s process {run.pid} is gone"
+        # Nobody is left to end the run: Dagster would show it running forever.
+        out.append(ReportCanceled(c.name, run.run_id, f"{how} (it died)"))
+    else:
+        return None
+    budget = f"restart {c.restarts}/{c.max_restarts}"
+    if c.restarts >= c.max_restarts:
+        why = f"its process died and no automatic restart is left ({budget})"
+    elif c.restarts > 0:
+        why = f"its process died again before running {t.cfg.healthy_reset_s:.0f}s ({budget})"
+    else:
+        why = None
+    if why is not None:  # the restarts do not hold: Error, then the growing backoff
+        out.append(MarkError(c.name, f"{how}: {why}", f"{how}: {why}", run_id=run.run_id))
+        return out
+    out.append(
+        Relaunch(
+            c.name,
+            run.run_id,
+            f"{how}: its process died; relaunched at once "
+            f"(restart {c.restarts + 1}/{c.max_restarts})",
+            c.restarts + 1,
         )
-    ]
+    )
+    return out
 
 
 def _launch_never_came(x: _Connector, t: _Tick) -> list[Decision] | None:
@@ -651,7 +725,7 @@ STEPS: tuple[Step, ...] = (
     _desired_stopped,
     _lost_heartbeat,
     _never_heartbeated,
-    _run_failed,
+    _process_died,
     _launch_never_came,
     _restart_after_error,
     _healthy_again,

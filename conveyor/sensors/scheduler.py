@@ -167,12 +167,20 @@ def _terminate(instance: Any, run_id: str | None) -> bool:
     return bool(instance.run_launcher.terminate(run_id))
 
 
+def _still_held(store: MetaStore, name: str, run_id: str) -> bool:
+    """Whether ``run_id`` still holds ``name`` live, read now (after its end was seen)."""
+    row = store.get(name)
+    return row.run_id == run_id and row.status in core.LIVE
+
+
 def _apply(
     instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None
 ) -> list[RunRequest]:
     """One decision: its state change (fenced, in the store), then its side effects."""
     reason = f"scheduler: {d.reason}"
     row = None
+    if d.while_run is not None and not _still_held(store, d.name, d.while_run):
+        return []  # the run released the connector itself before it ended: not a crash
     if d.change is not None:
         expected = d.expected_generation(view.generation) if view is not None else None
         row = store.apply(d.name, expected, d.change, reason)

@@ -163,6 +163,66 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
         assert store.get("beta").status == ConnectorStatus.STOPPED
 
 
+def _claimed_run(instance: DagsterInstance, store: MetaStore, name: str, status: DagsterRunStatus):
+    """A run of ``name``'s current assignment that claimed it and heartbeats, in ``status``."""
+    row = store.get(name)
+    tags = {TAG_CONNECTOR: name, TAG_GENERATION: str(row.generation), TAG_BROKER: row.broker_id}
+    run = create_run_for_test(instance, job_name=job_name(name), status=status, tags=tags)
+    store.claim(
+        name, run_id=run.run_id, expected_generation=row.generation, holder_alive=lambda r: True
+    )
+    store.heartbeat(name, row.generation, {})
+    return run, row.generation
+
+
+def test_a_run_that_died_under_a_running_connector_is_relaunched_in_one_tick(env):
+    instance, store, url = env
+    tick(instance, url)
+    run, gen = _claimed_run(instance, store, "alpha", DagsterRunStatus.STARTED)
+    # kill -9: the code server sees its child die and reports the run failed; the
+    # connector still says Running (nobody released it).
+    instance.report_run_failed(instance.get_run_by_id(run.run_id), message="exit code -9")
+    result = tick(instance, url)
+    row = store.get("alpha")
+    assert row.status == ConnectorStatus.IDLE and row.restarts == 1
+    assert row.generation == gen + 2  # the dead run fenced (+1), re-assigned (+1)
+    assert [r.run_key for r in result.run_requests] == [f"alpha:{row.generation}"]
+    assert any("relaunched at once" in h.reason for h in store.history("alpha"))
+
+
+def test_a_run_that_released_its_connector_as_error_is_not_taken_for_a_crash(env):
+    # The tick read the connector Running, then the run released it as Error and failed
+    # before the tick read the run: the decision must not relaunch it (nor hide its error).
+    from conveyor.core import scheduler as core
+    from conveyor.sensors.scheduler import apply_plan, connector_view
+
+    instance, store, url = env
+    tick(instance, url)
+    run, gen = _claimed_run(instance, store, "alpha", DagsterRunStatus.STARTED)
+    seen_running = connector_view(store.get("alpha"))
+    msg = "data error: message t[0]@7 failed (data): value too long"
+    store.release("alpha", gen, ConnectorStatus.ERROR, "the op", error=msg)
+    instance.report_run_failed(instance.get_run_by_id(run.run_id))
+    failed = core.RunView(run.run_id, "alpha", gen, "FAILURE", "b1")
+    plan = core.plan([seen_running], core_brokers(store), [failed], time.time())
+    assert [type(d).__name__ for d in plan.decisions] == ["Relaunch", "Assign"]
+    ctx = build_sensor_context(instance=instance)
+    assert apply_plan(ctx, store, plan, {"alpha": seen_running}) == []
+    row = store.get("alpha")
+    assert (row.status, row.generation, row.restarts, row.last_error) == (
+        ConnectorStatus.ERROR,
+        gen,
+        0,
+        msg,
+    )
+
+
+def core_brokers(store: MetaStore):
+    from conveyor.sensors.scheduler import broker_views
+
+    return broker_views(store, check_endpoints=False)
+
+
 def test_hand_launched_run_is_adopted_and_an_older_generation_run_is_reclaimed(env):
     instance, store, url = env
     tick(instance, url)  # alpha, beta, gamma at generation 1

@@ -227,10 +227,135 @@ def test_stopped_connector_stays_stopped():
 # -- errors and restarts -----------------------------------------------------------------
 
 
-def test_failed_run_marks_error():
-    c = running("a", "b1", hb_age=40, heartbeat_timeout_s=60)
+def test_a_run_failed_under_a_live_connector_is_a_crash_relaunched_in_the_same_tick():
+    # The connector is still Running: it reported no failure, its process died (kill -9).
+    c = running("a", "b1", hb_age=0.5)
     p = s.plan([c], brokers("b1"), [run_of(c, status="FAILURE")], NOW)
-    assert kinds(p) == [("MarkError", "a")]
+    assert kinds(p) == [("Relaunch", "a"), ("Assign", "a")]
+    (relaunch,) = p.of(s.Relaunch)
+    assert relaunch.restarts == 1 and relaunch.while_run == c.run_id
+    assert "relaunched at once" in relaunch.reason
+    (assign,) = p.of(s.Assign)
+    assert assign.generation == c.generation + 2  # the relaunch fenced the dead run's generation
+    assert assign.expected_generation(c.generation) == c.generation + 1
+
+
+def test_a_live_connector_whose_process_is_gone_is_relaunched_and_its_run_ended():
+    # Dagster did not see the death (its run still STARTED): the pid says it.
+    c = replace(running("a", "b1", hb_age=0.5), status=DEGRADED)
+    dead = run_of(c, pid=77, local=True, process_alive=False)
+    p = s.plan([c], brokers("b1"), [dead], NOW)
+    assert kinds(p) == [("ReportCanceled", "a"), ("Relaunch", "a"), ("Assign", "a")]
+    # alive, unknown (a remote launcher) or canceling: not a crash
+    for run in (
+        run_of(c, pid=77, local=True, process_alive=True),
+        run_of(c, process_alive=None),
+    ):
+        assert s.plan([c], brokers("b1"), [run], NOW).decisions == []
+    canceling = run_of(c, status="CANCELING", canceling_since=NOW, pid=77, process_alive=False)
+    assert kinds(s.plan([c], brokers("b1"), [canceling], NOW)) == [("ReportCanceled", "a")]
+
+
+def test_a_connector_that_failed_itself_waits_the_backoff_not_relaunched_at_once():
+    # The op released it as Error before its run failed: a failing connector, not a crash.
+    c = conn("a", status=ERROR, run_id="r1", status_since=NOW - 1, last_error="RuntimeError: x")
+    failed = s.RunView("r1", "a", generation=0, status="FAILURE")
+    assert s.plan([c], brokers("b1"), [failed], NOW).decisions == []
+    later = replace(c, status_since=NOW - 10)
+    assert kinds(s.plan([later], brokers("b1"), [failed], NOW)) == [
+        ("Restart", "a"),
+        ("Assign", "a"),
+    ]
+
+
+def test_a_crash_with_no_restart_allowed_is_an_error():
+    c = running("a", "b1", max_restarts=0)
+    p = s.plan([c], brokers("b1"), [run_of(c, status="FAILURE")], NOW)
+    (d,) = p.decisions
+    assert isinstance(d, s.MarkError) and d.while_run == c.run_id
+    assert "no automatic restart is left" in d.message
+
+
+class Cluster:
+    """One connector under the planner on a fake clock: decisions applied, runs simulated."""
+
+    def __init__(self, cfg: s.SchedulerConfig):
+        self.cfg, self.now = cfg, NOW
+        self.c = conn("a", status_since=NOW, updated_at=NOW)
+        self.run: s.RunView | None = None
+        self.log: list[tuple[float, str]] = []
+
+    def tick(self) -> list[s.Decision]:
+        runs = [self.run] if self.run else []
+        p = s.plan([self.c], brokers("b1"), runs, self.now, self.cfg)
+        for d in p.decisions:
+            self.log.append((self.now, type(d).__name__))
+            if d.change is not None and d.change.status is not None:
+                self.c = replace(self.c, status_since=self.now)
+            self.c = s._after(self.c, [d])
+            if isinstance(d, s.Assign):  # the run starts and claims the connector
+                self.run = s.RunView(f"r{d.generation}", "a", d.generation, "STARTED", "b1")
+                self.c = replace(
+                    self.c, status=RUNNING, run_id=self.run.run_id, status_since=self.now
+                )
+        if self.c.status == RUNNING:
+            self.c = replace(self.c, heartbeat_at=self.now)
+        return p.decisions
+
+    def crash(self) -> None:
+        assert self.run is not None
+        self.run = replace(self.run, status="FAILURE")
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        if self.c.status == RUNNING and self.run and self.run.status == "STARTED":
+            self.c = replace(self.c, heartbeat_at=self.now)  # a live run keeps heartbeating
+
+    def ticks_until_running(self, every: float = 1.0) -> float:
+        """Seconds from now until the connector runs again, ticking every ``every``."""
+        start = self.now
+        for _ in range(10_000):
+            self.tick()
+            if self.c.status == RUNNING and self.run and self.run.status == "STARTED":
+                return self.now - start
+            self.advance(every)
+        raise AssertionError("never ran again")
+
+
+def test_fake_clock_a_crash_relaunches_at_once_and_only_failing_restarts_back_off():
+    cfg = s.SchedulerConfig(restart_backoff_s=10, healthy_reset_s=600)
+    x = Cluster(cfg)
+    assert x.ticks_until_running() == 0
+    x.advance(3600)
+    x.tick()  # a long healthy stretch: nothing to do
+    x.crash()
+    assert x.ticks_until_running() == 0  # relaunched in the tick that saw the crash
+    assert x.c.restarts == 1
+    # It crashes again 30 s later: the restart did not hold -> Error, backoff 20 s (grows)
+    x.advance(30)
+    x.crash()
+    assert x.ticks_until_running() == cfg.restart_backoff(1) == 20
+    x.advance(30)
+    x.crash()
+    assert x.ticks_until_running() == cfg.restart_backoff(2) == 40
+    assert x.c.restarts == 3
+    # Running a healthy stretch brings the budget back; the next crash is relaunched at once.
+    x.advance(cfg.healthy_reset_s + 1)
+    x.tick()
+    assert x.c.restarts == 0
+    x.crash()
+    assert x.ticks_until_running() == 0
+    # And crashing on every start ends in Error once max_restarts (5) are spent.
+    for _ in range(4):
+        x.advance(1)
+        x.crash()
+        x.ticks_until_running()
+    x.advance(1)
+    x.crash()
+    x.tick()
+    assert x.c.status == ERROR and x.c.restarts == 5
+    x.advance(100_000)
+    assert x.tick() == []
 
 
 def test_error_restarts_with_exponential_backoff_then_gives_up():
@@ -437,7 +562,9 @@ def test_property_generations_only_grow_and_each_connector_gets_one_ownership_ch
     for a in p.of(s.Assign):
         assert a.generation > before[a.name]
     owners = Counter(
-        d.name for d in p.decisions if isinstance(d, (s.Reset, s.Move, s.Stop, s.Restart))
+        d.name
+        for d in p.decisions
+        if isinstance(d, (s.Reset, s.Move, s.Stop, s.Restart, s.Relaunch))
     )
     assert all(n == 1 for n in owners.values())
 
