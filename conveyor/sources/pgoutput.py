@@ -82,7 +82,7 @@ class Unchanged(enum.Enum):
 
 
 UNCHANGED_TOAST: Final = Unchanged.TOAST
-Value: TypeAlias = "bytes | None | Literal[Unchanged.TOAST]"
+Value: TypeAlias = bytes | None | Literal[Unchanged.TOAST]
 
 # Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 PG_EPOCH_US: Final = 946_684_800_000_000
@@ -192,9 +192,11 @@ class Truncate:
 
 
 PgOutputMessage: TypeAlias = (
-    "Begin | Commit | Relation | TypeMessage | Insert | Update | Delete | Truncate | Origin"
-    " | Message"
+    Begin | Commit | Relation | TypeMessage | Insert | Update | Delete | Truncate | Origin | Message
 )
+
+
+_STRUCTS: Final = {fmt: struct.Struct(">" + fmt) for fmt in "BhiIqQ"}
 
 
 class _Reader:
@@ -219,7 +221,7 @@ class _Reader:
         return out
 
     def unpack(self, fmt: str, what: str) -> int:
-        s = struct.Struct(">" + fmt)
+        s = _STRUCTS[fmt]
         value: int = s.unpack(self.take(s.size, what))[0]
         return value
 
@@ -416,10 +418,16 @@ def _json_float(literal: str) -> float | JsonNumber:
     return f if repr(f) == literal else JsonNumber(literal)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_json(text: str) -> Any:
     """A JSON text with its numbers exact (see ``JsonNumber``); ValueDecodeError if invalid."""
     try:
-        return json.loads(text, parse_int=_json_int, parse_float=_json_float)
+        return json.loads(
+            text, parse_int=_json_int, parse_float=_json_float, parse_constant=_no_constant
+        )
     except RecursionError:
         raise ValueDecodeError("JSON nested deeper than the decoder's recursion limit") from None
     except ValueError as e:
@@ -476,16 +484,20 @@ def dumps(value: Any) -> str:
 
 # ---------------------------------------------------------------------------- arrays
 
-_BOUNDS_RE = re.compile(r"\s*((?:\[\s*[+-]?\d+\s*(?::\s*[+-]?\d+\s*)?\]\s*)+)=")
+# PostgreSQL's array whitespace (scanner_isspace): ASCII only, unlike Python's \s.
+_WS: Final = r"[ \t\n\r\v\f]"
+_BOUNDS_RE = re.compile(
+    rf"{_WS}*(?:\[{_WS}*[+-]?[0-9]+{_WS}*(?::{_WS}*[+-]?[0-9]+{_WS}*)?\]{_WS}*)+="
+)
 
 
 @functools.lru_cache(maxsize=16)
 def _array_token_re(delim: str) -> re.Pattern[str]:
     d = re.escape(delim)
     plain = rf'[^"\\{{}}{d}]'
-    edge = rf'(?:[^"\\{{}}{d}\s]|\\.)'
+    edge = rf'(?:[^"\\{{}}{d} \t\n\r\v\f]|\\.)'
     return re.compile(
-        rf'\s*(?:(?P<open>\{{)|(?P<close>\}})|(?P<delim>{d})|"(?P<quoted>(?:[^"\\]|\\.)*)"'
+        rf'{_WS}*(?:(?P<open>\{{)|(?P<close>\}})|(?P<delim>{d})|"(?P<quoted>(?:[^"\\]|\\.)*)"'
         rf"|(?P<bare>{edge}(?:(?:{plain}|\\.)*{edge})?))",
         re.S,
     )
@@ -511,6 +523,8 @@ def parse_array(text: str, delim: str = ",") -> list[Any]:
             break
         pos = t.end()
         kind = t.lastgroup
+        if not stack and kind != "open":
+            raise _array_error(text, t.start(), "an array starts with '{' (after any bounds)")
         if kind == "open":
             if not expect_item or len(stack) >= MAX_ARRAY_DEPTH:
                 raise _array_error(text, t.start(), "unexpected '{' (or deeper than 6)")
@@ -519,19 +533,19 @@ def parse_array(text: str, delim: str = ",") -> list[Any]:
                 stack[-1].append(sub)
             stack.append(sub)
         elif kind == "close":
-            if not stack or (expect_item and stack[-1]):
+            if expect_item and stack[-1]:
                 raise _array_error(text, t.start(), "unexpected '}'")
             done = stack.pop()
             result = done if not stack else None
         elif kind == "delim":
-            if expect_item or not stack:
+            if expect_item:
                 raise _array_error(text, t.start(), f"unexpected {delim!r}")
-        elif not expect_item or not stack:
+        elif not expect_item:
             raise _array_error(text, t.start(), "element where a delimiter was expected")
         else:
             stack[-1].append(_element(t))
         expect_item = kind in ("open", "delim")
-    if result is None or text[pos:].strip():
+    if result is None or text[pos:].strip(" \t\n\r\v\f"):
         raise _array_error(text, pos, "malformed array")
     _check_shape(text, result)
     return result
@@ -542,7 +556,7 @@ def _element(t: re.Match[str]) -> str | None:
     if quoted is not None:
         return _ESCAPE_RE.sub(r"\1", quoted)
     bare = t.group("bare")
-    if "\\" not in bare and bare.upper() == "NULL":
+    if bare.isascii() and bare.upper() == "NULL":  # an escaped \NULL is text
         return None
     return _ESCAPE_RE.sub(r"\1", bare)
 
