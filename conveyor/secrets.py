@@ -9,6 +9,14 @@ literal ``${``.
 - ``${file:PATH}``: the content of the file at the absolute PATH, without its
   trailing newline (Kubernetes and Docker secret mounts).
 
+Bounded (Kafka Connect's KIP-993 ``allowed.paths``): a reference may stand only in a field
+declared secret (``check_placement``; a name, table, topic or template could carry the
+secret into data or an error), and reads only what the operator allows (``SecretPolicy``):
+files under ``$CONVEYOR_SECRET_FILES`` (comma-separated directories; default
+``$CONVEYOR_HOME/secrets``), the path resolved (symlinks, no ``..``) before the check;
+variables whose names match ``$CONVEYOR_SECRET_ENV`` (comma-separated patterns; default
+``CONVEYOR_*``), never Conveyor's own credentials and settings (``DENIED_ENV``).
+
 Contract: references are resolved by ``resolve`` only in the process that runs
 the data path (the connector op, a dead-letter replay, an offsets reset that asks
 Kafka), right before the config is validated for use. Everything else (the meta
@@ -20,16 +28,75 @@ never the value.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from conveyor.core.errors import ConfigError
-from conveyor.core.references import REFERENCE, UNTERMINATED, argument_problem
+from conveyor.core.references import (
+    REFERENCE,
+    UNTERMINATED,
+    argument_problem,
+    literal_credential_problem,
+)
+from conveyor.store.meta import DEFAULT_HOME
 
 MASK = "**********"
+SECRET_FILES_ENV = "CONVEYOR_SECRET_FILES"
+SECRET_ENV_ENV = "CONVEYOR_SECRET_ENV"
+DEFAULT_ENV_PATTERNS = ("CONVEYOR_*",)
+# Conveyor's own credentials and the policy itself: never readable by a spec, whatever the
+# patterns say (a sink URL of the caller's server would carry them there).
+DENIED_ENV = ("CONVEYOR_META_URL", "CONVEYOR_API_*", SECRET_FILES_ENV, SECRET_ENV_ENV)
+
+
+@dataclass(frozen=True)
+class SecretPolicy:
+    """What a reference may read: files under ``file_prefixes`` (real paths), variables
+    matching ``env_patterns`` and none of ``DENIED_ENV``."""
+
+    file_prefixes: tuple[str, ...]
+    env_patterns: tuple[str, ...] = DEFAULT_ENV_PATTERNS
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> SecretPolicy:
+        """The operator's policy (``$CONVEYOR_SECRET_FILES``, ``$CONVEYOR_SECRET_ENV``)."""
+        env = os.environ if environ is None else environ
+        raw_files = env.get(SECRET_FILES_ENV, "").strip()
+        if raw_files:
+            dirs = [d.strip() for d in raw_files.split(",") if d.strip()]
+        else:
+            home = Path(env.get("CONVEYOR_HOME") or DEFAULT_HOME).absolute()
+            dirs = [str(home / "secrets")]
+        for d in dirs:
+            if not PurePosixPath(d).is_absolute():
+                raise ConfigError(f"{d!r} is not an absolute directory", field=SECRET_FILES_ENV)
+        raw_env = env.get(SECRET_ENV_ENV, "").strip()
+        patterns = tuple(p.strip() for p in raw_env.split(",") if p.strip())
+        return cls(
+            file_prefixes=tuple(os.path.realpath(d) for d in dirs),
+            env_patterns=patterns or DEFAULT_ENV_PATTERNS,
+        )
+
+    def env_allowed(self, name: str) -> bool:
+        if any(fnmatch.fnmatchcase(name, p) for p in DENIED_ENV):
+            return False
+        return any(fnmatch.fnmatchcase(name, p) for p in self.env_patterns)
+
+    def file_allowed(self, path: str) -> str | None:
+        """The real path to read, or None when ``path`` is outside the allowed directories."""
+        if ".." in PurePosixPath(path).parts:
+            return None
+        real = os.path.realpath(path)
+        for prefix in self.file_prefixes:
+            if os.path.commonpath([real, prefix]) == prefix and real != prefix:
+                return real
+        return None
+
 
 _REF = REFERENCE
 _UNTERMINATED = UNTERMINATED
@@ -52,27 +119,33 @@ def resolve(
     field: str = "",
     environ: Mapping[str, str] | None = None,
     keep: Callable[[str], bool] | None = None,
+    policy: SecretPolicy | None = None,
 ) -> Any:
     """``value`` with every reference replaced by its secret; mappings and lists deeply.
 
-    ``keep(field)`` leaves a field's value as written (a Kafka connection's secrets, which
-    its client resolves at every connection so that a rotated file is read again).
-    Raises ConfigError naming the field and the reference (an unset variable, an
-    unreadable or relative file, an unknown provider). The returned structure holds
-    secrets: hand it to validation and the client, never to a log or the store.
+    ``keep(field)`` leaves a text field's value as written (a field that is not secret; a
+    Kafka connection's secrets, which its client resolves at every connection so that a
+    rotated file is read again). ``policy`` (default: the operator's, from ``environ``)
+    bounds what is read. Raises ConfigError naming the field and the reference (an unset
+    or refused variable, an unreadable, relative or refused file), never the value. The
+    returned structure holds secrets: hand it to validation and the client, never to a log
+    or the store.
     """
     env = os.environ if environ is None else environ
-    if keep is not None and keep(field):
-        return value
+    pol = SecretPolicy.from_environ(env) if policy is None else policy
     if isinstance(value, str):
-        return _resolve_str(value, field, env)
+        if keep is not None and keep(field):
+            return value
+        return _resolve_str(value, field, env, pol)
     if isinstance(value, Mapping):
         return {
-            k: resolve(v, field=_join(field, k), environ=env, keep=keep) for k, v in value.items()
+            k: resolve(v, field=_join(field, k), environ=env, keep=keep, policy=pol)
+            for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
         return [
-            resolve(v, field=f"{field}[{i}]", environ=env, keep=keep) for i, v in enumerate(value)
+            resolve(v, field=f"{field}[{i}]", environ=env, keep=keep, policy=pol)
+            for i, v in enumerate(value)
         ]
     return value
 
@@ -96,6 +169,63 @@ def check_syntax(value: Any, *, field: str = "") -> None:
             )
 
     _walk(value, check, field)
+
+
+def check_placement(value: Any, secret_paths: Collection[str], *, field: str = "") -> None:
+    """Raise ConfigError naming the field for a reference outside a secret field, a credential
+    written literally in a connection string, or the mask sent back as a value.
+
+    Runs on a spec as written (the run's resolved copy holds the secrets themselves).
+    """
+
+    def check(s: str, f: str) -> None:
+        secret = f in secret_paths
+        if not secret and has_reference(s):
+            allowed = ", ".join(sorted(secret_paths)) or "none in this spec"
+            raise ConfigError(
+                "holds a ${env:...} / ${file:...} reference, which is resolved only in a "
+                f"secret field (here: {allowed}); write the value itself",
+                field=f or None,
+            )
+        problem = literal_credential_problem(s, key_value=secret)
+        if problem:
+            raise ConfigError(problem, field=f or None)
+        if MASK in s:
+            raise ConfigError(
+                f"holds the mask {MASK!r} shown in place of a secret: send the secret (a "
+                "reference) or, to keep the stored one, PUT the config back over the "
+                "connector that has it",
+                field=f or None,
+            )
+
+    _walk(value, check, field)
+
+
+def keep_stored_secrets(
+    config: Mapping[str, Any], stored: Mapping[str, Any] | None, secret_paths: Collection[str]
+) -> dict[str, Any]:
+    """``config`` with each secret field sent back as exactly ``MASK`` replaced by the stored
+    value (the usual GET, edit, PUT round trip); a mask where nothing is stored is refused."""
+    out: dict[str, Any] = _copy_dicts(config)
+    for path in secret_paths:
+        keys = path.split(".")
+        parent = _lookup(out, keys[:-1])
+        if not isinstance(parent, dict) or parent.get(keys[-1]) != MASK:
+            continue
+        old = _lookup(stored, keys)
+        if not isinstance(old, str) or old == MASK:
+            raise ConfigError(
+                f"is the mask {MASK!r}, and the connector has no stored secret here to keep: "
+                "send the secret as a reference, ${env:NAME} or ${file:/path}",
+                field=path,
+            )
+        parent[keys[-1]] = old
+    return out
+
+
+def mask_url_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it masked (error and status messages)."""
+    return _mask_url_passwords(text)
 
 
 def mask_literal(value: str) -> str:
@@ -133,6 +263,20 @@ def redact(data: Any, secret_fields: Callable[[str], bool], *, field: str = "") 
 # -- internals ----------------------------------------------------------------------------
 
 
+def _copy_dicts(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy_dicts(v) for k, v in value.items()}
+    return value
+
+
+def _lookup(data: Any, keys: list[str]) -> Any:
+    for k in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(k)
+    return data
+
+
 def _join(field: str, key: Any) -> str:
     return f"{field}.{key}" if field else str(key)
 
@@ -154,7 +298,7 @@ def _check_ref(provider: str, arg: str, field: str) -> None:
         raise ConfigError(f"${{{provider}:{arg}}}: {problem}", field=field or None)
 
 
-def _resolve_str(s: str, field: str, env: Mapping[str, str]) -> str:
+def _resolve_str(s: str, field: str, env: Mapping[str, str], policy: SecretPolicy) -> str:
     def one(m: re.Match[str]) -> str:
         if m.group(1):  # $${...}: a literal ${...}
             return m.group(0)[1:]
@@ -162,13 +306,27 @@ def _resolve_str(s: str, field: str, env: Mapping[str, str]) -> str:
         _check_ref(provider, arg, field)
         ref = m.group(0)
         if provider == "env":
+            if not policy.env_allowed(arg):
+                raise ConfigError(
+                    f"{ref}: variable {arg} may not be referenced (allowed: names matching "
+                    f"{SECRET_ENV_ENV}, default {','.join(DEFAULT_ENV_PATTERNS)}; never "
+                    f"{', '.join(DENIED_ENV)})",
+                    field=field or None,
+                )
             if arg not in env:
                 raise ConfigError(
                     f"{ref}: environment variable {arg} is not set", field=field or None
                 )
             return env[arg]
+        real = policy.file_allowed(arg)
+        if real is None:
+            raise ConfigError(
+                f"{ref}: the file is outside the directories secrets may be read from "
+                f"({SECRET_FILES_ENV}, default $CONVEYOR_HOME/secrets)",
+                field=field or None,
+            )
         try:
-            text = Path(arg).read_text()
+            text = Path(real).read_text()
         except OSError as e:
             raise ConfigError(f"{ref}: cannot read: {e.strerror}", field=field or None) from None
         except UnicodeDecodeError:

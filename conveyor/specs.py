@@ -34,13 +34,13 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from conveyor.core.connection import SECRET_FIELDS
+from conveyor.core.connection import SECRET_FIELD, SECRET_FIELDS
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
 from conveyor.core.state import StateChange
 from conveyor.registry import format_validation_error
-from conveyor.secrets import check_syntax, redact, resolve
+from conveyor.secrets import check_placement, check_syntax, keep_stored_secrets, redact, resolve
 from conveyor.sinks import parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
 from conveyor.sources.base import SourceConfig
@@ -128,7 +128,11 @@ class LoadedSpec:
         return json.dumps(d, sort_keys=False) if d is not None else None
 
     def _secret_field(self, path: str) -> bool:
-        return path in secret_fields(self.spec, self.sink, self.source_config)
+        return path in self.secret_paths()
+
+    def secret_paths(self) -> set[str]:
+        """The dotted paths of this spec's secret fields (``secret_fields``)."""
+        return secret_fields(self.spec, self.sink, self.source_config)
 
     def location_fingerprint(self) -> str:
         """What the code location builds from this spec: all but the sections taken on live."""
@@ -143,8 +147,9 @@ class LoadedSpec:
 def secret_fields(
     spec: ConnectorSpec | None, sink: SinkConfig | None, source: SourceConfig | None = None
 ) -> set[str]:
-    """Dotted paths of the fields typed ``SecretStr``: in the spec's models and the sink's
-    (or a source connector's source's) model."""
+    """Dotted paths of the secret fields (typed ``SecretStr`` or marked ``SECRET_FIELD``): in
+    the spec's models and the sink's (or a source connector's source's) model. Only these
+    may hold references; they are masked when shown."""
     out = set(_secret_paths(ConnectorSpec)) | set(_secret_paths(SourceConnectorSpec))
     if source is not None:
         out |= {f"source.{p}" for p in _secret_paths(type(source))}
@@ -163,7 +168,7 @@ def _secret_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
         path = f"{prefix}{key}"
         ann = f.annotation
         kinds = get_args(ann) or (ann,)
-        if SecretStr in kinds:
+        if SecretStr in kinds or f.json_schema_extra == SECRET_FIELD:
             out.append(path)
         for k in kinds:
             if isinstance(k, type) and issubclass(k, BaseModel) and k is not model:
@@ -238,7 +243,11 @@ def parse_source_spec(
 
 
 def from_mapping(data: Any, *, source: str, fallback_name: str) -> LoadedSpec:
-    """A LoadedSpec from a parsed spec mapping (a file's content, an API request body)."""
+    """A LoadedSpec from a parsed spec mapping (a file's content, an API request body).
+
+    Besides the models' rules: references only in secret fields, no credential written
+    literally in a connection string, no mask (``secrets.check_placement``).
+    """
     name = data.get("name", fallback_name) if isinstance(data, dict) else fallback_name
     if not isinstance(name, str):
         name = fallback_name
@@ -247,12 +256,44 @@ def from_mapping(data: Any, *, source: str, fallback_name: str) -> LoadedSpec:
             sspec, sconfig = parse_source_spec(data, source=source)
         except ConfigError as e:
             return LoadedSpec(name, source, error=str(e))
-        return LoadedSpec(sspec.name, source, raw=data, source_spec=sspec, source_config=sconfig)
+        loaded = LoadedSpec(sspec.name, source, raw=data, source_spec=sspec, source_config=sconfig)
+    else:
+        try:
+            spec, sink = parse_spec(data, source=source)
+        except ConfigError as e:
+            return LoadedSpec(name, source, error=str(e))
+        loaded = LoadedSpec(spec.name, source, spec=spec, sink=sink, raw=data)
     try:
-        spec, sink = parse_spec(data, source=source)
+        check_placement(data, loaded.secret_paths() | _aliases(loaded))
+        check_placement(loaded._normalized(), loaded.secret_paths())
     except ConfigError as e:
-        return LoadedSpec(name, source, error=str(e))
-    return LoadedSpec(spec.name, source, spec=spec, sink=sink, raw=data)
+        return LoadedSpec(loaded.name, source, error=str(ConfigError(str(e), source=source)))
+    return loaded
+
+
+def _aliases(loaded: LoadedSpec) -> set[str]:
+    """Secret paths under the names a spec may be written with (``schema_`` for ``schema``)."""
+    out = set()
+    for model, prefix in (
+        (type(loaded.sink), "sink."),
+        (type(loaded.source_config), "source."),
+    ):
+        if model is type(None) or not issubclass(model, BaseModel):
+            continue
+        for name, f in model.model_fields.items():
+            if f.alias and f"{prefix}{f.alias}" in loaded.secret_paths():
+                out.add(f"{prefix}{name}")
+    return out
+
+
+def keep_stored(config: Any, current: LoadedSpec | None) -> Any:
+    """A config sent back with secrets shown as the mask, the stored secrets put back
+    (``secrets.keep_stored_secrets``); anything else as it is."""
+    if not isinstance(config, Mapping):
+        return config
+    if current is None or not current.ok or current.any_spec is None:
+        return config  # nothing stored: a mask is refused by ``from_mapping``
+    return keep_stored_secrets(config, current._normalized(), current.secret_paths())
 
 
 def _resolved_by_the_kafka_client(field: str) -> bool:
@@ -270,8 +311,13 @@ def resolved(loaded: LoadedSpec) -> LoadedSpec:
     """
     if not loaded.ok or loaded.any_spec is None:
         raise ConfigError(loaded.error or "no spec", source=loaded.source)
+    secrets = loaded.secret_paths()
+
+    def keep(field: str) -> bool:  # only secret fields are resolved
+        return field not in secrets or _resolved_by_the_kafka_client(field)
+
     try:
-        data = resolve(loaded._normalized(), keep=_resolved_by_the_kafka_client)
+        data = resolve(loaded._normalized(), keep=keep)
     except ConfigError as e:
         raise ConfigError(str(e), source=loaded.source) from None
     if loaded.is_source:
@@ -363,9 +409,11 @@ def scan(directory: Path | None, defs_roots: Iterable[Path] = ()) -> list[Loaded
 
 
 def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
-    """The first definition of a name wins; later ones become errors naming both files."""
+    """The first definition of a name wins; later ones become errors naming both files. So does
+    a later connector claiming a resource another one owns (a replication slot)."""
     out: list[LoadedSpec] = []
     seen: dict[str, str] = {}
+    owners: dict[str, str] = {}  # owned resource (a replication slot) -> connector
     for loaded in specs:
         if loaded.name in seen and seen[loaded.name] != loaded.source:
             loaded = LoadedSpec(
@@ -375,8 +423,25 @@ def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
             )
         else:
             seen.setdefault(loaded.name, loaded.source)
+            loaded = _owner_checked(loaded, owners)
         out.append(loaded)
     return out
+
+
+def _owner_checked(loaded: LoadedSpec, owners: dict[str, str]) -> LoadedSpec:
+    """An error when another connector already owns a resource this one claims (a slot)."""
+    config = loaded.source_config
+    claims = config.owned_resources(loaded.name) if config is not None else ()
+    for claim in claims:
+        if owners.get(claim, loaded.name) != loaded.name:
+            return LoadedSpec(
+                loaded.name,
+                loaded.source,
+                error=f"{loaded.source}: {claim} is already used by connector {owners[claim]!r}",
+            )
+    for claim in claims:
+        owners[claim] = loaded.name
+    return loaded
 
 
 def load_source(name: str, source: str | None) -> LoadedSpec:

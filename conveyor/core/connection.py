@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import JsonDict
 
 from conveyor.core.references import whole_reference_problem
 
@@ -46,6 +47,9 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
 }
 
 SECRET_FIELDS = ("sasl_password", "sasl_oauthbearer_token", "ssl_key_password")
+# Marks a text field as secret (``conveyor.specs.secret_fields``), as ``SecretStr`` does: only
+# such fields may hold references, and they are masked when shown.
+SECRET_FIELD: JsonDict = {"secret": True}
 SSL_FIELDS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password")
 SASL_FIELDS = (
     "sasl_mechanism",
@@ -103,11 +107,13 @@ class KafkaConnection(BaseModel):
     sasl_username: str | None = Field(default=None, description="SASL user name (PLAIN and SCRAM).")
     sasl_password: str | None = Field(
         default=None,
+        json_schema_extra=SECRET_FIELD,
         description="SASL password (PLAIN and SCRAM): a reference, ${env:NAME} or ${file:/path}; never the "
         "password itself.",
     )
     sasl_oauthbearer_token: str | None = Field(
         default=None,
+        json_schema_extra=SECRET_FIELD,
         description="OAUTHBEARER: the bearer token, a reference (${file:/path} is read again at every "
         "(re)connection, so a token file refreshed by a sidecar works).",
     )
@@ -127,6 +133,7 @@ class KafkaConnection(BaseModel):
     )
     ssl_key_password: str | None = Field(
         default=None,
+        json_schema_extra=SECRET_FIELD,
         description="Password of an encrypted ssl_keyfile: a reference, ${env:NAME} or ${file:/path}.",
     )
     ssl_check_hostname: bool = Field(

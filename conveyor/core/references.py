@@ -44,3 +44,44 @@ def known_now(value: str | None) -> bool:
     resolves. A config model's rule on a value's content skips a reference; the run validates the
     model again with the value it resolved."""
     return value is None or not any(not m.group(1) for m in REFERENCE.finditer(value))
+
+
+# A credential written into a connection string: the password of a URL's user info
+# (postgresql://u:p@h, redis://:p@h, amqp://u:p@h), a query parameter (?password=...), or a
+# libpq key/value pair (host=h password=p). Its value must be a whole reference.
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^:@/\s?#]*:(?P<value>[^@/\s?#]*)@")
+_CREDENTIAL_KEYS = (
+    r"(?:password|passwd|pwd|pass|secret|token|api_key|apikey|access_key|sslpassword)"
+)
+_QUERY_CREDENTIAL = re.compile(
+    rf"[?&;](?P<key>{_CREDENTIAL_KEYS})=(?P<value>[^&#;\s]*)", re.IGNORECASE
+)
+_KEYVALUE_CREDENTIAL = re.compile(
+    rf"(?:^|\s)(?P<key>{_CREDENTIAL_KEYS})\s*=\s*(?P<value>'(?:[^'\\]|\\.)*'|[^\s']*)",
+    re.IGNORECASE,
+)
+
+
+def literal_credential_problem(value: str, *, key_value: bool = True) -> str | None:
+    """Why a text value holds a credential written literally (a URL's password, a
+    ``password=`` query, with ``key_value`` a libpq ``password=`` pair), or None.
+
+    A credential given as one whole reference (``postgresql://app:${env:PG_PW}@db/app``)
+    passes: the rule of a Kafka connection's secret fields (``whole_reference_problem``),
+    applied inside the string.
+    """
+    patterns = [(_URL_PASSWORD, "a URL's password"), (_QUERY_CREDENTIAL, "a '{key}=' parameter")]
+    if key_value:
+        patterns.append((_KEYVALUE_CREDENTIAL, "a '{key}=' setting"))
+    for pattern, what in patterns:
+        for m in pattern.finditer(value):
+            cred = m.group("value").strip("'")
+            if not cred or whole_reference_problem(cred) is None:
+                continue
+            named = what.format(key=m.groupdict().get("key", "").lower())
+            return (
+                f"holds {named} written literally: write it as a reference, ${{env:NAME}} or "
+                "${file:/path} (e.g. postgresql://app:${file:/run/secrets/pg}@db/app); "
+                "a literal credential would be stored and shown"
+            )
+    return None

@@ -52,7 +52,7 @@ def cli(meta_url: str, *args: str, input: str | None = None):
 SPEC = """
 name: orders
 source: {topics: [orders]}
-sink: {type: postgres, url: "postgresql://u:secret@127.0.0.1/x", table: orders}
+sink: {type: postgres, url: "postgresql://u@127.0.0.1/x?application_name=secret", table: orders}
 """
 
 
@@ -76,7 +76,7 @@ def test_apply_list_show_start_stop_history_delete(meta_url, tmp_path):
 
     r = cli(meta_url, "connector", "show", "orders")
     assert r.exit_code == 0 and "status: Idle" in r.output
-    assert "secret" not in r.output  # the DSN password is a SecretStr
+    assert "secret" not in r.output  # the URL is a SecretStr (literal: masked whole)
 
     r = cli(meta_url, "connector", "stop", "orders")
     assert r.exit_code == 0
@@ -84,7 +84,8 @@ def test_apply_list_show_start_stop_history_delete(meta_url, tmp_path):
     r = cli(meta_url, "connector", "start", "orders")
     assert r.exit_code == 0 and MetaStore(meta_url).get("orders").status == ConnectorStatus.IDLE
     r = cli(meta_url, "connector", "restart", "orders")
-    assert r.exit_code == 0 and MetaStore(meta_url).get("orders").generation == 1
+    # The stop fenced generation 0 (it had no live run), the restart generation 1.
+    assert r.exit_code == 0 and MetaStore(meta_url).get("orders").generation == 2
 
     r = cli(meta_url, "connector", "history", "orders")
     assert (

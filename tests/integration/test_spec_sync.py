@@ -31,7 +31,11 @@ def write(d: Path, name: str, **over) -> Path:
     spec = {
         "name": name,
         "source": {"topics": ["orders"]},
-        "sink": {"type": "postgres", "url": "postgresql://app:hunter2@db/x", "table": "orders"},
+        "sink": {
+            "type": "postgres",
+            "url": "postgresql://app@db/x?application_name=hunter2",
+            "table": "orders",
+        },
         **over,
     }
     path = d / f"{name}.yaml"

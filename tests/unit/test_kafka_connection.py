@@ -25,6 +25,14 @@ from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec, SourceSpec
 
 
+@pytest.fixture(autouse=True)
+def _secrets_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the clients' options, not the secrets policy (tests/unit/
+    test_secrets.py): the operator lets references read any variable and file."""
+    monkeypatch.setenv("CONVEYOR_SECRET_ENV", "*")
+    monkeypatch.setenv("CONVEYOR_SECRET_FILES", "/")
+
+
 def conn(**kw: Any) -> KafkaConnection:
     return KafkaConnection(bootstrap_servers="b1:9092,b2:9093", **kw)
 

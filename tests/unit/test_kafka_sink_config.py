@@ -34,6 +34,14 @@ from tests.sinks.contract import BASE_TS, make_batch
 BASE = {"type": "kafka", "bootstrap_servers": "127.0.0.1:9092", "topic": "orders-out"}
 
 
+@pytest.fixture(autouse=True)
+def _secrets_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the clients' options, not the secrets policy (tests/unit/
+    test_secrets.py): the operator lets references read any variable and file."""
+    monkeypatch.setenv("CONVEYOR_SECRET_ENV", "*")
+    monkeypatch.setenv("CONVEYOR_SECRET_FILES", "/")
+
+
 def sink(**over: Any) -> KafkaSink:
     s = build_sink({**BASE, **over})
     assert isinstance(s, KafkaSink)

@@ -38,6 +38,14 @@ from tests.sinks.contract import HEADERS_TYPE, make_batch
 BASE = {"type": "mysql", "url": "mysql://root@127.0.0.1:3306/test", "table": "orders"}
 
 
+@pytest.fixture(autouse=True)
+def _secrets_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the clients' options, not the secrets policy (tests/unit/
+    test_secrets.py): the operator lets references read any variable and file."""
+    monkeypatch.setenv("CONVEYOR_SECRET_ENV", "*")
+    monkeypatch.setenv("CONVEYOR_SECRET_FILES", "/")
+
+
 def sink(**over: Any) -> MySQLSink:
     s = build_sink({**BASE, **over})
     assert isinstance(s, MySQLSink)
