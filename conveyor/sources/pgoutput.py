@@ -245,20 +245,35 @@ class _Reader:
         n = self.unpack("h", "tuple column count")
         if n < 0:
             raise self.fail(f"negative tuple column count {n}")
+        data, end = self.data, len(self.data)
         out: list[Value] = []
-        for i in range(n):
-            kind = self.take(1, f"kind of tuple column {i}")
-            if kind == b"n":
+        for i in range(n):  # the hot loop: fields read in place, errors re-read by _bad_column
+            pos = self.pos
+            kind = data[pos] if pos < end else -1
+            if kind == 0x74 and pos + 5 <= end:  # 't': Int32 length, then the text
+                stop = pos + 5 + int.from_bytes(data[pos + 1 : pos + 5], "big", signed=True)
+                if pos + 5 <= stop <= end:
+                    out.append(data[pos + 5 : stop])
+                    self.pos = stop
+                    continue
+            elif kind == 0x6E:  # 'n'
                 out.append(None)
-            elif kind == b"u":
+                self.pos = pos + 1
+                continue
+            elif kind == 0x75:  # 'u'
                 out.append(UNCHANGED_TOAST)
-            elif kind == b"t":
-                out.append(self.take(self.unpack("i", f"length of column {i}"), f"column {i}"))
-            elif kind == b"b":
-                raise self.fail(f"binary value in tuple column {i} (binary mode not requested)")
-            else:
-                raise self.fail(f"unknown tuple column kind {kind!r} in column {i}")
+                self.pos = pos + 1
+                continue
+            raise self._bad_column(i)
         return tuple(out)
+
+    def _bad_column(self, i: int) -> ProtocolError:
+        kind = self.take(1, f"kind of tuple column {i}")
+        if kind == b"t":
+            self.take(self.unpack("i", f"length of column {i}"), f"column {i}")
+        if kind == b"b":
+            return self.fail(f"binary value in tuple column {i} (binary mode not requested)")
+        return self.fail(f"unknown tuple column kind {kind!r} in column {i}")
 
 
 def _begin(r: _Reader) -> Begin:
@@ -422,12 +437,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_JSON_DECODER: Final = json.JSONDecoder(
+    parse_int=_json_int, parse_float=_json_float, parse_constant=_no_constant
+)
+
+
 def parse_json(text: str) -> Any:
     """A JSON text with its numbers exact (see ``JsonNumber``); ValueDecodeError if invalid."""
     try:
-        return json.loads(
-            text, parse_int=_json_int, parse_float=_json_float, parse_constant=_no_constant
-        )
+        return _JSON_DECODER.decode(text)
     except RecursionError:
         raise ValueDecodeError("JSON nested deeper than the decoder's recursion limit") from None
     except ValueError as e:
@@ -554,11 +572,11 @@ def parse_array(text: str, delim: str = ",") -> list[Any]:
 def _element(t: re.Match[str]) -> str | None:
     quoted = t.group("quoted")
     if quoted is not None:
-        return _ESCAPE_RE.sub(r"\1", quoted)
+        return _ESCAPE_RE.sub(r"\1", quoted) if "\\" in quoted else quoted
     bare = t.group("bare")
-    if bare.isascii() and bare.upper() == "NULL":  # an escaped \NULL is text
-        return None
-    return _ESCAPE_RE.sub(r"\1", bare)
+    if "\\" in bare:  # an escaped \NULL is text
+        return _ESCAPE_RE.sub(r"\1", bare)
+    return None if bare.isascii() and bare.upper() == "NULL" else bare
 
 
 def _check_shape(text: str, arr: list[Any]) -> None:
@@ -772,7 +790,7 @@ class ValueDecoder:
     def value(self, type_oid: int, text: bytes) -> Any:
         """One value's text (as pgoutput sends it) as its JSON-able value."""
         try:
-            s = bytes(text).decode()
+            s = text.decode() if isinstance(text, bytes) else bytes(text).decode()
         except UnicodeDecodeError as e:
             raise ValueDecodeError(f"type {type_oid}: value is not UTF-8 ({e.reason})") from None
         return self._convert(type_oid, s)
