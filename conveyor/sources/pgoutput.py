@@ -58,6 +58,12 @@ pg_lsn, reg* and any other type
 An OID that is not built in (enums, domains, extension types like citext, arrays of them) is
 resolved once through the caller's ``lookup`` (``ValueDecoder.TYPE_QUERY`` on pg_type); with
 no lookup, or an OID the lookup does not know, the value is the string as printed.
+
+Notes: bpchar keeps its padding ("ab   "); money follows the server's lc_monetary; bytea in
+the escape format is read too; a json value with a key twice keeps the last (as PostgreSQL's
+``->`` does); JSON nested deeper than Python's recursion limit (~1000) is a
+``ValueDecodeError``. Write decoded rows with ``dumps`` (``json.dumps`` with
+``separators=(",", ":")`` and ``default=str``, plus JsonNumber literals written raw).
 """
 
 from __future__ import annotations

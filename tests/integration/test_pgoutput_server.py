@@ -31,6 +31,7 @@ from conveyor.sources.pgoutput import (
     Truncate,
     TypeMessage,
     Update,
+    ValueDecodeError,
     ValueDecoder,
     dumps,
     parse_message,
@@ -439,3 +440,28 @@ def test_random_text_arrays_parse_as_postgres_builds_them(server) -> None:
             )
             text, as_json = cur.fetchone()
             assert decoder.value(1009, text.encode()) == arr == json.loads(as_json)
+
+
+@pytest.mark.parametrize(
+    ("setting", "column", "match"),
+    [
+        ("TimeZone = 'Asia/Kolkata'", "tz", r"offset \+05:30, not UTC \(is TimeZone=UTC\?\)"),
+        ("DateStyle = 'SQL, DMY'", "d", "DateStyle=ISO"),
+        ("IntervalStyle = 'postgres'", "iv", "IntervalStyle=iso_8601"),
+    ],
+)
+def test_other_session_settings_are_refused_by_name(server, setting, column, match) -> None:
+    url, _, _ = server
+    with closing(connect(url)) as conn, conn.cursor() as cur:
+        for q in (*SESSION, f"SET {setting}"):
+            cur.execute(q)
+        cur.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes('s', NULL, NULL, "
+            "'proto_version', '1', 'publication_names', 'p')"
+        )
+        messages = [parse_message(bytes(r[0])) for r in cur.fetchall()]
+    rel = relation(messages, "everything")
+    insert = next(m for m in of(messages, Insert) if m.relation_oid == rel.oid)
+    i = [c.name for c in rel.columns].index(column)
+    with pytest.raises(ValueDecodeError, match=match):
+        ValueDecoder().value(rel.columns[i].type_oid, insert.new[i])
