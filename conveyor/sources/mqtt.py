@@ -1,44 +1,98 @@
 """MQTT source (opaque): topic filters subscribed at QoS 1, acknowledged once stored.
 
-paho-mqtt (``pip install 'conveyor[mqtt]'``) with manual acknowledgements and a
-persistent session (``clean_session`` false, a fixed client id): a message's PUBACK
-is sent in ``commit``, after its batch was produced and the state stored, so the
-broker redelivers whatever a crash left unacknowledged. Each message becomes
-``{"topic": <MQTT topic>, "payload": <the JSON payload, or its text>}`` so that a Route
-can route on the MQTT topic (``path: topic``); or ``destination_from_topic`` makes
+paho-mqtt (``pip install 'conveyor[mqtt]'``), MQTT 5, with manual acknowledgements and a
+persistent session (``clean_start`` false, a session that never expires, a fixed client
+id): a message's PUBACK is sent in ``commit``, after its batch was produced and the state
+stored, so the broker redelivers whatever a crash left unacknowledged. Each message
+becomes ``{"topic": <MQTT topic>, "payload": <the JSON payload, or its text>}`` so that a
+Route can route on the MQTT topic (``path: topic``); or ``destination_from_topic`` makes
 the MQTT topic the destination (``/`` becomes ``.``, after ``topic_prefix``).
+
+Bounded: at most ``max_pending`` messages wait in memory. The broker is told so (MQTT 5
+Receive Maximum: it sends no more unacknowledged QoS 1 messages) and the largest packet
+it may send (``max_message_bytes``). When the queue is full anyway (QoS 0 messages fill
+it too), a QoS 0 message is dropped and counted; a QoS 1 message is neither queued nor
+acknowledged, and once the queue has drained the source resumes its session (disconnect,
+reconnect) so that the broker delivers it again.
+
+A lost connection is an outage: paho reconnects with backoff, and while the connection
+has been down longer than ``disconnect_grace_s`` ``poll`` raises TransientSourceError
+(the runtime shows Degraded and retries). Messages held from a lost connection are
+forgotten: their packet ids belonged to it, and the broker redelivers them when the
+session resumes (at least once; a batch already produced then appears twice).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from conveyor.core.errors import PermanentSourceError, TransientSourceError
+from conveyor.core.errors import PermanentSourceError, TransientSourceError, rule
 from conveyor.core.routing import SourceMode
+from conveyor.sources import strict_json
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
+
+log = logging.getLogger(__name__)
+
+# CONNACK reasons no retry fixes (MQTT 5: 0x84-0x87, 0x8C).
+_REFUSED_FOR_GOOD = (
+    "Unsupported protocol version",
+    "Client identifier not valid",
+    "Bad user name or password",
+    "Not authorized",
+    "Bad authentication method",
+)
+_NEVER_EXPIRES = 0xFFFFFFFF
 
 
 class MQTTConfig(SourceConfig):
-    """Subscribes to MQTT topic filters."""
+    """Subscribes to MQTT topic filters (MQTT 5, QoS 1, a persistent session). At least once:
+    a message is acknowledged (PUBACK) only after its batch is stored; QoS 2 publishes arrive
+    at QoS 1; QoS 0 messages are at most once and, when `max_pending` messages wait, dropped
+    and counted (QoS 1 ones are then left unacknowledged and delivered again once the queue
+    drains). A connection down longer than `disconnect_grace_s` makes the connector Degraded
+    until it is back (reconnected with backoff)."""
 
     type: Literal["mqtt"] = "mqtt"
     host: str = Field(default="127.0.0.1", description="MQTT broker host.")
-    port: int = Field(default=1883, ge=1, le=65_535, description="MQTT broker port.")
+    port: int = Field(default=1883, ge=1, le=65_535, description="MQTT broker port (TLS: 8883).")
     topics: list[str] = Field(
         min_length=1, description="Topic filters ('+' and '#' wildcards), subscribed at QoS 1."
     )
     client_id: str = Field(
-        description="Client id of the persistent session (unacknowledged messages are redelivered to it)."
+        min_length=1,
+        max_length=256,
+        description="Client id of the persistent session (unacknowledged messages are redelivered to it).",
     )
     username: str | None = Field(default=None, description="User name.")
     password: SecretStr | None = Field(
-        default=None, description="Password: a reference, ${env:NAME} or ${file:/path}."
+        default=None,
+        description="Password (with username): a reference, ${env:NAME} or ${file:/path}.",
+    )
+    tls: bool = Field(
+        default=False, description="Connect over TLS (the broker's certificate verified)."
+    )
+    tls_ca_file: str | None = Field(
+        default=None,
+        description="CA bundle (PEM) the broker's certificate is verified against; default the system's CAs.",
+    )
+    tls_cert_file: str | None = Field(
+        default=None, description="Client certificate (PEM) for mutual TLS (with tls_key_file)."
+    )
+    tls_key_file: str | None = Field(default=None, description="Client private key (PEM).")
+    tls_key_password: SecretStr | None = Field(
+        default=None, description="Password of an encrypted tls_key_file: a reference."
+    )
+    tls_insecure_skip_hostname_check: bool = Field(
+        default=False,
+        description="Accept a broker certificate that does not name the host (still signed by the CA). Insecure.",
     )
     destination_from_topic: bool = Field(
         default=False,
@@ -48,7 +102,23 @@ class MQTTConfig(SourceConfig):
         default="", description="Prefix of destinations taken from MQTT topics."
     )
     max_pending: int = Field(
-        default=10_000, ge=1, description="Messages held in memory at most (receive maximum)."
+        default=10_000,
+        ge=1,
+        le=65_535,
+        description="Messages held in memory at most; the broker's Receive Maximum for QoS 1.",
+    )
+    max_message_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        le=256 << 20,
+        description="Largest packet the broker may send (MQTT 5 Maximum Packet Size); the broker drops larger messages.",
+    )
+    keepalive_s: int = Field(default=30, ge=5, le=3_600, description="MQTT keep-alive interval.")
+    disconnect_grace_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=3_600,
+        description="A connection down longer than this is an outage: poll fails (Degraded) until it is back.",
     )
 
     @field_validator("topics")
@@ -64,12 +134,45 @@ class MQTTConfig(SourceConfig):
                 raise ValueError(f"{f!r} is not an MQTT topic filter")
         return v
 
+    @model_validator(mode="after")
+    def _rules(self) -> MQTTConfig:
+        """Cross-field rules (no I/O): each error names its field."""
+        rule(self.password is None or bool(self.username), "needs username", field="password")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_key_password"):
+            rule(self.tls or getattr(self, name) is None, "only with tls: true", field=name)
+        rule(
+            self.tls or not self.tls_insecure_skip_hostname_check,
+            "only with tls: true",
+            field="tls_insecure_skip_hostname_check",
+        )
+        rule(
+            (self.tls_cert_file is None) == (self.tls_key_file is None),
+            "tls_cert_file and tls_key_file go together",
+            field="tls_key_file" if self.tls_cert_file else "tls_cert_file",
+        )
+        rule(
+            self.tls_key_password is None or self.tls_key_file is not None,
+            "needs tls_key_file",
+            field="tls_key_password",
+        )
+        return self
+
     def asset_key_path(self) -> list[str]:
         return ["mqtt", f"{self.host}_{self.port}"]
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A received message waiting for the commit that covers it."""
+
+    seq: int
+    message: SourceMessage
+    mid: int
+    qos: int
+
+
 class MQTTSource(Source):
-    """QoS 1 subscriber; PUBACKs in commit."""
+    """QoS 1 subscriber; PUBACKs in commit; a lost connection is a TransientSourceError."""
 
     config_class = MQTTConfig
     mode: ClassVar[SourceMode] = SourceMode.OPAQUE
@@ -79,10 +182,16 @@ class MQTTSource(Source):
         super().__init__(config)
         self._client: Any = None
         self._cond = threading.Condition()
-        self._messages: deque[tuple[int, SourceMessage, int]] = deque()  # (seq, message, mid)
+        self._held: deque[_Held] = deque()
         self._next_seq = 1
-        self._connected = threading.Event()
-        self._error: str | None = None
+        self._answered = threading.Event()  # the first CONNACK (or refusal) arrived
+        self._refused: str | None = None
+        self._down_since: float | None = None
+        self._down_reason = ""
+        self._resume = False
+        self.dropped_qos0 = 0  # QoS 0 messages dropped because the queue was full
+        self.withheld = 0  # QoS 1 messages left unacknowledged because the queue was full
+        self.reconnects = 0
 
     @property
     def column_routing(self) -> bool:
@@ -98,81 +207,208 @@ class MQTTSource(Source):
         if state is not None:
             self._next_seq = int(state.get("seq", 0)) + 1
         c = self.config
+        client = self._new_client(mqtt)
+        try:
+            client.connect(
+                c.host, c.port, keepalive=c.keepalive_s, clean_start=False,
+                properties=self._connect_properties(),
+            )  # fmt: skip
+        except OSError as e:
+            raise _connect_error(c, e) from None
+        client.loop_start()
+        self._client = client
+        if not self._answered.wait(15):
+            raise TransientSourceError(f"MQTT {c.host}:{c.port}: no CONNACK within 15 s")
+        refused = self._refused
+        if refused is not None:
+            error = PermanentSourceError if refused in _REFUSED_FOR_GOOD else TransientSourceError
+            raise error(f"MQTT {c.host}:{c.port} refused the connection: {refused}")
+
+    def _new_client(self, mqtt: Any) -> Any:
+        c = self.config
         client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2,
             client_id=c.client_id,
-            clean_session=False,
+            protocol=mqtt.MQTTv5,
             manual_ack=True,
         )
-        client.max_inflight_messages_set(min(c.max_pending, 65_535))
         if c.username:
             client.username_pw_set(
                 c.username, c.password.get_secret_value() if c.password else None
             )
+        if c.tls:
+            self._set_tls(client)
+        client.reconnect_delay_set(1, 30)
         client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
-        client.on_disconnect = lambda *_a, **_k: self._connected.clear()
-        try:
-            client.connect(c.host, c.port, keepalive=30)
-        except OSError as e:
-            raise TransientSourceError(f"cannot connect to MQTT {c.host}:{c.port}: {e}") from None
-        client.loop_start()
-        self._client = client
-        if not self._connected.wait(15):
-            raise TransientSourceError(f"MQTT {c.host}:{c.port}: no CONNACK within 15 s")
-        if self._error:
-            raise PermanentSourceError(self._error)
+        return client
 
-    def _on_connect(
-        self, client: Any, _userdata: Any, _flags: Any, reason: Any, _props: Any = None
-    ) -> None:
+    def _set_tls(self, client: Any) -> None:
+        import ssl
+
+        c = self.config
+        try:
+            client.tls_set(
+                ca_certs=c.tls_ca_file,
+                certfile=c.tls_cert_file,
+                keyfile=c.tls_key_file,
+                cert_reqs=ssl.CERT_REQUIRED,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+                keyfile_password=(
+                    c.tls_key_password.get_secret_value() if c.tls_key_password else None
+                ),
+            )
+        except (OSError, ssl.SSLError) as e:
+            raise PermanentSourceError(f"MQTT TLS files cannot be used: {e}") from None
+        client.tls_insecure_set(c.tls_insecure_skip_hostname_check)
+
+    def _connect_properties(self) -> Any:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = _NEVER_EXPIRES
+        props.ReceiveMaximum = self.config.max_pending
+        props.MaximumPacketSize = self.config.max_message_bytes
+        return props
+
+    # -- paho's network thread -------------------------------------------------------
+
+    def _on_connect(self, client: Any, _u: Any, flags: Any, reason: Any, _p: Any = None) -> None:
         if getattr(reason, "is_failure", False):
-            self._error = f"MQTT refused the connection: {reason}"
-            self._connected.set()
+            with self._cond:
+                self._refused = str(reason)
+                self._down_reason = f"connection refused: {reason}"
+                self._cond.notify_all()
+            self._answered.set()
             return
-        client.subscribe([(f, 1) for f in self.config.topics])
-        self._connected.set()
+        if not getattr(flags, "session_present", False):
+            client.subscribe([(f, 1) for f in self.config.topics])
+        with self._cond:
+            if self._down_since is not None:
+                self.reconnects += 1
+                log.info("MQTT %s:%s connected again", self.config.host, self.config.port)
+            self._refused = None
+            self._down_since = None
+            self._cond.notify_all()
+        self._answered.set()
+
+    def _on_disconnect(self, _c: Any, _u: Any, _flags: Any, reason: Any, _p: Any = None) -> None:
+        with self._cond:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            self._down_reason = f"disconnected: {reason}"
+            # Unacknowledged QoS 1 messages come again when the session resumes; the copies
+            # held here carry packet ids of the lost connection and must never be acknowledged.
+            self._held = deque(h for h in self._held if h.qos == 0)
+            self._cond.notify_all()
 
     def _on_message(self, _client: Any, _userdata: Any, msg: Any) -> None:
-        try:
-            payload: Any = json.loads(msg.payload)
-        except ValueError:
-            payload = msg.payload.decode("utf-8", "replace")
-        dest = None
-        if self.config.destination_from_topic:
-            dest = self.config.topic_prefix + msg.topic.replace("/", ".")
-        body = json.dumps({"topic": msg.topic, "payload": payload}, separators=(",", ":")).encode()
-        m = SourceMessage(body, destination=dest, timestamp_ms=int(time.time() * 1000))
         with self._cond:
-            self._messages.append((self._next_seq, m, msg.mid))
+            if len(self._held) >= self.config.max_pending:
+                if msg.qos == 0:
+                    self.dropped_qos0 += 1
+                else:
+                    self.withheld += 1  # no PUBACK: delivered again when the session resumes
+                    self._resume = True
+                return
+            m = _message(msg, self.config)
+            self._held.append(_Held(self._next_seq, m, msg.mid, msg.qos))
             self._next_seq += 1
             self._cond.notify_all()
+
+    # -- the runtime's thread -----------------------------------------------------------
 
     def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
         after = int((state or {}).get("seq", 0))
         deadline = time.monotonic() + max_wait_s
         with self._cond:
             while True:
-                batch = [(s, m) for s, m, _ in self._messages if s > after][:max_records]
+                self._raise_if_down()
+                batch = [h for h in self._held if h.seq > after][:max_records]
                 if batch:
+                    messages = [h.message for h in batch]
+                    return Polled(messages, {"seq": batch[-1].seq}, origin="mqtt")
+                if self._resume and not self._held:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)
-        return Polled([m for _, m in batch], {"seq": batch[-1][0]}, origin="mqtt")
+                self._cond.wait(min(left, self._grace_left()))
+        self._resume_session()
+        return None
+
+    def _grace_left(self) -> float:
+        if self._down_since is None:
+            return 1.0
+        return max(0.05, self.config.disconnect_grace_s - (time.monotonic() - self._down_since))
+
+    def _raise_if_down(self) -> None:
+        down = self._down_since
+        if down is not None and time.monotonic() - down > self.config.disconnect_grace_s:
+            c = self.config
+            raise TransientSourceError(
+                f"MQTT {c.host}:{c.port} down for {time.monotonic() - down:.0f}s "
+                f"({self._down_reason}); reconnecting"
+            )
+
+    def _resume_session(self) -> None:
+        """Reconnect so the broker delivers again the QoS 1 messages a full queue withheld."""
+        c = self.config
+        log.warning(
+            "MQTT %s: %d messages withheld while the queue was full; resuming the session",
+            c.client_id,
+            self.withheld,
+        )
+        with self._cond:
+            self._resume = False
+        client = self._client
+        client.disconnect()
+        client.loop_stop()
+        client.connect_async(
+            c.host, c.port, keepalive=c.keepalive_s, clean_start=False,
+            properties=self._connect_properties(),
+        )  # fmt: skip
+        client.loop_start()
 
     def commit(self, state: State) -> None:
         upto = int(state["seq"])
         with self._cond:
-            done = []
-            while self._messages and self._messages[0][0] <= upto:
-                done.append(self._messages.popleft()[2])
-        for mid in done:
-            self._client.ack(mid, 1)
+            # Acknowledged under the lock: a disconnect cannot drop these copies in between,
+            # so no packet id of a lost connection is ever acknowledged on a new one.
+            while self._held and self._held[0].seq <= upto:
+                h = self._held.popleft()
+                if h.qos > 0 and self._client is not None:
+                    self._client.ack(h.mid, h.qos)
 
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             client.disconnect()
             client.loop_stop()
+        if self.dropped_qos0 or self.withheld:
+            log.warning(
+                "MQTT %s: %d QoS 0 messages dropped, %d QoS 1 withheld (queue full)",
+                self.config.client_id,
+                self.dropped_qos0,
+                self.withheld,
+            )
+
+
+def _message(msg: Any, c: MQTTConfig) -> SourceMessage:
+    try:
+        payload: Any = strict_json.loads(msg.payload)
+    except ValueError:  # not strict JSON (NaN included): passed on as text
+        payload = msg.payload.decode("utf-8", "replace")
+    dest = c.topic_prefix + msg.topic.replace("/", ".") if c.destination_from_topic else None
+    body = json.dumps({"topic": msg.topic, "payload": payload}, separators=(",", ":")).encode()
+    return SourceMessage(body, destination=dest, timestamp_ms=int(time.time() * 1000))
+
+
+def _connect_error(c: MQTTConfig, e: OSError) -> Exception:
+    import ssl
+
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return PermanentSourceError(f"MQTT {c.host}:{c.port}: TLS certificate refused: {e}")
+    return TransientSourceError(f"cannot connect to MQTT {c.host}:{c.port}: {e}")

@@ -32,6 +32,7 @@ from pydantic import Field, SecretStr, model_validator
 from conveyor.core.errors import PermanentSourceError, rule
 from conveyor.core.references import known_now
 from conveyor.core.routing import SourceMode
+from conveyor.sources import strict_json
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 from conveyor.sources.webhook_auth import AuthMode, needs_body, verifier
 
@@ -379,33 +380,16 @@ async def _read_body(
             return bytes(body)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text[:20]} is out of a double's range")
-    return value
-
-
 def strict_json_objects(body: bytes) -> list[dict[str, Any]] | str:
     """The JSON object (or array of objects) a body holds, or the reason it is refused.
 
-    Strict JSON: NaN, Infinity and numbers out of a double's range are refused (they would
-    be written on as non-JSON); so are too deeply nested documents and bodies not in UTF-8.
+    Strict JSON (``strict_json``): NaN, Infinity, numbers out of a double's range, too deeply
+    nested documents and bodies not in UTF-8 are refused.
     """
     try:
-        data = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
-    except RecursionError:
-        return "body is nested too deeply"
-    except json.JSONDecodeError as e:
-        return f"body is not JSON: {e.msg} at char {e.pos}"
-    except UnicodeDecodeError:
-        return "body is not UTF-8"
+        data = strict_json.loads(body)
     except ValueError as e:
-        return f"body is not JSON: {str(e)[:80]}"
+        return f"body is not JSON: {e}"
     items = data if isinstance(data, list) else [data]
     if not items or not all(isinstance(x, dict) for x in items):
         return "post a JSON object or an array of objects"
