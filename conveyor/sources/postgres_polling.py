@@ -26,26 +26,28 @@ _XID_SPACE = 1 << 32
 
 class PostgresPollingConfig(SourceConfig):
     """Reads the rows of one table in the order of a position column (incrementing or
-    timestamp), then the row's key (the primary key or `unique_key`), so equal positions are
-    never skipped. Without `delete_after_read` / `processed_column` the state is the last row
-    read and a poll reads strictly after it; a visibility horizon from the poll's own snapshot
-    (`pg_current_snapshot()`) ends a batch before the first row written by a transaction not
-    older than the snapshot's xmin, so a transaction that took a lower id or timestamp and
-    commits later is not skipped (it holds rows written after it back, as long as it stays
-    open, anywhere in the cluster; rows frozen by VACUUM FREEZE and xid wraparound are handled).
-    What the horizon cannot see: a value drawn before its transaction wrote anything (`SELECT
-    nextval()` and an INSERT later, a sequence with CACHE > 1, now() of a transaction that
-    first read) and committed after a higher value was read; for a timestamp column
-    `delay_ms` covers such transactions that commit within it. With `delete_after_read` or
-    `processed_column` (and `destructive: true`) a poll reads every row left (not yet marked),
-    with no lower bound, so a late row is read whenever it commits; the state holds each row
-    read (key and row version, `xmin`) and commit deletes or marks exactly those rows, never a
-    range: a row changed after it was read is read again, a commit re-run after a crash
-    touches nothing else. A commit that fails and is overtaken by the next batch leaves its
-    rows to be read again (duplicates, never a loss). Rows with a NULL position are read only
-    by the destructive modes. The table must be a table (not a view). State version 2: a
-    version-1 state refuses to start (`conveyor connector reset-state`; a non-destructive
-    source then reads the table from its start)."""
+    timestamp), then the row's key (the primary key or `unique_key`), so rows of an equal
+    position are never skipped. Without `delete_after_read` / `processed_column` the state is
+    the last (position, key) read and a poll reads strictly after it, up to a visibility
+    horizon from the poll's own snapshot (`pg_current_snapshot()`): a batch ends before the
+    first row written by a transaction not older than the oldest one still running (its xid
+    not below the snapshot's xmin), since that one may still commit a lower position. An open
+    transaction that has written anything in the cluster so holds back the rows written after
+    it (a delay, never a loss); xid wraparound and rows frozen by VACUUM FREEZE are handled.
+    The horizon cannot see a position taken before its transaction first wrote (`SELECT
+    nextval()` and the INSERT later, a sequence with CACHE > 1, a timestamp from now() in a
+    transaction that read first) and committed after a higher one was read: that row is
+    skipped. `delay_ms` covers those that commit within it (timestamp column); where it
+    matters, use the destructive modes or `postgres_cdc`. With `delete_after_read` or
+    `processed_column` (and `destructive: true`) a poll reads every row left (not marked),
+    with no lower bound, so a row is read whenever it commits, however late; the state holds
+    each row read (its key and row version, `xmin`) and commit deletes or marks exactly those
+    rows, never a range: a row changed after it was read is kept and read again, and a commit
+    re-run after a crash touches nothing else. A commit that fails and is overtaken by the
+    next batch leaves its rows to be read again (duplicates, never a loss). Rows with a NULL
+    position are read only by the destructive modes. The table must be a table, not a view.
+    State version 2: a version-1 state refuses to start (`conveyor connector reset-state`; a
+    non-destructive source then reads the table from its start)."""
 
     type: Literal["postgres_polling"] = "postgres_polling"
     url: str = Field(
