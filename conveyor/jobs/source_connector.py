@@ -208,7 +208,7 @@ def _build_loop(
     live = resolved(ls)  # holds secrets: used to build clients, never logged or stored
     assert live.source_spec is not None and live.source_config is not None
     spec = live.source_spec
-    source = build_source(live.source_config)
+    source = build_source(live.source_config.for_connector(name))  # e.g. its slot's name
     state = checked_state(name, store.source_state(name), source.state_version)
     info = store.source_state_info(name)
     abandon = bool(info and info["abandon_requested"])

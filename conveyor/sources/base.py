@@ -10,6 +10,7 @@ this order::
     poll(state, max_records, max_wait_s)*   # many times
     commit(state)*             # after the batch up to ``state`` is produced and ``state`` stored
     close()                    # always, also after an error or an interrupt; may be called twice
+    release()                  # only when the connector is deleted on purpose: drops its slot
 
 Contract:
 
@@ -90,6 +91,16 @@ class SourceConfig(BaseModel):
     def kind(self) -> str:
         return self.type
 
+    def for_connector(self, name: str) -> SourceConfig:
+        """This config with the defaults derived from the connector's name filled in (a
+        replication slot named after it); the run builds its source from it."""
+        return self
+
+    def owned_resources(self, connector: str) -> tuple[str, ...]:
+        """Names of external resources only one connector may use (a replication slot):
+        two specs claiming one are refused where specs are validated together."""
+        return ()
+
 
 class Source(abc.ABC):
     """Base class of sources; see the module docstring for the contract."""
@@ -127,6 +138,11 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Drop what the source owns in the system (a replication slot, a publication): the
+        connector is deleted with an explicit confirmation. Runs without ``init`` (it
+        connects by itself). Default: nothing to drop."""
 
     def describe(self) -> str:
         return "/".join(self.config.asset_key_path())

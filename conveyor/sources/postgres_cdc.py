@@ -1,37 +1,43 @@
-"""PostgreSQL CDC source: logical decoding with ``test_decoding``, slot advanced in commit.
+"""PostgreSQL CDC source: ``pgoutput`` over the streaming replication protocol, keyed changes,
+a consistent initial snapshot, an owned slot advanced only in commit.
 
-``poll`` peeks changes (``pg_logical_slot_peek_changes``: nothing is consumed) and
-drops those the stored state already covers; ``commit`` advances the slot with
-``pg_replication_slot_advance`` to the last transaction the stored state covers
-completely. A change's position is ``(commit LSN of its transaction, index in the
-transaction)``: transactions come out in commit order, so this orders every change,
-also of interleaved transactions, and a batch may end inside a transaction.
+A change's position is ``(final LSN of its transaction, index in the transaction)``: known at
+the transaction's Begin, so a batch may end inside a transaction and a batch holds at most
+``max_records`` messages however large the transaction. ``poll`` reads the stream without
+confirming anything; polled again from an older state (a failed batch) it restarts the stream
+from the slot and skips what the state covers. ``commit`` confirms (standby feedback, or
+``pg_replication_slot_advance`` when no stream is open) the end of the last transaction the
+state covers completely. While no change of ours is pending, keepalives move the state to the
+server's WAL end (at most every ``heartbeat_interval_s``), so an idle table on a busy database
+does not hold WAL. Values are decoded by ``conveyor.sources.pgoutput``.
 Needs ``wal_level = logical`` and a role with REPLICATION (or superuser).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import re
+import select
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from conveyor.core.errors import PermanentSourceError, TransientSourceError
+from conveyor import __version__
+from conveyor.core.errors import ConfigError, PermanentSourceError, TransientSourceError
 from conveyor.core.routing import SourceMode, topic_problem
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 
-_SLOT_RE = re.compile(r"^[a-z0-9_]{1,63}$")
-_CHANGE_RE = re.compile(r"^table (?P<table>.+?): (?P<op>INSERT|UPDATE|DELETE): (?P<rest>.*)$", re.S)
-# name[type]:value, value quoted ('' escapes a quote), null, or a bare token.
-_COL_RE = re.compile(
-    r"(?P<name>\"(?:[^\"]|\"\")+\"|[^\s\[]+)\[(?P<type>[^\]]+)\]:(?P<value>'(?:[^']|'')*'|\S+)"
+_NAME_RE = re.compile(r"^[a-z0-9_]{1,63}$")
+_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}\.[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+_COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+# Session settings of both connections: the text forms the value decoder expects.
+SESSION_OPTIONS = (
+    "-c TimeZone=UTC -c IntervalStyle=iso_8601 -c DateStyle=ISO "
+    "-c extra_float_digits=3 -c bytea_output=hex"
 )
-_INT_TYPES = {"smallint", "integer", "bigint"}
-_FLOAT_TYPES = {"real", "double precision"}
+_OPS = {"c": "insert", "u": "update", "d": "delete", "r": "read", "t": "truncate"}
 
 
 def parse_lsn(lsn: str) -> int:
@@ -43,93 +49,84 @@ def format_lsn(value: int) -> str:
     return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
 
 
-def _value(typ: str, raw: str) -> Any:
-    if raw == "null":
-        return None
-    if raw.startswith("'"):
-        text = raw[1:-1].replace("''", "'")
-        if typ in ("json", "jsonb"):
-            with contextlib.suppress(ValueError):
-                return json.loads(text)
-        return text
-    if typ in _INT_TYPES:
-        return int(raw)
-    if typ in _FLOAT_TYPES or typ.startswith("numeric"):
-        try:
-            return float(raw) if typ in _FLOAT_TYPES else json.loads(raw)
-        except ValueError:
-            return raw
-    if typ == "boolean":
-        return raw == "true"
-    return raw
-
-
-def parse_change(data: str) -> dict[str, Any] | None:
-    """A test_decoding change line as {table, op, data[, old]}; None for BEGIN/COMMIT/other."""
-    m = _CHANGE_RE.match(data)
-    if m is None:
-        return None
-    table, op, rest = m.group("table"), m.group("op").lower(), m.group("rest")
-    out: dict[str, Any] = {"table": table.replace('"', ""), "op": op}
-    if rest.startswith("old-key: "):
-        old_part, _, new_part = rest[len("old-key: ") :].partition(" new-tuple: ")
-        out["old"] = _columns(old_part)
-        rest = new_part
-    if rest.startswith("(no-tuple-data)"):
-        out["data"] = {}
-    else:
-        out["data"] = _columns(rest)
-    return out
-
-
-def _columns(text: str) -> dict[str, Any]:
-    return {
-        m.group("name").strip('"').replace('""', '"'): _value(m.group("type"), m.group("value"))
-        for m in _COL_RE.finditer(text)
-    }
-
-
-@dataclass(frozen=True)
-class _Change:
-    commit: int  # commit LSN of the transaction
-    index: int  # position in the transaction
-    size: int  # changes in the transaction
-    change: dict[str, Any]
-    lsn: str  # the change's own LSN
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return (self.commit, self.index)
+def default_slot(connector: str) -> str:
+    """The slot (and managed publication) a connector owns by default: conveyor_<name>."""
+    return f"conveyor_{connector}"[:63]
 
 
 class PostgresCDCConfig(SourceConfig):
-    """Row changes of PostgreSQL tables through a logical replication slot (test_decoding)."""
+    """Row changes of PostgreSQL tables: pgoutput over a logical replication slot."""
 
     type: Literal["postgres_cdc"] = "postgres_cdc"
     url: str = Field(
         description="libpq URL of a role with REPLICATION; a password as a ${env:...} reference."
     )
-    slot: str = Field(
-        default="conveyor",
-        description="Logical replication slot (created with test_decoding at start when missing).",
+    slot: str | None = Field(
+        default=None,
+        description="Logical replication slot (pgoutput), created at first start; default "
+        "conveyor_<connector name>. Two connectors naming one slot are refused.",
+    )
+    publication: str | None = Field(
+        default=None,
+        description="An existing publication to read; default: one managed by the connector, "
+        "named like the slot, FOR TABLE the tables (FOR ALL TABLES when none), kept in step.",
     )
     tables: list[str] = Field(
         default_factory=list,
-        description="Only changes of these tables ('schema.table'); empty: every table.",
+        description="Tables to capture ('schema.table'); empty: every table of the publication.",
     )
     destinations: dict[str, str] = Field(
         default_factory=dict, description="'schema.table' -> topic: the destination per table."
     )
-    poll_interval_ms: int = Field(
-        default=200, ge=10, le=60_000, description="Pause between peeks while idle."
+    key_columns: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="'schema.table' -> the columns of its message key, for a table without a "
+        "primary key (they must be in its replica identity, or the identity FULL).",
+    )
+    format: Literal["conveyor", "debezium"] = Field(
+        default="conveyor",
+        description="Message value: conveyor (table, op, data, old, lsn, ...) or debezium "
+        "(before, after, op, source, ts_ms; no schema wrapper).",
+    )
+    tombstones_on_delete: bool = Field(
+        default=True,
+        description="format debezium: a delete is followed by a tombstone (null value, same "
+        "key), as Debezium does; produced only with transform.null_values: pass.",
+    )
+    snapshot: Literal["initial", "never", "when_needed"] = Field(
+        default="initial",
+        description="initial: read the tables at the slot's creation, then stream; never: "
+        "stream only; when_needed: also snapshot again when the slot is gone.",
+    )
+    heartbeat_interval_s: float = Field(
+        default=10.0,
+        ge=0.5,
+        le=3600,
+        description="While nothing of ours is pending, the state (and the slot) follows the "
+        "server's WAL end at most this often.",
+    )
+    server_name: str | None = Field(
+        default=None,
+        description="format debezium: source.name; default the connector's name (or the slot).",
     )
 
-    @field_validator("slot")
+    @field_validator("slot", "publication")
     @classmethod
-    def _slot_ok(cls, v: str) -> str:
-        if not _SLOT_RE.match(v):
-            raise ValueError("a slot name is 1-63 lower case letters, digits and underscores")
+    def _name_ok(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME_RE.match(v):
+            raise ValueError("a slot or publication name is 1-63 of a-z, 0-9 and _")
         return v
+
+    @field_validator("tables")
+    @classmethod
+    def _tables_ok(cls, v: list[str]) -> list[str]:
+        out = [t if "." in t else f"public.{t}" for t in v]
+        for t in out:
+            if not _TABLE_RE.match(t):
+                raise ValueError(f"{t!r} is not a plain 'schema.table' name")
+        if len(set(out)) != len(out):
+            raise ValueError("a table is named twice")
+        return out
 
     @field_validator("destinations")
     @classmethod
@@ -139,65 +136,224 @@ class PostgresCDCConfig(SourceConfig):
                 raise ValueError(f"{table}: {topic_problem(topic)}")
         return v
 
+    @field_validator("key_columns")
+    @classmethod
+    def _keys_ok(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for table, cols in v.items():
+            name = table if "." in table else f"public.{table}"
+            if not _TABLE_RE.match(name):
+                raise ValueError(f"{table!r} is not a plain 'schema.table' name")
+            if not cols or any(not _COLUMN_RE.match(c) for c in cols):
+                raise ValueError(f"{table}: a list of plain column names")
+            out[name] = list(cols)
+        return out
+
+    @model_validator(mode="after")
+    def _keys_of_tables(self) -> PostgresCDCConfig:
+        if self.tables:
+            extra = sorted(set(self.key_columns) - set(self.tables))
+            if extra:
+                raise ValueError(f"key_columns: {extra} not among the tables")
+        return self
+
+    def for_connector(self, name: str) -> PostgresCDCConfig:
+        if self.slot is not None and self.server_name is not None:
+            return self
+        return self.model_copy(
+            update={
+                "slot": self.slot or default_slot(name),
+                "server_name": self.server_name or name,
+            }
+        )
+
+    def owned_resources(self, connector: str) -> tuple[str, ...]:
+        return (f"replication slot {self.for_connector(connector).slot}",)
+
+    @property
+    def slot_name(self) -> str:
+        if self.slot is None:
+            raise ConfigError(
+                "no slot: name one, or run the source under a connector", field="slot"
+            )
+        return self.slot
+
+    @property
+    def managed_publication(self) -> bool:
+        return self.publication is None
+
+    @property
+    def publication_name(self) -> str:
+        return self.publication or self.slot_name
+
     def asset_key_path(self) -> list[str]:
         if len(self.tables) == 1:
             schema, _, table = self.tables[0].rpartition(".")
-            return ["postgres", schema or "public", table]
-        return ["postgres", "cdc", self.slot]
+            return ["postgres", schema, table]
+        return ["postgres", "cdc", self.slot or "slot"]
 
     def kind(self) -> str:
         return "postgres"
 
 
+@dataclass
+class _TableInfo:
+    """What a snapshot and the keys need of a table: columns, types, key columns."""
+
+    name: str  # schema.table
+    columns: list[tuple[str, int, str]]  # (name, type oid, format_type)
+    key: list[str]
+
+
+@dataclass
+class _Txn:
+    final_lsn: int
+    xid: int
+    ts_ms: int
+    next_index: int = 0
+
+
+@dataclass
+class _Position:
+    """How far the stream (or snapshot) has been consumed."""
+
+    lsn: int = 0
+    index: int = -1
+    safe: int | None = None
+    snapshot: dict[str, Any] | None = None
+
+    def state(self) -> State:
+        return {
+            "lsn": format_lsn(self.lsn),
+            "index": self.index,
+            "safe_lsn": None if self.safe is None else format_lsn(self.safe),
+            "snapshot": self.snapshot,
+        }
+
+    @classmethod
+    def of(cls, state: State) -> _Position:
+        try:
+            safe = state.get("safe_lsn")
+            return cls(
+                parse_lsn(str(state["lsn"])),
+                int(state["index"]),
+                parse_lsn(str(safe)) if safe else None,
+                state.get("snapshot"),
+            )
+        except (KeyError, ValueError, TypeError) as e:
+            raise PermanentSourceError(f"unreadable stored CDC state {state!r}: {e}") from None
+
+
+@dataclass
+class _Change:
+    """One row change (or snapshot row) ready to be formatted."""
+
+    op: str  # c u d r t
+    table: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    key: dict[str, Any] | None
+    lsn: int
+    final_lsn: int
+    index: int
+    xid: int | None
+    ts_ms: int | None
+    unchanged: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 class PostgresCDCSource(Source):
-    """Peeks a logical slot; advances it in commit, never in poll."""
+    """Streams pgoutput from an owned slot; confirms in commit, never in poll."""
 
     config_class = PostgresCDCConfig
     mode: ClassVar[SourceMode] = SourceMode.CDC
+    # 2: pgoutput positions (final LSN, index), snapshot progress; test_decoding states refused.
+    state_version: ClassVar[int] = 2
     config: PostgresCDCConfig
 
     def __init__(self, config: SourceConfig):
         super().__init__(config)
-        self._conn: Any = None
+        self._conn: Any = None  # normal connection: catalog, publication, types
+        self._snap: Any = None  # the snapshot's REPEATABLE READ transaction
+        self._repl: Any = None  # replication connection
+        self._cur: Any = None  # its replication cursor, streaming
+        self._decoder: Any = None
+        self._tables: dict[str, _TableInfo] = {}
+        self._relations: dict[int, Any] = {}
+        self._keys: dict[int, list[str]] = {}
+        self._txn: _Txn | None = None
+        self._pos = _Position()
+        self._expected: State | None = None  # the state the open stream continues from
+        self._start: tuple[State | None, State] | None = None  # (given, replaced by) at init
+        self._last_state_at = 0.0
+        self._skip: tuple[int, int] = (-1, -1)  # positions the state covers (skipped as read)
+        self._dbname: str | None = None
+        self._owed = False  # a transaction a returned state ends inside has committed
 
     @property
     def column_routing(self) -> bool:
         return bool(self.config.destinations)
 
-    def _connect(self) -> Any:
+    def validate(self) -> None:
+        if self.config.destinations and self.config.tables:
+            unknown = sorted(set(self.config.destinations) - set(self.config.tables))
+            if unknown:
+                raise ConfigError(f"{unknown} not among the tables", field="destinations")
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _connect(self, **kw: Any) -> Any:
         import psycopg2
 
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
         try:
-            self._conn = psycopg2.connect(
-                self.config.url, application_name="conveyor-cdc", connect_timeout=10
+            conn = psycopg2.connect(
+                self.config.url,
+                application_name="conveyor-cdc",
+                connect_timeout=10,
+                options=SESSION_OPTIONS,
+                **kw,
             )
         except psycopg2.OperationalError as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "authentication" in msg or "does not exist" in msg:
+            if "authentication" in msg or "does not exist" in msg or "permission" in msg:
                 raise PermanentSourceError(f"cannot connect to PostgreSQL: {msg}") from None
             raise TransientSourceError(f"cannot connect to PostgreSQL: {msg}") from None
-        self._conn.autocommit = True
-        return self._conn
+        if not kw:
+            conn.autocommit = True
+        return conn
 
-    def _run(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    def _run(self, sql: Any, args: tuple[Any, ...] = (), conn: Any = None) -> list[Any]:
         import psycopg2
 
-        conn = self._connect()
+        if conn is None:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._connect()
+            conn = self._conn
         try:
             with conn.cursor() as cur:
                 cur.execute(sql, args)
                 return list(cur.fetchall()) if cur.description else []
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             self.close()
-            raise TransientSourceError(
-                f"PostgreSQL: {str(e).strip() or type(e).__name__}"
-            ) from None
+            raise TransientSourceError(f"PostgreSQL: {_first_line(e)}") from None
         except psycopg2.Error as e:
             raise PermanentSourceError(
-                f"PostgreSQL slot {self.config.slot}: {str(e).strip()}"
+                f"PostgreSQL ({self.config.slot}): {_first_line(e)}"
             ) from None
+
+    def _decoder_for(self) -> Any:
+        from conveyor.sources.pgoutput import PgType, ValueDecoder
+
+        if self._decoder is None:
+
+            def lookup(oid: int) -> PgType | None:
+                rows = self._run(ValueDecoder.TYPE_QUERY, (oid,))
+                return PgType.from_row(tuple(rows[0])) if rows else None
+
+            self._decoder = ValueDecoder(lookup)
+        return self._decoder
+
+    # -- init: checks, publication, slot, snapshot ----------------------------------------
 
     def init(self, state: State | None) -> None:
         level = self._run("SHOW wal_level")[0][0]
@@ -205,119 +361,567 @@ class PostgresCDCSource(Source):
             raise PermanentSourceError(
                 f"PostgreSQL has wal_level={level}; CDC needs wal_level=logical"
             )
-        found = self._run(
-            "SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (self.config.slot,)
+        self._ensure_publication()
+        for table in self._snapshot_tables():
+            self._table(table)  # refuses a table without a key early
+        slot = self._run(
+            "SELECT plugin, confirmed_flush_lsn::text FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (self.config.slot_name,),
         )
-        if not found:
-            self._run(
-                "SELECT pg_create_logical_replication_slot(%s, 'test_decoding')",
-                (self.config.slot,),
-            )
-        elif found[0][0] != "test_decoding":
+        if slot and slot[0][0] != "pgoutput":
             raise PermanentSourceError(
-                f"slot {self.config.slot} uses the plugin {found[0][0]}, not test_decoding"
+                f"slot {self.config.slot_name} uses the plugin {slot[0][0]}, not pgoutput"
             )
+        if state is not None:
+            _Position.of(state)  # readable
+            if slot:
+                return
+            if self.config.snapshot != "when_needed":
+                raise PermanentSourceError(
+                    f"replication slot {self.config.slot_name} is gone: changes since the stored "
+                    "state are lost; set snapshot: when_needed or reset the state"
+                )
+        self._start = (state, self._first_state(created=not slot))
 
-    def _peek(self, limit: int) -> list[tuple[str, int, str]]:
+    def _first_state(self, *, created: bool) -> State:
+        """The state a first start polls from: the snapshot to read, then the stream."""
+        want = self.config.snapshot != "never"
+        # An existing slot: the stream starts at its confirmed position.
+        point = self._create_slot(export=want) if created else 0
+        tables = self._snapshot_tables() if want else []
+        snap = {"tables": tables, "after": None} if tables else None
+        return _Position(point, -1, None, snap).state()
+
+    def _create_slot(self, *, export: bool) -> int:
+        """CREATE_REPLICATION_SLOT; with export, the snapshot is imported before returning."""
+        import psycopg2.extras
+
+        repl = self._connect(connection_factory=psycopg2.extras.LogicalReplicationConnection)
+        try:
+            with repl.cursor() as cur:
+                how = "EXPORT_SNAPSHOT" if export else "NOEXPORT_SNAPSHOT"
+                cur.execute(
+                    f'CREATE_REPLICATION_SLOT "{self.config.slot_name}" LOGICAL pgoutput {how}'
+                )
+                _name, point, snapshot, _plugin = cur.fetchone()
+            if export:
+                self._open_snapshot(snapshot)
+            return parse_lsn(point)
+        except psycopg2.Error as e:
+            raise PermanentSourceError(
+                f"cannot create slot {self.config.slot_name}: {_first_line(e)}"
+            ) from None
+        finally:
+            repl.close()
+
+    def _open_snapshot(self, exported: str | None) -> None:
+        """The REPEATABLE READ transaction the snapshot reads in (the exported one, or now)."""
+        self._close_snapshot()
+        self._snap = self._connect()
+        self._run("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY", conn=self._snap)
+        if exported:
+            self._run("SET TRANSACTION SNAPSHOT %s", (exported,), conn=self._snap)
+
+    def _close_snapshot(self) -> None:
+        snap, self._snap = self._snap, None
+        if snap is not None:
+            with contextlib.suppress(Exception):
+                snap.close()
+
+    def _snapshot_tables(self) -> list[str]:
+        return list(self.config.tables) if self.config.tables else self._published_tables()
+
+    def _published_tables(self) -> list[str]:
+        rows = self._run(
+            "SELECT schemaname || '.' || tablename FROM pg_publication_tables "
+            "WHERE pubname = %s ORDER BY 1",
+            (self.config.publication_name,),
+        )
+        return [r[0] for r in rows]
+
+    def _ensure_publication(self) -> None:
+        """A given publication must exist; a managed one is created or set to the tables."""
+        name = self.config.publication_name
+        found = self._run("SELECT puballtables FROM pg_publication WHERE pubname = %s", (name,))
+        if not self.config.managed_publication:
+            if not found:
+                raise PermanentSourceError(f"publication {name} does not exist")
+            return
+        from psycopg2 import sql
+
+        tables = sql.SQL(", ").join(_ident(t) for t in self.config.tables)
+        target = sql.SQL("FOR TABLE {}").format(tables) if self.config.tables else None
+        if found and (found[0][0] == (target is None)):
+            if target is None or set(self._published_tables()) == set(self.config.tables):
+                return
+            self._run(
+                sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(sql.Identifier(name), tables)
+            )
+            return
+        if found:
+            self._run(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(name)))
+        self._run(
+            sql.SQL("CREATE PUBLICATION {} {}").format(
+                sql.Identifier(name), target or sql.SQL("FOR ALL TABLES")
+            )
+        )
+
+    def _table(self, name: str) -> _TableInfo:
+        """Columns and key of a table (catalog, cached); a table without a key is refused."""
+        if name in self._tables:
+            return self._tables[name]
+        rows = self._run(
+            "SELECT a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), "
+            "coalesce(a.attnum = ANY(i.indkey), false), c.relreplident::text "
+            "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+            "LEFT JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
+            "WHERE n.nspname = %s AND c.relname = %s ORDER BY a.attnum",
+            tuple(name.split(".", 1)),
+        )
+        if not rows:
+            raise PermanentSourceError(f"table {name} does not exist")
+        columns = [(r[0], r[1], r[2]) for r in rows]
+        pk = [r[0] for r in rows if r[3]]
+        info = _TableInfo(
+            name, columns, self._key_of(name, pk, rows[0][4], [c[0] for c in columns])
+        )
+        self._tables[name] = info
+        return info
+
+    def _key_of(self, name: str, pk: list[str], identity: str, columns: list[str]) -> list[str]:
+        """key_columns, else the primary key, else every column (REPLICA IDENTITY FULL)."""
+        configured = self.config.key_columns.get(name)
+        if configured:
+            missing = sorted(set(configured) - set(columns))
+            if missing:
+                raise PermanentSourceError(f"key_columns of {name}: no columns {missing}")
+            if identity == "n" or (identity == "d" and not set(configured) <= set(pk)):
+                raise PermanentSourceError(
+                    f"key_columns of {name}: a delete carries only the replica identity; "
+                    f"ALTER TABLE {name} REPLICA IDENTITY FULL"
+                )
+            return list(configured)
+        if pk:
+            return pk
+        if identity == "f":
+            return columns
+        if identity == "i":
+            return []  # the identity index's columns, from the stream's Relation message
+        kind = {"d": "default", "n": "nothing"}.get(identity, identity)
+        raise PermanentSourceError(
+            f"table {name} has no primary key and replica identity {kind}: its changes cannot "
+            f"be keyed; add a primary key, ALTER TABLE {name} REPLICA IDENTITY FULL, or set "
+            f"key_columns: {{{name}: [...]}}"
+        )
+
+    # -- poll -----------------------------------------------------------------------------
+
+    def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
+        if self._start is not None and (state is None or state == self._start[0]):
+            state = self._start[1]
+        if state is None:
+            raise PermanentSourceError("poll before init")
+        pos = _Position.of(state)
+        if pos.snapshot:
+            return self._poll_snapshot(pos, max_records)
+        if self._cur is None or state != self._expected:
+            self._restart(pos)
+        return self._poll_stream(pos, max_records, max_wait_s)
+
+    def origin(self) -> str:
+        return self.config.slot or "cdc"
+
+    # -- snapshot -------------------------------------------------------------------------
+
+    def _poll_snapshot(self, pos: _Position, max_records: int) -> Polled:
+        """The next rows of the snapshot in key order; the state records the last key read."""
+        assert pos.snapshot is not None
+        tables, after = list(pos.snapshot["tables"]), pos.snapshot.get("after")
+        if self._snap is None:
+            self._open_snapshot(None)  # resumed after a restart: a newer snapshot, see CONFIG.md
+        info = self._table(tables[0])
+        rows = self._snapshot_rows(info, after, max_records)
+        messages = [
+            m for row in rows for m in self._messages(self._snapshot_change(info, row, pos))
+        ]
+        if len(rows) < max_records:
+            tables, after = tables[1:], None
+        else:
+            after = [rows[-1][_column_index(info, k)] for k in info.key]
+        if tables:
+            snap: dict[str, Any] | None = {"tables": tables, "after": after}
+        else:
+            snap = None
+            self._close_snapshot()
+        out = _Position(pos.lsn, -1, None, snap).state()
+        self._expected = None
+        return Polled(messages, out, origin=self.origin())
+
+    def _snapshot_rows(self, info: _TableInfo, after: list[Any] | None, limit: int) -> list[Any]:
+        from psycopg2 import sql
+
+        if not info.key:
+            raise PermanentSourceError(f"table {info.name}: a snapshot needs key columns")
+        types = dict((c[0], c[2]) for c in info.columns)
+        # Qualified: a bare name in ORDER BY would mean the output column (the text cast).
+        schema, _, table = info.name.partition(".")
+        keys = sql.SQL(", ").join(sql.Identifier(schema, table, k) for k in info.key)
+        where = sql.SQL("")
+        args: tuple[Any, ...] = ()
+        if after is not None:
+            bounds = sql.SQL(", ").join(
+                sql.SQL("%s::{}").format(sql.SQL(types[k])) for k in info.key
+            )
+            where = sql.SQL("WHERE ({}) > ({})").format(keys, bounds)
+            args = tuple(after)
+        query = sql.SQL("SELECT {} FROM {} {} ORDER BY {} LIMIT {}").format(
+            sql.SQL(", ").join(
+                sql.SQL("{}::text").format(sql.Identifier(c[0])) for c in info.columns
+            ),
+            _ident(info.name),
+            where,
+            keys,
+            sql.Literal(limit),
+        )
+        return self._run(query, args, conn=self._snap)
+
+    def _snapshot_change(self, info: _TableInfo, row: Any, pos: _Position) -> _Change:
+        dec = self._decoder_for()
+        after = {
+            c[0]: None if v is None else dec.value(c[1], v.encode())
+            for c, v in zip(info.columns, row, strict=True)
+        }
+        return _Change(
+            "r",
+            info.name,
+            None,
+            after,
+            {k: after[k] for k in info.key},
+            pos.lsn,
+            pos.lsn,
+            -1,
+            None,
+            int(time.time() * 1000),
+        )
+
+    # -- stream ---------------------------------------------------------------------------
+
+    def _restart(self, pos: _Position) -> None:
+        """(Re)open the stream at the slot; changes the state covers are skipped as read."""
+        import psycopg2
+        import psycopg2.extras
+
+        self._close_stream()
+        repl = self._connect(connection_factory=psycopg2.extras.LogicalReplicationConnection)
+        cur = repl.cursor()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                cur.start_replication(
+                    slot_name=self.config.slot_name,
+                    decode=False,
+                    options={
+                        "proto_version": "1",
+                        "publication_names": self.config.publication_name,
+                    },
+                )
+                break
+            except psycopg2.Error as e:
+                # The previous stream's walsender may still hold the slot for a moment.
+                if "is active for PID" not in str(e) or time.monotonic() > deadline:
+                    repl.close()
+                    raise TransientSourceError(f"cannot stream slot: {_first_line(e)}") from None
+                time.sleep(0.2)
+        self._repl, self._cur = repl, cur
+        self._relations.clear()
+        self._keys.clear()
+        self._txn = None
+        self._pos = _Position(pos.lsn, pos.index, pos.safe, None)
+        self._skip = (pos.lsn, pos.index)
+        self._expected, self._owed = pos.state(), False
+
+    def _poll_stream(self, pos: _Position, max_records: int, max_wait_s: float) -> Polled | None:
+        width = 2 if self.config.format == "debezium" and self.config.tombstones_on_delete else 1
+        deadline = time.monotonic() + max_wait_s
+        messages: list[SourceMessage] = []
+        while not messages or len(messages) + width <= max_records:
+            msg = self._read()
+            if msg is not None:
+                try:
+                    messages.extend(self._consume(msg.payload, msg.data_start))
+                except ValueError as e:  # pgoutput's ProtocolError, ValueDecodeError
+                    raise PermanentSourceError(f"at {format_lsn(msg.data_start)}: {e}") from None
+                continue
+            if self._txn is None and not messages and self._heartbeat_due():
+                wal_end = int(self._cur.wal_end)
+                if wal_end > (self._pos.safe or 0) and wal_end > self._pos.lsn:
+                    self._pos = _Position(wal_end, -1, wal_end, None)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(InterruptedError, ValueError):
+                select.select([self._cur], [], [], min(left, 1.0))
+        state = self._pos.state()
+        if not messages and (state == self._expected or not (self._owed or self._heartbeat_due())):
+            return None
+        self._expected, self._owed = state, False
+        self._last_state_at = time.monotonic()
+        return Polled(messages, state, origin=self.origin())
+
+    def _inside(self, final_lsn: int) -> bool:
+        return self._expected is not None and parse_lsn(self._expected["lsn"]) == final_lsn
+
+    def _heartbeat_due(self) -> bool:
+        return time.monotonic() - self._last_state_at >= self.config.heartbeat_interval_s
+
+    def _read(self) -> Any:
+        import psycopg2
+
+        try:
+            return self._cur.read_message()
+        except psycopg2.Error as e:
+            self._close_stream()
+            raise TransientSourceError(f"replication stream: {_first_line(e)}") from None
+
+    def _consume(self, data: bytes, lsn: int) -> list[SourceMessage]:
+        """One pgoutput message: the position moves; a change not yet covered becomes messages."""
+        from conveyor.sources import pgoutput as pg
+
+        msg = pg.parse_message(data)
+        if isinstance(msg, pg.Begin):
+            self._txn = _Txn(msg.final_lsn, msg.xid, msg.commit_time_us // 1000)
+        elif isinstance(msg, pg.Commit):
+            if self._txn is not None:
+                self._pos = _Position(self._txn.final_lsn, self._txn.next_index - 1, msg.end_lsn)
+                # A returned state inside this transaction: its confirmation is owed now.
+                self._owed = self._owed or self._inside(self._txn.final_lsn)
+            self._txn = None
+        elif isinstance(msg, pg.Relation):
+            self._relations[msg.oid] = msg
+            self._keys.pop(msg.oid, None)
+        elif isinstance(msg, pg.Insert | pg.Update | pg.Delete | pg.Truncate):
+            txn = self._txn
+            if txn is None:
+                raise PermanentSourceError("pgoutput: a change outside a transaction")
+            index, txn.next_index = txn.next_index, txn.next_index + 1
+            self._pos = _Position(txn.final_lsn, index, self._pos.safe, None)
+            if (txn.final_lsn, index) <= self._skip:
+                return []
+            return [m for c in self._changes(msg, txn, index, lsn) for m in self._messages(c)]
+        return []
+
+    def _changes(self, msg: Any, txn: _Txn, index: int, lsn: int) -> list[_Change]:
+        from conveyor.sources import pgoutput as pg
+
+        common = {"lsn": lsn, "final_lsn": txn.final_lsn, "index": index, "xid": txn.xid}
+        if isinstance(msg, pg.Truncate):
+            return [
+                _Change(
+                    "t",
+                    self._relation(oid).qualified,
+                    None,
+                    None,
+                    None,
+                    ts_ms=txn.ts_ms,
+                    extra={"cascade": msg.cascade, "restart_identity": msg.restart_identity},
+                    **common,
+                )
+                for oid in msg.relation_oids
+                if self._wanted(self._relation(oid).qualified)
+            ]
+        rel = self._relation(msg.relation_oid)
+        if not self._wanted(rel.qualified):
+            return []
+        dec = self._decoder_for()
+        before = after = None
+        unchanged: tuple[str, ...] = ()
+        if getattr(msg, "new", None) is not None:
+            after, unchanged = dec.row(rel, msg.new)
+        if getattr(msg, "old", None) is not None:
+            before, _ = dec.row(rel, msg.old)
+            if msg.old_is_key:  # the other columns are NULL placeholders, not values
+                before = {k: before.get(k) for k in rel.key_columns}
+        op = "c" if isinstance(msg, pg.Insert) else "u" if isinstance(msg, pg.Update) else "d"
+        key = self._key(rel, after if after is not None else before, before)
         return [
-            (r[0], int(r[1]) if r[1] is not None else 0, r[2])
-            for r in self._run(
-                "SELECT lsn::text, xid::text::bigint, data FROM pg_logical_slot_peek_changes(%s, NULL, %s)",
-                (self.config.slot, limit),
+            _Change(
+                op,
+                rel.qualified,
+                before,
+                after,
+                key,
+                unchanged=unchanged,
+                ts_ms=txn.ts_ms,
+                **common,
             )
         ]
 
-    def _changes(self, rows: list[tuple[str, int, str]]) -> list[_Change]:
-        """The changes of complete transactions, in commit order."""
-        out: list[_Change] = []
-        pending: list[tuple[dict[str, Any], str]] = []
-        for lsn, _xid, data in rows:
-            if data.startswith("BEGIN"):
-                pending = []
-            elif data.startswith("COMMIT"):
-                commit = parse_lsn(lsn)
-                out.extend(
-                    _Change(commit, i, len(pending), c, change_lsn)
-                    for i, (c, change_lsn) in enumerate(pending)
-                )
-                pending = []
-            else:
-                change = parse_change(data)
-                if change is not None:
-                    pending.append((change, lsn))
-        return out
+    def _relation(self, oid: int) -> Any:
+        rel = self._relations.get(oid)
+        if rel is None:
+            raise PermanentSourceError(f"pgoutput: a change of relation {oid} before its Relation")
+        return rel
 
-    def _state(self, last: _Change, safe: int | None) -> State:
-        """Position of ``last``; ``safe``: commit LSN of the last transaction covered completely."""
-        done = last.index + 1 >= last.size
-        safe = last.commit if done else safe
+    def _wanted(self, table: str) -> bool:
+        return not self.config.tables or table in self.config.tables
+
+    def _key(self, rel: Any, row: dict[str, Any] | None, old: dict[str, Any] | None) -> Any:
+        cols = self._keys.get(rel.oid)
+        if cols is None:
+            cols = self._table(rel.qualified).key or list(rel.key_columns)
+            if not cols:
+                raise PermanentSourceError(f"table {rel.qualified}: no key columns")
+            self._keys[rel.oid] = cols
+        row = row or {}
+        old = old or {}
+        return {c: row[c] if c in row else old.get(c) for c in cols}
+
+    # -- messages -------------------------------------------------------------------------
+
+    def _messages(self, c: _Change) -> list[SourceMessage]:
+        key = None if c.key is None else _json(c.key)
+        dest = self.config.destinations.get(c.table)
+        ts = c.ts_ms
+        if self.config.format == "debezium":
+            out = [SourceMessage(_json(self._debezium(c)), dest, key, timestamp_ms=ts)]
+            if c.op == "d" and self.config.tombstones_on_delete:
+                out.append(SourceMessage(None, dest, key, timestamp_ms=ts))
+            return out
+        return [SourceMessage(_json(_conveyor(c)), dest, key, timestamp_ms=ts)]
+
+    def _debezium(self, c: _Change) -> dict[str, Any]:
+        schema, _, table = c.table.partition(".")
         return {
-            "commit_lsn": format_lsn(last.commit),
-            "index": last.index,
-            "safe_lsn": None if safe is None else format_lsn(safe),
+            "before": c.before,
+            "after": c.after,
+            "op": c.op,
+            "source": {
+                "version": __version__,
+                "connector": "postgresql",
+                "name": self.config.server_name or self.config.slot,
+                "ts_ms": c.ts_ms,
+                "snapshot": "true" if c.op == "r" else "false",
+                "db": self._database(),
+                "schema": schema,
+                "table": table,
+                "txId": c.xid,
+                "lsn": c.lsn,
+                **({"unchanged_toast": list(c.unchanged)} if c.unchanged else {}),
+            },
+            "ts_ms": int(time.time() * 1000),
         }
 
-    def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
-        covered = (parse_lsn(state["commit_lsn"]), int(state["index"])) if state else (-1, -1)
-        safe = parse_lsn(state["safe_lsn"]) if state and state.get("safe_lsn") else None
-        deadline = time.monotonic() + max_wait_s
-        limit = max(max_records, 16)
-        while True:
-            rows = self._peek(limit)
-            fresh = [c for c in self._changes(rows) if c.position > covered]
-            if fresh:
-                break
-            if len(rows) >= limit:
-                limit *= 4  # the slot lags behind the stored state (a commit is owed): peek further
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            time.sleep(min(left, self.config.poll_interval_ms / 1000))
-        taken: list[_Change] = []
-        messages: list[SourceMessage] = []
-        for c in fresh:
-            if len(messages) >= max_records:
-                break
-            taken.append(c)
-            if c.index + 1 >= c.size:
-                safe = c.commit
-            if self.config.tables and c.change["table"] not in self.config.tables:
-                continue  # the position moves past other tables' changes
-            payload = {
-                **c.change,
-                "lsn": c.lsn,
-                "commit_lsn": format_lsn(c.commit),
-                "index": c.index,
-            }
-            messages.append(
-                SourceMessage(
-                    payload=json.dumps(payload, separators=(",", ":"), default=str).encode(),
-                    destination=self.config.destinations.get(c.change["table"]),
-                )
-            )
-        return Polled(messages, self._state(taken[-1], safe), origin=self.config.slot)
+    def _database(self) -> str:
+        if self._dbname is None:
+            self._dbname = str(self._run("SELECT current_database()")[0][0])
+        return self._dbname
+
+    # -- commit, release, close -----------------------------------------------------------
 
     def commit(self, state: State) -> None:
-        """Advance the slot to the last transaction the state covers completely (idempotent)."""
-        if not state.get("safe_lsn"):
+        """Confirm the end of the last transaction the state covers completely (idempotent)."""
+        pos = _Position.of(state)
+        if pos.safe is None:
             return
-        target = parse_lsn(state["safe_lsn"])
+        if self._cur is not None:
+            import psycopg2
+
+            try:
+                self._cur.send_feedback(flush_lsn=pos.safe, force=True)
+                return
+            except psycopg2.Error as e:
+                self._close_stream()
+                raise TransientSourceError(f"feedback: {_first_line(e)}") from None
         current = self._run(
             "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-            (self.config.slot,),
+            (self.config.slot_name,),
         )
         if not current:
-            raise PermanentSourceError(f"replication slot {self.config.slot} is gone")
-        if current[0][0] and parse_lsn(current[0][0]) >= target:
+            raise PermanentSourceError(f"replication slot {self.config.slot_name} is gone")
+        if current[0][0] and parse_lsn(current[0][0]) >= pos.safe:
             return
         self._run(
             "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
-            (self.config.slot, format_lsn(target)),
+            (self.config.slot_name, format_lsn(pos.safe)),
         )
 
+    def release(self) -> None:
+        """Drop the slot and the managed publication (the connector is deleted)."""
+        self._close_stream()
+        self._close_snapshot()
+        from psycopg2 import sql
+
+        self._run(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (self.config.slot_name,),
+        )
+        if self.config.managed_publication:
+            self._run(
+                sql.SQL("DROP PUBLICATION IF EXISTS {}").format(
+                    sql.Identifier(self.config.publication_name)
+                )
+            )
+
+    def _close_stream(self) -> None:
+        repl, self._repl, self._cur = self._repl, None, None
+        self._expected = None
+        if repl is not None:
+            with contextlib.suppress(Exception):
+                repl.close()
+
     def close(self) -> None:
+        self._close_stream()
+        self._close_snapshot()
         c, self._conn = self._conn, None
         if c is not None:
             with contextlib.suppress(Exception):
                 c.close()
+
+
+def _column_index(info: _TableInfo, column: str) -> int:
+    return [c[0] for c in info.columns].index(column)
+
+
+def _conveyor(c: _Change) -> dict[str, Any]:
+    """The compact format: table, op, data (the row after; the key for a delete), old."""
+    out: dict[str, Any] = {"table": c.table, "op": _OPS[c.op]}
+    if c.op == "d":
+        out["data"] = c.before
+    elif c.op == "t":
+        out["data"] = None
+        out.update(c.extra)
+    else:
+        out["data"] = c.after
+    if c.op == "u" and c.before is not None:
+        out["old"] = c.before
+    if c.unchanged:
+        out["unchanged"] = list(c.unchanged)
+    out.update(
+        lsn=format_lsn(c.lsn),
+        commit_lsn=format_lsn(c.final_lsn),
+        index=c.index,
+        xid=c.xid,
+        ts_ms=c.ts_ms,
+    )
+    return out
+
+
+def _json(value: Any) -> bytes:
+    from conveyor.sources.pgoutput import dumps
+
+    return dumps(value).encode()
+
+
+def _ident(table: str) -> Any:
+    from psycopg2 import sql
+
+    schema, _, name = table.partition(".")
+    return sql.Identifier(schema, name)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
