@@ -238,7 +238,7 @@ class MQTTSource(Source):
             )
         if c.tls:
             self._set_tls(client)
-        client.reconnect_delay_set(1, 30)
+        client.reconnect_delay_set(1, 10)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message

@@ -357,6 +357,11 @@ def test_the_loop_shows_degraded_while_the_broker_is_down_and_recovers(
         "batch": {"max_records": 10, "max_wait_ms": 200},
         "retry": {"delay": 0.5, "max_delay": 2, "max_retries": 1000},
     }
+    # The session exists (subscribed) before anything is published: nothing is missed while
+    # the loop starts.
+    first = build_source(spec["source"])
+    first.init(None)
+    first.close()
     store, gen = claimed_store(tmp_path, name)
     loop = build_loop(spec, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
     topic = f"t_{tag}/x"
