@@ -28,8 +28,12 @@ def _as_postgres(cmd: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def private_cluster() -> Iterator[str]:
-    """Yields the URL of a fresh cluster's ``postgres`` database; stops and removes it after."""
+def private_cluster(next_xid: int | None = None) -> Iterator[str]:
+    """Yields the URL of a fresh cluster's ``postgres`` database; stops and removes it after.
+
+    ``next_xid``: the cluster starts with this next transaction id (``pg_resetwal -x``, its
+    ``pg_xact`` segment created), e.g. just below 2^32 to test xid wraparound.
+    """
     if not (PG_BIN / "initdb").exists():
         raise RuntimeError(f"no initdb under {PG_BIN} (set CONVEYOR_TEST_PG_BIN)")
     base = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
@@ -56,6 +60,8 @@ def private_cluster() -> Iterator[str]:
             capture_output=True,
             timeout=120,
         )
+        if next_xid is not None:
+            _set_next_xid(data, next_xid)
         opts = (
             f"-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={base} "
             "-c wal_level=logical -c max_replication_slots=8 -c max_wal_senders=8 -c fsync=off"
@@ -90,6 +96,32 @@ def private_cluster() -> Iterator[str]:
             timeout=60,
         )
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _set_next_xid(data: Path, xid: int) -> None:
+    """pg_resetwal -x on a stopped cluster, with the zeroed pg_xact segment holding ``xid``
+    (1,048,576 xids per 256 KiB segment, as pg_resetwal's documentation says). initdb's own
+    rows are frozen first (single-user VACUUM FREEZE): unfrozen, their xids would read as
+    the future from there and the ``postgres`` database would not be visible."""
+    for db in ("postgres", "template1"):
+        subprocess.run(
+            _as_postgres([str(PG_BIN / "postgres"), "--single", "-D", str(data), db]),
+            input=b"VACUUM FREEZE;\n",
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    segment = data / "pg_xact" / f"{xid // 1_048_576:04X}"
+    if not segment.exists():
+        segment.write_bytes(bytes(262_144))
+        if os.geteuid() == 0:
+            shutil.chown(segment, "postgres", "postgres")
+    subprocess.run(
+        _as_postgres([str(PG_BIN / "pg_resetwal"), "-x", str(xid), "-D", str(data)]),
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def _wait_ready(url: str, timeout: float = 30.0) -> None:

@@ -132,6 +132,59 @@ def test_recent_xmin_across_xid_wraparound(db, xmin, lo, hi, recent):
         assert cur.fetchone()[0] is recent
 
 
+def test_the_horizon_across_xid_wraparound():
+    """A private cluster whose next xid is 2^32 - 100. Writer B takes an id just before the
+    wrap and stays open; after 150 more xids A writes 200 rows, whose 32-bit xmins wrap to
+    small numbers (a plain xmin < snapshot-xmin comparison would read past B's row). They
+    are held back until B commits; then frozen rows are read from scratch and a destructive
+    source deletes every row by its (wrapped) row version."""
+    from tests.integration.pg_cluster import private_cluster
+
+    with private_cluster(next_xid=(1 << 32) - 100) as url:
+        conn = psycopg2.connect(url)
+        conn.autocommit = True
+        conn.cursor().execute(
+            "CREATE TABLE q (id serial PRIMARY KEY, body text, at timestamptz NOT NULL "
+            "DEFAULT now(), done boolean NOT NULL DEFAULT false)"
+        )
+        conn.cursor().execute("INSERT INTO q (body) SELECT 'a' FROM generate_series(1, 5)")
+        src = source(url, "public.q")
+        src.init(None)
+        b = psycopg2.connect(url)
+        try:
+            held = sql1(b, "INSERT INTO q (body) VALUES ('late') RETURNING id")
+            for _ in range(150):  # past the wrap: each takes an xid
+                sql1(conn, "SELECT pg_current_xact_id()")
+            for _ in range(200):
+                conn.cursor().execute("INSERT INTO q (body) VALUES ('a')")
+            # Every row after B's has a wrapped xmin, below the snapshot xmin's low 32 bits.
+            assert sql1(conn, "SELECT max(xmin::text::bigint) FROM q WHERE id > 6") < 1000
+            first = src.poll(None, 500, 0.3)
+            assert ids(first) == [1, 2, 3, 4, 5] and held == 6 and first is not None
+            assert src.poll(first.state, 500, 0.3) is None
+            b.commit()
+        finally:
+            b.close()
+        assert ids(src.poll(first.state, 500, 0.3)) == list(range(6, 207))
+        conn.cursor().execute("VACUUM FREEZE q")
+        b = psycopg2.connect(url)  # an open transaction while frozen rows are read
+        try:
+            sql1(b, "INSERT INTO q (body) VALUES ('open') RETURNING id")
+            assert ids(src.poll(None, 500, 0.3)) == list(range(1, 207))
+        finally:
+            b.rollback()
+            b.close()
+        src.close()
+        dst = source(url, "public.q", delete_after_read=True, destructive=True)
+        dst.init(None)
+        polled = dst.poll(None, 500, 0.3)
+        assert ids(polled) == list(range(1, 207)) and polled is not None
+        dst.commit(polled.state)
+        assert sql1(conn, "SELECT count(*) FROM q") == 0
+        dst.close()
+        conn.close()
+
+
 # -- destructive commits: exactly the rows read -----------------------------------------
 
 
