@@ -11,7 +11,9 @@ Starlette on uvicorn. Every route is a thin translation of one call of
 ``GET /connectors/{name}/status``         state, tasks, worker (broker executor), trace
 ``PUT /connectors/{name}/pause|resume``   202
 ``PUT /connectors/{name}/stop``           204
-``POST /connectors/{name}/restart``       204
+``POST /connectors/{name}/restart``       204; ``?includeTasks=&onlyFailed=``: 202 + status
+``GET /connectors/{name}/topics``         KIP-558 active topics; ``PUT .../topics/reset``
+``PUT /connector-plugins/{type}/config/validate``  Kafka Connect's ``ConfigInfos``
 ``DELETE /connectors/{name}``             204 (spec file, state and offsets)
 ``GET|PATCH|DELETE .../offsets``          KIP-875; changes only when stopped
 ``GET .../dead-letters``, ``.../destination``, ``.../history``, ``.../tasks``
@@ -20,18 +22,21 @@ Starlette on uvicorn. Every route is a thin translation of one call of
 =======================================  =========================================
 
 Errors are JSON ``{"error_code": <http status>, "message": "..."}``. Every route but
-``/health`` and ``/ready`` wants ``Authorization: Bearer <token>``; the token comes
-from ``$CONVEYOR_API_TOKEN`` or a file (``$CONVEYOR_API_TOKEN_FILE``). Specs in
-answers are redacted: ``${env:...}`` references are shown, secrets never.
+``/health`` and ``/ready`` wants the token, as ``Authorization: Bearer <token>`` or HTTP
+Basic with the token as the password; the admin token comes from ``$CONVEYOR_API_TOKEN``
+or a file (``$CONVEYOR_API_TOKEN_FILE``), a read-only one (GET only) from
+``$CONVEYOR_API_READONLY_TOKEN`` / ``_FILE`` or ``$CONVEYOR_HOME/api-token-readonly``.
+``conveyor.api_guard`` checks Host, Origin, credentials, content type and size first.
+Specs in answers are redacted: ``${env:...}`` references are shown, secrets never; a
+config sent back with the mask keeps the stored secret.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -39,26 +44,38 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from conveyor.api_guard import Access, BodyTooLargeError, Guard
 from conveyor.core.errors import ConfigError, ConveyorError
+from conveyor.kafka_connect import (
+    active_topics,
+    reset_active_topics,
+    restart_plan,
+    restarting,
+    validate,
+)
 from conveyor.operations import (
     ConflictError,
     InvalidRequestError,
     NotFoundError,
     Operations,
 )
-from conveyor.store.meta import StoreError
+from conveyor.secrets import mask_url_passwords
+from conveyor.specs import LoadedSpec, keep_stored, load_source
+from conveyor.store.meta import StoreError, conveyor_home
 
 log = logging.getLogger("conveyor.api")
 
 TOKEN_ENV = "CONVEYOR_API_TOKEN"
 TOKEN_FILE_ENV = "CONVEYOR_API_TOKEN_FILE"
+READONLY_TOKEN_ENV = "CONVEYOR_API_READONLY_TOKEN"
+READONLY_TOKEN_FILE_ENV = "CONVEYOR_API_READONLY_TOKEN_FILE"
+READONLY_TOKEN_FILE = "api-token-readonly"  # in $CONVEYOR_HOME
 DEFAULT_PORT = 8083  # Kafka Connect's
-PUBLIC_PATHS = frozenset({"/health", "/ready"})
+MAX_LIMIT = 1000  # the largest ?limit= a list answers
 
 
 class TokenError(ConveyorError):
@@ -66,10 +83,22 @@ class TokenError(ConveyorError):
 
 
 def load_token(token_file: Path | None = None) -> str | None:
-    """The bearer token: ``token_file``, else ``$CONVEYOR_API_TOKEN_FILE``, else ``$CONVEYOR_API_TOKEN``."""
-    path = token_file or (
-        Path(os.environ[TOKEN_FILE_ENV]) if os.environ.get(TOKEN_FILE_ENV) else None
-    )
+    """The admin token: ``token_file``, else ``$CONVEYOR_API_TOKEN_FILE``, else ``$CONVEYOR_API_TOKEN``."""
+    return _token(token_file, TOKEN_FILE_ENV, TOKEN_ENV)
+
+
+def load_readonly_token() -> str | None:
+    """The read-only token: ``$CONVEYOR_API_READONLY_TOKEN_FILE``, else
+    ``$CONVEYOR_API_READONLY_TOKEN``, else the file ``$CONVEYOR_HOME/api-token-readonly``."""
+    token = _token(None, READONLY_TOKEN_FILE_ENV, READONLY_TOKEN_ENV)
+    default = conveyor_home() / READONLY_TOKEN_FILE
+    if token is None and default.is_file():
+        token = _token(default, READONLY_TOKEN_FILE_ENV, READONLY_TOKEN_ENV)
+    return token
+
+
+def _token(token_file: Path | None, file_env: str, env: str) -> str | None:
+    path = token_file or (Path(os.environ[file_env]) if os.environ.get(file_env) else None)
     if path is not None:
         try:
             token = path.read_text().strip()
@@ -78,44 +107,12 @@ def load_token(token_file: Path | None = None) -> str | None:
         if not token:
             raise TokenError(f"the API token file {path} is empty")
         return token
-    token = os.environ.get(TOKEN_ENV, "").strip()
+    token = os.environ.get(env, "").strip()
     return token or None
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error_code": status, "message": message}, status, headers=headers)
-
-
-class BearerAuth(BaseHTTPMiddleware):
-    """``Authorization: Bearer <token>`` on every path but the probes; 401 with a reason."""
-
-    def __init__(self, app: Any, token: str | None):
-        super().__init__(app)
-        self.token = token
-
-    async def dispatch(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if self.token is None or request.url.path in PUBLIC_PATHS:
-            return await call_next(request)
-        header = request.headers.get("authorization", "")
-        challenge = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
-        if not header:
-            return error(
-                401,
-                "missing credentials: send the header 'Authorization: Bearer <token>'",
-                challenge,
-            )
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            return error(
-                401,
-                "unsupported Authorization scheme: send 'Authorization: Bearer <token>'",
-                challenge,
-            )
-        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
-            return error(401, "invalid bearer token", challenge)
-        return await call_next(request)
 
 
 def _conveyor_version() -> str:
@@ -135,8 +132,14 @@ async def _json_body(request: Request) -> Any:
         raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Starlette:
-    """The API over the operations ``ops_factory()`` gives (one per request: cheap, stateless)."""
+def create_app(
+    ops_factory: Callable[[], Operations], token: str | None, *, access: Access | None = None
+) -> Starlette:
+    """The API over the operations ``ops_factory()`` gives (one per request: cheap, stateless).
+
+    ``access`` (default: ``token`` alone, loopback hosts) is what ``api_guard`` checks.
+    """
+    guard = access or Access(token)
 
     def ops() -> Operations:
         return ops_factory()
@@ -152,20 +155,22 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         )
 
     def ready(request: Request) -> Response:
+        """Ready or not for anyone (a probe); what is wrong only for a token's holder."""
         checks: dict[str, str] = {}
         o = ops()
         try:
             o.store.schema_version()
             checks["meta_store"] = "ok"
         except Exception as e:  # noqa: BLE001 - reported in the answer
-            checks["meta_store"] = f"unavailable: {type(e).__name__}: {e}"
+            checks["meta_store"] = mask_url_passwords(f"unavailable: {type(e).__name__}: {e}")
         checks["connectors_dir"] = (
             "ok" if o.directory.is_dir() else f"{o.directory} is not a directory"
         )
         ok = all(v == "ok" for v in checks.values())
-        return JSONResponse(
-            {"status": "ready" if ok else "not ready", "checks": checks}, 200 if ok else 503
-        )
+        body: dict[str, Any] = {"status": "ready" if ok else "not ready"}
+        if request.state.access is not None and guard.token is not None:
+            body["checks"] = checks
+        return JSONResponse(body, 200 if ok else 503)
 
     def metrics(request: Request) -> Response:
         from prometheus_client import CollectorRegistry, generate_latest
@@ -221,7 +226,12 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
     async def put_config(request: Request) -> Response:
         body = await _json_body(request)
         name = request.path_params["name"]
-        info, created = await _threaded(lambda: ops().put_config(name, body))
+
+        def put() -> tuple[dict[str, Any], bool]:
+            o = ops()
+            return o.put_config(name, keep_stored(body, _current(o, name)))
+
+        info, created = await _threaded(put)
         return JSONResponse(info, 201 if created else 200)
 
     def get_status(request: Request) -> Response:
@@ -257,8 +267,36 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         return Response(status_code=204)
 
     def restart(request: Request) -> Response:
+        """Kafka Connect's (KIP-745): without parameters 204; with ``includeTasks`` or
+        ``onlyFailed`` 202 and the status, the restarted instances RESTARTING."""
+        name = request.path_params["name"]
+        include_tasks = _bool_param(request, "includeTasks")
+        only_failed = _bool_param(request, "onlyFailed")
+        o = ops()
+        if not include_tasks and not only_failed:
+            o.restart(name)
+            return Response(status_code=204)
+        status = o.status(name)
+        if not restart_plan(status, include_tasks, only_failed):
+            return JSONResponse(status, status_code=202)
+        o.restart(name)
+        return JSONResponse(restarting(status), status_code=202)
+
+    def restart_task(request: Request) -> Response:
         ops().restart(request.path_params["name"])
         return Response(status_code=204)
+
+    def topics(request: Request) -> Response:
+        return JSONResponse(active_topics(ops(), request.path_params["name"]))
+
+    def reset_topics(request: Request) -> Response:
+        reset_active_topics(ops(), request.path_params["name"])
+        return Response(status_code=202)
+
+    async def validate_config(request: Request) -> Response:
+        body = await _json_body(request)
+        plugin = request.path_params["plugin"]
+        return JSONResponse(await _threaded(lambda: validate(ops(), plugin, body)))
 
     def delete(request: Request) -> Response:
         ops().delete(request.path_params["name"])
@@ -315,6 +353,7 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         Route("/ready", ready),
         Route("/metrics", metrics),
         Route("/connector-plugins", plugins),
+        Route("/connector-plugins/{plugin}/config/validate", validate_config, methods=["PUT"]),
         Route("/connectors", list_connectors, methods=["GET"]),
         Route("/connectors", create_connector, methods=["POST"]),
         Route(c, get_info, methods=["GET"]),
@@ -328,7 +367,9 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         Route(f"{c}/resume", resume, methods=["PUT"]),
         Route(f"{c}/stop", stop, methods=["PUT"]),
         Route(f"{c}/restart", restart, methods=["POST"]),
-        Route(f"{c}/tasks/{{task:int}}/restart", restart, methods=["POST"]),
+        Route(f"{c}/tasks/{{task:int}}/restart", restart_task, methods=["POST"]),
+        Route(f"{c}/topics", topics, methods=["GET"]),
+        Route(f"{c}/topics/reset", reset_topics, methods=["PUT"]),
         Route(f"{c}/offsets", get_offsets, methods=["GET"]),
         Route(f"{c}/offsets", patch_offsets, methods=["PATCH"]),
         Route(f"{c}/offsets", delete_offsets, methods=["DELETE"]),
@@ -346,15 +387,25 @@ def create_app(ops_factory: Callable[[], Operations], token: str | None) -> Star
         ConflictError: lambda r, e: error(409, str(e)),
         InvalidRequestError: lambda r, e: error(400, str(e)),
         ConfigError: lambda r, e: error(400, f"invalid connector config: {e}"),
+        BodyTooLargeError: lambda r, e: error(413, str(e)),
         StoreError: lambda r, e: error(503, str(e)),
         ConveyorError: lambda r, e: error(500, f"{type(e).__name__}: {e}"),
         Exception: _unexpected,
     }
     return Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, token=token)],
+        middleware=[Middleware(Guard, access=guard)],
         exception_handlers=handlers,
     )
+
+
+def _current(o: Operations, name: str) -> LoadedSpec | None:
+    """The connector's spec as its file says now, or None for a new connector."""
+    try:
+        row = o.row(name)
+    except NotFoundError:
+        return None
+    return load_source(name, row.spec_source)
 
 
 async def _threaded(fn: Callable[[], Any]) -> Any:
@@ -363,17 +414,26 @@ async def _threaded(fn: Callable[[], Any]) -> Any:
     return await run_in_threadpool(fn)
 
 
-def _int_param(request: Request, name: str, default: int) -> int:
+def _int_param(request: Request, name: str, default: int, maximum: int = MAX_LIMIT) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise InvalidRequestError(f"{name}: {raw!r} is not a number") from None
-    if value < 1:
-        raise InvalidRequestError(f"{name}: must be 1 or more")
+        raise InvalidRequestError(f"{name}: {raw[:40]!r} is not a number") from None
+    if not 1 <= value <= maximum:
+        raise InvalidRequestError(f"{name}: must be between 1 and {maximum}")
     return value
+
+
+def _bool_param(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None or raw.lower() == "false":
+        return False
+    if raw.lower() == "true":
+        return True
+    raise InvalidRequestError(f"{name}: {raw[:40]!r} is not true or false")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -399,12 +459,13 @@ def serve(
     port: int,
     token: str | None,
     log_level: str = "info",
+    access: Access | None = None,
 ) -> None:
     """Run the API with uvicorn until interrupted."""
     import uvicorn
 
     uvicorn.run(
-        create_app(ops_factory, token),
+        create_app(ops_factory, token, access=access),
         host=host,
         port=port,
         log_level=log_level,

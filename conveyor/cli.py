@@ -206,11 +206,16 @@ def serve(
     """Serve the REST API (Kafka Connect's shape) until interrupted."""
     import ipaddress
 
-    from conveyor.api import TOKEN_ENV, TOKEN_FILE_ENV, load_token
+    from conveyor.api import TOKEN_ENV, TOKEN_FILE_ENV, load_readonly_token, load_token
     from conveyor.api import serve as run_api
+    from conveyor.api_guard import Access
     from conveyor.reload import CoalescingReloader
 
     token = None if no_auth else load_token(token_file)
+    readonly = None if no_auth else load_readonly_token()
+    if readonly is not None and readonly == token:
+        _fail("the read-only API token must differ from the admin token")
+    access = Access.from_environ(token, readonly, bind_host=host)
     if token is None and not no_auth:
         _fail(
             f"no API token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} (or --token-file); "
@@ -237,12 +242,13 @@ def serve(
     ops.specs_changed = reloader.request if reloader else None
     click.echo(
         f"serving the REST API on http://{host}:{port} "
-        f"({'bearer token required' if token else 'NO authentication'}; connectors in {ops.directory}"
+        f"({'token required' if token else 'NO authentication'}"
+        f"{'; read-only token accepted' if readonly else ''}; connectors in {ops.directory}"
         + (f"; reloads {dagster_url}" if dagster_url else "; no Dagster URL: reload by hand")
         + ")",
         err=True,
     )
-    run_api(lambda: ops, host=host, port=port, token=token)
+    run_api(lambda: ops, host=host, port=port, token=token, access=access)
 
 
 # -- connectors ----------------------------------------------------------------------

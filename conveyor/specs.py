@@ -150,18 +150,21 @@ def secret_fields(
     """Dotted paths of the secret fields (typed ``SecretStr`` or marked ``SECRET_FIELD``): in
     the spec's models and the sink's (or a source connector's source's) model. Only these
     may hold references; they are masked when shown."""
-    out = set(_secret_paths(ConnectorSpec)) | set(_secret_paths(SourceConnectorSpec))
+    out = set(model_secret_paths(ConnectorSpec)) | set(model_secret_paths(SourceConnectorSpec))
     if source is not None:
-        out |= {f"source.{p}" for p in _secret_paths(type(source))}
+        out |= {f"source.{p}" for p in model_secret_paths(type(source))}
     if sink is not None:
-        out |= {f"sink.{p}" for p in _secret_paths(type(sink))}
+        out |= {f"sink.{p}" for p in model_secret_paths(type(sink))}
     elif spec is not None:
         with contextlib.suppress(ConfigError):
-            out |= {f"sink.{p}" for p in _secret_paths(sink_class(spec.sink.type).config_class)}
+            out |= {
+                f"sink.{p}" for p in model_secret_paths(sink_class(spec.sink.type).config_class)
+            }
     return out
 
 
-def _secret_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+def model_secret_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The secret fields of one config model, dotted (nested models included)."""
     out = []
     for name, f in model.model_fields.items():
         key = f.alias or name
@@ -172,7 +175,7 @@ def _secret_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
             out.append(path)
         for k in kinds:
             if isinstance(k, type) and issubclass(k, BaseModel) and k is not model:
-                out.extend(_secret_paths(k, f"{path}."))
+                out.extend(model_secret_paths(k, f"{path}."))
     return out
 
 

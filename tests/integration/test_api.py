@@ -7,79 +7,36 @@ for its status, its JSON and what it did to the files and the store.
 
 from __future__ import annotations
 
+import base64
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
-from conveyor.ports import free_port, port_open
-from conveyor.store.meta import MetaStore
-from tests.e2e.conftest import wait_for
+from conveyor.ports import free_port
+from tests.integration.api_server import READONLY_TOKEN, TOKEN, Api, conveyor_exe, served
 
-TOKEN = "t0ken-for-tests"
-SECRET = "pg-pass-4cb1e07d"
-
-
-@dataclass
-class Api:
-    url: str
-    connectors: Path
-    store: MetaStore
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def call(self, method: str, path: str, *, token: str | None = TOKEN, **kw) -> requests.Response:
-        headers = kw.pop("headers", {})
-        if token is not None:
-            headers["Authorization"] = f"Bearer {token}"
-        return requests.request(method, self.url + path, headers=headers, timeout=30, **kw)
+SECRET = "pg-pass-4cb1e07d"  # behind ${file:...} in the secrets directory
+PW_REF = "${env:CONVEYOR_TEST_PG_PW}"
 
 
 def conveyor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    exe = str(Path(sys.executable).parent / "conveyor")
-    return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [conveyor_exe(), *args], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     home = tmp_path_factory.mktemp("api_home")
-    connectors = home / "connectors"
-    connectors.mkdir()
-    token_file = home / "token"
-    token_file.write_text(TOKEN + "\n")
-    meta_url = f"sqlite:///{home / 'meta.db'}"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")},
-        "CONVEYOR_HOME": str(home),
-        "CONVEYOR_META_URL": meta_url,
-        "CONVEYOR_CONNECTORS_DIR": str(connectors),
-    }
-    port = free_port()
-    log = home / "api.log"
-    exe = str(Path(sys.executable).parent / "conveyor")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [exe, "serve", "--port", str(port), "--token-file", str(token_file)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_for(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 60, "the API")
-        assert proc.poll() is None, log.read_text()
-        yield Api(f"http://127.0.0.1:{port}", connectors, MetaStore(meta_url), proc, log)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+    (home / "secrets").mkdir()
+    (home / "secrets" / "pg").write_text(SECRET + "\n")
+    with served(home) as a:
+        yield a
 
 
 def spec(name: str, **over) -> dict:
@@ -87,33 +44,83 @@ def spec(name: str, **over) -> dict:
         "source": {"topics": ["orders"]},
         "sink": {
             "type": "postgres",
-            "url": f"postgresql://app:{SECRET}@127.0.0.1:5432/test",
+            "url": f"postgresql://app:{PW_REF}@127.0.0.1:5432/test",
             "table": name,
         },
         **over,
     }
 
 
-def test_probes_need_no_token_everything_else_does(api: Api) -> None:
+def basic(password: str, user: str = "any-user") -> dict[str, str]:
+    raw = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {raw}"}
+
+
+def test_probes_need_no_token_and_show_details_only_to_a_token(api: Api) -> None:
     r = api.call("GET", "/health", token=None)
     assert r.status_code == 200 and r.json()["status"] == "healthy"
     r = api.call("GET", "/ready", token=None)
-    assert r.status_code == 200 and r.json()["checks"] == {
-        "meta_store": "ok",
-        "connectors_dir": "ok",
-    }
+    assert r.status_code == 200 and r.json() == {"status": "ready"}
+    for token in (TOKEN, READONLY_TOKEN):
+        r = api.call("GET", "/ready", token=token)
+        assert r.status_code == 200 and r.json() == {
+            "status": "ready",
+            "checks": {"meta_store": "ok", "connectors_dir": "ok"},
+        }
     r = api.call("GET", "/connectors", token=None)
-    assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert r.status_code == 401 and "Bearer" in r.headers["WWW-Authenticate"]
+    assert "Basic" in r.headers["WWW-Authenticate"]
     assert r.json() == {
         "error_code": 401,
-        "message": "missing credentials: send the header 'Authorization: Bearer <token>'",
+        "message": "missing credentials: send the header 'Authorization: Bearer <token>' "
+        "(or HTTP Basic with the token as the password)",
     }
     r = api.call("GET", "/connectors", token="wrong")
-    assert r.status_code == 401 and r.json()["message"] == "invalid bearer token"
+    assert r.status_code == 401 and r.json()["message"] == "invalid token"
     r = api.call("GET", "/metrics", token=None)
     assert r.status_code == 401
-    r = api.call("GET", "/connectors", headers={"Authorization": f"Basic {TOKEN}"}, token=None)
+    r = api.call("GET", "/connectors", headers={"Authorization": f"Digest {TOKEN}"}, token=None)
     assert r.status_code == 401 and "unsupported Authorization scheme" in r.json()["message"]
+
+
+def test_http_basic_carries_the_token_as_its_password_any_user(api: Api) -> None:
+    for user in ("admin", "", "kafka-connect-ui"):
+        r = api.call("GET", "/connectors", headers=basic(TOKEN, user), token=None)
+        assert r.status_code == 200 and r.json() == [], r.text
+    r = api.call("GET", "/connectors", headers=basic("wrong"), token=None)
+    assert r.status_code == 401 and r.json()["message"] == "invalid token"
+    r = api.call("GET", "/connectors", headers={"Authorization": "Basic !!!"}, token=None)
+    assert r.status_code == 401
+    # requests' own auth= sends Basic, as Kafka Connect clients do.
+    r = api.call("GET", "/connectors", auth=("u", TOKEN), token=None)
+    assert r.status_code == 200
+
+
+def test_the_read_only_token_reads_and_may_not_write(api: Api) -> None:
+    name = "ro_check"
+    assert api.call("POST", "/connectors", json={"name": name, "config": spec(name)}).ok
+    try:
+        for path in ("/connectors", f"/connectors/{name}/status", f"/connectors/{name}/config"):
+            assert api.call("GET", path, token=READONLY_TOKEN).status_code == 200
+        assert api.call("GET", "/connectors", headers=basic(READONLY_TOKEN), token=None).ok
+        writes = [
+            ("POST", "/connectors", {"name": "ro_new", "config": spec("ro_new")}),
+            ("PUT", f"/connectors/{name}/config", spec(name)),
+            ("PUT", f"/connectors/{name}/pause", None),
+            ("PUT", f"/connectors/{name}/stop", None),
+            ("POST", f"/connectors/{name}/restart", None),
+            ("DELETE", f"/connectors/{name}", None),
+            ("DELETE", f"/connectors/{name}/offsets", None),
+            ("PUT", f"/connectors/{name}/topics/reset", None),
+        ]
+        for method, path, body in writes:
+            r = api.call(method, path, token=READONLY_TOKEN, json=body)
+            assert r.status_code == 403, (method, path, r.text)
+            assert r.json()["message"].startswith("the read-only token may only read (GET)")
+        row = api.store.get(name)
+        assert row.desired == DesiredState.RUNNING and not (api.connectors / "ro_new.yaml").exists()
+    finally:
+        assert api.call("DELETE", f"/connectors/{name}").status_code == 204
 
 
 def test_malformed_and_invalid_requests_get_400_naming_the_problem(api: Api) -> None:
@@ -165,12 +172,10 @@ def test_create_status_config_update_pause_stop_offsets_delete(api: Api) -> None
     info = r.json()
     assert info["name"] == name and info["type"] == "sink"
     assert info["tasks"] == [{"connector": name, "task": 0}]
-    # The spec is a file in the connectors directory; the answer and the store mask the password.
+    # The spec is a file in the connectors directory; the reference is kept and shown.
     path = api.connectors / f"{name}.yaml"
-    assert yaml.safe_load(path.read_text())["sink"]["url"].endswith(f"{SECRET}@127.0.0.1:5432/test")
-    assert SECRET not in r.text
-    assert info["config"]["sink"]["url"] == "**********"
-    assert SECRET not in (api.store.get(name).spec_json or "")
+    assert yaml.safe_load(path.read_text())["sink"]["url"] == spec(name)["sink"]["url"]
+    assert info["config"]["sink"]["url"] == spec(name)["sink"]["url"]
     r = api.call("POST", "/connectors", json={"name": name, "config": spec(name)})
     assert r.status_code == 409 and r.json()["message"] == f"connector '{name}' already exists"
 
@@ -182,9 +187,10 @@ def test_create_status_config_update_pause_stop_offsets_delete(api: Api) -> None
     expanded = api.call("GET", "/connectors?expand=status&expand=info").json()
     assert expanded[name]["status"]["name"] == name and expanded[name]["info"]["name"] == name
 
-    # A secret by reference: stored and shown as the reference.
+    # A secret by reference (a file): stored and shown as the reference.
     cfg = spec(name)
-    cfg["sink"]["url"] = "postgresql://app:${env:ORDERS_PG_PASSWORD}@127.0.0.1:5432/test"
+    ref = "${file:" + str(api.home / "secrets" / "pg") + "}"
+    cfg["sink"]["url"] = f"postgresql://app:{ref}@127.0.0.1:5432/test"
     cfg["batch"] = {"max_records": 100}
     r = api.call("PUT", f"/connectors/{name}/config", json=cfg)
     assert r.status_code == 200, r.text
@@ -309,3 +315,199 @@ def test_serve_refuses_to_start_without_a_token_or_open_without_one(tmp_path: Pa
     empty.write_text("\n")
     r = conveyor("serve", "--token-file", str(empty), "--port", str(free_port()), env=env)
     assert r.returncode == 1 and "is empty" in r.stderr
+
+
+def claimed(api: Api, name: str, offsets: dict[TopicPartition, int]) -> int:
+    """A run claims the connector and commits ``offsets`` (as the connector op does)."""
+    claim = api.store.claim(
+        name, run_id=f"run-{name}", expected_generation=None, holder_alive=lambda r: False
+    )
+    api.store.commit(name, claim.generation, offsets)
+    return claim.generation
+
+
+def test_get_then_put_back_keeps_a_literal_secret_and_never_stores_the_mask(api: Api) -> None:
+    name = "roundtrip"
+    cfg = {
+        "source": {"topics": ["orders"]},
+        "sink": {
+            "type": "redis",
+            "password": SECRET,  # a literal secret field: masked when shown
+            "commands": ["SET o:${payload.id} ${payload.status}"],
+        },
+    }
+    r = api.call("POST", "/connectors", json={"name": name, "config": cfg})
+    assert r.status_code == 201, r.text
+    path = api.connectors / f"{name}.yaml"
+    try:
+        shown = api.call("GET", f"/connectors/{name}/config").json()
+        assert shown["sink"]["password"] == "**********" and SECRET not in json_text(shown)
+        shown["batch"] = {"max_records": 50}  # the usual edit
+        r = api.call("PUT", f"/connectors/{name}/config", json=shown)
+        assert r.status_code == 200, r.text
+        on_disk = yaml.safe_load(path.read_text())
+        assert on_disk["sink"]["password"] == SECRET and on_disk["batch"] == {"max_records": 50}
+        assert "**********" not in path.read_text()
+        assert SECRET not in (api.store.get(name).spec_json or "")
+        # A mask where nothing is stored: refused, naming the field; nothing written.
+        shown["sink"]["username"] = "**********"
+        r = api.call("PUT", f"/connectors/{name}/config", json=shown)
+        assert r.status_code == 400 and "sink.username" in r.json()["message"]
+        assert "mask" in r.json()["message"]
+        r = api.call(
+            "POST",
+            "/connectors",
+            json={
+                "name": "masked_new",
+                "config": {**cfg, "sink": {**cfg["sink"], "password": "**********"}},
+            },
+        )
+        assert r.status_code == 400 and "sink.password: holds the mask" in r.json()["message"]
+        assert yaml.safe_load(path.read_text())["sink"]["password"] == SECRET
+        assert not (api.connectors / "masked_new.yaml").exists()
+    finally:
+        api.call("DELETE", f"/connectors/{name}")
+
+
+def json_text(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+@pytest.mark.parametrize(
+    ("sink", "field"),
+    [
+        ({"type": "postgres", "url": "postgresql://app:hunter2@127.0.0.1/test"}, "sink.url"),
+        ({"type": "postgres", "url": "postgresql://127.0.0.1/test?password=hunter2"}, "sink.url"),
+        ({"type": "postgres", "url": "host=127.0.0.1 password=hunter2 dbname=test"}, "sink.url"),
+        ({"type": "mysql", "url": "mysql://root:hunter2@127.0.0.1:3306/test"}, "sink.url"),
+        ({"type": "mongodb", "url": "mongodb://u:hunter2@h1,h2/?replicaSet=rs"}, "sink.url"),
+        ({"type": "rabbitmq", "url": "amqp://guest:hunter2@127.0.0.1:5672/%2F"}, "sink.url"),
+    ],
+)
+def test_literal_credentials_in_connection_strings_are_refused(
+    api: Api, sink: dict, field: str
+) -> None:
+    extra = {
+        "postgres": {"table": "t"},
+        "mysql": {"table": "t"},
+        "mongodb": {"database": "d", "collection": "c"},
+        "rabbitmq": {"exchange": "x"},
+    }[sink["type"]]
+    cfg = {"source": {"topics": ["orders"]}, "sink": {**sink, **extra}}
+    r = api.call("POST", "/connectors", json={"name": "literal_cred", "config": cfg})
+    assert r.status_code == 400, r.text
+    message = r.json()["message"]
+    assert f"{field}: holds " in message and "written literally" in message, message
+    assert "reference" in message and "hunter2" not in message
+    assert not (api.connectors / "literal_cred.yaml").exists()
+
+
+def test_active_topics_and_their_reset_kip_558(api: Api) -> None:
+    name = "topics_api"
+    assert api.call("POST", "/connectors", json={"name": name, "config": spec(name)}).ok
+    try:
+        assert api.call("GET", f"/connectors/{name}/topics").json() == {name: {"topics": []}}
+        gen = claimed(api, name, {TopicPartition("orders", 0): 5, TopicPartition("audit", 1): 2})
+        r = api.call("GET", f"/connectors/{name}/topics")
+        assert r.status_code == 200 and r.json() == {name: {"topics": ["audit", "orders"]}}
+        assert api.call("PUT", f"/connectors/{name}/topics/reset").status_code == 202
+        assert api.call("GET", f"/connectors/{name}/topics").json() == {name: {"topics": []}}
+        api.store.commit(name, gen, {TopicPartition("orders", 0): 9})  # read on after the reset
+        assert api.call("GET", f"/connectors/{name}/topics").json() == {
+            name: {"topics": ["orders"]}
+        }
+        history = api.call("GET", f"/connectors/{name}/history").json()
+        assert any("active topics reset from the REST API" in h["reason"] for h in history)
+        assert api.call("GET", "/connectors/nope/topics").status_code == 404
+    finally:
+        api.store.release(name, gen, ConnectorStatus.STOPPED, "test over")
+        api.call("PUT", f"/connectors/{name}/stop")
+        api.call("DELETE", f"/connectors/{name}")
+
+
+def test_config_validate_answers_kafka_connects_shape(api: Api) -> None:
+    good = {
+        "source": {"topics": ["orders"]},
+        "sink": {"url": spec("x")["sink"]["url"], "table": "t"},
+    }
+    r = api.call("PUT", "/connector-plugins/postgres/config/validate", json=good)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["name"] == "postgres" and body["error_count"] == 0 and "sink" in body["groups"]
+    by_name = {c["definition"]["name"]: c for c in body["configs"]}
+    assert by_name["sink.table"]["value"] == {
+        "name": "sink.table",
+        "value": "t",
+        "recommended_values": [],
+        "errors": [],
+        "visible": True,
+    }
+    assert by_name["sink.table"]["definition"]["required"] is True
+    assert by_name["sink.url"]["definition"]["type"] == "PASSWORD"
+    assert by_name["sink.url"]["value"]["value"] == "**********"  # never echoed
+    bad = {
+        "source": {"topics": ["orders"]},
+        "batch": {"max_records": 0},
+        "sink": {"url": "${env:CONVEYOR_X}"},
+    }
+    body = api.call("PUT", "/connector-plugins/postgres/config/validate", json=bad).json()
+    errors = {
+        c["value"]["name"]: c["value"]["errors"] for c in body["configs"] if c["value"]["errors"]
+    }
+    assert body["error_count"] == sum(len(e) for e in errors.values()) >= 1
+    assert any(k.startswith("sink.table") or k.startswith("batch") for k in errors), errors
+    body = api.call(
+        "PUT",
+        "/connector-plugins/postgres/config/validate",
+        json={
+            "source": {"topics": ["o"]},
+            "sink": {"table": "${file:/etc/passwd}", "url": "postgresql://h/x"},
+        },
+    ).json()
+    table = next(c for c in body["configs"] if c["value"]["name"] == "sink.table")
+    assert body["error_count"] == 1 and "reference" in table["value"]["errors"][0]
+    r = api.call("PUT", "/connector-plugins/postgress/config/validate", json=good)
+    assert r.status_code == 400 and "did you mean 'postgres'" in r.json()["message"]
+    assert list(api.connectors.iterdir()) == []  # validating writes nothing
+
+
+def test_restart_include_tasks_and_only_failed_kip_745(api: Api) -> None:
+    name = "restart_api"
+    assert api.call("POST", "/connectors", json={"name": name, "config": spec(name)}).ok
+    try:
+        before = api.store.get(name).generation
+        # Nothing failed: onlyFailed restarts nothing and answers the status as it is.
+        r = api.call("POST", f"/connectors/{name}/restart?onlyFailed=true&includeTasks=true")
+        assert r.status_code == 202 and r.json()["connector"]["state"] == "UNASSIGNED"
+        assert api.store.get(name).generation == before
+        # Failed: restarted, the answer shows it RESTARTING.
+        gen = claimed(api, name, {TopicPartition("orders", 0): 1})
+        api.store.release(name, gen, ConnectorStatus.ERROR, "boom")
+        r = api.call("POST", f"/connectors/{name}/restart?onlyFailed=true")
+        assert r.status_code == 202 and r.json()["connector"]["state"] == "RESTARTING"
+        assert api.store.get(name).status != ConnectorStatus.ERROR
+        history = api.call("GET", f"/connectors/{name}/history").json()
+        assert history[0]["reason"].startswith("restart from the REST API")
+        r = api.call("POST", f"/connectors/{name}/restart?includeTasks=true")
+        assert r.status_code == 202 and r.json()["connector"]["state"] == "RESTARTING"
+        assert all(t["state"] == "RESTARTING" for t in r.json()["tasks"])
+        assert api.call("POST", f"/connectors/{name}/restart").status_code == 204
+        r = api.call("POST", f"/connectors/{name}/restart?onlyFailed=maybe")
+        assert r.status_code == 400 and "onlyFailed" in r.json()["message"]
+    finally:
+        api.call("PUT", f"/connectors/{name}/stop")
+        api.call("DELETE", f"/connectors/{name}")
+
+
+def test_limit_is_bounded(api: Api) -> None:
+    name = "limits"
+    assert api.call("POST", "/connectors", json={"name": name, "config": spec(name)}).ok
+    try:
+        assert api.call("GET", f"/connectors/{name}/history?limit=1000").status_code == 200
+        for bad in ("1001", "0", "-1", "9" * 40):
+            r = api.call("GET", f"/connectors/{name}/history?limit={bad}")
+            assert r.status_code == 400 and r.json()["message"].startswith("limit:"), r.text
+    finally:
+        api.call("DELETE", f"/connectors/{name}")

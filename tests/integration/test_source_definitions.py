@@ -244,7 +244,7 @@ def test_rest_api_creates_a_source_connector_and_shows_its_destinations(tmp_path
 
     store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
     ops = Operations(store=store, directory=tmp_path / "connectors")
-    client = TestClient(create_app(lambda: ops, "tok"))
+    client = TestClient(create_app(lambda: ops, "tok"), base_url="http://localhost")
     auth = {"Authorization": "Bearer tok"}
     body = {
         "name": "hook_in",

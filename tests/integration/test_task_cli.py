@@ -53,7 +53,9 @@ def test_connector_tasks_shows_partitions_rate_lag_and_handovers(meta_url):  # n
     from conveyor.api import create_app
     from conveyor.operations import Operations
 
-    client = TestClient(create_app(lambda: Operations(store), token=None))
+    client = TestClient(
+        create_app(lambda: Operations(store), token=None), base_url="http://localhost"
+    )
 
     def without_age(tasks):  # type: ignore[no-untyped-def]
         return [{k: v for k, v in t.items() if k != "heartbeat_age_s"} for t in tasks]
