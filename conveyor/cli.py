@@ -441,18 +441,25 @@ def connector_restart(ctx: click.Context, name: str) -> None:
 @connector.command("delete")
 @click.argument("name")
 @click.option("--yes", is_flag=True, help="Do not ask.")
+@click.option(
+    "--drop-slot",
+    is_flag=True,
+    help="Also drop what its source owns: a postgres_cdc replication slot and its managed "
+    "publication (PostgreSQL stops keeping WAL for it; unread changes are lost).",
+)
 @click.pass_context
 @handles_errors
-def connector_delete(ctx: click.Context, name: str, yes: bool) -> None:
+def connector_delete(ctx: click.Context, name: str, yes: bool, drop_slot: bool) -> None:
     """Delete a stopped connector: its spec file, its state and its offsets."""
     ops = _ops(ctx)
     r = ops.row(name)
     if r.status in LIVE_STATUSES:
         _fail(f"{name} is {r.status.value}; stop it first")
     if not yes:
-        click.confirm(f"delete connector {name}, its spec file and its offsets?", abort=True)
-    ops.delete(name)
-    click.echo(f"{name}: deleted")
+        slot = " and its replication slot" if drop_slot else ""
+        click.confirm(f"delete connector {name}, its spec file, its offsets{slot}?", abort=True)
+    ops.delete(name, drop_slot=drop_slot)
+    click.echo(f"{name}: deleted{' (slot dropped)' if drop_slot else ''}")
 
 
 @connector.command("tasks")

@@ -379,18 +379,28 @@ class Operations:
             path.parent.resolve() == self.directory.resolve() and path.name not in COMPONENT_FILES
         )
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, drop_slot: bool = False) -> None:
         """Delete a connector that is not running: its spec file first, then its row and offsets.
 
         In that order, a scheduler tick in between sees a removed file (and stops the
         connector, keeping its offsets), never a file without a row, which it would
-        create again from the beginning of the topic.
+        create again from the beginning of the topic. ``drop_slot``: first drop what its
+        source owns (a PostgreSQL replication slot and managed publication).
         """
         row = self.row(name)
         if row.status in LIVE_STATUSES:
             raise ConflictError(
                 f"connector {name!r} is {row.status.value}; stop it first (deleting forgets its offsets)"
             )
+        if drop_slot:  # while the spec file still says what the source owns
+            loaded = load_source(name, row.spec_source)
+            if not loaded.is_source:
+                raise ConflictError(f"{name!r} has no source spec: {loaded.error or 'a sink'}")
+            from conveyor.sources import release_source
+
+            live = resolved(loaded)
+            assert live.source_config is not None
+            release_source(live.source_config, name)
         declared = self._declared_in(name, row)
         if declared is not None:
             if not self._ours(declared):

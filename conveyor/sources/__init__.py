@@ -34,3 +34,13 @@ canonical_type = REGISTRY.canonical_type  # aliases resolved, or ConfigError wit
 source_class = REGISTRY.load
 parse_source_config = REGISTRY.parse_config  # a raw mapping (with ``type``) -> that source's config
 build_source = REGISTRY.build  # a source for a config (a mapping is validated first)
+
+
+def release_source(config: SourceConfig, connector: str) -> None:
+    """Drop what a connector's source owns in its system (its replication slot and managed
+    publication): the connector is being deleted with an explicit confirmation."""
+    source = build_source(config.for_connector(connector))
+    try:
+        source.release()
+    finally:
+        source.close()

@@ -445,3 +445,36 @@ def test_a_state_of_another_version_refuses_to_start(tmp_path, cdc_url):
     state = {"lsn": "0/0", "index": -1, "safe_lsn": None, "snapshot": None}
     store.save_source_state("v", gen, state, version=source.state_version)
     assert checked_state("v", store.source_state("v"), source.state_version) == state
+
+
+def test_cli_delete_with_drop_slot_drops_the_slot_and_publication(tmp_path, cdc_url, monkeypatch):
+    from click.testing import CliRunner
+
+    from conveyor.cli import main
+
+    monkeypatch.setenv("CONVEYOR_CONNECTORS_DIR", str(tmp_path / "connectors"))
+    monkeypatch.setenv("CONVEYOR_HOME", str(tmp_path / "home"))
+    tag = uuid.uuid4().hex[:6]
+    name, table = f"del_{tag}", f"del_{tag}"
+    execute(cdc_url, f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(
+        f"name: {name}\nkind: source\ndesired: stopped\n"
+        f"source: {{type: postgres_cdc, url: '{cdc_url}', tables: [public.{table}]}}\n"
+    )
+    meta = f"sqlite:///{tmp_path / 'meta.db'}"
+
+    def cli(*args: str):
+        return CliRunner().invoke(main, ["--meta-url", meta, *args], catch_exceptions=False)
+
+    assert cli("connector", "apply", "-f", str(spec)).exit_code == 0
+    src = source_for(cdc_url, name, tables=[f"public.{table}"])
+    src.init(None)  # what its first run does: the slot and the publication
+    src.close()
+    slot = f"conveyor_{name}"
+    assert slot_flush(cdc_url, slot) is not None
+    r = cli("connector", "delete", name, "--yes", "--drop-slot")
+    assert r.exit_code == 0 and "slot dropped" in r.output, r.output
+    assert slot_flush(cdc_url, slot) is None
+    assert not query(cdc_url, "SELECT 1 FROM pg_publication WHERE pubname = %s", (slot,))
+    assert not (tmp_path / "connectors" / f"{name}.yaml").exists()
