@@ -17,8 +17,11 @@ secrets never leave the file they are written in.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import os
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,9 +241,10 @@ class Operations:
         """Forget a STOPPED source connector's state: it reads from the beginning again."""
         row = self.row(name)
         self._require_stopped(row)
-        existed = self.store.reset_source_state(
-            name, reason=f"source state reset from {self.actor}"
-        )
+        with _found(name):
+            existed = self.store.reset_source_state(
+                name, reason=f"source state reset from {self.actor}"
+            )
         return {"name": name, "reset": existed}
 
     def abandon_batch(self, name: str) -> dict[str, Any]:
@@ -322,6 +326,8 @@ class Operations:
         The file is ``<connectors dir>/<name>.yaml`` for a new connector, else the plain
         spec file it already has. A connector declared in a components ``defs.yaml`` or
         outside the connectors directory is edited there, not here (ConflictError).
+        A new file is created exclusively: of two concurrent creates of one name exactly
+        one creates it; with ``create_only`` the other gets ConflictError, else it updates.
         """
         loaded = self.validate(name, config)
         name = loaded.name
@@ -332,19 +338,27 @@ class Operations:
         if create_only and row is not None:
             raise ConflictError(f"connector {name!r} already exists")
         path = self._writable_file(name, row)
-        if create_only and path.exists():
-            raise ConflictError(f"connector {name!r} already exists (file {path})")
+        created = self._write(path, loaded.raw or {}, new=row is None, create_only=create_only)
+        written = load_source(name, str(path))
+        with _found(name):  # deleted between the write and the sync: it stays deleted
+            sync_one(self.store, written)
+        self._changed(f"{'created' if created else 'updated'} connector {name}")
+        return self.info(name), created
+
+    def _write(self, path: Path, raw: Mapping[str, Any], *, new: bool, create_only: bool) -> bool:
+        """Write the spec file; True when this call created it."""
         try:
-            write_spec_file(path, loaded.raw or {})
+            if new and create_spec_file(path, raw):
+                return True
+            if create_only:
+                raise ConflictError(f"connector {path.stem!r} already exists (file {path})")
+            write_spec_file(path, raw)
+            return False
         except OSError as e:
             raise ConflictError(
                 f"cannot write {path}: {e.strerror}; the connectors directory {self.directory} "
                 "is read-only here (manage the spec files where they are deployed)"
             ) from None
-        written = load_source(name, str(path))
-        sync_one(self.store, written)
-        self._changed(f"{'created' if row is None else 'updated'} connector {name}")
-        return self.info(name), row is None
 
     def apply_file(self, source: Path) -> tuple[dict[str, Any], bool]:
         """``conveyor connector apply -f``: a spec file copied into the connectors directory."""
@@ -422,34 +436,35 @@ class Operations:
 
     def start(self, name: str) -> ConnectorRow:
         """Desired running; the scheduler launches it (a stopped or failed one starts afresh)."""
-        self.row(name)
-        return self.store.set_desired(
-            name, DesiredState.RUNNING, reason=f"started from {self.actor}"
-        )
+        with _found(name):
+            return self.store.set_desired(
+                name, DesiredState.RUNNING, reason=f"started from {self.actor}"
+            )
 
     def resume(self, name: str) -> ConnectorRow:
         """A paused connector reads again (within a second: its run polls while paused)."""
-        self.row(name)
-        return self.store.set_desired(
-            name, DesiredState.RUNNING, reason=f"resumed from {self.actor}"
-        )
+        with _found(name):
+            return self.store.set_desired(
+                name, DesiredState.RUNNING, reason=f"resumed from {self.actor}"
+            )
 
     def pause(self, name: str) -> ConnectorRow:
-        """Desired paused: the run keeps its assignment and heartbeats, and reads nothing."""
-        self.row(name)
-        return self.store.set_desired(name, DesiredState.PAUSED, reason=f"paused from {self.actor}")
+        """Desired paused: the run keeps its assignment and heartbeats, and reads nothing.
+
+        Nothing is fenced (the run and its tasks keep their generations and learn it from
+        their heartbeat's answer); the write checks in its transaction that the connector
+        still exists, so a pause never recreates a deleted one."""
+        with _found(name):
+            return self.store.set_desired(
+                name, DesiredState.PAUSED, reason=f"paused from {self.actor}"
+            )
 
     def stop(self, name: str) -> ConnectorRow:
-        """Desired stopped; the run stops itself at its next heartbeat (the scheduler reclaims it)."""
-        self.row(name)
-        reason = f"stopped from {self.actor}"
-        r = self.store.set_desired(name, DesiredState.STOPPED, reason=reason)
-        if r.run_id is None or r.status in (ConnectorStatus.IDLE, ConnectorStatus.ERROR):
-            r = (
-                self.store.apply(name, None, StateChange(status=ConnectorStatus.STOPPED), reason)
-                or r
-            )
-        return r
+        """Desired stopped, fenced in one transaction (``MetaStore.stop``): a live run stops
+        itself at its next heartbeat; anything else, partition tasks included, is Stopped
+        at once with its generation bumped."""
+        with _found(name):
+            return self.store.stop(name, reason=f"stopped from {self.actor}")
 
     def restart(self, name: str) -> ConnectorRow:
         """Fence the current run; the scheduler launches a fresh one."""
@@ -465,24 +480,20 @@ class Operations:
         row = self.row(name)
         offsets, forget = parse_kip875(body, topics=_topics(row))
         self._require_stopped(row)
-        try:
+        with _found(name):
             self.store.reset_offsets(
                 name, offsets, forget=forget, reason=f"offsets altered from {self.actor}"
             )
-        except NotStoppedError as e:
-            raise ConflictError(str(e)) from None
         return {"message": OFFSETS_ALTERED}
 
     def reset_offsets(self, name: str) -> dict[str, str]:
         """DELETE: forget every offset; the connector starts over from ``source.start_from``."""
         row = self.row(name)
         self._require_stopped(row)
-        try:
+        with _found(name):
             self.store.reset_offsets(
                 name, {}, replace=True, reason=f"offsets reset from {self.actor}"
             )
-        except NotStoppedError as e:
-            raise ConflictError(str(e)) from None
         return {"message": OFFSETS_RESET}
 
     def reset_offsets_to(
@@ -511,10 +522,8 @@ class Operations:
                     raise InvalidRequestError(f"{item!r} is not TOPIC:PARTITION:OFFSET") from None
         else:
             new = self._offsets_from_kafka(row, to or to_datetime, from_group)
-        try:
+        with _found(name):
             self.store.reset_offsets(name, new, reason=f"offsets reset from {self.actor}")
-        except NotStoppedError as e:
-            raise ConflictError(str(e)) from None
         return new
 
     def _offsets_from_kafka(
@@ -660,6 +669,46 @@ def parse_kip875(
             )
         offsets[tp] = value
     return offsets, forget
+
+
+def create_spec_file(path: Path, data: Mapping[str, Any]) -> bool:
+    """Create the spec file ``path`` unless one exists (False).
+
+    Written aside, then hard-linked into place, which fails when a file is there: of
+    concurrent creators exactly one wins, and no reader sees a partial file. Where hard
+    links are not supported, an exclusive open does the same (a reader may then see the
+    file while it is written, and reads it again at the next scan)."""
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    write_spec_file(aside, data)
+    try:
+        os.link(aside, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(aside.read_bytes())
+        return True
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+@contextmanager
+def _found(name: str) -> Iterator[None]:
+    """The store's refusals as the front ends' errors: a connector deleted meanwhile is
+    not found (404), one that is not stopped is a conflict (409)."""
+    try:
+        yield
+    except UnknownConnectorError:
+        raise NotFoundError(f"connector {name!r} not found") from None
+    except NotStoppedError as e:
+        raise ConflictError(str(e)) from None
 
 
 def _topics(row: ConnectorRow) -> set[str] | None:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.routing import DestinationRulesSpec
 
-NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
+# Matched whole (``fullmatch``): with ``match`` and ``$`` a trailing newline would pass.
+NAME_PATTERN = r"[a-z][a-z0-9_]{0,62}"
 _NAME_RE = re.compile(NAME_PATTERN)
 
 # Columns every batch carries next to the payload columns. They survive the
@@ -533,8 +534,12 @@ class ConnectorRunSpec(_Spec):
     @field_validator("name")
     @classmethod
     def _name_valid(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"{v!r} must match {NAME_PATTERN} (lower case, digits, underscores)")
+        if not _NAME_RE.fullmatch(v):
+            raise ValueError(
+                f"{v!r} must match {NAME_PATTERN} whole: a lower-case letter, then up to 62 "
+                "lower-case letters, digits or underscores (no spaces, newlines or other "
+                "characters)"
+            )
         return v
 
 

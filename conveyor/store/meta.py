@@ -63,6 +63,41 @@ def offsets_editable(row: ConnectorRow) -> bool:
 # Statuses in which a run holds the connector and heartbeats.
 LIVE_STATUSES = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.PAUSED)
 
+# PostgreSQL advisory locks on connector names use this first key ("CONV").
+NAME_LOCK_KEY = 0x434F4E56
+
+
+def _require_editable(row: ConnectorRow, what: str) -> None:
+    if not offsets_editable(row):
+        raise NotStoppedError(
+            f"connector {row.name!r} is {row.status.value} (desired {row.desired.value}); "
+            f"{what} can be changed only when it is stopped: stop it first"
+        )
+
+
+def fence_tasks(c: sa.Connection, connector: str, now: float) -> int:
+    """Bump the generation of every partition task of ``connector`` (their runs' commits
+    and heartbeats are refused; the scheduler launches fresh runs when it runs again).
+    Returns how many there were. Call with the task group locked."""
+    res = c.execute(
+        t.tasks.update()
+        .where(t.tasks.c.connector == connector)
+        .values(
+            generation=t.tasks.c.generation + 1,
+            run_id=None,
+            run_pid=None,
+            heartbeat_at=None,
+            changed_at=now,
+        )
+    )
+    return int(res.rowcount or 0)
+
+
+def drop_tasks(c: sa.Connection, connector: str) -> None:
+    """Forget a connector's partition tasks: owners, tasks and group."""
+    for table in (t.task_partitions, t.tasks, t.task_groups):
+        c.execute(table.delete().where(table.c.connector == connector))
+
 
 def conveyor_home() -> Path:
     return Path(os.environ.get("CONVEYOR_HOME", DEFAULT_HOME)).resolve()
@@ -298,7 +333,10 @@ class MetaStore:
         """Insert or update a connector's spec; runtime state is kept.
 
         A spec error puts the connector in Error with the message; fixing the spec
-        returns it to Idle so it can be scheduled again.
+        returns it to Idle so it can be scheduled again. A new row is inserted only while
+        its spec file exists, checked under the name's lock that ``delete`` takes too: a
+        sync that read the file before a delete cannot bring the connector back
+        (``UnknownConnectorError``).
         """
         # Unchanged (every tick of the scheduler, for every spec): answered by a read, so the
         # sync takes no write lock when there is nothing to write.
@@ -308,8 +346,16 @@ class MetaStore:
             return _row(cur)
         now = self.clock()
         with self._tx() as c:
+            self._lock_name(c, name)
             cur = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
             if cur is None:
+                if _file_gone(source):
+                    # Read before a delete that removed the file (and the row) since: the
+                    # delete stands.
+                    raise UnknownConnectorError(
+                        f"connector {name!r} is not created again: its spec file {source} "
+                        "is gone (deleted meanwhile)"
+                    )
                 status = ConnectorStatus.ERROR if error else ConnectorStatus.IDLE
                 c.execute(
                     t.connectors.insert().values(
@@ -397,11 +443,94 @@ class MetaStore:
             ]
 
     def delete(self, name: str) -> None:
+        """Forget a connector in one transaction: its row, offsets, source state and partition
+        tasks. Its runs and tasks are fenced for good (no generation left to match), so a
+        zombie's commit or heartbeat is refused and cannot bring it back; nor can a spec
+        sync that read its file before the delete (``sync_spec``). Idempotent."""
         with self._tx() as c:
+            row = self._lock_if_any(c, name)
+            drop_tasks(c, name)
             c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
             c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
             c.execute(t.connectors.delete().where(t.connectors.c.name == name))
-            self._history(c, name, None, ConnectorStatus.STOPPED, "deleted", None, None)
+            self._history(
+                c,
+                name,
+                row.status if row else None,
+                ConnectorStatus.STOPPED,
+                "deleted",
+                None,
+                row.generation if row else None,
+            )
+
+    def stop(self, name: str, *, reason: str) -> ConnectorRow:
+        """Desired stopped, and the fencing that goes with it, in one transaction.
+
+        A run that holds the connector live (``Running``/``Degraded``/``Paused`` with its
+        run id) is left to stop itself at its next heartbeat: it commits the batch in
+        flight and releases the connector fenced on its generation. Anything else (no run,
+        a run that has claimed but not yet heartbeated, partition tasks) is ``Stopped`` at
+        once with the generation bumped; every partition task's generation is bumped in
+        both cases. So once the connector shows ``Stopped`` no run of an older generation
+        can commit: an offsets reset right after it stands."""
+        with self._tx() as c:
+            row = self._lock_operator(c, name)
+            tasks = fence_tasks(c, name, self.clock())
+            if row.run_id is not None and row.status in LIVE_STATUSES and not tasks:
+                self._history(
+                    c,
+                    name,
+                    row.status,
+                    row.status,
+                    f"{reason}: run {row.run_id} stops itself at its next heartbeat",
+                    row.run_id,
+                    row.generation,
+                )
+                return self._apply_in(c, row, StateChange(desired=DesiredState.STOPPED), reason)
+            fenced = f"{reason} (generation {row.generation} fenced"
+            fenced += f", {tasks} partition task(s) fenced)" if tasks else ")"
+            return self._apply_in(c, row, StateChange.stop(), fenced)
+
+    def _lock_operator(self, c: sa.Connection, name: str) -> ConnectorRow:
+        row = self._lock_if_any(c, name)
+        if row is None:
+            raise UnknownConnectorError(f"no connector named {name!r}")
+        return row
+
+    def _lock_if_any(self, c: sa.Connection, name: str) -> ConnectorRow | None:
+        """An operator's change holds the connector's name, its row and its task group, in
+        that order (the runs' commits take the row or the group: they wait, then find their
+        generation gone)."""
+        self._lock_name(c, name)
+        q = sa.select(t.connectors).where(t.connectors.c.name == name)
+        g = sa.select(t.task_groups.c.connector).where(t.task_groups.c.connector == name)
+        if self.dialect != "sqlite":
+            q, g = q.with_for_update(), g.with_for_update()
+        r = c.execute(q).first()
+        c.execute(g).first()
+        return _row(r) if r is not None else None
+
+    def _lock_name(self, c: sa.Connection, name: str) -> None:
+        """Serialise creating and deleting one name (on SQLite ``BEGIN IMMEDIATE`` already
+        does; on PostgreSQL there may be no row yet to lock)."""
+        if self.dialect == "postgresql":
+            c.execute(
+                sa.text("SELECT pg_advisory_xact_lock(:k, hashtext(:n))"),
+                {"k": NAME_LOCK_KEY, "n": name},
+            )
+
+    def _fence(self, c: sa.Connection, row: ConnectorRow) -> int:
+        """Bump the connector's generation and every partition task's: whatever ran before
+        is refused from now on. Returns the new generation."""
+        now = self.clock()
+        generation = row.generation + 1
+        c.execute(
+            t.connectors.update()
+            .where(t.connectors.c.name == row.name)
+            .values(generation=generation, updated_at=now)
+        )
+        fence_tasks(c, row.name, now)
+        return generation
 
     def set_desired(self, name: str, desired: DesiredState, *, reason: str = "") -> ConnectorRow:
         now = self.clock()
@@ -429,6 +558,10 @@ class MetaStore:
                     row.run_id,
                     row.generation,
                 )
+                # Its partition tasks get a launch window from now, not from their last run.
+                c.execute(
+                    t.tasks.update().where(t.tasks.c.connector == name).values(changed_at=now)
+                )
             c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
@@ -445,49 +578,56 @@ class MetaStore:
         when the status, the generation or the restart budget changes. Returns the new
         row, or None when the generation no longer matches (someone else moved it on).
         """
-        now = self.clock()
         with self._tx() as c:
             row = self._get_for_update(c, name)
             if expected_generation is not None and row.generation != expected_generation:
                 return None
-            values: dict[str, Any] = {"updated_at": now}
-            status = change.status if change.status is not None else row.status
-            if status != row.status:
-                values.update(status=status.value, status_since=now)
-            if change.error is not None:
-                values["last_error"] = change.error
-            elif status in (ConnectorStatus.RUNNING, ConnectorStatus.IDLE) and status != row.status:
-                values["last_error"] = None
-            if change.desired is not None:
-                values["desired"] = change.desired.value
-            if change.bump_generation:
-                values["generation"] = row.generation + 1
-            if change.clear_broker:
-                values["broker_id"] = None
-            if change.broker_id is not None:
-                values["broker_id"] = change.broker_id
-            if change.clear_run:
-                values.update(run_id=None, run_pid=None, heartbeat_at=None)
-            if change.clear_pid:
-                values["run_pid"] = None
-            if change.restarts is not None:
-                values.update(restarts=change.restarts, next_restart_at=None)
-            if change.moved_at is not None:
-                values["last_moved_at"] = change.moved_at
-            if change.counters is not None:
-                values["counters_json"] = json.dumps(change.counters)
-            c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
-            if change.is_recorded(row.status):
-                self._history(
-                    c,
-                    name,
-                    row.status,
-                    status,
-                    reason,
-                    None if change.clear_run else row.run_id,
-                    values.get("generation", row.generation),
-                )
-            return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
+            return self._apply_in(c, row, change, reason)
+
+    def _apply_in(
+        self, c: sa.Connection, row: ConnectorRow, change: StateChange, reason: str
+    ) -> ConnectorRow:
+        """``apply``'s write, inside a transaction that already holds the connector's row."""
+        name = row.name
+        now = self.clock()
+        values: dict[str, Any] = {"updated_at": now}
+        status = change.status if change.status is not None else row.status
+        if status != row.status:
+            values.update(status=status.value, status_since=now)
+        if change.error is not None:
+            values["last_error"] = change.error
+        elif status in (ConnectorStatus.RUNNING, ConnectorStatus.IDLE) and status != row.status:
+            values["last_error"] = None
+        if change.desired is not None:
+            values["desired"] = change.desired.value
+        if change.bump_generation:
+            values["generation"] = row.generation + 1
+        if change.clear_broker:
+            values["broker_id"] = None
+        if change.broker_id is not None:
+            values["broker_id"] = change.broker_id
+        if change.clear_run:
+            values.update(run_id=None, run_pid=None, heartbeat_at=None)
+        if change.clear_pid:
+            values["run_pid"] = None
+        if change.restarts is not None:
+            values.update(restarts=change.restarts, next_restart_at=None)
+        if change.moved_at is not None:
+            values["last_moved_at"] = change.moved_at
+        if change.counters is not None:
+            values["counters_json"] = json.dumps(change.counters)
+        c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
+        if change.is_recorded(row.status):
+            self._history(
+                c,
+                name,
+                row.status,
+                status,
+                reason,
+                None if change.clear_run else row.run_id,
+                values.get("generation", row.generation),
+            )
+        return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
 
     def assign(
         self, name: str, broker_id: str, *, expected_generation: int, reason: str
@@ -678,7 +818,10 @@ class MetaStore:
     ) -> bool:
         """The run ends: final status (and counters) for its generation. False if already fenced."""
         change = StateChange.release(status, error=error, counters=counters)
-        return self.apply(name, generation, change, reason) is not None
+        try:
+            return self.apply(name, generation, change, reason) is not None
+        except UnknownConnectorError:
+            return False  # deleted meanwhile: it stays deleted
 
     # -- offsets --------------------------------------------------------------------
 
@@ -708,12 +851,11 @@ class MetaStore:
         now = self.clock()
         forget = list(forget)
         with self._tx() as c:
-            row = self._get_for_update(c, name)
-            if not offsets_editable(row):
-                raise NotStoppedError(
-                    f"connector {name!r} is {row.status.value} (desired {row.desired.value}); "
-                    "offsets can be changed only when it is stopped: stop it first"
-                )
+            row = self._lock_operator(c, name)
+            _require_editable(row, "offsets")
+            # Fenced in the same transaction: a batch in flight of any older run (a stuck
+            # thread, a task that missed the stop) is refused, so the reset stands.
+            generation = self._fence(c, row)
             if replace:
                 c.execute(t.offsets.delete().where(t.offsets.c.connector == name))
             for tp in forget:
@@ -724,7 +866,7 @@ class MetaStore:
                         t.offsets.c.partition == tp.partition,
                     )
                 )
-            self._upsert_offsets(c, name, row.generation, offsets, now)
+            self._upsert_offsets(c, name, generation, offsets, now)
             what = _fmt_offsets(offsets) or "-"
             if forget:
                 what += "; forgotten: " + ", ".join(str(tp) for tp in sorted(forget))
@@ -735,9 +877,9 @@ class MetaStore:
                 name,
                 row.status,
                 row.status,
-                f"{reason or 'offsets reset'}: {what}",
+                f"{reason or 'offsets reset'}: {what}; generation {row.generation} fenced",
                 None,
-                row.generation,
+                generation,
             )
 
     def _upsert_offsets(
@@ -982,11 +1124,23 @@ class MetaStore:
             )
 
     def reset_source_state(self, name: str, *, reason: str = "source state reset") -> bool:
-        """Forget a source connector's state (an operator command); True when there was one."""
+        """Forget a stopped source connector's state (an operator command); True when there
+        was one. Checked, written and fenced in one transaction, as ``reset_offsets``."""
         with self._tx() as c:
+            row = self._lock_operator(c, name)
+            _require_editable(row, "its source state")
             res = c.execute(t.source_state.delete().where(t.source_state.c.connector == name))
-            if res.rowcount:
-                self._history(c, name, None, ConnectorStatus.STOPPED, reason, None, None)
+            generation = self._fence(c, row)
+            self._history(
+                c,
+                name,
+                row.status,
+                row.status,
+                f"{reason}{'' if res.rowcount else ' (none stored)'}; "
+                f"generation {row.generation} fenced",
+                None,
+                generation,
+            )
             return bool(res.rowcount)
 
 
@@ -996,6 +1150,11 @@ def _with_driver(url: str) -> str:
     if u.drivername in ("postgresql", "postgres"):
         u = u.set(drivername="postgresql+psycopg2")
     return u.render_as_string(hide_password=False)
+
+
+def _file_gone(source: str) -> bool:
+    """``source`` names a spec file (an absolute path) that no longer exists."""
+    return os.path.isabs(source) and not os.path.exists(source)
 
 
 def _fmt_offsets(offsets: Offsets) -> str:

@@ -11,7 +11,9 @@ partition, the epoch at which it got it. ``commit`` writes an offset only for a
 partition whose owner row still names this task at that epoch, in the same transaction
 that checks it; a partition that moved away (even one that came back later, at a newer
 epoch) is refused and reported. A task whose generation was bumped (restarted) or that
-was removed is refused as a whole (``FencedError``).
+was removed is refused as a whole (``FencedError``). The operator's stop, offsets reset,
+state reset and delete bump (or remove) every task's generation in the same transaction as
+the connector's (``store/meta.py``): a task run caught mid-batch cannot undo them.
 
 **Handover** (the lightweight-consumer coordinator's protocol). A split or merge does
 not take partitions from a live owner: it marks them *releasing* (``pending_task_id``).
@@ -41,7 +43,7 @@ from conveyor.core.errors import FencedError
 from conveyor.core.model import DesiredState, Offsets, TopicPartition
 from conveyor.core.tasks import TaskDecision, TaskGroup, TaskPolicy, TaskSample, TaskView
 from conveyor.store import schema as t
-from conveyor.store.meta import MetaStore
+from conveyor.store.meta import MetaStore, drop_tasks
 
 ENDING = "Ending"  # merged away: hands over its last partitions, then its row goes
 SAMPLES_KEPT = 20
@@ -146,6 +148,13 @@ class TaskStore:
             q = q.with_for_update()
         row = c.execute(q).first()
         if row is None:
+            # A group only for a connector that exists (waiting out a delete under way): a
+            # deleted connector's zombie task or a stale scheduler tick brings nothing back.
+            exists = sa.select(t.connectors.c.name).where(t.connectors.c.name == connector)
+            if self.meta.dialect != "sqlite":
+                exists = exists.with_for_update(read=True, key_share=True)
+            if c.execute(exists).first() is None:
+                raise FencedError(f"connector {connector!r} no longer exists")
             c.execute(
                 t.task_groups.insert().values(
                     connector=connector, epoch=0, next_task_id=0, updated_at=self.meta.clock()
@@ -566,8 +575,7 @@ class TaskStore:
     def drop(self, connector: str) -> None:
         """Forget a connector's tasks (deleted, or back to one run)."""
         with self.meta._tx() as c:
-            for table in (t.task_partitions, t.tasks, t.task_groups):
-                c.execute(table.delete().where(table.c.connector == connector))
+            drop_tasks(c, connector)
 
     # -- the task run's writes ----------------------------------------------------------
 
