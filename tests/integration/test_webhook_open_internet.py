@@ -344,3 +344,36 @@ def test_requests_beyond_the_concurrency_limit_get_503_at_once():
         source.commit(polled2.state)
         t3.join(30)
         assert r3 == {"s": 200}
+
+
+def test_the_token_by_reference_is_resolved_in_the_run_and_never_shown(monkeypatch):
+    from conveyor.specs import from_mapping, resolved
+
+    monkeypatch.setenv("CONVEYOR_TEST_HOOK_TOKEN", "from-the-environment")
+    port = free_port()
+    spec = {
+        "name": "hook_ref",
+        "kind": "source",
+        "source": {
+            "type": "webhook",
+            "port": port,
+            "token": "${env:CONVEYOR_TEST_HOOK_TOKEN}",
+            "ack_timeout_s": 0.5,
+        },
+    }
+    loaded = from_mapping(spec, source="hook_ref.yaml", fallback_name="hook_ref")
+    assert loaded.ok, loaded.error
+    assert "from-the-environment" not in json.dumps(loaded.display())
+    live = resolved(loaded)  # what the run does
+    assert live.source_config is not None
+    source = build_source(live.source_config)
+    source.init(None)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        good = {"Authorization": "Bearer from-the-environment"}
+        bad = {"Authorization": "Bearer ${env:CONVEYOR_TEST_HOOK_TOKEN}"}
+        assert httpx.post(url, json={"a": 1}, headers=bad).status_code == 401
+        r = httpx.post(url, json={"a": 1}, headers=good, timeout=10)
+        assert r.status_code == 503  # authenticated; nobody stores it here
+    finally:
+        source.close()
