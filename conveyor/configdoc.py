@@ -432,7 +432,11 @@ def source_connector_sections() -> list[str]:
                 f"### source `{name}`\n\n> Not documented: this source could not be imported ({_cell(reason)}).\n"
             )
             continue
-        out.append(f"### source `{name}`\n\n{_cell(cls.__doc__ or '')}\n\n{model_table(cls)}\n")
+        notes = str(getattr(cls, "doc_notes", "")).strip()  # markdown after the fields
+        out.append(
+            f"### source `{name}`\n\n{_cell(cls.__doc__ or '')}\n\n{model_table(cls)}\n"
+            + (f"\n{notes}\n" if notes else "")
+        )
     return out
 
 

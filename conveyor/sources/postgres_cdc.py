@@ -49,13 +49,93 @@ def format_lsn(value: int) -> str:
     return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
 
 
+CDC_NOTES = """
+**Values** (`conveyor.sources.pgoutput`, the same for snapshot rows, read as text in the same
+session settings):
+
+| PostgreSQL | JSON |
+|---|---|
+| smallint, integer, bigint, oid | number |
+| real, double precision | number (shortest exact); `"NaN"`, `"Infinity"`, `"-Infinity"` as strings |
+| numeric | string, exact as printed (`"12345678901234567.89"`, `"NaN"`, `"Infinity"`) |
+| boolean | true / false |
+| json, jsonb | the JSON value, numbers written back byte for byte |
+| bytea | string, base64 |
+| date, time, timetz | string as printed (ISO) |
+| timestamp | `"2024-01-31T12:00:00.5"`; timestamptz in UTC with `Z` |
+| interval | ISO 8601 string (`"P1Y2M3DT4H"`) |
+| arrays | lists (nested), elements by their type, NULL as null |
+| enum, domain | the label; the base type's value |
+| uuid, text, inet, ranges, geometry, everything else | string as printed |
+
+**Messages.** `format: conveyor`: `{table, op (read/insert/update/delete/truncate), data, old,
+unchanged, lsn, commit_lsn, index, xid, ts_ms}`: `data` is the row after (a delete: the key or,
+with REPLICA IDENTITY FULL, the whole row before), `old` the row before when the server sends
+it. `format: debezium`: `{before, after, op: r/c/u/d/t, source: {version, connector:
+"postgresql", name, ts_ms, snapshot, db, schema, table, txId, lsn}, ts_ms}`, no schema wrapper;
+a delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` and
+`transform.null_values: pass`. A truncate is one message per table, without a key. A TOASTed
+value an update did not touch is not in the WAL: it is absent from `data`/`after` and named in
+`unchanged` (`source.unchanged_toast`), never replaced by a placeholder; a downstream upsert
+must keep the stored value for those columns.
+
+**Keys and REPLICA IDENTITY.** The key is `key_columns` for the table, else its primary key,
+else (REPLICA IDENTITY FULL) every column; a table with none of them is refused at start
+(`has no primary key and replica identity default`). With the default identity an update
+carries no before image and a delete only the key; `REPLICA IDENTITY FULL` is needed for the
+before image (`old`, `before`) of updates and deletes, and for `key_columns` that are not the
+primary key (a delete must carry them).
+
+**Slot and publication.** One slot per connector; two specs naming one slot are refused when
+the connectors are loaded. The managed publication (named like the slot) is `FOR TABLE` the
+tables (`FOR ALL TABLES` without `tables`) and is set to the tables when they change.
+`conveyor connector delete NAME --drop-slot` drops both (PostgreSQL stops keeping WAL for it).
+A slot owned elsewhere (`plugin` other than pgoutput) is refused; a stored state whose slot is
+gone refuses to start unless `snapshot: when_needed` (then: snapshot again).
+
+**Positions and guarantees (tests/integration/test_source_postgres_cdc.py).** A change's
+position is (its transaction's final LSN, its index in the transaction), known at Begin: a batch
+ends inside a transaction when `max_records` is reached, so a batch never holds more than
+`max_records` messages (a delete and its tombstone count two) however large the transaction
+(tested: 50,000 rows in one transaction, `max_records` 1000). `poll` confirms nothing; polled
+again from an older state the stream is restarted from the slot and the same changes come back.
+`commit` confirms (standby status feedback) the end of the last transaction the stored state
+covers completely; a state inside a transaction confirms nothing. While nothing of ours is
+pending, keepalives move the state to the server's WAL end at most every
+`heartbeat_interval_s`, so the slot of an idle table on a busy database advances (psycopg2 also
+confirms a keepalive's WAL end itself once every message read is confirmed: the slot may then be
+ahead of the stored state, over WAL that holds none of the captured changes). kill -9 (after a
+batch is produced, before its state is stored) during the snapshot and during the stream: nothing
+lost, duplicates at most the batch in flight plus, after a snapshot interrupted, the changes
+made since the slot's creation.
+
+**Snapshot.** `initial` (default): at the slot's creation the tables are read in key order in
+the exported snapshot (`SET TRANSACTION SNAPSHOT`), `max_records` rows per batch, op `r`;
+the state records the table and the last key read. The stream then starts at the slot's
+consistent point: no gap, no overlap. A snapshot interrupted by a crash resumes after the last
+key stored, in a newer snapshot (the exported one died with the process), and the stream then
+replays every change since the slot's creation: the result converges, with duplicates.
+The snapshot needs the key columns to be ordered types. `never`: stream only.
+`when_needed`: as `initial`, and a snapshot again when the slot is gone. Not done: an ad-hoc
+re-snapshot of one table on request; lag and retained WAL as metrics.
+"""
+
+
 def default_slot(connector: str) -> str:
     """The slot (and managed publication) a connector owns by default: conveyor_<name>."""
     return f"conveyor_{connector}"[:63]
 
 
 class PostgresCDCConfig(SourceConfig):
-    """Row changes of PostgreSQL tables: pgoutput over a logical replication slot."""
+    """Row changes of PostgreSQL tables: ``pgoutput`` (protocol 1) over the streaming
+    replication protocol, from a slot the connector owns (default ``conveyor_<connector>``,
+    created at first start with an exported snapshot). Every change is keyed by the row's
+    key as JSON (Debezium's key shape, ``{"id": 1}``), so one row's changes go to one
+    partition in commit order and compacted topics work. Needs ``wal_level = logical`` and a
+    role with REPLICATION (and the right to create the publication, or ``publication``). State
+    version 2 (a test_decoding state of version 1 refuses to start)."""
+
+    doc_notes: ClassVar[str] = CDC_NOTES
 
     type: Literal["postgres_cdc"] = "postgres_cdc"
     url: str = Field(
