@@ -160,6 +160,10 @@ class MQTTConfig(SourceConfig):
     def asset_key_path(self) -> list[str]:
         return ["mqtt", f"{self.host}_{self.port}"]
 
+    def owned_resources(self, connector: str) -> tuple[str, ...]:
+        # Two clients with one id take the session from each other (and its messages).
+        return (f"MQTT session {self.client_id!r} on {self.host}:{self.port}",)
+
 
 @dataclass(frozen=True)
 class _Held:

@@ -148,6 +148,9 @@ class WebhookConfig(SourceConfig):
     def asset_key_path(self) -> list[str]:
         return ["webhook", f"{self.host}_{self.port}"]
 
+    def owned_resources(self, connector: str) -> tuple[str, ...]:
+        return (f"HTTP port {self.host}:{self.port}",)
+
     def kind(self) -> str:
         return "http"
 

@@ -90,3 +90,25 @@ def test_strict_json_keeps_ordinary_values():
     assert strict_json.loads(b'{"a": [1, 2.5, -0.0, 1e308, "x", null, true]}') == {
         "a": [1, 2.5, -0.0, 1e308, "x", None, True]
     }
+
+
+def test_two_connectors_on_one_webhook_port_or_one_mqtt_session_are_refused():
+    from conveyor.specs import dedupe, from_mapping
+
+    def spec(name: str, source: dict[str, object]):
+        return from_mapping(
+            {"name": name, "kind": "source", "source": source},
+            source=f"{name}.yaml",
+            fallback_name=name,
+        )
+
+    hook = {"type": "webhook", "auth": "none", "port": 9001}
+    out = dedupe([spec("a", hook), spec("b", hook), spec("c", {**hook, "port": 9002})])
+    assert out[0].ok and out[2].ok
+    assert "HTTP port 127.0.0.1:9001 is already used by connector 'a'" in str(out[1].error)
+    mq = {"type": "mqtt", "topics": ["x/#"], "client_id": "same"}
+    out = dedupe([spec("m1", mq), spec("m2", mq), spec("m3", {**mq, "port": 1884})])
+    assert out[0].ok and out[2].ok
+    assert "MQTT session 'same' on 127.0.0.1:1883 is already used by connector 'm1'" in str(
+        out[1].error
+    )
