@@ -248,12 +248,17 @@ def parse_source_spec(
 def from_mapping(data: Any, *, source: str, fallback_name: str) -> LoadedSpec:
     """A LoadedSpec from a parsed spec mapping (a file's content, an API request body).
 
-    Besides the models' rules: references only in secret fields, no credential written
-    literally in a connection string, no mask (``secrets.check_placement``).
+    Besides the models' rules, first: references only in secret fields, no credential
+    written literally in a connection string, no mask (``secrets.check_placement``).
     """
     name = data.get("name", fallback_name) if isinstance(data, dict) else fallback_name
     if not isinstance(name, str):
         name = fallback_name
+    try:
+        if isinstance(data, dict):
+            check_placement(data, declared_secret_paths(data))
+    except ConfigError as e:
+        return LoadedSpec(name, source, error=str(ConfigError(str(e), source=source)))
     if is_source_connector(data):
         try:
             sspec, sconfig = parse_source_spec(data, source=source)
@@ -266,26 +271,35 @@ def from_mapping(data: Any, *, source: str, fallback_name: str) -> LoadedSpec:
         except ConfigError as e:
             return LoadedSpec(name, source, error=str(e))
         loaded = LoadedSpec(spec.name, source, spec=spec, sink=sink, raw=data)
-    try:
-        check_placement(data, loaded.secret_paths() | _aliases(loaded))
+    try:  # as validated: aliases applied (url_env -> url)
         check_placement(loaded._normalized(), loaded.secret_paths())
     except ConfigError as e:
         return LoadedSpec(loaded.name, source, error=str(ConfigError(str(e), source=source)))
     return loaded
 
 
-def _aliases(loaded: LoadedSpec) -> set[str]:
-    """Secret paths under the names a spec may be written with (``schema_`` for ``schema``)."""
-    out = set()
-    for model, prefix in (
-        (type(loaded.sink), "sink."),
-        (type(loaded.source_config), "source."),
-    ):
-        if model is type(None) or not issubclass(model, BaseModel):
-            continue
-        for name, f in model.model_fields.items():
-            if f.alias and f"{prefix}{f.alias}" in loaded.secret_paths():
-                out.add(f"{prefix}{name}")
+def declared_secret_paths(data: Mapping[str, Any]) -> set[str]:
+    """The secret paths of a spec as written, before it is validated: the spec's own and its
+    sink's or source's (by its ``type``; none for an unknown type), under aliases and names."""
+    kind = "source" if is_source_connector(data) else "sink"
+    out = secret_fields(None, None)
+    section = data.get(kind)
+    if not isinstance(section, Mapping) or not isinstance(section.get("type"), str):
+        return out
+    try:
+        if kind == "sink":
+            model: type[BaseModel] = sink_class(section["type"]).config_class
+        else:
+            from conveyor.sources import source_class
+
+            model = source_class(section["type"]).config_class
+    except ConfigError:
+        return out
+    secret = set(model_secret_paths(model))
+    out |= {f"{kind}.{p}" for p in secret}
+    for field_name, f in model.model_fields.items():
+        if (f.alias or field_name) in secret:
+            out |= {f"{kind}.{field_name}", f"{kind}.{f.alias or field_name}"}
     return out
 
 
