@@ -369,6 +369,7 @@ class PostgresCDCSource(Source):
         self._skip: tuple[int, int] = (-1, -1)  # positions the state covers (skipped as read)
         self._dbname: str | None = None
         self._owed = False  # a transaction a returned state ends inside has committed
+        self._carry: tuple[list[SourceMessage], _Position] | None = None
 
     @property
     def column_routing(self) -> bool:
@@ -633,8 +634,7 @@ class PostgresCDCSource(Source):
         if tables:
             snap: dict[str, Any] | None = {"tables": tables, "after": after}
         else:
-            snap = None
-            self._close_snapshot()
+            snap = None  # its transaction stays open until the stream starts (a failed batch)
         out = _Position(pos.lsn, -1, None, snap).state()
         self._expected = None
         return Polled(messages, out, origin=self.origin())
@@ -694,6 +694,7 @@ class PostgresCDCSource(Source):
         import psycopg2.extras
 
         self._close_stream()
+        self._close_snapshot()  # polled from a stream state: the snapshot's last batch is stored
         repl = self._connect(connection_factory=psycopg2.extras.LogicalReplicationConnection)
         cur = repl.cursor()
         deadline = time.monotonic() + 30
@@ -720,24 +721,30 @@ class PostgresCDCSource(Source):
         self._txn = None
         self._pos = _Position(pos.lsn, pos.index, pos.safe, None)
         self._skip = (pos.lsn, pos.index)
-        self._expected, self._owed = pos.state(), False
+        self._expected, self._owed, self._carry = pos.state(), False, None
 
     def _poll_stream(self, pos: _Position, max_records: int, max_wait_s: float) -> Polled | None:
-        width = 2 if self.config.format == "debezium" and self.config.tombstones_on_delete else 1
         deadline = time.monotonic() + max_wait_s
         messages: list[SourceMessage] = []
-        while not messages or len(messages) + width <= max_records:
+        while len(messages) < max_records:
+            if self._carry is not None:  # the change the last batch had no room for
+                carried, self._carry = self._carry, None
+                messages.extend(carried[0])
+                self._pos = carried[1]
+                continue
             msg = self._read()
             if msg is not None:
-                try:
-                    messages.extend(self._consume(msg.payload, msg.data_start))
-                except ValueError as e:  # pgoutput's ProtocolError, ValueDecodeError
-                    raise PermanentSourceError(f"at {format_lsn(msg.data_start)}: {e}") from None
+                before = self._pos
+                out = self._consumed(msg)
+                if messages and len(messages) + len(out) > max_records:
+                    # No room for all of one change's messages (a key change, a tombstone):
+                    # the batch ends before it, the next poll starts with it.
+                    self._carry, self._pos = (out, self._pos), before
+                    break
+                messages.extend(out)
                 continue
             if self._txn is None and not messages and self._heartbeat_due():
-                wal_end = int(self._cur.wal_end)
-                if wal_end > (self._pos.safe or 0) and wal_end > self._pos.lsn:
-                    self._pos = _Position(wal_end, -1, wal_end, None)
+                self._heartbeat()
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -749,6 +756,18 @@ class PostgresCDCSource(Source):
         self._expected, self._owed = state, False
         self._last_state_at = time.monotonic()
         return Polled(messages, state, origin=self.origin())
+
+    def _consumed(self, msg: Any) -> list[SourceMessage]:
+        try:
+            return self._consume(msg.payload, msg.data_start)
+        except ValueError as e:  # pgoutput's ProtocolError, ValueDecodeError
+            raise PermanentSourceError(f"at {format_lsn(msg.data_start)}: {e}") from None
+
+    def _heartbeat(self) -> None:
+        """Nothing of ours pending: the position follows the server's WAL end (keepalives)."""
+        wal_end = int(self._cur.wal_end)
+        if wal_end > (self._pos.safe or 0) and wal_end > self._pos.lsn:
+            self._pos = _Position(wal_end, -1, wal_end, None)
 
     def _inside(self, final_lsn: int) -> bool:
         return self._expected is not None and parse_lsn(self._expected["lsn"]) == final_lsn
@@ -825,6 +844,16 @@ class PostgresCDCSource(Source):
                 before = {k: before.get(k) for k in rel.key_columns}
         op = "c" if isinstance(msg, pg.Insert) else "u" if isinstance(msg, pg.Update) else "d"
         key = self._key(rel, after if after is not None else before, before)
+        if op == "u" and before is not None:
+            old_key = self._key(rel, before, None)
+            if old_key != key:  # as Debezium: a delete under the old key, a create under the new
+                t = txn.ts_ms
+                return [
+                    _Change("d", rel.qualified, before, None, old_key, ts_ms=t, **common),
+                    _Change(
+                        "c", rel.qualified, None, after, key, unchanged=unchanged, ts_ms=t, **common
+                    ),
+                ]
         return [
             _Change(
                 op,

@@ -163,7 +163,7 @@ def test_issue_scenario_into_three_partitions(tmp_path, tansu, spark_remote, cdc
     assert stored is not None and stored[1]["snapshot"] is None
 
 
-def test_debezium_envelope_tombstones_and_truncate(cdc_url):
+def test_debezium_envelope_tombstones_key_change_and_truncate(cdc_url):
     tag = uuid.uuid4().hex[:6]
     table = f"dbz_{tag}"
     execute(cdc_url, f"CREATE TABLE {table} (id int PRIMARY KEY, v jsonb, at timestamptz)")
@@ -177,22 +177,28 @@ def test_debezium_envelope_tombstones_and_truncate(cdc_url):
             cdc_url,
             f"INSERT INTO {table} VALUES (1, '{{\"n\": 1.10}}', '2024-01-31 12:00:00+02')",
             f"UPDATE {table} SET v = '[]' WHERE id = 1",
-            f"DELETE FROM {table} WHERE id = 1",
+            f"UPDATE {table} SET id = 2 WHERE id = 1",
+            f"DELETE FROM {table} WHERE id = 2",
         )
         execute(cdc_url, f"TRUNCATE {table}")
-        got, _, _ = drain(src, None, until=lambda g: len(g) >= 5)
+        # Batches of 3: a change's messages (delete + tombstone + create) are never split,
+        # and no batch is larger.
+        got, _, sizes = drain(src, None, max_records=3, until=lambda g: len(g) >= 8)
     finally:
         src.close()
-    assert len(got) == 5
-    c, u, d, tomb, t = values(got)
-    assert [x["op"] for x in (c, u, d, t)] == ["c", "u", "d", "t"]
+    assert len(got) == 8 and max(sizes) <= 3
+    c, u, moved_d, moved_tomb, moved_c, d, tomb, t = values(got)
+    assert [x["op"] for x in (c, u, moved_d, moved_c, d, t)] == ["c", "u", "d", "c", "d", "t"]
     assert c["before"] is None and c["after"]["id"] == 1
     assert c["after"]["at"] == "2024-01-31T10:00:00Z"
-    assert got[0].payload is not None and b'"n":1.10' in got[0].payload  # exact JSON numbers
+    assert b'"n":1.10' in got[0].payload  # exact JSON numbers
     assert u["before"]["v"] == {"n": 1.1} and u["after"]["v"] == []  # FULL: the before image
-    assert d["before"]["id"] == 1 and d["after"] is None
-    assert tomb is None and got[3].key == got[2].key == b'{"id":1}'
-    assert t["before"] is None and t["after"] is None and got[4].key is None
+    # The key changed: a delete (and tombstone) under the old key, a create under the new.
+    assert [m.key for m in got[2:5]] == [b'{"id":1}', b'{"id":1}', b'{"id":2}']
+    assert moved_tomb is None and moved_d["before"]["id"] == 1 and moved_c["after"]["id"] == 2
+    assert d["before"]["id"] == 2 and d["after"] is None
+    assert tomb is None and got[6].key == got[5].key == b'{"id":2}'
+    assert t["before"] is None and t["after"] is None and got[7].key is None
     source = c["source"]
     assert source["connector"] == "postgresql" and source["name"] == f"dbz_{tag}"
     assert (source["db"], source["schema"], source["table"]) == ("postgres", "public", table)
