@@ -196,6 +196,7 @@ class MQTTSource(Source):
         self.dropped_qos0 = 0  # QoS 0 messages dropped because the queue was full
         self.withheld = 0  # QoS 1 messages left unacknowledged because the queue was full
         self.reconnects = 0
+        self._warned_at = -60.0
 
     @property
     def column_routing(self) -> bool:
@@ -316,11 +317,25 @@ class MQTTSource(Source):
                 else:
                     self.withheld += 1  # no PUBACK: delivered again when the session resumes
                     self._resume = True
+                self._warn_full()
                 return
             m = _message(msg, self.config)
             self._held.append(_Held(self._next_seq, m, msg.mid, msg.qos))
             self._next_seq += 1
             self._cond.notify_all()
+
+    def _warn_full(self) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= 60:  # at most once a minute
+            self._warned_at = now
+            log.warning(
+                "MQTT %s: queue full (max_pending %d): %d QoS 0 messages dropped, "
+                "%d QoS 1 withheld so far",
+                self.config.client_id,
+                self.config.max_pending,
+                self.dropped_qos0,
+                self.withheld,
+            )
 
     # -- the runtime's thread -----------------------------------------------------------
 

@@ -203,7 +203,7 @@ class WebhookSource(Source):
                 lifespan="off",
             )
         )
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # never in a run's op
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # older uvicorn; never in a run's op
         self._server = server
         self._thread = threading.Thread(target=server.run, name="webhook", daemon=True)
         self._thread.start()
