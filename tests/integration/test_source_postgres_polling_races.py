@@ -18,7 +18,11 @@ import pytest
 from conveyor.core.errors import ConfigError
 from conveyor.sources import build_source
 from conveyor.sources.base import Polled, Source
-from conveyor.sources.postgres_polling import recent_xmin
+from conveyor.sources.postgres_polling import (
+    PostgresPollingConfig,
+    PostgresPollingSource,
+    recent_xmin,
+)
 from tests.integration.sources_harness import (
     build_loop,
     claimed_store,
@@ -222,6 +226,71 @@ def test_a_crash_between_produce_and_commit_deletes_nothing_unread(pg_url, pg_sc
     again.commit(nxt.state)
     assert sql1(db, left) is None
     again.close()
+
+
+class _Crash(BaseException):
+    """Stands for the process dying (kill -9) right after the batch's state was stored."""
+
+
+class _CrashBeforeCommit(PostgresPollingSource):
+    """The real source, dying where its commit would start."""
+
+    def commit(self, state: dict[str, Any]) -> None:
+        raise _Crash
+
+
+def test_a_crash_before_commit_through_the_loop(
+    tmp_path, tansu, spark_remote, pg_url, pg_schema, db
+):
+    """Through the loop (Spark, tansu, the meta store): the first run produces a batch,
+    stores its state and dies before commit, while a transaction holding a lower id is
+    open. Then that row commits, a row read is changed, a new row arrives. The next run
+    owes the commit: nothing unread is deleted, the batch is not produced again (only the
+    changed row, in its new version), the table ends empty."""
+    t = f"{pg_schema}.q"
+    name = f"src_{uuid.uuid4().hex[:6]}"
+    topic = f"{name}.q"
+    cfg = {
+        "type": "postgres_polling",
+        "url": pg_url,
+        "table": t,
+        "incrementing_column": "id",
+        "destination": topic,
+        "destructive": True,
+        "delete_after_read": True,
+    }
+    spec = {"name": name, "source": cfg, "batch": {"max_records": 50, "max_wait_ms": 100}}
+    store, gen = claimed_store(tmp_path, name)
+    b = psycopg2.connect(pg_url)
+    try:
+        assert sql1(b, f"INSERT INTO {t} (body) VALUES ('late') RETURNING id") == 1
+        db.cursor().execute(f"INSERT INTO {t} (body) SELECT 'a' FROM generate_series(1, 5)")
+        crashing = _CrashBeforeCommit(PostgresPollingConfig.model_validate(cfg))
+        loop = build_loop(
+            spec,
+            store=store,
+            generation=gen,
+            bootstrap=tansu,
+            spark_remote=spark_remote,
+            source=crashing,
+        )
+        with pytest.raises(_Crash), running(loop):
+            wait_for(lambda: store.source_state(name) is not None, what="the batch stored")
+        assert [r[0] for r in store.source_state(name)[1]["read"]] == [2, 3, 4, 5, 6]
+        assert sql1(db, f"SELECT count(*) FROM {t}") == 5  # nothing deleted
+        b.commit()
+    finally:
+        b.close()
+    db.cursor().execute(f"UPDATE {t} SET body = 'changed' WHERE id = 3")
+    db.cursor().execute(f"INSERT INTO {t} (body) VALUES ('new')")
+    loop = build_loop(spec, store=store, generation=gen, bootstrap=tansu, spark_remote=spark_remote)
+    with running(loop):
+        wait_for(lambda: sql1(db, f"SELECT count(*) FROM {t}") == 0, what="every row deleted")
+    got = [
+        (v["id"], v["body"]) for v in map(json.loads, (m.value for m in read_topic(tansu, topic)))
+    ]
+    assert got[:5] == [(2, "a"), (3, "a"), (4, "a"), (5, "a"), (6, "a")]
+    assert sorted(got[5:]) == [(1, "late"), (3, "changed"), (7, "new")]
 
 
 def test_processed_column_marks_only_the_rows_read(pg_url, pg_schema, db):
