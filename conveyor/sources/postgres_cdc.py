@@ -842,6 +842,13 @@ class PostgresCDCSource(Source):
             before, _ = dec.row(rel, msg.old)
             if msg.old_is_key:  # the other columns are NULL placeholders, not values
                 before = {k: before.get(k) for k in rel.key_columns}
+            elif unchanged and after is not None:  # FULL: the before image has them
+                after = {
+                    c.name: after[c.name] if c.name in after else before.get(c.name)
+                    for c in rel.columns
+                    if c.name in after or c.name in before
+                }
+                unchanged = tuple(c for c in unchanged if c not in before)
         op = "c" if isinstance(msg, pg.Insert) else "u" if isinstance(msg, pg.Update) else "d"
         key = self._key(rel, after if after is not None else before, before)
         if op == "u" and before is not None:

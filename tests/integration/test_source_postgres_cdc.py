@@ -206,6 +206,29 @@ def test_debezium_envelope_tombstones_key_change_and_truncate(cdc_url):
     assert isinstance(source["lsn"], int) and isinstance(c["ts_ms"], int)
 
 
+def test_unchanged_toast_absent_by_default_and_filled_with_replica_identity_full(cdc_url):
+    tag = uuid.uuid4().hex[:6]
+    plain, full = f"toast_{tag}", f"toastfull_{tag}"
+    for t in (plain, full):
+        execute(cdc_url, f"CREATE TABLE {t} (id int PRIMARY KEY, body text, note text)")
+    execute(cdc_url, f"ALTER TABLE {full} REPLICA IDENTITY FULL")
+    src = source_for(cdc_url, f"toast_{tag}", tables=[f"public.{plain}", f"public.{full}"])
+    try:
+        src.init(None)
+        for t in (plain, full):
+            execute(cdc_url, f"INSERT INTO {t} VALUES (1, {BIG}, 'a')")
+            execute(cdc_url, f"UPDATE {t} SET note = 'b'")
+        got, _, _ = drain(src, None, until=lambda g: len(g) >= 4)
+    finally:
+        src.close()
+    ins, upd, ins_full, upd_full = values(got)
+    body = ins["data"]["body"]
+    assert len(body) == 4096 * 32 and upd["unchanged"] == ["body"] and "body" not in upd["data"]
+    assert "old" not in upd  # the default identity: no before image
+    assert upd_full["data"] == {"id": 1, "body": ins_full["data"]["body"], "note": "b"}
+    assert "unchanged" not in upd_full and upd_full["old"]["note"] == "a"
+
+
 def test_batches_bounded_inside_a_50000_row_transaction(cdc_url):
     tag = uuid.uuid4().hex[:6]
     table = f"big_{tag}"
