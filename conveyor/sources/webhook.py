@@ -246,7 +246,16 @@ class WebhookSource(Source):
             finally:
                 self._active -= 1
 
-        return Starlette(routes=[Route(c.path, receive, methods=["POST"])])
+        async def elsewhere(_request: Request, exc: Exception) -> Response:
+            # Another path or method: answered without reading the body, the connection closed
+            # (else the server would go on reading, and discarding, whatever body follows).
+            code = getattr(exc, "status_code", 404)
+            return _answer(code, "not found" if code == 404 else "POST only", close=True)
+
+        return Starlette(
+            routes=[Route(c.path, receive, methods=["POST"])],
+            exception_handlers={404: elsewhere, 405: elsewhere},
+        )
 
     async def _handle(self, request: Any, check: Any, signed: bool) -> Any:
         """Refuse early what can be refused from the head; read the body bounded; enqueue."""

@@ -56,7 +56,7 @@ def serving(**fields: Any) -> Iterator[tuple[WebhookSource, str, list[dict[str, 
     if store:
         worker.start()
     try:
-        yield source, f"http://127.0.0.1:{port}/", stored
+        yield source, f"http://127.0.0.1:{port}{source.config.path}", stored
     finally:
         stop.set()
         if store:
@@ -377,3 +377,19 @@ def test_the_token_by_reference_is_resolved_in_the_run_and_never_shown(monkeypat
         assert r.status_code == 503  # authenticated; nobody stores it here
     finally:
         source.close()
+
+
+def test_other_paths_and_methods_are_answered_without_reading_the_body_and_closed():
+    with serving(auth="none", path="/hook") as (_src, url, stored):
+        port = _port(url)
+        for head in (
+            b"POST /other HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+            b"PUT /hook HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+        ):
+            s = _raw(port, head)  # the announced body never comes: the answer must not wait
+            try:
+                status, data, closed = _read_response(s)
+            finally:
+                s.close()
+            assert status in (404, 405) and closed, data[:200]
+        assert stored == []
