@@ -135,6 +135,12 @@ class PostgresPollingConfig(SourceConfig):
             field="delay_ms",
         )
         rule(
+            not (self.delay_ms and (self.delete_after_read or self.processed_column)),
+            "delay_ms is not needed with delete_after_read or processed_column (every row left "
+            "is read, however late it commits)",
+            field="delay_ms",
+        )
+        rule(
             self.destination is None or self.destination_column is None,
             "give destination or destination_column, not both",
             field="destination",
@@ -192,6 +198,8 @@ class PostgresPollingSource(Source):
         super().__init__(config)
         self._conn: Any = None
         self._key: list[str] = []
+        self._held_since: float | None = None
+        self._warned_at = 0.0
 
     @property
     def destructive(self) -> bool:
@@ -458,12 +466,8 @@ class PostgresPollingSource(Source):
             if held is not None:
                 # Written by a transaction not older than the snapshot's xmin: one still running
                 # may commit a lower position. Read up to it, and it next time.
-                log.debug(
-                    "%s: %d rows held back by the visibility horizon",
-                    self.describe(),
-                    len(rows) - held,
-                )
                 rows = rows[:held]
+            self._note_held(held == 0)
             if rows:
                 break
             left = deadline - time.monotonic()
@@ -471,6 +475,25 @@ class PostgresPollingSource(Source):
                 return None
             time.sleep(min(left, self.config.poll_interval_ms / 1000))
         return self._polled(rows)
+
+    def _note_held(self, held: bool) -> None:
+        """Warn (once a minute) while the horizon holds every new row back: a transaction that
+        wrote and stays open (idle in transaction, a prepared transaction) delays the source."""
+        now = time.monotonic()
+        if not held:
+            self._held_since = None
+            return
+        if self._held_since is None:
+            self._held_since = self._warned_at = now
+        elif now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning(
+                "%s: new rows held back for %.0f s by a transaction still open since before they "
+                "were written (pg_stat_activity.backend_xid, pg_prepared_xacts); not lost: they "
+                "are read once it ends",
+                self.describe(),
+                now - self._held_since,
+            )
 
     def _polled(self, rows: list[Any]) -> Polled:
         c = self.config

@@ -340,6 +340,16 @@ def test_a_key_is_required_where_order_or_commits_need_one(pg_url, pg_schema, db
     ("extra", "message"),
     [
         ({"delay_ms": 100}, r"source\.delay_ms: delay_ms applies to timestamp_column only"),
+        (
+            {
+                "timestamp_column": "at",
+                "incrementing_column": None,
+                "delay_ms": 1,
+                "destructive": True,
+                "delete_after_read": True,
+            },
+            r"source\.delay_ms: delay_ms is not needed",
+        ),
         ({"unique_key": []}, r"source\.unique_key: .*distinct, non-empty"),
         ({"unique_key": ["id", "id"]}, r"source\.unique_key: .*distinct, non-empty"),
         ({"timestamp_column": "at"}, r"source\.incrementing_column: give exactly one"),
