@@ -157,6 +157,33 @@ def _environment() -> list[tuple[str, str, str]]:
             "unset (`conveyor dev`: `$CONVEYOR_HOME/api-token`)",
         ),
         (
+            "CONVEYOR_API_READONLY_TOKEN",
+            "the REST API's read-only token: GET only, for monitoring",
+            "unset",
+        ),
+        (
+            "CONVEYOR_API_READONLY_TOKEN_FILE",
+            "a file holding the read-only token (wins over `CONVEYOR_API_READONLY_TOKEN`)",
+            "unset, else `$CONVEYOR_HOME/api-token-readonly` if it exists",
+        ),
+        (
+            "CONVEYOR_API_ALLOWED_HOSTS",
+            "comma-separated host names the REST API answers to (the `Host` header; `*` any); "
+            "set it to the names clients use when serving on 0.0.0.0",
+            "`localhost`, `127.0.0.1`, `::1` and the `--host` address",
+        ),
+        (
+            "CONVEYOR_API_ALLOWED_ORIGINS",
+            "comma-separated browser origins (`https://ui.example`) allowed to call the REST API "
+            "besides its own",
+            "none",
+        ),
+        (
+            "CONVEYOR_API_MAX_BODY_BYTES",
+            "largest request body the REST API reads (413 above)",
+            "`1048576`",
+        ),
+        (
             "CONVEYOR_SECRET_FILES",
             "comma-separated absolute directories that `${file:...}` references may read "
             "(see 'Secrets by reference')",
