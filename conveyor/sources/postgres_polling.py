@@ -320,6 +320,7 @@ class PostgresPollingSource(Source):
             "CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, n) "
             "LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
             "WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL AND i.indimmediate "
+            "AND k.n <= i.indnkeyatts "  # not the INCLUDE columns"
             "GROUP BY i.indexrelid, i.indisprimary",
             (oid,),
         )

@@ -328,6 +328,16 @@ def test_a_key_is_required_where_order_or_commits_need_one(pg_url, pg_schema, db
     with pytest.raises(ConfigError, match=r"source\.unique_key: no unique index"):
         source(pg_url, t, unique_key=["m"], **ts).init(None)
     source(pg_url, t, unique_key=["u"], **ts).init(None)
+    # A primary key's INCLUDE columns are not part of the key.
+    db.cursor().execute(f"CREATE TABLE {t}2 (a int, b int, PRIMARY KEY (a) INCLUDE (b))")
+    src = source(pg_url, f"{t}2", incrementing_column="a", delete_after_read=True, destructive=True)
+    src.init(None)
+    db.cursor().execute(f"INSERT INTO {t}2 VALUES (1, NULL)")
+    polled = src.poll(None, 10, 0.1)
+    assert polled is not None and [r[:-1] for r in polled.state["read"]] == [[1]]
+    src.commit(polled.state)
+    assert sql1(db, f"SELECT count(*) FROM {t}2") == 0
+    src.close()
     source(pg_url, t, incrementing_column="n").init(None)  # incrementing: a key is optional
     db.cursor().execute(f"CREATE VIEW {pg_schema}.v AS SELECT * FROM {pg_schema}.q")
     with pytest.raises(ConfigError, match=r"source\.table: .* not a table"):
