@@ -1,16 +1,20 @@
-"""Run-status sensor: a connector run that failed puts its connector in Error.
+"""Run-status sensor: a connector run that failed under a live connector, recorded.
 
-The op records its own errors; this catches what the op could not record (the
-process died, the run failed before the op started). Only the connector's
-current run counts: a refused duplicate launch never marks the connector.
+The op records its own errors and releases its connector as Error before its run
+ends. A run that failed while its connector still says Running, Degraded or Paused
+had its process die under it (``kill -9``, the OOM killer): what Dagster says of it
+(the exit code) goes to the connector's history here. The decision is the
+scheduler's alone (``core.scheduler``: relaunched at once, or Error when the
+restarts keep failing); marking the connector Error here would send a crash down
+the restart backoff meant for failing connectors. Only the connector's current run
+counts: a refused duplicate launch is not recorded.
 """
 
 from __future__ import annotations
 
 from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_sensor
 
-from conveyor.core.model import ConnectorStatus
-from conveyor.core.state import StateChange
+from conveyor.core.scheduler import LIVE
 from conveyor.jobs.runs import TAG_CONNECTOR
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import UnknownConnectorError
@@ -18,7 +22,8 @@ from conveyor.store.meta import UnknownConnectorError
 
 @run_failure_sensor(
     name="conveyor_run_failures",
-    description="Marks a connector Error when its current run fails.",
+    description="Records in a connector's history why its current run failed when the "
+    "connector did not say so itself (its process died); the scheduler relaunches it.",
     default_status=DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=5,
     monitor_all_code_locations=False,
@@ -33,8 +38,8 @@ def conveyor_run_failures(context: RunFailureSensorContext, conveyor: ConveyorRe
         row = store.get(name)
     except UnknownConnectorError:
         return
-    if row.run_id != run.run_id or row.status in (ConnectorStatus.ERROR, ConnectorStatus.STOPPED):
-        return
+    if row.run_id != run.run_id or row.status not in LIVE:
+        return  # not its current run, or the run released the connector itself
     message = context.failure_event.message or "run failed"
-    store.apply(name, row.generation, StateChange.mark_error(message), f"run {run.run_id} failed")
-    context.log.info(f"connector {name}: run {run.run_id} failed -> Error: {message}")
+    store.record(name, f"run {run.run_id} failed: {message}", run_id=run.run_id)
+    context.log.info(f"connector {name}: run {run.run_id} failed ({message}); its process died")

@@ -217,6 +217,35 @@ def test_a_run_that_released_its_connector_as_error_is_not_taken_for_a_crash(env
     )
 
 
+def test_the_run_failure_sensor_records_a_crash_and_leaves_the_decision_to_the_scheduler(env):
+    # Marking the connector Error there would send the crash down the restart backoff
+    # meant for failing connectors (seen: kill -9 -> Error -> "restart after 10s backoff").
+    from dagster import DagsterEventType, build_run_status_sensor_context
+
+    from conveyor.sensors.run_status import conveyor_run_failures
+
+    instance, store, url = env
+    tick(instance, url)
+    run, gen = _claimed_run(instance, store, "alpha", DagsterRunStatus.STARTED)
+    instance.report_run_failed(instance.get_run_by_id(run.run_id), message="exit code -9")
+    (record,) = instance.get_records_for_run(
+        run.run_id, of_type=DagsterEventType.RUN_FAILURE
+    ).records
+    ctx = build_run_status_sensor_context(
+        sensor_name="conveyor_run_failures",
+        dagster_event=record.event_log_entry.dagster_event,
+        dagster_instance=instance,
+        dagster_run=instance.get_run_by_id(run.run_id),
+    ).for_run_failure()
+    conveyor_run_failures(ctx, conveyor=ConveyorResource(meta_url=url))
+    row = store.get("alpha")
+    assert (row.status, row.generation) == (ConnectorStatus.RUNNING, gen)
+    assert any("exit code -9" in h.reason for h in store.history("alpha"))
+    tick(instance, url)  # the scheduler: relaunched at once, not Error
+    row = store.get("alpha")
+    assert row.status == ConnectorStatus.IDLE and row.broker_id and row.restarts == 1
+
+
 def core_brokers(store: MetaStore):
     from conveyor.sensors.scheduler import broker_views
 
