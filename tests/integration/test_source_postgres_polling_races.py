@@ -10,6 +10,7 @@ import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import Any
 
 import psycopg2
@@ -344,6 +345,38 @@ def test_a_key_is_required_where_order_or_commits_need_one(pg_url, pg_schema, db
         source(pg_url, f"{pg_schema}.v").init(None)
     with pytest.raises(ConfigError, match=r"source\.processed_column: .* not boolean"):
         source(pg_url, f"{pg_schema}.q", processed_column="body", destructive=True).init(None)
+
+
+def test_a_composite_key_of_exact_values_orders_resumes_and_commits(pg_url, pg_schema, db):
+    """Key (tenant text, n numeric(30,2)) under one timestamp: read two at a time in
+    (timestamp, tenant, n) order, resumed after the stored key (kept exact: no float), and
+    marked by it."""
+    t = f"{pg_schema}.ck"
+    db.cursor().execute(
+        f"CREATE TABLE {t} (tenant text, n numeric(30, 2), at timestamp NOT NULL, "
+        "done boolean NOT NULL DEFAULT false, PRIMARY KEY (tenant, n))"
+    )
+    big = "1234567890123456789012345.67"
+    rows = [("b", "1.10"), ("a", big), ("a", "1.10"), ("b", "0.01"), ("a", "2.00")]
+    with db.cursor() as cur:
+        for tenant, n in rows:
+            cur.execute(
+                f"INSERT INTO {t} (tenant, n, at) VALUES (%s, %s, '2026-01-01')", (tenant, n)
+            )
+    want = [("a", "1.10"), ("a", "2.00"), ("a", big), ("b", "0.01"), ("b", "1.10")]
+    for extra in ({}, {"processed_column": "done", "destructive": True}):
+        src = source(pg_url, t, incrementing_column=None, timestamp_column="at", **extra)
+        src.init(None)
+        state, got = None, []
+        while (polled := src.poll(state, 2, 0.1)) is not None:
+            for m in polled.messages:
+                d = json.loads(m.payload or b"", parse_float=Decimal)
+                got.append((d["tenant"], str(d["n"])))
+            state = json.loads(json.dumps(polled.state))
+            src.commit(state)
+        assert got == want
+        src.close()
+    assert sql1(db, f"SELECT count(*) FROM {t} WHERE done") == 5
 
 
 @pytest.mark.parametrize(
