@@ -52,6 +52,38 @@ _REFUSED_FOR_GOOD = (
 _NEVER_EXPIRES = 0xFFFFFFFF
 
 
+MQTT_NOTES = """
+Over TLS with a client certificate (mutual TLS) and a password:
+
+```yaml
+source:
+  type: mqtt
+  host: broker.example.com
+  port: 8883
+  topics: ["plant/+/temperature"]
+  client_id: conveyor-plant
+  tls: true
+  tls_ca_file: /etc/conveyor/mqtt-ca.pem
+  tls_cert_file: /etc/conveyor/mqtt-client.pem
+  tls_key_file: /etc/conveyor/mqtt-client.key
+  username: conveyor
+  password: ${file:/run/secrets/mqtt}
+```
+
+Guarantees, as tested (tests/integration/test_mqtt_tls_and_outages.py, test_source_webhook_mqtt.py):
+QoS 1 messages are acknowledged only after their batch is stored, so a crash or a closed session
+gets them again (at least once); a broker certificate from another CA, or one that does not name
+the host (unless `tls_insecure_skip_hostname_check`), and refused credentials stop the connector
+(Error); a broker stopped mid-stream makes `poll` fail after `disconnect_grace_s` (the connector
+shows Degraded and retries) and, once it is back, every QoS 1 message arrives, duplicated at most
+for the batch that was in flight; at most `max_pending` messages wait in memory (the broker sends
+no more unacknowledged QoS 1 messages), a QoS 0 message arriving at a full queue is dropped and
+counted (logged once a minute), a QoS 1 one is delivered again after the queue drains. Two
+connectors with one `client_id` on one broker are refused. A payload that is not strict JSON
+(NaN included) is passed on as text.
+"""
+
+
 class MQTTConfig(SourceConfig):
     """Subscribes to MQTT topic filters (MQTT 5, QoS 1, a persistent session). At least once:
     a message is acknowledged (PUBACK) only after its batch is stored; QoS 2 publishes arrive
@@ -59,6 +91,8 @@ class MQTTConfig(SourceConfig):
     and counted (QoS 1 ones are then left unacknowledged and delivered again once the queue
     drains). A connection down longer than `disconnect_grace_s` makes the connector Degraded
     until it is back (reconnected with backoff)."""
+
+    doc_notes: ClassVar[str] = MQTT_NOTES
 
     type: Literal["mqtt"] = "mqtt"
     host: str = Field(default="127.0.0.1", description="MQTT broker host.")

@@ -36,6 +36,28 @@ from conveyor.sources import strict_json
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 from conveyor.sources.webhook_auth import AuthMode, needs_body, verifier
 
+WEBHOOK_NOTES = """
+A GitHub webhook and a Stripe endpoint (the secret as a reference):
+
+```yaml
+source: {type: webhook, port: 8088, path: /github, auth: github, secret: ${env:CONVEYOR_GH_SECRET}}
+source: {type: webhook, port: 8089, path: /stripe, auth: stripe, secret: ${file:/run/secrets/whsec}}
+```
+
+Guarantees, as tested (tests/integration/test_webhook_open_internet.py,
+tests/unit/test_webhook_auth.py): a spec without `auth` (and without `token`) is refused naming
+`source.auth`; tokens and signatures are compared with `hmac.compare_digest`; a wrong or missing
+token, a wrong, missing or malformed signature, and a Stripe `t` more than
+`signature_tolerance_s` from now get 401; a body larger than `max_body_bytes` gets 413 before it
+is read when its Content-Length says so, and otherwise as soon as the limit is passed while it
+streams (chunked): the server stops reading, so the sender cannot push much more than the limit;
+a request head not complete within `header_timeout_s`, or a body within `body_timeout_s`
+(slowloris), gets 408 and the connection is closed; requests over `max_concurrent_requests` get
+503 at once; `NaN`, `Infinity`, numbers beyond a double, nesting too deep for the parser and
+bodies not in UTF-8 get 400 with a short reason. Messages are passed on as the JSON received
+(re-serialized compactly).
+"""
+
 
 class WebhookConfig(SourceConfig):
     """An HTTP endpoint that accepts JSON posts (an object, or an array of objects). Answers:
@@ -46,6 +68,8 @@ class WebhookConfig(SourceConfig):
     `max_concurrent_requests` or when the batch is not stored within `ack_timeout_s` (the
     sender retries: at least once). An answer sent before the body was read to its end closes
     the connection."""
+
+    doc_notes: ClassVar[str] = WEBHOOK_NOTES
 
     type: Literal["webhook"] = "webhook"
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
