@@ -113,7 +113,7 @@ class MongoDBSinkConfig(UrlSinkConfig):
     type: Literal["mongodb"] = "mongodb"
     url: SecretStr | None = Field(
         default=None,
-        description="Connection string, e.g. mongodb://user:${env:CONVEYOR_MONGO_PW}@127.0.0.1:27017/?authSource=admin (secret; a password in it must be a reference).",
+        description="Connection string, e.g. mongodb://user:${file:/run/secrets/mongo}@127.0.0.1:27017/?authSource=admin (secret; a password in it must be a reference).",
     )
     database: str = Field(description="Database name.")
     collection: str = Field(description="Collection name.")

@@ -89,7 +89,7 @@ class MySQLSinkConfig(UrlSinkConfig):
     type: Literal["mysql"] = "mysql"
     url: SecretStr | None = Field(
         default=None,
-        description="mysql://user:${env:CONVEYOR_MYSQL_PW}@host:3306/db (secret; a password in it must be a reference; the user percent-encoded). One of url, url_env or host.",
+        description="mysql://user:${file:/run/secrets/mysql}@host:3306/db (secret; a password in it must be a reference; the user percent-encoded). One of url, url_env or host.",
     )
     host: str | None = Field(
         default=None,

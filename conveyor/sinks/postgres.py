@@ -65,7 +65,7 @@ class PostgresSinkConfig(UrlSinkConfig):
     type: Literal["postgres"] = "postgres"
     url: SecretStr | None = Field(
         default=None,
-        description="libpq URL, e.g. postgresql://user:${env:CONVEYOR_PG_PW}@127.0.0.1:5432/db (secret; a password in it must be a reference).",
+        description="libpq URL, e.g. postgresql://user:${file:/run/secrets/pg}@127.0.0.1:5432/db (secret; a password in it must be a reference).",
     )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")

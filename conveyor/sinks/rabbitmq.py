@@ -58,7 +58,7 @@ class RabbitMQSinkConfig(SinkConfig):
     type: Literal["rabbitmq"] = "rabbitmq"
     url: SecretStr | None = Field(
         default=None,
-        description="AMQP URL, e.g. amqp://user:${env:CONVEYOR_AMQP_PW}@127.0.0.1:5672/%2F (secret; a password in it must be a reference). Instead of host/port/vhost/username/password.",
+        description="AMQP URL, e.g. amqp://user:${file:/run/secrets/amqp}@127.0.0.1:5672/%2F (secret; a password in it must be a reference). Instead of host/port/vhost/username/password.",
     )
     host: str | None = Field(default=None, description="Broker host (when no url is given).")
     port: int | None = Field(
