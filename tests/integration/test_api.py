@@ -326,45 +326,63 @@ def claimed(api: Api, name: str, offsets: dict[TopicPartition, int]) -> int:
     return claim.generation
 
 
-def test_get_then_put_back_keeps_a_literal_secret_and_never_stores_the_mask(api: Api) -> None:
-    name = "roundtrip"
-    cfg = {
-        "source": {"topics": ["orders"]},
-        "sink": {
-            "type": "redis",
-            "password": SECRET,  # a literal secret field: masked when shown
-            "commands": ["SET o:${payload.id} ${payload.status}"],
+ROUND_TRIPS = {
+    "redis_sink": (
+        {
+            "source": {"topics": ["orders"]},
+            "sink": {
+                "type": "redis",
+                "password": SECRET,  # a literal secret field: masked when shown
+                "commands": ["SET o:${payload.id} ${payload.status}"],
+            },
         },
-    }
+        "sink",
+        "password",
+        "username",
+    ),
+    "webhook_source": (  # the case: a webhook's token written back as the mask
+        {"kind": "source", "source": {"type": "webhook", "auth": "token", "token": SECRET}},
+        "source",
+        "token",
+        "secret",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUND_TRIPS))
+def test_get_then_put_back_keeps_a_literal_secret_and_never_stores_the_mask(
+    api: Api, case: str
+) -> None:
+    cfg, section, field, unset = ROUND_TRIPS[case]
+    name = f"roundtrip_{case}"
     r = api.call("POST", "/connectors", json={"name": name, "config": cfg})
     assert r.status_code == 201, r.text
     path = api.connectors / f"{name}.yaml"
     try:
         shown = api.call("GET", f"/connectors/{name}/config").json()
-        assert shown["sink"]["password"] == "**********" and SECRET not in json_text(shown)
+        assert shown[section][field] == "**********" and SECRET not in json_text(shown)
         shown["batch"] = {"max_records": 50}  # the usual edit
         r = api.call("PUT", f"/connectors/{name}/config", json=shown)
         assert r.status_code == 200, r.text
         on_disk = yaml.safe_load(path.read_text())
-        assert on_disk["sink"]["password"] == SECRET and on_disk["batch"] == {"max_records": 50}
+        assert on_disk[section][field] == SECRET and on_disk["batch"] == {"max_records": 50}
         assert "**********" not in path.read_text()
         assert SECRET not in (api.store.get(name).spec_json or "")
         # A mask where nothing is stored: refused, naming the field; nothing written.
-        shown["sink"]["username"] = "**********"
+        if unset == "username":
+            shown[section][unset] = "**********"
+        else:
+            shown[section] = {**shown[section], "auth": "hmac_sha256", unset: "**********"}
+            shown[section].pop(field)
         r = api.call("PUT", f"/connectors/{name}/config", json=shown)
-        assert r.status_code == 400 and "sink.username" in r.json()["message"]
+        assert r.status_code == 400 and f"{section}.{unset}" in r.json()["message"], r.text
         assert "mask" in r.json()["message"]
-        r = api.call(
-            "POST",
-            "/connectors",
-            json={
-                "name": "masked_new",
-                "config": {**cfg, "sink": {**cfg["sink"], "password": "**********"}},
-            },
-        )
-        assert r.status_code == 400 and "sink.password: holds the mask" in r.json()["message"]
-        assert yaml.safe_load(path.read_text())["sink"]["password"] == SECRET
-        assert not (api.connectors / "masked_new.yaml").exists()
+        masked = {**cfg, section: {**cfg[section], field: "**********"}}
+        r = api.call("POST", "/connectors", json={"name": f"{name}_new", "config": masked})
+        assert r.status_code == 400, r.text
+        assert f"{section}.{field}: holds the mask" in r.json()["message"]
+        assert yaml.safe_load(path.read_text())[section][field] == SECRET
+        assert not (api.connectors / f"{name}_new.yaml").exists()
     finally:
         api.call("DELETE", f"/connectors/{name}")
 
