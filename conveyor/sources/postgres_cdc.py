@@ -74,17 +74,20 @@ with REPLICA IDENTITY FULL, the whole row before), `old` the row before when the
 it. `format: debezium`: `{before, after, op: r/c/u/d/t, source: {version, connector:
 "postgresql", name, ts_ms, snapshot, db, schema, table, txId, lsn}, ts_ms}`, no schema wrapper;
 a delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` and
-`transform.null_values: pass`. A truncate is one message per table, without a key. A TOASTed
-value an update did not touch is not in the WAL: it is absent from `data`/`after` and named in
-`unchanged` (`source.unchanged_toast`), never replaced by a placeholder; a downstream upsert
-must keep the stored value for those columns.
+`transform.null_values: pass`. An update that changes the key is, as in Debezium, a delete under
+the old key (and its tombstone) and a create under the new one. A truncate is one message per
+table, without a key. A TOASTed value an update did not touch is not in the WAL: with the default
+identity it is absent from `data`/`after` and named in `unchanged` (`source.unchanged_toast`),
+never replaced by a placeholder (a downstream upsert must keep the stored value for those
+columns); with REPLICA IDENTITY FULL it is taken from the before image, so the row is complete.
 
 **Keys and REPLICA IDENTITY.** The key is `key_columns` for the table, else its primary key,
 else (REPLICA IDENTITY FULL) every column; a table with none of them is refused at start
 (`has no primary key and replica identity default`). With the default identity an update
 carries no before image and a delete only the key; `REPLICA IDENTITY FULL` is needed for the
-before image (`old`, `before`) of updates and deletes, and for `key_columns` that are not the
-primary key (a delete must carry them).
+before image (`old`, `before`) of updates and deletes, for complete rows after an update that
+left a TOASTed value untouched, and for `key_columns` that are not the primary key (a delete must
+carry them).
 
 **Slot and publication.** One slot per connector; two specs naming one slot are refused when
 the connectors are loaded. The managed publication (named like the slot) is `FOR TABLE` the
@@ -96,8 +99,9 @@ gone refuses to start unless `snapshot: when_needed` (then: snapshot again).
 **Positions and guarantees (tests/integration/test_source_postgres_cdc.py).** A change's
 position is (its transaction's final LSN, its index in the transaction), known at Begin: a batch
 ends inside a transaction when `max_records` is reached, so a batch never holds more than
-`max_records` messages (a delete and its tombstone count two) however large the transaction
-(tested: 50,000 rows in one transaction, `max_records` 1000). `poll` confirms nothing; polled
+`max_records` messages however large the transaction (tested: 50,000 rows in one transaction,
+`max_records` 1000); one change's messages (a delete and its tombstone, a key change) are never
+split: the change that does not fit opens the next batch. `poll` confirms nothing; polled
 again from an older state the stream is restarted from the slot and the same changes come back.
 `commit` confirms (standby status feedback) the end of the last transaction the stored state
 covers completely; a state inside a transaction confirms nothing. While nothing of ours is
@@ -116,8 +120,11 @@ consistent point: no gap, no overlap. A snapshot interrupted by a crash resumes 
 key stored, in a newer snapshot (the exported one died with the process), and the stream then
 replays every change since the slot's creation: the result converges, with duplicates.
 The snapshot needs the key columns to be ordered types. `never`: stream only.
-`when_needed`: as `initial`, and a snapshot again when the slot is gone. Not done: an ad-hoc
-re-snapshot of one table on request; lag and retained WAL as metrics.
+`when_needed`: as `initial`, and a snapshot again when the slot is gone. On request: a new
+`resnapshot: {schema.table: id}` entry reads that table again (op `r`, in a snapshot taken then,
+resumable like the first) before the stream goes on from where it was (the changes in between
+come again: converging, with duplicates); the state remembers each id. Not done: replication lag
+and retained WAL as metrics.
 """
 
 
@@ -185,6 +192,12 @@ class PostgresCDCConfig(SourceConfig):
         description="While nothing of ours is pending, the state (and the slot) follows the "
         "server's WAL end at most this often.",
     )
+    resnapshot: dict[str, str] = Field(
+        default_factory=dict,
+        description="'schema.table' -> a request id: read that table again (op r, in a snapshot "
+        "taken then) before the stream goes on from where it was; each id once (the state "
+        "remembers it). Change the id to read the table again.",
+    )
     server_name: str | None = Field(
         default=None,
         description="format debezium: source.name; default the connector's name (or the slot).",
@@ -229,12 +242,24 @@ class PostgresCDCConfig(SourceConfig):
             out[name] = list(cols)
         return out
 
+    @field_validator("resnapshot")
+    @classmethod
+    def _resnapshot_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        out = {t if "." in t else f"public.{t}": i for t, i in v.items()}
+        for table, rid in out.items():
+            if not _TABLE_RE.match(table):
+                raise ValueError(f"{table!r} is not a plain 'schema.table' name")
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", rid):
+                raise ValueError(f"{table}: a request id is 1-64 of A-Z a-z 0-9 _ . : -")
+        return out
+
     @model_validator(mode="after")
     def _keys_of_tables(self) -> PostgresCDCConfig:
         if self.tables:
-            extra = sorted(set(self.key_columns) - set(self.tables))
-            if extra:
-                raise ValueError(f"key_columns: {extra} not among the tables")
+            for name, given in (("key_columns", self.key_columns), ("resnapshot", self.resnapshot)):
+                extra = sorted(set(given) - set(self.tables))
+                if extra:
+                    raise ValueError(f"{name}: {extra} not among the tables")
         return self
 
     def for_connector(self, name: str) -> PostgresCDCConfig:
@@ -302,25 +327,34 @@ class _Position:
     safe: int | None = None
     snapshot: dict[str, Any] | None = None
 
-    def state(self) -> State:
-        return {
+    def state(self, done: tuple[str, ...] = ()) -> State:
+        """As stored; ``done``: the re-snapshot requests ('table=id') already taken on."""
+        out = {
             "lsn": format_lsn(self.lsn),
             "index": self.index,
             "safe_lsn": None if self.safe is None else format_lsn(self.safe),
             "snapshot": self.snapshot,
         }
+        return {**out, "resnapshots": list(done)} if done else out
 
     @classmethod
     def of(cls, state: State) -> _Position:
         try:
             safe = state.get("safe_lsn")
+            snap = state.get("snapshot")
+            if snap is not None:
+                tables, after = snap["tables"], snap.get("after")
+                if not all(isinstance(t, str) and _TABLE_RE.match(t) for t in tables) or not (
+                    after is None or all(isinstance(v, str) for v in after)
+                ):
+                    raise ValueError("snapshot: tables or after malformed")
             return cls(
                 parse_lsn(str(state["lsn"])),
                 int(state["index"]),
                 parse_lsn(str(safe)) if safe else None,
-                state.get("snapshot"),
+                snap,
             )
-        except (KeyError, ValueError, TypeError) as e:
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise PermanentSourceError(f"unreadable stored CDC state {state!r}: {e}") from None
 
 
@@ -370,6 +404,7 @@ class PostgresCDCSource(Source):
         self._dbname: str | None = None
         self._owed = False  # a transaction a returned state ends inside has committed
         self._carry: tuple[list[SourceMessage], _Position] | None = None
+        self._done: tuple[str, ...] = ()  # re-snapshot requests taken on (in the state)
 
     @property
     def column_routing(self) -> bool:
@@ -472,7 +507,8 @@ class PostgresCDCSource(Source):
         point = self._create_slot(export=want) if created else 0
         tables = self._snapshot_tables() if want else []
         snap = {"tables": tables, "after": None} if tables else None
-        return _Position(point, -1, None, snap).state()
+        # The initial snapshot reads every table: the re-snapshots asked so far are done.
+        return _Position(point, -1, None, snap).state(tuple(self._requests()))
 
     def _create_slot(self, *, export: bool) -> int:
         """CREATE_REPLICATION_SLOT; with export, the snapshot is imported before returning."""
@@ -605,11 +641,20 @@ class PostgresCDCSource(Source):
         if state is None:
             raise PermanentSourceError("poll before init")
         pos = _Position.of(state)
+        self._done = tuple(str(d) for d in state.get("resnapshots") or ())
+        todo = [r for r in self._requests() if r not in self._done]
+        if todo and not pos.snapshot:  # a re-snapshot on request, then the stream goes on
+            pos.snapshot = {"tables": [r.rpartition("=")[0] for r in todo], "after": None}
+            self._done += tuple(todo)
+            self._close_snapshot()  # read in a snapshot of now
         if pos.snapshot:
             return self._poll_snapshot(pos, max_records)
         if self._cur is None or state != self._expected:
             self._restart(pos)
         return self._poll_stream(pos, max_records, max_wait_s)
+
+    def _requests(self) -> list[str]:
+        return [f"{t}={i}" for t, i in sorted(self.config.resnapshot.items())]
 
     def origin(self) -> str:
         return self.config.slot or "cdc"
@@ -635,7 +680,7 @@ class PostgresCDCSource(Source):
             snap: dict[str, Any] | None = {"tables": tables, "after": after}
         else:
             snap = None  # its transaction stays open until the stream starts (a failed batch)
-        out = _Position(pos.lsn, -1, None, snap).state()
+        out = _Position(pos.lsn, pos.index, pos.safe, snap).state(self._done)
         self._expected = None
         return Polled(messages, out, origin=self.origin())
 
@@ -721,7 +766,7 @@ class PostgresCDCSource(Source):
         self._txn = None
         self._pos = _Position(pos.lsn, pos.index, pos.safe, None)
         self._skip = (pos.lsn, pos.index)
-        self._expected, self._owed, self._carry = pos.state(), False, None
+        self._expected, self._owed, self._carry = pos.state(self._done), False, None
 
     def _poll_stream(self, pos: _Position, max_records: int, max_wait_s: float) -> Polled | None:
         deadline = time.monotonic() + max_wait_s
@@ -750,7 +795,7 @@ class PostgresCDCSource(Source):
                 break
             with contextlib.suppress(InterruptedError, ValueError):
                 select.select([self._cur], [], [], min(left, 1.0))
-        state = self._pos.state()
+        state = self._pos.state(self._done)
         if not messages and (state == self._expected or not (self._owed or self._heartbeat_due())):
             return None
         self._expected, self._owed = state, False
@@ -969,6 +1014,7 @@ class PostgresCDCSource(Source):
         self._close_snapshot()
         from psycopg2 import sql
 
+        self._wait_inactive()
         self._run(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
             "WHERE slot_name = %s",
@@ -980,6 +1026,19 @@ class PostgresCDCSource(Source):
                     sql.Identifier(self.config.publication_name)
                 )
             )
+
+    def _wait_inactive(self, timeout_s: float = 30.0) -> None:
+        """Until no walsender holds the slot (a stream just closed takes a moment to end)."""
+        deadline = time.monotonic() + timeout_s
+        while self._run(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+            (self.config.slot_name,),
+        ):
+            if time.monotonic() > deadline:
+                raise TransientSourceError(
+                    f"replication slot {self.config.slot_name} is in use by another process"
+                )
+            time.sleep(0.1)
 
     def _close_stream(self) -> None:
         repl, self._repl, self._cur = self._repl, None, None

@@ -46,6 +46,17 @@ def cdc_url():
         yield url
 
 
+@pytest.fixture(autouse=True)
+def _slots_dropped(cdc_url):
+    """The cluster has 8 slots: each test's are dropped after it (once their streams end)."""
+    yield
+    wait_for(
+        lambda: not query(cdc_url, "SELECT 1 FROM pg_replication_slots WHERE active"),
+        what="every stream ended",
+    )
+    execute(cdc_url, "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots")
+
+
 def execute(url, *sql):
     with psycopg2.connect(url) as c, c.cursor() as cur:
         for q in sql:
@@ -227,6 +238,47 @@ def test_unchanged_toast_absent_by_default_and_filled_with_replica_identity_full
     assert "old" not in upd  # the default identity: no before image
     assert upd_full["data"] == {"id": 1, "body": ins_full["data"]["body"], "note": "b"}
     assert "unchanged" not in upd_full and upd_full["old"]["note"] == "a"
+
+
+def test_a_table_is_read_again_on_request_then_the_stream_goes_on(cdc_url):
+    tag = uuid.uuid4().hex[:6]
+    table, name = f"again_{tag}", f"again_{tag}"
+    execute(cdc_url, f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+    execute(cdc_url, f"INSERT INTO {table} SELECT g, 0 FROM generate_series(1, 5) g")
+    tables = [f"public.{table}"]
+    src = source_for(cdc_url, name, tables=tables)
+    try:
+        src.init(None)
+        execute(cdc_url, f"UPDATE {table} SET v = 1 WHERE id = 1")
+        got, state, _ = drain(src, None, until=lambda g: len(g) >= 6)
+    finally:
+        src.close()
+    assert [c["op"] for c in values(got)] == ["read"] * 5 + ["update"]
+    execute(cdc_url, f"UPDATE {table} SET v = 2 WHERE id = 2")  # while nobody reads
+    src = source_for(cdc_url, name, tables=tables, resnapshot={table: "r1"})
+    try:
+        src.init(state)
+        got, state, sizes = drain(src, state, max_records=2, until=lambda g: len(g) >= 6)
+    finally:
+        src.close()
+    assert [(c["op"], c["data"]["id"], c["data"]["v"]) for c in values(got)] == [
+        ("read", 1, 1),
+        ("read", 2, 2),
+        ("read", 3, 0),
+        ("read", 4, 0),
+        ("read", 5, 0),
+        ("update", 2, 2),  # the stream goes on from where it was: duplicates, converging
+    ]
+    assert max(sizes) <= 2 and state["resnapshots"] == [f"public.{table}=r1"]
+    execute(cdc_url, f"UPDATE {table} SET v = 3 WHERE id = 3")
+    src = source_for(cdc_url, name, tables=tables, resnapshot={table: "r1"})  # taken on once
+    try:
+        src.init(state)
+        got, _, _ = drain(src, state, until=lambda g: len(g) >= 1)
+        src.release()
+    finally:
+        src.close()
+    assert [(c["op"], c["data"]["id"]) for c in values(got)] == [("update", 3)]
 
 
 def test_batches_bounded_inside_a_50000_row_transaction(cdc_url):
