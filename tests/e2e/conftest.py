@@ -120,6 +120,61 @@ class DagsterHarness:
     def failure_message(self, run_id: str) -> str:
         return self.run_log(run_id, tail=200)
 
+    def end_active_runs(self, timeout: float = 120) -> list[str]:
+        """Terminate every run still active and wait for each to end; returns their ids.
+
+        Run after each test (``pytest_runtest_teardown`` below), also after a failure, so
+        that a run a test left going never works on into the next test (the instance and
+        its meta store are shared by a worker's whole session). A run that does not end
+        within ``timeout`` has its process killed and is reported canceled.
+        """
+        from dagster import DagsterRunStatus, RunsFilter
+
+        active = [
+            DagsterRunStatus.QUEUED,
+            DagsterRunStatus.NOT_STARTED,
+            DagsterRunStatus.STARTING,
+            DagsterRunStatus.STARTED,
+            DagsterRunStatus.CANCELING,
+        ]
+        with self.instance() as inst:
+            ids = [r.run_id for r in inst.get_runs(filters=RunsFilter(statuses=active))]
+        for run_id in ids:
+            with contextlib.suppress(Exception):  # it may have ended meanwhile
+                self.terminate(run_id)
+        deadline = time.monotonic() + timeout
+        left = set(ids)
+        while left and time.monotonic() < deadline:
+            left = {r for r in left if self.run_status(r) not in FINISHED}
+            if left:
+                time.sleep(0.5)
+        if left:
+            pids = {row.run_id: row.run_pid for row in self.store.list() if row.run_pid}
+            with self.instance() as inst:
+                for run_id in left:
+                    if pids.get(run_id):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pids[run_id], signal.SIGKILL)
+                    run = inst.get_run_by_id(run_id)
+                    if run is not None and not run.is_finished:
+                        inst.report_run_canceled(run, message="test teardown: did not end")
+        return ids
+
+
+FINISHED = {"SUCCESS", "FAILURE", "CANCELED"}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Before a test's fixtures are torn down (its schema dropped, its files removed), end
+    the runs it left going on the session's Dagster instance."""
+    for harness in getattr(item, "funcargs", {}).values():
+        if isinstance(harness, DagsterHarness):
+            left = harness.end_active_runs()
+            if left:
+                print(f"\n{item.nodeid}: ended the runs it left active: {left}")
+    return (yield)
+
 
 def processes_of(home: Path) -> list[int]:
     """Pids of the processes started for the test home ``home`` (CONVEYOR_HOME in their environment).

@@ -39,7 +39,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 BROKERS = ["b1", "b2", "b3"]
 HEARTBEAT_TIMEOUT = 10
 BATCH = 200
-TICK = 5
 
 
 class DevHarness:
@@ -125,7 +124,6 @@ def dev(
         "CONVEYOR_BROKERS_FILE": str(home / "brokers.yaml"),
         "CONVEYOR_KAFKA_BOOTSTRAP": tansu,
         "CONVEYOR_SPARK_REMOTE": spark_remote,
-        "CONVEYOR_SCHEDULER_RESTART_BACKOFF_S": "2",
         "DAGSTER_HOME": str(dagster_home),
     }
     yield_env = env
@@ -145,12 +143,13 @@ def dev(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        # Held before the wait: a dagster dev that never comes up is stopped by the teardown.
+        holder["h"] = DevHarness(home, yield_env, port, proc, meta_url)
         wait_for(
             lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 180, "dagster dev"
         )
         if proc.poll() is not None:
             raise RuntimeError((home / "dagster-dev.log").read_text()[-3000:])
-        holder["h"] = DevHarness(home, yield_env, port, proc, meta_url)
         return holder["h"]
 
     class Ctl:
@@ -211,16 +210,29 @@ def running(store: MetaStore, names: list[str]) -> bool:
     )
 
 
+def history(store: MetaStore, name: str) -> str:
+    return " | ".join(f"{x.to_status}: {x.reason}" for x in reversed(store.history(name, 200)))
+
+
 def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_schema):
+    # The steps below act on given connectors' runs (a pid to kill, a run to terminate)
+    # read from the store a moment before. A rebalance in between would replace the run
+    # under the test's hands: after the drain of step 4 and the undrain, b1 is empty and
+    # the next move comes when the 120 s cool-down since the drain has passed, which the
+    # steps outlast on a loaded machine (a flaky failure of this test). Rebalancing has
+    # its own tests (tests/unit/test_scheduler.py); here it is kept out of the way. Every
+    # other scheduler setting is the default.
+    dev.env["CONVEYOR_SCHEDULER_REBALANCE_COOLDOWN_S"] = str(24 * 3600)
     timings: dict[str, float] = {}
     tag = uuid.uuid4().hex[:6]
     names = [f"s{i}_{tag}" for i in range(6)]
     topics = {n: f"t_{n}" for n in names}
     for n in names:
         produce(tansu, topics[n], 1_000, partitions=1)
-        (dev.home["connectors"] / f"{n}.yaml").write_text(
-            yaml.safe_dump(spec(n, topics[n], pg_url, pg_schema, n))
-        )
+        s = spec(n, topics[n], pg_url, pg_schema, n)
+        if n == names[0]:  # the kill -9 victim of step 3: its failover with default settings
+            del s["heartbeat_timeout_s"]
+        (dev.home["connectors"] / f"{n}.yaml").write_text(yaml.safe_dump(s))
     bad = f"bad_{tag}"
     (dev.home["connectors"] / f"{bad}.yaml").write_text(
         yaml.safe_dump(
@@ -264,23 +276,35 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
     assert "no_such_table" in (bad_row.last_error or ""), bad_row
     assert running(store, names)  # the others are unaffected
 
-    # 3. crash recovery: kill -9 one connector's run process while messages flow
+    # 3. crash recovery: kill -9 one connector's run process while messages flow. A
+    # process that died is relaunched at once (no restart backoff: that is for failing
+    # connectors): the history says so; the time is measured, not bounded tightly.
     victim = names[0]
     before = store.get(victim)
+    assert before.run_pid, before
     produce(tansu, topics[victim], 1_000, partitions=1, start=1_000)
     os.kill(before.run_pid, signal.SIGKILL)
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
     produce(tansu, topics[victim], 1_000, partitions=1, start=2_000)
-    wait_for(
+    back = wait_for(
         lambda: (
             (r := store.get(victim)).generation > before.generation
             and r.status == ConnectorStatus.RUNNING
             and r.heartbeat_at
+            and r
         ),
-        HEARTBEAT_TIMEOUT + 2 * TICK + 90,
+        180,
         "victim running again on a new generation",
     )
     timings["failover_after_kill9_s"] = time.monotonic() - killed_at
+    relaunched = [
+        x
+        for x in store.history(victim, 200)
+        if x.at >= killed_wall and "relaunched at once" in x.reason
+    ]
+    assert len(relaunched) == 1, history(store, victim)
+    assert back.restarts == 1 and "backoff" not in history(store, victim), history(store, victim)
+    timings["failover_relaunch_decided_s"] = relaunched[0].at - killed_wall
     produce(tansu, topics[victim], 1_000, partitions=1, start=3_000)
     wait_for(
         lambda: table_counts(pg_url, pg_schema, victim)[1] == 4_000,
@@ -389,6 +413,9 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
     assert (
         row.status == ConnectorStatus.ERROR and row.restarts == 2 and row.generation == bad_gen
     ), row
+
+    # 3 (cont.). the victim was relaunched by the crash rule and never went to Error
+    assert "Error" not in [x.to_status for x in store.history(victim, 200)], history(store, victim)
 
     out = os.environ.get("CONVEYOR_E2E_TIMINGS")
     if out:
