@@ -223,6 +223,41 @@ def keep_stored_secrets(
     return out
 
 
+def scrub(message: str, written: Any, resolved: Any) -> str:
+    """``message`` with every value a reference in ``written`` resolved to (in ``resolved``,
+    the same structure) masked: an error raised while validating resolved values never
+    carries them, whatever a validator wrote."""
+    values: set[str] = set()
+
+    def collect(before: Any, after: Any) -> None:
+        if isinstance(before, str) and isinstance(after, str) and before != after:
+            values.update(_reference_values(before, after))
+        elif isinstance(before, Mapping) and isinstance(after, Mapping):
+            for k, v in before.items():
+                collect(v, after.get(k))
+        elif isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
+            for b, a in zip(before, after, strict=False):
+                collect(b, a)
+
+    collect(written, resolved)
+    for value in sorted(values, key=len, reverse=True):
+        if len(value) >= 4:  # shorter ones cannot be told from the message's own words
+            message = message.replace(value, MASK)
+    return message
+
+
+def _reference_values(before: str, after: str) -> list[str]:
+    """What each reference of ``before`` became in ``after`` (the text around them is kept)."""
+    pattern, last = "", 0
+    for m in _REF.finditer(before):
+        pattern += re.escape(before[last : m.start()])
+        pattern += re.escape(m.group(0)[1:]) if m.group(1) else "(.*?)"
+        last = m.end()
+    pattern += re.escape(before[last:])
+    m = re.fullmatch(pattern, after, re.DOTALL)
+    return [g for g in m.groups() if g] if m else [after]
+
+
 def mask_url_passwords(text: str) -> str:
     """``text`` with the password of every URL in it masked (error and status messages)."""
     return _mask_url_passwords(text)

@@ -40,7 +40,14 @@ from conveyor.core.model import ConnectorSpec
 from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
 from conveyor.core.state import StateChange
 from conveyor.registry import format_validation_error
-from conveyor.secrets import check_placement, check_syntax, keep_stored_secrets, redact, resolve
+from conveyor.secrets import (
+    check_placement,
+    check_syntax,
+    keep_stored_secrets,
+    redact,
+    resolve,
+    scrub,
+)
 from conveyor.sinks import parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
 from conveyor.sources.base import SourceConfig
@@ -333,16 +340,20 @@ def resolved(loaded: LoadedSpec) -> LoadedSpec:
     def keep(field: str) -> bool:  # only secret fields are resolved
         return field not in secrets or _resolved_by_the_kafka_client(field)
 
+    written = loaded._normalized()
     try:
-        data = resolve(loaded._normalized(), keep=keep)
+        data = resolve(written, keep=keep)
     except ConfigError as e:
         raise ConfigError(str(e), source=loaded.source) from None
-    if loaded.is_source:
-        sspec, sconfig = parse_source_spec(data, source=loaded.source)
-        return LoadedSpec(
-            sspec.name, loaded.source, raw=data, source_spec=sspec, source_config=sconfig
-        )
-    spec, sink = parse_spec(data, source=loaded.source)
+    try:
+        if loaded.is_source:
+            sspec, sconfig = parse_source_spec(data, source=loaded.source)
+            return LoadedSpec(
+                sspec.name, loaded.source, raw=data, source_spec=sspec, source_config=sconfig
+            )
+        spec, sink = parse_spec(data, source=loaded.source)
+    except ConfigError as e:  # a validator may quote the value: never a secret
+        raise ConfigError(scrub(str(e), written, data)) from None
     return LoadedSpec(spec.name, loaded.source, spec=spec, sink=sink, raw=data)
 
 

@@ -274,3 +274,32 @@ def test_a_mask_sent_back_keeps_the_stored_secret_or_is_refused() -> None:
     assert msg.startswith("source.token: is the mask") and "no stored secret" in msg
     # Never stored: a mask that reaches validation is refused too.
     assert "holds the mask" in _err(lambda: check_placement(sent, {"source.token"}))
+
+
+def test_errors_of_resolved_values_never_quote_them(tmp_path: Path, monkeypatch) -> None:
+    """Whatever a validator writes about a resolved value, the run's error masks it."""
+    from conveyor.secrets import scrub
+    from conveyor.specs import from_mapping, resolved
+
+    assert scrub("bad 'x-s3cret-y' in url", "a${env:X}b", "ax-s3cret-yb") == (
+        f"bad '{MASK}' in url"
+    )
+    written = {"sink": {"url": "amqp://u:${env:A}@${file:/s/h}/v", "table": "t"}}
+    live = {"sink": {"url": "amqp://u:pw-1234@host-5678/v", "table": "t"}}
+    message = "sink.url: amqp://u:pw-1234@host-5678/v is wrong; table t"
+    assert scrub(message, written, live) == f"sink.url: amqp://u:{MASK}@{MASK}/v is wrong; table t"
+    (tmp_path / "url").write_text("http://canary-6be1/x\n")
+    monkeypatch.setenv("CONVEYOR_SECRET_FILES", str(tmp_path))
+    ls = from_mapping(
+        {
+            "name": "c",
+            "source": {"topics": ["o"]},
+            "sink": {"type": "rabbitmq", "url": "${file:" + str(tmp_path / "url") + "}"},
+        },
+        source="test",
+        fallback_name="c",
+    )
+    assert ls.ok, ls.error
+    with pytest.raises(ConfigError, match=r"sink\.url: must be amqp://") as e:
+        resolved(ls)
+    assert "canary" not in str(e.value)
