@@ -213,6 +213,8 @@ class Guard:
             message = (
                 "unsupported Authorization scheme: send 'Authorization: Bearer <token>' or Basic"
             )
+        elif header.strip().lower().startswith("bearer"):
+            message = "invalid bearer token"
         else:
             message = "invalid token"
         return None, _error(401, message, challenge)

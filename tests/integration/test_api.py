@@ -76,7 +76,7 @@ def test_probes_need_no_token_and_show_details_only_to_a_token(api: Api) -> None
         "(or HTTP Basic with the token as the password)",
     }
     r = api.call("GET", "/connectors", token="wrong")
-    assert r.status_code == 401 and r.json()["message"] == "invalid token"
+    assert r.status_code == 401 and r.json()["message"] == "invalid bearer token"
     r = api.call("GET", "/metrics", token=None)
     assert r.status_code == 401
     r = api.call("GET", "/connectors", headers={"Authorization": f"Digest {TOKEN}"}, token=None)
