@@ -259,6 +259,15 @@ def connector() -> None:
     """Create, inspect, start and stop connectors."""
 
 
+def _lag(counters: dict[str, Any]) -> str:
+    """Messages behind (a sink connector), or a CDC slot's replication lag in bytes."""
+    if counters.get("lag") is not None:
+        return str(counters["lag"])
+    if counters.get("replication_lag_bytes") is not None:
+        return f"{int(counters['replication_lag_bytes'])} B"
+    return "-"
+
+
 @connector.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -302,7 +311,7 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
             r.desired.value,
             r.broker_id or (f"{counters['tasks']} tasks" if counters.get("tasks") else "-"),
             str(r.generation),
-            "-" if counters.get("lag") is None else str(counters["lag"]),
+            _lag(counters),
             f"{counters.get('msgs_per_s', 0):.0f}",
             str(counters.get("messages_out", 0)),
             _ago(r.heartbeat_at),

@@ -47,6 +47,15 @@ COUNTERS = {
 }
 
 
+# Gauges a source reports with its heartbeats (``Source.metrics``).
+SOURCE_GAUGES = {
+    "replication_lag_bytes": "postgres_cdc: WAL bytes between the server's end and the slot's "
+    "confirmed position.",
+    "retained_wal_bytes": "postgres_cdc: WAL bytes the server keeps for the slot (from its "
+    "restart position).",
+}
+
+
 def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -79,6 +88,10 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
         "Seconds since the last heartbeat.",
         labels=["connector"],
     )
+    gauges = {
+        k: GaugeMetricFamily(f"conveyor_source_{k}", doc, labels=["connector"])
+        for k, doc in SOURCE_GAUGES.items()
+    }
     routing = RoutingFamilies()
     for r in rows:
         counters = r.counters
@@ -87,6 +100,9 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
             fam.add_metric([r.name], float(counters.get(key, 0) or 0))
         if counters.get("lag") is not None:
             lag.add_metric([r.name], float(counters["lag"]))
+        for k, fam in gauges.items():
+            if counters.get(k) is not None:
+                fam.add_metric([r.name], float(counters[k]))
         rate.add_metric([r.name], float(counters.get("msgs_per_s", 0) or 0))
         timeout = float((r.spec or {}).get("heartbeat_timeout_s", 30))
         alive = r.status in LIVE_STATUSES and r.heartbeat_fresh(now, timeout)
@@ -97,6 +113,7 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
             heartbeat.add_metric([r.name], max(0.0, now - r.heartbeat_at))
     yield from families.values()
     yield from (lag, rate, up, state, heartbeat)
+    yield from gauges.values()
     yield from routing.families()
 
 

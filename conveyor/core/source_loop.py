@@ -559,6 +559,9 @@ class SourceLoop:
         with self._lock:
             d["routing"] = self.stats.as_dict(self.board, now, len(self.router.active))
         d["commit_failures_in_row"] = self.commit_failures_in_row
+        gauges = getattr(self.source, "metrics", None)  # optional (Source.metrics)
+        if gauges is not None:
+            d.update(gauges())
         return d
 
     def _heartbeat(self, force: bool = False) -> None:

@@ -139,6 +139,11 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def metrics(self) -> dict[str, float]:
+        """Gauges of the system read (a replication slot's lag and retained WAL, in bytes),
+        sent with each heartbeat. May be called from another thread: cached values, no I/O."""
+        return {}
+
     def release(self) -> None:  # noqa: B027 - optional hook
         """Drop what the source owns in the system (a replication slot, a publication): the
         connector is deleted with an explicit confirmation. Runs without ``init`` (it

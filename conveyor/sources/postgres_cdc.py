@@ -123,8 +123,12 @@ The snapshot needs the key columns to be ordered types. `never`: stream only.
 `when_needed`: as `initial`, and a snapshot again when the slot is gone. On request: a new
 `resnapshot: {schema.table: id}` entry reads that table again (op `r`, in a snapshot taken then,
 resumable like the first) before the stream goes on from where it was (the changes in between
-come again: converging, with duplicates); the state remembers each id. Not done: replication lag
-and retained WAL as metrics.
+come again: converging, with duplicates); the state remembers each id.
+
+**Metrics.** Measured every 10 s and sent with the heartbeats: `replication_lag_bytes` (the
+server's WAL end minus the slot's confirmed position; `connector list` shows it in the lag column)
+and `retained_wal_bytes` (WAL kept for the slot), exported as
+`conveyor_source_replication_lag_bytes` and `conveyor_source_retained_wal_bytes`.
 """
 
 
@@ -405,6 +409,8 @@ class PostgresCDCSource(Source):
         self._owed = False  # a transaction a returned state ends inside has committed
         self._carry: tuple[list[SourceMessage], _Position] | None = None
         self._done: tuple[str, ...] = ()  # re-snapshot requests taken on (in the state)
+        self._gauges: dict[str, float] = {}
+        self._gauges_at = 0.0
 
     @property
     def column_routing(self) -> bool:
@@ -636,6 +642,7 @@ class PostgresCDCSource(Source):
     # -- poll -----------------------------------------------------------------------------
 
     def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
+        self._measure()
         if self._start is not None and (state is None or state == self._start[0]):
             state = self._start[1]
         if state is None:
@@ -652,6 +659,23 @@ class PostgresCDCSource(Source):
         if self._cur is None or state != self._expected:
             self._restart(pos)
         return self._poll_stream(pos, max_records, max_wait_s)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._gauges)
+
+    def _measure(self, every_s: float = 10.0) -> None:
+        """The slot's lag and retained WAL (bytes), on the loop's thread, at most every 10 s."""
+        if time.monotonic() - self._gauges_at < every_s:
+            return
+        self._gauges_at = time.monotonic()
+        rows = self._run(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::float8, "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::float8 "
+            "FROM pg_replication_slots WHERE slot_name = %s",
+            (self.config.slot_name,),
+        )
+        if rows and rows[0][0] is not None:
+            self._gauges = {"replication_lag_bytes": rows[0][0], "retained_wal_bytes": rows[0][1]}
 
     def _requests(self) -> list[str]:
         return [f"{t}={i}" for t, i in sorted(self.config.resnapshot.items())]

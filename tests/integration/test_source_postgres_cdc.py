@@ -147,6 +147,9 @@ def test_issue_scenario_into_three_partitions(tmp_path, tansu, spark_remote, cdc
             ),
             what="the slot at the stored state",
         )
+    # The slot's gauges reach the heartbeat (connector list's lag column, the metrics server).
+    counters = store.get(name).counters
+    assert counters["replication_lag_bytes"] >= 0 and counters["retained_wal_bytes"] >= 0
     records = read_topic(tansu, f"{name}.items")
     assert len(records) == 505 and {r.partition for r in records} == {0, 1, 2}
     by_key: dict[bytes, list] = {}
@@ -428,6 +431,8 @@ def test_heartbeat_advances_the_slot_of_an_idle_table(cdc_url):
                 break
         assert slot_flush(cdc_url, slot) >= end > start
         assert state is not None and parse_lsn(state["safe_lsn"]) > start
+        gauges = src.metrics()  # measured at the first poll: the WAL written since the slot
+        assert gauges["retained_wal_bytes"] >= gauges["replication_lag_bytes"] > 0
     finally:
         src.close()
 
