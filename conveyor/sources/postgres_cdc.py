@@ -726,20 +726,27 @@ class PostgresCDCSource(Source):
             where = sql.SQL("WHERE ({}) > ({})").format(keys, bounds)
             args = tuple(after)
         query = sql.SQL("SELECT {} FROM {} {} ORDER BY {} LIMIT {}").format(
-            sql.SQL(", ").join(
-                sql.SQL("{}::text").format(sql.Identifier(c[0])) for c in info.columns
-            ),
+            sql.SQL(", ").join(sql.Identifier(c[0]) for c in info.columns),
             _ident(info.name),
             where,
             keys,
             sql.Literal(limit),
         )
+        self._raw_text(info)
         return self._run(query, args, conn=self._snap)
+
+    def _raw_text(self, info: _TableInfo) -> None:
+        """The snapshot's values as their output text, as pgoutput sends them (a ``::text``
+        cast is not that: booleans, char(n), inet)."""
+        import psycopg2.extensions as ext
+
+        oids = tuple({c[1] for c in info.columns})
+        ext.register_type(ext.new_type(oids, "CONVEYOR_RAW", lambda v, _cur: v), self._snap)
 
     def _snapshot_change(self, info: _TableInfo, row: Any, pos: _Position) -> _Change:
         dec = self._decoder_for()
         after = {
-            c[0]: None if v is None else dec.value(c[1], v.encode())
+            c[0]: None if v is None else dec.value(c[1], str(v).encode())
             for c, v in zip(info.columns, row, strict=True)
         }
         return _Change(
