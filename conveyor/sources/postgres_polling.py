@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from conveyor.core.connection import SECRET_FIELD
 from conveyor.core.errors import (
     ConfigError,
     PermanentSourceError,
@@ -51,7 +52,9 @@ class PostgresPollingConfig(SourceConfig):
 
     type: Literal["postgres_polling"] = "postgres_polling"
     url: str = Field(
-        description="libpq URL, e.g. postgresql://user@host:5432/db; a password as a ${env:...} reference."
+        description="libpq URL, e.g. postgresql://user:${file:/run/secrets/pg}@127.0.0.1:5432/db "
+        "(secret; a password in it must be a reference).",
+        json_schema_extra=SECRET_FIELD,
     )
     table: str = Field(description="Table to read, 'schema.table' or 'table' (schema public).")
     incrementing_column: str | None = Field(

@@ -40,7 +40,7 @@ WEBHOOK_NOTES = """
 A GitHub webhook and a Stripe endpoint (the secret as a reference):
 
 ```yaml
-source: {type: webhook, port: 8088, path: /github, auth: github, secret: ${env:CONVEYOR_GH_SECRET}}
+source: {type: webhook, port: 8088, path: /github, auth: github, secret: ${file:/run/secrets/github}}
 source: {type: webhook, port: 8089, path: /stripe, auth: stripe, secret: ${file:/run/secrets/whsec}}
 ```
 
