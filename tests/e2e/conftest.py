@@ -245,6 +245,9 @@ def dagster_webserver(home: Path, tansu: str, spark_remote: str) -> Iterator[Dag
         "CONVEYOR_KAFKA_BOOTSTRAP": tansu,
         "CONVEYOR_SPARK_REMOTE": spark_remote,
         "DAGSTER_HOME": str(dagster_home),
+        # RabbitMQ's default user's password, referred to by the RabbitMQ sink's URL (a literal
+        # password in a URL is refused).
+        "CONVEYOR_E2E_AMQP_PASSWORD": "guest",
     }
     port = free_port()
     webserver = str(Path(sys.executable).parent / "dagster-webserver")

@@ -40,7 +40,7 @@ from tests.e2e.conftest import kill_processes_of, produce, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
-SECRET_ENV = f"envsecret{uuid.uuid4().hex}"  # behind ${env:E2E_PG_URL}
+SECRET_ENV = f"envsecret{uuid.uuid4().hex}"  # behind ${env:CONVEYOR_E2E_PG_URL}
 SECRET_FILE = f"filesecret{uuid.uuid4().hex}"  # behind ${file:...}
 SCHEMA_DDL = "id BIGINT, name STRING, amount DOUBLE"
 
@@ -121,8 +121,11 @@ def stack(tansu: str, spark_remote: str) -> Iterator[Stack]:
         "COLUMNS": "200",
         # The secret the spec refers to; with the machine's trust auth the server ignores the
         # password, so the application name carries it where pg_stat_activity shows it.
-        "E2E_PG_URL": f"{PG_URL}?application_name={SECRET_ENV}",
+        "CONVEYOR_E2E_PG_URL": f"{PG_URL}?application_name={SECRET_ENV}",
         "E2E_SECRET_FILE": str(secret_file),
+        # References reach only what the operator allows: this test's secrets directory
+        # (CONVEYOR_* variables are allowed by default).
+        "CONVEYOR_SECRET_FILES": str(secret_file.parent),
     }
     exe = str(Path(sys.executable).parent / "conveyor")
     log = open(cwd / "conveyor-dev.log", "wb")  # noqa: SIM115
@@ -189,7 +192,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
         "transform": {"decode": "json", "schema": SCHEMA_DDL},
         "sink": {
             "type": "postgres",
-            "url": "${env:E2E_PG_URL}",
+            "url": "${env:CONVEYOR_E2E_PG_URL}",
             "schema": pg_schema,
             "table": "orders",
             "create_table": True,
@@ -216,7 +219,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
     t0 = time.monotonic()
     r = s.call("POST", "/connectors", json={"name": name, "config": config})
     assert r.status_code == 201, r.text
-    assert r.json()["config"]["sink"]["url"] == "${env:E2E_PG_URL}"
+    assert r.json()["config"]["sink"]["url"] == "${env:CONVEYOR_E2E_PG_URL}"
     wait_for(lambda: s.state(name) == "RUNNING", 180, f"{name} RUNNING\n{s.log()}")
     wait_for(lambda: len(pg_rows(pg_url, pg_schema, "orders")) == 300, 120, "300 rows")
     s.timings["created_to_300_rows_s"] = round(time.monotonic() - t0, 1)

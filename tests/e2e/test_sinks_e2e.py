@@ -169,7 +169,7 @@ def rabbitmq_target(name: str) -> Target:
     return Target(
         {
             "type": "rabbitmq",
-            "url": "amqp://guest:guest@127.0.0.1:5672/%2F",
+            "url": "amqp://guest:${env:CONVEYOR_E2E_AMQP_PASSWORD}@127.0.0.1:5672/%2F",
             "exchange": "",
             "routing_key": queue,
         },
