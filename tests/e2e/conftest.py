@@ -27,6 +27,15 @@ from conveyor.store.meta import MetaStore
 
 LOCATION = "conveyor"
 
+# Deadlines of the e2e waits, for a loaded machine (CI shares two cores between two test
+# workers, each with its own Spark Connect server, Kafka broker and Dagster). Each wait
+# returns as soon as its condition holds: a generous deadline costs nothing when things
+# go well, and what takes a second on a quiet machine can take tens of seconds there.
+SETTLE_S = 120.0
+"""A change a run makes (a heartbeat, a commit, a counter, a status) to show."""
+STOP_S = 180.0
+"""A terminated or stopped run to end: drain, commit, close (STOP_GRACE_S alone is 30 s)."""
+
 DAGSTER_YAML = """\
 run_coordinator:
   module: dagster.core.run_coordinator
@@ -93,7 +102,7 @@ class DagsterHarness:
     def run_status(self, run_id: str) -> str:
         return self.client.get_run_status(run_id).value
 
-    def wait_status(self, run_id: str, statuses: set[str], timeout: float = 60) -> str:
+    def wait_status(self, run_id: str, statuses: set[str], timeout: float = STOP_S) -> str:
         deadline = time.monotonic() + timeout
         status = ""
         while time.monotonic() < deadline:
@@ -263,7 +272,7 @@ def dagster_webserver(home: Path, tansu: str, spark_remote: str) -> Iterator[Dag
     try:
         wait_for(
             lambda: port_open("127.0.0.1", port) or proc.poll() is not None,
-            120,
+            300,
             "dagster-webserver",
         )
         if proc.poll() is not None:
@@ -302,12 +311,17 @@ def produce(
         admin.create_topics([NewTopic(topic, partitions, 1)])
     admin.close()
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=10)
+    sent = []
     for i in range(start, start + n):
         value = (
             payload(i)
             if payload
             else json.dumps({"id": i, "name": f"name {i}", "amount": i * 1.5}).encode()
         )
-        p.send(topic, key=str(i).encode(), value=value, partition=i % partitions)
+        sent.append(p.send(topic, key=str(i).encode(), value=value, partition=i % partitions))
     p.flush()
+    # flush() does not raise for a record that could not be delivered: every record is
+    # checked, so a loaded broker shows as an error here, not as "lost" messages later.
+    for future in sent:
+        future.get(timeout=SETTLE_S)
     p.close()

@@ -36,7 +36,7 @@ import yaml
 from conveyor.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.conftest import PG_URL
-from tests.e2e.conftest import kill_processes_of, produce, wait_for
+from tests.e2e.conftest import SETTLE_S, kill_processes_of, produce, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -230,21 +230,21 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
 
     # 2. pause: the run stays, heartbeats, reads nothing; resume goes on at once.
     assert s.call("PUT", f"/connectors/{name}/pause").status_code == 202
-    wait_for(lambda: s.state(name) == "PAUSED", 30, "PAUSED")
+    wait_for(lambda: s.state(name) == "PAUSED", SETTLE_S, "PAUSED")
     offsets_paused = s.call("GET", f"/connectors/{name}/offsets").json()
     produce(tansu, topic, 200, start=300)
     hb = s.store.get(name).heartbeat_at or 0
     # Heartbeats go on while paused (the assignment is kept); nothing is read meanwhile.
-    wait_for(lambda: (s.store.get(name).heartbeat_at or 0) > hb + 2, 30, "paused heartbeats")
+    wait_for(lambda: (s.store.get(name).heartbeat_at or 0) > hb + 2, SETTLE_S, "paused heartbeats")
     assert len(pg_rows(pg_url, pg_schema, "orders")) == 300
     assert s.call("GET", f"/connectors/{name}/offsets").json() == offsets_paused
     st = s.status(name)
     assert st["conveyor"]["run_id"] == run_id and st["conveyor"]["broker"] == "local"
     t_resume = time.monotonic()
     assert s.call("PUT", f"/connectors/{name}/resume").status_code == 202
-    wait_for(lambda: len(pg_rows(pg_url, pg_schema, "orders")) > 300, 30, "delivery resumed")
+    wait_for(lambda: len(pg_rows(pg_url, pg_schema, "orders")) > 300, SETTLE_S, "delivery resumed")
     s.timings["resume_to_first_row_s"] = round(time.monotonic() - t_resume, 2)
-    wait_for(lambda: len(pg_rows(pg_url, pg_schema, "orders")) == 500, 60, "500 rows")
+    wait_for(lambda: len(pg_rows(pg_url, pg_schema, "orders")) == 500, SETTLE_S, "500 rows")
 
     # 3. a changed config reaches the running connector, in the same run: names upper-cased
     # from now on, and the password now comes from a file.
@@ -256,7 +256,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
     assert r.status_code == 200, r.text
     assert "${file:" in r.json()["config"]["sink"]["url"]
     # The new sink connection carries the file's secret: the run took the new spec on.
-    wait_for(lambda: pg_app_connected(pg_url, SECRET_FILE), 60, "the run on its new spec")
+    wait_for(lambda: pg_app_connected(pg_url, SECRET_FILE), SETTLE_S, "the run on its new spec")
     s.timings["config_change_taken_on_s"] = round(time.monotonic() - t_change, 1)
     produce(tansu, topic, 100, start=500)
     wait_for(lambda: len(pg_rows(pg_url, pg_schema, "orders")) == 600, 90, "600 rows")
@@ -269,7 +269,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
 
     # 4. stop, rewind partition 0 through KIP-875, start: partition 0 is delivered again.
     assert s.call("PUT", f"/connectors/{name}/stop").status_code == 204
-    wait_for(lambda: s.state(name) == "STOPPED", 60, "STOPPED")
+    wait_for(lambda: s.state(name) == "STOPPED", SETTLE_S, "STOPPED")
     offsets = s.call("GET", f"/connectors/{name}/offsets").json()["offsets"]
     assert sorted(
         (o["partition"]["kafka_partition"], o["offset"]["kafka_offset"]) for o in offsets
@@ -300,7 +300,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
     r = s.call("DELETE", f"/connectors/{name}")
     assert r.status_code == 409 and "stop it first" in r.json()["message"]
     assert s.call("PUT", f"/connectors/{name}/stop").status_code == 204
-    wait_for(lambda: s.state(name) == "STOPPED", 60, "STOPPED again")
+    wait_for(lambda: s.state(name) == "STOPPED", SETTLE_S, "STOPPED again")
     assert s.call("DELETE", f"/connectors/{name}").status_code == 204
     assert not (s.connectors / f"{name}.yaml").exists()
     since = time.time()
@@ -315,7 +315,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
         ticks = data["sensorOrError"]["sensorState"]["ticks"]
         return sum(1 for t in ticks if t["timestamp"] > since and t["status"] != "STARTED")
 
-    wait_for(lambda: ticks_since() >= 2, 60, "two scheduler ticks after the delete")
+    wait_for(lambda: ticks_since() >= 2, SETTLE_S, "two scheduler ticks after the delete")
     assert s.call("GET", f"/connectors/{name}").status_code == 404
     assert name not in s.call("GET", "/connectors").json()
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conveyor.core.model import ConnectorStatus
-from tests.e2e.conftest import produce, wait_for
+from tests.e2e.conftest import SETTLE_S, produce, wait_for
 from tests.e2e.test_scheduler_e2e import dev, spec  # noqa: F401 - the dagster dev fixture
 from tests.integration.test_failure_policies import rows
 
@@ -76,7 +76,9 @@ def test_dead_letters_are_replayed_by_the_sensor_once_the_connector_is_healthy(
         240,
         "every offset committed, past the poison message",
     )
-    wait_for(lambda: h.store.get(name).counters.get("dead_lettered") == 1, 30, "1 dead letter")
+    wait_for(
+        lambda: h.store.get(name).counters.get("dead_lettered") == 1, SETTLE_S, "1 dead letter"
+    )
     assert h.store.get(name).status == ConnectorStatus.RUNNING
     assert rows(pg_url, pg_schema) == [i for i in range(N) if i != POISON]
     dead_letters = SparkParquetDeadLetters(
@@ -89,7 +91,7 @@ def test_dead_letters_are_replayed_by_the_sensor_once_the_connector_is_healthy(
     with psycopg2.connect(pg_url) as c, c.cursor() as cur:
         cur.execute(f'ALTER TABLE "{pg_schema}".orders DROP CONSTRAINT orders_amount_check')
     wait_for(lambda: rows(pg_url, pg_schema) == list(range(N)), 150, "the dead letter replayed")
-    wait_for(lambda: dead_letters.count() == 0, 30, "the dead-letter store drained")
+    wait_for(lambda: dead_letters.count() == 0, SETTLE_S, "the dead-letter store drained")
 
     instance = DagsterInstance.from_config(h.env["DAGSTER_HOME"])
     replays = instance.get_runs(RunsFilter(job_name=f"replay_dead_letters__{name}"))
@@ -97,7 +99,7 @@ def test_dead_letters_are_replayed_by_the_sensor_once_the_connector_is_healthy(
     assert replays[0].tags.get("dagster/sensor_name") == "conveyor_dead_letter_replay"
     wait_for(
         lambda: instance.get_run_by_id(replays[0].run_id).status == DagsterRunStatus.SUCCESS,
-        60,
+        SETTLE_S,
         "the replay run succeeded",
     )
     # The connector kept running throughout, and delivered nothing twice.

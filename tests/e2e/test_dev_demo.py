@@ -28,7 +28,7 @@ from conveyor.core.model import ConnectorStatus
 from conveyor.ports import free_port, port_open
 from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore, UnknownConnectorError
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import SETTLE_S, wait_for
 from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -121,8 +121,10 @@ def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: D
     # Through conveyor dev's own Spark Connect server.
     full_log = (dev.cwd / "conveyor-dev.log").read_text(errors="replace")
     assert f"Spark Connect ready at sc://127.0.0.1:{dev.ports['spark']}" in full_log, dev.log()
-    wait_for(lambda: dev.lines() >= 200, 60, "demo orders in .conveyor/out/orders")
-    wait_for(lambda: sum(dev.store.committed_offsets(DEMO).values()) > 0, 30, "offsets committed")
+    wait_for(lambda: dev.lines() >= 200, SETTLE_S, "demo orders in .conveyor/out/orders")
+    wait_for(
+        lambda: sum(dev.store.committed_offsets(DEMO).values()) > 0, SETTLE_S, "offsets committed"
+    )
     # The CLI shows it, as the README says, and so does the REST API.
     r = dev.cli("connector", "list")
     assert r.returncode == 0 and DEMO in r.stdout and "Running" in r.stdout, r.stdout + r.stderr
@@ -147,9 +149,11 @@ def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: D
 def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -> None:
     # Two materializations to plot: the run's first progress event and its final one
     # (a stop from the CLI); then the demo is started again for the Ctrl-C test.
-    wait_for(lambda: dev.store.get(DEMO).counters.get("messages_out", 0) > 0, 60, "progress")
+    wait_for(lambda: dev.store.get(DEMO).counters.get("messages_out", 0) > 0, SETTLE_S, "progress")
     assert dev.cli("connector", "stop", DEMO).returncode == 0
-    wait_for(lambda: dev.store.get(DEMO).status == ConnectorStatus.STOPPED, 60, "demo stopped")
+    wait_for(
+        lambda: dev.store.get(DEMO).status == ConnectorStatus.STOPPED, SETTLE_S, "demo stopped"
+    )
     assert dev.cli("connector", "start", DEMO).returncode == 0
     sink_key = next(
         n["assetKey"]["path"]
@@ -164,8 +168,12 @@ def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -
         browser.goto(
             f"{base}/locations/__repository__@conveyor.definitions/asset-groups/connector_{DEMO}"
         )
-        browser.wait_js(has_tooltips("orders", sink_key[-1], DEMO), 60, "the demo's asset nodes")
-        browser.wait_js("!document.body.innerText.includes('Loading')", 30, "node details loaded")
+        browser.wait_js(
+            has_tooltips("orders", sink_key[-1], DEMO), SETTLE_S, "the demo's asset nodes"
+        )
+        browser.wait_js(
+            "!document.body.innerText.includes('Loading')", SETTLE_S, "node details loaded"
+        )
         time.sleep(1)  # layout animation
         graph = img_dir(tmp_path) / "demo-asset-graph.png"
         browser.screenshot(graph)
@@ -176,10 +184,10 @@ def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -
 
         browser.goto(f"{base}/assets/{'/'.join(sink_key)}")
         plots = "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Plots')"
-        browser.wait_js(f"!!{plots}", 30, "the metadata Plots toggle")
+        browser.wait_js(f"!!{plots}", SETTLE_S, "the metadata Plots toggle")
         browser.js(f"{plots}.scrollIntoView({{block: 'start'}}); {plots}.click()")
         browser.wait_js(
-            f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}", 30, "the plots"
+            f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}", SETTLE_S, "the plots"
         )
         time.sleep(1.5)  # chart animations
         shot = img_dir(tmp_path) / "demo-asset-plots.png"
@@ -206,8 +214,10 @@ def test_ctrl_c_stops_every_process_it_started(dev: Dev) -> None:
     assert dev.proc.wait(90) == 0, dev.log()
     assert "all processes stopped" in dev.log()
     # Nothing is orphaned: the connector run, the broker and the UI are gone.
-    wait_for(lambda: not pid_alive(run_pid), 30, "the connector run process gone")
-    wait_for(lambda: not any(pid_alive(int(p)) for p in jvm), 30, "the Spark server's JVM gone")
+    wait_for(lambda: not pid_alive(run_pid), SETTLE_S, "the connector run process gone")
+    wait_for(
+        lambda: not any(pid_alive(int(p)) for p in jvm), SETTLE_S, "the Spark server's JVM gone"
+    )
     for name, port in dev.ports.items():
         assert not port_open("127.0.0.1", port), f"{name} still listening on {port}"
 
@@ -216,7 +226,7 @@ def test_ctrl_c_stops_every_process_it_started(dev: Dev) -> None:
         return r.stdout.strip()
 
     # Servers finish exiting shortly after their stop (the Spark JVM, dagster's code servers).
-    wait_for(lambda: session_left() == "", 30, "every process of conveyor dev's session gone")
+    wait_for(lambda: session_left() == "", SETTLE_S, "every process of conveyor dev's session gone")
     # The demo connector was stopped by the shutdown, and stays meant to run next time.
     row = dev.store.get(DEMO)
     assert row.desired.value == "running" and row.status != ConnectorStatus.RUNNING, row

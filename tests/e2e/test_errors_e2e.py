@@ -12,7 +12,7 @@ import pytest
 
 from conveyor.core.model import ConnectorStatus
 from conveyor.ports import free_port
-from tests.e2e.conftest import DagsterHarness, produce, wait_for
+from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import pg_spec
 
 pytestmark = pytest.mark.e2e
@@ -141,9 +141,11 @@ def test_poison_message_under_dead_letter_policy(dagster, tansu, topic_name, pg_
     ]
     assert "orders_amount_check" in pending[0]["error"] and pending[0]["error_class"] == "data"
     assert json.loads(pending[0]["value"]) == {"id": 500, "name": "n", "amount": -1}
-    wait_for(lambda: dagster.store.get(name).counters.get("dead_lettered") == 1, 10, "counter")
+    wait_for(
+        lambda: dagster.store.get(name).counters.get("dead_lettered") == 1, SETTLE_S, "counter"
+    )
     dagster.terminate(run_id)
-    dagster.wait_status(run_id, {"CANCELED"}, 60)
+    dagster.wait_status(run_id, {"CANCELED"}, STOP_S)
 
     # Replay after fixing the constraint: the dead letter is delivered and the store drains.
     with psycopg2.connect(pg_url) as c, c.cursor() as cur:
@@ -234,13 +236,13 @@ def test_hostile_messages_are_dead_lettered_and_every_valid_one_delivered(
             dagster.store.get(name).counters.get("dead_lettered") == len(hostile_at)
             and dagster.store.get(name).counters.get("lag") == 0
         ),
-        30,
+        SETTLE_S,
         "dead-letter counter and lag 0",
     )
     row = dagster.store.get(name)
     assert row.status == ConnectorStatus.RUNNING and row.generation == 1, row
     dagster.terminate(run_id)
-    dagster.wait_status(run_id, {"CANCELED"}, 60)
+    dagster.wait_status(run_id, {"CANCELED"}, STOP_S)
 
 
 def test_fail_policy_stops_at_the_bad_message_and_is_not_restarted(

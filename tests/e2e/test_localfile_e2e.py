@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.core.model import ConnectorStatus, TopicPartition
-from tests.e2e.conftest import DagsterHarness, produce, wait_for
+from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +45,7 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
     store = dagster.store
     wait_for(
         lambda: sum(store.committed_offsets(name).values()) == n,
-        30,
+        SETTLE_S,
         "offsets of every message committed (filtered ones too)",
     )
     got = lines(out)
@@ -56,12 +56,14 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
         TopicPartition(topic_name, 1): n // 2,
     }
     row = wait_for(
-        lambda: (r := store.get(name)).counters.get("filtered") == n // 2 and r, 10, "counters"
+        lambda: (r := store.get(name)).counters.get("filtered") == n // 2 and r,
+        SETTLE_S,
+        "counters",
     )
     assert row.status == ConnectorStatus.RUNNING and row.counters["messages_out"] == n // 2
 
     dagster.terminate(run_id)
-    assert dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, 60) == "CANCELED"
+    assert dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, STOP_S) == "CANCELED"
     assert store.get(name).status == ConnectorStatus.STOPPED
     # The run recorded an asset event for the sink with its counters.
     inst = dagster.instance()

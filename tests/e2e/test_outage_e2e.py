@@ -10,7 +10,7 @@ import psycopg2
 import pytest
 
 from conveyor.core.model import ConnectorStatus
-from tests.e2e.conftest import DagsterHarness, produce, wait_for
+from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import counts
 
 pytestmark = pytest.mark.e2e
@@ -80,7 +80,9 @@ def test_postgres_outage_is_retried_without_dead_letters_or_loss(
         )
         producer.start()
         started = time.monotonic()
-        wait_for(lambda: dagster.store.get(name).status == ConnectorStatus.DEGRADED, 30, "Degraded")
+        wait_for(
+            lambda: dagster.store.get(name).status == ConnectorStatus.DEGRADED, SETTLE_S, "Degraded"
+        )
         assert "PostgreSQL" in (
             dagster.store.get(name).last_error or dagster.store.history(name, 5)[0].reason
         )
@@ -91,7 +93,9 @@ def test_postgres_outage_is_retried_without_dead_letters_or_loss(
         admin(pg_url, f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
         wait_for(lambda: counts(pg_url, pg_schema)[1] == N, 120, "all messages after the outage")
         wait_for(
-            lambda: dagster.store.get(name).status == ConnectorStatus.RUNNING, 30, "Running again"
+            lambda: dagster.store.get(name).status == ConnectorStatus.RUNNING,
+            SETTLE_S,
+            "Running again",
         )
         total, distinct = counts(pg_url, pg_schema)
         assert distinct == N and total - N <= 500
@@ -103,5 +107,5 @@ def test_postgres_outage_is_retried_without_dead_letters_or_loss(
     finally:
         admin(pg_url, f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
         dagster.terminate(run_id)
-        dagster.wait_status(run_id, {"CANCELED", "FAILURE"}, 60)
+        dagster.wait_status(run_id, {"CANCELED", "FAILURE"}, STOP_S)
         admin(pg_url, f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')

@@ -20,7 +20,7 @@ import pytest
 
 from conveyor.brokers.connection import librdkafka_config
 from conveyor.core.model import ConnectorStatus, SourceSpec
-from tests.e2e.conftest import DagsterHarness, wait_for
+from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, wait_for
 from tests.e2e.test_errors_e2e import run_to_error
 from tests.sources.producers import CODECS, Msg, create_topic, produce
 from tests.sources.tls import TlsBroker, socat_available, tls_tansu
@@ -129,13 +129,13 @@ def test_librdkafka_messages_of_every_codec_over_tls_all_arrive(
                 and c.get("lag") == 0
             )
 
-        wait_for(caught_up, 60, "the heartbeat reporting every message and lag 0")
+        wait_for(caught_up, SETTLE_S, "the heartbeat reporting every message and lag 0")
         counters = dagster.store.get(name).counters or {}
         assert counters["filtered"] == TOMBSTONES and counters["failed"] == 0
         assert sum(dagster.store.committed_offsets(name).values()) == total
     finally:
         dagster.terminate(run_id)
-        dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, 60)
+        dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, STOP_S)
 
 
 def test_a_ca_that_did_not_sign_the_broker_is_an_error_naming_the_certificate(

@@ -32,7 +32,7 @@ from conveyor.devserver import dagster_yaml
 from conveyor.ports import free_port, port_open
 from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore
-from tests.e2e.conftest import kill_processes_of, produce, wait_for
+from tests.e2e.conftest import SETTLE_S, kill_processes_of, produce, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -348,7 +348,9 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
     ui_run = store.get(ui_stopped).run_id
     h.client.terminate_run(ui_run)
     for n in (cli_stopped, ui_stopped):
-        wait_for(lambda n=n: store.get(n).status == ConnectorStatus.STOPPED, 60, f"{n} stopped")
+        wait_for(
+            lambda n=n: store.get(n).status == ConnectorStatus.STOPPED, SETTLE_S, f"{n} stopped"
+        )
     gens = {n: store.get(n).generation for n in (cli_stopped, ui_stopped)}
     stopped_at = time.time()
 
@@ -357,10 +359,10 @@ def test_scheduler_runs_heals_moves_and_stops_connectors(dev, tansu, pg_url, pg_
     forced = names[4]
     frow = store.get(forced)
     h.force_terminate(frow.run_id)
-    wait_for(lambda: h.run_status(frow.run_id) == "CANCELED", 30, "run marked CANCELED")
+    wait_for(lambda: h.run_status(frow.run_id) == "CANCELED", SETTLE_S, "run marked CANCELED")
     wait_for(
         lambda: not pid_alive(frow.run_pid) and store.get(forced).status == ConnectorStatus.STOPPED,
-        60,
+        SETTLE_S,
         "force-terminated connector stopped",
     )
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conveyor.core.model import ConnectorStatus
-from tests.e2e.conftest import DagsterHarness, produce, wait_for
+from tests.e2e.conftest import STOP_S, DagsterHarness, produce, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -234,7 +234,7 @@ def test_each_sink_gets_every_message_across_a_midstream_terminate_and_relaunch(
             time.sleep(0.2)
         assert not pending, f"no first commit within 180 s: {sorted(pending)}"
         for s in SINKS:
-            status = dagster.wait_status(runs[s], {"CANCELED", "FAILURE", "SUCCESS"}, 60)
+            status = dagster.wait_status(runs[s], {"CANCELED", "FAILURE", "SUCCESS"}, STOP_S)
             assert status == "CANCELED", f"{s}: {status}\n{dagster.run_log(runs[s])}"
             assert store.get(names[s]).status == ConnectorStatus.STOPPED, s
         producer.join(60)
@@ -269,7 +269,8 @@ def test_each_sink_gets_every_message_across_a_midstream_terminate_and_relaunch(
             dagster.terminate(runs[s])
         for s in SINKS:
             assert (
-                dagster.wait_status(runs[s], {"CANCELED", "FAILURE", "SUCCESS"}, 60) == "CANCELED"
+                dagster.wait_status(runs[s], {"CANCELED", "FAILURE", "SUCCESS"}, STOP_S)
+                == "CANCELED"
             ), s
     finally:
         for t in targets.values():

@@ -24,7 +24,7 @@ from conveyor.core.model import ConnectorStatus
 from conveyor.devserver import dagster_yaml
 from conveyor.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
-from tests.e2e.conftest import kill_processes_of, wait_for
+from tests.e2e.conftest import SETTLE_S, kill_processes_of, wait_for
 from tests.integration.sources_harness import read_topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -205,7 +205,7 @@ def test_scheduler_runs_a_routing_source_exactly_once_then_survives_kill9(
         lambda: (
             json.loads(dev.cli("connector", "destinations", name, "--json").stdout)["routed"] >= 900
         ),
-        30,
+        SETTLE_S,
         "heartbeat with 900 routed",
     )
 

@@ -21,7 +21,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
-from tests.e2e.conftest import DagsterHarness, dagster_webserver, produce, wait_for
+from tests.e2e.conftest import (
+    SETTLE_S,
+    STOP_S,
+    DagsterHarness,
+    dagster_webserver,
+    produce,
+    wait_for,
+)
 from tests.e2e.test_connector_e2e import counts, pg_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -83,7 +90,7 @@ def test_connector_runs_on_the_executors_of_a_standalone_cluster(
                 return set()
             return set(pq.read_table(dlq / "letters").column("offset").to_pylist())
 
-        wait_for(lambda: len(letters()) == len(BAD), 60, "three dead letters")
+        wait_for(lambda: len(letters()) == len(BAD), SETTLE_S, "three dead letters")
         ids = {json.loads(v.split(b",")[0] + b"}")["id"] for v in _values(dlq)}
         assert ids == BAD
         # The batches ran on the cluster: the Connect server is the master's application,
@@ -94,12 +101,12 @@ def test_connector_runs_on_the_executors_of_a_standalone_cluster(
         assert executors, "no executor was launched on the workers"
         wait_for(
             lambda: on_cluster.store.get(name).counters.get("dead_lettered") == len(BAD),
-            30,
+            SETTLE_S,
             "the run's counters",
         )
     finally:
         on_cluster.terminate(run)
-        on_cluster.wait_status(run, {"CANCELED", "FAILURE", "SUCCESS"}, 60)
+        on_cluster.wait_status(run, {"CANCELED", "FAILURE", "SUCCESS"}, STOP_S)
 
 
 def _values(dlq: Path) -> list[bytes]:

@@ -31,7 +31,7 @@ from conveyor.ports import free_port, port_open
 from conveyor.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from conveyor.store.tasks import TaskStore
-from tests.e2e.conftest import kill_processes_of, wait_for
+from tests.e2e.conftest import SETTLE_S, kill_processes_of, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -279,7 +279,9 @@ def test_one_connector_goes_one_three_one_tasks_and_loses_nothing(dev, tansu, pg
         assert rows - distinct <= (handovers + 1) * BATCH, (rows, distinct, handovers)
         expected = {TopicPartition(topic, p): end for p, end in producer.ends.items()}
         wait_for(
-            lambda: store.committed_offsets(name) == expected, 60, "offsets at the partition ends"
+            lambda: store.committed_offsets(name) == expected,
+            SETTLE_S,
+            "offsets at the partition ends",
         )
 
         # the sink asset's materializations name the task and its partitions' rate and lag

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import LOCATION, DagsterHarness, produce, wait_for
+from tests.e2e.conftest import LOCATION, SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 
 CHROMIUM = shutil.which("chromium")
 # Skip before the session's servers start when there is no browser.
@@ -222,16 +222,16 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
     # A run delivers in two rounds, then is terminated: its first progress event and its
     # final one become two materializations with different values to plot.
     run_id = dagster.launch(name)
-    wait_for(lambda: files_lines(sink_dir) == 1_000, 60, "the first 1000 messages in files")
+    wait_for(lambda: files_lines(sink_dir) == 1_000, SETTLE_S, "the first 1000 messages in files")
     wait_for(
         lambda: dagster.store.get(name).counters.get("messages_out") == 1_000,
-        20,
+        SETTLE_S,
         "heartbeat counters",
     )
     produce(tansu, topic_name, 1_500, start=1_000)
-    wait_for(lambda: files_lines(sink_dir) == 2_500, 60, "all 2500 messages in files")
+    wait_for(lambda: files_lines(sink_dir) == 2_500, SETTLE_S, "all 2500 messages in files")
     dagster.terminate(run_id)
-    assert dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, 60) == "CANCELED"
+    assert dagster.wait_status(run_id, {"CANCELED", "FAILURE", "SUCCESS"}, STOP_S) == "CANCELED"
     from dagster import AssetKey
 
     records = dagster.instance().fetch_materializations(AssetKey(sink_path), limit=10).records
@@ -241,8 +241,8 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
     )
     # Evaluate the lag checks so the graph shows their result too.
     check_run = dagster.client.submit_job_execution("lag_checks", repository_location_name=LOCATION)
-    assert dagster.wait_status(check_run, {"SUCCESS", "FAILURE"}, 60) == "SUCCESS", dagster.run_log(
-        check_run
+    assert dagster.wait_status(check_run, {"SUCCESS", "FAILURE"}, STOP_S) == "SUCCESS", (
+        dagster.run_log(check_run)
     )
 
     # The community pop-up shows on 127.0.0.1 until dismissed; dismiss it as the UI does.
@@ -251,9 +251,13 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
 
     # 1. The connector's group in the asset graph: topic -> sink -> dead letters.
     chromium.goto(f"{base}/locations/__repository__@{LOCATION}/asset-groups/connector_{name}")
-    chromium.wait_js(has_tooltips(topic_name, f"{name}_out", name), 30, "the three asset nodes")
     chromium.wait_js(
-        "document.body.innerText.includes('Materialized')", 30, "the sink's latest materialization"
+        has_tooltips(topic_name, f"{name}_out", name), SETTLE_S, "the three asset nodes"
+    )
+    chromium.wait_js(
+        "document.body.innerText.includes('Materialized')",
+        SETTLE_S,
+        "the sink's latest materialization",
     )
     time.sleep(1)  # let the graph finish its layout animation
     chromium.screenshot(img_dir(tmp_path) / "asset-graph.png")
@@ -272,11 +276,11 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
     # 2. The sink asset's page: switch the metadata section to Plots.
     chromium.goto(f"{base}/assets/{'/'.join(sink_path)}")
     plots_button = "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Plots')"
-    chromium.wait_js(f"!!{plots_button}", 30, "the metadata Plots toggle")
+    chromium.wait_js(f"!!{plots_button}", SETTLE_S, "the metadata Plots toggle")
     chromium.js(f"{plots_button}.scrollIntoView({{block: 'start'}}); {plots_button}.click()")
     chromium.wait_js(
         f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}",
-        30,
+        SETTLE_S,
         "one plot per numeric metadata key",
     )
     # Each plot's title is the nearest text above its canvas: the metadata key.
@@ -324,7 +328,9 @@ def rest_api(dagster: DagsterHarness):
         start_new_session=True,
     )
     try:
-        wait_for(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 60, "the API")
+        wait_for(
+            lambda: port_open("127.0.0.1", port) or proc.poll() is not None, SETTLE_S, "the API"
+        )
         assert proc.poll() is None
 
         def call(method: str, path: str, **kw: Any) -> Any:
@@ -385,11 +391,11 @@ def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_ov
         "Array.from(document.querySelectorAll('button'))"
         ".find(b => /^launch run$/i.test(b.textContent.trim()) && !b.disabled)"
     )
-    chromium.wait_js(f"!!document.body && !!{launch}", 60, "the Launch Run button")
+    chromium.wait_js(f"!!document.body && !!{launch}", SETTLE_S, "the Launch Run button")
     chromium.js(f"{launch}.click()")
     run_id = chromium.wait_js(
         "(location.pathname.match(/\\/runs\\/([0-9a-f-]{36})/) || [])[1] || null",
-        60,
+        SETTLE_S,
         "the run page after the launch",
     )
     wait_for(lambda: files_lines(out) == 400, 120, "400 lines from the UI-launched run")
@@ -403,30 +409,32 @@ def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_ov
         lambda: (
             rest_api("GET", f"/connectors/{name}/status").json()["connector"]["state"] == "PAUSED"
         ),
-        30,
+        SETTLE_S,
         "PAUSED",
     )
     produce(tansu, topic_name, 100, start=400)
     hb = dagster.store.get(name).heartbeat_at or 0
-    wait_for(lambda: (dagster.store.get(name).heartbeat_at or 0) > hb + 2, 30, "paused heartbeats")
+    wait_for(
+        lambda: (dagster.store.get(name).heartbeat_at or 0) > hb + 2, SETTLE_S, "paused heartbeats"
+    )
     assert files_lines(out) == 400
     assert dagster.run_status(run_id) == "STARTED"
     chromium.goto(f"{base}/runs/{run_id}")
     chromium.wait_js(
         f"!!document.body && document.body.innerText.includes({json.dumps(f'connector {name}')})",
-        60,
+        SETTLE_S,
         "the run's log in the UI",
     )
     assert rest_api("PUT", f"/connectors/{name}/resume").status_code == 202
-    wait_for(lambda: files_lines(out) == 500, 60, "500 lines after the resume")
+    wait_for(lambda: files_lines(out) == 500, SETTLE_S, "500 lines after the resume")
 
     # Stop over the API: the run ends by itself and the UI shows it finished.
     assert rest_api("PUT", f"/connectors/{name}/stop").status_code == 204
-    assert dagster.wait_status(run_id, {"SUCCESS", "FAILURE", "CANCELED"}, 60) == "SUCCESS"
+    assert dagster.wait_status(run_id, {"SUCCESS", "FAILURE", "CANCELED"}, STOP_S) == "SUCCESS"
     chromium.goto(f"{base}/runs/{run_id}")
     chromium.wait_js(
         "!!document.body && document.body.innerText.includes('Success')",
-        60,
+        SETTLE_S,
         "the run shown Success",
     )
     time.sleep(1)  # let the log view settle
