@@ -125,6 +125,17 @@ The snapshot needs the key columns to be ordered types. `never`: stream only.
 resumable like the first) before the stream goes on from where it was (the changes in between
 come again: converging, with duplicates); the state remembers each id.
 
+**Back into PostgreSQL** (tests/integration/test_cdc_type_corpus.py, slow): `format: debezium`
+with `transform.null_values: pass` on both connectors; the sink connector decodes `op STRING,
+after STRUCT<id INT, ... every other column STRING>`, filters `op IS NULL OR op IN ('r','c','u')`
+(tombstones delete by key with `delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`
+and, for arrays, a PostgreSQL array literal built from the JSON list; with REPLICA IDENTITY FULL
+the target equals the source column by column over the built-in types, NULLs, arrays, a
+TOASTed value, full-precision numerics, NaN and infinities, after a snapshot, inserts, updates,
+a key change and deletes (a truncate is not applied by the sink). Spark's JSON reader writes a
+number inside a json value again (`1.10` -> `1.1`): equal as JSON, while the topic carries the
+value byte for byte.
+
 **Metrics.** Measured every 10 s and sent with the heartbeats: `replication_lag_bytes` (the
 server's WAL end minus the slot's confirmed position; `connector list` shows it in the lag column)
 and `retained_wal_bytes` (WAL kept for the slot), exported as
