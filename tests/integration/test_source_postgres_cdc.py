@@ -377,6 +377,52 @@ def test_a_slot_claimed_by_two_specs_is_refused():
     assert out[0].ok and not out[1].ok
 
 
+def test_the_managed_publication_follows_the_tables(cdc_url):
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"pa_{tag}", f"pb_{tag}"
+    execute(
+        cdc_url, f"CREATE TABLE {a} (id int PRIMARY KEY)", f"CREATE TABLE {b} (id int PRIMARY KEY)"
+    )
+    pub = f"conveyor_pub_{tag}"
+
+    def published():
+        rows = query(
+            cdc_url, "SELECT tablename FROM pg_publication_tables WHERE pubname = %s", (pub,)
+        )
+        return sorted(r[0] for r in rows)
+
+    for tables in ([a], [a, b], [b]):
+        src = source_for(cdc_url, f"pub_{tag}", tables=[f"public.{t}" for t in tables])
+        try:
+            src.init(None)
+        finally:
+            src.close()
+        assert published() == sorted(tables)
+    named = source_for(cdc_url, f"pub2_{tag}", publication="no_such_publication")
+    with pytest.raises(
+        PermanentSourceError, match="publication no_such_publication does not exist"
+    ):
+        named.init(None)
+    named.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"tables": ["public.a;drop"]}, "not a plain 'schema.table' name"),
+        ({"slot": "Bad-Slot"}, "a slot or publication name"),
+        ({"tables": ["public.a"], "key_columns": {"public.b": ["id"]}}, "not among the tables"),
+        ({"resnapshot": {"public.a": "no spaces"}}, "a request id"),
+        ({"tables": ["public.a"], "destinations": {"public.b": "t"}}, "not among the tables"),
+    ],
+)
+def test_bad_config_names_the_field(fields, error):
+    from conveyor.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        build_source({"type": "postgres_cdc", "url": "postgresql://x", **fields})
+
+
 def test_a_table_without_a_key_is_refused_unless_configured(cdc_url):
     tag = uuid.uuid4().hex[:6]
     table = f"nokey_{tag}"
