@@ -903,20 +903,7 @@ class PostgresCDCSource(Source):
 
         common = {"lsn": lsn, "final_lsn": txn.final_lsn, "index": index, "xid": txn.xid}
         if isinstance(msg, pg.Truncate):
-            return [
-                _Change(
-                    "t",
-                    self._relation(oid).qualified,
-                    None,
-                    None,
-                    None,
-                    ts_ms=txn.ts_ms,
-                    extra={"cascade": msg.cascade, "restart_identity": msg.restart_identity},
-                    **common,
-                )
-                for oid in msg.relation_oids
-                if self._wanted(self._relation(oid).qualified)
-            ]
+            return self._truncates(msg, txn, common)
         rel = self._relation(msg.relation_oid)
         if not self._wanted(rel.qualified):
             return []
@@ -959,6 +946,16 @@ class PostgresCDCSource(Source):
                 ts_ms=txn.ts_ms,
                 **common,
             )
+        ]
+
+    def _truncates(self, msg: Any, txn: _Txn, common: dict[str, Any]) -> list[_Change]:
+        """One change per captured table truncated (no key: a table has no row key)."""
+        extra = {"cascade": msg.cascade, "restart_identity": msg.restart_identity}
+        tables = [self._relation(oid).qualified for oid in msg.relation_oids]
+        return [
+            _Change("t", t, None, None, None, ts_ms=txn.ts_ms, extra=extra, **common)
+            for t in tables
+            if self._wanted(t)
         ]
 
     def _relation(self, oid: int) -> Any:
