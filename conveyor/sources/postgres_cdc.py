@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from conveyor import __version__
+from conveyor.core.connection import SECRET_FIELD
 from conveyor.core.errors import ConfigError, PermanentSourceError, TransientSourceError
 from conveyor.core.routing import SourceMode, topic_problem
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
@@ -161,7 +162,10 @@ class PostgresCDCConfig(SourceConfig):
 
     type: Literal["postgres_cdc"] = "postgres_cdc"
     url: str = Field(
-        description="libpq URL of a role with REPLICATION; a password as a ${env:...} reference."
+        description="libpq URL of a role with REPLICATION, e.g. "
+        "postgresql://cdc:${file:/run/secrets/pg}@127.0.0.1:5432/db (secret; a password in it "
+        "must be a reference).",
+        json_schema_extra=SECRET_FIELD,
     )
     slot: str | None = Field(
         default=None,
