@@ -112,7 +112,9 @@ confirms a keepalive's WAL end itself once every message read is confirmed: the 
 ahead of the stored state, over WAL that holds none of the captured changes). kill -9 (after a
 batch is produced, before its state is stored) during the snapshot and during the stream: nothing
 lost, duplicates at most the batch in flight plus, after a snapshot interrupted, the changes
-made since the slot's creation.
+made since the slot's creation. Under `dagster dev` (tests/e2e/test_cdc_e2e.py, slow): the
+scheduler's run creates the slot, snapshots and streams; kill -9 of the run loses nothing and
+duplicates at most one batch; `connector delete --drop-slot` drops the slot.
 
 **Snapshot.** `initial` (default): at the slot's creation the tables are read in key order in
 the exported snapshot (`SET TRANSACTION SNAPSHOT`), `max_records` rows per batch, op `r`;
