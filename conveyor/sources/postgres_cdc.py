@@ -758,7 +758,7 @@ class PostgresCDCSource(Source):
         import psycopg2.extensions as ext
 
         oids = tuple({c[1] for c in info.columns})
-        ext.register_type(ext.new_type(oids, "CONVEYOR_RAW", lambda v, _cur: v), self._snap)
+        ext.register_type(ext.new_type(oids, "conveyor_raw", lambda v, _cur: v), self._snap)
 
     def _snapshot_change(self, info: _TableInfo, row: Any, pos: _Position) -> _Change:
         dec = self._decoder_for()
