@@ -173,6 +173,25 @@ class DagsterHarness:
 FINISHED = {"SUCCESS", "FAILURE", "CANCELED"}
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """An e2e test's time limit covers its own body, not the session's servers it starts
+    first (Spark Connect, the broker, dagster-webserver, each under a deadline of its
+    own): whichever test of a worker needs them first would otherwise pay for them, and
+    pass or fail by the order the tests ran in."""
+    for item in items:
+        if not item.nodeid.startswith("tests/e2e/"):
+            continue
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.kwargs.get("func_only") is not None:
+            continue
+        limit = marker.args[0] if marker is not None and marker.args else None
+        if limit is None and marker is not None:
+            limit = marker.kwargs.get("timeout")
+        if limit is None:
+            limit = float(config.getini("timeout") or 0)
+        item.add_marker(pytest.mark.timeout(limit, func_only=True))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """Before a test's fixtures are torn down (its schema dropped, its files removed), end
