@@ -106,6 +106,10 @@ def run_dev(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, shutdown)
+    # Started in the background, this process inherits SIGINT ignored, and so would every
+    # child (an ignored signal survives exec): `dagster dev` would then never stop on the
+    # SIGINT sent below and leave its webserver, daemon and code server behind.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         bootstrap = os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP")
         if bootstrap:
@@ -202,7 +206,10 @@ def run_dev(
             "127.0.0.1",
         ]
         _say(f"starting Dagster UI on http://127.0.0.1:{dagster_port} (connectors in {connectors})")
-        proc = subprocess.Popen(cmd, env=env)
+        # A session of its own: the fallback below can kill its whole tree (webserver,
+        # daemon, code server), and a Ctrl-C reaches it only through this process, after the
+        # connector runs have committed.
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         children.append(proc)
         return proc.wait()
     except KeyboardInterrupt:
@@ -220,12 +227,21 @@ def run_dev(
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                _kill_tree(p)
         if spark:
             spark.stop()
         if broker:
             broker.stop()
         _say("all processes stopped")
+
+
+def _kill_tree(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a child and, when it leads a session of its own, every process in it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, signal.SIGKILL)
+            return
+    p.kill()
 
 
 def _stop_connector_runs(timeout_s: float = 30.0) -> None:
