@@ -17,9 +17,16 @@ its unchanged TOASTed values (the sink's upsert writes every column).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import psycopg2
@@ -352,21 +359,73 @@ def specs(
 # ------------------------------------------------------------------------------------- tests
 
 
-def test_type_corpus_round_trip_through_cdc_topic_and_sink(
-    dagster: DagsterHarness, tansu: str, cdc_url: str, pg_url: str, pg_schema: str
-) -> None:
+@dataclass
+class Pipeline:
+    """A corpus table in the private cluster, its replica, and the two connectors."""
+
+    dagster: DagsterHarness
+    cdc_url: str
+    pg_url: str
+    tag: str
+    topic: str
+    table: str  # in the private cluster
+    replica: str  # on the machine's PostgreSQL
+    source: dict[str, Any]
+    sink: dict[str, Any]
+
+    def launch(self) -> list[str]:
+        """Write both specs, load them, launch both connectors; their run ids."""
+        for spec in (self.source, self.sink):
+            self.dagster.write_spec(spec)
+        self.dagster.reload()
+        for spec in (self.source, self.sink):
+            row = self.dagster.store.get(spec["name"])
+            assert row.spec_error is None, (spec["name"], row.spec_error)
+        return [self.dagster.launch(self.source["name"]), self.dagster.launch(self.sink["name"])]
+
+    def differences(self) -> list[str]:
+        return differences(as_text(self.cdc_url, self.table), as_text(self.pg_url, self.replica))
+
+    def wait_equal(self, runs: list[str], what: str) -> None:
+        """Until the replica equals the source; fails at once when a run ends."""
+
+        def equal_while_running() -> bool:
+            ended = [r for r in runs if self.dagster.run_status(r) in FINISHED]
+            if ended:
+                log = self.dagster.run_log(ended[0], tail=20)
+                raise AssertionError(f"{what}: run {ended} ended:\n{log}")
+            return not self.differences()
+
+        try:
+            wait_for(equal_while_running, 240, what, interval=1)
+        except AssertionError as e:
+            if "ended" in str(e):
+                raise
+            logs = "\n".join(self.dagster.run_log(r, tail=15) for r in runs)
+            raise AssertionError(f"{what}: {self.differences()[:20]}\n{logs}") from None
+
+
+@pytest.fixture
+def pipeline(dagster: DagsterHarness, cdc_url: str, pg_url: str, pg_schema: str) -> Pipeline:
     tag = uuid.uuid4().hex[:6]
     topic, source_schema = f"cdc_{tag}.corpus", f"s_{tag}"
-    source_table, replica = f"{source_schema}.corpus", f'"{pg_schema}".replica'
+    table, replica = f"{source_schema}.corpus", f'"{pg_schema}".replica'
     execute(
         cdc_url,
         f"CREATE SCHEMA {source_schema}",
         *types_ddl(source_schema),
-        table_ddl(source_table, source_schema),
-        f"ALTER TABLE {source_table} REPLICA IDENTITY FULL",
+        table_ddl(table, source_schema),
+        f"ALTER TABLE {table} REPLICA IDENTITY FULL",
     )
     execute(pg_url, *types_ddl(f'"{pg_schema}"'), table_ddl(replica, f'"{pg_schema}"'))
+    source, sink = specs(tag, cdc_url, table, topic, pg_url, pg_schema)
+    return Pipeline(dagster, cdc_url, pg_url, tag, topic, table, replica, source, sink)
 
+
+def test_type_corpus_round_trip_through_cdc_topic_and_sink(
+    pipeline: Pipeline, tansu: str, cdc_url: str, pg_url: str
+) -> None:
+    source_table, replica, topic = pipeline.table, pipeline.replica, pipeline.topic
     # Rows before the slot: read by the snapshot (op r).
     insert(cdc_url, source_table, 1, FULL_ROW)
     insert(cdc_url, source_table, 2, EXTREME_ROW)
@@ -376,35 +435,8 @@ def test_type_corpus_round_trip_through_cdc_topic_and_sink(
         f"INSERT INTO {source_table} (id, c_int4, c_num20, c_text, a_int) "
         "SELECT g, g, g * 1.01, 'row ' || g, ARRAY[g, NULL] FROM generate_series(100, 159) g",
     )
-
-    source, sink = specs(tag, cdc_url, source_table, topic, pg_url, pg_schema)
-    dagster.write_spec(source)
-    dagster.write_spec(sink)
-    dagster.reload()
-    for spec in (source, sink):
-        row = dagster.store.get(spec["name"])
-        assert row.spec_error is None, (spec["name"], row.spec_error)
-    runs = [dagster.launch(source["name"]), dagster.launch(sink["name"])]
-
-    def converged() -> list[str]:
-        return differences(as_text(cdc_url, source_table), as_text(pg_url, replica))
-
-    def equal_while_running() -> bool:
-        ended = [r for r in runs if dagster.run_status(r) in FINISHED]
-        if ended:
-            raise AssertionError(f"run {ended} ended:\n{dagster.run_log(ended[0], tail=20)}")
-        return not converged()
-
-    def wait_equal(what: str) -> None:
-        try:
-            wait_for(equal_while_running, 240, what, interval=1)
-        except AssertionError as e:
-            if "ended" in str(e):
-                raise
-            logs = "\n".join(dagster.run_log(r, tail=15) for r in runs)
-            raise AssertionError(f"{what}: {converged()[:20]}\n{logs}") from None
-
-    wait_equal("the snapshot in the replica")
+    runs = pipeline.launch()
+    pipeline.wait_equal(runs, "the snapshot in the replica")
 
     # The stream: inserts (one with a TOASTed value), updates (one of only a non-TOASTed
     # column), a key change, deletes, several changes of one row in one transaction.
@@ -429,7 +461,7 @@ def test_type_corpus_round_trip_through_cdc_topic_and_sink(
         cur.execute(f"UPDATE {source_table} SET c_text = 'second' WHERE id = 20")
         cur.execute(f"DELETE FROM {source_table} WHERE id = 21")
         cur.execute(f"UPDATE {source_table} SET c_text = 'third', c_int8 = 1 WHERE id = 20")
-    wait_equal("the stream's changes in the replica")
+    pipeline.wait_equal(runs, "the stream's changes in the replica")
 
     # The unchanged TOASTed value survived the update of the note: not NULL, not a marker.
     got = query(pg_url, f"SELECT md5(c_big), length(c_big), note FROM {replica} WHERE id = 10")
@@ -461,14 +493,113 @@ def test_type_corpus_round_trip_through_cdc_topic_and_sink(
         240,
         "a row inserted after the truncate",
     )
+    # The postgres sink has no truncate: the rows the truncate removed stay in the replica
+    # (not done, see the report of issue 33); the rows written after it are compared.
     after = as_text(cdc_url, source_table)
     assert not differences(after, {i: r for i, r in as_text(pg_url, replica).items() if i in after})
 
-    # The slot advanced over the last change (the sink saw it, so the topic holds it).
+    # The slot advances over the last change once its batch is stored.
     last = [v for k, v in messages_in(tansu, topic) if k == {"id": 2000} and v is not None]
-    flushed = query(
-        cdc_url,
+    slot = f"conveyor_{pipeline.source['name']}"
+    wait_for(lambda: (slot_lsn(cdc_url, slot) or 0) >= last[0]["source"]["lsn"], 60, "the slot")
+
+
+def slot_lsn(url: str, slot: str) -> int | None:
+    rows = query(
+        url,
         "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-        (f"conveyor_{source['name']}",),
+        (slot,),
     )
-    assert parse_lsn(flushed[0][0]) >= last[0]["source"]["lsn"]
+    return parse_lsn(rows[0][0]) if rows and rows[0][0] else None
+
+
+def kill_source_run(pipeline: Pipeline, run_id: str) -> None:
+    """kill -9 of the source connector's run process; the run is then marked failed (no
+    daemon watches runs here) so that the relaunch and the teardown do not wait on it."""
+    row = pipeline.dagster.store.get(pipeline.source["name"])
+    assert row.run_id == run_id and row.run_pid, row
+    os.kill(row.run_pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(row.run_pid), 30, "the run process gone")
+    with pipeline.dagster.instance() as inst:
+        run = inst.get_run_by_id(run_id)
+        assert run is not None
+        inst.report_run_failed(run, message="test: kill -9")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_kill_9_during_snapshot_and_stream_loses_nothing(
+    pipeline: Pipeline, tansu: str, cdc_url: str
+) -> None:
+    """kill -9 of the source connector's run during the snapshot, then during the stream
+    (a writer committing meanwhile), each followed by a relaunch: the replica equals the
+    source; the slot never confirmed a change the topic did not hold; duplicates at most the
+    batches in flight."""
+    table, name = pipeline.table, pipeline.source["name"]
+    slot, batch = f"conveyor_{name}", pipeline.source["batch"]["max_records"]
+    execute(
+        cdc_url,
+        f"INSERT INTO {table} (id, c_int4, c_num20, c_text, a_text) SELECT g, g, g * 1.01, "
+        "'snap ' || g, ARRAY['x' || g, NULL] FROM generate_series(1, 3000) g",
+    )
+    runs = pipeline.launch()
+    store = pipeline.dagster.store
+    wait_for(
+        lambda: (st := store.source_state(name)) is not None and st[1].get("snapshot"),
+        120,
+        "a snapshot batch stored",
+        interval=0.1,
+    )
+    kill_source_run(pipeline, runs[0])
+    assert store.source_state(name)[1].get("snapshot"), "the snapshot ended before the kill"
+    runs[0] = pipeline.dagster.launch(name)
+    pipeline.wait_equal(runs, "the snapshot after the kill")
+
+    # The stream: a writer commits 40 transactions; the run is killed among them.
+    committed: list[tuple[int, range]] = []  # (WAL insert position after the commit, ids)
+
+    def write() -> None:
+        for t in range(40):
+            ids = range(10_000 + t * 25, 10_000 + (t + 1) * 25)
+            execute(
+                cdc_url,
+                f"INSERT INTO {table} (id, c_text, c_int8) SELECT g, 'stream ' || g, g "
+                f"FROM generate_series({ids.start}, {ids.stop - 1}) g",
+                f"UPDATE {table} SET c_text = 'touched' WHERE id = {t + 1}",
+            )
+            committed.append(
+                (parse_lsn(query(cdc_url, "SELECT pg_current_wal_insert_lsn()::text")[0][0]), ids)
+            )
+            time.sleep(0.05)  # pacing only: the kill lands among the commits
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    wait_for(lambda: len(committed) >= 10, 60, "ten transactions committed", interval=0.1)
+    kill_source_run(pipeline, runs[0])
+    at_kill = len(committed)
+    flushed = slot_lsn(cdc_url, slot)
+    in_topic = {k["id"] for k, v in messages_in(tansu, pipeline.topic) if k and v}
+    confirmed = [ids for lsn, ids in list(committed) if flushed is not None and lsn <= flushed]
+    missing = [i for ids in confirmed for i in ids if i not in in_topic]
+    assert not missing, f"the slot confirmed changes not in the topic: {missing[:10]}"
+    writer.join(120)
+    assert len(committed) == 40
+    runs[0] = pipeline.dagster.launch(name)
+    pipeline.wait_equal(runs, "the stream after the kill")
+
+    inserted = Counter(
+        k["id"] for k, v in messages_in(tansu, pipeline.topic) if k and v and v["op"] in "rc"
+    )
+    assert set(inserted) == set(range(1, 3001)) | set(range(10_000, 11_000))
+    dupes = sum(n - 1 for n in inserted.values())
+    assert dupes <= 2 * batch, dupes
+    print(
+        f"stream kill after {len(confirmed)} of {at_kill} committed transactions confirmed by "
+        f"the slot, all in the topic; {dupes} duplicates"
+    )
