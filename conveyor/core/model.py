@@ -16,7 +16,9 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.core.connection import KafkaConnection
+from conveyor.core.errors import FieldRuleError
 from conveyor.core.routing import DestinationRulesSpec
+from conveyor.core.sql_guard import expression_problem
 
 # Matched whole (``fullmatch``): with ``match`` and ``$`` a trailing newline would pass.
 NAME_PATTERN = r"[a-z][a-z0-9_]{0,62}"
@@ -319,6 +321,18 @@ class TransformSpec(_Spec):
         "40,000 records of four fields, docs/BENCHMARKS.md run AU). Source connectors transform one batch "
         "at a time.",
     )
+
+    @model_validator(mode="after")
+    def _expressions_safe(self) -> TransformSpec:
+        """Expressions that could reach beyond the batch on the Spark host are refused
+        (``core.sql_guard``), each naming its field: transform.select[2]."""
+        fields = [("filter", self.filter), ("schema", self.json_schema)]
+        fields += [(f"select[{i}]", e) for i, e in enumerate(self.select or [])]
+        for name, text in fields:
+            problem = None if text is None else expression_problem(text)
+            if problem:
+                raise FieldRuleError(problem, field=name)
+        return self
 
 
 class RetrySpec(_Spec):

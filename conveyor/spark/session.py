@@ -57,6 +57,7 @@ def spark_session(remote: str) -> Any:
                 session = _own[remote] = _unregistered_session(remote)
     _cache_static_confs(session)
     bound_rpcs(session)
+    no_sql_on_files(session)
     with _sessions_lock:
         _sessions.add(session)
         _remote_of.setdefault(session, remote)
@@ -65,6 +66,13 @@ def spark_session(remote: str) -> Any:
             atexit.register(close_spark_sessions)
             _atexit_registered = True
     return session
+
+
+def no_sql_on_files(session: Any) -> None:
+    """Turn off SQL over file paths (``text.`/etc/passwd```) for the session: a transform's
+    expressions read only its batch. ``core.sql_guard`` already refuses subqueries; this is
+    the second lock. A runtime SQL conf, which a Spark Connect client may set."""
+    session.conf.set("spark.sql.runSQLOnFiles", "false")
 
 
 def _unregistered_session(remote: str) -> Any:
