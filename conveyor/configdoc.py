@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import inspect
 import sys
 import textwrap
@@ -84,6 +85,13 @@ def _run_environment() -> list[tuple[str, str, str]]:
             f"`{a.DEFAULT_MMAP_THRESHOLD_KIB}`",
         ),
     ]
+
+
+@functools.cache
+def environment_names() -> frozenset[str]:
+    """Every environment variable Conveyor reads as a setting (the Environment table): the one
+    list a secret reference may never read (``secrets.SecretPolicy``)."""
+    return frozenset(var for var, _meaning, _default in _environment())
 
 
 def _environment() -> list[tuple[str, str, str]]:

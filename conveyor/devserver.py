@@ -294,5 +294,13 @@ def _install_demo(connectors: Path) -> None:
     if not target.exists():
         target.write_text(files.joinpath("orders_localfile.yaml").read_text())
     pg = connectors / "demo_orders_pg.yaml"
-    if os.environ.get("CONVEYOR_DEMO_PG_URL") and not pg.exists():
-        pg.write_text(files.joinpath("orders_postgres.yaml").read_text())
+    url = os.environ.get("CONVEYOR_DEMO_PG_URL")
+    if url and not pg.exists():
+        # A spec may not read Conveyor's own settings: the URL goes to a secret file the
+        # demo connector refers to (the secrets directory's default, $CONVEYOR_HOME/secrets).
+        secret = (connectors.parent / "secrets" / "demo-pg-url").absolute()
+        secret.parent.mkdir(parents=True, exist_ok=True)
+        secret.touch(mode=0o600)
+        secret.write_text(url)
+        text = files.joinpath("orders_postgres.yaml").read_text()
+        pg.write_text(text.replace("url_env: CONVEYOR_DEMO_PG_URL", f"url: ${{file:{secret}}}"))

@@ -36,12 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from conveyor.core import scrubbing
 from conveyor.core.errors import ConfigError
 from conveyor.core.references import (
     REFERENCE,
     UNTERMINATED,
     argument_problem,
+    literal_credential_message,
     literal_credential_problem,
+    whole_reference_problem,
+    with_placeholders,
 )
 from conveyor.store.meta import DEFAULT_HOME
 
@@ -50,8 +54,58 @@ SECRET_FILES_ENV = "CONVEYOR_SECRET_FILES"
 SECRET_ENV_ENV = "CONVEYOR_SECRET_ENV"
 DEFAULT_ENV_PATTERNS = ("CONVEYOR_*",)
 # Conveyor's own credentials and the policy itself: never readable by a spec, whatever the
-# patterns say (a sink URL of the caller's server would carry them there).
+# patterns say (a sink URL of the caller's server would carry them there). So is every other
+# variable Conveyor reads as a setting (``settings_env``: configdoc's environment list).
 DENIED_ENV = ("CONVEYOR_META_URL", "CONVEYOR_API_*", SECRET_FILES_ENV, SECRET_ENV_ENV)
+# A section's fields that say where its secrets are sent (and whether the server is
+# verified): a mask sent back keeps the stored secret only while these are unchanged.
+DESTINATION_FIELDS = frozenset(
+    [
+        "url",
+        "url_env",
+        "urls",
+        "uri",
+        "host",
+        "hosts",
+        "port",
+        "bootstrap_servers",
+        "service_url",
+        "startup_nodes",
+        "endpoint",
+        "vhost",
+        "server_name",
+        "database",
+        "db",
+        "security_protocol",
+        "sasl_mechanism",
+        "tls",
+        "verify_tls",
+        "verify_certs",
+        "ssl_check_hostname",
+        "tls_check_hostname",
+        "tls_validate_hostname",
+        "tls_allow_insecure_connection",
+        "tls_insecure_skip_hostname_check",
+        "ssl_cafile",
+        "tls_ca_file",
+        "ca_certs",
+        "tls_trust_certs_file_path",
+    ]
+)
+_DESTINATION_NAME = re.compile(r"(^|_)(urls?|uri|hosts?|port|servers|nodes|endpoint)$")
+
+
+def is_destination_field(name: str) -> bool:
+    """Whether a config field says where a section's secrets go (``DESTINATION_FIELDS``, or a
+    name ending like one: ``..._url``, ``..._host``, ``..._port``)."""
+    return name in DESTINATION_FIELDS or bool(_DESTINATION_NAME.search(name))
+
+
+def settings_env() -> frozenset[str]:
+    """Every variable Conveyor reads as a setting (the documented environment)."""
+    from conveyor.configdoc import environment_names  # the docs' list is the one list
+
+    return environment_names()
 
 
 @dataclass(frozen=True)
@@ -83,7 +137,7 @@ class SecretPolicy:
         )
 
     def env_allowed(self, name: str) -> bool:
-        if any(fnmatch.fnmatchcase(name, p) for p in DENIED_ENV):
+        if any(fnmatch.fnmatchcase(name, p) for p in DENIED_ENV) or name in settings_env():
             return False
         return any(fnmatch.fnmatchcase(name, p) for p in self.env_patterns)
 
@@ -187,7 +241,9 @@ def check_placement(value: Any, secret_paths: Collection[str], *, field: str = "
                 f"secret field (here: {allowed}); write the value itself",
                 field=f or None,
             )
-        problem = literal_credential_problem(s, key_value=secret)
+        problem = literal_credential_problem(s, key_value=secret) or libpq_credential_problem(
+            s, key_value=secret
+        )
         if problem:
             raise ConfigError(problem, field=f or None)
         if MASK in s:
@@ -205,7 +261,9 @@ def keep_stored_secrets(
     config: Mapping[str, Any], stored: Mapping[str, Any] | None, secret_paths: Collection[str]
 ) -> dict[str, Any]:
     """``config`` with each secret field sent back as exactly ``MASK`` replaced by the stored
-    value (the usual GET, edit, PUT round trip); a mask where nothing is stored is refused."""
+    value (the usual GET, edit, PUT round trip). Refused: a mask where nothing is stored, and
+    a mask in a section whose destination changed (``is_destination_field``: the stored
+    secret would be sent to a server the caller chose)."""
     out: dict[str, Any] = _copy_dicts(config)
     for path in secret_paths:
         keys = path.split(".")
@@ -219,43 +277,46 @@ def keep_stored_secrets(
                 "send the secret as a reference, ${env:NAME} or ${file:/path}",
                 field=path,
             )
+        changed = _changed_destination(parent, _lookup(stored, keys[:-1]))
+        if changed:
+            raise ConfigError(
+                f"re-enter {path}: the destination changed ({changed}), so the stored secret "
+                f"is not kept for it; send the secret (a reference) in place of {MASK!r}",
+                field=path,
+            )
         parent[keys[-1]] = old
     return out
 
 
-def scrub(message: str, written: Any, resolved: Any) -> str:
-    """``message`` with every value a reference in ``written`` resolved to (in ``resolved``,
-    the same structure) masked: an error raised while validating resolved values never
-    carries them, whatever a validator wrote."""
-    values: set[str] = set()
-
-    def collect(before: Any, after: Any) -> None:
-        if isinstance(before, str) and isinstance(after, str) and before != after:
-            values.update(_reference_values(before, after))
-        elif isinstance(before, Mapping) and isinstance(after, Mapping):
-            for k, v in before.items():
-                collect(v, after.get(k))
-        elif isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
-            for b, a in zip(before, after, strict=False):
-                collect(b, a)
-
-    collect(written, resolved)
-    for value in sorted(values, key=len, reverse=True):
-        if len(value) >= 4:  # shorter ones cannot be told from the message's own words
-            message = message.replace(value, MASK)
-    return message
+def _changed_destination(section: Mapping[str, Any], stored: Any) -> str | None:
+    """The first destination field that differs between a section sent and the stored one."""
+    before = stored if isinstance(stored, Mapping) else {}
+    for key in sorted({*section, *before}, key=str):
+        if is_destination_field(str(key)) and section.get(key) != before.get(key):
+            return str(key)
+    return None
 
 
-def _reference_values(before: str, after: str) -> list[str]:
-    """What each reference of ``before`` became in ``after`` (the text around them is kept)."""
-    pattern, last = "", 0
-    for m in _REF.finditer(before):
-        pattern += re.escape(before[last : m.start()])
-        pattern += re.escape(m.group(0)[1:]) if m.group(1) else "(.*?)"
-        last = m.end()
-    pattern += re.escape(before[last:])
-    m = re.fullmatch(pattern, after, re.DOTALL)
-    return [g for g in m.groups() if g] if m else [after]
+def libpq_credential_problem(value: str, *, key_value: bool = True) -> str | None:
+    """Why a PostgreSQL connection string holds a password written literally, as libpq reads
+    it (``parse_dsn``: percent-decoded URI parts and query keys, key/value pairs after a
+    quote), or None. URIs always; with ``key_value`` (a secret field) key/value strings too."""
+    text, placeholders = with_placeholders(value)
+    is_uri = re.match(r"\s*postgres(ql)?://", text, re.IGNORECASE) is not None
+    if not is_uri and not (key_value and "=" in text):
+        return None
+    from psycopg2 import ProgrammingError
+    from psycopg2.extensions import parse_dsn
+
+    try:
+        parsed = parse_dsn(text)
+    except ProgrammingError:
+        return None  # not a connection string libpq would take: nothing it would send
+    for key in ("password", "sslpassword"):
+        cred = parsed.get(key)
+        if cred and cred not in placeholders:
+            return literal_credential_message(f"a '{key}' (as libpq reads the string)")
+    return None
 
 
 def mask_url_passwords(text: str) -> str:
@@ -264,15 +325,20 @@ def mask_url_passwords(text: str) -> str:
 
 
 def mask_literal(value: str) -> str:
-    """A secret field's value as shown: kept when its secret parts are references, else masked.
+    """A secret field's value as shown: exactly one reference, or a URL whose credentials are
+    all references, is shown as written; anything else is masked (a literal secret, and a
+    reference with literal text around it, ``${env:X}suffix``, which may be half a secret).
 
-    ``${env:PG_URL}`` and ``postgresql://app:${env:PG_PW}@db/app`` are shown as written;
-    a value with no reference, or a URL whose password is written literally, is masked.
+    ``${env:PG_URL}`` and ``postgresql://app:${env:PG_PW}@db/app`` are shown as written.
     """
-    if not has_reference(value):
+    if whole_reference_problem(value) is None:
+        return value
+    text, _ = with_placeholders(value)
+    if text == value or not re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text):
         return MASK
-    stripped = _REF.sub("", value)
-    if _url_password(stripped):
+    if literal_credential_problem(value) or libpq_credential_problem(value):
+        return MASK
+    if _url_password(_REF.sub("", value)):
         return MASK
     return value
 
@@ -352,6 +418,7 @@ def _resolve_str(s: str, field: str, env: Mapping[str, str], policy: SecretPolic
                 raise ConfigError(
                     f"{ref}: environment variable {arg} is not set", field=field or None
                 )
+            scrubbing.remember(env[arg], ref)
             return env[arg]
         real = policy.file_allowed(arg)
         if real is None:
@@ -366,7 +433,9 @@ def _resolve_str(s: str, field: str, env: Mapping[str, str], policy: SecretPolic
             raise ConfigError(f"{ref}: cannot read: {e.strerror}", field=field or None) from None
         except UnicodeDecodeError:
             raise ConfigError(f"{ref}: the file is not UTF-8 text", field=field or None) from None
-        return text.rstrip("\r\n")
+        secret = text.rstrip("\r\n")
+        scrubbing.remember(secret, ref)
+        return secret
 
     return _REF.sub(one, s)
 

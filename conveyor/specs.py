@@ -34,6 +34,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
 
+from conveyor.core import scrubbing
 from conveyor.core.connection import SECRET_FIELD, SECRET_FIELDS
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
@@ -46,7 +47,6 @@ from conveyor.secrets import (
     keep_stored_secrets,
     redact,
     resolve,
-    scrub,
 )
 from conveyor.sinks import parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
@@ -353,7 +353,7 @@ def resolved(loaded: LoadedSpec) -> LoadedSpec:
             )
         spec, sink = parse_spec(data, source=loaded.source)
     except ConfigError as e:  # a validator may quote the value: never a secret
-        raise ConfigError(scrub(str(e), written, data)) from None
+        raise ConfigError(scrubbing.scrub(str(e))) from None
     return LoadedSpec(spec.name, loaded.source, spec=spec, sink=sink, raw=data)
 
 

@@ -7,7 +7,9 @@ behind a reference is ``conveyor.secrets.resolve``'s job, in the run only.
 from __future__ import annotations
 
 import re
+import secrets
 from pathlib import PurePosixPath
+from urllib.parse import unquote
 
 PROVIDERS = ("env", "file")
 # ${env:NAME} / ${file:PATH}; `$${` escapes. The argument runs to the first `}`. Any other
@@ -48,18 +50,75 @@ def known_now(value: str | None) -> bool:
 
 # A credential written into a connection string: the password of a URL's user info
 # (postgresql://u:p@h, redis://:p@h, amqp://u:p@h), a query parameter (?password=...), or a
-# libpq key/value pair (host=h password=p). Its value must be a whole reference.
-_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^:@/\s?#]*:(?P<value>[^@/\s?#]*)@")
-_CREDENTIAL_KEYS = (
-    r"(?:password|passwd|pwd|pass|secret|token|api_key|apikey|access_key|sslpassword)"
+# libpq key/value pair (host=h password=p). Its value must be a whole reference. Found as
+# the clients find it, not as a well-behaved URL looks: urllib's netloc (up to the first /?#,
+# user info up to its last '@'), SQLAlchemy's and libpq's user info (any character but '@'
+# after the first ':'), query keys percent-decoded, a key/value pair right after a quote.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_LOOSE_USERINFO = re.compile(r"[^:@/]*:(?P<value>[^@]*)@")
+_CREDENTIAL_KEYS = frozenset(
+    [
+        "password",
+        "passwd",
+        "pwd",
+        "pass",
+        "secret",
+        "token",
+        "api_key",
+        "apikey",
+        "access_key",
+        "sslpassword",
+    ]
 )
-_QUERY_CREDENTIAL = re.compile(
-    rf"[?&;](?P<key>{_CREDENTIAL_KEYS})=(?P<value>[^&#;\s]*)", re.IGNORECASE
+_QUERY_PAIR = re.compile(r"[?&;](?P<key>[^=&;#?\s]+)=(?P<value>[^&#;\s]*)")
+_KEYVALUE_PAIR = re.compile(
+    r"(?:^|(?<=[\s']))(?P<key>[A-Za-z_]+)\s*=\s*(?P<value>'(?:[^'\\]|\\.)*'|[^\s']*)"
 )
-_KEYVALUE_CREDENTIAL = re.compile(
-    rf"(?:^|\s)(?P<key>{_CREDENTIAL_KEYS})\s*=\s*(?P<value>'(?:[^'\\]|\\.)*'|[^\s']*)",
-    re.IGNORECASE,
-)
+
+
+def url_passwords(value: str) -> list[str]:
+    """Every text a client may take as the password of a URL in ``value``, as written."""
+    out = []
+    for m in _SCHEME.finditer(value):
+        rest = value[m.end() :]
+        netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+        if "@" in netloc:
+            out.append(netloc.rsplit("@", 1)[0].partition(":")[2])
+        loose = _LOOSE_USERINFO.match(rest)
+        if loose:
+            out.append(loose.group("value"))
+    return [p for p in out if p]
+
+
+def _credentials(value: str, *, key_value: bool) -> list[tuple[str, str]]:
+    """(what, value) of each credential written in ``value``."""
+    found = [("a URL's password", p) for p in url_passwords(value)]
+    for m in _QUERY_PAIR.finditer(value):
+        key = unquote(m.group("key")).strip().lower()
+        if key in _CREDENTIAL_KEYS:
+            found.append((f"a '{key}=' parameter", m.group("value")))
+    if key_value:
+        for m in _KEYVALUE_PAIR.finditer(value):
+            key = m.group("key").lower()
+            if key in _CREDENTIAL_KEYS:
+                found.append((f"a '{key}=' setting", m.group("value").strip("'")))
+    return found
+
+
+def with_placeholders(value: str) -> tuple[str, frozenset[str]]:
+    """``value`` with each reference replaced by a unique placeholder (letters and digits,
+    which no parser splits or decodes), and the placeholders: a credential in a connection
+    string is then a reference only if it is exactly a placeholder."""
+    nonce = secrets.token_hex(4)
+    used: list[str] = []
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(1):
+            return m.group(0)
+        used.append(f"CONVEYORREF{len(used)}X{nonce}")
+        return used[-1]
+
+    return REFERENCE.sub(one, value), frozenset(used)
 
 
 def literal_credential_problem(value: str, *, key_value: bool = True) -> str | None:
@@ -70,18 +129,16 @@ def literal_credential_problem(value: str, *, key_value: bool = True) -> str | N
     passes: the rule of a Kafka connection's secret fields (``whole_reference_problem``),
     applied inside the string.
     """
-    patterns = [(_URL_PASSWORD, "a URL's password"), (_QUERY_CREDENTIAL, "a '{key}=' parameter")]
-    if key_value:
-        patterns.append((_KEYVALUE_CREDENTIAL, "a '{key}=' setting"))
-    for pattern, what in patterns:
-        for m in pattern.finditer(value):
-            cred = m.group("value").strip("'")
-            if not cred or whole_reference_problem(cred) is None:
-                continue
-            named = what.format(key=m.groupdict().get("key", "").lower())
-            return (
-                f"holds {named} written literally: write it as a reference, ${{env:NAME}} or "
-                "${file:/path} (e.g. postgresql://app:${file:/run/secrets/pg}@db/app); "
-                "a literal credential would be stored and shown"
-            )
+    text, placeholders = with_placeholders(value)
+    for what, cred in _credentials(text, key_value=key_value):
+        if cred and cred not in placeholders:
+            return literal_credential_message(what)
     return None
+
+
+def literal_credential_message(what: str) -> str:
+    return (
+        f"holds {what} written literally: write it as a reference, ${{env:NAME}} or "
+        "${file:/path} (e.g. postgresql://app:${file:/run/secrets/pg}@db/app); "
+        "a literal credential would be stored and shown"
+    )

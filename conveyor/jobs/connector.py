@@ -46,6 +46,7 @@ from conveyor.jobs.runs import (  # noqa: F401 - TAG_* and job_name re-exported 
     end_run,
     job_name,
     next_spec,
+    scrubbed_errors,
 )
 from conveyor.jobs.supervision import supervise
 from conveyor.resources.conveyor import ConveyorResource
@@ -219,6 +220,7 @@ def connector_job(ls: LoadedSpec) -> JobDefinition:
         desc = f"Connector {name} has an invalid spec: {ls.error}"
 
     @op(name=f"run_connector__{name}", description=desc, tags={"kind": "spark"})
+    @scrubbed_errors
     def run_connector_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         use_run_allocators()  # the run's RSS (conveyor/jobs/allocators.py)
         run_connector(context, conveyor, name, ls)

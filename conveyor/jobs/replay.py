@@ -35,6 +35,7 @@ from conveyor.deadletters import (
     letters_as_source_batch,
     sample_rows,
 )
+from conveyor.jobs.runs import scrubbed_errors
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
 from conveyor.spark.session import spark_session
@@ -129,6 +130,7 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
         description=f"Re-send connector {name}'s dead letters through its sink.",
         tags={"kind": "spark"},
     )
+    @scrubbed_errors
     def replay_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         store = conveyor.store()
         row = store.get(name)

@@ -3,19 +3,27 @@ changes, and ending by the outcome table (``core.failure.run_outcome``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from dagster import DagsterRunStatus, Failure, OpExecutionContext, RetryRequested
+from dagster import (
+    DagsterExecutionInterruptedError,
+    DagsterRunStatus,
+    Failure,
+    OpExecutionContext,
+    RetryRequested,
+)
 
 from conveyor.core.errors import AlreadyClaimedError, FencedError
 from conveyor.core.failure import RunEnding, run_outcome
 from conveyor.core.model import ConnectorStatus
+from conveyor.core.scrubbing import chain_holds_secret, scrub, scrubbed_exception
 from conveyor.core.state import StateChange
 from conveyor.processes import pid_alive
 from conveyor.specs import LoadedSpec, load_source, sync_one
@@ -26,6 +34,54 @@ TAG_BROKER = "conveyor/broker"
 TAG_GENERATION = "conveyor/generation"
 
 log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def scrubbed_errors(op_fn: F) -> F:
+    """An op's body whose exceptions never carry a secret this process resolved to Dagster.
+
+    Dagster records the exception an op raises, with its ``__cause__`` / ``__context__``
+    chain, in the event log and the compute logs. An exception whose text (or a cause's)
+    quotes a resolved value (libpq's ``role "<user>" does not exist``) is raised again as the
+    same kind of exception with the scrubbed text (``core.scrubbing``), outside the handler
+    and ``from`` a scrubbed cause or None: the original is in no chain.
+    """
+
+    @functools.wraps(op_fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return op_fn(*args, **kwargs)
+        except BaseException as e:
+            if isinstance(e, DagsterExecutionInterruptedError) or not chain_holds_secret(e):
+                raise
+            error = e
+        replacement, cause = _scrubbed(error)
+        raise replacement.with_traceback(error.__traceback__) from cause
+
+    return body  # type: ignore[return-value]
+
+
+def _scrubbed(error: BaseException) -> tuple[BaseException, BaseException | None]:
+    """A replacement for ``error`` without a secret, and its scrubbed cause (Dagster's own
+    control exceptions keep their kind and settings)."""
+    cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    scrubbed_cause = scrubbed_exception(cause) if cause is not None else None
+    if isinstance(error, Failure):
+        return (
+            Failure(
+                description=scrub(error.description or ""),
+                metadata=error.metadata,
+                allow_retries=error.allow_retries,
+            ),
+            scrubbed_cause,
+        )
+    if isinstance(error, RetryRequested):
+        return (
+            RetryRequested(max_retries=error.max_retries, seconds_to_wait=error.seconds_to_wait),
+            scrubbed_cause,
+        )
+    return scrubbed_exception(error), None
 
 
 def job_name(connector: str) -> str:

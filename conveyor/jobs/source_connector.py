@@ -48,6 +48,7 @@ from conveyor.jobs.runs import (
     end_run,
     job_name,
     next_spec,
+    scrubbed_errors,
 )
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sources import build_source
@@ -263,6 +264,7 @@ def source_connector_job(ls: LoadedSpec) -> JobDefinition:
         desc = f"Connector {name} has an invalid spec: {ls.error}"
 
     @op(name=f"run_connector__{name}", description=desc, tags={"kind": "spark"})
+    @scrubbed_errors
     def run_source_connector_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         use_run_allocators()  # as a sink connector's run (conveyor/jobs/allocators.py)
         run_source_connector(context, conveyor, name, ls)

@@ -34,6 +34,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.scrubbing import scrub
 from conveyor.core.state import StateChange
 from conveyor.store import schema as t
 
@@ -338,6 +339,7 @@ class MetaStore:
         sync that read the file before a delete cannot bring the connector back
         (``UnknownConnectorError``).
         """
+        error = scrub(error) if error is not None else None  # never a resolved secret
         # Unchanged (every tick of the scheduler, for every spec): answered by a read, so the
         # sync takes no write lock when there is nothing to write.
         with self._read() as c:
@@ -595,7 +597,7 @@ class MetaStore:
         if status != row.status:
             values.update(status=status.value, status_since=now)
         if change.error is not None:
-            values["last_error"] = change.error
+            values["last_error"] = scrub(change.error)
         elif status in (ConnectorStatus.RUNNING, ConnectorStatus.IDLE) and status != row.status:
             values["last_error"] = None
         if change.desired is not None:
@@ -775,7 +777,7 @@ class MetaStore:
                 if status == ConnectorStatus.RUNNING and cur.status != status.value:
                     values["last_error"] = None
                 if status == ConnectorStatus.DEGRADED and reason:
-                    values["last_error"] = reason
+                    values["last_error"] = scrub(reason)
                 self._history(
                     c,
                     name,
@@ -786,7 +788,7 @@ class MetaStore:
                     generation,
                 )
             if error is not None:
-                values["last_error"] = error
+                values["last_error"] = scrub(error)
             c.execute(
                 t.connectors.update()
                 .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
@@ -1001,7 +1003,7 @@ class MetaStore:
                 at=self.clock(),
                 from_status=from_status.value if from_status else None,
                 to_status=to_status.value,
-                reason=reason[:4000],
+                reason=scrub(reason)[:4000],
                 run_id=run_id,
                 generation=generation,
             )

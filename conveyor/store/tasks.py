@@ -41,6 +41,7 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import DesiredState, Offsets, TopicPartition
+from conveyor.core.scrubbing import scrub
 from conveyor.core.tasks import TaskDecision, TaskGroup, TaskPolicy, TaskSample, TaskView
 from conveyor.store import schema as t
 from conveyor.store.meta import MetaStore, drop_tasks
@@ -201,7 +202,7 @@ class TaskStore:
                 at=self.meta.clock(),
                 from_status=row.status,
                 to_status=row.status,
-                reason=reason[:4000],
+                reason=scrub(reason)[:4000],
                 run_id=None,
                 generation=row.generation,
             )
