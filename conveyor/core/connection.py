@@ -79,6 +79,47 @@ def option_secret_problem(name: str) -> str | None:
     return None
 
 
+# Client options that would load code, run a command or read a file on the run's host
+# (librdkafka's and kafka-python's names, compared lower-cased with '.' and '-' as '_').
+_LOADS_CODE = "loads native code into the run's process"
+_HOST_OPTIONS: dict[str, str] = {
+    "plugin_library_paths": _LOADS_CODE,
+    "ssl_engine_location": _LOADS_CODE,
+    "ssl_engine_id": _LOADS_CODE + " (an OpenSSL engine)",
+    "ssl_providers": _LOADS_CODE + " (OpenSSL providers)",
+    "sasl_kerberos_kinit_cmd": "is a shell command the client runs",
+    "sasl_kerberos_principal": "is put into the kinit shell command the client runs",
+    "sasl_kerberos_keytab": "reads a keytab file on the run's host",
+}
+_FILE_SUFFIXES = ("_location", "file", "_keytab", "_path", "_paths", "_cmd")
+_OAUTH_PREFIXES = ("sasl_oauthbearer_", "enable_sasl_oauthbearer_")
+
+
+def option_host_problem(name: str) -> str | None:
+    """Why the client option ``name`` may not be passed through because it reaches the
+    run's host (loads code, runs a command, reads a file), or None."""
+    low = name.strip().lower().replace(".", "_").replace("-", "_")
+    why = _HOST_OPTIONS.get(low)
+    if why is None and low.startswith(_OAUTH_PREFIXES):
+        why = (
+            "configures OAUTHBEARER outside the connection (token requests to any URL, key "
+            "files); use sasl_mechanism OAUTHBEARER with sasl_oauthbearer_token"
+        )
+    if why is None and low.endswith("_pem"):
+        why = (
+            "holds certificate or key material outside the connection; use the connection's "
+            "ssl_cafile, ssl_certfile and ssl_keyfile"
+        )
+    if why is None and (low.startswith("plugin_") or low.endswith(_FILE_SUFFIXES)):
+        why = (
+            "names a file or program on the run's host; certificates and keys are the "
+            "connection's ssl_cafile, ssl_certfile and ssl_keyfile"
+        )
+    if why is None:
+        return None
+    return f"{name!r} {why}: client_options may not load code, run commands or read host files"
+
+
 class KafkaConnection(BaseModel):
     """Connection settings shared by every Kafka client Conveyor opens."""
 
@@ -144,7 +185,9 @@ class KafkaConnection(BaseModel):
         default_factory=dict,
         description="Other settings passed to the Kafka client as they are, under the client's own names "
         "(kafka-python: `fetch_min_bytes`, `metadata_max_age_ms`...). Settings Conveyor owns (group, "
-        "offsets, security) and anything that looks like a secret are refused.",
+        "offsets, security), anything that looks like a secret and anything that loads code, runs a command "
+        "or reads a file on the run's host (plugin.library.paths, sasl.kerberos.kinit.cmd, *.location, "
+        "sasl.oauthbearer.*...) are refused.",
     )
 
     @field_validator("sasl_password", "sasl_oauthbearer_token", "ssl_key_password")
@@ -173,7 +216,7 @@ class KafkaConnection(BaseModel):
         cls, v: dict[str, str | int | float | bool]
     ) -> dict[str, str | int | float | bool]:
         for name in v:
-            problem = option_secret_problem(name)
+            problem = option_host_problem(name) or option_secret_problem(name)
             if problem:
                 raise ValueError(problem)
         return v
