@@ -299,14 +299,18 @@ class TransformSpec(_Spec):
     )
     filter: str | None = Field(
         default=None,
-        description="Spark SQL boolean expression; rows where it is not true are skipped (and committed).",
+        description="Spark SQL boolean expression; rows where it is not true are skipped (and committed). "
+        "Like select, it reads only the batch (see select).",
     )
     select: list[str] | None = Field(
         default=None,
         description="Spark SQL expressions for the output columns (default: all payload columns). They may use "
         "the message columns __topic, __partition, __offset, __timestamp, __timestamp_type, __key, __headers "
         "and (with null_values: pass) __tombstone; "
-        "an expression named __destination routes the row (sinks with use_destination or ${destination}).",
+        "an expression named __destination routes the row (sinks with use_destination or ${destination}). "
+        "Refused: reflect, java_method, try_reflect, IDENTIFIER(...)(...), protobuf and Avro functions, "
+        "subqueries (SELECT, or FROM/TABLE/VALUES/WITH after '(') and USING (script transforms); write a "
+        "column named like one of these words in backticks.",
     )
     rename: dict[str, str] = Field(
         default_factory=dict, description="Output column renames, old -> new."
