@@ -35,7 +35,7 @@ def remember(value: str, reference: str = "") -> None:
     if len(value) < MIN_LENGTH:
         return
     shown = reference if reference and value not in reference else HIDDEN
-    forms = {value, quote(value, safe=""), quote(value), quote_plus(value)}
+    forms = {value, quote(value, safe=""), quote(value), quote_plus(value), quote_plus(value, "/")}
     forms.add(json.dumps(value)[1:-1])  # a value quoted in JSON or a repr
     forms.add(repr(value)[1:-1])
     with _lock:
