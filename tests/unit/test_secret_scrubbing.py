@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from urllib.parse import quote
 
 import psycopg2
+import psycopg2.extensions
 import pytest
 from dagster import Failure, RetryRequested
 
@@ -24,6 +25,7 @@ from conveyor.secrets import (
     check_placement,
     is_destination_field,
     keep_stored_secrets,
+    libpq_credential_problem,
     mask_literal,
     resolve,
 )
@@ -206,6 +208,25 @@ def test_a_literal_credential_is_refused_however_it_is_written(value: str) -> No
 @pytest.mark.parametrize("value", REFERENCES)
 def test_credentials_given_as_references_pass(value: str) -> None:
     check_placement({"sink": {"url": value}}, {"sink.url"})
+
+
+def test_libpq_reads_every_postgresql_string_the_way_the_client_will() -> None:
+    """The PostgreSQL rule is libpq's own parser: on its own it refuses each PostgreSQL
+    string of the corpus (``POSTGRESQL://`` is no URI to libpq) and passes each reference."""
+    for value in LITERAL:
+        if value.startswith(("postgres", "host=", "dbname=")) and _libpq_takes(value):
+            assert libpq_credential_problem(value), value
+    for value in REFERENCES:
+        if value.startswith(("postgres", "host=")):
+            assert libpq_credential_problem(value) is None, value
+
+
+def _libpq_takes(value: str) -> bool:
+    try:
+        psycopg2.extensions.parse_dsn(value.replace("${env:CONVEYOR_X}", "ref"))
+    except psycopg2.ProgrammingError:  # libpq would not connect with it at all
+        return False
+    return True
 
 
 # -- M2: the mask keeps a secret only for the same destination ---------------------------
