@@ -449,7 +449,8 @@ def test_type_corpus_round_trip_through_cdc_topic_and_sink(
     execute(
         cdc_url,
         f"UPDATE {source_table} SET c_num = '-0.000000000000000000000000000000000001', "
-        "c_float8 = 'NaN', c_text = NULL, a_text = '{\"x,y\",\"}{\"}', c_mood = 'ok' WHERE id = 1",
+        "c_float8 = 'NaN', c_text = NULL, a_text = '{\"x,y\",\"}{\"}', c_mood = 'ok', "
+        "c_ts = '0044-03-15 12:00:00.5 BC', c_tstz = '0044-03-15 12:00:00.5+00 BC' WHERE id = 1",
         f'UPDATE {source_table} SET c_int2 = 7, c_json = \'{{"set": "later"}}\', '
         "c_bytea = '\\x00'::bytea, a_int2d = '{{5}}' WHERE id = 3",
         f"UPDATE {source_table} SET id = 1000 WHERE id = 2",  # a key change
@@ -603,3 +604,20 @@ def test_kill_9_during_snapshot_and_stream_loses_nothing(
         f"stream kill after {len(confirmed)} of {at_kill} committed transactions confirmed by "
         f"the slot, all in the topic; {dupes} duplicates"
     )
+
+
+def test_a_json_null_is_not_sql_null(pipeline: Pipeline, tansu: str, cdc_url: str) -> None:
+    """A jsonb column holding the JSON value null and one holding SQL NULL must arrive as
+    different changes, or no sink can write each back as it was (issue 33: values exact for
+    every built-in type). Encoding-neutral: only that the two ``after`` values differ."""
+    table = pipeline.table
+    execute(
+        cdc_url,
+        f"INSERT INTO {table} (id, c_jsonb, c_json) VALUES (1, 'null', 'null'), (2, NULL, NULL)",
+    )
+    pipeline.launch()
+    wait_for(lambda: len(messages_in(tansu, pipeline.topic)) >= 2, 120, "both rows in the topic")
+    after = {k["id"]: v["after"] for k, v in messages_in(tansu, pipeline.topic)}
+    for column in ("c_jsonb", "c_json"):
+        a, b = (after[1].get(column, "absent"), after[2].get(column, "absent"))
+        assert a != b, f"{column}: JSON null and SQL NULL both arrive as {a!r}"
