@@ -4,14 +4,19 @@
 delete) -> a replica table of the same definition on the machine's PostgreSQL. The replica
 must equal the source column by column (``col::text``), after a snapshot, inserts, updates
 (one touching only a non-TOASTed column of a row with a 128 KB TOASTed value), a key change,
-deletes and a truncate.
+deletes and a truncate; and again after kill -9 of the source connector's run during the
+snapshot and during the stream, the slot never confirming a change the topic does not hold.
 
-The sink's configuration is what a user replicating into PostgreSQL writes (docs/CONFIG.md,
-postgres_cdc, "Replicating into PostgreSQL"): every column decoded as STRING and cast by
-PostgreSQL from its text form (exact for numerics of any precision, NaN, infinities, dates BC),
-bytea from base64 by ``unbase64``, arrays built into PostgreSQL's array literal
-(``pg_array``), and the source table in REPLICA IDENTITY FULL so that an update carries
-its unchanged TOASTed values (the sink's upsert writes every column).
+The sink's configuration is what a user replicating into PostgreSQL writes: every column
+decoded as STRING and cast by PostgreSQL from its text form (exact for numerics of any
+precision, NaN, infinities, dates BC; Spark's DECIMAL stops at 38 digits), bytea from base64
+by ``unbase64``, json as VARIANT written back by ``to_json``, arrays built into PostgreSQL's
+array literal (``pg_array``), and the source table in REPLICA IDENTITY FULL so that an update
+carries its unchanged TOASTed values (the sink's upsert writes every column: with the default
+identity they would become NULL). Not carried, so not compared: what a truncate removed (the
+postgres sink has no truncate), a json value's text (spaces, key order; numbers as Spark
+writes them: compared as JSON values), array lower bounds. ``test_a_json_null_is_not_sql_null``
+fails today: a JSON null in a json column arrives like SQL NULL.
 """
 
 from __future__ import annotations
@@ -422,6 +427,35 @@ def pipeline(dagster: DagsterHarness, cdc_url: str, pg_url: str, pg_schema: str)
     return Pipeline(dagster, cdc_url, pg_url, tag, topic, table, replica, source, sink)
 
 
+def stream_changes(url: str, table: str) -> tuple[str, int]:
+    """Inserts (one with a TOASTed value), updates (one of only a non-TOASTed column), a key
+    change, deletes, several changes of one row in one transaction; the md5 and length of the
+    TOASTed value of row 10."""
+    insert(url, table, 10, FULL_ROW)
+    insert(url, table, 11, EXTREME_ROW)
+    execute(url, f"INSERT INTO {table} (id) VALUES (12)")
+    big = query(url, f"SELECT md5(c_big), length(c_big) FROM {table} WHERE id = 10")[0]
+    assert big[1] == 4096 * 32
+    execute(url, f"UPDATE {table} SET note = 'only the note' WHERE id = 10")
+    execute(
+        url,
+        f"UPDATE {table} SET c_num = '-0.000000000000000000000000000000000001', "
+        "c_float8 = 'NaN', c_text = NULL, a_text = '{\"x,y\",\"}{\"}', c_mood = 'ok', "
+        "c_ts = '0044-03-15 12:00:00.5 BC', c_tstz = '0044-03-15 12:00:00.5+00 BC' WHERE id = 1",
+        f'UPDATE {table} SET c_int2 = 7, c_json = \'{{"set": "later"}}\', '
+        "c_bytea = '\\x00'::bytea, a_int2d = '{{5}}' WHERE id = 3",
+        f"UPDATE {table} SET id = 1000 WHERE id = 2",  # a key change
+        f"DELETE FROM {table} WHERE id IN (101, 102, 103)",
+        f"UPDATE {table} SET c_text = 'after ' || id WHERE id BETWEEN 140 AND 149",
+    )
+    with psycopg2.connect(url) as c, c.cursor() as cur:  # one transaction
+        cur.execute(f"INSERT INTO {table} (id, c_text) VALUES (20, 'first'), (21, 'gone')")
+        cur.execute(f"UPDATE {table} SET c_text = 'second' WHERE id = 20")
+        cur.execute(f"DELETE FROM {table} WHERE id = 21")
+        cur.execute(f"UPDATE {table} SET c_text = 'third', c_int8 = 1 WHERE id = 20")
+    return big
+
+
 def test_type_corpus_round_trip_through_cdc_topic_and_sink(
     pipeline: Pipeline, tansu: str, cdc_url: str, pg_url: str
 ) -> None:
@@ -438,30 +472,7 @@ def test_type_corpus_round_trip_through_cdc_topic_and_sink(
     runs = pipeline.launch()
     pipeline.wait_equal(runs, "the snapshot in the replica")
 
-    # The stream: inserts (one with a TOASTed value), updates (one of only a non-TOASTed
-    # column), a key change, deletes, several changes of one row in one transaction.
-    insert(cdc_url, source_table, 10, FULL_ROW)
-    insert(cdc_url, source_table, 11, EXTREME_ROW)
-    execute(cdc_url, f"INSERT INTO {source_table} (id) VALUES (12)")
-    big = query(cdc_url, f"SELECT md5(c_big), length(c_big) FROM {source_table} WHERE id = 10")[0]
-    assert big[1] == 4096 * 32
-    execute(cdc_url, f"UPDATE {source_table} SET note = 'only the note' WHERE id = 10")
-    execute(
-        cdc_url,
-        f"UPDATE {source_table} SET c_num = '-0.000000000000000000000000000000000001', "
-        "c_float8 = 'NaN', c_text = NULL, a_text = '{\"x,y\",\"}{\"}', c_mood = 'ok', "
-        "c_ts = '0044-03-15 12:00:00.5 BC', c_tstz = '0044-03-15 12:00:00.5+00 BC' WHERE id = 1",
-        f'UPDATE {source_table} SET c_int2 = 7, c_json = \'{{"set": "later"}}\', '
-        "c_bytea = '\\x00'::bytea, a_int2d = '{{5}}' WHERE id = 3",
-        f"UPDATE {source_table} SET id = 1000 WHERE id = 2",  # a key change
-        f"DELETE FROM {source_table} WHERE id IN (101, 102, 103)",
-        f"UPDATE {source_table} SET c_text = 'after ' || id WHERE id BETWEEN 140 AND 149",
-    )
-    with psycopg2.connect(cdc_url) as c, c.cursor() as cur:  # one transaction
-        cur.execute(f"INSERT INTO {source_table} (id, c_text) VALUES (20, 'first'), (21, 'gone')")
-        cur.execute(f"UPDATE {source_table} SET c_text = 'second' WHERE id = 20")
-        cur.execute(f"DELETE FROM {source_table} WHERE id = 21")
-        cur.execute(f"UPDATE {source_table} SET c_text = 'third', c_int8 = 1 WHERE id = 20")
+    big = stream_changes(cdc_url, source_table)
     pipeline.wait_equal(runs, "the stream's changes in the replica")
 
     # The unchanged TOASTed value survived the update of the note: not NULL, not a marker.
@@ -535,6 +546,23 @@ def pid_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+def write_transactions(url: str, table: str, committed: list[tuple[int, range]]) -> None:
+    """40 transactions of 25 inserts and an update; each recorded with the WAL insert
+    position after its commit."""
+    for t in range(40):
+        ids = range(10_000 + t * 25, 10_000 + (t + 1) * 25)
+        execute(
+            url,
+            f"INSERT INTO {table} (id, c_text, c_int8) SELECT g, 'stream ' || g, g "
+            f"FROM generate_series({ids.start}, {ids.stop - 1}) g",
+            f"UPDATE {table} SET c_text = 'touched' WHERE id = {t + 1}",
+        )
+        committed.append(
+            (parse_lsn(query(url, "SELECT pg_current_wal_insert_lsn()::text")[0][0]), ids)
+        )
+        time.sleep(0.05)  # pacing only: the kill lands among the commits
+
+
 def test_kill_9_during_snapshot_and_stream_loses_nothing(
     pipeline: Pipeline, tansu: str, cdc_url: str
 ) -> None:
@@ -565,21 +593,9 @@ def test_kill_9_during_snapshot_and_stream_loses_nothing(
     # The stream: a writer commits 40 transactions; the run is killed among them.
     committed: list[tuple[int, range]] = []  # (WAL insert position after the commit, ids)
 
-    def write() -> None:
-        for t in range(40):
-            ids = range(10_000 + t * 25, 10_000 + (t + 1) * 25)
-            execute(
-                cdc_url,
-                f"INSERT INTO {table} (id, c_text, c_int8) SELECT g, 'stream ' || g, g "
-                f"FROM generate_series({ids.start}, {ids.stop - 1}) g",
-                f"UPDATE {table} SET c_text = 'touched' WHERE id = {t + 1}",
-            )
-            committed.append(
-                (parse_lsn(query(cdc_url, "SELECT pg_current_wal_insert_lsn()::text")[0][0]), ids)
-            )
-            time.sleep(0.05)  # pacing only: the kill lands among the commits
-
-    writer = threading.Thread(target=write, daemon=True)
+    writer = threading.Thread(
+        target=write_transactions, args=(cdc_url, table, committed), daemon=True
+    )
     writer.start()
     wait_for(lambda: len(committed) >= 10, 60, "ten transactions committed", interval=0.1)
     kill_source_run(pipeline, runs[0])
