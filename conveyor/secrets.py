@@ -15,7 +15,8 @@ secret into data or an error), and reads only what the operator allows (``Secret
 files under ``$CONVEYOR_SECRET_FILES`` (comma-separated directories; default
 ``$CONVEYOR_HOME/secrets``), the path resolved (symlinks, no ``..``) before the check;
 variables whose names match ``$CONVEYOR_SECRET_ENV`` (comma-separated patterns; default
-``CONVEYOR_*``), never Conveyor's own credentials and settings (``DENIED_ENV``).
+``CONVEYOR_*``), never Conveyor's own credentials and settings (``DENIED_ENV`` and every
+variable of configdoc's Environment table, ``settings_env``).
 
 Contract: references are resolved by ``resolve`` only in the process that runs
 the data path (the connector op, a dead-letter replay, an offsets reset that asks
@@ -23,7 +24,9 @@ Kafka), right before the config is validated for use. Everything else (the meta
 store, the Dagster UI and asset metadata, the CLI, the REST API, logs) sees the
 spec as written with ``redact``: references shown as they are, secrets written
 literally replaced by ``MASK``. Error messages name the field and the reference,
-never the value.
+never the value: ``resolve`` remembers every value it returns (``core.scrubbing``), and
+the run scrubs them out of the errors, history and logs it writes and the exceptions it
+raises.
 """
 
 from __future__ import annotations
