@@ -76,23 +76,29 @@ _KEYVALUE_PAIR = re.compile(
 )
 
 
-def url_passwords(value: str) -> list[str]:
-    """Every text a client may take as the password of a URL in ``value``, as written."""
+def url_passwords(value: str, *, spaces: bool = True) -> list[str]:
+    """Every text a client may take as the password of a URL in ``value``, as written.
+
+    ``spaces=False`` (a text that is not a connection string: a description, a template)
+    ends a URL at whitespace and reads no ``/`` into a password, so prose and paths after it
+    (``http://h:8080/page@anchor``, ``... contact ops@example.com``) are not user info."""
     out = []
     for m in _SCHEME.finditer(value):
         rest = value[m.end() :]
+        if not spaces:
+            rest = re.split(r"\s", rest, maxsplit=1)[0]
         netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
         if "@" in netloc:
             out.append(netloc.rsplit("@", 1)[0].partition(":")[2])
         loose = _LOOSE_USERINFO.match(rest)
-        if loose:
+        if loose and (spaces or "/" not in loose.group("value")):
             out.append(loose.group("value"))
     return [p for p in out if p]
 
 
 def _credentials(value: str, *, key_value: bool) -> list[tuple[str, str]]:
     """(what, value) of each credential written in ``value``."""
-    found = [("a URL's password", p) for p in url_passwords(value)]
+    found = [("a URL's password", p) for p in url_passwords(value, spaces=key_value)]
     for m in _QUERY_PAIR.finditer(value):
         key = unquote(m.group("key")).strip().lower()
         if key in _CREDENTIAL_KEYS:

@@ -210,6 +210,13 @@ def test_credentials_given_as_references_pass(value: str) -> None:
     check_placement({"sink": {"url": value}}, {"sink.url"})
 
 
+def test_urls_in_prose_of_other_fields_are_not_read_as_credentials() -> None:
+    prose = "docs at http://wiki:8080/page@anchor; mail http://lists.example ops@example.com"
+    check_placement({"description": prose, "sink": {"url": REFERENCES[0]}}, {"sink.url"})
+    with pytest.raises(ConfigError, match=r"^description: holds a URL's password"):
+        check_placement({"description": "http://u:hunter2@h"}, {"sink.url"})
+
+
 def test_libpq_reads_every_postgresql_string_the_way_the_client_will() -> None:
     """The PostgreSQL rule is libpq's own parser: on its own it refuses each PostgreSQL
     string of the corpus (``POSTGRESQL://`` is no URI to libpq) and passes each reference."""
