@@ -62,7 +62,7 @@ no lookup, or an OID the lookup does not know, the value is the string as printe
 Notes: bpchar keeps its padding ("ab   "); money follows the server's lc_monetary; bytea in
 the escape format is read too; a json value with a key twice keeps the last (as PostgreSQL's
 ``->`` does); JSON nested deeper than Python's recursion limit (~1000) is a
-``ValueDecodeError``. Write decoded rows with ``dumps`` (``json.dumps`` with
+``ValueDecodeError``. Write decoded rows with ``strict_json.dumps`` (``json.dumps`` with
 ``separators=(",", ":")`` and ``default=str``, plus JsonNumber literals written raw).
 """
 
@@ -72,13 +72,13 @@ import base64
 import binascii
 import enum
 import functools
-import json
 import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, ClassVar, Final, Literal, TypeAlias
+
+from conveyor.sources.strict_json import EXACT_DECODER
 
 
 class Unchanged(enum.Enum):
@@ -407,103 +407,14 @@ def parse_message(data: bytes) -> PgOutputMessage:
 # ---------------------------------------------------------------------------- JSON numbers
 
 
-class JsonNumber(Decimal):
-    """A JSON number Python's float or int would not write back as written (1.10, 1e5, -0):
-    its value as a Decimal, ``str()`` the literal, written raw by ``dumps``."""
-
-    literal: str
-
-    def __new__(cls, literal: str) -> JsonNumber:
-        self = super().__new__(cls, literal)
-        self.literal = literal
-        return self
-
-    def __str__(self) -> str:
-        return self.literal
-
-    def __repr__(self) -> str:
-        return f"JsonNumber({self.literal!r})"
-
-
-_INT_DIGITS_MAX: Final = 4000  # below Python's int <-> str conversion limit (4300)
-
-
-def _json_int(literal: str) -> int | JsonNumber:
-    if literal == "-0" or len(literal) > _INT_DIGITS_MAX:
-        return JsonNumber(literal)
-    return int(literal)
-
-
-def _json_float(literal: str) -> float | JsonNumber:
-    f = float(literal)
-    return f if repr(f) == literal else JsonNumber(literal)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-_JSON_DECODER: Final = json.JSONDecoder(
-    parse_int=_json_int, parse_float=_json_float, parse_constant=_no_constant
-)
-
-
 def parse_json(text: str) -> Any:
     """A JSON text with its numbers exact (see ``JsonNumber``); ValueDecodeError if invalid."""
     try:
-        return _JSON_DECODER.decode(text)
+        return EXACT_DECODER.decode(text)
     except RecursionError:
         raise ValueDecodeError("JSON nested deeper than the decoder's recursion limit") from None
     except ValueError as e:
         raise ValueDecodeError(f"invalid JSON: {e}") from None
-
-
-class _NeedsExact(Exception):
-    """A JsonNumber met by the C encoder: ``dumps`` takes its exact path."""
-
-
-def _plain_default(o: Any) -> Any:
-    if isinstance(o, JsonNumber):
-        raise _NeedsExact
-    return str(o)
-
-
-_PLAIN = json.JSONEncoder(separators=(",", ":"), default=str)
-_FAST = json.JSONEncoder(separators=(",", ":"), default=_plain_default)
-
-
-class _Token(str):
-    """Punctuation already encoded, on ``dumps``'s work stack."""
-
-
-def dumps(value: Any) -> str:
-    """``json.dumps(value, separators=(",", ":"), default=str)``, except that a JsonNumber is
-    written as its literal (so a json/jsonb column comes out byte-exact in its numbers)."""
-    try:
-        return _FAST.encode(value)
-    except _NeedsExact:
-        pass
-    out: list[str] = []
-    todo: list[Any] = [value]
-    while todo:  # iterative: as deep as json.loads could parse, without recursion
-        o = todo.pop()
-        if isinstance(o, _Token):
-            out.append(o)
-        elif isinstance(o, JsonNumber):
-            out.append(o.literal)
-        elif isinstance(o, dict):
-            todo.append(_Token("}"))
-            for i, (k, v) in reversed(list(enumerate(o.items()))):
-                todo.extend((v, _Token(("," if i else "") + _PLAIN.encode(str(k)) + ":")))
-            todo.append(_Token("{"))
-        elif isinstance(o, (list, tuple)):
-            todo.append(_Token("]"))
-            for i, v in reversed(list(enumerate(o))):
-                todo.extend((v, _Token("," if i else "")))
-            todo.append(_Token("["))
-        else:
-            out.append(_PLAIN.encode(o))
-    return "".join(out)
 
 
 # ---------------------------------------------------------------------------- arrays

@@ -296,6 +296,9 @@ class PostgresCDCConfig(SourceConfig):
     def owned_resources(self, connector: str) -> tuple[str, ...]:
         return (f"replication slot {self.for_connector(connector).slot}",)
 
+    def named_after(self, connector: str) -> tuple[str, ...]:
+        return (f"replication slot {default_slot(connector)}",)
+
     @property
     def slot_name(self) -> str:
         if self.slot is None:
@@ -521,7 +524,30 @@ class PostgresCDCSource(Source):
                     f"replication slot {self.config.slot_name} is gone: changes since the stored "
                     "state are lost; set snapshot: when_needed or reset the state"
                 )
+        elif slot:
+            slot = self._leftover_slot()
         self._start = (state, self._first_state(created=not slot))
+
+    def _leftover_slot(self) -> list[Any]:
+        """No stored state but the slot exists (left by a deleted connector of that name): its
+        position is not this connector's. never: stream from it; when_needed: drop it (a new
+        one and a snapshot follow); initial: refuse (a snapshot now plus the slot's changes
+        since would deliver rows twice)."""
+        name = self.config.slot_name
+        if self.config.snapshot == "never":
+            return [name]
+        if self.config.snapshot == "when_needed":
+            self._wait_inactive()
+            self._run("SELECT pg_drop_replication_slot(%s)", (name,))
+            return []
+        raise PermanentSourceError(
+            f"replication slot {name} already exists but this connector has no stored state "
+            "(a slot left by a deleted connector?); a snapshot now would repeat the changes "
+            f"the slot kept. Drop it with `conveyor connector delete NAME --drop-slot` before "
+            "re-creating the connector, or set snapshot: never to resume streaming from the "
+            "slot without a snapshot, or snapshot: when_needed to drop and recreate it and "
+            "take a fresh snapshot"
+        )
 
     def _first_state(self, *, created: bool) -> State:
         """The state a first start polls from: the snapshot to read, then the stream."""
@@ -1130,7 +1156,7 @@ def _conveyor(c: _Change) -> dict[str, Any]:
 
 
 def _json(value: Any) -> bytes:
-    from conveyor.sources.pgoutput import dumps
+    from conveyor.sources.strict_json import dumps
 
     return dumps(value).encode()
 

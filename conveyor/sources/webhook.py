@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
 from collections import deque
@@ -53,9 +52,11 @@ is read when its Content-Length says so, and otherwise as soon as the limit is p
 streams (chunked): the server stops reading, so the sender cannot push much more than the limit;
 a request head not complete within `header_timeout_s`, or a body within `body_timeout_s`
 (slowloris), gets 408 and the connection is closed; requests over `max_concurrent_requests` get
-503 at once; `NaN`, `Infinity`, numbers beyond a double, nesting too deep for the parser and
-bodies not in UTF-8 get 400 with a short reason. Messages are passed on as the JSON received
-(re-serialized compactly).
+503 at once; `NaN`, `Infinity`, numbers beyond a double, a `\\ud800`-style escape without its
+pair (no Unicode text), nesting too deep for the parser and bodies not in UTF-8 get 400 with a
+short reason (a 200 means every object of the body is stored). Messages are passed on as the JSON
+received, re-serialized compactly with every number exactly as written (`12345678901234567.89`
+and `1.10` are not rounded to a double).
 """
 
 
@@ -311,9 +312,7 @@ class WebhookSource(Source):
             if len(self._buf.messages) + len(items) > self.config.max_pending:
                 return _answer(429, "too many pending messages")
             for x in items:
-                msg = SourceMessage(
-                    json.dumps(x, separators=(",", ":")).encode(), timestamp_ms=now_ms
-                )
+                msg = SourceMessage(strict_json.dumps(x).encode(), timestamp_ms=now_ms)
                 self._buf.messages.append((self._buf.next_seq, msg))
                 self._buf.next_seq += 1
             self._buf.requests.append(_Request(self._buf.next_seq - 1, loop, fut))
@@ -419,8 +418,9 @@ async def _read_body(
 def strict_json_objects(body: bytes) -> list[dict[str, Any]] | str:
     """The JSON object (or array of objects) a body holds, or the reason it is refused.
 
-    Strict JSON (``strict_json``): NaN, Infinity, numbers out of a double's range, too deeply
-    nested documents and bodies not in UTF-8 are refused.
+    Strict JSON (``strict_json``): NaN, Infinity, numbers out of a double's range, lone
+    surrogates, too deeply nested documents and bodies not in UTF-8 are refused; numbers are
+    kept as written.
     """
     try:
         data = strict_json.loads(body)

@@ -33,9 +33,9 @@ from conveyor.sources.pgoutput import (
     Update,
     ValueDecodeError,
     ValueDecoder,
-    dumps,
     parse_message,
 )
+from conveyor.sources.strict_json import dumps
 from tests.integration.pg_cluster import private_cluster
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,6 @@ from conveyor.sources.pgoutput import (
     Commit,
     Delete,
     Insert,
-    JsonNumber,
     Message,
     Origin,
     PgType,
@@ -34,11 +33,11 @@ from conveyor.sources.pgoutput import (
     Update,
     ValueDecodeError,
     ValueDecoder,
-    dumps,
     parse_array,
     parse_json,
     parse_message,
 )
+from conveyor.sources.strict_json import JsonNumber, dumps
 
 # ---------------------------------------------------------------- building messages
 

@@ -86,10 +86,12 @@ def test_strict_json_refuses_what_would_not_be_json_again(text: str | bytes):
         strict_json.loads(text)
 
 
-def test_strict_json_keeps_ordinary_values():
-    assert strict_json.loads(b'{"a": [1, 2.5, -0.0, 1e308, "x", null, true]}') == {
-        "a": [1, 2.5, -0.0, 1e308, "x", None, True]
+def test_strict_json_keeps_ordinary_values_and_every_number_as_written():
+    assert strict_json.loads(b'{"a": [1, 2.5, -0.0, "x", null, true]}') == {
+        "a": [1, 2.5, -0.0, "x", None, True]
     }
+    text = '{"a":[1,2.5,-0.0,1e308,1.10,-0,12345678901234567.89,"x",null,true]}'
+    assert strict_json.dumps(strict_json.loads(text)) == text
 
 
 def test_two_connectors_on_one_webhook_port_or_one_mqtt_session_are_refused():
