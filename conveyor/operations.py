@@ -119,7 +119,7 @@ class Operations:
             "name": name,
             "config": self.config(name),
             "tasks": [{"connector": name, "task": 0}],
-            "type": "sink",
+            "type": connector_kind(row),
             "spec_source": row.spec_source,
         }
 

@@ -357,6 +357,9 @@ def test_get_then_put_back_keeps_a_literal_secret_and_never_stores_the_mask(
     name = f"roundtrip_{case}"
     r = api.call("POST", "/connectors", json={"name": name, "config": cfg})
     assert r.status_code == 201, r.text
+    # Kafka Connect's type: a source connector is not reported as a sink.
+    assert r.json()["type"] == section
+    assert api.call("GET", f"/connectors/{name}").json()["type"] == section
     path = api.connectors / f"{name}.yaml"
     try:
         shown = api.call("GET", f"/connectors/{name}/config").json()
