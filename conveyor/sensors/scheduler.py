@@ -173,6 +173,13 @@ def _still_held(store: MetaStore, name: str, run_id: str) -> bool:
     return row.run_id == run_id and row.status in core.LIVE
 
 
+def run_key(row: ConnectorRow) -> str:
+    """``name:generation@created``: a connector deleted and created again under its name starts
+    at generation 1 again, and Dagster skips a run key it has seen (the launch then waited for
+    the launch timeout); the creation time (ms) keeps the keys of the two apart."""
+    return f"{row.name}:{row.generation}@{int(row.created_at * 1000)}"
+
+
 def _apply(
     instance: Any, store: MetaStore, d: core.Decision, view: core.ConnectorView | None
 ) -> list[RunRequest]:
@@ -197,11 +204,7 @@ def _apply(
                 TAG_BROKER: d.broker_id,
                 TAG_GENERATION: str(row.generation),
             }
-            return [
-                RunRequest(
-                    run_key=f"{d.name}:{row.generation}", job_name=job_name(d.name), tags=tags
-                )
-            ]
+            return [RunRequest(run_key=run_key(row), job_name=job_name(d.name), tags=tags)]
         case core.Terminate():
             if _terminate(instance, d.run_id):
                 store.record(d.name, f"{reason} (run {d.run_id} terminated)", run_id=d.run_id)

@@ -16,7 +16,7 @@ from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPart
 from conveyor.core.state import StateChange
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.resources.conveyor import ConveyorResource
-from conveyor.sensors.scheduler import scheduler_sensor
+from conveyor.sensors.scheduler import run_key, scheduler_sensor
 from conveyor.store.meta import MetaStore
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,8 @@ def test_launch_assigns_by_least_load_with_run_keys_and_tags(env):
     instance, store, url = env
     result = tick(instance, url)
     reqs = sorted(result.run_requests, key=lambda r: r.run_key)
-    assert [r.run_key for r in reqs] == ["alpha:1", "beta:1", "gamma:1"]
+    assert [r.run_key for r in reqs] == [run_key(store.get(n)) for n in ("alpha", "beta", "gamma")]
+    assert reqs[0].run_key.startswith("alpha:1@")
     assert [r.job_name for r in reqs] == [job_name(n) for n in ("alpha", "beta", "gamma")]
     assert [r.tags[TAG_BROKER] for r in reqs] == ["b1", "b2", "b1"]
     assert all(
@@ -92,6 +93,22 @@ def test_launch_assigns_by_least_load_with_run_keys_and_tags(env):
             instance, job_name=r.job_name, status=DagsterRunStatus.STARTING, tags=r.tags
         )
     assert tick(instance, url).run_requests == []
+
+
+def test_a_connector_deleted_and_created_again_gets_a_run_key_dagster_has_not_seen(env):
+    """Issue 33: generation 1 again after a delete and a re-create; the old key 'name:1' made
+    Dagster skip the launch ("already completed with run keys") until the launch timeout."""
+    instance, store, url = env
+    first = tick(instance, url)
+    keys = {r.run_key for r in first.run_requests}
+    store.delete("alpha")
+    store.sync_spec(
+        "alpha", spec_json=json.dumps({"name": "alpha"}), spec_hash="h", source="test", error=None
+    )
+    again = tick(instance, url)
+    [req] = [r for r in again.run_requests if r.tags[TAG_CONNECTOR] == "alpha"]
+    assert req.tags[TAG_GENERATION] == "1" and req.run_key not in keys
+    assert req.run_key == run_key(store.get("alpha"))
 
 
 def test_capacity_leaves_the_rest_waiting(env):
@@ -117,7 +134,7 @@ def test_stale_heartbeat_is_reset_fenced_and_relaunched_on_a_new_generation(env)
     result = tick(instance, url)
     row = store.get("alpha")
     assert row.generation == claim.generation + 2  # reset (+1) and re-assigned (+1) in one tick
-    assert [r.run_key for r in result.run_requests] == [f"alpha:{row.generation}"]
+    assert [r.run_key for r in result.run_requests] == [run_key(row)]
     with pytest.raises(FencedError):
         store.commit("alpha", claim.generation, {TopicPartition("t", 0): 200})
     assert store.committed_offsets("alpha") == {TopicPartition("t", 0): 100}
@@ -186,7 +203,7 @@ def test_a_run_that_died_under_a_running_connector_is_relaunched_in_one_tick(env
     row = store.get("alpha")
     assert row.status == ConnectorStatus.IDLE and row.restarts == 1
     assert row.generation == gen + 2  # the dead run fenced (+1), re-assigned (+1)
-    assert [r.run_key for r in result.run_requests] == [f"alpha:{row.generation}"]
+    assert [r.run_key for r in result.run_requests] == [run_key(row)]
     assert any("relaunched at once" in h.reason for h in store.history("alpha"))
 
 
