@@ -57,7 +57,6 @@ def spark_session(remote: str) -> Any:
                 session = _own[remote] = _unregistered_session(remote)
     _cache_static_confs(session)
     bound_rpcs(session)
-    no_sql_on_files(session)
     with _sessions_lock:
         _sessions.add(session)
         _remote_of.setdefault(session, remote)
@@ -71,7 +70,9 @@ def spark_session(remote: str) -> Any:
 def no_sql_on_files(session: Any) -> None:
     """Turn off SQL over file paths (``text.`/etc/passwd```) for the session: a transform's
     expressions read only its batch. ``core.sql_guard`` already refuses subqueries; this is
-    the second lock. A runtime SQL conf, which a Spark Connect client may set."""
+    the second lock. A runtime SQL conf, which a Spark Connect client may set; one RPC, so
+    it is set where the session is first used for a transform (``SparkTransformer``), not
+    when it is created (creating a session makes no call: the endpoint may be down)."""
     session.conf.set("spark.sql.runSQLOnFiles", "false")
 
 

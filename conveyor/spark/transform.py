@@ -44,6 +44,7 @@ from conveyor.spark.session import (
     fetch_arrow,
     is_connect_outage,
     is_session_lost,
+    no_sql_on_files,
     one_stream_per_query,
 )
 
@@ -92,6 +93,7 @@ class SparkTransformer:
                 s = self._session_or_factory
                 self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
                 one_stream_per_query(self._session)
+                no_sql_on_files(self._session)
             return self._session
 
     def _lost(self, e: BaseException) -> None:

@@ -69,9 +69,12 @@ def test_hostile_expressions_run_unguarded_but_a_spec_never_lets_them_reach_spar
     assert not marker.exists()
 
 
-def test_conveyors_session_reads_no_file_through_sql(spark: Any, tmp_path: Path) -> None:
+def test_a_transforms_session_reads_no_file_through_sql(spark_remote: str, tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("HOST-SECRET-3f1c\n")
+    spark = spark_session(spark_remote)
+    spark.conf.set("spark.sql.runSQLOnFiles", "true")  # Spark's default, whatever ran before
+    SparkTransformer(TransformSpec(), lambda: spark).prepare()  # its first use of the session
     assert spark.conf.get("spark.sql.runSQLOnFiles") == "false"
     with pytest.raises(Exception, match="TABLE_OR_VIEW_NOT_FOUND"):
         spark.range(1).selectExpr(f"(SELECT first(value) FROM text.`{secret}`) AS s").collect()
