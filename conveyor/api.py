@@ -299,8 +299,18 @@ def create_app(
         return JSONResponse(await _threaded(lambda: validate(ops(), plugin, body)))
 
     def delete(request: Request) -> Response:
-        ops().delete(request.path_params["name"])
-        return Response(status_code=204)
+        """204; 200 with what stays in the source's system (a slot) when something does, or
+        when ``?drop_slot=true`` dropped it (the CLI's ``--drop-slot``)."""
+        name = request.path_params["name"]
+        flag = request.query_params.get("drop_slot", "false").lower()
+        if flag not in ("true", "false"):
+            raise InvalidRequestError(f"drop_slot must be true or false, got {flag!r}")
+        kept = ops().delete(name, drop_slot=flag == "true")
+        if flag == "false" and not kept:
+            return Response(status_code=204)
+        return JSONResponse(
+            {"name": name, "deleted": True, "slot_dropped": flag == "true", "remains": kept}
+        )
 
     def get_offsets(request: Request) -> Response:
         return JSONResponse(ops().offsets(request.path_params["name"]))

@@ -467,8 +467,14 @@ def connector_delete(ctx: click.Context, name: str, yes: bool, drop_slot: bool) 
     if not yes:
         slot = " and its replication slot" if drop_slot else ""
         click.confirm(f"delete connector {name}, its spec file, its offsets{slot}?", abort=True)
-    ops.delete(name, drop_slot=drop_slot)
+    kept = ops.delete(name, drop_slot=drop_slot)
     click.echo(f"{name}: deleted{' (slot dropped)' if drop_slot else ''}")
+    for what in kept:
+        click.echo(
+            f"warning: {what} (`conveyor connector delete NAME --drop-slot` drops it while the "
+            "connector exists)",
+            err=True,
+        )
 
 
 @connector.command("tasks")

@@ -32,11 +32,13 @@ from conveyor.core.state import StateChange
 from conveyor.secrets import has_reference
 from conveyor.specs import (
     LoadedSpec,
+    claims_of,
     connectors_dir,
     from_mapping,
     load_path,
     load_source,
     resolved,
+    resource_owners,
     sync_one,
     write_spec_file,
 )
@@ -337,6 +339,7 @@ class Operations:
             row = None
         if create_only and row is not None:
             raise ConflictError(f"connector {name!r} already exists")
+        self._check_owned(loaded, row)
         path = self._writable_file(name, row)
         created = self._write(path, loaded.raw or {}, new=row is None, create_only=create_only)
         written = load_source(name, str(path))
@@ -344,6 +347,19 @@ class Operations:
             sync_one(self.store, written)
         self._changed(f"{'created' if created else 'updated'} connector {name}")
         return self.info(name), created
+
+    def _check_owned(self, loaded: LoadedSpec, row: ConnectorRow | None) -> None:
+        """ConflictError when the spec claims a resource (a replication slot) that another
+        existing connector holds: the rule the file scan applies (``resource_owners``)."""
+        rows = [r for r in self.store.list() if r.name != loaded.name]
+        others = [load_source(r.name, r.spec_source) for r in rows]
+        created = {r.name: r.created_at for r in rows}
+        if row is not None:  # a newcomer comes after every existing connector
+            created[loaded.name] = row.created_at
+        owners = resource_owners([*others, loaded], created)
+        for claim in claims_of(loaded):
+            if owners[claim] != loaded.name:
+                raise ConflictError(f"{claim} is used by connector {owners[claim]!r}")
 
     def _write(self, path: Path, raw: Mapping[str, Any], *, new: bool, create_only: bool) -> bool:
         """Write the spec file; True when this call created it."""
@@ -393,21 +409,25 @@ class Operations:
             path.parent.resolve() == self.directory.resolve() and path.name not in COMPONENT_FILES
         )
 
-    def delete(self, name: str, *, drop_slot: bool = False) -> None:
+    def delete(self, name: str, *, drop_slot: bool = False) -> list[str]:
         """Delete a connector that is not running: its spec file first, then its row and offsets.
 
         In that order, a scheduler tick in between sees a removed file (and stops the
         connector, keeping its offsets), never a file without a row, which it would
         create again from the beginning of the topic. ``drop_slot``: first drop what its
-        source owns (a PostgreSQL replication slot and managed publication).
+        source owns (a PostgreSQL replication slot and managed publication). Returns what
+        stays in the source's system (without ``drop_slot``: a slot), for a warning.
         """
         row = self.row(name)
         if row.status in LIVE_STATUSES:
             raise ConflictError(
                 f"connector {name!r} is {row.status.value}; stop it first (deleting forgets its offsets)"
             )
-        if drop_slot:  # while the spec file still says what the source owns
-            loaded = load_source(name, row.spec_source)
+        loaded = load_source(name, row.spec_source)  # while the spec file says what it owns
+        kept: list[str] = []
+        if not drop_slot and loaded.source_config is not None:
+            kept = list(loaded.source_config.kept_on_delete(name))
+        if drop_slot:
             if not loaded.is_source:
                 raise ConflictError(f"{name!r} has no source spec: {loaded.error or 'a sink'}")
             from conveyor.sources import release_source
@@ -427,6 +447,7 @@ class Operations:
                 raise ConflictError(f"cannot remove {declared}: {e.strerror}") from None
         self.store.delete(name)
         self._changed(f"deleted connector {name}")
+        return kept
 
     def _changed(self, reason: str) -> None:
         if self.specs_changed is not None:

@@ -436,12 +436,15 @@ def scan(directory: Path | None, defs_roots: Iterable[Path] = ()) -> list[Loaded
     return dedupe(found)
 
 
-def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
-    """The first definition of a name wins; later ones become errors naming both files. So does
-    a later connector claiming a resource another one owns (a replication slot)."""
+def dedupe(
+    specs: Iterable[LoadedSpec], created: Mapping[str, float] | None = None
+) -> list[LoadedSpec]:
+    """The first definition of a name wins; later ones become errors naming both files. So
+    does a connector claiming a resource another one owns (a replication slot): see
+    ``resource_owners`` for who owns it (``created``: the meta store's connectors, name ->
+    created at)."""
     out: list[LoadedSpec] = []
     seen: dict[str, str] = {}
-    owners: dict[str, str] = {}  # owned resource (a replication slot) -> connector
     for loaded in specs:
         if loaded.name in seen and seen[loaded.name] != loaded.source:
             loaded = LoadedSpec(
@@ -451,24 +454,46 @@ def dedupe(specs: Iterable[LoadedSpec]) -> list[LoadedSpec]:
             )
         else:
             seen.setdefault(loaded.name, loaded.source)
-            loaded = _owner_checked(loaded, owners)
         out.append(loaded)
-    return out
+    owners = resource_owners(out, created)
+    return [_owner_checked(loaded, owners) for loaded in out]
 
 
-def _owner_checked(loaded: LoadedSpec, owners: dict[str, str]) -> LoadedSpec:
-    """An error when another connector already owns a resource this one claims (a slot)."""
-    config = loaded.source_config
-    claims = config.owned_resources(loaded.name) if config is not None else ()
-    for claim in claims:
+def claims_of(loaded: LoadedSpec) -> tuple[str, ...]:
+    """The resources only this connector may use (a replication slot), none for a broken spec."""
+    config = loaded.source_config if loaded.ok else None
+    return config.owned_resources(loaded.name) if config is not None else ()
+
+
+def resource_owners(
+    specs: Iterable[LoadedSpec], created: Mapping[str, float] | None = None
+) -> dict[str, str]:
+    """Owned resource -> the connector it belongs to, among those claiming it: the one it is
+    named after (a slot ``conveyor_<name>``), else the one created first in the meta store
+    (``created``), else the first in file order. A newcomer never takes a running
+    connector's resource."""
+    created = created or {}
+    ranked: dict[str, tuple[tuple[int, float, int], str]] = {}
+    for index, loaded in enumerate(specs):
+        config = loaded.source_config if loaded.ok else None
+        own = set(config.named_after(loaded.name)) if config is not None else set()
+        for claim in claims_of(loaded):
+            age = created.get(loaded.name, float("inf"))
+            rank = (0 if claim in own else 1, age, index)
+            if claim not in ranked or rank < ranked[claim][0]:
+                ranked[claim] = (rank, loaded.name)
+    return {claim: name for claim, (_rank, name) in ranked.items()}
+
+
+def _owner_checked(loaded: LoadedSpec, owners: Mapping[str, str]) -> LoadedSpec:
+    """An error when another connector owns a resource this one claims (a slot)."""
+    for claim in claims_of(loaded):
         if owners.get(claim, loaded.name) != loaded.name:
             return LoadedSpec(
                 loaded.name,
                 loaded.source,
                 error=f"{loaded.source}: {claim} is already used by connector {owners[claim]!r}",
             )
-    for claim in claims:
-        owners[claim] = loaded.name
     return loaded
 
 

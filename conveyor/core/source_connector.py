@@ -18,6 +18,7 @@ from conveyor.core.connection import KafkaConnection
 from conveyor.core.model import (
     BatchPolicy,
     ConnectorRunSpec,
+    NullValues,
     RetrySpec,
     TransformSpec,
     _Spec,
@@ -112,6 +113,14 @@ class SourceConnectorSpec(ConnectorRunSpec):
     def select_routes(self) -> bool:
         """Whether the transform's select sets ``__destination`` (column-derived routing)."""
         return any("__destination" in s for s in (self.transform.select or []))
+
+    def transform_for(self, builds_tombstones: bool) -> TransformSpec:
+        """The transform a run uses: a source that builds null-value messages on purpose
+        (tombstones, ``SourceConfig.builds_tombstones``) has them pass unless the spec sets
+        ``transform.null_values`` (its default, skip, is for payloads missing by accident)."""
+        if not builds_tombstones or "null_values" in self.transform.model_fields_set:
+            return self.transform
+        return self.transform.model_copy(update={"null_values": NullValues.PASS})
 
 
 def is_source_connector(data: object) -> bool:

@@ -63,6 +63,7 @@ from conveyor.core.model import (
     META_COLUMNS,
     PARTITION_COL,
     TIMESTAMP_COL,
+    TOMBSTONE_COL,
     BatchPolicy,
     ConnectorStatus,
     Counters,
@@ -669,11 +670,12 @@ def table_records(out: pa.Table) -> list[Record]:
     def col(name: str) -> list[Any]:
         return out.column(name).to_pylist() if name in out.column_names else [None] * n
 
-    keys, parts, headers, stamps = (
+    keys, parts, headers, stamps, tombs = (
         col(KEY_COL),
         col(PARTITION_COL),
         col(HEADERS_COL),
         col(TIMESTAMP_COL),
+        col(TOMBSTONE_COL),  # a tombstone stays one whatever its (null) payload columns
     )
     out_records = []
     for i in range(n):
@@ -683,7 +685,7 @@ def table_records(out: pa.Table) -> list[Record]:
         stamp = stamps[i]
         out_records.append(
             Record(
-                value=values[i],
+                value=None if tombs[i] else values[i],
                 key=key or None,
                 partition=parts[i],
                 headers=tuple((h["key"], h["value"]) for h in (headers[i] or [])),

@@ -240,7 +240,9 @@ def _build_loop(
             abandon_first_batch=abandon,
         ),
         source=source,
-        transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
+        transform=SparkTransformer(
+            spec.transform_for(source.config.builds_tombstones()), lambda: spark_session(remote)
+        ),
         producer=DestinationProducer(kafka, client_id=f"conveyor-{name}"),
         writer=StoreStateWriter(
             store, name, gen, source.state_version, spec_hash, on_heartbeat=materialize

@@ -101,6 +101,21 @@ class SourceConfig(BaseModel):
         two specs claiming one are refused where specs are validated together."""
         return ()
 
+    def builds_tombstones(self) -> bool:
+        """Whether the source builds null-value messages on purpose (tombstones): they then pass
+        the transform unless the spec sets ``transform.null_values``."""
+        return False
+
+    def kept_on_delete(self, connector: str) -> tuple[str, ...]:
+        """What stays in the source's system when the connector is deleted without releasing
+        it (``--drop-slot``), each said with its cost and how to drop it by hand."""
+        return ()
+
+    def named_after(self, connector: str) -> tuple[str, ...]:
+        """The owned resources named after the connector by default (its slot
+        ``conveyor_<name>``): they are its own whoever else claims them."""
+        return ()
+
 
 class Source(abc.ABC):
     """Base class of sources; see the module docstring for the contract."""

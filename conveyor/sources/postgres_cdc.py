@@ -199,7 +199,8 @@ class PostgresCDCConfig(SourceConfig):
     tombstones_on_delete: bool = Field(
         default=True,
         description="format debezium: a delete is followed by a tombstone (null value, same "
-        "key), as Debezium does; produced only with transform.null_values: pass.",
+        "key), as Debezium does; they reach the topic unless transform.null_values is set to "
+        "skip or fail (the connector's default for it is then pass).",
     )
     snapshot: Literal["initial", "never", "when_needed"] = Field(
         default="initial",
@@ -298,6 +299,18 @@ class PostgresCDCConfig(SourceConfig):
 
     def named_after(self, connector: str) -> tuple[str, ...]:
         return (f"replication slot {default_slot(connector)}",)
+
+    def builds_tombstones(self) -> bool:
+        return self.format == "debezium" and self.tombstones_on_delete
+
+    def kept_on_delete(self, connector: str) -> tuple[str, ...]:
+        slot = self.for_connector(connector).slot
+        return (
+            f"replication slot {slot} remains (if it was created) and keeps WAL on the server "
+            f"until dropped: SELECT pg_drop_replication_slot('{slot}'); a connector re-created "
+            "on it needs snapshot: never (resume from it) or when_needed (drop it, snapshot "
+            "again)",
+        )
 
     @property
     def slot_name(self) -> str:

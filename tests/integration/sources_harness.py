@@ -67,7 +67,10 @@ def build_loop(
             **cfg,
         ),
         source=source,
-        transform=SparkTransformer(s.transform, lambda: spark_session(spark_remote)),
+        transform=SparkTransformer(
+            s.transform_for(source.config.builds_tombstones()),
+            lambda: spark_session(spark_remote),
+        ),
         producer=DestinationProducer(kafka, client_id=f"conveyor-{s.name}"),
         writer=StoreStateWriter(store, s.name, generation, source.state_version, None),
         state=stored[1] if stored else None,
