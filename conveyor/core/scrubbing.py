@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import threading
-from urllib.parse import quote, quote_plus
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlsplit
 
 MIN_LENGTH = 4
 HIDDEN = "***"
@@ -30,24 +30,49 @@ _factory_installed = False
 
 
 def remember(value: str, reference: str = "") -> None:
-    """Remember ``value`` (resolved from ``reference``) and its encoded forms as secret."""
+    """Remember ``value`` (resolved from ``reference``) and its encoded forms as secret; a
+    connection string's password too (``${env:PG_URL}`` holding ``postgresql://u:pw@h``)."""
     global _pattern
     if len(value) < MIN_LENGTH:
         return
     shown = reference if reference and value not in reference else HIDDEN
-    forms = {value, quote(value, safe=""), quote(value), quote_plus(value), quote_plus(value, "/")}
-    forms.add(json.dumps(value)[1:-1])  # a value quoted in JSON or a repr
-    forms.add(repr(value)[1:-1])
+    found = {form: shown for form in _forms(value)}
+    for password in _passwords(value):
+        found.update((form, HIDDEN) for form in _forms(password) if form not in found)
     with _lock:
         added = False
-        for form in forms:
+        for form, as_shown in found.items():
             if len(form) >= MIN_LENGTH and form not in _values:
-                _values[form] = shown
+                _values[form] = as_shown
                 added = True
         if added:
             longest_first = sorted(_values, key=len, reverse=True)
             _pattern = re.compile("|".join(re.escape(v) for v in longest_first))
     install_log_scrubbing()
+
+
+def _forms(value: str) -> set[str]:
+    """A value as text may carry it: as it is, URL-encoded, quoted in JSON or a repr."""
+    forms = {value, quote(value, safe=""), quote(value), quote_plus(value), quote_plus(value, "/")}
+    forms.add(json.dumps(value)[1:-1])
+    forms.add(repr(value)[1:-1])
+    return forms
+
+
+_KEYVALUE_PASSWORD = re.compile(r"(?:^|(?<=[\s']))(?:ssl)?password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)")
+
+
+def _passwords(value: str) -> list[str]:
+    """The passwords of a connection string (URL user info or query, libpq key/value)."""
+    found = [m.group(1).strip("'") for m in _KEYVALUE_PASSWORD.finditer(value)]
+    if "://" in value:
+        try:
+            url = urlsplit(value.strip())
+            found.append(url.password or "")
+            found += [v for k, v in parse_qsl(url.query) if k.lower().endswith("password")]
+        except ValueError:
+            pass
+    return [unquote(p) for p in found if len(p) >= MIN_LENGTH]
 
 
 def scrub(text: str) -> str:

@@ -62,6 +62,16 @@ def test_every_resolved_value_and_its_encoded_forms_are_scrubbed(monkeypatch) ->
     assert out.startswith("auth failed for ${env:CONVEYOR_CANARY_PW};")
 
 
+def test_a_resolved_connection_string_has_its_passwords_scrubbed_on_their_own() -> None:
+    scrubbing.remember("postgresql://app:pw-9a8b@db/app?sslpassword=ssl-5555", "${env:PG_URL}")
+    scrubbing.remember("host=db password='kv pass 77' dbname=x", "${env:KV}")
+    out = scrubbing.scrub("app: pw-9a8b, ssl-5555, kv pass 77 (kv%20pass%2077)")
+    assert out == "app: ***, ***, *** (***)"
+    assert scrubbing.scrub("postgresql://app:pw-9a8b@db/app?sslpassword=ssl-5555") == (
+        "${env:PG_URL}"
+    )
+
+
 def test_short_values_are_not_remembered(monkeypatch) -> None:
     monkeypatch.setenv("CONVEYOR_SHORT", "abc")
     resolve("${env:CONVEYOR_SHORT}")
