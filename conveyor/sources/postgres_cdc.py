@@ -74,8 +74,9 @@ unchanged, lsn, commit_lsn, index, xid, ts_ms}`: `data` is the row after (a dele
 with REPLICA IDENTITY FULL, the whole row before), `old` the row before when the server sends
 it. `format: debezium`: `{before, after, op: r/c/u/d/t, source: {version, connector:
 "postgresql", name, ts_ms, snapshot, db, schema, table, txId, lsn}, ts_ms}`, no schema wrapper;
-a delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` and
-`transform.null_values: pass`. An update that changes the key is, as in Debezium, a delete under
+a delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` (the
+default): the connector's `transform.null_values` then defaults to `pass`, so they reach the
+topic unless it is set to skip or fail. An update that changes the key is, as in Debezium, a delete under
 the old key (and its tombstone) and a create under the new one. A truncate is one message per
 table, without a key. A TOASTed value an update did not touch is not in the WAL: with the default
 identity it is absent from `data`/`after` and named in `unchanged` (`source.unchanged_toast`),
@@ -90,12 +91,21 @@ before image (`old`, `before`) of updates and deletes, for complete rows after a
 left a TOASTed value untouched, and for `key_columns` that are not the primary key (a delete must
 carry them).
 
-**Slot and publication.** One slot per connector; two specs naming one slot are refused when
-the connectors are loaded. The managed publication (named like the slot) is `FOR TABLE` the
-tables (`FOR ALL TABLES` without `tables`) and is set to the tables when they change.
-`conveyor connector delete NAME --drop-slot` drops both (PostgreSQL stops keeping WAL for it).
-A slot owned elsewhere (`plugin` other than pgoutput) is refused; a stored state whose slot is
-gone refuses to start unless `snapshot: when_needed` (then: snapshot again).
+**Slot and publication.** One slot per connector. Of two specs naming one slot, it belongs to
+the connector it is named after (`conveyor_<name>`), else to the one created first, only then to
+the first file; the other shows the error. Creating or changing a connector (`POST
+/connectors`, `PUT .../config`, `connector apply`) that names a slot another connector holds is
+refused (409: "replication slot X is used by connector Y"). The managed publication (named like
+the slot) is `FOR TABLE` the tables (`FOR ALL TABLES` without `tables`) and is set to the tables
+when they change. `conveyor connector delete NAME --drop-slot` (REST: `DELETE
+/connectors/NAME?drop_slot=true`) drops both (PostgreSQL stops keeping WAL for it); without it
+the CLI warns that the slot remains and keeps WAL, with the SQL that drops it (REST: 200 with
+`remains`). A slot owned elsewhere (`plugin` other than pgoutput) is refused; a stored state
+whose slot is gone refuses to start unless `snapshot: when_needed` (then: snapshot again). No
+stored state but the slot exists (left by a deleted connector of the same name): `initial`
+refuses to start (a snapshot plus the slot's kept changes would repeat rows) and names the ways
+out; `never` streams from the slot; `when_needed` drops it, creates it again and snapshots
+(tests/integration/test_cdc_lifecycle.py).
 
 **Positions and guarantees (tests/integration/test_source_postgres_cdc.py).** A change's
 position is (its transaction's final LSN, its index in the transaction), known at Begin: a batch
@@ -204,8 +214,10 @@ class PostgresCDCConfig(SourceConfig):
     )
     snapshot: Literal["initial", "never", "when_needed"] = Field(
         default="initial",
-        description="initial: read the tables at the slot's creation, then stream; never: "
-        "stream only; when_needed: also snapshot again when the slot is gone.",
+        description="initial: read the tables at the slot's creation, then stream (a slot "
+        "already there without a stored state is refused); never: stream only (from such a "
+        "slot too); when_needed: also snapshot again when the slot is gone, and drop and "
+        "recreate such a slot.",
     )
     heartbeat_interval_s: float = Field(
         default=10.0,
