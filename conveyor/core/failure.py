@@ -21,6 +21,7 @@ from conveyor.core.errors import (
     OutageBudgetExceeded,
 )
 from conveyor.core.model import DeadLetterSpec, FailurePolicyName, RetrySpec
+from conveyor.core.scrubbing import scrub
 
 
 def retry_delay(spec: RetrySpec, attempt: int, rng: random.Random | None = None) -> float:
@@ -88,6 +89,10 @@ class FailedMessage:
     error: str
     error_class: str  # "data" | "decode"
     attempts: int = 1
+
+    def __post_init__(self) -> None:
+        # Dead letters and their asset metadata keep this text: never a resolved secret.
+        object.__setattr__(self, "error", scrub(self.error))
 
     def where(self) -> str:
         return f"{self.topic}[{self.partition}]@{self.offset}"

@@ -314,3 +314,11 @@ def test_no_documented_setting_is_readable_by_a_reference_whatever_the_patterns(
     with pytest.raises(ConfigError, match="may not be referenced") as e:
         resolve("${env:CONVEYOR_SPARK_REMOTE}", field="sink.url", policy=policy)
     assert "t0ken" not in str(e.value)
+
+
+def test_a_dead_letter_never_keeps_a_resolved_value(monkeypatch) -> None:
+    from conveyor.core.failure import FailedMessage
+
+    resolved_canary(monkeypatch)
+    failed = FailedMessage("t", 0, 7, f"value rejected for user {CANARY}", "data")
+    assert failed.error == "value rejected for user ${env:CONVEYOR_CANARY_PW}"
