@@ -105,7 +105,9 @@ whose slot is gone refuses to start unless `snapshot: when_needed` (then: snapsh
 stored state but the slot exists (left by a deleted connector of the same name): `initial`
 refuses to start (a snapshot plus the slot's kept changes would repeat rows) and names the ways
 out; `never` streams from the slot; `when_needed` drops it, creates it again and snapshots
-(tests/integration/test_cdc_lifecycle.py).
+(tests/integration/test_cdc_lifecycle.py). A first run killed after creating its slot and before
+its first batch was stored leaves the same case (the slot cannot tell whose it is): `initial`
+then refuses too, `when_needed` starts afresh.
 
 **Positions and guarantees (tests/integration/test_source_postgres_cdc.py).** A change's
 position is (its transaction's final LSN, its index in the transaction), known at Begin: a batch
