@@ -92,8 +92,8 @@ left a TOASTed value untouched, and for `key_columns` that are not the primary k
 carry them).
 
 **Slot and publication.** One slot per connector. Of two specs naming one slot, it belongs to
-the connector it is named after (`conveyor_<name>`), else to the one created first, only then to
-the first file; the other shows the error. Creating or changing a connector (`POST
+the connector it is named after (`conveyor_<name>`), else (at the door) to the one created first,
+only then to the first file; the other shows the error. Creating or changing a connector (`POST
 /connectors`, `PUT .../config`, `connector apply`) that names a slot another connector holds is
 refused (409: "replication slot X is used by connector Y"). The managed publication (named like
 the slot) is `FOR TABLE` the tables (`FOR ALL TABLES` without `tables`) and is set to the tables
