@@ -293,9 +293,22 @@ def as_text(url: str, table: str) -> dict[int, tuple[Any, ...]]:
         values = list(r[1:])
         for i in json_at:
             if values[i] is not None:
-                values[i] = json.loads(values[i], parse_float=Decimal)
+                values[i] = typed(json.loads(values[i], parse_float=Decimal))
         out[r[0]] = tuple(values)
     return out
+
+
+def typed(value: Any) -> Any:
+    """A JSON value whose numbers and booleans cannot compare equal (True == 1 in Python)."""
+    if isinstance(value, dict):
+        return {k: typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, (int, Decimal)):
+        return ("number", Decimal(value))
+    return value
 
 
 def differences(src: dict[int, tuple], dst: dict[int, tuple]) -> list[str]:
