@@ -105,9 +105,10 @@ whose slot is gone refuses to start unless `snapshot: when_needed` (then: snapsh
 stored state but the slot exists (left by a deleted connector of the same name): `initial`
 refuses to start (a snapshot plus the slot's kept changes would repeat rows) and names the ways
 out; `never` streams from the slot; `when_needed` drops it, creates it again and snapshots
-(tests/integration/test_cdc_lifecycle.py). A first run killed after creating its slot and before
-its first batch was stored leaves the same case (the slot cannot tell whose it is): `initial`
-then refuses too, `when_needed` starts afresh.
+(tests/integration/test_cdc_lifecycle.py). A first start stores its plan (the slot's creation
+point, the snapshot to read) before it reads a row, so a first run killed after creating its
+slot resumes; only a kill in the few milliseconds between the slot's creation and that first
+store leaves the case above (`initial` refuses, `when_needed` starts afresh).
 
 **Positions and guarantees (tests/integration/test_source_postgres_cdc.py).** A change's
 position is (its transaction's final LSN, its index in the transaction), known at Begin: a batch
@@ -713,6 +714,11 @@ class PostgresCDCSource(Source):
 
     def poll(self, state: State | None, max_records: int, max_wait_s: float) -> Polled | None:
         self._measure()
+        if state is None and self._start is not None:
+            # A first start: its plan (the slot just created, the snapshot to read) is stored
+            # before any row, so a crash from here on resumes it instead of finding a slot
+            # and no state (which a later start must refuse: whose slot would it be?).
+            return Polled([], self._start[1])
         if self._start is not None and (state is None or state == self._start[0]):
             state = self._start[1]
         if state is None:

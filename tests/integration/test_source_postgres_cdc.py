@@ -296,11 +296,13 @@ def test_batches_bounded_inside_a_50000_row_transaction(cdc_url):
             cdc_url,
             f"INSERT INTO {table} SELECT g, repeat('p', 100) FROM generate_series(1, 50000) g",
         )
-        first = src.poll(None, 1000, 5.0)
+        plan = src.poll(None, 1000, 5.0)  # a first start stores its plan before any change
+        assert plan is not None and plan.messages == []
+        first = src.poll(plan.state, 1000, 5.0)
         assert first is not None and len(first.messages) == 1000
         # A failed batch: polled again from the older state, the same changes come back, and
         # nothing was confirmed meanwhile.
-        again = src.poll(None, 1000, 5.0)
+        again = src.poll(plan.state, 1000, 5.0)
         assert again is not None and values(again.messages) == values(first.messages)
         assert slot_flush(cdc_url, f"conveyor_big_{tag}") == start
         # Mid-transaction states confirm nothing: the slot stays until the transaction is done.
