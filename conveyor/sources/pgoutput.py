@@ -31,7 +31,11 @@ json, jsonb                                 the parsed JSON value, numbers exact
                                             stays int / float, any other number (1.10, 1e5,
                                             -0, 1e400) is a ``JsonNumber`` that ``dumps``
                                             writes back byte for byte (``json.dumps`` with
-                                            ``default=str`` writes it as a string)
+                                            ``default=str`` writes it as a string); the JSON
+                                            value null is then None like SQL NULL. With
+                                            ``ValueDecoder(json_text=True)``: the JSON text as
+                                            a string (Debezium's io.debezium.data.Json), so
+                                            'null' stays distinct from NULL
 bytea                                       string: base64 of the bytes
 date                                        string as printed: "2024-01-31", "infinity",
                                             "-infinity", "0044-03-15 BC"
@@ -636,6 +640,7 @@ _SCALARS: Final[dict[int, Converter]] = {
     3802: parse_json,
     5069: _int,  # xid8
 }
+_JSON_OIDS: Final = frozenset({114, 3802})  # json, jsonb
 BOX_OID: Final = 603  # the one built-in type whose array delimiter is ';'
 
 # Built-in array type -> element type (pg_type, oid < 10000, PostgreSQL 15).
@@ -699,8 +704,11 @@ class ValueDecoder:
         " WHERE oid = %s"
     )
 
-    def __init__(self, lookup: Callable[[int], PgType | None] | None = None) -> None:
+    def __init__(
+        self, lookup: Callable[[int], PgType | None] | None = None, *, json_text: bool = False
+    ) -> None:
         self._lookup = lookup
+        self._json_text = json_text  # json/jsonb as their text, not the parsed value
         self._types: dict[int, PgType | None] = {}
         self._converters: dict[int, Converter] = {}
 
@@ -749,6 +757,8 @@ class ValueDecoder:
     def _converter(self, oid: int, depth: int) -> Converter:
         if depth > _MAX_TYPE_DEPTH:
             raise ValueDecodeError(f"type {oid}: domains/arrays nested too deep (a cycle?)")
+        if self._json_text and oid in _JSON_OIDS:
+            return _text
         scalar = _SCALARS.get(oid)
         if scalar is not None:
             return scalar

@@ -215,6 +215,12 @@ class PostgresCDCConfig(SourceConfig):
         "key), as Debezium does; they reach the topic unless transform.null_values is set to "
         "skip or fail (the connector's default for it is then pass).",
     )
+    json_as: Literal["value", "text"] = Field(
+        default="value",
+        description="json/jsonb columns: value (the parsed JSON in the message, numbers exact; "
+        "a JSON null reads as null like SQL NULL) or text (the JSON text as a string, as "
+        "Debezium's JSON converter writes it: 'null' stays distinct from NULL).",
+    )
     snapshot: Literal["initial", "never", "when_needed"] = Field(
         default="initial",
         description="initial: read the tables at the slot's creation, then stream (a slot "
@@ -520,7 +526,7 @@ class PostgresCDCSource(Source):
                 rows = self._run(ValueDecoder.TYPE_QUERY, (oid,))
                 return PgType.from_row(tuple(rows[0])) if rows else None
 
-            self._decoder = ValueDecoder(lookup)
+            self._decoder = ValueDecoder(lookup, json_text=self.config.json_as == "text")
         return self._decoder
 
     # -- init: checks, publication, slot, snapshot ----------------------------------------

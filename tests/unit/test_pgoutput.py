@@ -496,3 +496,11 @@ json_values = st.recursive(
 @given(json_values)
 def test_json_text_round_trips_byte_for_byte(text: str) -> None:
     assert dumps(parse_json(text)) == text
+
+
+def test_json_as_text_keeps_a_json_null_apart_from_sql_null():
+    as_value, as_text = ValueDecoder(), ValueDecoder(json_text=True)
+    assert as_value.value(3802, b"null") is None  # the parsed value: null, as SQL NULL reads
+    assert as_text.value(3802, b"null") == "null"
+    assert as_text.value(114, b'{"a": 1.10}') == '{"a": 1.10}'
+    assert as_text.value(3807, b'{"{\\"a\\": 1}",null,"null"}') == ['{"a": 1}', None, "null"]
