@@ -150,7 +150,11 @@ the target equals the source column by column over the built-in types, NULLs, ar
 TOASTed value, full-precision numerics, NaN and infinities, after a snapshot, inserts, updates,
 a key change and deletes (a truncate is not applied by the sink). Spark's JSON reader writes a
 number inside a json value again (`1.10` -> `1.1`): equal as JSON, while the topic carries the
-value byte for byte.
+value byte for byte; with `json_as: text` the column arrives as its JSON text (read as STRING,
+cast by PostgreSQL) and a JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an
+update lacks the TOASTed values it did not change and an upsert would write them as NULL. The
+same under Dagster, with kill -9 of the source run during the snapshot and during the stream:
+tests/e2e/test_cdc_roundtrip_e2e.py (slow).
 
 **Metrics.** Measured every 10 s and sent with the heartbeats: `replication_lag_bytes` (the
 server's WAL end minus the slot's confirmed position; `connector list` shows it in the lag column)
