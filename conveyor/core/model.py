@@ -39,6 +39,9 @@ DESTINATION_COL = "__destination"
 # True for a message without a payload (a tombstone: null value, or an empty one), on rows
 # that transform.null_values 'pass' lets through; sinks with delete_enabled delete by key.
 TOMBSTONE_COL = "__tombstone"
+# Set by a transform's select: true makes the row a truncate of the target table (the postgres
+# sink with truncate_enabled); a message column, so never written as a payload column.
+TRUNCATE_COL = "__truncate"
 VALUE_COL = "__value"  # the raw payload bytes; only in source batches, before decoding
 META_COLUMNS = (
     TOPIC_COL,
@@ -50,6 +53,7 @@ META_COLUMNS = (
     HEADERS_COL,
     DESTINATION_COL,
     TOMBSTONE_COL,
+    TRUNCATE_COL,
 )
 
 # A batch as read, before the transform: the message columns and the raw payload. The Kafka
@@ -307,7 +311,9 @@ class TransformSpec(_Spec):
         description="Spark SQL expressions for the output columns (default: all payload columns). They may use "
         "the message columns __topic, __partition, __offset, __timestamp, __timestamp_type, __key, __headers "
         "and (with null_values: pass) __tombstone; "
-        "an expression named __destination routes the row (sinks with use_destination or ${destination}). "
+        "an expression named __destination routes the row (sinks with use_destination or ${destination}); "
+        "one named __truncate (boolean) makes the row a truncate of the target table (the postgres sink "
+        "with truncate_enabled). "
         "Refused: reflect, java_method, try_reflect, IDENTIFIER(...)(...), protobuf and Avro functions, "
         "subqueries (SELECT, or FROM/TABLE/VALUES/WITH after '(') and USING (script transforms); write a "
         "column named like one of these words in backticks.",

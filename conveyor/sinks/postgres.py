@@ -27,6 +27,7 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
+from conveyor.core.model import TRUNCATE_COL
 from conveyor.core.sink import first_failure_only, isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
@@ -87,6 +88,13 @@ class PostgresSinkConfig(UrlSinkConfig):
         description="A tombstone (transform.null_values: pass) deletes the row with its upsert_keys instead of "
         "being written (Kafka Connect's delete.enabled). The keys come from the row, else from the message key "
         "(see docs/sinks). Needs upsert_keys.",
+    )
+    truncate_enabled: bool = Field(
+        default=False,
+        description="A row whose __truncate column (a boolean the transform's select sets, e.g. "
+        "op = 't' AS __truncate for Debezium changes) is true truncates the table at its place in the "
+        "batch, in the batch's transaction (Debezium JDBC sink's truncate.enabled); its other columns "
+        "are ignored. Off: such a row is a failed row (failure.policy), never written.",
     )
     write_method: Literal["copy", "values"] = Field(
         default="copy",
@@ -255,6 +263,8 @@ class PostgresSink(Sink):
         assert self._sources is not None
         if self.config.upsert_keys or self.config.write_method != "copy":
             return None
+        if any(truncate_flags(batch)):
+            return None  # the row path marks them (``_truncates``)
         if "$payload" in self._sources or "$headers" in self._sources:
             return None
         columns: list[pa.Array | pa.ChunkedArray] = []
@@ -316,7 +326,10 @@ class PostgresSink(Sink):
             self._resolve(batch)
         copy = self._copy_lines(batch)
         rows: Any = copy if copy is not None else self._rows(batch)
-        failures, todo = self._deletes(batch, rows)
+        failures = self._truncates(batch, rows)
+        failures += self._deletes(batch, rows, skip={f.index for f in failures})
+        bad = {f.index for f in failures}
+        todo = [i for i in range(len(rows)) if i not in bad]
         if self.fail_fast:
             failures, todo = first_failure_only(failures, todo)
         try:
@@ -346,27 +359,40 @@ class PostgresSink(Sink):
             raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
 
-    def _deletes(self, batch: pa.Table, rows: list[Any]) -> tuple[list[RowFailure], list[int]]:
-        """With delete_enabled, tombstone rows become ``_Delete`` keys (in place); returns the
-        rows whose key cannot be found and the indexes left to write."""
-        todo = list(range(len(rows)))
+    def _truncates(self, batch: pa.Table, rows: list[Any]) -> list[RowFailure]:
+        """With truncate_enabled, rows whose ``__truncate`` is true become ``_TRUNCATE`` (in
+        place); without it they are failed rows, never written."""
+        failures = []
+        for i, flag in enumerate(truncate_flags(batch)):
+            if not flag:
+                continue
+            if self.config.truncate_enabled:
+                rows[i] = _TRUNCATE
+            else:
+                failures.append(
+                    RowFailure(i, "a truncate row (__truncate true) and truncate_enabled is off")
+                )
+        return failures
+
+    def _deletes(self, batch: pa.Table, rows: list[Any], skip: set[int]) -> list[RowFailure]:
+        """With delete_enabled, tombstone rows become ``_Delete`` keys (in place), but for
+        truncates and the ``skip`` rows; returns the rows whose key cannot be found."""
         if not self.config.delete_enabled or not has_tombstones(batch):
-            return [], todo
+            return []
         assert self._columns is not None
         keys = self.config.upsert_keys
         failures = []
         for i, (tomb, key) in enumerate(
             zip(tombstone_flags(batch), message_keys(batch), strict=True)
         ):
-            if tomb:
+            if tomb and i not in skip and rows[i] is not _TRUNCATE:
                 try:
                     rows[i] = _Delete(
                         delete_key(keys, dict(zip(self._columns, rows[i], strict=True)), key)
                     )
                 except DeleteKeyError as e:
                     failures.append(RowFailure(i, str(e)))
-        bad = {f.index for f in failures}
-        return failures, [i for i in todo if i not in bad]
+        return failures
 
     def _rollback(self) -> None:
         try:
@@ -418,12 +444,15 @@ class PostgresSink(Sink):
 
         assert self._columns is not None
         cols = sql.SQL(", ").join(map(sql.Identifier, self._columns))
-        if self.config.delete_enabled and any(isinstance(r, _Delete) for r in rows):
-            # In order, run by run: a delete then a write of one key leaves the new row.
-            for is_delete, run in itertools.groupby(rows, key=lambda r: isinstance(r, _Delete)):
+        if any(isinstance(r, _Delete) or r is _TRUNCATE for r in rows):
+            # In order, run by run: a delete then a write of one key leaves the new row; the
+            # rows before a truncate are written first (and removed by it), those after it kept.
+            for kind, run in itertools.groupby(rows, key=_row_kind):
                 part = list(run)
-                if is_delete:
+                if kind == "delete":
                     self._delete(cur, part)
+                elif kind == "truncate":
+                    cur.execute(sql.SQL("TRUNCATE {}").format(self._fq()))
                 else:
                     self._write(cur, part)
             return
@@ -469,6 +498,34 @@ class PostgresSink(Sink):
 
 class _Delete(tuple):  # type: ignore[type-arg]
     """A tombstone's key values (upsert_keys order): a DELETE, not a write."""
+
+
+class _Truncate:
+    """A truncate row: a TRUNCATE of the table, not a write."""
+
+
+_TRUNCATE = _Truncate()
+
+
+def _row_kind(row: Any) -> str:
+    """How ``_write`` applies a row: a delete, a truncate or a write."""
+    if row is _TRUNCATE:
+        return "truncate"
+    return "delete" if isinstance(row, _Delete) else "write"
+
+
+def truncate_flags(batch: pa.Table) -> list[bool]:
+    """Per row: is it a truncate (``__truncate`` true; all False without the column).
+
+    PermanentSinkError when the column is not boolean: a string "false" must not truncate."""
+    if TRUNCATE_COL not in batch.schema.names:
+        return [False] * batch.num_rows
+    column = batch.column(TRUNCATE_COL)
+    if not (pa.types.is_boolean(column.type) or pa.types.is_null(column.type)):
+        raise PermanentSinkError(
+            f"{TRUNCATE_COL} must be a boolean column (the transform's select), not {column.type}"
+        )
+    return [v is True for v in column.to_pylist()]
 
 
 _UTC_ZONES = frozenset({"UTC", "Etc/UTC", "+00:00", "Z", "GMT", "Etc/GMT", "UCT", "Etc/UCT"})

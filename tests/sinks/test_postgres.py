@@ -240,3 +240,140 @@ def test_invalid_utf8_on_the_copy_text_path_names_the_column_and_byte():
         assert [r[0] for r in rows] == [i for i in range(20) if i not in (7, 12)]
     finally:
         _exec(f'DROP TABLE IF EXISTS "{SCHEMA}"."{table}"')
+
+
+# -- truncate_enabled: a row with __truncate true truncates the table at its place ------------
+
+
+def _with_truncates(batch, at: set[int]):
+    import pyarrow as pa
+
+    flags = [i in at for i in range(batch.num_rows)]
+    return batch.append_column("__truncate", pa.array(flags, pa.bool_()))
+
+
+@pytest.fixture
+def truncate_table() -> Iterator[str]:
+    table = unique("trunc")
+    _exec(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
+    # A deferred unique constraint is checked at COMMIT: a batch breaking it fails whole.
+    _exec(
+        f'CREATE TABLE "{SCHEMA}"."{table}" (id bigint UNIQUE DEFERRABLE INITIALLY DEFERRED, '
+        "name text NOT NULL, amount double precision)"
+    )
+    yield table
+    _exec(f'DROP TABLE IF EXISTS "{SCHEMA}"."{table}"')
+
+
+def _truncate_sink(table: str, **cfg: Any):
+    from conveyor.sinks import build_sink
+
+    cols = {"id": "id", "name": "name", "amount": "amount"}
+    sink = build_sink(
+        {"type": "postgres", "url": PG_URL, "schema": SCHEMA, "table": table, "columns": cols} | cfg
+    )
+    sink.init_sink()
+    return sink
+
+
+def _ids(table: str) -> list[int]:
+    return [r[0] for r in _exec(f'SELECT id FROM "{SCHEMA}"."{table}" ORDER BY id', fetch=True)]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"write_method": "values"}, {"upsert_keys": ["id"]}],
+    ids=["copy", "values", "upsert"],
+)
+def test_a_truncate_row_truncates_at_its_place_in_the_batch(truncate_table: str, cfg) -> None:
+    """Writes, a truncate, writes in one batch: only the rows after the truncate remain; a
+    truncate row's other columns (here all null, name NOT NULL) are never written."""
+    import pyarrow as pa
+
+    table = truncate_table
+    if "upsert_keys" in cfg:  # ON CONFLICT needs a key that is not deferrable
+        _exec(f'ALTER TABLE "{SCHEMA}"."{table}" DROP CONSTRAINT "{table}_id_key"')
+        _exec(f'ALTER TABLE "{SCHEMA}"."{table}" ADD PRIMARY KEY (id)')
+    _exec(f'INSERT INTO "{SCHEMA}"."{table}" VALUES (900, \'before the batch\', 1)')
+    batch = _with_truncates(make_batch(10), {4})
+    batch = batch.set_column(1, "name", pa.array([None if i == 4 else f"n{i}" for i in range(10)]))
+    sink = _truncate_sink(table, truncate_enabled=True, **cfg)
+    try:
+        assert sink.send_batch(batch).failed == ()
+        assert _ids(table) == [5, 6, 7, 8, 9]
+        # Two truncates, one at the start and one at the end: the table ends empty.
+        assert sink.send_batch(_with_truncates(make_batch(3, start=20), {0, 2})).failed == ()
+        assert _ids(table) == []
+    finally:
+        sink.cleanup_sink()
+
+
+def test_a_truncate_applies_across_batches(truncate_table: str) -> None:
+    table = truncate_table
+    sink = _truncate_sink(table, truncate_enabled=True)
+    try:
+        assert sink.send_batch(make_batch(5)).failed == ()
+        assert sink.send_batch(_with_truncates(make_batch(1, start=100), {0})).failed == ()
+        assert _ids(table) == []
+        assert sink.send_batch(_with_truncates(make_batch(3, start=10), set())).failed == ()
+        assert sink.send_batch(_with_truncates(make_batch(4, start=20), {1})).failed == ()
+        assert _ids(table) == [22, 23]
+    finally:
+        sink.cleanup_sink()
+
+
+@pytest.mark.parametrize("fail_fast", [False, True], ids=["isolating", "fail"])
+def test_a_truncate_row_with_truncate_enabled_off_is_a_failed_row(
+    truncate_table: str, fail_fast: bool
+) -> None:
+    """Off (the default): the truncate row fails, nothing is truncated; the other rows are
+    written (with the fail policy only those before it)."""
+    table = truncate_table
+    sink = _truncate_sink(table)
+    sink.fail_fast = fail_fast
+    try:
+        assert sink.send_batch(make_batch(3, start=50)).failed == ()
+        result = sink.send_batch(_with_truncates(make_batch(6), {3}))
+        assert [(f.index, f.message) for f in result.failed] == [
+            (3, "a truncate row (__truncate true) and truncate_enabled is off")
+        ]
+        assert _ids(table) == ([0, 1, 2] if fail_fast else [0, 1, 2, 4, 5]) + [50, 51, 52]
+    finally:
+        sink.cleanup_sink()
+
+
+def test_a_failing_batch_after_a_truncate_leaves_the_table_as_before(truncate_table: str) -> None:
+    """The truncate is in the batch's transaction: a batch that fails at COMMIT (a deferred
+    unique constraint) truncated nothing and wrote nothing."""
+    import pyarrow as pa
+
+    table = truncate_table
+    sink = _truncate_sink(table, truncate_enabled=True)
+    try:
+        assert sink.send_batch(make_batch(3, start=50)).failed == ()
+        batch = _with_truncates(make_batch(6), {2})
+        batch = batch.set_column(0, "id", pa.array([0, 1, 2, 3, 4, 3], pa.int64()))
+        with pytest.raises(psycopg2.errors.UniqueViolation):
+            sink.send_batch(batch)
+        assert _ids(table) == [50, 51, 52]
+        # The sink goes on: the same batch without the duplicate applies.
+        assert sink.send_batch(batch.slice(0, 5)).failed == ()
+        assert _ids(table) == [3, 4]
+    finally:
+        sink.cleanup_sink()
+
+
+def test_a_truncate_column_that_is_not_boolean_is_refused(truncate_table: str) -> None:
+    import pyarrow as pa
+
+    from conveyor.core.errors import PermanentSinkError
+
+    table = truncate_table
+    sink = _truncate_sink(table, truncate_enabled=True)
+    try:
+        batch = make_batch(2).append_column("__truncate", pa.array(["false", "true"]))
+        with pytest.raises(PermanentSinkError, match="__truncate must be a boolean column"):
+            sink.send_batch(batch)
+        assert _ids(table) == []
+    finally:
+        sink.cleanup_sink()
