@@ -143,17 +143,22 @@ come again: converging, with duplicates); the state remembers each id.
 
 **Back into PostgreSQL** (tests/integration/test_cdc_type_corpus.py, slow): `format: debezium`
 with `transform.null_values: pass` on both connectors; the sink connector decodes `op STRING,
-after STRUCT<id INT, ... every other column STRING>`, filters `op IS NULL OR op IN ('r','c','u')`
-(tombstones delete by key with `delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`
-and, for arrays, a PostgreSQL array literal built from the JSON list; with REPLICA IDENTITY FULL
-the target equals the source column by column over the built-in types, NULLs, arrays, a
-TOASTed value, full-precision numerics, NaN and infinities, after a snapshot, inserts, updates,
-a key change and deletes (a truncate is not applied by the sink). Spark's JSON reader writes a
-number inside a json value again (`1.10` -> `1.1`): equal as JSON, while the topic carries the
-value byte for byte; with `json_as: text` the column arrives as its JSON text (read as STRING,
-cast by PostgreSQL) and a JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an
-update lacks the TOASTed values it did not change and an upsert would write them as NULL. The
-same under Dagster, with kill -9 of the source run during the snapshot and during the stream:
+after STRUCT<id INT, ... every other column STRING>`, filters `op IS NULL OR op IN ('r','c','u','t')`
+(tombstones delete by key with `delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`,
+for arrays a PostgreSQL array literal built from the JSON list, and `coalesce(op = 't', false) AS
+__truncate` (with the sink's `truncate_enabled` a truncate truncates the target at its place in
+the batch, in the batch's transaction); with REPLICA IDENTITY FULL the target equals the source
+column by column over the built-in types, NULLs, arrays, a TOASTed value, full-precision
+numerics, NaN and infinities, after a snapshot, inserts, updates, a key change and deletes (and,
+in the Dagster round trip below, a truncate). A truncate's message has no key: on a topic of
+several partitions it is ordered with the changes of its own partition only (a change just
+before or after it in another partition may be applied on the other side of it); a
+one-partition topic keeps the order. Spark's JSON reader writes a number inside a json value
+again (`1.10` -> `1.1`): equal as JSON, while the topic carries the value byte for byte; with
+`json_as: text` the column arrives as its JSON text (read as STRING, cast by PostgreSQL) and a
+JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an update lacks the TOASTed
+values it did not change and an upsert would write them as NULL. The same under Dagster, with
+kill -9 of the source run during the snapshot and during the stream:
 tests/e2e/test_cdc_roundtrip_e2e.py (slow).
 
 **Metrics.** Measured every 10 s and sent with the heartbeats: `replication_lag_bytes` (the

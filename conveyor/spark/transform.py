@@ -34,6 +34,7 @@ from conveyor.core.loop import Rejected, Transformed
 from conveyor.core.model import (
     META_COLUMNS,
     TOMBSTONE_COL,
+    TRUNCATE_COL,
     VALUE_COL,
     Decode,
     NullValues,
@@ -187,7 +188,10 @@ class SparkTransformer:
         """
         text = " ".join([self.spec.filter or "", *(self.spec.select or [])])
         return [
-            c for c in META_COLUMNS if re.search(rf"(?<![A-Za-z0-9_]){c}(?![A-Za-z0-9_])", text)
+            c
+            for c in META_COLUMNS
+            if c != TRUNCATE_COL  # set by a select, carried by no message
+            and re.search(rf"(?<![A-Za-z0-9_]){c}(?![A-Za-z0-9_])", text)
         ]
 
     def _shipped(self, batch: pa.Table, tombstones: pa.Array | None = None) -> pa.Table:
