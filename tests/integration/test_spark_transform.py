@@ -189,6 +189,21 @@ def test_a_select_can_route_each_row_with_destination(spark):
     assert t.column("__key").to_pylist() == [f"k{i}".encode() for i in range(6)]
 
 
+def test_a_select_can_mark_truncate_rows(spark):
+    """``__truncate`` is set by a select (no message carries it) and is no payload column."""
+    values = [json.dumps({"id": i, "op": "t" if i == 2 else "c"}).encode() for i in range(4)]
+    tr = transform(
+        spark,
+        decode="json",
+        schema="id BIGINT, op STRING",
+        select=["id", "coalesce(op = 't', false) AS __truncate"],
+    )
+    assert tr.check(SOURCE_SCHEMA) == ["id"]
+    t = tr(source(values)).table
+    assert t.column("__truncate").to_pylist() == [False, False, True, False]
+    assert t.column("id").to_pylist() == list(range(4))
+
+
 def test_every_row_undecodable(spark):
     out = transform(spark, decode="json", schema=SCHEMA)(source([b"x", b"y", None]))
     assert [r.index for r in out.rejected] == [0, 1] and out.filtered == 1
