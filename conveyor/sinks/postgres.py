@@ -444,7 +444,8 @@ class PostgresSink(Sink):
 
         assert self._columns is not None
         cols = sql.SQL(", ").join(map(sql.Identifier, self._columns))
-        if any(isinstance(r, _Delete) or r is _TRUNCATE for r in rows):
+        marked = not isinstance(rows, CopyText)  # Arrow's COPY text holds writes only
+        if marked and any(isinstance(r, _Delete) or r is _TRUNCATE for r in rows):
             # In order, run by run: a delete then a write of one key leaves the new row; the
             # rows before a truncate are written first (and removed by it), those after it kept.
             for kind, run in itertools.groupby(rows, key=_row_kind):
