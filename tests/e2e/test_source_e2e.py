@@ -198,7 +198,7 @@ def test_scheduler_runs_a_routing_source_exactly_once_then_survives_kill9(
         assert sorted(got) == list(range(i, 900, 3)), r  # exactly once, right topic
     row = store.get(name)
     assert row.status == ConnectorStatus.RUNNING and row.broker_id == "b1"
-    assert store.source_state(name) == (1, {"last": 900})
+    assert store.source_state(name) == (2, {"last": {"id": 900}})  # version 2: by key
     out = dev.cli("connector", "destinations", name, "--json")
     assert out.returncode == 0, out.stderr
     wait_for(
