@@ -338,6 +338,13 @@ class PostgresSink(Sink):
             if self.fail_fast:
                 failures = failures[:1]
             self._conn.commit()
+        except psycopg2.errors.ObjectNotInPrerequisiteState as e:
+            # 55000 (e.g. ON CONFLICT on a deferrable unique constraint): psycopg2 files it as
+            # an OperationalError, but no retry changes the table's definition.
+            self._rollback()
+            raise PermanentSinkError(
+                f"PostgreSQL refused the statement: {e.pgerror or e}"
+            ) from None
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             self.cleanup_sink()
             raise TransientSinkError(

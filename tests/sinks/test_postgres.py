@@ -377,3 +377,17 @@ def test_a_truncate_column_that_is_not_boolean_is_refused(truncate_table: str) -
         assert _ids(table) == []
     finally:
         sink.cleanup_sink()
+
+
+def test_upsert_on_a_deferrable_key_is_a_permanent_error_not_an_outage(truncate_table: str):
+    """ON CONFLICT cannot use a deferrable unique constraint (SQLSTATE 55000, which psycopg2
+    files as an OperationalError): no retry fixes the table, so it is not a lost connection."""
+    from conveyor.core.errors import PermanentSinkError
+
+    sink = _truncate_sink(truncate_table, upsert_keys=["id"])
+    try:
+        with pytest.raises(PermanentSinkError, match="deferrable|refused the statement"):
+            sink.send_batch(make_batch(3))
+        assert _ids(truncate_table) == []
+    finally:
+        sink.cleanup_sink()
