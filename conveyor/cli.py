@@ -260,11 +260,15 @@ def connector() -> None:
 
 
 def _lag(counters: dict[str, Any]) -> str:
-    """Messages behind (a sink connector), or a CDC slot's replication lag in bytes."""
+    """Messages behind (a sink connector), or a CDC slot's replication lag and the WAL it
+    keeps, in bytes."""
     if counters.get("lag") is not None:
         return str(counters["lag"])
     if counters.get("replication_lag_bytes") is not None:
-        return f"{int(counters['replication_lag_bytes'])} B"
+        out = f"{int(counters['replication_lag_bytes'])} B"
+        if counters.get("retained_wal_bytes") is not None:
+            out += f", WAL {int(counters['retained_wal_bytes'])} B"
+        return out
     return "-"
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import psycopg2
 import pytest
+from click.testing import CliRunner
 
+from conveyor.cli import main
 from conveyor.core.errors import PermanentSourceError
 from conveyor.core.source_loop import SourceStateVersionError, checked_state
 from conveyor.sources import build_source
@@ -150,6 +152,9 @@ def test_issue_scenario_into_three_partitions(tmp_path, tansu, spark_remote, cdc
     # The slot's gauges reach the heartbeat (connector list's lag column, the metrics server).
     counters = store.get(name).counters
     assert counters["replication_lag_bytes"] >= 0 and counters["retained_wal_bytes"] >= 0
+    listed = CliRunner().invoke(main, ["connector", "list"], env={"CONVEYOR_META_URL": store.url})
+    lag = f"{int(counters['replication_lag_bytes'])} B, WAL {int(counters['retained_wal_bytes'])} B"
+    assert listed.exit_code == 0 and lag in listed.output, listed.output
     records = read_topic(tansu, f"{name}.items")
     assert len(records) == 505 and {r.partition for r in records} == {0, 1, 2}
     by_key: dict[bytes, list] = {}
