@@ -259,6 +259,9 @@ def connector() -> None:
     """Create, inspect, start and stop connectors."""
 
 
+_MOVING = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED)  # a rate shown only for these
+
+
 def _lag(counters: dict[str, Any]) -> str:
     """Messages behind (a sink connector), or a CDC slot's replication lag and the WAL it
     keeps, in bytes."""
@@ -316,7 +319,8 @@ def connector_list(ctx: click.Context, as_json: bool) -> None:
             r.broker_id or (f"{counters['tasks']} tasks" if counters.get("tasks") else "-"),
             str(r.generation),
             _lag(counters),
-            f"{counters.get('msgs_per_s', 0):.0f}",
+            # A rate is of a running connector: a stopped or failed one shows none, not its last.
+            f"{counters.get('msgs_per_s', 0):.0f}" if r.status in _MOVING else "-",
             str(counters.get("messages_out", 0)),
             _ago(r.heartbeat_at),
             (r.last_error or "")[:120],

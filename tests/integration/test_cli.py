@@ -283,3 +283,19 @@ def test_offsets_reset_to_the_end_or_from_another_consumer_group(tmp_path, tansu
     assert store.committed_offsets("orders") == {tp0: 2, tp1: 3}
     r = cli(meta_url, "offsets", "reset", "orders", "--from-group", "nobody")
     assert r.exit_code == 1 and "has no committed offsets" in r.output
+
+
+def test_list_shows_a_rate_only_for_a_moving_connector(meta_url, tmp_path):
+    """A connector in Error showed its last rate (5703 msgs/s) as if it were still moving."""
+    spec = tmp_path / "orders.yaml"
+    spec.write_text(SPEC)
+    cli(meta_url, "connector", "apply", "-f", str(spec))
+    store = MetaStore(meta_url)
+    g = store.claim(
+        "orders", run_id="r1", expected_generation=None, holder_alive=lambda r: False
+    ).generation
+    store.heartbeat("orders", g, {"msgs_per_s": 5703.0})
+    assert "5703" in cli(meta_url, "connector", "list").output
+    store.release("orders", g, ConnectorStatus.ERROR, "target refused")
+    listed = cli(meta_url, "connector", "list").output
+    assert "Error" in listed and "5703" not in listed
