@@ -329,8 +329,11 @@ def test_the_queue_is_bounded_qos0_dropped_and_qos1_redelivered():
         # once the queue has drained (the session resumed).
         _publish(1883, [(topic, json.dumps({"id": 200 + i}).encode(), 0) for i in range(5)])
         wait_for(lambda: _peek(source, state) == 5, timeout=30, what="five QoS 0 held")
+        # Counted from here: under load the broker may already have sent more than five
+        # QoS 1 messages above, withheld and delivered again then (seen in CI: 2 before).
+        before = source.withheld
         _publish(1883, [(topic, json.dumps({"id": 300 + i}).encode(), 1) for i in range(2)])
-        wait_for(lambda: source.withheld == 2, timeout=30, what="two QoS 1 withheld")
+        wait_for(lambda: source.withheld >= before + 2, timeout=30, what="two QoS 1 withheld")
         more, _ = _drain(source, state, 7)
         assert sorted(more) == [200, 201, 202, 203, 204, 300, 301]
     finally:
