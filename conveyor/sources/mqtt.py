@@ -20,6 +20,10 @@ has been down longer than ``disconnect_grace_s`` ``poll`` raises TransientSource
 (the runtime shows Degraded and retries). Messages held from a lost connection are
 forgotten: their packet ids belonged to it, and the broker redelivers them when the
 session resumes (at least once; a batch already produced then appears twice).
+
+PUBACKs have no answer, so ``commit`` returns once paho has written them to the socket,
+and ``close`` waits (bounded) for the broker's answer to a no-op UNSUBSCRIBE sent after
+them: a run that takes the session over at once then finds nothing delivered twice.
 """
 
 from __future__ import annotations
@@ -223,6 +227,7 @@ class MQTTSource(Source):
         self._held: deque[_Held] = deque()
         self._next_seq = 1
         self._answered = threading.Event()  # the first CONNACK (or refusal) arrived
+        self._unsubacks: dict[int, threading.Event] = {}  # close's barrier, by packet id
         self._refused: str | None = None
         self._down_since: float | None = None
         self._down_reason = ""
@@ -281,6 +286,7 @@ class MQTTSource(Source):
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_unsubscribe = self._on_unsubscribe
         return client
 
     def _set_tls(self, client: Any) -> None:
@@ -342,6 +348,12 @@ class MQTTSource(Source):
             # held here carry packet ids of the lost connection and must never be acknowledged.
             self._held = deque(h for h in self._held if h.qos == 0)
             self._cond.notify_all()
+
+    def _on_unsubscribe(self, _c: Any, _u: Any, mid: int, _codes: Any, _p: Any = None) -> None:
+        with self._cond:
+            event = self._unsubacks.get(mid)
+        if event is not None:
+            event.set()
 
     def _on_message(self, _client: Any, _userdata: Any, msg: Any) -> None:
         with self._cond:
@@ -430,14 +442,61 @@ class MQTTSource(Source):
         with self._cond:
             # Acknowledged under the lock: a disconnect cannot drop these copies in between,
             # so no packet id of a lost connection is ever acknowledged on a new one.
+            acked = False
             while self._held and self._held[0].seq <= upto:
                 h = self._held.popleft()
                 if h.qos > 0 and self._client is not None:
                     self._client.ack(h.mid, h.qos)
+                    acked = True
+        if acked:
+            self._flush_acks()
+
+    def _flush_acks(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until paho's network thread has written the PUBACKs just queued.
+
+        ``ack`` only queues them: a broker stopped right after a commit returned never saw
+        them, and delivered the batch again (seen under load). Outside the lock: the network
+        thread takes it in ``on_message`` before it writes. A lost connection empties the
+        queue (those packet ids are void): the wait ends once the loss is seen."""
+        client = self._client
+        deadline = time.monotonic() + timeout_s
+        while (
+            client is not None
+            and client.want_write()
+            and self._down_since is None
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.002)
+
+    def _barrier(self, client: Any, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until the broker has processed every PUBACK sent before closing.
+
+        Written is not read: a run started at once with the same client id takes the session
+        over, and Mosquitto then drops what the old connection had not read yet (seen under
+        load: a whole batch delivered again). A broker handles one connection's packets in
+        order, so its answer to an UNSUBSCRIBE of a filter never subscribed (no state
+        changes) comes after it has applied every PUBACK before it."""
+        if self._down_since is not None or not client.is_connected():
+            return
+        import uuid
+
+        topic = f"conveyor-close-barrier/{uuid.uuid4().hex}"
+        event = threading.Event()
+        with self._cond:  # the answer waits for the lock: registered before it is looked up
+            rc, mid = client.unsubscribe(topic)
+            if rc != 0 or mid is None:
+                return
+            self._unsubacks[mid] = event
+        if not event.wait(timeout_s):
+            log.info(
+                "MQTT %s: no UNSUBACK within %.0f s at close", self.config.client_id, timeout_s
+            )
+        self._unsubacks.pop(mid, None)
 
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
+            self._barrier(client)
             client.disconnect()
             client.loop_stop()
         if self.dropped_qos0 or self.withheld:

@@ -52,7 +52,7 @@ class Broker:
             f"listener {self.port} 127.0.0.1",
             "persistence true",
             f"persistence_location {self.directory}/",
-            "autosave_interval 1",
+            "autosave_interval 1", "log_type all",
         ]
         if self.tls is None:
             lines.append("allow_anonymous true")
