@@ -95,12 +95,27 @@ def environment_names() -> frozenset[str]:
 
 
 def _environment() -> list[tuple[str, str, str]]:
+    """Every row of the Environment table, in the order CONFIG.md shows them."""
+    return [
+        *_home_environment(),
+        *_scheduler_environment(),
+        *_run_environment(),
+        *_reload_environment(),
+        *_api_environment(),
+        *_secret_environment(),
+        *_cli_environment(),
+    ]
+
+
+def _home_environment() -> list[tuple[str, str, str]]:
+    """Where the state lives and what a connector reaches by default: home, meta store,
+    spec directory, brokers, Kafka, Spark, the lag check."""
     from conveyor.assets.checks import DEFAULT_LAG_CHECK_MINUTES
     from conveyor.brokers.kafka import DEFAULT_BOOTSTRAP
     from conveyor.resources.conveyor import DEFAULT_SPARK_REMOTE
     from conveyor.store.meta import DEFAULT_HOME
 
-    rows = [
+    return [
         (
             "CONVEYOR_HOME",
             "state directory (meta store, dead letters, connectors)",
@@ -138,9 +153,11 @@ def _environment() -> list[tuple[str, str, str]]:
             f"`{DEFAULT_LAG_CHECK_MINUTES:g}`",
         ),
     ]
-    rows += _scheduler_environment()
-    rows += _run_environment()
-    rows += [
+
+
+def _reload_environment() -> list[tuple[str, str, str]]:
+    """How a changed spec file reaches the code location (the Dagster webserver to ask)."""
+    return [
         (
             "CONVEYOR_DAGSTER_URL",
             "Dagster webserver (e.g. `http://127.0.0.1:3000`) that the scheduler sensor and the REST API "
@@ -154,6 +171,12 @@ def _environment() -> list[tuple[str, str, str]]:
             "(the REST API reloads at once)",
             "`10`",
         ),
+    ]
+
+
+def _api_environment() -> list[tuple[str, str, str]]:
+    """The REST API's tokens, allowed hosts and origins, and body limit (`conveyor serve`)."""
+    return [
         (
             "CONVEYOR_API_TOKEN",
             "the REST API's bearer token (`conveyor serve`)",
@@ -191,6 +214,12 @@ def _environment() -> list[tuple[str, str, str]]:
             "largest request body the REST API reads (413 above)",
             "`1048576`",
         ),
+    ]
+
+
+def _secret_environment() -> list[tuple[str, str, str]]:
+    """What `${file:...}` and `${env:...}` secret references may read."""
+    return [
         (
             "CONVEYOR_SECRET_FILES",
             "comma-separated absolute directories that `${file:...}` references may read "
@@ -203,6 +232,12 @@ def _environment() -> list[tuple[str, str, str]]:
             "read; never `CONVEYOR_META_URL`, `CONVEYOR_API`* or the two secret settings",
             "`CONVEYOR_*`",
         ),
+    ]
+
+
+def _cli_environment() -> list[tuple[str, str, str]]:
+    """The CLI's own switches: tracebacks, the `conveyor dev` PostgreSQL demo."""
+    return [
         (
             "CONVEYOR_DEBUG",
             "any value: the CLI shows tracebacks instead of one-line errors",
@@ -216,7 +251,6 @@ def _environment() -> list[tuple[str, str, str]]:
             "unset",
         ),
     ]
-    return rows
 
 
 # Scheduler settings without an attribute docstring in core.scheduler.SchedulerConfig.
@@ -478,7 +512,23 @@ def source_connector_sections() -> list[str]:
 
 
 def render() -> str:
-    parts = [
+    """The whole of docs/CONFIG.md: intro, secrets, live changes, environment, spec sections,
+    brokers file, sinks, source connectors."""
+    parts = _intro_section()
+    parts += _secrets_section()
+    parts += _live_changes_section()
+    parts += _environment_section()
+    parts += _spec_sections()
+    parts += brokers_section()
+    parts += _sinks_heading()
+    parts += sink_sections()
+    parts += source_connector_sections()
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _intro_section() -> list[str]:
+    """The title, how the file is generated, and where a connector spec lives."""
+    return [
         "# Configuration reference",
         "",
         f"Generated from the code by `{REGENERATE}`; do not edit by hand.",
@@ -487,6 +537,12 @@ def render() -> str:
         "or a `conveyor.components.ConnectorComponent` in a `dg` project's `defs.yaml` (the spec under",
         "`attributes`). Unknown fields are rejected, and every error names the file and the field.",
         "",
+    ]
+
+
+def _secrets_section() -> list[str]:
+    """Secrets by reference: where `${env:...}` and `${file:...}` may appear and what they may read."""
+    return [
         "## Secrets by reference",
         "",
         "A secret field (a `secret string` field below, and a Kafka connection's `sasl_password`,",
@@ -533,6 +589,12 @@ def render() -> str:
         "picked up when the connector restarts (`conveyor connector restart`,",
         "`POST /connectors/<name>/restart`).",
         "",
+    ]
+
+
+def _live_changes_section() -> list[str]:
+    """How a new, changed or removed spec file reaches the running connectors."""
+    return [
         "## Live changes",
         "",
         "A new spec file is loaded into the code location by the scheduler sensor (with",
@@ -541,34 +603,53 @@ def render() -> str:
         "connector and keeps its offsets (delete it to forget them). `desired` applies when a connector",
         "is created.",
         "",
+    ]
+
+
+def _environment_section() -> list[str]:
+    """The Environment table: one row per variable of ``_environment``."""
+    return [
         "## Environment",
         "",
         "| variable | meaning | default |",
         "|---|---|---|",
+        *(
+            f"| `{var}` | {_cell(meaning)} | {default} |"
+            for var, meaning, default in _environment()
+        ),
+        "",
     ]
-    parts += [
-        f"| `{var}` | {_cell(meaning)} | {default} |" for var, meaning, default in _environment()
-    ]
-    parts.append("")
+
+
+def _spec_sections() -> list[str]:
+    """One section per connector spec model (SECTIONS), the batch presets after `batch`."""
+    parts: list[str] = []
     for title, model in SECTIONS:
         parts += [f"## `{title}`", "", _cell(model.__doc__ or ""), "", model_table(model), ""]
         if model is BatchPolicy:
-            parts += ["Batch presets (`batch: {preset: NAME}` or `batch: NAME`):", ""]
-            parts += [
-                f"- `{k}`: {', '.join(f'`{f}: {v}`' for f, v in fields.items())}"
-                for k, fields in BATCH_PRESETS.items()
-            ]
-            parts.append("")
-    parts += brokers_section()
+            parts += _batch_presets()
+    return parts
+
+
+def _batch_presets() -> list[str]:
+    """The named batch presets, one bullet each with its fields."""
+    parts = ["Batch presets (`batch: {preset: NAME}` or `batch: NAME`):", ""]
     parts += [
+        f"- `{k}`: {', '.join(f'`{f}: {v}`' for f, v in fields.items())}"
+        for k, fields in BATCH_PRESETS.items()
+    ]
+    parts.append("")
+    return parts
+
+
+def _sinks_heading() -> list[str]:
+    """The Sinks heading, before one section per sink type."""
+    return [
         "## Sinks",
         "",
         "`sink.type` selects one of these; the other `sink` fields are that sink's.",
         "",
     ]
-    parts += sink_sections()
-    parts += source_connector_sections()
-    return "\n".join(parts).rstrip() + "\n"
 
 
 if __name__ == "__main__":
