@@ -37,6 +37,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -132,232 +133,273 @@ async def _json_body(request: Request) -> Any:
         raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(
-    ops_factory: Callable[[], Operations], token: str | None, *, access: Access | None = None
-) -> Starlette:
-    """The API over the operations ``ops_factory()`` gives (one per request: cheap, stateless).
+@dataclass(frozen=True)
+class ApiContext:
+    """What every route shares, kept on ``app.state.api``: where operations come from and
+    what ``api_guard`` checks."""
 
-    ``access`` (default: ``token`` alone, loopback hosts) is what ``api_guard`` checks.
-    """
-    guard = access or Access(token)
+    ops_factory: Callable[[], Operations]
+    access: Access
 
-    def ops() -> Operations:
-        return ops_factory()
+    @staticmethod
+    def of(request: Request) -> ApiContext:
+        """The context of the app serving ``request``."""
+        context: ApiContext = request.app.state.api
+        return context
 
-    async def root(request: Request) -> Response:
-        return JSONResponse(
-            {"version": _conveyor_version(), "commit": None, "kafka_cluster_id": None}
-        )
+    def ops(self) -> Operations:
+        """Fresh operations for one request (cheap, stateless)."""
+        return self.ops_factory()
 
-    async def health(request: Request) -> Response:
-        return JSONResponse(
-            {"status": "healthy", "message": "the REST API is up and serving requests"}
-        )
 
-    def ready(request: Request) -> Response:
-        """Ready or not for anyone (a probe); what is wrong only for a token's holder."""
-        checks: dict[str, str] = {}
-        o = ops()
-        try:
-            o.store.schema_version()
-            checks["meta_store"] = "ok"
-        except Exception as e:  # noqa: BLE001 - reported in the answer
-            checks["meta_store"] = mask_url_passwords(f"unavailable: {type(e).__name__}: {e}")
-        checks["connectors_dir"] = (
-            "ok" if o.directory.is_dir() else f"{o.directory} is not a directory"
-        )
-        ok = all(v == "ok" for v in checks.values())
-        body: dict[str, Any] = {"status": "ready" if ok else "not ready"}
-        if request.state.access is not None and guard.token is not None:
-            body["checks"] = checks
-        return JSONResponse(body, 200 if ok else 503)
+def _ops(request: Request) -> Operations:
+    """The operations for ``request``."""
+    return ApiContext.of(request).ops()
 
-    def metrics(request: Request) -> Response:
-        from prometheus_client import CollectorRegistry, generate_latest
 
-        from conveyor.metrics import StoreCollector
+async def root(request: Request) -> Response:
+    return JSONResponse({"version": _conveyor_version(), "commit": None, "kafka_cluster_id": None})
 
-        registry = CollectorRegistry()
-        registry.register(StoreCollector(ops().store))  # type: ignore[arg-type]
-        return PlainTextResponse(
-            generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
 
-    def list_connectors(request: Request) -> Response:
-        o = ops()
-        expand = set(request.query_params.getlist("expand"))
-        unknown = expand - {"status", "info"}
-        if unknown:
-            raise InvalidRequestError(
-                f"expand: unknown value(s) {sorted(unknown)}; use status, info"
-            )
-        if not expand:
-            return JSONResponse(o.names())
-        out: dict[str, Any] = {}
-        for r in o.rows():
-            item: dict[str, Any] = {}
-            if "status" in expand:
-                from conveyor.operations import status_of
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "healthy", "message": "the REST API is up and serving requests"})
 
-                item["status"] = status_of(r)
-            if "info" in expand:
-                item["info"] = o.info(r.name)
-            out[r.name] = item
-        return JSONResponse(out)
 
-    async def create_connector(request: Request) -> Response:
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise InvalidRequestError('expected {"name": ..., "config": {...}}')
-        name, config = body.get("name"), body.get("config")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError("name: missing; expected the connector's name")
-        if config is None:
-            raise InvalidRequestError("config: missing; expected the connector spec as an object")
-        info, _ = await _threaded(lambda: ops().put_config(name, config, create_only=True))
-        return JSONResponse(info, 201)
+def ready(request: Request) -> Response:
+    """Ready or not for anyone (a probe); what is wrong only for a token's holder."""
+    context = ApiContext.of(request)
+    checks: dict[str, str] = {}
+    o = context.ops()
+    try:
+        o.store.schema_version()
+        checks["meta_store"] = "ok"
+    except Exception as e:  # noqa: BLE001 - reported in the answer
+        checks["meta_store"] = mask_url_passwords(f"unavailable: {type(e).__name__}: {e}")
+    checks["connectors_dir"] = "ok" if o.directory.is_dir() else f"{o.directory} is not a directory"
+    ok = all(v == "ok" for v in checks.values())
+    body: dict[str, Any] = {"status": "ready" if ok else "not ready"}
+    if request.state.access is not None and context.access.token is not None:
+        body["checks"] = checks
+    return JSONResponse(body, 200 if ok else 503)
 
-    def get_info(request: Request) -> Response:
-        return JSONResponse(ops().info(request.path_params["name"]))
 
-    def get_config(request: Request) -> Response:
-        return JSONResponse(ops().config(request.path_params["name"]))
+def metrics(request: Request) -> Response:
+    from prometheus_client import CollectorRegistry, generate_latest
 
-    async def put_config(request: Request) -> Response:
-        body = await _json_body(request)
-        name = request.path_params["name"]
+    from conveyor.metrics import StoreCollector
 
-        def put() -> tuple[dict[str, Any], bool]:
-            o = ops()
-            return o.put_config(name, keep_stored(body, _current(o, name)))
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(_ops(request).store))  # type: ignore[arg-type]
+    return PlainTextResponse(
+        generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
 
-        info, created = await _threaded(put)
-        return JSONResponse(info, 201 if created else 200)
 
-    def get_status(request: Request) -> Response:
-        return JSONResponse(ops().status(request.path_params["name"]))
+def list_connectors(request: Request) -> Response:
+    o = _ops(request)
+    expand = set(request.query_params.getlist("expand"))
+    unknown = expand - {"status", "info"}
+    if unknown:
+        raise InvalidRequestError(f"expand: unknown value(s) {sorted(unknown)}; use status, info")
+    if not expand:
+        return JSONResponse(o.names())
+    out: dict[str, Any] = {}
+    for r in o.rows():
+        item: dict[str, Any] = {}
+        if "status" in expand:
+            from conveyor.operations import status_of
 
-    def get_tasks(request: Request) -> Response:
-        name = request.path_params["name"]
-        o = ops()
-        return JSONResponse([{"id": {"connector": name, "task": 0}, "config": o.config(name)}])
+            item["status"] = status_of(r)
+        if "info" in expand:
+            item["info"] = o.info(r.name)
+        out[r.name] = item
+    return JSONResponse(out)
 
-    def get_task_status(request: Request) -> Response:
-        name = request.path_params["name"]
-        tasks = ops().status(name)["tasks"]
-        if not tasks:
-            raise NotFoundError(f"connector {name!r} has no task running")
-        for task in tasks:  # one task (0) per run, or the connector's partition tasks
-            if task["id"] == request.path_params["task"]:
-                return JSONResponse(task)
-        raise NotFoundError(
-            f"connector {name!r} has task(s) {', '.join(str(t['id']) for t in tasks)}"
-        )
 
-    def pause(request: Request) -> Response:
-        ops().pause(request.path_params["name"])
-        return Response(status_code=202)
+async def create_connector(request: Request) -> Response:
+    context = ApiContext.of(request)
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise InvalidRequestError('expected {"name": ..., "config": {...}}')
+    name, config = body.get("name"), body.get("config")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("name: missing; expected the connector's name")
+    if config is None:
+        raise InvalidRequestError("config: missing; expected the connector spec as an object")
+    info, _ = await _threaded(lambda: context.ops().put_config(name, config, create_only=True))
+    return JSONResponse(info, 201)
 
-    def resume(request: Request) -> Response:
-        ops().resume(request.path_params["name"])
-        return Response(status_code=202)
 
-    def stop(request: Request) -> Response:
-        ops().stop(request.path_params["name"])
-        return Response(status_code=204)
+def get_info(request: Request) -> Response:
+    return JSONResponse(_ops(request).info(request.path_params["name"]))
 
-    def restart(request: Request) -> Response:
-        """Kafka Connect's (KIP-745): without parameters 204; with ``includeTasks`` or
-        ``onlyFailed`` 202 and the status, the restarted instances RESTARTING."""
-        name = request.path_params["name"]
-        include_tasks = _bool_param(request, "includeTasks")
-        only_failed = _bool_param(request, "onlyFailed")
-        o = ops()
-        if not include_tasks and not only_failed:
-            o.restart(name)
-            return Response(status_code=204)
-        status = o.status(name)
-        if not restart_plan(status, include_tasks, only_failed):
-            return JSONResponse(status, status_code=202)
+
+def get_config(request: Request) -> Response:
+    return JSONResponse(_ops(request).config(request.path_params["name"]))
+
+
+async def put_config(request: Request) -> Response:
+    context = ApiContext.of(request)
+    body = await _json_body(request)
+    name = request.path_params["name"]
+
+    def put() -> tuple[dict[str, Any], bool]:
+        o = context.ops()
+        return o.put_config(name, keep_stored(body, _current(o, name)))
+
+    info, created = await _threaded(put)
+    return JSONResponse(info, 201 if created else 200)
+
+
+def get_status(request: Request) -> Response:
+    return JSONResponse(_ops(request).status(request.path_params["name"]))
+
+
+def get_tasks(request: Request) -> Response:
+    name = request.path_params["name"]
+    o = _ops(request)
+    return JSONResponse([{"id": {"connector": name, "task": 0}, "config": o.config(name)}])
+
+
+def get_task_status(request: Request) -> Response:
+    name = request.path_params["name"]
+    tasks = _ops(request).status(name)["tasks"]
+    if not tasks:
+        raise NotFoundError(f"connector {name!r} has no task running")
+    for task in tasks:  # one task (0) per run, or the connector's partition tasks
+        if task["id"] == request.path_params["task"]:
+            return JSONResponse(task)
+    raise NotFoundError(f"connector {name!r} has task(s) {', '.join(str(t['id']) for t in tasks)}")
+
+
+def pause(request: Request) -> Response:
+    _ops(request).pause(request.path_params["name"])
+    return Response(status_code=202)
+
+
+def resume(request: Request) -> Response:
+    _ops(request).resume(request.path_params["name"])
+    return Response(status_code=202)
+
+
+def stop(request: Request) -> Response:
+    _ops(request).stop(request.path_params["name"])
+    return Response(status_code=204)
+
+
+def restart(request: Request) -> Response:
+    """Kafka Connect's (KIP-745): without parameters 204; with ``includeTasks`` or
+    ``onlyFailed`` 202 and the status, the restarted instances RESTARTING."""
+    name = request.path_params["name"]
+    include_tasks = _bool_param(request, "includeTasks")
+    only_failed = _bool_param(request, "onlyFailed")
+    o = _ops(request)
+    if not include_tasks and not only_failed:
         o.restart(name)
-        return JSONResponse(restarting(status), status_code=202)
-
-    def restart_task(request: Request) -> Response:
-        ops().restart(request.path_params["name"])
         return Response(status_code=204)
+    status = o.status(name)
+    if not restart_plan(status, include_tasks, only_failed):
+        return JSONResponse(status, status_code=202)
+    o.restart(name)
+    return JSONResponse(restarting(status), status_code=202)
 
-    def topics(request: Request) -> Response:
-        return JSONResponse(active_topics(ops(), request.path_params["name"]))
 
-    def reset_topics(request: Request) -> Response:
-        reset_active_topics(ops(), request.path_params["name"])
-        return Response(status_code=202)
+def restart_task(request: Request) -> Response:
+    _ops(request).restart(request.path_params["name"])
+    return Response(status_code=204)
 
-    async def validate_config(request: Request) -> Response:
-        body = await _json_body(request)
-        plugin = request.path_params["plugin"]
-        return JSONResponse(await _threaded(lambda: validate(ops(), plugin, body)))
 
-    def delete(request: Request) -> Response:
-        """204; 200 with what stays in the source's system (a slot) when something does, or
-        when ``?drop_slot=true`` dropped it (the CLI's ``--drop-slot``)."""
-        name = request.path_params["name"]
-        flag = request.query_params.get("drop_slot", "false").lower()
-        if flag not in ("true", "false"):
-            raise InvalidRequestError(f"drop_slot must be true or false, got {flag!r}")
-        kept = ops().delete(name, drop_slot=flag == "true")
-        if flag == "false" and not kept:
-            return Response(status_code=204)
-        return JSONResponse(
-            {"name": name, "deleted": True, "slot_dropped": flag == "true", "remains": kept}
-        )
+def topics(request: Request) -> Response:
+    return JSONResponse(active_topics(_ops(request), request.path_params["name"]))
 
-    def get_offsets(request: Request) -> Response:
-        return JSONResponse(ops().offsets(request.path_params["name"]))
 
-    async def patch_offsets(request: Request) -> Response:
-        body = await _json_body(request)
-        name = request.path_params["name"]
-        return JSONResponse(await _threaded(lambda: ops().alter_offsets(name, body)))
+def reset_topics(request: Request) -> Response:
+    reset_active_topics(_ops(request), request.path_params["name"])
+    return Response(status_code=202)
 
-    def delete_offsets(request: Request) -> Response:
-        return JSONResponse(ops().reset_offsets(request.path_params["name"]))
 
-    def history(request: Request) -> Response:
-        limit = _int_param(request, "limit", 30)
-        return JSONResponse(ops().history(request.path_params["name"], limit))
+async def validate_config(request: Request) -> Response:
+    context = ApiContext.of(request)
+    body = await _json_body(request)
+    plugin = request.path_params["plugin"]
+    return JSONResponse(await _threaded(lambda: validate(context.ops(), plugin, body)))
 
-    def dead_letters(request: Request) -> Response:
-        limit = _int_param(request, "limit", 20)
-        return JSONResponse(ops().dead_letters(request.path_params["name"], limit))
 
-    def destination(request: Request) -> Response:
-        return JSONResponse(ops().destination(request.path_params["name"]))
+def delete(request: Request) -> Response:
+    """204; 200 with what stays in the source's system (a slot) when something does, or
+    when ``?drop_slot=true`` dropped it (the CLI's ``--drop-slot``)."""
+    name = request.path_params["name"]
+    flag = request.query_params.get("drop_slot", "false").lower()
+    if flag not in ("true", "false"):
+        raise InvalidRequestError(f"drop_slot must be true or false, got {flag!r}")
+    kept = _ops(request).delete(name, drop_slot=flag == "true")
+    if flag == "false" and not kept:
+        return Response(status_code=204)
+    return JSONResponse(
+        {"name": name, "deleted": True, "slot_dropped": flag == "true", "remains": kept}
+    )
 
-    def destinations(request: Request) -> Response:
-        return JSONResponse(ops().destinations(request.path_params["name"]))
 
-    def partition_tasks(request: Request) -> Response:
-        return JSONResponse(ops().tasks(request.path_params["name"]))
+def get_offsets(request: Request) -> Response:
+    return JSONResponse(_ops(request).offsets(request.path_params["name"]))
 
-    def abandon_batch(request: Request) -> Response:
-        return JSONResponse(ops().abandon_batch(request.path_params["name"]), status_code=202)
 
-    def reset_source_state(request: Request) -> Response:
-        return JSONResponse(ops().reset_source_state(request.path_params["name"]))
+async def patch_offsets(request: Request) -> Response:
+    context = ApiContext.of(request)
+    body = await _json_body(request)
+    name = request.path_params["name"]
+    return JSONResponse(await _threaded(lambda: context.ops().alter_offsets(name, body)))
 
-    def plugins(request: Request) -> Response:
-        from conveyor.sinks import sink_types
-        from conveyor.sources import source_types
 
-        version = _conveyor_version()
-        return JSONResponse(
-            [{"class": t, "type": "sink", "version": version} for t in sink_types()]
-            + [{"class": t, "type": "source", "version": version} for t in source_types()]
-        )
+def delete_offsets(request: Request) -> Response:
+    return JSONResponse(_ops(request).reset_offsets(request.path_params["name"]))
 
+
+def history(request: Request) -> Response:
+    limit = _int_param(request, "limit", 30)
+    return JSONResponse(_ops(request).history(request.path_params["name"], limit))
+
+
+def dead_letters(request: Request) -> Response:
+    limit = _int_param(request, "limit", 20)
+    return JSONResponse(_ops(request).dead_letters(request.path_params["name"], limit))
+
+
+def destination(request: Request) -> Response:
+    return JSONResponse(_ops(request).destination(request.path_params["name"]))
+
+
+def destinations(request: Request) -> Response:
+    return JSONResponse(_ops(request).destinations(request.path_params["name"]))
+
+
+def partition_tasks(request: Request) -> Response:
+    return JSONResponse(_ops(request).tasks(request.path_params["name"]))
+
+
+def abandon_batch(request: Request) -> Response:
+    return JSONResponse(_ops(request).abandon_batch(request.path_params["name"]), status_code=202)
+
+
+def reset_source_state(request: Request) -> Response:
+    return JSONResponse(_ops(request).reset_source_state(request.path_params["name"]))
+
+
+def plugins(request: Request) -> Response:
+    from conveyor.sinks import sink_types
+    from conveyor.sources import source_types
+
+    version = _conveyor_version()
+    return JSONResponse(
+        [{"class": t, "type": "sink", "version": version} for t in sink_types()]
+        + [{"class": t, "type": "source", "version": version} for t in source_types()]
+    )
+
+
+def routes() -> list[Route]:
+    """The route table: every path and method the API answers, and its handler."""
     c = "/connectors/{name}"
-    routes = [
+    return [
         Route("/", root),
         Route("/health", health),
         Route("/ready", ready),
@@ -391,7 +433,11 @@ def create_app(
         Route(f"{c}/abandon-batch", abandon_batch, methods=["POST"]),
         Route(f"{c}/source-state", reset_source_state, methods=["DELETE"]),
     ]
-    handlers: dict[Any, Callable[..., Any]] = {
+
+
+def exception_handlers() -> dict[Any, Callable[..., Any]]:
+    """Each error the routes raise, as its JSON answer and HTTP status."""
+    return {
         HTTPException: _http_error,
         NotFoundError: lambda r, e: error(404, str(e)),
         ConflictError: lambda r, e: error(409, str(e)),
@@ -402,11 +448,23 @@ def create_app(
         ConveyorError: lambda r, e: error(500, f"{type(e).__name__}: {e}"),
         Exception: _unexpected,
     }
-    return Starlette(
-        routes=routes,
-        middleware=[Middleware(Guard, access=guard)],
-        exception_handlers=handlers,
+
+
+def create_app(
+    ops_factory: Callable[[], Operations], token: str | None, *, access: Access | None = None
+) -> Starlette:
+    """The API over the operations ``ops_factory()`` gives (one per request: cheap, stateless).
+
+    ``access`` (default: ``token`` alone, loopback hosts) is what ``api_guard`` checks.
+    """
+    context = ApiContext(ops_factory, access or Access(token))
+    app = Starlette(
+        routes=routes(),
+        middleware=[Middleware(Guard, access=context.access)],
+        exception_handlers=exception_handlers(),
     )
+    app.state.api = context
+    return app
 
 
 def _current(o: Operations, name: str) -> LoadedSpec | None:
