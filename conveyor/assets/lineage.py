@@ -33,11 +33,30 @@ def group_of(connector: str) -> str:
 
 def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
     """Asset specs for every valid connector; assets shared by connectors are merged."""
+    topic_users, topic_producers, systems, sinks = _index_specs(specs)
+    out = _source_system_specs(systems)
+    _add_allowlist_producers(topic_users, topic_producers, systems)
+    out += _topic_specs(topic_users, topic_producers)
+    for key, users in sinks.items():
+        out.append(_sink_spec(key, users))
+        out += _dead_letter_specs(key, users)
+    return out
+
+
+def _index_specs(
+    specs: list[LoadedSpec],
+) -> tuple[
+    dict[str, list[str]],
+    dict[str, list[LoadedSpec]],
+    dict[AssetKey, list[LoadedSpec]],
+    dict[AssetKey, list[LoadedSpec]],
+]:
+    """Who uses what: the sink connectors reading each topic, the source connectors naming
+    each topic, the source connectors per source system, the sink connectors per sink asset."""
     topic_users: dict[str, list[str]] = defaultdict(list)
     topic_producers: dict[str, list[LoadedSpec]] = defaultdict(list)
     systems: dict[AssetKey, list[LoadedSpec]] = defaultdict(list)
     sinks: dict[AssetKey, list[LoadedSpec]] = defaultdict(list)
-    out: list[AssetSpec] = []
     for ls in specs:
         if ls.ok and ls.source_spec is not None and ls.source_config is not None:
             systems[AssetKey(ls.source_config.asset_key_path())].append(ls)
@@ -48,6 +67,12 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
         for t in ls.spec.source.topics:
             topic_users[t].append(ls.name)
         sinks[AssetKey(ls.sink.asset_key_path())].append(ls)
+    return topic_users, topic_producers, systems, sinks
+
+
+def _source_system_specs(systems: dict[AssetKey, list[LoadedSpec]]) -> list[AssetSpec]:
+    """One asset per source system (a table, a queue...), shared by the connectors reading it."""
+    out: list[AssetSpec] = []
     for key, producers in systems.items():
         first = producers[0]
         assert first.source_config is not None
@@ -61,6 +86,16 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                 metadata={"source": (first.display() or {}).get("source") or {}},
             )
         )
+    return out
+
+
+def _add_allowlist_producers(
+    topic_users: dict[str, list[str]],
+    topic_producers: dict[str, list[LoadedSpec]],
+    systems: dict[AssetKey, list[LoadedSpec]],
+) -> None:
+    """Adds to ``topic_producers`` the source connectors whose allowlist admits a topic a sink
+    connector reads."""
     # A topic a sink connector reads that a source connector's allowlist admits: the source
     # may produce into it (destinations taken from the data are known only at run time).
     for topic in topic_users:
@@ -71,6 +106,13 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                 adm = p.source_spec.routing.admission
                 if adm.mode == "allowlist" and adm.admits(topic) is None:
                     topic_producers[topic].append(p)
+
+
+def _topic_specs(
+    topic_users: dict[str, list[str]], topic_producers: dict[str, list[LoadedSpec]]
+) -> list[AssetSpec]:
+    """One asset per topic, depending on the source systems of the connectors producing it."""
+    out: list[AssetSpec] = []
     for topic in sorted(set(topic_users) | set(topic_producers)):
         users = topic_users.get(topic, [])
         producers = topic_producers.get(topic, [])
@@ -97,53 +139,59 @@ def lineage_specs(specs: list[LoadedSpec]) -> list[AssetSpec]:
                 metadata={"topic": topic},
             )
         )
-    for key, users in sinks.items():
-        first = users[0]
-        assert first.spec is not None and first.sink is not None
-        deps = sorted(
-            {topic_key(t) for u in users if u.spec for t in u.spec.source.topics},
-            key=lambda k: k.to_user_string(),
-        )
-        owners = sorted({o for u in users if u.spec for o in u.spec.owners})
-        latency = min(u.spec.expected_latency_s for u in users if u.spec)
-        out.append(
-            AssetSpec(
-                key=key,
-                deps=deps,
-                description=(
-                    first.spec.description
-                    or f"{first.sink.kind()} target written by connector(s) {', '.join(u.name for u in users)}."
-                ),
-                group_name=group_of(first.name) if len(users) == 1 else "sinks",
-                kinds={first.sink.kind()},
-                owners=owners,
-                tags={"conveyor/connector": first.name} if len(users) == 1 else {},
-                metadata={
-                    "connectors": ", ".join(u.name for u in users),
-                    # As written, secrets masked, ${env:...} references shown.
-                    "sink": (first.display() or {}).get("sink") or first.sink.redacted(),
-                },
-                freshness_policy=FreshnessPolicy.time_window(
-                    fail_window=dt.timedelta(seconds=max(latency * 2, 120)),
-                    warn_window=dt.timedelta(seconds=max(latency, 60)),
-                ),
-            )
-        )
-        for u in users:
-            out.append(
-                AssetSpec(
-                    key=dead_letter_key(u.name),
-                    deps=[key],
-                    description=f"Messages connector {u.name} could not deliver, with their errors (replayable).",
-                    group_name=group_of(u.name),
-                    kinds={"parquet"}
-                    if u.spec and u.spec.failure.dead_letter.store == "parquet"
-                    else {"kafka"},
-                    owners=sorted(u.spec.owners) if u.spec else [],
-                    tags={"conveyor/connector": u.name},
-                )
-            )
     return out
+
+
+def _sink_spec(key: AssetKey, users: list[LoadedSpec]) -> AssetSpec:
+    """The sink target's asset, written by ``users``: depends on the topics they read, with
+    a freshness policy from the tightest expected latency."""
+    first = users[0]
+    assert first.spec is not None and first.sink is not None
+    deps = sorted(
+        {topic_key(t) for u in users if u.spec for t in u.spec.source.topics},
+        key=lambda k: k.to_user_string(),
+    )
+    owners = sorted({o for u in users if u.spec for o in u.spec.owners})
+    latency = min(u.spec.expected_latency_s for u in users if u.spec)
+    return AssetSpec(
+        key=key,
+        deps=deps,
+        description=(
+            first.spec.description
+            or f"{first.sink.kind()} target written by connector(s) {', '.join(u.name for u in users)}."
+        ),
+        group_name=group_of(first.name) if len(users) == 1 else "sinks",
+        kinds={first.sink.kind()},
+        owners=owners,
+        tags={"conveyor/connector": first.name} if len(users) == 1 else {},
+        metadata={
+            "connectors": ", ".join(u.name for u in users),
+            # As written, secrets masked, ${env:...} references shown.
+            "sink": (first.display() or {}).get("sink") or first.sink.redacted(),
+        },
+        freshness_policy=FreshnessPolicy.time_window(
+            fail_window=dt.timedelta(seconds=max(latency * 2, 120)),
+            warn_window=dt.timedelta(seconds=max(latency, 60)),
+        ),
+    )
+
+
+def _dead_letter_specs(key: AssetKey, users: list[LoadedSpec]) -> list[AssetSpec]:
+    """One dead-letter asset per connector writing the sink asset ``key``."""
+    return [
+        AssetSpec(
+            key=dead_letter_key(u.name),
+            deps=[key],
+            description=f"Messages connector {u.name} could not deliver, with their errors (replayable).",
+            group_name=group_of(u.name),
+            kinds={"parquet"}
+            if u.spec and u.spec.failure.dead_letter.store == "parquet"
+            else {"kafka"},
+            owners=sorted(u.spec.owners) if u.spec else [],
+            tags={"conveyor/connector": u.name},
+        )
+        for u in users
+    ]
 
 
 def static_destinations(ls: LoadedSpec) -> list[str]:
