@@ -443,217 +443,324 @@ def _fmt(figures: Mapping[str, float]) -> str:
     )
 
 
-def _plan_group(
-    group: TaskGroup, slots: dict[str, BrokerSlot], now: float, plan: TaskPlan
-) -> TaskGroup:
-    policy = group.policy
-    name = group.connector
+@dataclass
+class _Planning:
+    """One connector's planning under way: its tasks as the decisions so far left them.
 
-    def do(decision: TaskDecision) -> None:
-        nonlocal group
-        plan.decisions.append(decision)
+    ``slots`` is shared with the other connectors of the tick (brokers' room)."""
+
+    group: TaskGroup
+    slots: dict[str, BrokerSlot]
+    now: float
+    plan: TaskPlan
+    live: list[TaskView] = field(default_factory=list)
+    """The live tasks, as the step that last looked left them (from the live step on)."""
+    ceiling: float | None = None
+    """The ceiling this tick (from the ceiling step on)."""
+
+    @property
+    def policy(self) -> TaskPolicy:
+        return self.group.policy
+
+    def do(self, decision: TaskDecision) -> None:
+        """Record a decision, free its removed tasks' slots, and apply it to the group."""
+        self.plan.decisions.append(decision)
         for tid in decision.change.removed:
-            _free_slot(slots, group.task(tid).broker_id)
-        group = decision.change.applied_to(group, now)
+            _free_slot(self.slots, self.group.task(tid).broker_id)
+        self.group = decision.change.applied_to(self.group, self.now)
 
-    # 1. dead tasks
-    for task in list(group.tasks):
-        if not task.is_dead(now, policy):
+    def live_tasks(self) -> list[TaskView]:
+        """The group's tasks that are not dead now."""
+        return [t for t in self.group.tasks if not t.is_dead(self.now, self.policy)]
+
+
+Step = Callable[[_Planning], bool]
+"""One step of a connector's planning; True: its planning ends here."""
+
+
+def _reclaim_dead(p: _Planning) -> bool:
+    """1. dead: each dead task's partitions go to the live tasks, or it restarts in place."""
+    for task in list(p.group.tasks):
+        if not task.is_dead(p.now, p.policy):
             continue
-        live = [t for t in group.tasks if t.task_id != task.task_id and not t.is_dead(now, policy)]
-        age = now - (task.heartbeat_at if task.heartbeat_at is not None else task.changed_at)
+        live = [
+            t for t in p.group.tasks if t.task_id != task.task_id and not t.is_dead(p.now, p.policy)
+        ]
+        age = p.now - (task.heartbeat_at if task.heartbeat_at is not None else task.changed_at)
         figures = {"heartbeat_age_s": float(age), "partitions": float(len(task.partitions))}
         if live:
-            moves = _deal(partition_loads(task), live)
-            do(
-                ReclaimDead(
-                    name,
-                    f"task {task.task_id} silent for {age:.0f} s: its "
-                    f"{len(task.partitions)} partition(s) go to task(s) "
-                    f"{', '.join(str(t) for t in sorted(moves))}",
-                    TaskChange(partitions=moves, removed=frozenset({task.task_id}), immediate=True),
-                    figures,
-                    task_id=task.task_id,
-                )
-            )
+            _reclaim_into(p, task, live, age, figures)
         else:
-            broker = task.broker_id
-            if broker not in slots or not slots[broker].healthy:
-                _free_slot(slots, broker)
-                broker = _least_loaded(slots)
-                if broker is None:
-                    continue
-                _take_slot(slots, broker)
-            do(
-                RestartTask(
-                    name,
-                    f"task {task.task_id} silent for {age:.0f} s and no live task to take over: "
-                    f"relaunched on {broker}",
-                    TaskChange(
-                        restarted=frozenset({task.task_id}),
-                        brokers={task.task_id: broker} if broker else {},
-                    ),
-                    figures,
-                    task_id=task.task_id,
-                    broker_id=broker,
-                )
-            )
+            _restart_in_place(p, task, age, figures)
+    return False
 
-    # 2. start
-    if not group.tasks:
-        if not group.partitions:
-            return group
-        parts = sorted(group.partitions)
-        n = min(policy.min_tasks, len(parts))
-        first = group.new_task_id()
-        sets: dict[int, frozenset[TopicPartition]] = {}
-        placed: dict[int, str] = {}
-        for i in range(n):
-            broker = _least_loaded(slots)
-            if broker is None:
-                break
-            _take_slot(slots, broker)
-            placed[first + i] = broker
-        if not placed:
-            return group
-        ids = sorted(placed)
-        for i, tp in enumerate(parts):
-            tid = ids[i % len(ids)]
-            sets[tid] = sets.get(tid, frozenset()) | {tp}
-        do(
-            StartTasks(
-                name,
-                f"{len(ids)} task(s) for {len(parts)} partition(s)",
-                TaskChange(partitions=sets, brokers=placed),
-                {"tasks": float(len(ids)), "partitions": float(len(parts))},
-            )
+
+def _reclaim_into(
+    p: _Planning,
+    task: TaskView,
+    live: Sequence[TaskView],
+    age: float,
+    figures: Mapping[str, float],
+) -> None:
+    """The dead ``task``'s partitions are dealt to the ``live`` tasks at once."""
+    moves = _deal(partition_loads(task), live)
+    p.do(
+        ReclaimDead(
+            p.group.connector,
+            f"task {task.task_id} silent for {age:.0f} s: its "
+            f"{len(task.partitions)} partition(s) go to task(s) "
+            f"{', '.join(str(t) for t in sorted(moves))}",
+            TaskChange(partitions=moves, removed=frozenset({task.task_id}), immediate=True),
+            figures,
+            task_id=task.task_id,
         )
-        return group
+    )
 
-    live = [t for t in group.tasks if not t.is_dead(now, policy)]
-    if not live:
-        return group
 
-    # 3. adopt
-    orphans = group.partitions - set(group.owner())
+def _restart_in_place(
+    p: _Planning, task: TaskView, age: float, figures: Mapping[str, float]
+) -> None:
+    """The dead ``task`` is relaunched (on another broker when its own has gone or is unhealthy)."""
+    broker = task.broker_id
+    if broker not in p.slots or not p.slots[broker].healthy:
+        _free_slot(p.slots, broker)
+        broker = _least_loaded(p.slots)
+        if broker is None:
+            return
+        _take_slot(p.slots, broker)
+    p.do(
+        RestartTask(
+            p.group.connector,
+            f"task {task.task_id} silent for {age:.0f} s and no live task to take over: "
+            f"relaunched on {broker}",
+            TaskChange(
+                restarted=frozenset({task.task_id}),
+                brokers={task.task_id: broker} if broker else {},
+            ),
+            figures,
+            task_id=task.task_id,
+            broker_id=broker,
+        )
+    )
+
+
+def _start(p: _Planning) -> bool:
+    """2. start: a connector without tasks gets ``min`` of them (planning ends there)."""
+    group = p.group
+    if group.tasks:
+        return False
+    if not group.partitions:
+        return True
+    parts = sorted(group.partitions)
+    placed = _place_new_tasks(p.slots, group.new_task_id(), min(p.policy.min_tasks, len(parts)))
+    if not placed:
+        return True
+    ids = sorted(placed)
+    sets: dict[int, frozenset[TopicPartition]] = {}
+    for i, tp in enumerate(parts):  # dealt round robin
+        tid = ids[i % len(ids)]
+        sets[tid] = sets.get(tid, frozenset()) | {tp}
+    p.do(
+        StartTasks(
+            group.connector,
+            f"{len(ids)} task(s) for {len(parts)} partition(s)",
+            TaskChange(partitions=sets, brokers=placed),
+            {"tasks": float(len(ids)), "partitions": float(len(parts))},
+        )
+    )
+    return True
+
+
+def _place_new_tasks(slots: dict[str, BrokerSlot], first: int, n: int) -> dict[int, str]:
+    """Up to ``n`` new task ids from ``first`` -> the least-loaded broker with room, taken."""
+    placed: dict[int, str] = {}
+    for i in range(n):
+        broker = _least_loaded(slots)
+        if broker is None:
+            break
+        _take_slot(slots, broker)
+        placed[first + i] = broker
+    return placed
+
+
+def _find_live(p: _Planning) -> bool:
+    """The live tasks; with none (all dead and waiting for room) planning ends."""
+    p.live = p.live_tasks()
+    return not p.live
+
+
+def _adopt(p: _Planning) -> bool:
+    """3. adopt: partitions no task owns go to the lightest live task."""
+    orphans = p.group.partitions - set(p.group.owner())
     if orphans:
-        lightest = min(live, key=lambda t: (task_load(t), len(t.partitions), t.task_id))
-        do(
+        lightest = min(p.live, key=lambda t: (task_load(t), len(t.partitions), t.task_id))
+        p.do(
             Adopt(
-                name,
+                p.group.connector,
                 f"{len(orphans)} new partition(s) to task {lightest.task_id}",
                 TaskChange(partitions={lightest.task_id: lightest.partitions | orphans}),
                 {"partitions": float(len(orphans))},
                 task_id=lightest.task_id,
             )
         )
-        live = [t for t in group.tasks if not t.is_dead(now, policy)]
+        p.live = p.live_tasks()
+    return False
 
-    # the ceiling
-    measured = [c for c in (measured_ceiling(t.recent(), policy) for t in live) if c is not None]
+
+def _find_ceiling(p: _Planning) -> bool:
+    """The ceiling: the user's figure, else the highest measured (remembered across ticks)."""
+    policy, group = p.policy, p.group
+    measured = [c for c in (measured_ceiling(t.recent(), policy) for t in p.live) if c is not None]
     ceiling = policy.ceiling_msgs_per_s or max([group.ceiling or 0.0, *measured]) or None
+    p.ceiling = ceiling
     if ceiling:
-        plan.ceilings[name] = ceiling
-        group = replace(
+        p.plan.ceilings[group.connector] = ceiling
+        p.group = replace(
             group, ceiling=ceiling if policy.ceiling_msgs_per_s is None else group.ceiling
         )
+    return False
 
-    # 4. bounds
+
+def _bounds(p: _Planning) -> bool:
+    """4. bounds: below ``min`` the heaviest task splits, above ``max`` the two lightest merge
+    (no cool-down); either way planning ends."""
+    policy, live = p.policy, p.live
     if len(live) < policy.min_tasks:
         task = max(live, key=lambda t: (task_load(t), len(t.partitions), -t.task_id))
         if len(task.partitions) >= 2:
             _split(
-                group,
+                p,
                 task,
-                slots,
-                now,
-                do,
                 f"below tasks.min ({policy.min_tasks})",
                 {"tasks": float(len(live)), "min": float(policy.min_tasks)},
             )
-        return group
+        return True
     if len(live) > policy.max_tasks:
         a, b = sorted(live, key=lambda t: (task_load(t), t.task_id))[:2]
         _merge(
-            group,
+            p,
             a,
             b,
-            do,
             f"above tasks.max ({policy.max_tasks})",
             {"tasks": float(len(live)), "max": float(policy.max_tasks)},
         )
-        return group
+        return True
+    return False
 
-    if group.last_change_at is not None and now - group.last_change_at < policy.cooldown_s:
-        return group
 
-    # 5. split
-    if len(live) < policy.max_tasks:
-        for task in sorted(live, key=lambda t: (-task_load(t), t.task_id)):
-            if len(task.partitions) < 2:
-                continue
-            recent = task.recent()
-            growing = lag_growing(task, policy)
-            if growing is not None:
-                figures = {
-                    "rate": recent[-1].rate,
-                    "lag_first": float(growing[0]),
-                    "lag_last": float(growing[-1]),
-                    "samples": float(len(growing)),
-                }
-                why = f"lag grew in {len(growing)} samples ({growing[0]} -> {growing[-1]})"
-            elif (
-                ceiling
-                and recent
-                and recent[-1].rate >= policy.split_at * ceiling
-                and (
-                    policy.ceiling_msgs_per_s is not None  # the user's figure: at capacity
-                    or (
-                        recent[-1].has_backlog(policy)  # measured: saturated, not catching up
-                        and (len(recent) < 2 or recent[-1].lag >= recent[-2].lag)
-                    )
-                )
-            ):
-                figures = {
-                    "rate": recent[-1].rate,
-                    "ceiling": float(ceiling),
-                    "lag": float(recent[-1].lag),
-                }
-                why = (
-                    f"rate {recent[-1].rate:.0f}/s reached {policy.split_at:g} x ceiling "
-                    f"{ceiling:.0f}/s"
-                )
-            else:
-                continue
-            if _split(group, task, slots, now, do, why, figures):
-                return group
+def _cooling_down(p: _Planning) -> bool:
+    """No split or merge within ``cooldown_s`` of the last one."""
+    last = p.group.last_change_at
+    return last is not None and p.now - last < p.policy.cooldown_s
 
-    # 6. merge
-    if ceiling and len(live) > policy.min_tasks:
-        calm = [
-            t
-            for t in live
-            if len(t.recent()) >= 2
-            and not t.recent()[-1].has_backlog(policy)
-            and lag_growing(t, policy) is None
-        ]
-        best: tuple[float, TaskView, TaskView] | None = None
-        ordered = sorted(calm, key=lambda t: (task_load(t), t.task_id))
-        if len(ordered) >= 2:
-            a, b = ordered[0], ordered[1]
-            best = (task_load(a) + task_load(b), a, b)
-        if best is not None and best[0] < policy.merge_below * ceiling:
-            combined, a, b = best
-            _merge(
-                group,
-                a,
-                b,
-                do,
-                f"combined rate {combined:.0f}/s below {policy.merge_below:g} x ceiling "
-                f"{ceiling:.0f}/s",
-                {"combined_rate": combined, "ceiling": float(ceiling)},
+
+def _split_hot(p: _Planning) -> bool:
+    """5. split: the heaviest task whose lag grows or whose rate is at the ceiling splits."""
+    if len(p.live) >= p.policy.max_tasks:
+        return False
+    for task in sorted(p.live, key=lambda t: (-task_load(t), t.task_id)):
+        if len(task.partitions) < 2:
+            continue
+        reason = _split_reason(task, p.policy, p.ceiling)
+        if reason is None:
+            continue
+        why, figures = reason
+        if _split(p, task, why, figures):
+            return True
+    return False
+
+
+def _split_reason(
+    task: TaskView, policy: TaskPolicy, ceiling: float | None
+) -> tuple[str, dict[str, float]] | None:
+    """Why ``task`` should split (its lag grew, or its rate reached the ceiling) and the
+    figures that show it; None: it should not."""
+    recent = task.recent()
+    growing = lag_growing(task, policy)
+    if growing is not None:
+        figures = {
+            "rate": recent[-1].rate,
+            "lag_first": float(growing[0]),
+            "lag_last": float(growing[-1]),
+            "samples": float(len(growing)),
+        }
+        return f"lag grew in {len(growing)} samples ({growing[0]} -> {growing[-1]})", figures
+    if (
+        ceiling
+        and recent
+        and recent[-1].rate >= policy.split_at * ceiling
+        and (
+            policy.ceiling_msgs_per_s is not None  # the user's figure: at capacity
+            or (
+                recent[-1].has_backlog(policy)  # measured: saturated, not catching up
+                and (len(recent) < 2 or recent[-1].lag >= recent[-2].lag)
             )
-    return group
+        )
+    ):
+        figures = {
+            "rate": recent[-1].rate,
+            "ceiling": float(ceiling),
+            "lag": float(recent[-1].lag),
+        }
+        why = f"rate {recent[-1].rate:.0f}/s reached {policy.split_at:g} x ceiling {ceiling:.0f}/s"
+        return why, figures
+    return None
+
+
+def _merge_calm(p: _Planning) -> bool:
+    """6. merge: the two lightest calm tasks become one when their combined rate is below
+    ``merge_below`` x the ceiling."""
+    policy, ceiling = p.policy, p.ceiling
+    if not ceiling or len(p.live) <= policy.min_tasks:
+        return False
+    calm = [
+        t
+        for t in p.live
+        if len(t.recent()) >= 2
+        and not t.recent()[-1].has_backlog(policy)
+        and lag_growing(t, policy) is None
+    ]
+    ordered = sorted(calm, key=lambda t: (task_load(t), t.task_id))
+    if len(ordered) < 2:
+        return False
+    a, b = ordered[0], ordered[1]
+    combined = task_load(a) + task_load(b)
+    if combined >= policy.merge_below * ceiling:
+        return False
+    _merge(
+        p,
+        a,
+        b,
+        f"combined rate {combined:.0f}/s below {policy.merge_below:g} x ceiling {ceiling:.0f}/s",
+        {"combined_rate": combined, "ceiling": float(ceiling)},
+    )
+    return True
+
+
+STEPS: tuple[Step, ...] = (
+    _reclaim_dead,
+    _start,
+    _find_live,
+    _adopt,
+    _find_ceiling,
+    _bounds,
+    _cooling_down,
+    _split_hot,
+    _merge_calm,
+)
+
+
+def _plan_group(
+    group: TaskGroup, slots: dict[str, BrokerSlot], now: float, plan: TaskPlan
+) -> TaskGroup:
+    """One connector's decisions: the STEPS in order until one ends its planning.
+
+    Returns its tasks as the decisions leave them; ``slots`` and ``plan`` are updated."""
+    p = _Planning(group, slots, now, plan)
+    for step in STEPS:
+        if step(p):
+            break
+    return p.group
 
 
 def _deal(
@@ -674,14 +781,13 @@ def _deal(
 
 
 def _split(
-    group: TaskGroup,
+    p: _Planning,
     task: TaskView,
-    slots: dict[str, BrokerSlot],
-    now: float,
-    do: Callable[[TaskDecision], None],
     why: str,
     figures: Mapping[str, float],
 ) -> bool:
+    """Half of ``task``'s load moves to a new task on the least-loaded broker (False: no room)."""
+    slots, group = p.slots, p.group
     broker = _least_loaded(slots)
     if broker is None:
         return False
@@ -692,7 +798,7 @@ def _split(
     moved_load = sum(loads[tp] for tp in moving)
     kept_load = sum(loads[tp] for tp in kept)
     figures = {**figures, "moved_load": moved_load, "kept_load": kept_load}
-    do(
+    p.do(
         Split(
             group.connector,
             f"split task {task.task_id}: {why}; {len(moving)} partition(s) "
@@ -713,18 +819,17 @@ def _split(
 
 
 def _merge(
-    group: TaskGroup,
+    p: _Planning,
     a: TaskView,
     b: TaskView,
-    do: Callable[[TaskDecision], None],
     why: str,
     figures: Mapping[str, float],
 ) -> None:
     """The lighter ``a`` gives its partitions to ``b``."""
     figures = {**figures, "moved_load": task_load(a), "into_load": task_load(b)}
-    do(
+    p.do(
         Merge(
-            group.connector,
+            p.group.connector,
             f"merge task {a.task_id} into task {b.task_id}: {why} ({_fmt(figures)})",
             TaskChange(
                 partitions={b.task_id: b.partitions | a.partitions},
