@@ -30,7 +30,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     ConfigError,
     PermanentSinkError,
@@ -46,7 +45,6 @@ from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    UrlSinkConfig,
     iter_records,
     json_default,
     payload_columns,
@@ -55,12 +53,15 @@ from conveyor.sinks.base import (
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
+    ConnectTimeoutS,
+    DeleteEnabled,
+    SqlColumns,
     SqlDialect,
+    SqlSinkConfig,
     check_columns,
     column_mapping,
     column_types,
     concat_text,
-    mapping_rules,
     text_offsets,
     text_scalar,
 )
@@ -83,7 +84,7 @@ MAX_IDENTIFIER = 64
 PACKET_MARGIN = 4096  # room for the statement's text around a row's values
 
 
-class MySQLSinkConfig(UrlSinkConfig):
+class MySQLSinkConfig(SqlSinkConfig):
     """Rows into a MySQL or MariaDB table."""
 
     type: Literal["mysql"] = "mysql"
@@ -104,11 +105,7 @@ class MySQLSinkConfig(UrlSinkConfig):
     table: str = Field(
         description="Target table (one identifier; quoted, so any character but NUL is allowed)."
     )
-    columns: dict[str, str] | None = Field(
-        default=None,
-        description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
-        "$payload (the whole payload as JSON). Default: payload columns to same-named columns.",
-    )
+    columns: SqlColumns = None
     upsert_keys: list[str] = Field(
         default_factory=list,
         description="Columns of the table's PRIMARY KEY or a UNIQUE index: INSERT ... ON DUPLICATE KEY UPDATE the other columns "
@@ -118,12 +115,7 @@ class MySQLSinkConfig(UrlSinkConfig):
         default=False,
         description="Create the table (InnoDB, upsert_keys as PRIMARY KEY) from the first batch's schema when it does not exist.",
     )
-    delete_enabled: bool = Field(
-        default=False,
-        description="A tombstone (transform.null_values: pass) deletes the row with its upsert_keys instead of "
-        "being written (Kafka Connect's delete.enabled). The keys come from the row, else from the message key "
-        "(see docs/sinks). Needs upsert_keys.",
-    )
+    delete_enabled: DeleteEnabled = False
     rows_per_statement: int = Field(
         default=1000, ge=1, le=100_000, description="Rows per multi-row INSERT statement."
     )
@@ -133,7 +125,7 @@ class MySQLSinkConfig(UrlSinkConfig):
         le=1 << 30,
         description="pymysql splits a statement longer than this; keep it under the server's max_allowed_packet.",
     )
-    connect_timeout_s: int = Field(default=10, ge=1, le=300, description="Connect timeout.")
+    connect_timeout_s: ConnectTimeoutS = 10
     read_timeout_s: int = Field(
         default=60,
         ge=1,
@@ -169,8 +161,8 @@ class MySQLSinkConfig(UrlSinkConfig):
             return None
         return urllib.parse.unquote(path) or None
 
-    def asset_key_path(self) -> list[str]:
-        return ["mysql", _part(self.database_name() or "default"), _part(self.table)]
+    def key_namespace(self) -> str:
+        return self.database_name() or "default"
 
     def kind(self) -> str:
         return "mysql"
@@ -205,12 +197,7 @@ class MySQLSinkConfig(UrlSinkConfig):
             )
         problem = identifier_problem(self.table) if known_now(self.table) else None
         rule(problem is None, f"{self.table!r}: {problem}", field="table")
-        mapping_rules(
-            self.columns,
-            self.upsert_keys,
-            self.delete_enabled,
-            column_problem=identifier_problem,
-        )
+        self.check_mapping(column_problem=identifier_problem)
         rule(
             len(set(self.upsert_keys)) == len(self.upsert_keys),
             "duplicate column",
@@ -223,10 +210,6 @@ class MySQLSinkConfig(UrlSinkConfig):
             field="charset",
         )
         return self
-
-
-def _part(s: str) -> str:
-    return key_part(s)
 
 
 # -- pure helpers -------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     PermanentSinkError,
     TransientSinkError,
@@ -33,19 +32,21 @@ from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
-    UrlSinkConfig,
     iter_records,
     json_default,
     secret,
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
+    ConnectTimeoutS,
+    DeleteEnabled,
+    SqlColumns,
     SqlDialect,
+    SqlSinkConfig,
     check_columns,
     column_mapping,
     column_types,
     concat_text,
-    mapping_rules,
     text_offsets,
     text_scalar,
 )
@@ -60,7 +61,7 @@ from conveyor.sinks.tombstones import (
 log = logging.getLogger("conveyor.sinks.postgres")
 
 
-class PostgresSinkConfig(UrlSinkConfig):
+class PostgresSinkConfig(SqlSinkConfig):
     """Rows into a PostgreSQL table."""
 
     type: Literal["postgres"] = "postgres"
@@ -70,11 +71,7 @@ class PostgresSinkConfig(UrlSinkConfig):
     )
     schema_: str = Field(default="public", alias="schema", description="Target schema.")
     table: str = Field(description="Target table.")
-    columns: dict[str, str] | None = Field(
-        default=None,
-        description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
-        "$payload (the whole payload as JSON). Default: payload columns to same-named columns.",
-    )
+    columns: SqlColumns = None
     upsert_keys: list[str] = Field(
         default_factory=list,
         description="Key columns: INSERT ... ON CONFLICT (keys) DO UPDATE (idempotent replays).",
@@ -83,12 +80,7 @@ class PostgresSinkConfig(UrlSinkConfig):
         default=False,
         description="Create the table from the first batch's schema when it does not exist.",
     )
-    delete_enabled: bool = Field(
-        default=False,
-        description="A tombstone (transform.null_values: pass) deletes the row with its upsert_keys instead of "
-        "being written (Kafka Connect's delete.enabled). The keys come from the row, else from the message key "
-        "(see docs/sinks). Needs upsert_keys.",
-    )
+    delete_enabled: DeleteEnabled = False
     truncate_enabled: bool = Field(
         default=False,
         description="A row whose __truncate column (a boolean the transform's select sets, e.g. "
@@ -100,13 +92,13 @@ class PostgresSinkConfig(UrlSinkConfig):
         default="copy",
         description="COPY (fast) or multi-row INSERT; upserts always go through a COPY into a temporary table.",
     )
-    connect_timeout_s: int = Field(default=10, ge=1, le=300, description="Connect timeout.")
+    connect_timeout_s: ConnectTimeoutS = 10
     statement_timeout_ms: int = Field(
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
 
-    def asset_key_path(self) -> list[str]:
-        return ["postgres", _part(self.schema_), _part(self.table)]
+    def key_namespace(self) -> str:
+        return self.schema_
 
     def kind(self) -> str:
         return "postgres"
@@ -116,12 +108,8 @@ class PostgresSinkConfig(UrlSinkConfig):
         """Cross-field rules (no I/O): each error names its field."""
         rule(bool(self.url), "is required (a libpq URL, or ${env:NAME})", field="url")
         rule(bool(self.table.strip()), "must not be empty", field="table")
-        mapping_rules(self.columns, self.upsert_keys, self.delete_enabled)
+        self.check_mapping()
         return self
-
-
-def _part(s: str) -> str:
-    return key_part(s)
 
 
 # Connection failures no retry can fix; anything else (refused, timeout, too many

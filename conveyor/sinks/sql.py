@@ -1,18 +1,22 @@
 """What the SQL sinks (PostgreSQL, MySQL) share: where each column comes from, and the column
 types a table created from an Arrow batch gets, through each database's type map (its dialect).
 
-Bad rows are isolated with savepoints through the one bisection, ``core.sink.isolate_rows``;
-``url``/``url_env`` come from ``sinks.base.UrlSinkConfig``.
+Both configs subclass ``SqlSinkConfig`` (the fields they share, their rules and their asset
+key); ``url``/``url_env`` come from ``sinks.base.UrlSinkConfig``. Bad rows are isolated with
+savepoints through the one bisection, ``core.sink.isolate_rows``.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import pyarrow as pa
+from pydantic import Field
 
+from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import ConfigError, FieldRuleError, PermanentSinkError, rule
 from conveyor.core.model import (
     HEADERS_COL,
@@ -22,7 +26,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-from conveyor.sinks.base import payload_columns
+from conveyor.sinks.base import UrlSinkConfig, payload_columns
 
 #: ``columns`` sources besides payload columns: message metadata, and the payload as JSON.
 META_SOURCES = {
@@ -46,12 +50,17 @@ class SqlDialect:
     json_sources: frozenset[str]  # sources always stored as JSON
 
 
+def any_column(_name: str) -> str | None:
+    """Every name may be a column (``column_problem``'s default)."""
+    return None
+
+
 def mapping_rules(
     columns: dict[str, str] | None,
     upsert_keys: list[str],
     delete_enabled: bool,
     *,
-    column_problem: Callable[[str], str | None] = lambda _name: None,
+    column_problem: Callable[[str], str | None] = any_column,
 ) -> None:
     """The rules of a SQL sink's ``columns``, ``upsert_keys`` and ``delete_enabled`` (run by its
     config model's validator; ``column_problem`` says why a name cannot be a column, if ever)."""
@@ -72,6 +81,61 @@ def mapping_rules(
         "a delete needs the key columns: set upsert_keys",
         field="delete_enabled",
     )
+
+
+# -- the config both SQL sinks build on ----------------------------------------------------------
+
+#: The fields both SQL sinks have with the same type, default and description. Each config
+#: declares them at its own place (``columns: SqlColumns = None``): a model's field order is
+#: the order of its docs/CONFIG.md table, of its validation errors and of a dumped config,
+#: and fields declared on the base class would come before every field of the subclass.
+SqlColumns = Annotated[
+    dict[str, str] | None,
+    Field(
+        description="Target column -> source: a payload column, or $key, $topic, $partition, $offset, $timestamp, $headers, "
+        "$payload (the whole payload as JSON). Default: payload columns to same-named columns.",
+    ),
+]
+DeleteEnabled = Annotated[
+    bool,
+    Field(
+        description="A tombstone (transform.null_values: pass) deletes the row with its upsert_keys instead of "
+        "being written (Kafka Connect's delete.enabled). The keys come from the row, else from the message key "
+        "(see docs/sinks). Needs upsert_keys.",
+    ),
+]
+ConnectTimeoutS = Annotated[int, Field(ge=1, le=300, description="Connect timeout.")]
+
+
+class SqlSinkConfig(UrlSinkConfig):
+    """Base of the SQL sinks' configs (PostgreSQL, MySQL): the rules of the fields they share,
+    and their asset key ``[kind, namespace, table]``.
+
+    A subclass declares ``table``, ``columns``, ``upsert_keys``, ``create_table``,
+    ``delete_enabled`` and ``connect_timeout_s`` (the shared ones through the aliases above),
+    and says where its table lives (``key_namespace``)."""
+
+    if TYPE_CHECKING:  # declared by each subclass, in its own field order
+        table: str
+        columns: dict[str, str] | None
+        upsert_keys: list[str]
+        create_table: bool
+        delete_enabled: bool
+        connect_timeout_s: int
+
+    @abc.abstractmethod
+    def key_namespace(self) -> str:
+        """What holds the table, in the asset key (PostgreSQL's schema, MySQL's database)."""
+
+    def asset_key_path(self) -> list[str]:
+        return [self.kind(), key_part(self.key_namespace()), key_part(self.table)]
+
+    def check_mapping(self, *, column_problem: Callable[[str], str | None] = any_column) -> None:
+        """The rules of ``columns``, ``upsert_keys`` and ``delete_enabled`` (``mapping_rules``),
+        for the subclass's validator; ``column_problem`` says why a name cannot be a column."""
+        mapping_rules(
+            self.columns, self.upsert_keys, self.delete_enabled, column_problem=column_problem
+        )
 
 
 def column_mapping(columns: dict[str, str] | None, batch: pa.Table) -> dict[str, str]:
