@@ -19,13 +19,13 @@ from typing import Any
 
 from dagster import RunRequest, RunsFilter
 
-from conveyor.core.model import ConnectorStatus, DesiredState, TasksSpec, TopicPartition
+from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TasksSpec, TopicPartition
 from conveyor.core.state import StateChange
-from conveyor.core.tasks import BrokerSlot, TaskGroup, TaskPolicy, plan_tasks
+from conveyor.core.tasks import BrokerSlot, TaskGroup, TaskPlan, TaskPolicy, plan_tasks
 from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, job_name
 from conveyor.jobs.tasks import TAG_TASK, TAG_TASK_GENERATION
 from conveyor.store.meta import ConnectorRow, MetaStore
-from conveyor.store.tasks import TaskStore
+from conveyor.store.tasks import TaskRow, TaskStore
 
 
 def tasks_spec(row: ConnectorRow) -> TasksSpec | None:
@@ -137,8 +137,41 @@ def tasks_tick(
     ``launchable``: job names in the code location (None: all)."""
     ts = TaskStore(store)
     task_rows = {r.name: r for r in rows if tasks_spec(r) is not None}
+    _drop_untasked(store, ts, rows, task_rows)
+    groups, epochs = _load_groups(context, store, ts, task_rows, now, launchable, launch_timeout_s)
+    plan = plan_tasks(
+        groups, broker_slots(store, [r for r in rows if r.name not in task_rows], groups), now
+    )
+    requests: list[RunRequest] = []
+    brokers = {b.id: b for b in store.list_brokers()}
+    for name in sorted(epochs):
+        row = task_rows[name]
+        try:
+            _apply_plan(context, ts, name, plan, groups, epochs[name])
+            active = _active_task_runs(context.instance, name)
+            current = {(t.task_id, t.generation) for t in ts.tasks(name)}
+            hb_timeout = float((row.spec or {}).get("heartbeat_timeout_s", 30.0))
+            _reap_superseded(context, store, name, active, current, now, hb_timeout)
+            tasks = ts.tasks(name)
+            # Appended to ``requests`` directly: a failure further on keeps the runs requested.
+            _request_runs(requests, name, tasks, active, brokers, now)
+            _show_sum(store, ts, row, tasks, now, hb_timeout)
+        except Exception as e:  # noqa: BLE001 - reported per connector
+            context.log.error(f"{name}: tasks: {type(e).__name__}: {e}")
+            with contextlib.suppress(Exception):
+                store.record(name, f"scheduler: tasks failed: {type(e).__name__}: {e}")
+    return requests
+
+
+def _drop_untasked(
+    store: MetaStore,
+    ts: TaskStore,
+    rows: Sequence[ConnectorRow],
+    task_rows: dict[str, ConnectorRow],
+) -> None:
+    """Connectors back to one run, or deleted, lose their tasks: their task runs end fenced."""
     by_name = {r.name: r for r in rows}
-    for name in ts.connectors():  # back to one run, or deleted: their task runs end fenced
+    for name in ts.connectors():
         if name not in task_rows:
             ts.drop(name)
             if name in by_name:  # Idle and fenced: assigned as one run by the next tick
@@ -148,6 +181,21 @@ def tasks_tick(
                     StateChange.reset(),
                     "tasks: back to one run (tasks.max 1); its task runs end",
                 )
+
+
+def _load_groups(
+    context: Any,
+    store: MetaStore,
+    ts: TaskStore,
+    task_rows: dict[str, ConnectorRow],
+    now: float,
+    launchable: set[str] | None,
+    launch_timeout_s: float,
+) -> tuple[list[TaskGroup], dict[str, int]]:
+    """The tasks to plan for and the epoch each connector's were read at.
+
+    A stopped connector is shown Stopped once its task runs ended, one whose job is not in
+    the code location yet waits; one connector's failure never stops the others."""
     groups: list[TaskGroup] = []
     epochs: dict[str, int] = {}
     for name, row in sorted(task_rows.items()):
@@ -166,97 +214,122 @@ def tasks_tick(
                 "tasks: the connector now runs as partition tasks; its single run is fenced",
             )
         try:
-            spec = tasks_spec(row)
-            assert spec is not None
-            policy = TaskPolicy.from_spec(
-                spec,
-                heartbeat_timeout_s=float((row.spec or {}).get("heartbeat_timeout_s", 30.0)),
-                launch_timeout_s=launch_timeout_s,
-            )
-            moved = ts.force_handovers(
-                name,
-                now - policy.heartbeat_timeout_s,
-                reason=f"owner did not hand over within {policy.heartbeat_timeout_s:.0f} s",
-            )
-            if moved:
-                context.log.info(f"{name}: handover forced for {', '.join(map(str, moved))}")
-            parts = ts.partitions(name)
-            if not parts:
-                parts = discover_partitions(row)
-                if parts:
-                    ts.set_partitions(name, parts)
-            group, epoch = ts.load_group(name, policy, parts)
+            group, epoch = _load_group(context, ts, row, now, launch_timeout_s)
             groups.append(group)
             epochs[name] = epoch
         except Exception as e:  # noqa: BLE001 - one connector never stops the others
             context.log.error(f"{name}: tasks: {type(e).__name__}: {e}")
-    plan = plan_tasks(
-        groups, broker_slots(store, [r for r in rows if r.name not in task_rows], groups), now
+    return groups, epochs
+
+
+def _load_group(
+    context: Any, ts: TaskStore, row: ConnectorRow, now: float, launch_timeout_s: float
+) -> tuple[TaskGroup, int]:
+    """One connector's tasks after forcing the handovers its owners did not make in time,
+    its partitions discovered from the cluster when none are known yet."""
+    name = row.name
+    spec = tasks_spec(row)
+    assert spec is not None
+    policy = TaskPolicy.from_spec(
+        spec,
+        heartbeat_timeout_s=float((row.spec or {}).get("heartbeat_timeout_s", 30.0)),
+        launch_timeout_s=launch_timeout_s,
     )
-    requests: list[RunRequest] = []
-    brokers = {b.id: b for b in store.list_brokers()}
-    for name in sorted(epochs):
-        row = task_rows[name]
-        try:
-            decisions = plan.for_connector(name)
-            if decisions or plan.ceilings.get(name) != next(
-                (g.ceiling for g in groups if g.connector == name), None
-            ):
-                ts.apply(
-                    name, decisions, expected_epoch=epochs[name], ceiling=plan.ceilings.get(name)
-                )
-            for d in decisions:
-                context.log.info(f"{name}: {type(d).__name__}: {d.reason}")
-            active = _active_task_runs(context.instance, name)
-            current = {(t.task_id, t.generation) for t in ts.tasks(name)}
-            hb_timeout = float((row.spec or {}).get("heartbeat_timeout_s", 30.0))
-            _reap_superseded(context, store, name, active, current, now, hb_timeout)
-            live = 0
-            rate = 0.0
-            lag = 0
-            for task in ts.tasks(name):
-                if task.heartbeat_at is not None and now - task.heartbeat_at < hb_timeout:
-                    live += 1
-                latest = task.latest()
-                if latest is not None:
-                    rate += latest.rate
-                    lag += latest.lag
-                if (task.task_id, task.generation) in active:
-                    continue
-                if task.status == "Ending" or (task.heartbeat_at or 0) > now - 5:
-                    continue  # handing over its last partitions / its run is still there
-                broker = brokers.get(task.broker_id or "")
-                requests.append(
-                    RunRequest(
-                        run_key=f"{name}:task{task.task_id}:{task.generation}",
-                        job_name=job_name(name),
-                        tags={
-                            **(broker.run_tags if broker else {}),
-                            TAG_CONNECTOR: name,
-                            TAG_BROKER: task.broker_id or "",
-                            TAG_TASK: str(task.task_id),
-                            TAG_TASK_GENERATION: str(task.generation),
-                        },
-                    )
-                )
-            status = ConnectorStatus.RUNNING if live else ConnectorStatus.IDLE
-            counters = {
-                **row.counters,
-                "msgs_per_s": rate,
-                "lag": lag,
-                "tasks": len(ts.tasks(name)),
-            }
-            store.apply(
-                name,
-                row.generation,
-                StateChange(status=status, counters=counters),
-                f"tasks: {live} task run(s) heartbeating",
+    moved = ts.force_handovers(
+        name,
+        now - policy.heartbeat_timeout_s,
+        reason=f"owner did not hand over within {policy.heartbeat_timeout_s:.0f} s",
+    )
+    if moved:
+        context.log.info(f"{name}: handover forced for {', '.join(map(str, moved))}")
+    parts = ts.partitions(name)
+    if not parts:
+        parts = discover_partitions(row)
+        if parts:
+            ts.set_partitions(name, parts)
+    return ts.load_group(name, policy, parts)
+
+
+def _apply_plan(
+    context: Any,
+    ts: TaskStore,
+    name: str,
+    plan: TaskPlan,
+    groups: Sequence[TaskGroup],
+    epoch: int,
+) -> None:
+    """Write the connector's decisions (and a new ceiling), fenced on the epoch planned on."""
+    decisions = plan.for_connector(name)
+    if decisions or plan.ceilings.get(name) != next(
+        (g.ceiling for g in groups if g.connector == name), None
+    ):
+        ts.apply(name, decisions, expected_epoch=epoch, ceiling=plan.ceilings.get(name))
+    for d in decisions:
+        context.log.info(f"{name}: {type(d).__name__}: {d.reason}")
+
+
+def _request_runs(
+    requests: list[RunRequest],
+    name: str,
+    tasks: Sequence[TaskRow],
+    active: dict[tuple[int, int], Any],
+    brokers: dict[str, Broker],
+    now: float,
+) -> None:
+    """Appends a run request for every task without an active run."""
+    for task in tasks:
+        if (task.task_id, task.generation) in active:
+            continue
+        if task.status == "Ending" or (task.heartbeat_at or 0) > now - 5:
+            continue  # handing over its last partitions / its run is still there
+        broker = brokers.get(task.broker_id or "")
+        requests.append(
+            RunRequest(
+                run_key=f"{name}:task{task.task_id}:{task.generation}",
+                job_name=job_name(name),
+                tags={
+                    **(broker.run_tags if broker else {}),
+                    TAG_CONNECTOR: name,
+                    TAG_BROKER: task.broker_id or "",
+                    TAG_TASK: str(task.task_id),
+                    TAG_TASK_GENERATION: str(task.generation),
+                },
             )
-        except Exception as e:  # noqa: BLE001 - reported per connector
-            context.log.error(f"{name}: tasks: {type(e).__name__}: {e}")
-            with contextlib.suppress(Exception):
-                store.record(name, f"scheduler: tasks failed: {type(e).__name__}: {e}")
-    return requests
+        )
+
+
+def _show_sum(
+    store: MetaStore,
+    ts: TaskStore,
+    row: ConnectorRow,
+    tasks: Sequence[TaskRow],
+    now: float,
+    hb_timeout: float,
+) -> None:
+    """The connector's row shows its tasks' sum: Running while one heartbeats, their rate and lag."""
+    live = 0
+    rate = 0.0
+    lag = 0
+    for task in tasks:
+        if task.heartbeat_at is not None and now - task.heartbeat_at < hb_timeout:
+            live += 1
+        latest = task.latest()
+        if latest is not None:
+            rate += latest.rate
+            lag += latest.lag
+    status = ConnectorStatus.RUNNING if live else ConnectorStatus.IDLE
+    counters = {
+        **row.counters,
+        "msgs_per_s": rate,
+        "lag": lag,
+        "tasks": len(ts.tasks(row.name)),
+    }
+    store.apply(
+        row.name,
+        row.generation,
+        StateChange(status=status, counters=counters),
+        f"tasks: {live} task run(s) heartbeating",
+    )
 
 
 def _show_stopped(store: MetaStore, ts: TaskStore, row: ConnectorRow, now: float) -> None:
