@@ -26,12 +26,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from conveyor.brokers.connection import librdkafka_config
-
-if TYPE_CHECKING:
-    from conveyor.sinks.kafka import KafkaSinkConfig, Outgoing
+from conveyor.sinks.kafka_config import KafkaSinkConfig
 
 log = logging.getLogger("conveyor.sinks.kafka")
 
@@ -73,6 +71,24 @@ def admin_config(c: KafkaSinkConfig) -> dict[str, Any]:
     return {"log.connection.close": False, "logger": log, **conf}
 
 
+class Records(Protocol):
+    """A batch's records column by column, as ``send_rows`` reads them (the sink's
+    ``conveyor.sinks.kafka.Outgoing``): row ``i`` goes to ``topics[i]``."""
+
+    @property
+    def topics(self) -> Sequence[Any]: ...
+    @property
+    def values(self) -> Sequence[bytes | None]: ...
+    @property
+    def keys(self) -> Sequence[bytes | None]: ...
+    @property
+    def headers(self) -> Sequence[list[tuple[str, bytes]] | None]: ...
+    @property
+    def stamps(self) -> Sequence[int | None]: ...
+    @property
+    def partitions(self) -> Sequence[int | None]: ...
+
+
 class _Report:
     """Row ``row``'s delivery report: records a failure (with ``delivery.report.only.error``
     confluent-kafka calls it for failures only; a success is ignored either way)."""
@@ -112,7 +128,7 @@ class ConfluentProducer:
         self._p.list_topics(timeout=timeout_s)
 
     def send_rows(
-        self, out: Outgoing, rows: Sequence[int]
+        self, out: Records, rows: Sequence[int]
     ) -> tuple[int, tuple[int, Exception] | None]:
         """Produce each of ``rows`` of a batch's records, in order, in one loop: how many
         were produced, and the row whose ``produce`` raised (nothing after it is
