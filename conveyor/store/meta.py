@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,6 +25,7 @@ from conveyor.core.errors import (
     FencedError,
     TransientStoreError,
 )
+from conveyor.core.home import conveyor_home
 from conveyor.core.model import (
     Broker,
     ConnectorStatus,
@@ -37,8 +37,6 @@ from conveyor.core.model import (
 from conveyor.core.scrubbing import scrub
 from conveyor.core.state import StateChange
 from conveyor.store import schema as t
-
-DEFAULT_HOME = ".conveyor"
 
 
 class StoreError(ConveyorError):
@@ -98,10 +96,6 @@ def drop_tasks(c: sa.Connection, connector: str) -> None:
     """Forget a connector's partition tasks: owners, tasks and group."""
     for table in (t.task_partitions, t.tasks, t.task_groups):
         c.execute(table.delete().where(table.c.connector == connector))
-
-
-def conveyor_home() -> Path:
-    return Path(os.environ.get("CONVEYOR_HOME", DEFAULT_HOME)).resolve()
 
 
 def default_meta_url() -> str:
@@ -351,85 +345,121 @@ class MetaStore:
             self._lock_name(c, name)
             cur = c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).first()
             if cur is None:
-                if _file_gone(source):
-                    # Read before a delete that removed the file (and the row) since: the
-                    # delete stands.
-                    raise UnknownConnectorError(
-                        f"connector {name!r} is not created again: its spec file {source} "
-                        "is gone (deleted meanwhile)"
-                    )
-                status = ConnectorStatus.ERROR if error else ConnectorStatus.IDLE
-                c.execute(
-                    t.connectors.insert().values(
-                        name=name,
-                        spec_json=spec_json,
-                        spec_hash=spec_hash,
-                        spec_source=source,
-                        spec_error=error,
-                        desired=desired.value,
-                        status=status.value,
-                        status_since=now,
-                        generation=0,
-                        last_error=error,
-                        restarts=0,
-                        created_at=now,
-                        updated_at=now,
-                    )
-                )
-                self._history(
-                    c, name, None, status, "created" + (f": {error}" if error else ""), None, 0
-                )
+                self._insert_spec(c, name, spec_json, spec_hash, source, error, desired, now)
             else:
                 row = _row(cur)
-                values: dict[str, Any] = {"spec_source": source, "spec_error": error}
-                if error is None:
-                    values.update(spec_json=spec_json, spec_hash=spec_hash)
                 if _spec_unchanged(row, spec_hash, source, error):
                     return row
-                values["updated_at"] = now
-                if error and row.status in LIVE_STATUSES:
-                    # The run goes on with the last valid spec; the error is shown next to it.
-                    if row.spec_error != error:
-                        self._history(
-                            c,
-                            name,
-                            row.status,
-                            row.status,
-                            f"invalid spec (the run goes on with the last valid one): {error}",
-                            row.run_id,
-                            row.generation,
-                        )
-                elif error and row.status != ConnectorStatus.ERROR:
-                    values.update(
-                        status=ConnectorStatus.ERROR.value, status_since=now, last_error=error
-                    )
-                    self._history(
-                        c,
-                        name,
-                        row.status,
-                        ConnectorStatus.ERROR,
-                        f"invalid spec: {error}",
-                        row.run_id,
-                        row.generation,
-                    )
-                elif not error and row.spec_error and row.status == ConnectorStatus.ERROR:
-                    values.update(
-                        status=ConnectorStatus.IDLE.value,
-                        status_since=now,
-                        last_error=None,
-                        restarts=0,
-                    )
-                    self._history(
-                        c,
-                        name,
-                        row.status,
-                        ConnectorStatus.IDLE,
-                        "spec fixed",
-                        row.run_id,
-                        row.generation,
-                    )
-                c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
+                self._update_spec(c, name, row, spec_json, spec_hash, source, error, now)
             return _row(c.execute(sa.select(t.connectors).where(t.connectors.c.name == name)).one())
+
+    def _insert_spec(
+        self,
+        c: sa.Connection,
+        name: str,
+        spec_json: str | None,
+        spec_hash: str | None,
+        source: str,
+        error: str | None,
+        desired: DesiredState,
+        now: float,
+    ) -> None:
+        """Creates the connector's row (Idle, or Error with the spec's error) while its spec
+        file still exists, with a ``created`` history entry."""
+        if _file_gone(source):
+            # Read before a delete that removed the file (and the row) since: the
+            # delete stands.
+            raise UnknownConnectorError(
+                f"connector {name!r} is not created again: its spec file {source} "
+                "is gone (deleted meanwhile)"
+            )
+        status = ConnectorStatus.ERROR if error else ConnectorStatus.IDLE
+        c.execute(
+            t.connectors.insert().values(
+                name=name,
+                spec_json=spec_json,
+                spec_hash=spec_hash,
+                spec_source=source,
+                spec_error=error,
+                desired=desired.value,
+                status=status.value,
+                status_since=now,
+                generation=0,
+                last_error=error,
+                restarts=0,
+                created_at=now,
+                updated_at=now,
+            )
+        )
+        self._history(c, name, None, status, "created" + (f": {error}" if error else ""), None, 0)
+
+    def _update_spec(
+        self,
+        c: sa.Connection,
+        name: str,
+        row: ConnectorRow,
+        spec_json: str | None,
+        spec_hash: str | None,
+        source: str,
+        error: str | None,
+        now: float,
+    ) -> None:
+        """Stores a changed spec (a valid one replaces the last valid one; an invalid one only
+        its error) and the status change it brings."""
+        values: dict[str, Any] = {"spec_source": source, "spec_error": error}
+        if error is None:
+            values.update(spec_json=spec_json, spec_hash=spec_hash)
+        values["updated_at"] = now
+        values.update(self._spec_status_change(c, name, row, error, now))
+        c.execute(t.connectors.update().where(t.connectors.c.name == name).values(**values))
+
+    def _spec_status_change(
+        self, c: sa.Connection, name: str, row: ConnectorRow, error: str | None, now: float
+    ) -> dict[str, Any]:
+        """The status values a spec change brings, with its history entry: a live run goes on
+        with the last valid spec; an idle connector with an invalid spec goes to Error; a
+        fixed spec returns a connector in Error to Idle."""
+        if error and row.status in LIVE_STATUSES:
+            # The run goes on with the last valid spec; the error is shown next to it.
+            if row.spec_error != error:
+                self._history(
+                    c,
+                    name,
+                    row.status,
+                    row.status,
+                    f"invalid spec (the run goes on with the last valid one): {error}",
+                    row.run_id,
+                    row.generation,
+                )
+            return {}
+        if error and row.status != ConnectorStatus.ERROR:
+            self._history(
+                c,
+                name,
+                row.status,
+                ConnectorStatus.ERROR,
+                f"invalid spec: {error}",
+                row.run_id,
+                row.generation,
+            )
+            return {"status": ConnectorStatus.ERROR.value, "status_since": now, "last_error": error}
+        if not error and row.spec_error and row.status == ConnectorStatus.ERROR:
+            self._history(
+                c,
+                name,
+                row.status,
+                ConnectorStatus.IDLE,
+                "spec fixed",
+                row.run_id,
+                row.generation,
+            )
+            return {
+                "status": ConnectorStatus.IDLE.value,
+                "status_since": now,
+                "last_error": None,
+                "restarts": 0,
+            }
+        return {}
 
     def get(self, name: str) -> ConnectorRow:
         with self._read() as c:
