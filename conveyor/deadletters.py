@@ -37,10 +37,10 @@ import pyarrow as pa
 
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConveyorError, PermanentSinkError, TransientSinkError
+from conveyor.core.home import conveyor_home
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.sink import ErrorKind
-from conveyor.store.meta import conveyor_home
 
 log = logging.getLogger("conveyor.deadletters")
 

@@ -25,11 +25,12 @@ from typing import Any
 from pydantic import BaseModel, SecretStr
 
 from conveyor.core.errors import ConfigError, ConveyorError
+from conveyor.core.home import conveyor_home
 from conveyor.metrics import destinations_json
 from conveyor.operations import Operations, connector_kind
 from conveyor.secrets import MASK
 from conveyor.specs import model_secret_paths, secret_fields
-from conveyor.store.meta import ConnectorRow, conveyor_home
+from conveyor.store.meta import ConnectorRow
 
 # One problem per "field: message" part of a validation message (they are joined by "; ").
 _PART = re.compile(r";\s+(?=[A-Za-z_<][\w.\[\]<>-]*: )")

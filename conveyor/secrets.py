@@ -16,7 +16,7 @@ files under ``$CONVEYOR_SECRET_FILES`` (comma-separated directories; default
 ``$CONVEYOR_HOME/secrets``), the path resolved (symlinks, no ``..``) before the check;
 variables whose names match ``$CONVEYOR_SECRET_ENV`` (comma-separated patterns; default
 ``CONVEYOR_*``), never Conveyor's own credentials and settings (``DENIED_ENV`` and every
-variable of configdoc's Environment table, ``settings_env``).
+variable of the documented Environment table, ``SETTINGS_ENV``).
 
 Contract: references are resolved by ``resolve`` only in the process that runs
 the data path (the connector op, a dead-letter replay, an offsets reset that asks
@@ -41,6 +41,7 @@ from typing import Any
 
 from conveyor.core import scrubbing
 from conveyor.core.errors import ConfigError
+from conveyor.core.home import DEFAULT_HOME
 from conveyor.core.references import (
     REFERENCE,
     UNTERMINATED,
@@ -50,7 +51,6 @@ from conveyor.core.references import (
     whole_reference_problem,
     with_placeholders,
 )
-from conveyor.store.meta import DEFAULT_HOME
 
 MASK = "**********"
 SECRET_FILES_ENV = "CONVEYOR_SECRET_FILES"
@@ -58,7 +58,7 @@ SECRET_ENV_ENV = "CONVEYOR_SECRET_ENV"
 DEFAULT_ENV_PATTERNS = ("CONVEYOR_*",)
 # Conveyor's own credentials and the policy itself: never readable by a spec, whatever the
 # patterns say (a sink URL of the caller's server would carry them there). So is every other
-# variable Conveyor reads as a setting (``settings_env``: configdoc's environment list).
+# variable Conveyor reads as a setting (``SETTINGS_ENV``: the documented environment).
 DENIED_ENV = ("CONVEYOR_META_URL", "CONVEYOR_API_*", SECRET_FILES_ENV, SECRET_ENV_ENV)
 # A section's fields that say where its secrets are sent (and whether the server is
 # verified): a mask sent back keeps the stored secret only while these are unchanged.
@@ -104,11 +104,48 @@ def is_destination_field(name: str) -> bool:
     return name in DESTINATION_FIELDS or bool(_DESTINATION_NAME.search(name))
 
 
+# Every variable Conveyor reads as a setting: the names of docs/CONFIG.md's Environment table
+# (tests/unit/test_secret_scrubbing.py fails for a documented setting missing here).
+SETTINGS_ENV = frozenset(
+    [
+        "CONVEYOR_API_ALLOWED_HOSTS",
+        "CONVEYOR_API_ALLOWED_ORIGINS",
+        "CONVEYOR_API_MAX_BODY_BYTES",
+        "CONVEYOR_API_READONLY_TOKEN",
+        "CONVEYOR_API_READONLY_TOKEN_FILE",
+        "CONVEYOR_API_TOKEN",
+        "CONVEYOR_API_TOKEN_FILE",
+        "CONVEYOR_ARROW_MEMORY_POOL",
+        "CONVEYOR_BROKERS_FILE",
+        "CONVEYOR_BROKER_CAPACITY",
+        "CONVEYOR_CONNECTORS_DIR",
+        "CONVEYOR_DAGSTER_URL",
+        "CONVEYOR_DEBUG",
+        "CONVEYOR_DEMO_PG_URL",
+        "CONVEYOR_HOME",
+        "CONVEYOR_KAFKA_BOOTSTRAP",
+        "CONVEYOR_LAG_CHECK_MINUTES",
+        "CONVEYOR_MALLOC_MMAP_THRESHOLD_KIB",
+        "CONVEYOR_META_URL",
+        "CONVEYOR_RELOAD_GRACE_S",
+        "CONVEYOR_SCHEDULER_CANCEL_GRACE_S",
+        "CONVEYOR_SCHEDULER_HEALTHY_RESET_S",
+        "CONVEYOR_SCHEDULER_LAUNCH_TIMEOUT_S",
+        "CONVEYOR_SCHEDULER_RATE_UNIT",
+        "CONVEYOR_SCHEDULER_REBALANCE_COOLDOWN_S",
+        "CONVEYOR_SCHEDULER_REBALANCE_THRESHOLD",
+        "CONVEYOR_SCHEDULER_RESTART_BACKOFF_MAX_S",
+        "CONVEYOR_SCHEDULER_RESTART_BACKOFF_S",
+        "CONVEYOR_SECRET_ENV",
+        "CONVEYOR_SECRET_FILES",
+        "CONVEYOR_SPARK_REMOTE",
+    ]
+)
+
+
 def settings_env() -> frozenset[str]:
     """Every variable Conveyor reads as a setting (the documented environment)."""
-    from conveyor.configdoc import environment_names  # the docs' list is the one list
-
-    return environment_names()
+    return SETTINGS_ENV
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from conveyor.core import scrubbing
 from conveyor.core.connection import SECRET_FIELD, SECRET_FIELDS
 from conveyor.core.errors import ConfigError
+from conveyor.core.home import conveyor_home
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
 from conveyor.core.state import StateChange
@@ -51,7 +52,7 @@ from conveyor.secrets import (
 from conveyor.sinks import parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
 from conveyor.sources.base import SourceConfig
-from conveyor.store.meta import ConnectorRow, MetaStore, UnknownConnectorError, conveyor_home
+from conveyor.store.meta import ConnectorRow, MetaStore, UnknownConnectorError
 
 COMPONENT_TYPES = (
     "conveyor.components.ConnectorComponent",

@@ -31,7 +31,7 @@ from dagster import (
     in_process_executor,
 )
 
-from conveyor.jobs.runs import TAG_CONNECTOR
+from conveyor.jobs.tags import TAG_CONNECTOR
 from conveyor.specs import LoadedSpec
 
 DEFAULT_LAG_CHECK_MINUTES = 10.0

@@ -37,18 +37,15 @@ from conveyor.core.model import ConnectorStatus, Counters, FailurePolicyName, Of
 from conveyor.jobs.allocators import use_run_allocators
 from conveyor.jobs.committer import StoreCommitter
 from conveyor.jobs.progress import progress_logger
-from conveyor.jobs.runs import (  # noqa: F401 - TAG_* and job_name re-exported for the sensors
-    TAG_BROKER,
-    TAG_CONNECTOR,
-    TAG_GENERATION,
+from conveyor.jobs.runs import (
     cancel_requested,
     claim_run,
     end_run,
-    job_name,
     next_spec,
     scrubbed_errors,
 )
 from conveyor.jobs.supervision import supervise
+from conveyor.jobs.tags import TAG_CONNECTOR, TAG_TASK, job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
 from conveyor.spark.session import spark_session
@@ -77,7 +74,7 @@ def run_connector(
         raise Failure(description=f"connector {name!r} cannot start: {loaded.error}")
     ls = loaded
     assert ls.spec is not None
-    if "conveyor/task" in context.run.tags:  # a partition task's run (jobs/tasks.py)
+    if TAG_TASK in context.run.tags:  # a partition task's run (jobs/tasks.py)
         from conveyor.jobs.tasks import run_task
 
         return run_task(context, conveyor, name, ls, store)

@@ -10,7 +10,7 @@ from dagster import AssetKey, AssetMaterialization, MetadataValue, OpExecutionCo
 
 from conveyor.assets.lineage import dead_letter_key
 from conveyor.core.loop import Progress
-from conveyor.jobs.runs import TAG_CONNECTOR
+from conveyor.jobs.tags import TAG_CONNECTOR
 from conveyor.specs import LoadedSpec
 
 

@@ -36,13 +36,12 @@ from conveyor.deadletters import (
     sample_rows,
 )
 from conveyor.jobs.runs import scrubbed_errors
+from conveyor.jobs.tags import TAG_CONNECTOR, TAG_REPLAY, replay_job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sinks import build_sink
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
 from conveyor.specs import LoadedSpec, load_source, resolved
-
-TAG_REPLAY = "conveyor/replay"
 
 
 @dataclass(frozen=True)
@@ -118,10 +117,6 @@ def replay_dead_letters(
     return ReplayResult(total, delivered, failed_again, filtered, store.count())
 
 
-def replay_job_name(connector: str) -> str:
-    return f"replay_dead_letters__{connector}"
-
-
 def replay_job(ls: LoadedSpec) -> JobDefinition:
     name = ls.name
 
@@ -173,7 +168,7 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
     @job(
         name=replay_job_name(name),
         executor_def=in_process_executor,
-        tags={TAG_REPLAY: name, "conveyor/connector": name},
+        tags={TAG_REPLAY: name, TAG_CONNECTOR: name},
     )
     def replay_job_def() -> None:
         replay_op()

@@ -25,13 +25,10 @@ from conveyor.core.failure import RunEnding, run_outcome
 from conveyor.core.model import ConnectorStatus
 from conveyor.core.scrubbing import chain_holds_secret, scrub, scrubbed_exception
 from conveyor.core.state import StateChange
+from conveyor.jobs.tags import TAG_BROKER, TAG_GENERATION
 from conveyor.processes import pid_alive
 from conveyor.specs import LoadedSpec, load_source, sync_one
 from conveyor.store.meta import Claim, ConnectorRow, MetaStore
-
-TAG_CONNECTOR = "conveyor/connector"
-TAG_BROKER = "conveyor/broker"
-TAG_GENERATION = "conveyor/generation"
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +79,6 @@ def _scrubbed(error: BaseException) -> tuple[BaseException, BaseException | None
             scrubbed_cause,
         )
     return scrubbed_exception(error), None
-
-
-def job_name(connector: str) -> str:
-    return f"connector__{connector}"
 
 
 def holder_alive(context: OpExecutionContext, timeout_s: float) -> Callable[[ConnectorRow], bool]:

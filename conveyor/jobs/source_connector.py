@@ -42,14 +42,13 @@ from conveyor.core.source_loop import (
 )
 from conveyor.jobs.allocators import use_run_allocators
 from conveyor.jobs.runs import (
-    TAG_CONNECTOR,
     cancel_requested,
     claim_run,
     end_run,
-    job_name,
     next_spec,
     scrubbed_errors,
 )
+from conveyor.jobs.tags import TAG_CONNECTOR, TAG_KIND, job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sources import build_source
 from conveyor.spark.session import spark_session
@@ -275,7 +274,7 @@ def source_connector_job(ls: LoadedSpec) -> JobDefinition:
         name=job_name(name),
         description=desc,
         executor_def=in_process_executor,
-        tags={TAG_CONNECTOR: name, "dagster/max_retries": "0", "conveyor/kind": "source"},
+        tags={TAG_CONNECTOR: name, "dagster/max_retries": "0", TAG_KIND: "source"},
     )
     def source_connector_job_def() -> None:
         run_source_connector_op()

@@ -11,16 +11,20 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field, PrivateAttr, ValidationError
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.home import conveyor_home
 from conveyor.core.model import Broker, BrokersFile
+from conveyor.core.scheduler import BrokerView, gone_brokers
+from conveyor.ports import port_open
 from conveyor.registry import format_validation_error
 from conveyor.specs import connectors_dir
-from conveyor.store.meta import MetaStore, conveyor_home, default_meta_url
+from conveyor.store.meta import MetaStore, default_meta_url
 
 log = logging.getLogger("conveyor")
 
@@ -115,9 +119,6 @@ class ConveyorResource(ConfigurableResource):
     def sync_brokers(self, store: MetaStore) -> None:
         """Upsert the brokers file into the store (edits apply without a reload) and mark the
         stored brokers it no longer names gone; a bad file keeps the stored brokers."""
-        from conveyor.core.scheduler import gone_brokers
-        from conveyor.sensors.scheduler import broker_views
-
         try:
             brokers = load_brokers()
         except ConfigError as e:
@@ -149,3 +150,28 @@ class ConveyorResource(ConfigurableResource):
 
     def connectors_dir(self) -> Path:
         return connectors_dir()
+
+
+def endpoint_up(remote: str, timeout: float = 0.3) -> bool:
+    """Whether a Spark Connect endpoint accepts TCP connections."""
+    u = urlparse(remote.replace("sc://", "http://", 1))
+    return bool(u.hostname) and port_open(u.hostname or "", u.port or 15002, timeout=timeout)
+
+
+def broker_views(store: MetaStore, *, check_endpoints: bool = True) -> list[BrokerView]:
+    """The brokers as the scheduler plans with them: stored, gone or not, endpoint reachable."""
+    gone = store.gone_brokers()
+    return [
+        BrokerView(
+            id=b.id,
+            capacity=b.capacity,
+            spark_remote=b.spark_remote,
+            run_tags=b.run_tags,
+            draining=b.draining,
+            endpoint_up=endpoint_up(b.spark_remote)
+            if check_endpoints and b.id not in gone
+            else True,
+            gone=b.id in gone,
+        )
+        for b in store.list_brokers()
+    ]

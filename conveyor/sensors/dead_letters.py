@@ -22,7 +22,7 @@ from dagster import (
 )
 
 from conveyor.core.model import ConnectorStatus, FailureSpec
-from conveyor.jobs.replay import replay_job_name
+from conveyor.jobs.tags import TAG_CONNECTOR, replay_job_name
 from conveyor.resources.conveyor import ConveyorResource
 
 
@@ -83,7 +83,7 @@ def dead_letter_replay_sensor(jobs: Sequence[JobDefinition] | None) -> SensorDef
             RunRequest(
                 run_key=f"replay:{name}:{dead}",
                 job_name=replay_job_name(name),
-                tags={"conveyor/connector": name},
+                tags={TAG_CONNECTOR: name},
             )
             for name, dead in todo
         ]

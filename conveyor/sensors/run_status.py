@@ -15,7 +15,7 @@ from __future__ import annotations
 from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_sensor
 
 from conveyor.core.scheduler import LIVE
-from conveyor.jobs.runs import TAG_CONNECTOR
+from conveyor.jobs.tags import TAG_CONNECTOR
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.store.meta import UnknownConnectorError
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from dagster import (
     DagsterRunStatus,
@@ -34,26 +33,12 @@ from dagster import (
 )
 
 from conveyor.core import scheduler as core
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
-from conveyor.ports import port_open
+from conveyor.jobs.tags import ACTIVE, TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.processes import pid_alive
 from conveyor.reload import ReloadRequests
-from conveyor.resources.conveyor import ConveyorResource
+from conveyor.resources.conveyor import ConveyorResource, broker_views
 from conveyor.specs import LoadedSpec, scan, sync_files
 from conveyor.store.meta import ConnectorRow, MetaStore
-
-ACTIVE = [
-    DagsterRunStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED,
-    DagsterRunStatus.STARTING,
-    DagsterRunStatus.STARTED,
-    DagsterRunStatus.CANCELING,
-]
-
-
-def endpoint_up(remote: str, timeout: float = 0.3) -> bool:
-    u = urlparse(remote.replace("sc://", "http://", 1))
-    return bool(u.hostname) and port_open(u.hostname or "", u.port or 15002, timeout=timeout)
 
 
 def connector_view(row: ConnectorRow, launchable: set[str] | None = None) -> core.ConnectorView:
@@ -116,24 +101,6 @@ def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.
             )
         )
     return out
-
-
-def broker_views(store: MetaStore, *, check_endpoints: bool = True) -> list[core.BrokerView]:
-    gone = store.gone_brokers()
-    return [
-        core.BrokerView(
-            id=b.id,
-            capacity=b.capacity,
-            spark_remote=b.spark_remote,
-            run_tags=b.run_tags,
-            draining=b.draining,
-            endpoint_up=endpoint_up(b.spark_remote)
-            if check_endpoints and b.id not in gone
-            else True,
-            gone=b.id in gone,
-        )
-        for b in store.list_brokers()
-    ]
 
 
 def apply_plan(

@@ -15,7 +15,8 @@ from dagster import (
 )
 
 from conveyor.assets import checks
-from conveyor.assets.checks import LAG_CHECK_NAME, LAG_CHECKS_JOB, TAG_CONNECTOR
+from conveyor.assets.checks import LAG_CHECK_NAME, LAG_CHECKS_JOB
+from conveyor.jobs.tags import TAG_CONNECTOR
 
 SPEC = """
 name: {name}

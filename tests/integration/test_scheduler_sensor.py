@@ -14,7 +14,7 @@ from dagster._core.test_utils import create_run_for_test
 from conveyor.core.errors import FencedError
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPartition
 from conveyor.core.state import StateChange
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
+from conveyor.jobs.tags import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.sensors.scheduler import run_key, scheduler_sensor
 from conveyor.store.meta import MetaStore
@@ -264,7 +264,7 @@ def test_the_run_failure_sensor_records_a_crash_and_leaves_the_decision_to_the_s
 
 
 def core_brokers(store: MetaStore):
-    from conveyor.sensors.scheduler import broker_views
+    from conveyor.resources.conveyor import broker_views
 
     return broker_views(store, check_endpoints=False)
 

@@ -11,8 +11,13 @@ from dagster._core.test_utils import create_run_for_test
 from conveyor.core.errors import FencedError
 from conveyor.core.model import ConnectorStatus, TopicPartition
 from conveyor.core.tasks import TaskSample
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION
-from conveyor.jobs.tasks import TAG_TASK, TAG_TASK_GENERATION
+from conveyor.jobs.tags import (
+    TAG_BROKER,
+    TAG_CONNECTOR,
+    TAG_GENERATION,
+    TAG_TASK,
+    TAG_TASK_GENERATION,
+)
 from conveyor.store.tasks import TaskStore
 from tests.integration.test_scheduler_sensor import env, tick  # noqa: F401  (fixture)
 

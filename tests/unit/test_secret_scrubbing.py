@@ -306,7 +306,7 @@ def test_no_documented_setting_is_readable_by_a_reference_whatever_the_patterns(
     monkeypatch,
 ) -> None:
     policy = SecretPolicy(file_prefixes=("/nonexistent",), env_patterns=("*",))
-    names = environment_names()
+    names = environment_names()  # the documented table: each row must be denied
     assert {"CONVEYOR_DEMO_PG_URL", "CONVEYOR_SPARK_REMOTE", "CONVEYOR_META_URL"} <= names
     assert not [n for n in names if policy.env_allowed(n)]
     assert policy.env_allowed("CONVEYOR_ORDERS_PG_URL")

@@ -1,0 +1,33 @@
+"""Run tags, job names and the run statuses that count as active: the one place the jobs that
+tag their runs and the sensors that find runs by tag both read."""
+
+from __future__ import annotations
+
+from dagster import DagsterRunStatus
+
+TAG_CONNECTOR = "conveyor/connector"
+TAG_BROKER = "conveyor/broker"
+TAG_GENERATION = "conveyor/generation"
+TAG_TASK = "conveyor/task"
+TAG_TASK_GENERATION = "conveyor/task_generation"
+TAG_REPLAY = "conveyor/replay"
+TAG_KIND = "conveyor/kind"
+
+# A run in one of these statuses holds (or will hold) its connector or task.
+ACTIVE = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
+
+
+def job_name(connector: str) -> str:
+    """The Dagster job of a connector (sink or source)."""
+    return f"connector__{connector}"
+
+
+def replay_job_name(connector: str) -> str:
+    """The Dagster job that replays a connector's dead letters."""
+    return f"replay_dead_letters__{connector}"
