@@ -8,7 +8,7 @@ or the end a partition-EOF event reports, which is past any transaction markers.
 
 Everything that is not client-specific (discovery, start positions, batching,
 offsets handed to the loop, lag, the mirror's throttle, error classes) is in
-``conveyor.brokers.kafka.KafkaSource``; the connection model becomes librdkafka
+``conveyor.brokers.kafka_source.KafkaSource``; the connection model becomes librdkafka
 properties in ``conveyor.brokers.connection.librdkafka_config``.
 """
 
@@ -28,7 +28,7 @@ from conveyor.brokers.connection import (
     tls_handshake_options,
     tls_problem,
 )
-from conveyor.brokers.kafka import KafkaSource, columns_to_table, default_bootstrap
+from conveyor.brokers.kafka_source import KafkaSource, columns_to_table, default_bootstrap
 from conveyor.core.errors import PermanentSourceError
 from conveyor.core.model import Offsets, SourceSpec, TopicPartition
 
@@ -59,10 +59,8 @@ def consumer_config(spec: SourceSpec, *, client_id: str, **settings: Any) -> dic
     }
 
 
-class ConfluentSource(KafkaSource):
+class ConfluentSource(KafkaSource, client="confluent"):
     """The librdkafka client: ``assign`` with offsets, ``consume`` in batches."""
-
-    client = "confluent"
 
     def __init__(self, spec: SourceSpec, group_id: str, **kw: Any):
         super().__init__(spec, group_id, **kw)
