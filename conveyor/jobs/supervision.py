@@ -42,10 +42,29 @@ def supervise(
     relaunches it; the stuck call is left behind, fenced by the next generation (it checks
     its generation before any send and commits nothing once fenced).
     """
+    sup = _supervisor(context, loop, loaded, clock)
+    worker, done, outcome = _start_loop(loop, loaded.name)
+    interrupted = _watch(context, loop, loaded, sup, done, canceled)
+    if interrupted is not None:
+        _stop_after_interrupt(context, loop, loaded, sup, worker, done, clock)
+        raise interrupted
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["counters"]  # type: ignore[no-any-return]
+
+
+def _supervisor(
+    context: OpExecutionContext,
+    loop: ConnectorLoop,
+    loaded: LoadedSpec,
+    clock: Callable[[], float],
+) -> Supervisor:
+    """Marks the loop supervised and builds its Supervisor from the spec's liveness and batch
+    settings; its reports go to the op's log."""
     assert loaded.spec is not None
     spec = loaded.spec
     loop.supervised = True
-    sup = Supervisor(
+    return Supervisor(
         loop,
         spec.liveness,
         read_wait_s=spec.batch.max_wait_ms / 1000,
@@ -53,6 +72,13 @@ def supervise(
         clock=clock,
         on_report=lambda msg: context.log.warning(f"connector {loaded.name}: {msg}"),
     )
+
+
+def _start_loop(
+    loop: ConnectorLoop, name: str
+) -> tuple[threading.Thread, threading.Event, dict[str, Any]]:
+    """Starts the loop on a daemon thread; returns the thread, the Event set when the loop
+    ends, and the outcome it fills (``counters`` or ``error``)."""
     outcome: dict[str, Any] = {}
     # The loop's end, as an Event: Thread.join() interrupted by Dagster's terminate (an
     # exception raised by a signal handler) marks a running thread as stopped on CPython
@@ -68,17 +94,29 @@ def supervise(
         finally:
             done.set()
 
-    worker = threading.Thread(target=body, name=f"conveyor-loop-{loaded.name}", daemon=True)
+    worker = threading.Thread(target=body, name=f"conveyor-loop-{name}", daemon=True)
     worker.start()
-    interrupted: BaseException | None = None
+    return worker, done, outcome
+
+
+def _watch(
+    context: OpExecutionContext,
+    loop: ConnectorLoop,
+    loaded: LoadedSpec,
+    sup: Supervisor,
+    done: threading.Event,
+    canceled: Callable[[], bool],
+) -> BaseException | None:
+    """Ticks the supervisor until the loop ends; returns the interrupt if the run was
+    terminated or seen canceling, else None. Raises StageHungError for a stage past its
+    restart deadline; records a stuck stage once as it crosses its deadline."""
     reported = None
     try:
         while not done.is_set():
             if done.wait(sup.poll_s):
                 break
             if canceled():
-                interrupted = DagsterExecutionInterruptedError()
-                break
+                return DagsterExecutionInterruptedError()
             try:
                 v = sup.tick()
             except FencedError:
@@ -92,23 +130,32 @@ def supervise(
                 if v.stuck:
                     record_stuck_stage(context, loaded, v.reason())
     except DagsterExecutionInterruptedError as e:
-        interrupted = e
-    if interrupted is not None:
-        hold_interrupts()  # the terminate's interrupt may follow the poll: let the stop finish
-        loop.request_stop()
-        deadline = clock() + STOP_GRACE_S
-        while not done.is_set() and clock() < deadline:
-            done.wait(sup.poll_s)
-            with contextlib.suppress(Exception):  # fenced or store trouble: leaving anyway
-                sup.tick()
-        if not done.is_set():
-            frame = sys._current_frames().get(worker.ident or -1)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
-            context.log.warning(
-                f"connector {loaded.name}: the loop did not stop within {STOP_GRACE_S:.0f}s of the "
-                f"terminate; leaving it (offsets are committed only by the loop). Its stack:\n{stack}"
-            )
-        raise interrupted
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["counters"]  # type: ignore[no-any-return]
+        return e
+    return None
+
+
+def _stop_after_interrupt(
+    context: OpExecutionContext,
+    loop: ConnectorLoop,
+    loaded: LoadedSpec,
+    sup: Supervisor,
+    worker: threading.Thread,
+    done: threading.Event,
+    clock: Callable[[], float],
+) -> None:
+    """Asks the loop to stop and waits up to ``STOP_GRACE_S`` for it, still heartbeating; a
+    loop that does not stop is left behind, its stack logged."""
+    hold_interrupts()  # the terminate's interrupt may follow the poll: let the stop finish
+    loop.request_stop()
+    deadline = clock() + STOP_GRACE_S
+    while not done.is_set() and clock() < deadline:
+        done.wait(sup.poll_s)
+        with contextlib.suppress(Exception):  # fenced or store trouble: leaving anyway
+            sup.tick()
+    if not done.is_set():
+        frame = sys._current_frames().get(worker.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+        context.log.warning(
+            f"connector {loaded.name}: the loop did not stop within {STOP_GRACE_S:.0f}s of the "
+            f"terminate; leaving it (offsets are committed only by the loop). Its stack:\n{stack}"
+        )
