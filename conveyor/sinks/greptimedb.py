@@ -147,6 +147,19 @@ class GreptimeDBSinkConfig(SinkConfig):
     @model_validator(mode="after")
     def _rules(self) -> GreptimeDBSinkConfig:
         """Cross-field rules (no I/O): each error names its field."""
+        self._url_rules()
+        self._database_rules()
+        if known_now(self.measurement):
+            self._measurement_rules()
+        self._tag_rules()
+        if self.fields is not None:
+            self._field_rules(self.fields)
+        self._timestamp_rules()
+        self._auth_rules()
+        return self
+
+    def _url_rules(self) -> None:
+        """The URL is an http(s) base URL without credentials."""
         rule(
             not known_now(self.url) or bool(re.match(r"^https?://[^\s/]+", self.url)),
             "must be an http:// or https:// base URL",
@@ -157,26 +170,34 @@ class GreptimeDBSinkConfig(SinkConfig):
             "credentials do not belong in the URL (it is not secret); use username/password or token",
             field="url",
         )
+
+    def _database_rules(self) -> None:
+        """The database is a name that can go in a query string."""
         rule(
             not known_now(self.database)
             or (bool(self.database.strip()) and not re.search(r"[\s&?#/]", self.database)),
             "must be a database name",
             field="database",
         )
-        if known_now(self.measurement):
-            problems = templates.problems(self.measurement, MEASUREMENT_FIELDS)
-            rule(not problems, "; ".join(problems), field="measurement")
-            static = templates.static_text(self.measurement)
-            rule(
-                bool(self.measurement.strip()) and "{" not in static and "}" not in static,
-                "must be a table name or template",
-                field="measurement",
-            )
-            rule(
-                not _LINE_BREAKS_AND_TABS.search(self.measurement),
-                "must not contain line breaks or tabs",
-                field="measurement",
-            )
+
+    def _measurement_rules(self) -> None:
+        """The measurement is a table name or a valid template, on one line."""
+        problems = templates.problems(self.measurement, MEASUREMENT_FIELDS)
+        rule(not problems, "; ".join(problems), field="measurement")
+        static = templates.static_text(self.measurement)
+        rule(
+            bool(self.measurement.strip()) and "{" not in static and "}" not in static,
+            "must be a table name or template",
+            field="measurement",
+        )
+        rule(
+            not _LINE_BREAKS_AND_TABS.search(self.measurement),
+            "must not contain line breaks or tabs",
+            field="measurement",
+        )
+
+    def _tag_rules(self) -> None:
+        """Every tag has a valid name and a known source."""
         for key, src in self.tags.items():
             rule(
                 bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
@@ -188,26 +209,35 @@ class GreptimeDBSinkConfig(SinkConfig):
                 f"{key}: unknown source {src!r}; one of a payload column, {', '.join(META_SOURCES)}",
                 field="tags",
             )
-        if self.fields is not None:
-            rule(bool(self.fields), "must map at least one field", field="fields")
-            for key, src in self.fields.items():
-                rule(
-                    bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
-                    f"{key!r}: not a valid field name",
-                    field="fields",
-                )
-                rule(
-                    bool(src) and (not src.startswith("$") or src in META_SOURCES),
-                    f"{key}: unknown source {src!r}",
-                    field="fields",
-                )
-                rule(key not in self.tags, f"{key!r} is both a tag and a field", field="fields")
+
+    def _field_rules(self, fields: dict[str, str]) -> None:
+        """At least one field; each with a valid name, a known source, and not also a tag."""
+        rule(bool(fields), "must map at least one field", field="fields")
+        for key, src in fields.items():
+            rule(
+                bool(key) and not _LINE_BREAKS_AND_TABS.search(key),
+                f"{key!r}: not a valid field name",
+                field="fields",
+            )
+            rule(
+                bool(src) and (not src.startswith("$") or src in META_SOURCES),
+                f"{key}: unknown source {src!r}",
+                field="fields",
+            )
+            rule(key not in self.tags, f"{key!r} is both a tag and a field", field="fields")
+
+    def _timestamp_rules(self) -> None:
+        """The timestamp is ``$timestamp`` or a payload column."""
         rule(
             self.timestamp == "$timestamp"
             or (bool(self.timestamp) and not self.timestamp.startswith("$")),
             "must be $timestamp or a payload column",
             field="timestamp",
         )
+
+    def _auth_rules(self) -> None:
+        """Username and password together or not at all, not with a token; a CA file only
+        with https."""
         rule(
             (self.username is None) == (self.password is None),
             "give both username and password, or neither",
@@ -224,7 +254,6 @@ class GreptimeDBSinkConfig(SinkConfig):
                 "tls_ca_file needs an https:// URL",
                 field="tls_ca_file",
             )
-        return self
 
 
 # -- line protocol (pure) ---------------------------------------------------------------------------
