@@ -52,7 +52,7 @@ class Broker:
             f"listener {self.port} 127.0.0.1",
             "persistence true",
             f"persistence_location {self.directory}/",
-            "autosave_interval 1", "log_type all",
+            "autosave_interval 1",
         ]
         if self.tls is None:
             lines.append("allow_anonymous true")
