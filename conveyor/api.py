@@ -51,6 +51,7 @@ from starlette.routing import Route
 
 from conveyor.api_guard import Access, BodyTooLargeError, Guard
 from conveyor.core.errors import ConfigError, ConveyorError
+from conveyor.core.home import conveyor_home
 from conveyor.kafka_connect import (
     active_topics,
     reset_active_topics,
@@ -66,7 +67,7 @@ from conveyor.operations import (
 )
 from conveyor.secrets import mask_url_passwords
 from conveyor.specs import LoadedSpec, keep_stored, load_source
-from conveyor.store.meta import StoreError, conveyor_home
+from conveyor.store.meta import StoreError
 
 log = logging.getLogger("conveyor.api")
 

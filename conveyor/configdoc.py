@@ -112,8 +112,8 @@ def _home_environment() -> list[tuple[str, str, str]]:
     spec directory, brokers, Kafka, Spark, the lag check."""
     from conveyor.assets.checks import DEFAULT_LAG_CHECK_MINUTES
     from conveyor.brokers.kafka import DEFAULT_BOOTSTRAP
+    from conveyor.core.home import DEFAULT_HOME
     from conveyor.resources.conveyor import DEFAULT_SPARK_REMOTE
-    from conveyor.store.meta import DEFAULT_HOME
 
     return [
         (

@@ -27,7 +27,6 @@ whole module is tested with in-memory fakes and a fake clock.
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import random
@@ -63,17 +62,15 @@ from conveyor.core.model import (
     BatchPolicy,
     ConnectorStatus,
     Counters,
-    DesiredState,
     FailurePolicyName,
     FailureSpec,
-    HeartbeatReply,
     Offsets,
     RetrySpec,
     TopicPartition,
 )
 from conveyor.core.routing import DestinationGate, DestinationRulesSpec
 from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
-from conveyor.core.stopping import Stopping, sleep_unless_stopped
+from conveyor.core.stopping import Directive, LoopControl, Stopping
 
 log = logging.getLogger("conveyor.loop")
 
@@ -136,26 +133,6 @@ class Transformer(Protocol):
         to check its expressions (raising ConfigError). It is called from one thread at a
         time, but not always the same one (see ``LoopConfig.transform_ahead``).
         """
-
-
-class Directive(str, enum.Enum):
-    """What the connector should do, as the answer to a heartbeat."""
-
-    RUN = "run"
-    PAUSE = "pause"  # hold the assignment, read nothing, keep heartbeating
-    STOP = "stop"  # finish cleanly
-    RECONFIGURE = "reconfigure"  # the spec changed: end run() at a batch boundary
-
-
-def directive_for(reply: HeartbeatReply, running_spec_hash: str | None) -> Directive:
-    """The directive a run takes from the store's answer, given the spec it runs with."""
-    if reply.desired == DesiredState.STOPPED:
-        return Directive.STOP
-    if running_spec_hash and reply.spec_hash and reply.spec_hash != running_spec_hash:
-        return Directive.RECONFIGURE
-    if reply.desired == DesiredState.PAUSED:
-        return Directive.PAUSE
-    return Directive.RUN
 
 
 class Committer(Protocol):
@@ -223,7 +200,7 @@ class Progress:
     final: bool = False
 
 
-class ConnectorLoop:
+class ConnectorLoop(LoopControl):
     """Runs one connector until ``stop_requested()`` or an error. Call ``run()`` once."""
 
     def __init__(
@@ -249,16 +226,10 @@ class ConnectorLoop:
         self.sink = sink
         self.committer = committer
         self.dead_letters = dead_letters
-        self.stop_requested = stop_requested
         self.on_progress = on_progress
         self.clock = clock
-        self._stop_event = threading.Event()
-        self._sleep = sleep or self._interruptible_sleep
+        self._init_control(config.name, stop_requested, sleep, counters, config.paused_poll_s)
         self.committed: Offsets = dict(committed)
-        self.counters = counters or Counters()  # a reconfigured loop goes on counting
-        self._pause_event = threading.Event()
-        self.reconfigure_requested = False
-        self.status = ConnectorStatus.RUNNING
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._limiter = DeadLetterLimiter(config.failure.dead_letter)
@@ -283,9 +254,6 @@ class ConnectorLoop:
             raise ConveyorError("failure policy dead_letter needs a dead-letter store")
 
     # -- public ---------------------------------------------------------------
-
-    def request_stop(self) -> None:
-        self._stop_event.set()
 
     def run(self) -> Counters:
         """Run until stopped. Returns the final counters; raises on a connector error."""
@@ -761,36 +729,6 @@ class ConnectorLoop:
         with self._beat_lock:
             self._transitions.append((status, reason))
 
-    def apply(self, directive: Directive | bool | None) -> None:
-        """Act on a heartbeat's answer: only sets events, so any thread may call it."""
-        if directive is False or directive == Directive.STOP:
-            if not self._stop_event.is_set():
-                log.info("%s: desired state is stopped; stopping", self.cfg.name)
-            self._stop_event.set()
-        elif directive == Directive.RECONFIGURE:
-            if not self.reconfigure_requested:
-                log.info("%s: the spec changed; taking it on at the batch boundary", self.cfg.name)
-            self.reconfigure_requested = True
-            self._stop_event.set()
-        elif directive == Directive.PAUSE:
-            self._pause_event.set()
-        else:
-            self._pause_event.clear()
-
-    def _paused(self) -> None:
-        """Hold until resumed or stopped, heartbeating; reads nothing meanwhile."""
-        log.info("%s: paused", self.cfg.name)
-        before = self.status
-        self._set_status(ConnectorStatus.PAUSED, "paused")
-        while self._pause_event.is_set() and not self._should_stop():
-            self._heartbeat(force=True)
-            self._stop_event.wait(self.cfg.paused_poll_s)
-        if not self._should_stop():
-            log.info("%s: resumed", self.cfg.name)
-            resumed = ConnectorStatus.RUNNING if before == ConnectorStatus.PAUSED else before
-            self._set_status(resumed, "resumed")
-            self._heartbeat(force=True)
-
     def _set_status(self, status: ConnectorStatus, reason: str) -> None:
         if status != self.status:
             self.status = status
@@ -804,16 +742,8 @@ class ConnectorLoop:
         span = max(now - window[0][0], 1e-3)
         return sum(n for _, n in window) / span if len(window) > 1 else 0.0
 
-    def _count(self, **inc: int) -> None:
-        self.counters = replace(
-            self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()}
-        )
-
     def _should_stop(self) -> bool:
-        return self._stop_event.is_set() or self._fenced is not None or self.stop_requested()
-
-    def _interruptible_sleep(self, seconds: float) -> None:
-        sleep_unless_stopped(seconds, self._stop_event, self._should_stop)
+        return super()._should_stop() or self._fenced is not None
 
     def _close(self) -> None:
         if self._closed:

@@ -54,7 +54,7 @@ from conveyor.core.errors import (
     TransientSourceError,
 )
 from conveyor.core.failure import OutageTracker
-from conveyor.core.loop import Directive, OutageBudgetExceeded, Transformed, Transformer
+from conveyor.core.loop import OutageBudgetExceeded, Transformed, Transformer
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -79,7 +79,7 @@ from conveyor.core.routing import (
     Row,
     SourceMode,
 )
-from conveyor.core.stopping import Stopping, sleep_unless_stopped
+from conveyor.core.stopping import Directive, LoopControl, Stopping
 
 log = logging.getLogger("conveyor.source_loop")
 
@@ -213,7 +213,7 @@ class RoutingStats:
         }
 
 
-class SourceLoop:
+class SourceLoop(LoopControl):
     """Runs one source connector until stopped or an error. Call ``run()`` once."""
 
     def __init__(
@@ -239,16 +239,11 @@ class SourceLoop:
         self.writer = writer
         self.state = state
         self.route = route
-        self.stop_requested = stop_requested
         self.clock = clock
-        self._stop_event = threading.Event()
-        self._pause_event = threading.Event()
-        self._sleep = sleep or self._interruptible_sleep
-        self.counters = counters or Counters()
+        self._init_control(config.name, stop_requested, sleep, counters, config.paused_poll_s)
         self.stats = RoutingStats()
         self.board = BreakerBoard(config.breaker_threshold, config.breaker_cooldown_s)
         self.router = Router(config.routing, mode=source.mode, destructive=source.destructive)
-        self.status = ConnectorStatus.RUNNING
         self._status_reason: str | None = "first heartbeat"
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._pending_commit: State | None = state  # a restart owes the stored state's commit
@@ -257,12 +252,8 @@ class SourceLoop:
         self._lock = threading.Lock()  # stats and breakers, read by heartbeats and metrics
         self._last_heartbeat = 0.0
         self._closed = False
-        self.reconfigure_requested = False
 
     # -- public ---------------------------------------------------------------
-
-    def request_stop(self) -> None:
-        self._stop_event.set()
 
     def run(self) -> Counters:
         try:
@@ -285,17 +276,6 @@ class SourceLoop:
         finally:
             self._stop_event.set()
             self._close()
-
-    def apply(self, directive: Directive | bool | None) -> None:
-        if directive is False or directive == Directive.STOP:
-            self._stop_event.set()
-        elif directive == Directive.RECONFIGURE:
-            self.reconfigure_requested = True
-            self._stop_event.set()
-        elif directive == Directive.PAUSE:
-            self._pause_event.set()
-        else:
-            self._pause_event.clear()
 
     # -- one step ----------------------------------------------------------------
 
@@ -575,18 +555,6 @@ class SourceLoop:
         self._status_reason = None
         self.apply(answer)
 
-    def _paused(self) -> None:
-        before = self.status
-        self._set_status(ConnectorStatus.PAUSED, "paused")
-        while self._pause_event.is_set() and not self._should_stop():
-            self._heartbeat(force=True)
-            self._stop_event.wait(self.cfg.paused_poll_s)
-        if not self._should_stop():
-            self._set_status(
-                ConnectorStatus.RUNNING if before == ConnectorStatus.PAUSED else before, "resumed"
-            )
-            self._heartbeat(force=True)
-
     def _set_status(self, status: ConnectorStatus, reason: str) -> None:
         if status != self.status:
             self.status = status
@@ -595,17 +563,6 @@ class SourceLoop:
     def _rate(self, n: int, seconds: float) -> None:
         if seconds > 0:
             self.counters = replace(self.counters, msgs_per_s=round(n / seconds, 1))
-
-    def _count(self, **inc: int) -> None:
-        self.counters = replace(
-            self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()}
-        )
-
-    def _should_stop(self) -> bool:
-        return self._stop_event.is_set() or self.stop_requested()
-
-    def _interruptible_sleep(self, seconds: float) -> None:
-        sleep_unless_stopped(seconds, self._stop_event, self._should_stop)
 
     def _close(self) -> None:
         if self._closed:

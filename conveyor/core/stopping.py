@@ -1,4 +1,5 @@
-"""Stopping a loop: the sleep a stop request cuts short, and the exception that unwinds an outage wait.
+"""Stopping a loop: the sleep a stop request cuts short, the exception that unwinds an outage wait,
+a heartbeat's directive, and ``LoopControl``, the skeleton both loops share.
 
 The sink loop (``core.loop``) and the source loop (``core.source_loop``) wait out outages the same
 way: they sleep in short ticks on their stop event, so a stop request (the event, a fenced run, the
@@ -8,9 +9,17 @@ which ``run`` treats as a clean stop.
 
 from __future__ import annotations
 
+import abc
+import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+
+from conveyor.core.model import ConnectorStatus, Counters, DesiredState, HeartbeatReply
+
+log = logging.getLogger(__name__)
 
 # The longest a stop request waits for a sleeping loop to notice it.
 TICK_S = 0.5
@@ -35,3 +44,103 @@ def sleep_unless_stopped(
         if left <= 0:
             return
         stop_event.wait(min(left, TICK_S))
+
+
+class Directive(str, enum.Enum):
+    """What the connector should do, as the answer to a heartbeat."""
+
+    RUN = "run"
+    PAUSE = "pause"  # hold the assignment, read nothing, keep heartbeating
+    STOP = "stop"  # finish cleanly
+    RECONFIGURE = "reconfigure"  # the spec changed: end run() at a batch boundary
+
+
+def directive_for(reply: HeartbeatReply, running_spec_hash: str | None) -> Directive:
+    """The directive a run takes from the store's answer, given the spec it runs with."""
+    if reply.desired == DesiredState.STOPPED:
+        return Directive.STOP
+    if running_spec_hash and reply.spec_hash and reply.spec_hash != running_spec_hash:
+        return Directive.RECONFIGURE
+    if reply.desired == DesiredState.PAUSED:
+        return Directive.PAUSE
+    return Directive.RUN
+
+
+class LoopControl(abc.ABC):
+    """What the sink loop and the source loop share around their step: stop and pause events
+    (set by a heartbeat's directive from any thread), the interruptible sleep, the counters and
+    the status. Each loop's step order is its own (the pipelined sink, the strict source); a loop
+    supplies ``_heartbeat`` (used while paused) and may widen ``_should_stop``."""
+
+    name: str
+    status: ConnectorStatus
+    counters: Counters
+
+    def _init_control(
+        self,
+        name: str,
+        stop_requested: Callable[[], bool],
+        sleep: Callable[[float], None] | None,
+        counters: Counters | None,
+        paused_poll_s: float,
+    ) -> None:
+        self.name = name
+        self.stop_requested = stop_requested
+        self._stop_event = threading.Event()
+        self._pause_event = threading.Event()
+        self._sleep = sleep or self._interruptible_sleep
+        self.counters = counters or Counters()  # a reconfigured loop goes on counting
+        self.reconfigure_requested = False
+        self.status = ConnectorStatus.RUNNING
+        self._paused_poll_s = paused_poll_s
+
+    def request_stop(self) -> None:
+        self._stop_event.set()
+
+    def apply(self, directive: Directive | bool | None) -> None:
+        """Act on a heartbeat's answer: only sets events, so any thread may call it."""
+        if directive is False or directive == Directive.STOP:
+            if not self._stop_event.is_set():
+                log.info("%s: desired state is stopped; stopping", self.name)
+            self._stop_event.set()
+        elif directive == Directive.RECONFIGURE:
+            if not self.reconfigure_requested:
+                log.info("%s: the spec changed; taking it on at the batch boundary", self.name)
+            self.reconfigure_requested = True
+            self._stop_event.set()
+        elif directive == Directive.PAUSE:
+            self._pause_event.set()
+        else:
+            self._pause_event.clear()
+
+    def _paused(self) -> None:
+        """Hold until resumed or stopped, heartbeating; reads nothing meanwhile."""
+        log.info("%s: paused", self.name)
+        before = self.status
+        self._set_status(ConnectorStatus.PAUSED, "paused")
+        while self._pause_event.is_set() and not self._should_stop():
+            self._heartbeat(force=True)
+            self._stop_event.wait(self._paused_poll_s)
+        if not self._should_stop():
+            log.info("%s: resumed", self.name)
+            resumed = ConnectorStatus.RUNNING if before == ConnectorStatus.PAUSED else before
+            self._set_status(resumed, "resumed")
+            self._heartbeat(force=True)
+
+    @abc.abstractmethod
+    def _heartbeat(self, force: bool = False) -> None:
+        """Report to the meta store (each loop its own way; ``force`` ignores the interval)."""
+
+    def _set_status(self, status: ConnectorStatus, reason: str) -> None:
+        self.status = status
+
+    def _count(self, **inc: int) -> None:
+        self.counters = replace(
+            self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()}
+        )
+
+    def _should_stop(self) -> bool:
+        return self._stop_event.is_set() or self.stop_requested()
+
+    def _interruptible_sleep(self, seconds: float) -> None:
+        sleep_unless_stopped(seconds, self._stop_event, self._should_stop)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conveyor.brokers.kafka import KafkaSource
-from conveyor.core.loop import Directive, directive_for
 from conveyor.core.model import ConnectorStatus, Counters, Offsets
+from conveyor.core.stopping import Directive, directive_for
 from conveyor.store.meta import MetaStore
 
 

@@ -32,7 +32,6 @@ from conveyor.brokers.producer import DestinationProducer
 from conveyor.core.errors import (
     ConfigError,
 )
-from conveyor.core.loop import Directive, directive_for
 from conveyor.core.model import ConnectorStatus, Counters
 from conveyor.core.routing import Route
 from conveyor.core.source_loop import (
@@ -40,6 +39,7 @@ from conveyor.core.source_loop import (
     SourceLoopConfig,
     checked_state,
 )
+from conveyor.core.stopping import Directive, directive_for
 from conveyor.jobs.allocators import use_run_allocators
 from conveyor.jobs.runs import (
     cancel_requested,
