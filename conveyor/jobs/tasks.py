@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dagster import DagsterExecutionInterruptedError, Failure, OpExecutionContext
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.errors import ConveyorError, FencedError
-from conveyor.core.loop import Directive, directive_for, run_loop
+from conveyor.core.loop import ConnectorLoop, Directive, directive_for, run_loop
 from conveyor.core.model import (
     ConnectorStatus,
     Counters,
@@ -134,6 +136,33 @@ class TaskCommitter:
         return directive_for(HeartbeatReply(grant.desired, stored), self.spec_hash)
 
 
+@dataclass(frozen=True)
+class _TaskRun:
+    """Which task a run serves (from its tags) and the task store it answers to."""
+
+    name: str
+    task_id: int
+    generation: int
+    tasks: TaskStore
+    run_id: str | None
+    broker_id: str | None
+
+    @classmethod
+    def of(
+        cls, context: OpExecutionContext, name: str, store: MetaStore, broker_id: str | None
+    ) -> _TaskRun:
+        """The task named by the run's tags (``broker_id``: its broker tag)."""
+        tags = context.run.tags
+        return cls(
+            name,
+            int(tags[TAG_TASK]),
+            int(tags[TAG_TASK_GENERATION]),
+            TaskStore(store),
+            context.run_id,
+            broker_id,
+        )
+
+
 def run_task(
     context: OpExecutionContext,
     conveyor: ConveyorResource,
@@ -147,101 +176,147 @@ def run_task(
     from conveyor.jobs.runs import TAG_BROKER, cancel_requested, next_spec
 
     assert loaded.spec is not None
-    tags = context.run.tags
-    task_id = int(tags[TAG_TASK])
-    generation = int(tags[TAG_TASK_GENERATION])
-    tasks = TaskStore(store)
+    run = _TaskRun.of(context, name, store, context.run.tags.get(TAG_BROKER))
+    gen = run.generation
     ls = loaded
     interval = ls.spec.tasks.sample_interval_s  # type: ignore[union-attr]
-    try:
-        grant = tasks.heartbeat(name, task_id, generation, run_id=context.run_id, pid=os.getpid())
-    except FencedError as e:
-        context.log.warning(f"{e}; this task run exits")
+    grant = _first_grant(context, run)
+    if grant is None:
         return
-    broker = store.get_broker(tags.get(TAG_BROKER, "")) if tags.get(TAG_BROKER) else None
-    remote = broker.spark_remote if broker else conveyor.default_remote()
+    remote = _spark_remote(conveyor, store, run.broker_id)
     running_hash = ls.spec_hash()
     canceled = cancel_requested(context)
     counters: Counters | None = None
     try:
-        while True:
-            if canceled():
-                raise DagsterExecutionInterruptedError()
-            if grant.desired == DesiredState.STOPPED or grant.ending:
-                break
-            if grant.releasing:
-                handed = tasks.release(name, task_id, generation, {}, grant.owned)
-                context.log.info(
-                    f"connector {name} task {task_id}: handed over "
-                    + ", ".join(f"{tp}@{off}" for tp, off in sorted(handed.items()))
-                )
-                grant = tasks.grant(name, task_id, generation)
-                continue
+        while (ready := _partitions_to_read(context, run, grant, canceled)) is not None:
+            grant = ready
             mine = frozenset(grant.owned)
-            if not mine:  # a new task waits for its partitions' handover
-                time.sleep(WAIT_FOR_PARTITIONS_S)
-                grant = tasks.heartbeat(name, task_id, generation, run_id=context.run_id)
-                continue
             committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
-            claim = Claim(name, generation, tags.get(TAG_BROKER), committed)
+            claim = Claim(name, gen, run.broker_id, committed)
             loop = _build_loop(
-                context,
-                conveyor,
-                store,
-                ls,
-                running_hash,
-                generation,
-                claim,
-                remote,
-                committed,
-                counters,
+                context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
             )
-            # The same loop, but reading only this task's partitions and committing per partition.
-            spec = loop.source.spec  # type: ignore[attr-defined]  # resolved, with bootstrap
-            loop.source.close()  # type: ignore[attr-defined]  # never opened
-            source = KafkaSource(spec, group_id=name, only=mine)
-            loop.source = source
-            committer = TaskCommitter(
-                tasks,
-                name,
-                task_id,
-                generation,
-                source,
-                grant,
-                spec_hash=running_hash,
-                run_id=context.run_id,
-                sample_interval_s=interval,
-                committed=committed,
-            )
-            loop.committer = committer
+            committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
             loop.stop_requested = canceled
             loop.on_progress = progress_logger(
-                context, ls, loop.dead_letters, extra=_task_metadata(task_id, committer)
+                context, ls, loop.dead_letters, extra=_task_metadata(run.task_id, committer)
             )
-            context.log.info(
-                f"connector {name} task {task_id} (generation {generation}) reads "
-                + ", ".join(f"{tp}@{committed.get(tp, '-')}" for tp in sorted(mine))
-            )
+            _log_reads(context, run, mine, committed)
             counters = run_loop(loop)
             if canceled():
                 raise DagsterExecutionInterruptedError()
             if not loop.reconfigure_requested:
                 break
-            grant = tasks.grant(name, task_id, generation)
-            stored = store.get(name).spec_hash
-            if stored and running_hash and stored != running_hash:
+            grant = run.tasks.grant(name, run.task_id, gen)
+            if _spec_changed(store, name, running_hash):
                 ls, running_hash = next_spec(context, store, ls)
     except DagsterExecutionInterruptedError:
-        context.log.info(f"connector {name} task {task_id} stopped by terminate")
+        context.log.info(f"connector {name} task {run.task_id} stopped by terminate")
         raise
     except FencedError as e:
         context.log.warning(f"{e}. This task was replaced or removed; exiting without committing.")
         return
     except ConveyorError as e:
-        store.record(name, f"task {task_id}: {type(e).__name__}: {e}", run_id=context.run_id)
-        raise Failure(description=f"connector {name} task {task_id}: {e}") from None
+        store.record(name, f"task {run.task_id}: {type(e).__name__}: {e}", run_id=context.run_id)
+        raise Failure(description=f"connector {name} task {run.task_id}: {e}") from None
     context.log.info(
-        f"connector {name} task {task_id} ended ({counters.as_dict() if counters else {}})"
+        f"connector {name} task {run.task_id} ended ({counters.as_dict() if counters else {}})"
+    )
+
+
+def _first_grant(context: OpExecutionContext, run: _TaskRun) -> Grant | None:
+    """The run's first heartbeat: its grant, or None when its task was replaced (it exits)."""
+    try:
+        return run.tasks.heartbeat(
+            run.name, run.task_id, run.generation, run_id=run.run_id, pid=os.getpid()
+        )
+    except FencedError as e:
+        context.log.warning(f"{e}; this task run exits")
+        return None
+
+
+def _spark_remote(conveyor: ConveyorResource, store: MetaStore, broker_id: str | None) -> str:
+    """The Spark Connect endpoint of the run's broker (the default one without a broker)."""
+    broker = store.get_broker(broker_id) if broker_id else None
+    return broker.spark_remote if broker else conveyor.default_remote()
+
+
+def _partitions_to_read(
+    context: OpExecutionContext, run: _TaskRun, grant: Grant, canceled: Callable[[], bool]
+) -> Grant | None:
+    """The grant to read under, once the partitions it releases are handed over and it owns
+    some (a new task waits for its partitions' handover); None: the task ends (stopped, or
+    merged away with nothing left to hand over)."""
+    while True:
+        if canceled():
+            raise DagsterExecutionInterruptedError()
+        if grant.desired == DesiredState.STOPPED or grant.ending:
+            return None
+        if grant.releasing:
+            grant = _hand_over(context, run, grant)
+            continue
+        if not grant.owned:  # a new task waits for its partitions' handover
+            time.sleep(WAIT_FOR_PARTITIONS_S)
+            grant = run.tasks.heartbeat(run.name, run.task_id, run.generation, run_id=run.run_id)
+            continue
+        return grant
+
+
+def _hand_over(context: OpExecutionContext, run: _TaskRun, grant: Grant) -> Grant:
+    """Release the partitions the grant moves away (none was read yet); the grant after."""
+    handed = run.tasks.release(run.name, run.task_id, run.generation, {}, grant.owned)
+    context.log.info(
+        f"connector {run.name} task {run.task_id}: handed over "
+        + ", ".join(f"{tp}@{off}" for tp, off in sorted(handed.items()))
+    )
+    return run.tasks.grant(run.name, run.task_id, run.generation)
+
+
+def _read_only_mine(
+    loop: ConnectorLoop,
+    run: _TaskRun,
+    grant: Grant,
+    committed: Offsets,
+    running_hash: str | None,
+    interval: float,
+) -> TaskCommitter:
+    """The same loop, but reading only this task's partitions and committing per partition."""
+    spec = loop.source.spec  # type: ignore[attr-defined]  # resolved, with bootstrap
+    loop.source.close()  # type: ignore[attr-defined]  # never opened
+    source = KafkaSource(spec, group_id=run.name, only=frozenset(grant.owned))
+    loop.source = source
+    committer = TaskCommitter(
+        run.tasks,
+        run.name,
+        run.task_id,
+        run.generation,
+        source,
+        grant,
+        spec_hash=running_hash,
+        run_id=run.run_id,
+        sample_interval_s=interval,
+        committed=committed,
+    )
+    loop.committer = committer
+    return committer
+
+
+def _spec_changed(store: MetaStore, name: str, running_hash: str | None) -> bool:
+    """Whether the stored spec differs from the one the run reads with (then it reloads it)."""
+    stored = store.get(name).spec_hash
+    return bool(stored and running_hash and stored != running_hash)
+
+
+def _log_reads(
+    context: OpExecutionContext,
+    run: _TaskRun,
+    mine: frozenset[TopicPartition],
+    committed: Offsets,
+) -> None:
+    """Which partitions the run reads, and from which offsets."""
+    context.log.info(
+        f"connector {run.name} task {run.task_id} (generation {run.generation}) reads "
+        + ", ".join(f"{tp}@{committed.get(tp, '-')}" for tp in sorted(mine))
     )
 
 
