@@ -27,7 +27,7 @@ from dagster import DagsterExecutionInterruptedError, Failure, OpExecutionContex
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.errors import ConveyorError, FencedError
-from conveyor.core.loop import ConnectorLoop, Directive, directive_for, run_loop
+from conveyor.core.loop import ConnectorLoop, run_loop
 from conveyor.core.model import (
     ConnectorStatus,
     Counters,
@@ -36,6 +36,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.stopping import Directive, directive_for
 from conveyor.core.tasks import TaskSample
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.specs import LoadedSpec
