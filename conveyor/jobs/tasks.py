@@ -38,13 +38,12 @@ from conveyor.core.model import (
 )
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.core.tasks import TaskSample
+from conveyor.jobs.tags import TAG_BROKER, TAG_TASK, TAG_TASK_GENERATION
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.specs import LoadedSpec
 from conveyor.store.meta import Claim, MetaStore
 from conveyor.store.tasks import Grant, TaskStore
 
-TAG_TASK = "conveyor/task"
-TAG_TASK_GENERATION = "conveyor/task_generation"
 WAIT_FOR_PARTITIONS_S = 0.5
 
 
@@ -174,7 +173,7 @@ def run_task(
     """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
     from conveyor.jobs.connector import _build_loop
     from conveyor.jobs.progress import progress_logger
-    from conveyor.jobs.runs import TAG_BROKER, cancel_requested, next_spec
+    from conveyor.jobs.runs import cancel_requested, next_spec
 
     assert loaded.spec is not None
     run = _TaskRun.of(context, name, store, context.run.tags.get(TAG_BROKER))

@@ -22,8 +22,14 @@ from dagster import RunRequest, RunsFilter
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TasksSpec, TopicPartition
 from conveyor.core.state import StateChange
 from conveyor.core.tasks import BrokerSlot, TaskGroup, TaskPlan, TaskPolicy, plan_tasks
-from conveyor.jobs.connector import TAG_BROKER, TAG_CONNECTOR, job_name
-from conveyor.jobs.tasks import TAG_TASK, TAG_TASK_GENERATION
+from conveyor.jobs.tags import (
+    ACTIVE,
+    TAG_BROKER,
+    TAG_CONNECTOR,
+    TAG_TASK,
+    TAG_TASK_GENERATION,
+    job_name,
+)
 from conveyor.store.meta import ConnectorRow, MetaStore
 from conveyor.store.tasks import TaskRow, TaskStore
 
@@ -60,7 +66,6 @@ def discover_partitions(row: ConnectorRow) -> list[TopicPartition]:
 
 def _active_task_runs(instance: Any, name: str) -> dict[tuple[int, int], Any]:
     """(task id, task generation) -> its active Dagster run."""
-    from conveyor.sensors.scheduler import ACTIVE
 
     out = {}
     for run in instance.get_runs(filters=RunsFilter(statuses=ACTIVE, tags={TAG_CONNECTOR: name})):
