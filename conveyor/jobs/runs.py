@@ -4,13 +4,14 @@ changes, and ending by the outcome table (``core.failure.run_outcome``)."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dagster import (
     DagsterExecutionInterruptedError,
@@ -238,3 +239,64 @@ def end_run(
                 name, generation, ConnectorStatus.ERROR, outcome.reason, error=outcome.error
             )
             raise error
+
+
+class RunLoop(Protocol):
+    """What the lifecycle reads of a loop that ended: sink loop, source loop or task loop."""
+
+    reconfigure_requested: bool
+
+    @property
+    def counters(self) -> Any: ...
+
+
+def run_until_stopped(
+    context: OpExecutionContext,
+    store: MetaStore,
+    ls: LoadedSpec,
+    generation: int,
+    *,
+    run_one: Callable[[LoadedSpec, str | None, Callable[[], bool]], RunLoop],
+    final: Callable[[], dict[str, Any]],
+    label: str = "connector",
+    terminated: str,
+    op_retries: int = 0,
+    retry_delay_s: Callable[[LoadedSpec], float] = lambda _ls: 0.0,
+) -> None:
+    """A claimed connector run's lifecycle around its loop, sink or source: run a loop for the
+    spec (``run_one`` builds and runs it until it ends), again for each spec change, then end the
+    run by what ended it: a terminate (released Stopped, re-raised), an error (``end_run``'s
+    outcome table) or the desired state (released Stopped). ``final`` is the last heartbeat's
+    counters; ``terminated`` says what a terminate kept."""
+    name = ls.name
+    canceled = cancel_requested(context)
+    running_hash = ls.spec_hash()
+    loop: RunLoop | None = None
+    try:
+        while True:
+            loop = run_one(ls, running_hash, canceled)
+            # A terminate whose interrupt never reached the op (see cancel_requested).
+            if canceled():
+                raise DagsterExecutionInterruptedError()
+            if not loop.reconfigure_requested:
+                break
+            ls, running_hash = next_spec(context, store, ls)
+    except DagsterExecutionInterruptedError:
+        store.release(
+            name, generation, ConnectorStatus.STOPPED, f"run {context.run_id} terminated",
+            counters=final(),
+        )  # fmt: skip
+        context.log.info(f"{label} {name} stopped by terminate; {terminated}")
+        raise
+    except Exception as e:
+        end_run(
+            context, store, name, generation, e, counters=final, label=label,
+            op_retries=op_retries, retry_delay_s=retry_delay_s(ls),
+        )  # fmt: skip
+        return
+    store.release(
+        name, generation, ConnectorStatus.STOPPED, "stopped: desired state is stopped",
+        counters=final(),
+    )  # fmt: skip
+    counters = loop.counters.as_dict() if loop is not None else {}
+    context.log.info(f"{label} {name} stopped: {json.dumps(counters)}")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from dagster import (
     AssetMaterialization,
-    DagsterExecutionInterruptedError,
     Failure,
     JobDefinition,
     MetadataValue,
@@ -42,10 +42,8 @@ from conveyor.core.source_loop import (
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.jobs.allocators import use_run_allocators
 from conveyor.jobs.runs import (
-    cancel_requested,
     claim_run,
-    end_run,
-    next_spec,
+    run_until_stopped,
     scrubbed_errors,
 )
 from conveyor.jobs.tags import TAG_CONNECTOR, TAG_KIND, job_name
@@ -151,45 +149,28 @@ def run_source_connector(
     gen = claim.generation
     broker = store.get_broker(claim.broker_id) if claim.broker_id else None
     remote = broker.spark_remote if broker else conveyor.default_remote()
-    running_hash = ls.spec_hash()
-    counters: Counters | None = None
     loop: SourceLoop | None = None
-    canceled = cancel_requested(context)
     materialize = _topic_materializer(context, name)
+
+    def run_one(ls: LoadedSpec, spec_hash: str | None, canceled: Callable[[], bool]) -> SourceLoop:
+        """One loop for one spec, run until it ends; its topics materialized at the end."""
+        nonlocal loop
+        counters = loop.counters if loop is not None else None
+        loop = _build_loop(
+            context, conveyor, store, ls, spec_hash, gen, remote, counters, materialize
+        )
+        loop.stop_requested = canceled
+        loop.run()
+        materialize(loop.heartbeat_payload(), True)
+        return loop
 
     def final() -> dict[str, Any]:
         return loop.heartbeat_payload() if loop is not None else {}
 
-    try:
-        while True:
-            loop = _build_loop(
-                context, conveyor, store, ls, running_hash, gen, remote, counters, materialize
-            )
-            loop.stop_requested = canceled
-            counters = loop.run()
-            materialize(loop.heartbeat_payload(), True)
-            if canceled():
-                raise DagsterExecutionInterruptedError()
-            if not loop.reconfigure_requested:
-                break
-            ls, running_hash = next_spec(context, store, ls)
-    except DagsterExecutionInterruptedError:
-        store.release(
-            name, gen, ConnectorStatus.STOPPED, f"run {context.run_id} terminated", counters=final()
-        )
-        context.log.info(
-            f"source connector {name} stopped by terminate; state stored up to the last produced batch"
-        )
-        raise
-    except Exception as e:
-        end_run(context, store, name, gen, e, counters=final, label="source connector")
-        return
-    store.release(
-        name, gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped", counters=final()
-    )
-    context.log.info(
-        f"source connector {name} stopped: {json.dumps(counters.as_dict() if counters else {})}"
-    )
+    run_until_stopped(
+        context, store, ls, gen, run_one=run_one, final=final, label="source connector",
+        terminated="state stored up to the last produced batch",
+    )  # fmt: skip
 
 
 def _build_loop(

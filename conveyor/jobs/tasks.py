@@ -38,6 +38,9 @@ from conveyor.core.model import (
 )
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.core.tasks import TaskSample
+from conveyor.jobs.progress import progress_logger
+from conveyor.jobs.runs import cancel_requested, next_spec
+from conveyor.jobs.sink_loop import build_sink_loop
 from conveyor.jobs.tags import TAG_BROKER, TAG_TASK, TAG_TASK_GENERATION
 from conveyor.resources.conveyor import ConveyorResource
 from conveyor.specs import LoadedSpec
@@ -171,10 +174,6 @@ def run_task(
     store: MetaStore,
 ) -> None:
     """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
-    from conveyor.jobs.connector import _build_loop
-    from conveyor.jobs.progress import progress_logger
-    from conveyor.jobs.runs import cancel_requested, next_spec
-
     assert loaded.spec is not None
     run = _TaskRun.of(context, name, store, context.run.tags.get(TAG_BROKER))
     gen = run.generation
@@ -193,7 +192,7 @@ def run_task(
             mine = frozenset(grant.owned)
             committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
             claim = Claim(name, gen, run.broker_id, committed)
-            loop = _build_loop(
+            loop = build_sink_loop(
                 context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
             )
             committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
