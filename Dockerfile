@@ -38,4 +38,4 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=60s \
     CMD ["dagster", "api", "grpc-health-check", "-p", "3030"]
 # `dagster code-server start` (not `dagster api grpc`) can reload its definitions in
 # place: the scheduler sensor and the REST API reload it when a spec file changes.
-CMD ["dagster", "code-server", "start", "-h", "0.0.0.0", "-p", "3030", "-m", "conveyor.definitions", "--location-name", "conveyor"]
+CMD ["dagster", "code-server", "start", "-h", "0.0.0.0", "-p", "3030", "-m", "conveyor.dagster.definitions", "--location-name", "conveyor"]

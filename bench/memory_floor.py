@@ -9,7 +9,7 @@ a run holds beyond this is Dagster's run and the pipeline (docs/BENCHMARKS.md, r
     .venv/bin/python -m bench.memory_floor                      # starts a local Connect server
     .venv/bin/python -m bench.memory_floor sc://127.0.0.1:15002 [batches]
 
-The allocators are set as a run sets them (``conveyor/jobs/allocators.py``).
+The allocators are set as a run sets them (``conveyor/dagster/jobs/allocators.py``).
 Not a test.
 """
 
@@ -29,9 +29,9 @@ IMPORTS = [
     "pyarrow.compute",
     "pandas",
     "confluent_kafka",
-    "conveyor.definitions",
+    "conveyor.dagster.definitions",
     "pyspark.sql.connect.session",
-    "conveyor.jobs.connector",
+    "conveyor.dagster.jobs.connector",
 ]
 ROWS = 40_000
 SCHEMA = "id BIGINT, name STRING, amount DOUBLE"
@@ -81,7 +81,7 @@ def measure(remote: str, batches: int) -> None:
         importlib.import_module(name)
         ledger.mark(f"import {name}")
     from conveyor.core.model import TransformSpec
-    from conveyor.jobs.allocators import use_run_allocators
+    from conveyor.dagster.jobs.allocators import use_run_allocators
     from conveyor.spark.session import spark_session
     from conveyor.spark.transform import SparkTransformer
 

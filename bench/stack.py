@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import yaml
 
-from conveyor.devserver import dagster_yaml
-from conveyor.ports import free_port, port_open
+from conveyor.control.devserver import dagster_yaml
+from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, wait_for
 
@@ -73,7 +73,7 @@ def dev_stack(
             str(Path(sys.executable).parent / "dagster"),
             "dev",
             "-m",
-            "conveyor.definitions",
+            "conveyor.dagster.definitions",
             "-h",
             "127.0.0.1",
             "-p",

@@ -99,8 +99,8 @@ def test_bench_pure_scheduler_1000_connectors_50_brokers():
 def test_bench_sensor_tick_100_connectors(tmp_path, monkeypatch):
     from dagster import build_sensor_context, instance_for_test
 
-    from conveyor.resources.conveyor import ConveyorResource
-    from conveyor.sensors.scheduler import scheduler_sensor
+    from conveyor.dagster.resources.conveyor import ConveyorResource
+    from conveyor.dagster.sensors.scheduler import scheduler_sensor
     from conveyor.store.meta import MetaStore
 
     url = f"sqlite:///{tmp_path / 'meta.db'}"

@@ -13,7 +13,7 @@ the run's process) or ``${file:/path}`` (a file's contents, trailing newline
 stripped, read again at each connection: rotated files work). A spec is stored in
 the meta store and shown by the CLI, so a literal password is refused. The run keeps
 these fields as references (``specs.resolved``) and the client resolves them, through
-``conveyor.secrets.resolve``, each time it connects.
+``conveyor.core.secrets.resolve``, each time it connects.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ OPTION_NAMES: dict[str, tuple[str, str]] = {
 }
 
 SECRET_FIELDS = ("sasl_password", "sasl_oauthbearer_token", "ssl_key_password")
-# Marks a text field as secret (``conveyor.specs.secret_fields``), as ``SecretStr`` does: only
+# Marks a text field as secret (``conveyor.config.specs.secret_fields``), as ``SecretStr`` does: only
 # such fields may hold references, and they are masked when shown.
 SECRET_FIELD: JsonDict = {"secret": True}
 SSL_FIELDS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password")

@@ -7,7 +7,7 @@ subclass and a ``Sink`` subclass (with ``config_class``), plus one entry in
 
 from __future__ import annotations
 
-from conveyor.registry import Registry
+from conveyor.core.registry import Registry
 from conveyor.sinks.base import Sink, SinkConfig
 
 _SINKS: dict[str, str] = {

@@ -7,7 +7,7 @@ subclass and a ``Source`` subclass (with ``config_class``), plus one entry in
 
 from __future__ import annotations
 
-from conveyor.registry import Registry
+from conveyor.core.registry import Registry
 from conveyor.sources.base import Source, SourceConfig
 
 _SOURCES: dict[str, str] = {

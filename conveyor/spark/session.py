@@ -184,7 +184,7 @@ def one_stream_per_query(session: Any) -> bool:
 
 
 def _endpoint_reachable(session: Any) -> bool:
-    from conveyor.ports import port_open
+    from conveyor.core.ports import port_open
 
     endpoint = endpoint_of(session)
     return endpoint is not None and port_open(*endpoint, timeout=1.0)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conveyor.ports import free_port, port_open
+from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 
 LOCATION = "conveyor"
@@ -84,8 +84,8 @@ class DagsterHarness:
         """
         from dagster_graphql import ReloadRepositoryLocationStatus
 
-        from conveyor.sensors.scheduler import SpecSources
-        from conveyor.specs import sync_files
+        from conveyor.config.specs import sync_files
+        from conveyor.dagster.sensors.scheduler import SpecSources
 
         info = self.client.reload_repository_location(LOCATION)
         assert info.status == ReloadRepositoryLocationStatus.SUCCESS, info.message
@@ -256,7 +256,7 @@ def dagster_webserver(home: Path, tansu: str, spark_remote: str) -> Iterator[Dag
                 "load_from": [
                     {
                         "python_module": {
-                            "module_name": "conveyor.definitions",
+                            "module_name": "conveyor.dagster.definitions",
                             "location_name": LOCATION,
                         }
                     }

@@ -33,7 +33,7 @@ import pytest
 import requests
 import yaml
 
-from conveyor.ports import free_port, port_open
+from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.conftest import PG_URL
 from tests.e2e.conftest import SETTLE_S, kill_processes_of, produce, wait_for
@@ -308,7 +308,7 @@ def test_the_api_drives_a_connector_through_its_whole_life(stack, tansu, pg_url,
 
     def ticks_since() -> int:
         data = s.graphql(
-            '{ sensorOrError(sensorSelector: {repositoryLocationName: "conveyor.definitions", '
+            '{ sensorOrError(sensorSelector: {repositoryLocationName: "conveyor.dagster.definitions", '
             'repositoryName: "__repository__", sensorName: "conveyor_scheduler"}) '
             "{ ... on Sensor { sensorState { ticks(limit: 10) { timestamp status } } } } }"
         )

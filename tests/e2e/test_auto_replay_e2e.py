@@ -36,7 +36,7 @@ def test_dead_letters_are_replayed_by_the_sensor_once_the_connector_is_healthy(
 ):
     from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
-    from conveyor.deadletters import SparkParquetDeadLetters
+    from conveyor.spark.deadletters import SparkParquetDeadLetters
     from conveyor.spark.session import spark_session
 
     with psycopg2.connect(pg_url) as c, c.cursor() as cur:

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from conveyor.core.model import ConnectorStatus
-from conveyor.ports import free_port, port_open
-from conveyor.processes import pid_alive
+from conveyor.core.ports import free_port, port_open
+from conveyor.core.processes import pid_alive
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 from tests.e2e.conftest import SETTLE_S, wait_for
 from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir
@@ -164,9 +164,9 @@ def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -
     base = f"http://127.0.0.1:{dev.ports['ui']}"
     browser = Chromium(CHROMIUM, Path(tempfile.mkdtemp(prefix="chromium-", dir=tmp_path)))
     try:
-        # `dagster dev -m conveyor.definitions` names the code location after the module.
+        # `dagster dev -m conveyor.dagster.definitions` names the code location after the module.
         browser.goto(
-            f"{base}/locations/__repository__@conveyor.definitions/asset-groups/connector_{DEMO}"
+            f"{base}/locations/__repository__@conveyor.dagster.definitions/asset-groups/connector_{DEMO}"
         )
         browser.wait_js(
             has_tooltips("orders", sink_key[-1], DEMO), SETTLE_S, "the demo's asset nodes"

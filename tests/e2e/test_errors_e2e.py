@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.core.model import ConnectorStatus
-from conveyor.ports import free_port
+from conveyor.core.ports import free_port
 from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import pg_spec
 
@@ -129,7 +129,7 @@ def test_poison_message_under_dead_letter_policy(dagster, tansu, topic_name, pg_
     with psycopg2.connect(pg_url) as c, c.cursor() as cur:
         cur.execute(f'SELECT count(*), bool_or(id = 500) FROM "{pg_schema}".orders')
         assert cur.fetchone() == (999, False)
-    from conveyor.deadletters import SparkParquetDeadLetters
+    from conveyor.spark.deadletters import SparkParquetDeadLetters
     from conveyor.spark.session import spark_session
 
     dl = SparkParquetDeadLetters(
@@ -220,7 +220,7 @@ def test_hostile_messages_are_dead_lettered_and_every_valid_one_delivered(
             f'SELECT count(*), count(DISTINCT id), min(id), max(id) FROM "{pg_schema}".orders'
         )
         assert cur.fetchone() == (2000, 2000, 0, 1999)
-    from conveyor.deadletters import SparkParquetDeadLetters
+    from conveyor.spark.deadletters import SparkParquetDeadLetters
     from conveyor.spark.session import spark_session
 
     dl = SparkParquetDeadLetters(
@@ -254,8 +254,8 @@ def test_fail_policy_stops_at_the_bad_message_and_is_not_restarted(
 
     from dagster import build_sensor_context
 
-    from conveyor.resources.conveyor import ConveyorResource
-    from conveyor.sensors.scheduler import tick
+    from conveyor.dagster.resources.conveyor import ConveyorResource
+    from conveyor.dagster.sensors.scheduler import tick
     from tests.e2e.test_connector_e2e import counts
 
     produce(

@@ -27,10 +27,10 @@ import psycopg2
 import pytest
 import yaml
 
+from conveyor.control.devserver import dagster_yaml
 from conveyor.core.model import ConnectorStatus, DesiredState
-from conveyor.devserver import dagster_yaml
-from conveyor.ports import free_port, port_open
-from conveyor.processes import pid_alive
+from conveyor.core.ports import free_port, port_open
+from conveyor.core.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import SETTLE_S, kill_processes_of, produce, wait_for
 
@@ -107,7 +107,7 @@ def dev(
                 "load_from": [
                     {
                         "python_module": {
-                            "module_name": "conveyor.definitions",
+                            "module_name": "conveyor.dagster.definitions",
                             "location_name": "conveyor",
                         }
                     }

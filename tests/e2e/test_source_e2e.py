@@ -20,9 +20,9 @@ import psycopg2
 import pytest
 import yaml
 
+from conveyor.control.devserver import dagster_yaml
 from conveyor.core.model import ConnectorStatus
-from conveyor.devserver import dagster_yaml
-from conveyor.ports import free_port, port_open
+from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import SETTLE_S, kill_processes_of, wait_for
 from tests.integration.sources_harness import read_topic
@@ -72,7 +72,7 @@ def dev_home(
                 "load_from": [
                     {
                         "python_module": {
-                            "module_name": "conveyor.definitions",
+                            "module_name": "conveyor.dagster.definitions",
                             "location_name": "conveyor",
                         }
                     }

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from conveyor.ports import free_port
+from conveyor.core.ports import free_port
 
 PG_BIN = Path(os.environ.get("CONVEYOR_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 

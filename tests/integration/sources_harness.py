@@ -16,7 +16,7 @@ from conveyor.brokers.producer import DestinationProducer
 from conveyor.core.routing import Route
 from conveyor.core.source_connector import ProducerSpec, SourceConnectorSpec
 from conveyor.core.source_loop import SourceLoop, SourceLoopConfig
-from conveyor.jobs.source_connector import StoreStateWriter
+from conveyor.dagster.jobs.source_connector import StoreStateWriter
 from conveyor.sources import build_source
 from conveyor.sources.base import Source
 from conveyor.spark.transform import SparkTransformer

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from conveyor.api import create_app
-from conveyor.api_guard import Access
-from conveyor.operations import Operations
+from conveyor.control.api import create_app
+from conveyor.control.api_guard import Access
+from conveyor.control.operations import Operations
 from conveyor.store.meta import MetaStore
 from tests.integration.api_server import Api, served
 

@@ -22,14 +22,14 @@ import pytest
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
-from conveyor.api import create_app
+from conveyor.config.specs import load_source, model_secret_paths, resolved
+from conveyor.control.api import create_app
+from conveyor.control.operations import Operations
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.state import StateChange
-from conveyor.operations import Operations
 from conveyor.sinks import sink_class
 from conveyor.sources import source_class
-from conveyor.specs import load_source, model_secret_paths, resolved
 from conveyor.store.meta import MetaStore
 
 TOKEN = "canary-test-token"
@@ -221,7 +221,9 @@ def test_secret_fields_read_only_what_the_operator_allows(
         message = str(e.value)
         assert "sink.url" in message and ref in message
         assert "outside the directories" in message or "may not be referenced" in message
-        logging.getLogger("conveyor.jobs").error("run failed: %s", message)  # as the op logs it
+        logging.getLogger("conveyor.dagster.jobs").error(
+            "run failed: %s", message
+        )  # as the op logs it
         store.apply(name, None, StateChange.mark_error(message), f"run failed: {message}")
         for path in (
             f"/connectors/{name}/status",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conveyor.core.model import ConnectorSpec
-from conveyor.sensors.dead_letters import replay_requests
+from conveyor.dagster.sensors.dead_letters import replay_requests
 from conveyor.store.meta import MetaStore
 
 

@@ -16,12 +16,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from conveyor.cli import main
+from conveyor.config.specs import dedupe, from_mapping, scan, sync_files
+from conveyor.control.cli import main
 from conveyor.core.errors import PermanentSourceError
 from conveyor.core.model import ConnectorStatus
 from conveyor.sources import build_source
 from conveyor.sources.postgres_cdc import PostgresCDCSource
-from conveyor.specs import dedupe, from_mapping, scan, sync_files
 from conveyor.store.meta import MetaStore
 from tests.integration.api_server import Api, served
 from tests.integration.pg_cluster import private_cluster

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from conveyor.cli import main
+from conveyor.control.cli import main
 from conveyor.core.model import ConnectorStatus, TopicPartition
 from conveyor.store.meta import MetaStore
 
@@ -165,7 +165,7 @@ def write_letters(directory, spark_remote: str, payloads: list[bytes]) -> None:
 
     from conveyor.core.failure import FailedMessage
     from conveyor.core.loop import DeadLetter
-    from conveyor.deadletters import SparkParquetDeadLetters
+    from conveyor.spark.deadletters import SparkParquetDeadLetters
     from conveyor.spark.session import spark_session
 
     now = time.time()

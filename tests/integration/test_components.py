@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conveyor.sensors.scheduler import SpecSources
-from conveyor.specs import load_source
+from conveyor.config.specs import load_source
+from conveyor.dagster.sensors.scheduler import SpecSources
 
 PYPROJECT = """\
 [project]
@@ -72,18 +72,20 @@ def dg(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_scaffold_check_and_list_connectors_declared_as_components(project: Path) -> None:
     defs = project / "src" / "dgdemo" / "defs"
-    r = dg(project, "scaffold", "defs", "conveyor.components.ConnectorComponent", "orders_out")
+    r = dg(
+        project, "scaffold", "defs", "conveyor.dagster.components.ConnectorComponent", "orders_out"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     # Without the platform component the connector would do nothing: said, not silent.
     r = dg(project, "check", "defs")
     assert r.returncode != 0
-    assert "has no conveyor.components.ConveyorComponent" in r.stdout + r.stderr
+    assert "has no conveyor.dagster.components.ConveyorComponent" in r.stdout + r.stderr
 
-    r = dg(project, "scaffold", "defs", "conveyor.components.ConveyorComponent", "conveyor")
+    r = dg(project, "scaffold", "defs", "conveyor.dagster.components.ConveyorComponent", "conveyor")
     assert r.returncode == 0, r.stdout + r.stderr
     spec_file = defs / "orders_out" / "defs.yaml"
     doc = yaml.safe_load(spec_file.read_text())
-    assert doc["type"] == "conveyor.components.ConnectorComponent"
+    assert doc["type"] == "conveyor.dagster.components.ConnectorComponent"
     # A secret as a reference: it stays one in the definitions.
     doc["attributes"]["sink"] = {
         "type": "postgres",

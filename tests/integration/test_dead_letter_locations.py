@@ -15,7 +15,7 @@ import pytest
 from conveyor.core.failure import FailedMessage
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
-from conveyor.deadletters import SparkParquetDeadLetters, dead_letter_location
+from conveyor.spark.deadletters import SparkParquetDeadLetters, dead_letter_location
 from conveyor.spark.session import spark_session
 
 

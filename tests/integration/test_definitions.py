@@ -28,7 +28,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def build():
-    from conveyor.definitions import build_defs
+    from conveyor.dagster.definitions import build_defs
 
     return build_defs()
 
@@ -53,8 +53,8 @@ def test_code_location_loads_with_broken_specs_and_reports_them(env: Path, tmp_p
     # Loading the code location reads files only: no meta store yet.
     assert not (tmp_path / "meta.db").exists()
     # The scheduler sensor syncs the files into the store on its next tick.
-    from conveyor.sensors.scheduler import SpecSources
-    from conveyor.specs import sync_files
+    from conveyor.config.specs import sync_files
+    from conveyor.dagster.sensors.scheduler import SpecSources
 
     store = MetaStore()
     sync_files(store, SpecSources(env).scan())

@@ -21,9 +21,9 @@ from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.errors import DeadLetterLimitError
 from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec, Counters
-from conveyor.deadletters import dead_letter_writer
-from conveyor.jobs.connector import StoreCommitter
+from conveyor.dagster.jobs.connector import StoreCommitter
 from conveyor.sinks import build_sink
+from conveyor.spark.deadletters import dead_letter_writer
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
 from conveyor.store.meta import MetaStore

@@ -25,13 +25,13 @@ import pytest
 import requests
 import yaml
 
+from conveyor.config.specs import load_source, sync_one
+from conveyor.control.operations import OFFSETS_RESET, NotFoundError, Operations
 from conveyor.core import tasks as tk
 from conveyor.core.errors import FencedError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.ports import free_port, port_open
 from conveyor.core.state import StateChange
-from conveyor.operations import OFFSETS_RESET, NotFoundError, Operations
-from conveyor.ports import free_port, port_open
-from conveyor.specs import load_source, sync_one
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 from conveyor.store.tasks import TaskStore
 from tests.integration.test_store import store  # noqa: F401  (the parametrized fixture)

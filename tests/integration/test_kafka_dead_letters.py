@@ -10,7 +10,7 @@ from kafka import KafkaConsumer
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.failure import FailedMessage
 from conveyor.core.loop import DeadLetter
-from conveyor.deadletters import KafkaDeadLetters
+from conveyor.spark.deadletters import KafkaDeadLetters
 
 pytestmark = pytest.mark.integration
 

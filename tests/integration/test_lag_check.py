@@ -14,9 +14,9 @@ from dagster import (
     instance_for_test,
 )
 
-from conveyor.assets import checks
-from conveyor.assets.checks import LAG_CHECK_NAME, LAG_CHECKS_JOB
-from conveyor.jobs.tags import TAG_CONNECTOR
+from conveyor.dagster.assets import checks
+from conveyor.dagster.assets.checks import LAG_CHECK_NAME, LAG_CHECKS_JOB
+from conveyor.dagster.tags import TAG_CONNECTOR
 
 SPEC = """
 name: {name}
@@ -45,7 +45,7 @@ def defs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CONVEYOR_LAG_CHECK_MINUTES", str(WINDOW_S / 60))
     for name in ("orders", "clicks"):
         (connectors / f"{name}.yaml").write_text(SPEC.format(name=name, path=tmp_path / name))
-    from conveyor.definitions import build_defs
+    from conveyor.dagster.definitions import build_defs
 
     return build_defs()
 

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.core.model import ConnectorStatus, TopicPartition
-from conveyor.ports import free_port, port_open
+from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 
 STATES = [s.value for s in ConnectorStatus]
@@ -81,7 +81,7 @@ def server(meta_url: str) -> Iterator[str]:
         [
             sys.executable,
             "-m",
-            "conveyor.cli",
+            "conveyor.control.cli",
             "--meta-url",
             meta_url,
             "metrics",

@@ -14,9 +14,9 @@ from dagster._core.test_utils import create_run_for_test
 from conveyor.core.errors import FencedError
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPartition
 from conveyor.core.state import StateChange
-from conveyor.jobs.tags import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
-from conveyor.resources.conveyor import ConveyorResource
-from conveyor.sensors.scheduler import run_key, scheduler_sensor
+from conveyor.dagster.resources.conveyor import ConveyorResource
+from conveyor.dagster.sensors.scheduler import run_key, scheduler_sensor
+from conveyor.dagster.tags import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.store.meta import MetaStore
 
 pytestmark = pytest.mark.integration
@@ -163,7 +163,7 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
     # The run was not launched by this instance's launcher, so terminate() cannot reach it; the
     # decision is still made and the run's own heartbeat sees desired=stopped.
     from conveyor.core import scheduler as core
-    from conveyor.sensors.scheduler import tick as sched_tick
+    from conveyor.dagster.sensors.scheduler import tick as sched_tick
 
     ctx = build_sensor_context(
         instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)}
@@ -211,7 +211,7 @@ def test_a_run_that_released_its_connector_as_error_is_not_taken_for_a_crash(env
     # The tick read the connector Running, then the run released it as Error and failed
     # before the tick read the run: the decision must not relaunch it (nor hide its error).
     from conveyor.core import scheduler as core
-    from conveyor.sensors.scheduler import apply_plan, connector_view
+    from conveyor.dagster.sensors.scheduler import apply_plan, connector_view
 
     instance, store, url = env
     tick(instance, url)
@@ -239,7 +239,7 @@ def test_the_run_failure_sensor_records_a_crash_and_leaves_the_decision_to_the_s
     # meant for failing connectors (seen: kill -9 -> Error -> "restart after 10s backoff").
     from dagster import DagsterEventType, build_run_status_sensor_context
 
-    from conveyor.sensors.run_status import conveyor_run_failures
+    from conveyor.dagster.sensors.run_status import conveyor_run_failures
 
     instance, store, url = env
     tick(instance, url)
@@ -264,7 +264,7 @@ def test_the_run_failure_sensor_records_a_crash_and_leaves_the_decision_to_the_s
 
 
 def core_brokers(store: MetaStore):
-    from conveyor.resources.conveyor import broker_views
+    from conveyor.dagster.resources.conveyor import broker_views
 
     return broker_views(store, check_endpoints=False)
 
@@ -286,7 +286,7 @@ def test_hand_launched_run_is_adopted_and_an_older_generation_run_is_reclaimed(e
         tags={TAG_CONNECTOR: "alpha", TAG_GENERATION: "0"},
     )
     from conveyor.core import scheduler as core
-    from conveyor.sensors.scheduler import tick as sched_tick
+    from conveyor.dagster.sensors.scheduler import tick as sched_tick
 
     ctx = build_sensor_context(
         instance=instance, resources={"conveyor": ConveyorResource(meta_url=url)}
@@ -345,7 +345,7 @@ def test_a_hung_zombie_holding_the_store_lock_is_killed_and_stopped_in_one_tick(
     import subprocess
     import sys
 
-    from conveyor.processes import pid_alive
+    from conveyor.core.processes import pid_alive
 
     instance, store, url = env
     tick(instance, url)

@@ -20,10 +20,10 @@ import pytest
 import yaml
 from dagster import DagsterInstance, serialize_value
 
+from conveyor.config.specs import load_file
 from conveyor.core.model import ConnectorStatus
-from conveyor.jobs.connector import connector_job
-from conveyor.resources.conveyor import ConveyorResource
-from conveyor.specs import load_file
+from conveyor.dagster.jobs.connector import connector_job
+from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.store.meta import MetaStore
 
 pytestmark = pytest.mark.integration

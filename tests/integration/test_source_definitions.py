@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 from dagster import AssetKey
 
-from conveyor.cli import main
+from conveyor.config.specs import from_mapping, scan, sync_files
+from conveyor.control.cli import main
 from conveyor.core.model import ConnectorStatus, DesiredState
-from conveyor.specs import from_mapping, scan, sync_files
 from conveyor.store.meta import MetaStore
 
 SOURCE = """
@@ -47,7 +47,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_jobs_and_lineage_from_the_source_system_to_sink_connectors(env: Path, tmp_path: Path):
-    from conveyor.definitions import build_defs
+    from conveyor.dagster.definitions import build_defs
 
     (env / "orders_in.yaml").write_text(SOURCE)
     (env / "eu_out.yaml").write_text(SINK % (tmp_path / "out"))
@@ -159,7 +159,7 @@ def test_destinations_view_from_heartbeat_counters(tmp_path: Path):
 
     from prometheus_client.core import Metric
 
-    from conveyor.metrics import collect
+    from conveyor.control.metrics import collect
 
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -225,7 +225,8 @@ def test_abandon_batch_and_reset_state_only_on_a_stopped_source(tmp_path: Path):
 
 
 def test_config_reference_documents_source_connectors():
-    from conveyor import configdoc, sources
+    from conveyor import sources
+    from conveyor.control import configdoc
 
     doc = configdoc.render()
     for name in sources.source_types():
@@ -239,8 +240,8 @@ def test_config_reference_documents_source_connectors():
 def test_rest_api_creates_a_source_connector_and_shows_its_destinations(tmp_path: Path):
     from starlette.testclient import TestClient
 
-    from conveyor.api import create_app
-    from conveyor.operations import Operations
+    from conveyor.control.api import create_app
+    from conveyor.control.operations import Operations
 
     store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
     ops = Operations(store=store, directory=tmp_path / "connectors")
@@ -303,7 +304,7 @@ def test_a_crash_in_the_middle_of_a_state_write_leaves_the_previous_state(tmp_pa
 
 
 def test_a_source_connector_as_a_dg_component_attribute_set():
-    from conveyor.components import ConnectorComponent
+    from conveyor.dagster.components import ConnectorComponent
 
     c = ConnectorComponent(
         name="orders_in",
@@ -321,7 +322,7 @@ def test_route_mapping_fetched_over_http_once_and_a_bad_fetch_refuses_to_start()
 
     from conveyor.core.errors import ConfigError
     from conveyor.core.routing import Route, RouteSpec
-    from conveyor.jobs.source_connector import fetch_mapping
+    from conveyor.dagster.jobs.source_connector import fetch_mapping
 
     hits: list[str] = []
 

@@ -21,12 +21,12 @@ import psycopg2
 import pytest
 from click.testing import CliRunner
 
-from conveyor.cli import main
+from conveyor.config.specs import dedupe, from_mapping
+from conveyor.control.cli import main
 from conveyor.core.errors import PermanentSourceError
 from conveyor.core.source_loop import SourceStateVersionError, checked_state
 from conveyor.sources import build_source
 from conveyor.sources.postgres_cdc import PostgresCDCSource, parse_lsn
-from conveyor.specs import dedupe, from_mapping
 from tests.integration.pg_cluster import private_cluster
 from tests.integration.sources_harness import (
     build_loop,
@@ -595,7 +595,7 @@ def test_a_state_of_another_version_refuses_to_start(tmp_path, cdc_url):
 def test_cli_delete_with_drop_slot_drops_the_slot_and_publication(tmp_path, cdc_url, monkeypatch):
     from click.testing import CliRunner
 
-    from conveyor.cli import main
+    from conveyor.control.cli import main
 
     monkeypatch.setenv("CONVEYOR_CONNECTORS_DIR", str(tmp_path / "connectors"))
     monkeypatch.setenv("CONVEYOR_HOME", str(tmp_path / "home"))

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from conveyor.ports import free_port
+from conveyor.core.ports import free_port
 
 SCRIPT = """
 import sys

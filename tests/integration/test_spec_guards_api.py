@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conveyor.specs import load_file
+from conveyor.config.specs import load_file
 from tests.integration.api_server import Api, served
 
 C1_SELECT = "java_method('java.lang.System', 'getenv', 'CONVEYOR_CANARY') AS env_canary"

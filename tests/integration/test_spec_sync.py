@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conveyor.config.specs import REMOVED, sync_files
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
-from conveyor.sensors.scheduler import SpecSources, location_fingerprint
-from conveyor.specs import REMOVED, sync_files
+from conveyor.dagster.sensors.scheduler import SpecSources, location_fingerprint
 from conveyor.store.meta import MetaStore
 
 TP = TopicPartition("orders", 0)

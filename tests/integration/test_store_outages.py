@@ -23,7 +23,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
-from conveyor.jobs.connector import StoreCommitter
+from conveyor.dagster.jobs.connector import StoreCommitter
 from conveyor.store import schema as t
 from conveyor.store.meta import MetaStore
 from tests.unit.test_loop import Events, FakeSink, FakeSource, json_transform, source_batch
@@ -199,7 +199,7 @@ def test_brokers_marked_gone_and_revived(tmp_path):
 
 
 def test_sync_brokers_marks_a_removed_broker_gone(tmp_path, monkeypatch):
-    from conveyor.resources.conveyor import ConveyorResource
+    from conveyor.dagster.resources.conveyor import ConveyorResource
 
     brokers = tmp_path / "brokers.yaml"
     brokers.write_text("brokers:\n  - id: b1\n  - id: b2\n")

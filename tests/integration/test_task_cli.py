@@ -50,8 +50,8 @@ def test_connector_tasks_shows_partitions_rate_lag_and_handovers(meta_url):  # n
     # the REST API answers the same, from the same operation
     from starlette.testclient import TestClient
 
-    from conveyor.api import create_app
-    from conveyor.operations import Operations
+    from conveyor.control.api import create_app
+    from conveyor.control.operations import Operations
 
     client = TestClient(
         create_app(lambda: Operations(store), token=None), base_url="http://localhost"

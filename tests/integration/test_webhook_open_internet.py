@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from conveyor.core.errors import ConfigError
-from conveyor.ports import free_port
+from conveyor.core.ports import free_port
 from conveyor.sources import build_source
 from conveyor.sources.webhook import WebhookSource
 from tests.integration.sources_harness import wait_for
@@ -359,7 +359,7 @@ def test_requests_beyond_the_concurrency_limit_get_503_at_once():
 
 
 def test_the_token_by_reference_is_resolved_in_the_run_and_never_shown(monkeypatch):
-    from conveyor.specs import from_mapping, resolved
+    from conveyor.config.specs import from_mapping, resolved
 
     monkeypatch.setenv("CONVEYOR_TEST_HOOK_TOKEN", "from-the-environment")
     port = free_port()

@@ -510,7 +510,7 @@ def test_a_producer_closed_with_records_in_flight_stops_its_network_thread(
     from conveyor.brokers.producer import DestinationProducer
     from conveyor.core.connection import KafkaConnection
     from conveyor.core.source_connector import ProducerSpec
-    from conveyor.deadletters import KafkaDeadLetters
+    from conveyor.spark.deadletters import KafkaDeadLetters
 
     broker = own_broker
     topic = unique("kdrop")

@@ -604,7 +604,7 @@ def test_missing_insert_privilege_is_permanent(table: str) -> None:
 def test_url_env_and_host_fields(table: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _exec(f"CREATE TABLE {quote_identifier(table)} (id BIGINT, name TEXT, amount DOUBLE)")
     monkeypatch.setenv("CONVEYOR_TEST_MYSQL_SINK_URL", MYSQL_URL)
-    from conveyor.specs import from_mapping, resolved
+    from conveyor.config.specs import from_mapping, resolved
 
     for cfg in (
         {"url_env": "CONVEYOR_TEST_MYSQL_SINK_URL"},

@@ -22,8 +22,8 @@ from conveyor.core.errors import PermanentSinkError, PermanentSourceError
 from conveyor.core.failure import FailedMessage
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import SourceSpec, TopicPartition
-from conveyor.deadletters import KafkaDeadLetters
 from conveyor.sinks import build_sink
+from conveyor.spark.deadletters import KafkaDeadLetters
 from tests.sinks.contract import make_batch
 from tests.sources.contract import read_until, rows
 from tests.sources.producers import Msg, create_topic, produce

@@ -1,4 +1,4 @@
-"""The run process's allocator (conveyor/jobs/allocators.py): Arrow on the system pool
+"""The run process's allocator (conveyor/dagster/jobs/allocators.py): Arrow on the system pool
 unless told otherwise, and glibc's mmap threshold fixed, set by the connector op before
 its connector runs. Pools are read
 in a fresh interpreter (the setting is process-wide). No sizes or timings are asserted.
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.jobs import allocators
+from conveyor.dagster.jobs import allocators
 
 POOL = (
     "import pyarrow as pa\n"
-    "from conveyor.jobs import allocators\n"
+    "from conveyor.dagster.jobs import allocators\n"
     "before = pa.default_memory_pool().backend_name\n"
     "print(before, allocators.use_arrow_pool(), pa.default_memory_pool().backend_name)\n"
 )
@@ -60,7 +60,7 @@ def test_arrow_keeps_its_own_pool_when_told() -> None:
 # mapped on its own (mallinfo2's hblkhd: bytes in mapped blocks).
 MMAP = (
     "import ctypes\n"
-    "from conveyor.jobs import allocators\n"
+    "from conveyor.dagster.jobs import allocators\n"
     "class Info(ctypes.Structure):\n"
     "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks',"
     " 'hblkhd', 'usmblks', 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
@@ -115,10 +115,10 @@ def test_the_connector_op_sets_the_pool_before_its_connector_runs(
 
     import pyarrow as pa
 
-    from conveyor.resources.conveyor import ConveyorResource
-    from conveyor.specs import LoadedSpec
+    from conveyor.config.specs import LoadedSpec
+    from conveyor.dagster.resources.conveyor import ConveyorResource
 
-    jobs = importlib.import_module(f"conveyor.jobs.{module}")
+    jobs = importlib.import_module(f"conveyor.dagster.jobs.{module}")
     monkeypatch.delenv(allocators.ARROW_POOL_ENV, raising=False)
     seen: list[str] = []
     thresholds: list[int | None] = []

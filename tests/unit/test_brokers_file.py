@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.core.errors import ConfigError
-from conveyor.resources.conveyor import load_brokers
+from conveyor.dagster.resources.conveyor import load_brokers
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from conveyor.config.specs import parse_spec
 from conveyor.core.connection import option_host_problem
 from conveyor.core.errors import ConfigError
 from conveyor.sinks import parse_sink_config
-from conveyor.specs import parse_spec
 
 # librdkafka (source.client: confluent, the Kafka sink's client: confluent).
 LIBRDKAFKA_REFUSED = [

@@ -11,7 +11,8 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field, SecretStr
 
-from conveyor import configdoc, sinks
+from conveyor import sinks
+from conveyor.control import configdoc
 from conveyor.core.model import Broker, BrokerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +90,7 @@ def test_every_environment_variable_the_code_reads_is_documented():
     used.discard("CONVEYOR_SCHEDULER")  # the prefix of CONVEYOR_SCHEDULER_<FIELD>
     missing = sorted(v for v in used if f"`{v}`" not in env_section)
     assert not missing, (
-        f"undocumented environment variables: {missing}; add them to conveyor/configdoc.py"
+        f"undocumented environment variables: {missing}; add them to conveyor/control/configdoc.py"
     )
     from conveyor.core.scheduler import SchedulerConfig
 

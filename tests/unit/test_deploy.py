@@ -66,7 +66,7 @@ def test_every_file_the_dockerfile_copies_exists_and_reaches_the_build_context()
     for src in sources:
         assert (ROOT / src).exists(), src
         assert _dockerignore_keeps(src), f"{src} is excluded by .dockerignore"
-    assert _dockerignore_keeps("conveyor/cli.py")
+    assert _dockerignore_keeps("conveyor/control/cli.py")
     assert not _dockerignore_keeps("tests/conftest.py")  # a lean context
     assert not _dockerignore_keeps("conveyor/__pycache__/x.pyc")
 
@@ -75,7 +75,7 @@ def test_the_image_has_no_jvm_and_serves_the_code_location_reloadably() -> None:
     text = (ROOT / "Dockerfile").read_text().lower()
     for jvm in ("openjdk", "default-jre", "temurin", "java"):
         assert jvm not in re.sub(r"#.*", "", text), jvm
-    assert '"code-server", "start"' in text and '"conveyor.definitions"' in text
+    assert '"code-server", "start"' in text and '"conveyor.dagster.definitions"' in text
     assert "user 10001" in text  # not root
 
 
@@ -112,7 +112,7 @@ def test_the_compose_file_runs_the_production_topology() -> None:
 def test_the_helm_values_and_the_api_manifests() -> None:
     values = yaml.safe_load((DEPLOY / "helm-values.yaml").read_text())
     [deployment] = values["dagster-user-deployments"]["deployments"]
-    assert deployment["codeServerArgs"][:2] == ["-m", "conveyor.definitions"]
+    assert deployment["codeServerArgs"][:2] == ["-m", "conveyor.dagster.definitions"]
     assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
     assert values["postgresql"]["enabled"] is False

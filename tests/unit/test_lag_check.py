@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.assets.checks import (
+from conveyor.dagster.assets.checks import (
     DEFAULT_LAG_CHECK_MINUTES,
     LagSample,
     lag_check_minutes,

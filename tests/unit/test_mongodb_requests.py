@@ -374,7 +374,7 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
 
 
 def test_an_unset_url_env_is_reported_in_the_run_naming_the_field() -> None:
-    from conveyor.specs import from_mapping, resolved
+    from conveyor.config.specs import from_mapping, resolved
 
     raw = {**BASE, "url": None, "url_env": "CONVEYOR_SURELY_UNSET_VARIABLE"}
     ls = from_mapping(

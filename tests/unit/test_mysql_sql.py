@@ -305,7 +305,7 @@ def test_host_fields() -> None:
 
 def live_sink(raw: dict[str, Any]) -> MySQLSink:
     """The sink as a run builds it: references resolved, then validated."""
-    from conveyor.specs import from_mapping, resolved
+    from conveyor.config.specs import from_mapping, resolved
 
     ls = from_mapping(
         {"name": "c", "source": {"topics": ["t"]}, "sink": raw}, source="t.yaml", fallback_name="c"

@@ -15,11 +15,10 @@ import psycopg2.extensions
 import pytest
 from dagster import Failure, RetryRequested
 
-from conveyor.configdoc import environment_names
+from conveyor.control.configdoc import environment_names
 from conveyor.core import scrubbing
 from conveyor.core.errors import ConfigError, PermanentSinkError
-from conveyor.jobs.runs import scrubbed_errors
-from conveyor.secrets import (
+from conveyor.core.secrets import (
     MASK,
     SecretPolicy,
     check_placement,
@@ -29,6 +28,7 @@ from conveyor.secrets import (
     mask_literal,
     resolve,
 )
+from conveyor.dagster.jobs.runs import scrubbed_errors
 from conveyor.sinks import REGISTRY as SINKS
 from conveyor.sources import REGISTRY as SOURCES
 

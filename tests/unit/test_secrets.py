@@ -1,4 +1,4 @@
-"""Secrets by reference: resolution, syntax errors, redaction (conveyor/secrets.py)."""
+"""Secrets by reference: resolution, syntax errors, redaction (conveyor/core/secrets.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.core.errors import ConfigError
-from conveyor.secrets import (
+from conveyor.core.secrets import (
     MASK,
     SecretPolicy,
     check_placement,
@@ -119,8 +119,8 @@ def test_a_run_keeps_kafka_secrets_as_references_for_the_client_and_resolves_the
     spec (the client resolves them at each connection, so a rotated file is read again);
     every other reference is resolved when the run starts."""
     from conveyor.brokers.connection import kafka_python_options
+    from conveyor.config.specs import from_mapping, resolved
     from conveyor.sinks.base import secret
-    from conveyor.specs import from_mapping, resolved
 
     pw = tmp_path / "kafka-pw"
     pw.write_text("first\n")
@@ -281,7 +281,7 @@ def test_a_mask_sent_back_keeps_the_stored_secret_or_is_refused() -> None:
 
 def test_errors_of_resolved_values_never_quote_them(tmp_path: Path, monkeypatch) -> None:
     """Whatever a validator writes about a resolved value, the run's error masks it."""
-    from conveyor.specs import from_mapping, resolved
+    from conveyor.config.specs import from_mapping, resolved
 
     (tmp_path / "url").write_text("http://canary-6be1/x\n")
     monkeypatch.setenv("CONVEYOR_SECRET_FILES", str(tmp_path))

@@ -7,8 +7,8 @@ import pydantic
 import pytest
 
 from conveyor.core.model import TransformSpec
+from conveyor.core.registry import format_validation_error
 from conveyor.core.sql_guard import expression_problem, tokenize
-from conveyor.registry import format_validation_error
 
 # Expressions the existing tests and docs use, and words inside literals or names.
 ALLOWED = [

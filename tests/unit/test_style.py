@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -47,3 +48,122 @@ def test_every_module_is_in_the_design_module_map() -> None:
     }
     assert not modules - mapped, f"add to docs/DESIGN.md's module map: {sorted(modules - mapped)}"
     assert not mapped - modules, f"gone, remove from the module map: {sorted(mapped - modules)}"
+
+
+# -- Shape (issue 35): layers, no import circles, functions that fit on a screen -------------
+
+# Each folder's layer, lowest first: a module may import its own layer or any lower one.
+LAYERS = {
+    "conveyor": 0,  # the package's __init__ (its version)
+    "conveyor.core": 0,
+    "conveyor.store": 1,
+    "conveyor.brokers": 2,
+    "conveyor.spark": 3,
+    "conveyor.sinks": 4,
+    "conveyor.sources": 4,
+    "conveyor.config": 5,
+    "conveyor.dagster.tags": 6,
+    "conveyor.dagster.resources": 7,
+    "conveyor.dagster.assets": 8,
+    "conveyor.dagster.jobs": 9,
+    "conveyor.dagster.sensors": 10,
+    "conveyor.dagster": 11,  # definitions, components
+    "conveyor.control": 12,
+    "conveyor.demo": 12,
+}
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in (ROOT / "conveyor").rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _layer(module: str) -> int:
+    best = max((k for k in LAYERS if module == k or module.startswith(k + ".")), key=len)
+    return LAYERS[best]
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """Each module's imports of the package's modules (those inside functions too), by line."""
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        deps: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # ``from package import module`` depends on that module, not on the package.
+                targets = [
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                ]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t in modules and t != name:
+                    deps.setdefault(t, node.lineno)
+        graph[name] = deps
+    return graph
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    modules = _modules()
+    unknown = [m for m in modules if not any(m == k or m.startswith(k + ".") for k in LAYERS)]
+    assert not unknown, f"give these a layer in LAYERS: {unknown}"
+    upward = [
+        f"{modules[a].relative_to(ROOT)}:{line} imports {b}"
+        for a, deps in _imports(modules).items()
+        for b, line in deps.items()
+        if _layer(b) > _layer(a)
+    ]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circles() -> None:
+    graph = _imports(_modules())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in (ROOT / "conveyor").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"name the steps of these (over {MAX_FUNCTION_LINES} lines): {long}"

@@ -13,7 +13,7 @@ import pytest
 from dagster import DagsterExecutionInterruptedError
 
 from conveyor.core.model import BatchPolicy, LivenessSpec
-from conveyor.jobs.supervision import supervise
+from conveyor.dagster.jobs.supervision import supervise
 from tests.unit.test_loop import FakeSink, make_loop, source_batch
 
 

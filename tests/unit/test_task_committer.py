@@ -1,4 +1,4 @@
-"""A task run's committer (conveyor/jobs/tasks.py): per-partition samples and directives."""
+"""A task run's committer (conveyor/dagster/jobs/tasks.py): per-partition samples and directives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, TopicPartition
 from conveyor.core.stopping import Directive
-from conveyor.jobs.tasks import TaskCommitter
+from conveyor.dagster.jobs.tasks import TaskCommitter
 from conveyor.store.tasks import CommitResult, Grant
 
 A, B, C = (TopicPartition("t", i) for i in range(3))

@@ -95,7 +95,7 @@ def test_strict_json_keeps_ordinary_values_and_every_number_as_written():
 
 
 def test_two_connectors_on_one_webhook_port_or_one_mqtt_session_are_refused():
-    from conveyor.specs import dedupe, from_mapping
+    from conveyor.config.specs import dedupe, from_mapping
 
     def spec(name: str, source: dict[str, object]):
         return from_mapping(

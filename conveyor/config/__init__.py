@@ -1,0 +1,1 @@
+"""Connector spec files: loading, validation, hot reload."""

@@ -1,0 +1,220 @@
+"""Asset checks on sink assets: fail when a connector's lag keeps growing.
+
+Connector runs record a materialization on their sink asset at most once a
+minute with ``lag`` in its metadata (see ``jobs.progress.progress_logger``).
+The check reads those and asks the pure :func:`lag_verdict` whether lag grew
+over the last ``N`` minutes (``CONVEYOR_LAG_CHECK_MINUTES``, default 10).
+The sink assets are external (no op materializes them), so the checks run in
+their own asset job ``lag_checks`` on a schedule that is running by default.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetChecksDefinition,
+    AssetKey,
+    AssetRecordsFilter,
+    AssetSelection,
+    DefaultScheduleStatus,
+    ScheduleDefinition,
+    asset_check,
+    define_asset_job,
+    in_process_executor,
+)
+
+from conveyor.config.specs import LoadedSpec
+from conveyor.dagster.tags import TAG_CONNECTOR
+
+DEFAULT_LAG_CHECK_MINUTES = 10.0
+LAG_CHECK_MINUTES_ENV = "CONVEYOR_LAG_CHECK_MINUTES"
+LAG_CHECK_NAME = "lag_not_growing"
+LAG_CHECKS_JOB = "lag_checks"
+LAG_CHECKS_CRON = "*/5 * * * *"
+# Samples inside the window needed besides the baseline: one blip is not a trend.
+MIN_SAMPLES_IN_WINDOW = 2
+# Materializations read per evaluation; at one a minute per connector this covers
+# two windows of 10 minutes for several connectors sharing a sink.
+FETCH_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class LagSample:
+    """One recorded lag value (sum of highwater minus committed) at a Unix time."""
+
+    timestamp: float
+    lag: int
+
+
+@dataclass(frozen=True)
+class LagVerdict:
+    """Outcome of :func:`lag_verdict`: passed, why, and the numbers behind it."""
+
+    passed: bool
+    description: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# The check's clock (tests freeze it at the time of their last sample).
+clock: Callable[[], float] = time.time
+
+
+def lag_check_minutes() -> float:
+    """The window in minutes: ``$CONVEYOR_LAG_CHECK_MINUTES`` (a positive number) or 10."""
+    raw = os.environ.get(LAG_CHECK_MINUTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LAG_CHECK_MINUTES
+    try:
+        minutes = float(raw)
+    except ValueError:
+        return DEFAULT_LAG_CHECK_MINUTES
+    return minutes if minutes > 0 else DEFAULT_LAG_CHECK_MINUTES
+
+
+def lag_verdict(samples: Iterable[LagSample], *, now: float, window_s: float) -> LagVerdict:
+    """Decide whether lag grew during the ``window_s`` seconds before ``now``.
+
+    The baseline is the newest sample taken at least ``window_s`` ago. Lag grew
+    when no sample inside the window fell back to the baseline or below: it has
+    stayed above where it was ``window_s`` ago for the whole window (a single
+    dip means the connector caught up and is not falling behind). Without a
+    baseline, or with fewer than ``MIN_SAMPLES_IN_WINDOW`` samples in the
+    window, there is too little data and the verdict passes. Pure: no clock, no I/O.
+    """
+    ordered = sorted((s for s in samples if s.timestamp <= now), key=lambda s: s.timestamp)
+    start = now - window_s
+    minutes = f"{window_s / 60:g}"
+    before = [s for s in ordered if s.timestamp <= start]
+    inside = [s for s in ordered if s.timestamp > start]
+    if not before:
+        return LagVerdict(
+            True,
+            f"too little data: no lag recorded {minutes} minutes ago or earlier ({len(inside)} recent sample(s))",
+            {"samples_in_window": len(inside)},
+        )
+    if len(inside) < MIN_SAMPLES_IN_WINDOW:
+        return LagVerdict(
+            True,
+            f"too little data: {len(inside)} lag sample(s) in the last {minutes} minutes, need {MIN_SAMPLES_IN_WINDOW}",
+            {"samples_in_window": len(inside), "lag_baseline": before[-1].lag},
+        )
+    baseline = before[-1]
+    latest = inside[-1]
+    lowest = min(s.lag for s in inside)
+    metadata = {
+        "lag_baseline": baseline.lag,
+        "lag_latest": latest.lag,
+        "lag_min_in_window": lowest,
+        "lag_growth": latest.lag - baseline.lag,
+        "samples_in_window": len(inside),
+        "window_minutes": window_s / 60,
+    }
+    if lowest > baseline.lag:
+        return LagVerdict(
+            False,
+            f"lag grew for {minutes} minutes: {baseline.lag} -> {latest.lag} and never fell back to {baseline.lag}",
+            metadata,
+        )
+    if latest.lag > baseline.lag:
+        why = f"lag is up from {baseline.lag} to {latest.lag} but fell to {lowest} within the last {minutes} minutes"
+    else:
+        why = f"lag is flat or falling over the last {minutes} minutes: {baseline.lag} -> {latest.lag}"
+    return LagVerdict(True, why, metadata)
+
+
+def _samples_by_connector(
+    context: AssetCheckExecutionContext, key: AssetKey, since: float
+) -> dict[str, list[LagSample]]:
+    records = context.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=key, after_timestamp=since), limit=FETCH_LIMIT
+    ).records
+    out: dict[str, list[LagSample]] = defaultdict(list)
+    for r in records:
+        m = r.asset_materialization
+        if m is None or "lag" not in m.metadata:
+            continue
+        value = m.metadata["lag"].value
+        if not isinstance(value, (int, float)):
+            continue
+        out[(m.tags or {}).get(TAG_CONNECTOR, "")].append(LagSample(r.timestamp, int(value)))
+    return out
+
+
+def _lag_check(key: AssetKey, connectors: Sequence[str]) -> AssetChecksDefinition:
+    @asset_check(
+        asset=key,
+        name=LAG_CHECK_NAME,
+        description=(
+            f"Fails when the lag of {', '.join(connectors)} grew over the last N minutes "
+            f"(${LAG_CHECK_MINUTES_ENV}, default {DEFAULT_LAG_CHECK_MINUTES:g})."
+        ),
+        metadata={"connectors": ", ".join(connectors)},
+    )
+    def check(context) -> AssetCheckResult:  # type: ignore[no-untyped-def]  # dagster reads the annotation at runtime
+        window_s = lag_check_minutes() * 60
+        now = clock()
+        by_connector = _samples_by_connector(context, key, now - 2 * window_s)
+        if not by_connector:
+            verdict = lag_verdict([], now=now, window_s=window_s)
+            return AssetCheckResult(
+                passed=True, description=verdict.description, metadata=verdict.metadata
+            )
+        verdicts = {
+            c or "?": lag_verdict(s, now=now, window_s=window_s)
+            for c, s in sorted(by_connector.items())
+        }
+        failed = {c: v for c, v in verdicts.items() if not v.passed}
+        shown = failed or verdicts
+        if len(shown) == 1:
+            [(c, v)] = shown.items()
+            return AssetCheckResult(
+                passed=not failed, description=f"{c}: {v.description}", metadata=v.metadata
+            )
+        return AssetCheckResult(
+            passed=not failed,
+            description="; ".join(f"{c}: {v.description}" for c, v in shown.items()),
+            metadata={"connectors_failing": ", ".join(failed)} if failed else {},
+        )
+
+    return check
+
+
+def lag_checks(specs: Sequence[LoadedSpec]) -> list[AssetChecksDefinition]:
+    """One ``lag_not_growing`` check per sink asset of the valid connectors."""
+    sinks: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for ls in specs:
+        if ls.ok and ls.sink is not None:
+            sinks[tuple(ls.sink.asset_key_path())].append(ls.name)
+    return [_lag_check(AssetKey(list(path)), names) for path, names in sinks.items()]
+
+
+def lag_check_schedules(specs: Sequence[LoadedSpec]) -> list[ScheduleDefinition]:
+    """Every five minutes, the ``lag_checks`` job runs all lag checks (none without connectors)."""
+    checks = lag_checks(specs)
+    if not checks:
+        return []
+    job = define_asset_job(
+        LAG_CHECKS_JOB,
+        selection=AssetSelection.checks(*(k for c in checks for k in c.check_keys)),
+        description="Runs the lag_not_growing check of every sink asset.",
+        # The checks only read the event log: one process, not one per check (Dagster's
+        # default multiprocess executor would start a process for every sink asset).
+        executor_def=in_process_executor,
+    )
+    return [
+        ScheduleDefinition(
+            name="conveyor_lag_checks",
+            job=job,
+            cron_schedule=LAG_CHECKS_CRON,
+            default_status=DefaultScheduleStatus.RUNNING,
+            description="Evaluates the sink assets' lag checks every five minutes.",
+        )
+    ]

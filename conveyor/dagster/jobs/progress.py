@@ -1,0 +1,114 @@
+"""A sink connector run's progress in the Dagster UI: materializations of the sink asset and
+of the dead-letter asset, with the loop's counters, offsets and the stuck stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dagster import AssetKey, AssetMaterialization, MetadataValue, OpExecutionContext
+
+from conveyor.config.specs import LoadedSpec
+from conveyor.core.loop import Progress
+from conveyor.dagster.assets.lineage import dead_letter_key
+from conveyor.dagster.tags import TAG_CONNECTOR
+
+
+def progress_logger(
+    context: OpExecutionContext,
+    loaded: LoadedSpec,
+    dead_letters: Any = None,
+    extra: Callable[[], dict[str, Any]] | None = None,  # more metadata (a partition task's)
+) -> Callable[[Progress], None]:
+    """Each progress report of the loop as a materialization of the sink asset (and of the
+    dead-letter asset when new dead letters were written)."""
+    assert loaded.sink is not None
+    sink_key = AssetKey(loaded.sink.asset_key_path())
+    dead_letters_seen = 0
+
+    def on_progress(p: Progress) -> None:
+        nonlocal dead_letters_seen
+        c = p.counters
+        if c.dead_lettered > dead_letters_seen:
+            dead_letters_seen = c.dead_lettered
+            log_dead_letters(context, loaded.name, dead_letters, c.dead_lettered)
+        offsets = {str(tp): off for tp, off in sorted(p.offsets.items())}
+        metadata: dict[str, Any] = {
+            "messages_in": MetadataValue.int(c.messages_in),
+            "messages_out": MetadataValue.int(c.messages_out),
+            "failed": MetadataValue.int(c.failed),
+            "dead_lettered": MetadataValue.int(c.dead_lettered),
+            "discarded": MetadataValue.int(c.discarded),
+            "retries": MetadataValue.int(c.retries),
+            "msgs_per_s": MetadataValue.float(float(c.msgs_per_s)),
+            "offsets": MetadataValue.json(offsets),
+        }
+        if c.lag is not None:
+            metadata["lag"] = MetadataValue.int(c.lag)
+        if c.batch_latency_p50_ms is not None:
+            metadata["batch_latency_p50_ms"] = MetadataValue.float(c.batch_latency_p50_ms)
+        if c.batch_latency_p99_ms is not None:
+            metadata["batch_latency_p99_ms"] = MetadataValue.float(c.batch_latency_p99_ms)
+        if extra is not None:
+            metadata.update(extra())
+        context.log_event(
+            AssetMaterialization(
+                asset_key=sink_key,
+                description=f"connector {loaded.name}: {c.messages_out} messages delivered"
+                + (" (final)" if p.final else ""),
+                metadata=metadata,
+                tags={TAG_CONNECTOR: loaded.name},
+            )
+        )
+
+    return on_progress
+
+
+def log_dead_letters(context: OpExecutionContext, name: str, writer: Any, written: int) -> None:
+    """Materialize ``dead_letters/<name>`` with the pending count, newest error and a sample."""
+    from conveyor.spark.deadletters import SparkParquetDeadLetters, sample_rows
+
+    metadata: dict[str, Any] = {"dead_lettered_by_run": MetadataValue.int(written)}
+    if isinstance(writer, SparkParquetDeadLetters):
+        try:
+            pending = writer.pending()
+            metadata["count"] = MetadataValue.int(pending.num_rows)
+            if pending.num_rows:
+                newest = max(pending.to_pylist(), key=lambda r: r["last_failure_at"])
+                metadata["newest_error"] = MetadataValue.text(
+                    f"{newest['topic']}[{newest['partition']}]@{newest['offset']}: {newest['error']}"
+                )
+                rows = sample_rows(pending, 5)
+                md = "| where | class | attempts | error |\n|---|---|---|---|\n" + "\n".join(
+                    f"| {r['where']} | {r['error_class']} | {r['attempts']} | {r['error'].replace('|', '/')} |"
+                    for r in rows
+                )
+                metadata["sample"] = MetadataValue.md(md)
+        except Exception as e:  # noqa: BLE001 - metadata must never stop the connector
+            context.log.warning(f"could not summarise dead letters: {e}")
+    context.log_event(
+        AssetMaterialization(
+            asset_key=dead_letter_key(name),
+            description=f"{written} dead letters written by this run",
+            metadata=metadata,
+        )
+    )
+
+
+def record_stuck_stage(context: OpExecutionContext, loaded: LoadedSpec, reason: str) -> None:
+    """The stuck stage on the sink asset's timeline (the run's event log in the UI)."""
+    assert loaded.sink is not None
+    try:
+        context.log_event(
+            AssetMaterialization(
+                asset_key=AssetKey(loaded.sink.asset_key_path()),
+                description=f"connector {loaded.name}: Degraded: {reason}",
+                metadata={
+                    "status": MetadataValue.text("Degraded"),
+                    "reason": MetadataValue.text(reason),
+                },
+                tags={TAG_CONNECTOR: loaded.name},
+            )
+        )
+    except Exception as e:  # noqa: BLE001 - metadata never stops the supervisor
+        context.log.warning(f"could not record the stuck stage: {e}")

@@ -1,0 +1,302 @@
+"""What every connector run does around its loop, sink or source: tags, claim, cancel, spec
+changes, and ending by the outcome table (``core.failure.run_outcome``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from dagster import (
+    DagsterExecutionInterruptedError,
+    DagsterRunStatus,
+    Failure,
+    OpExecutionContext,
+    RetryRequested,
+)
+
+from conveyor.config.specs import LoadedSpec, load_source, sync_one
+from conveyor.core.errors import AlreadyClaimedError, FencedError
+from conveyor.core.failure import RunEnding, run_outcome
+from conveyor.core.model import ConnectorStatus
+from conveyor.core.processes import pid_alive
+from conveyor.core.scrubbing import chain_holds_secret, scrub, scrubbed_exception
+from conveyor.core.state import StateChange
+from conveyor.dagster.tags import TAG_BROKER, TAG_GENERATION
+from conveyor.store.meta import Claim, ConnectorRow, MetaStore
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def scrubbed_errors(op_fn: F) -> F:
+    """An op's body whose exceptions never carry a secret this process resolved to Dagster.
+
+    Dagster records the exception an op raises, with its ``__cause__`` / ``__context__``
+    chain, in the event log and the compute logs. An exception whose text (or a cause's)
+    quotes a resolved value (libpq's ``role "<user>" does not exist``) is raised again as the
+    same kind of exception with the scrubbed text (``core.scrubbing``), outside the handler
+    and ``from`` a scrubbed cause or None: the original is in no chain.
+    """
+
+    @functools.wraps(op_fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return op_fn(*args, **kwargs)
+        except BaseException as e:
+            if isinstance(e, DagsterExecutionInterruptedError) or not chain_holds_secret(e):
+                raise
+            error = e
+        replacement, cause = _scrubbed(error)
+        raise replacement.with_traceback(error.__traceback__) from cause
+
+    return body  # type: ignore[return-value]
+
+
+def _scrubbed(error: BaseException) -> tuple[BaseException, BaseException | None]:
+    """A replacement for ``error`` without a secret, and its scrubbed cause (Dagster's own
+    control exceptions keep their kind and settings)."""
+    cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    scrubbed_cause = scrubbed_exception(cause) if cause is not None else None
+    if isinstance(error, Failure):
+        return (
+            Failure(
+                description=scrub(error.description or ""),
+                metadata=error.metadata,
+                allow_retries=error.allow_retries,
+            ),
+            scrubbed_cause,
+        )
+    if isinstance(error, RetryRequested):
+        return (
+            RetryRequested(max_retries=error.max_retries, seconds_to_wait=error.seconds_to_wait),
+            scrubbed_cause,
+        )
+    return scrubbed_exception(error), None
+
+
+def holder_alive(context: OpExecutionContext, timeout_s: float) -> Callable[[ConnectorRow], bool]:
+    """Whether the run holding a connector is still alive (its run, its pid, its heartbeat)."""
+
+    def alive(row: ConnectorRow) -> bool:
+        if row.run_id:
+            other = context.instance.get_run_by_id(row.run_id)
+            if other is None or other.is_finished:
+                return False
+        if row.run_host == socket.gethostname() and row.run_pid and not pid_alive(row.run_pid):
+            return False
+        if row.heartbeat_at is None:
+            # Claimed but no heartbeat yet: alive while its run is not finished (checked above).
+            return row.run_id is not None
+        return row.heartbeat_fresh(time.time(), timeout_s)
+
+    return alive
+
+
+def claim_run(
+    context: OpExecutionContext, store: MetaStore, name: str, heartbeat_timeout_s: float
+) -> Claim | None:
+    """Claim the connector for this run at the generation its tags carry; None when fenced."""
+    tags = context.run.tags
+    expected = int(tags[TAG_GENERATION]) if TAG_GENERATION in tags else None
+    try:
+        return store.claim(
+            name,
+            run_id=context.run_id,
+            expected_generation=expected,
+            holder_alive=holder_alive(context, heartbeat_timeout_s),
+            broker_id=tags.get(TAG_BROKER),
+        )
+    except AlreadyClaimedError as e:
+        raise Failure(description=str(e)) from None
+    except FencedError as e:
+        context.log.warning(f"{e}; this run exits without touching the connector")
+        return None
+
+
+def hold_interrupts() -> None:
+    """From now on, an interrupt (SIGINT, SIGTERM) of this run process is logged, not raised.
+
+    Called once the run stops for its terminate (the interrupt arrived, or the cancel poll
+    saw the run CANCELING first): a terminate is one request, and its interrupt arriving
+    a moment after the poll must not cut short the loop's last commit, its final progress
+    event and the connector's release. Dagster puts its own handler back when the step
+    ends. A no-op outside the main thread (only it can set handlers).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def held(signo: int, _frame: Any) -> None:
+        log.info(
+            "interrupt (signal %s) held: this run is already stopping for its terminate", signo
+        )
+
+    for signo in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signo, held)
+
+
+def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Callable[[], bool]:
+    """True once this run is CANCELING or CANCELED (checked at most every ``every_s``).
+
+    Dagster delivers a terminate as an exception raised by its signal handler in the
+    op's thread. If that handler runs inside a garbage-collection callback (a weakref
+    finalizer, say), the interpreter prints "Exception ignored in ..." and swallows it:
+    the run would go on until a second terminate. Polling the run's own status makes
+    a terminate stop the loop within a batch either way.
+    """
+    state = {"checked": 0.0, "seen": False}
+
+    def check() -> bool:
+        if state["seen"]:
+            return True
+        now = time.monotonic()
+        if now - state["checked"] < every_s:
+            return False
+        state["checked"] = now
+        try:
+            run = context.instance.get_run_by_id(context.run_id)
+        except Exception as e:  # noqa: BLE001 - the instance may be briefly unreachable
+            context.log.debug(f"reading this run's status failed: {e}")
+            return False
+        state["seen"] = run is not None and run.status in (
+            DagsterRunStatus.CANCELING,
+            DagsterRunStatus.CANCELED,
+        )
+        if state["seen"]:
+            hold_interrupts()
+        return bool(state["seen"])
+
+    return check
+
+
+def next_spec(
+    context: OpExecutionContext, store: MetaStore, current: LoadedSpec
+) -> tuple[LoadedSpec, str | None]:
+    """The connector's spec file as it is now (and its hash); the current spec when the new
+    one is invalid, with the stored hash, so that the same change is not taken up again."""
+    new = load_source(current.name, current.source)
+    if new.ok:
+        sync_one(store, new)
+        context.log.info(
+            f"connector {current.name}: taking on its changed spec ({(new.spec_hash() or '')[:12]}) "
+            "at a batch boundary, in this run"
+        )
+        return new, new.spec_hash()
+    context.log.warning(
+        f"connector {current.name}: its spec changed but is invalid ({new.error}); "
+        "going on with the last valid one"
+    )
+    return current, store.get(current.name).spec_hash
+
+
+def end_run(
+    context: OpExecutionContext,
+    store: MetaStore,
+    name: str,
+    generation: int,
+    error: BaseException,
+    *,
+    counters: Callable[[], dict[str, Any]],
+    label: str = "connector",
+    op_retries: int = 0,
+    retry_delay_s: float = 0.0,
+) -> None:
+    """End the run for ``error`` by the outcome table: returns only when fenced."""
+    outcome = run_outcome(error, op_retries_left=op_retries - context.retry_number)
+    match outcome.ending:
+        case RunEnding.EXIT:
+            context.log.warning(
+                f"{error}. Another run owns the connector now; exiting without committing."
+            )
+            return
+        case RunEnding.RETRY:
+            store.apply(
+                name,
+                generation,
+                StateChange(status=ConnectorStatus.DEGRADED, error=outcome.error),
+                f"{outcome.reason} {context.retry_number + 1}",
+            )
+            raise RetryRequested(max_retries=op_retries, seconds_to_wait=retry_delay_s) from error
+        case RunEnding.ERROR:
+            store.release(
+                name,
+                generation,
+                ConnectorStatus.ERROR,
+                outcome.reason,
+                error=outcome.error,
+                counters=counters(),
+            )
+            raise Failure(description=f"{label} {name} stopped with an error: {error}") from None
+        case RunEnding.CRASH:
+            store.release(
+                name, generation, ConnectorStatus.ERROR, outcome.reason, error=outcome.error
+            )
+            raise error
+
+
+class RunLoop(Protocol):
+    """What the lifecycle reads of a loop that ended: sink loop, source loop or task loop."""
+
+    reconfigure_requested: bool
+
+    @property
+    def counters(self) -> Any: ...
+
+
+def run_until_stopped(
+    context: OpExecutionContext,
+    store: MetaStore,
+    ls: LoadedSpec,
+    generation: int,
+    *,
+    run_one: Callable[[LoadedSpec, str | None, Callable[[], bool]], RunLoop],
+    final: Callable[[], dict[str, Any]],
+    label: str = "connector",
+    terminated: str,
+    op_retries: int = 0,
+    retry_delay_s: Callable[[LoadedSpec], float] = lambda _ls: 0.0,
+) -> None:
+    """A claimed connector run's lifecycle around its loop, sink or source: run a loop for the
+    spec (``run_one`` builds and runs it until it ends), again for each spec change, then end the
+    run by what ended it: a terminate (released Stopped, re-raised), an error (``end_run``'s
+    outcome table) or the desired state (released Stopped). ``final`` is the last heartbeat's
+    counters; ``terminated`` says what a terminate kept."""
+    name = ls.name
+    canceled = cancel_requested(context)
+    running_hash = ls.spec_hash()
+    loop: RunLoop | None = None
+    try:
+        while True:
+            loop = run_one(ls, running_hash, canceled)
+            # A terminate whose interrupt never reached the op (see cancel_requested).
+            if canceled():
+                raise DagsterExecutionInterruptedError()
+            if not loop.reconfigure_requested:
+                break
+            ls, running_hash = next_spec(context, store, ls)
+    except DagsterExecutionInterruptedError:
+        store.release(
+            name, generation, ConnectorStatus.STOPPED, f"run {context.run_id} terminated",
+            counters=final(),
+        )  # fmt: skip
+        context.log.info(f"{label} {name} stopped by terminate; {terminated}")
+        raise
+    except Exception as e:
+        end_run(
+            context, store, name, generation, e, counters=final, label=label,
+            op_retries=op_retries, retry_delay_s=retry_delay_s(ls),
+        )  # fmt: skip
+        return
+    store.release(
+        name, generation, ConnectorStatus.STOPPED, "stopped: desired state is stopped",
+        counters=final(),
+    )  # fmt: skip
+    counters = loop.counters.as_dict() if loop is not None else {}
+    context.log.info(f"{label} {name} stopped: {json.dumps(counters)}")

@@ -1,0 +1,90 @@
+"""A sink connector's loop for one spec: its Kafka source, Spark transform, sink, fenced
+committer and dead-letter store, references resolved in the run. The connector's run
+(``jobs/connector.py``) and a partition task's run (``jobs/tasks.py``) both build it here."""
+
+from __future__ import annotations
+
+from dagster import OpExecutionContext
+
+from conveyor.brokers.kafka import KafkaSource
+from conveyor.config.specs import LoadedSpec, resolved
+from conveyor.core.errors import ConfigError
+from conveyor.core.loop import ConnectorLoop, LoopConfig
+from conveyor.core.model import Counters, FailurePolicyName, Offsets
+from conveyor.dagster.jobs.committer import StoreCommitter
+from conveyor.dagster.jobs.progress import progress_logger
+from conveyor.dagster.resources.conveyor import ConveyorResource
+from conveyor.sinks import build_sink
+from conveyor.spark.session import spark_session
+from conveyor.spark.transform import SparkTransformer
+from conveyor.store.meta import Claim, MetaStore
+
+
+def build_sink_loop(
+    context: OpExecutionContext,
+    conveyor: ConveyorResource,
+    store: MetaStore,
+    ls: LoadedSpec,
+    spec_hash: str | None,
+    gen: int,
+    claim: Claim,
+    remote: str,
+    committed: Offsets,
+    counters: Counters | None,
+) -> ConnectorLoop:
+    """Source, transform, sink and committer for one spec, its references resolved (in the run)."""
+    name = ls.name
+    live = resolved(ls)  # holds secrets: used to build clients, never logged or stored
+    assert live.spec is not None and live.sink is not None and ls.sink is not None
+    spec = live.spec
+    source_spec = spec.source
+    if source_spec.bootstrap_servers is None and conveyor.bootstrap():
+        source_spec = source_spec.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
+    context.log.info(
+        f"connector {name} generation {gen} on broker {claim.broker_id or '-'} (Spark {remote}); "
+        f"sink {'/'.join(ls.sink.asset_key_path())}; spec {(spec_hash or '-')[:12]}; resuming from "
+        + (
+            ", ".join(f"{tp}@{off}" for tp, off in sorted(committed.items()))
+            or spec.source.start_from
+        )
+    )
+    source = KafkaSource(source_spec, group_id=name)
+    dead_letters = None
+    if spec.failure.policy == FailurePolicyName.DEAD_LETTER:
+        from conveyor.spark.deadletters import dead_letter_writer
+
+        dead_letters = dead_letter_writer(
+            spec, gen, spark=lambda: spark_session(remote), connection=source_spec
+        )
+    try:
+        sink = build_sink(live.sink)
+    except ConfigError:
+        source.close()
+        raise
+    return ConnectorLoop(
+        LoopConfig(
+            name=name,
+            batch=spec.batch,
+            retry=spec.retry,
+            failure=spec.failure,
+            destinations=spec.destinations,
+            transform_depth=spec.transform.pipeline_depth,
+        ),
+        source=source,
+        transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
+        sink=sink,
+        committer=StoreCommitter(
+            store,
+            name,
+            gen,
+            source,
+            spec_hash=spec_hash,
+            on_status=lambda status, reason: context.log.info(
+                f"connector {name}: {status.value}" + (f" ({reason})" if reason else "")
+            ),
+        ),
+        committed=committed,
+        dead_letters=dead_letters,
+        on_progress=progress_logger(context, ls, dead_letters),
+        counters=counters,
+    )

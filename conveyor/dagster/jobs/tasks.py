@@ -1,0 +1,340 @@
+"""A partition task's run: the connector loop over the partitions the scheduler granted it.
+
+A run launched for a task carries ``conveyor/task`` and ``conveyor/task_generation``
+(plus ``conveyor/connector`` and ``conveyor/broker``). It reads only the partitions its
+grant names (``KafkaSource(only=...)``, an explicit ``assign``), commits through the
+per-partition fenced ``TaskStore.commit``, and reports per-partition rate and lag in its
+heartbeats (``TaskSample``), which the scheduler's planner splits and merges on.
+
+**Handover.** When its grant changes (partitions to release, partitions handed to it)
+the heartbeat answers ``RECONFIGURE``: the loop ends at the batch boundary, committing
+the acknowledged batch, drops what it read ahead (uncommitted), and the run then
+``release``s the moving partitions (their offsets are the ones just committed) and
+builds a new loop over its new partitions, from their committed offsets. So a clean
+handover reads nothing twice; a run killed before releasing is overtaken by the
+scheduler after the heartbeat timeout, from the last committed offsets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dagster import DagsterExecutionInterruptedError, Failure, OpExecutionContext
+
+from conveyor.brokers.kafka import KafkaSource
+from conveyor.config.specs import LoadedSpec
+from conveyor.core.errors import ConveyorError, FencedError
+from conveyor.core.loop import ConnectorLoop, run_loop
+from conveyor.core.model import (
+    ConnectorStatus,
+    Counters,
+    DesiredState,
+    HeartbeatReply,
+    Offsets,
+    TopicPartition,
+)
+from conveyor.core.stopping import Directive, directive_for
+from conveyor.core.tasks import TaskSample
+from conveyor.dagster.jobs.progress import progress_logger
+from conveyor.dagster.jobs.runs import cancel_requested, next_spec
+from conveyor.dagster.jobs.sink_loop import build_sink_loop
+from conveyor.dagster.resources.conveyor import ConveyorResource
+from conveyor.dagster.tags import TAG_BROKER, TAG_TASK, TAG_TASK_GENERATION
+from conveyor.store.meta import Claim, MetaStore
+from conveyor.store.tasks import Grant, TaskStore
+
+WAIT_FOR_PARTITIONS_S = 0.5
+
+
+class TaskCommitter:
+    """A task run's fenced writes: per-partition commits, heartbeats with load samples."""
+
+    def __init__(
+        self,
+        tasks: TaskStore,
+        name: str,
+        task_id: int,
+        generation: int,
+        source: KafkaSource,
+        grant: Grant,
+        *,
+        spec_hash: str | None,
+        run_id: str | None,
+        sample_interval_s: float,
+        committed: Offsets,
+        clock: Any = time.time,
+    ):
+        self.tasks = tasks
+        self.name = name
+        self.task_id = task_id
+        self.generation = generation
+        self.source = source
+        self.grant = grant
+        self.reading = frozenset(grant.owned) - grant.releasing
+        self.spec_hash = spec_hash
+        self.run_id = run_id
+        self.sample_interval_s = sample_interval_s
+        self.clock = clock
+        self.committed: Offsets = dict(committed)
+        self._snapshot: tuple[float, Offsets] = (clock(), dict(committed))
+        self.refused: set[TopicPartition] = set()
+        self.last_sample: TaskSample | None = None
+
+    def commit(self, offsets: Offsets) -> None:
+        res = self.tasks.commit(self.name, self.task_id, self.generation, offsets, self.grant.owned)
+        self.committed.update(res.committed)
+        if res.refused:
+            # Moved away under a forced handover: the next heartbeat ends this loop.
+            self.refused |= res.refused
+        self.source.mirror_commit(res.committed)
+
+    def ensure_current(self) -> None:
+        self.tasks.ensure_current(self.name, self.task_id, self.generation)
+
+    def sample(self, now: float) -> TaskSample | None:
+        then, before = self._snapshot
+        if now - then < self.sample_interval_s:
+            return None
+        dt = max(now - then, 1e-6)
+        rates = {
+            tp: max(0, off - before.get(tp, off)) / dt
+            for tp, off in self.committed.items()
+            if tp in self.reading
+        }
+        highwaters = self.source.highwaters()
+        lags = {
+            tp: max(0, hw - self.committed.get(tp, hw))
+            for tp, hw in highwaters.items()
+            if tp in self.reading
+        }
+        for tp in self.reading:
+            rates.setdefault(tp, 0.0)
+        self._snapshot = (now, dict(self.committed))
+        self.last_sample = TaskSample(now, rates, lags)
+        return self.last_sample
+
+    def heartbeat(
+        self, counters: Counters, status: ConnectorStatus, reason: str | None
+    ) -> Directive:
+        grant = self.tasks.heartbeat(
+            self.name,
+            self.task_id,
+            self.generation,
+            self.sample(self.clock()),
+            run_id=self.run_id,
+            pid=os.getpid(),
+            sample_interval_s=self.sample_interval_s,
+            discovered=self.source.discovered or None,
+        )
+        self.grant = grant
+        if grant.desired == DesiredState.STOPPED or grant.ending:
+            return Directive.STOP
+        if (frozenset(grant.owned) - grant.releasing) != self.reading or self.refused:
+            return Directive.RECONFIGURE
+        stored = self.tasks.meta.get(self.name).spec_hash
+        return directive_for(HeartbeatReply(grant.desired, stored), self.spec_hash)
+
+
+@dataclass(frozen=True)
+class _TaskRun:
+    """Which task a run serves (from its tags) and the task store it answers to."""
+
+    name: str
+    task_id: int
+    generation: int
+    tasks: TaskStore
+    run_id: str | None
+    broker_id: str | None
+
+    @classmethod
+    def of(
+        cls, context: OpExecutionContext, name: str, store: MetaStore, broker_id: str | None
+    ) -> _TaskRun:
+        """The task named by the run's tags (``broker_id``: its broker tag)."""
+        tags = context.run.tags
+        return cls(
+            name,
+            int(tags[TAG_TASK]),
+            int(tags[TAG_TASK_GENERATION]),
+            TaskStore(store),
+            context.run_id,
+            broker_id,
+        )
+
+
+def run_task(
+    context: OpExecutionContext,
+    conveyor: ConveyorResource,
+    name: str,
+    loaded: LoadedSpec,
+    store: MetaStore,
+) -> None:
+    """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
+    assert loaded.spec is not None
+    run = _TaskRun.of(context, name, store, context.run.tags.get(TAG_BROKER))
+    gen = run.generation
+    ls = loaded
+    interval = ls.spec.tasks.sample_interval_s  # type: ignore[union-attr]
+    grant = _first_grant(context, run)
+    if grant is None:
+        return
+    remote = _spark_remote(conveyor, store, run.broker_id)
+    running_hash = ls.spec_hash()
+    canceled = cancel_requested(context)
+    counters: Counters | None = None
+    try:
+        while (ready := _partitions_to_read(context, run, grant, canceled)) is not None:
+            grant = ready
+            mine = frozenset(grant.owned)
+            committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
+            claim = Claim(name, gen, run.broker_id, committed)
+            loop = build_sink_loop(
+                context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
+            )
+            committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
+            loop.stop_requested = canceled
+            loop.on_progress = progress_logger(
+                context, ls, loop.dead_letters, extra=_task_metadata(run.task_id, committer)
+            )
+            _log_reads(context, run, mine, committed)
+            counters = run_loop(loop)
+            if canceled():
+                raise DagsterExecutionInterruptedError()
+            if not loop.reconfigure_requested:
+                break
+            grant = run.tasks.grant(name, run.task_id, gen)
+            if _spec_changed(store, name, running_hash):
+                ls, running_hash = next_spec(context, store, ls)
+    except DagsterExecutionInterruptedError:
+        context.log.info(f"connector {name} task {run.task_id} stopped by terminate")
+        raise
+    except FencedError as e:
+        context.log.warning(f"{e}. This task was replaced or removed; exiting without committing.")
+        return
+    except ConveyorError as e:
+        store.record(name, f"task {run.task_id}: {type(e).__name__}: {e}", run_id=context.run_id)
+        raise Failure(description=f"connector {name} task {run.task_id}: {e}") from None
+    context.log.info(
+        f"connector {name} task {run.task_id} ended ({counters.as_dict() if counters else {}})"
+    )
+
+
+def _first_grant(context: OpExecutionContext, run: _TaskRun) -> Grant | None:
+    """The run's first heartbeat: its grant, or None when its task was replaced (it exits)."""
+    try:
+        return run.tasks.heartbeat(
+            run.name, run.task_id, run.generation, run_id=run.run_id, pid=os.getpid()
+        )
+    except FencedError as e:
+        context.log.warning(f"{e}; this task run exits")
+        return None
+
+
+def _spark_remote(conveyor: ConveyorResource, store: MetaStore, broker_id: str | None) -> str:
+    """The Spark Connect endpoint of the run's broker (the default one without a broker)."""
+    broker = store.get_broker(broker_id) if broker_id else None
+    return broker.spark_remote if broker else conveyor.default_remote()
+
+
+def _partitions_to_read(
+    context: OpExecutionContext, run: _TaskRun, grant: Grant, canceled: Callable[[], bool]
+) -> Grant | None:
+    """The grant to read under, once the partitions it releases are handed over and it owns
+    some (a new task waits for its partitions' handover); None: the task ends (stopped, or
+    merged away with nothing left to hand over)."""
+    while True:
+        if canceled():
+            raise DagsterExecutionInterruptedError()
+        if grant.desired == DesiredState.STOPPED or grant.ending:
+            return None
+        if grant.releasing:
+            grant = _hand_over(context, run, grant)
+            continue
+        if not grant.owned:  # a new task waits for its partitions' handover
+            time.sleep(WAIT_FOR_PARTITIONS_S)
+            grant = run.tasks.heartbeat(run.name, run.task_id, run.generation, run_id=run.run_id)
+            continue
+        return grant
+
+
+def _hand_over(context: OpExecutionContext, run: _TaskRun, grant: Grant) -> Grant:
+    """Release the partitions the grant moves away (none was read yet); the grant after."""
+    handed = run.tasks.release(run.name, run.task_id, run.generation, {}, grant.owned)
+    context.log.info(
+        f"connector {run.name} task {run.task_id}: handed over "
+        + ", ".join(f"{tp}@{off}" for tp, off in sorted(handed.items()))
+    )
+    return run.tasks.grant(run.name, run.task_id, run.generation)
+
+
+def _read_only_mine(
+    loop: ConnectorLoop,
+    run: _TaskRun,
+    grant: Grant,
+    committed: Offsets,
+    running_hash: str | None,
+    interval: float,
+) -> TaskCommitter:
+    """The same loop, but reading only this task's partitions and committing per partition."""
+    spec = loop.source.spec  # type: ignore[attr-defined]  # resolved, with bootstrap
+    loop.source.close()  # type: ignore[attr-defined]  # never opened
+    source = KafkaSource(spec, group_id=run.name, only=frozenset(grant.owned))
+    loop.source = source
+    committer = TaskCommitter(
+        run.tasks,
+        run.name,
+        run.task_id,
+        run.generation,
+        source,
+        grant,
+        spec_hash=running_hash,
+        run_id=run.run_id,
+        sample_interval_s=interval,
+        committed=committed,
+    )
+    loop.committer = committer
+    return committer
+
+
+def _spec_changed(store: MetaStore, name: str, running_hash: str | None) -> bool:
+    """Whether the stored spec differs from the one the run reads with (then it reloads it)."""
+    stored = store.get(name).spec_hash
+    return bool(stored and running_hash and stored != running_hash)
+
+
+def _log_reads(
+    context: OpExecutionContext,
+    run: _TaskRun,
+    mine: frozenset[TopicPartition],
+    committed: Offsets,
+) -> None:
+    """Which partitions the run reads, and from which offsets."""
+    context.log.info(
+        f"connector {run.name} task {run.task_id} (generation {run.generation}) reads "
+        + ", ".join(f"{tp}@{committed.get(tp, '-')}" for tp in sorted(mine))
+    )
+
+
+def _task_metadata(task_id: int, committer: TaskCommitter) -> Any:
+    """The task's part of its sink asset's materializations: its partitions, rate and lag."""
+    from dagster import MetadataValue
+
+    def extra() -> dict[str, Any]:
+        last = committer.last_sample
+        by_partition = {
+            str(tp): {
+                "msgs_per_s": round(last.rates.get(tp, 0.0), 1) if last else None,
+                "lag": last.lags.get(tp) if last else None,
+            }
+            for tp in sorted(committer.reading)
+        }
+        return {
+            "task": MetadataValue.int(task_id),
+            "task_partitions": MetadataValue.json(by_partition),
+        }
+
+    return extra
