@@ -216,7 +216,7 @@ def run_connector(
     from conveyor.brokers.kafka import KafkaSource
     from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
     from conveyor.core.model import BatchPolicy, SourceSpec, TransformSpec
-    from conveyor.dagster.jobs.connector import StoreCommitter
+    from conveyor.dagster.jobs.committer import StoreCommitter
     from conveyor.sinks import build_sink
     from conveyor.spark.transform import SparkTransformer
     from conveyor.store.meta import MetaStore

@@ -228,6 +228,9 @@ class MQTTSource(Source):
         self._next_seq = 1
         self._answered = threading.Event()  # the first CONNACK (or refusal) arrived
         self._unsubacks: dict[int, threading.Event] = {}  # close's barrier, by packet id
+        self._subscribed = threading.Event()  # the session's subscriptions are in place
+        self._subscribe_mid: int | None = None
+        self._subscribe_refused: str | None = None
         self._refused: str | None = None
         self._down_since: float | None = None
         self._down_reason = ""
@@ -267,6 +270,14 @@ class MQTTSource(Source):
         if refused is not None:
             error = PermanentSourceError if refused in _REFUSED_FOR_GOOD else TransientSourceError
             raise error(f"MQTT {c.host}:{c.port} refused the connection: {refused}")
+        # Ready only once subscribed: a message published before the broker has the
+        # subscription of a new session is delivered to nobody.
+        if not self._subscribed.wait(15):
+            raise TransientSourceError(f"MQTT {c.host}:{c.port}: no SUBACK within 15 s")
+        if self._subscribe_refused is not None:
+            raise PermanentSourceError(
+                f"MQTT {c.host}:{c.port} refused the subscription: {self._subscribe_refused}"
+            )
 
     def _new_client(self, mqtt: Any) -> Any:
         c = self.config
@@ -287,6 +298,7 @@ class MQTTSource(Source):
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_unsubscribe = self._on_unsubscribe
+        client.on_subscribe = self._on_subscribe
         return client
 
     def _set_tls(self, client: Any) -> None:
@@ -328,8 +340,10 @@ class MQTTSource(Source):
                 self._cond.notify_all()
             self._answered.set()
             return
-        if not getattr(flags, "session_present", False):
-            client.subscribe([(f, 1) for f in self.config.topics])
+        if getattr(flags, "session_present", False):
+            self._subscribed.set()
+        else:
+            _rc, self._subscribe_mid = client.subscribe([(f, 1) for f in self.config.topics])
         with self._cond:
             if self._down_since is not None:
                 self.reconnects += 1
@@ -348,6 +362,18 @@ class MQTTSource(Source):
             # held here carry packet ids of the lost connection and must never be acknowledged.
             self._held = deque(h for h in self._held if h.qos == 0)
             self._cond.notify_all()
+
+    def _on_subscribe(self, _c: Any, _u: Any, mid: int, codes: Any, _p: Any = None) -> None:
+        if mid != self._subscribe_mid:
+            return
+        refused = [
+            f"{f}: {code}"
+            for f, code in zip(self.config.topics, codes, strict=False)
+            if getattr(code, "is_failure", False)
+        ]
+        if refused:
+            self._subscribe_refused = "; ".join(refused)
+        self._subscribed.set()
 
     def _on_unsubscribe(self, _c: Any, _u: Any, mid: int, _codes: Any, _p: Any = None) -> None:
         with self._cond:

@@ -18,7 +18,7 @@ import pytest
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec, Counters
-from conveyor.dagster.jobs.connector import StoreCommitter
+from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.sinks import build_sink
 from conveyor.sources import build_source
 from conveyor.spark.session import spark_session

@@ -21,7 +21,7 @@ from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.errors import DeadLetterLimitError
 from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec, Counters
-from conveyor.dagster.jobs.connector import StoreCommitter
+from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.sinks import build_sink
 from conveyor.spark.deadletters import dead_letter_writer
 from conveyor.spark.session import spark_session

@@ -295,6 +295,34 @@ def test_a_stopped_broker_is_transient_and_nothing_qos1_is_lost(plain_broker):
         again.close()
 
 
+def test_init_returns_subscribed_so_a_message_published_at_once_arrives(plain_broker) -> None:
+    """init returns once the broker has the subscription (its SUBACK): before, a new session
+    was ready before it was subscribed, and a message published right then reached nobody."""
+    tag = uuid.uuid4().hex[:6]
+    source = build_source(_cfg(plain_broker.port, tag))
+    source.init(None)
+    try:
+        _publish(plain_broker.port, [(f"t_{tag}/x", b'{"id": 1}', 1)])
+        polled = source.poll(None, 10, 10)
+        assert polled is not None and _ids([m.payload for m in polled.messages]) == [1]
+    finally:
+        source.close()
+
+
+def test_a_refused_subscription_is_a_permanent_error_naming_the_filter() -> None:
+    """The SUBACK's reason codes name what the broker refused (Mosquitto 2.0 grants every
+    filter, so paho's own reason codes stand in for a broker that refuses one)."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    source = build_source({"type": "mqtt", "topics": ["ok/#", "denied/#"], "client_id": "c"})
+    assert isinstance(source, MQTTSource)
+    source._subscribe_mid = 7
+    granted, refused = (ReasonCode(PacketTypes.SUBACK, identifier=i) for i in (0x01, 0x87))
+    source._on_subscribe(None, None, 7, [granted, refused])
+    assert source._subscribe_refused == "denied/#: Not authorized"
+
+
 def _peek(source: MQTTSource, state: Any) -> int:
     polled = source.poll(state, 100, 0.2)
     return len(polled.messages) if polled else 0

@@ -23,7 +23,7 @@ from conveyor.core.model import (
     RetrySpec,
     TopicPartition,
 )
-from conveyor.dagster.jobs.connector import StoreCommitter
+from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.store import schema as t
 from conveyor.store.meta import MetaStore
 from tests.unit.test_loop import Events, FakeSink, FakeSource, json_transform, source_batch
