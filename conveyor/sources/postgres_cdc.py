@@ -755,18 +755,19 @@ class PostgresCDCSource(Source):
         return dict(self._gauges)
 
     def _measure(self, every_s: float = 10.0) -> None:
-        """The slot's lag and retained WAL (bytes), on the loop's thread, at most every 10 s."""
+        """The slot's lag and retained WAL (bytes), on the loop's thread, at most every 10 s; a
+        slot not found or without a confirmed position is measured again at the next poll."""
         if time.monotonic() - self._gauges_at < every_s:
             return
-        self._gauges_at = time.monotonic()
         rows = self._run(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::float8, "
             "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::float8 "
             "FROM pg_replication_slots WHERE slot_name = %s",
             (self.config.slot_name,),
         )
-        if rows and rows[0][0] is not None:
+        if rows and rows[0][0] is not None:  # else measured again at the next poll
             self._gauges = {"replication_lag_bytes": rows[0][0], "retained_wal_bytes": rows[0][1]}
+            self._gauges_at = time.monotonic()
 
     def _requests(self) -> list[str]:
         return [f"{t}={i}" for t, i in sorted(self.config.resnapshot.items())]

@@ -150,7 +150,13 @@ def test_issue_scenario_into_three_partitions(tmp_path, tansu, spark_remote, cdc
             ),
             what="the slot at the stored state",
         )
-    # The slot's gauges reach the heartbeat (connector list's lag column, the metrics server).
+        # The slot's gauges reach a heartbeat (connector list's lag column, the metrics server):
+        # measured at the first poll, after the loop's first heartbeat, so waited for (in CI a
+        # run stopped before another heartbeat carried them).
+        wait_for(
+            lambda: "replication_lag_bytes" in (store.get(name).counters or {}),
+            what="the slot's gauges in a heartbeat",
+        )
     counters = store.get(name).counters
     assert counters["replication_lag_bytes"] >= 0 and counters["retained_wal_bytes"] >= 0
     wide = {"CONVEYOR_META_URL": store.url, "COLUMNS": "250"}  # a table never folded
