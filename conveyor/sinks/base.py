@@ -12,14 +12,19 @@ from __future__ import annotations
 import abc
 import datetime as dt
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from conveyor.core.errors import BatchRejected, ConfigError, SinkError  # noqa: F401 - re-exported
+from conveyor.core.errors import (  # noqa: F401 - re-exported
+    BatchRejected,
+    ConfigError,
+    SinkError,
+    rule,
+)
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -362,3 +367,62 @@ def require(condition: bool, message: str, *, field: str) -> None:
     config model's validator uses ``core.errors.rule``)."""
     if not condition:
         raise ConfigError(message, field=field)
+
+
+# -- document ids: what the document sinks (Elasticsearch, MongoDB) frame alike -------------
+
+#: A document sink's ``id_strategy``: none, key, coordinates or field:<dotted path>.
+ID_STRATEGY_PATTERN = r"^(none|key|coordinates|field:[^\s]+)$"
+
+_Id = TypeVar("_Id")
+
+
+def id_field(id_strategy: str) -> str | None:
+    """The payload path of ``field:<path>``; None under any other ``id_strategy``."""
+    return id_strategy.split(":", 1)[1] if id_strategy.startswith("field:") else None
+
+
+def tombstone_id_rule(id_strategy: str) -> None:
+    """``delete_enabled``'s rule (a config model validator): a tombstone carries only its key,
+    so the ``_id`` it deletes must come from the key."""
+    rule(
+        id_strategy == "key" or id_field(id_strategy) is not None,
+        "a tombstone names its document by key: use id_strategy key or field:<name>",
+        field="delete_enabled",
+    )
+
+
+def lookup_path(doc: Mapping[str, Any], path: str) -> Any:
+    """The value at a dotted ``path`` of a document (None when a part is missing)."""
+    cur: Any = doc
+    for part in path.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def framed_id(
+    record: Record,
+    doc: Mapping[str, Any],
+    id_strategy: str,
+    *,
+    of_key: Callable[[bytes], _Id],
+    of_field: Callable[[str, Any], _Id],
+    otherwise: Callable[[], _Id],
+) -> str | _Id:
+    """A message's ``_id`` under ``id_strategy``, framed alike in every document sink:
+    ``coordinates`` is '<topic>-<partition>-<offset>'; ``key`` needs a message key (ValueError);
+    ``field:<path>`` looks the dotted path up in ``doc`` (None when missing). The sink makes
+    its own id of the key (``of_key``), of the path and its value (``of_field``, which raises
+    ValueError for a value it cannot use) and under ``none`` (``otherwise``)."""
+    if id_strategy == "coordinates":
+        return f"{record.topic}-{record.partition}-{record.offset}"
+    if id_strategy == "key":
+        if record.key is None:
+            raise ValueError("message has no key (id_strategy: key)")
+        return of_key(record.key)
+    path = id_field(id_strategy)
+    if path is not None:
+        return of_field(path, lookup_path(doc, path))
+    return otherwise()

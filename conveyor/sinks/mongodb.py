@@ -57,19 +57,22 @@ from conveyor.core.errors import (
 from conveyor.core.references import known_now
 from conveyor.core.sink import utf8_reason
 from conveyor.sinks.base import (
+    ID_STRATEGY_PATTERN,
     Record,
     RowFailure,
     SendResult,
     Sink,
     UrlSinkConfig,
+    framed_id,
+    id_field,
     iter_records,
     secret,
+    tombstone_id_rule,
 )
 from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
 
 log = logging.getLogger("conveyor.sinks.mongodb")
 
-ID_STRATEGY_PATTERN = r"^(none|key|coordinates|field:[^\s]+)$"
 
 # Server error codes that mean "try again later" (MongoDB's retryable-error list plus
 # write-concern timeouts): the batch is retried as a whole, never dead-lettered.
@@ -192,11 +195,7 @@ class MongoDBSinkConfig(UrlSinkConfig):
                 "deletes need write_mode: upsert (the latest operation per _id wins)",
                 field="delete_enabled",
             )
-            rule(
-                self.id_strategy == "key" or self.id_strategy.startswith("field:"),
-                "a tombstone names its document by key: use id_strategy key or field:<name>",
-                field="delete_enabled",
-            )
+            tombstone_id_rule(self.id_strategy)
         rule(bool(self.url), "is required (a connection string, or ${env:NAME})", field="url")
         rule(
             not known_now(secret(self.url))
@@ -332,26 +331,10 @@ def _key_value(key: bytes) -> str | bytes:
         return key
 
 
-def _lookup(doc: Mapping[str, Any], path: str) -> Any:
-    cur: Any = doc
-    for part in path.split("."):
-        if not isinstance(cur, Mapping) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur
-
-
 def document_id(record: Record, doc: Mapping[str, Any], id_strategy: str) -> Any:
     """The ``_id`` for a message, or None for ``none`` without a payload ``_id``. Raises ValueError when unavailable."""
-    if id_strategy == "coordinates":
-        return f"{record.topic}-{record.partition}-{record.offset}"
-    if id_strategy == "key":
-        if record.key is None:
-            raise ValueError("message has no key (id_strategy: key)")
-        return _key_value(record.key)
-    if id_strategy.startswith("field:"):
-        path = id_strategy.split(":", 1)[1]
-        value = _lookup(doc, path)
+
+    def of_field(path: str, value: Any) -> Any:
         if value is None:
             raise ValueError(f"payload has no field {path!r} (id_strategy: {id_strategy})")
         if isinstance(value, list):
@@ -359,7 +342,15 @@ def document_id(record: Record, doc: Mapping[str, Any], id_strategy: str) -> Any
                 f"payload field {path!r} is an array; MongoDB does not allow an array _id"
             )
         return value
-    return doc.get("_id")
+
+    return framed_id(
+        record,
+        doc,
+        id_strategy,
+        of_key=_key_value,
+        of_field=of_field,
+        otherwise=lambda: doc.get("_id"),
+    )
 
 
 def metadata_of(record: Record) -> dict[str, Any]:
@@ -448,8 +439,9 @@ def build_operations(
 
 def tombstone_id(record: Record, id_strategy: str) -> Any:
     """The ``_id`` a tombstone deletes: its key, or the id field of its JSON key."""
-    if id_strategy.startswith("field:"):
-        (value,) = delete_key([id_strategy.split(":", 1)[1]], {}, record.key)
+    path = id_field(id_strategy)
+    if path is not None:
+        (value,) = delete_key([path], {}, record.key)
         return value
     return document_id(record, {}, id_strategy)
 
