@@ -10,6 +10,8 @@ Dagster code location never imports pymongo or the Pulsar client.
 from __future__ import annotations
 
 import abc
+import base64
+import contextlib
 import datetime as dt
 import json
 from collections.abc import Callable, Iterator, Mapping
@@ -302,6 +304,14 @@ def _double_text(column: pa.Array) -> pa.Array:
     return text
 
 
+def text_of(b: bytes) -> str:
+    """Bytes as text for a system that takes only text: UTF-8 when valid, else 'base64:<base64>'."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(b).decode()
+
+
 def iter_records(batch: pa.Table) -> Iterator[Record]:
     """Rows of a batch as ``Record``s (metadata columns may be missing in hand-made batches)."""
     cols = batch.to_pydict()
@@ -426,3 +436,28 @@ def framed_id(
     if path is not None:
         return of_field(path, lookup_path(doc, path))
     return otherwise()
+
+
+# -- client errors as sink errors -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def mapped_errors(
+    map_error: Callable[[BaseException], SinkError | None],
+    *,
+    cleanup: Callable[[], object] | None = None,
+    catching: type[Exception] | tuple[type[Exception], ...] = Exception,
+) -> Iterator[None]:
+    """Raise what the block raises (of the ``catching`` types) as the sink error ``map_error``
+    makes of it, without the client's exception chain; as it is when ``map_error`` makes none
+    (not an error of the sink's client). ``cleanup`` (closing a client the block was checking)
+    runs first."""
+    try:
+        yield
+    except catching as e:
+        if cleanup is not None:
+            cleanup()
+        mapped = map_error(e)
+        if mapped is None:
+            raise
+        raise mapped from None

@@ -25,7 +25,6 @@ stops after the request holding the first refused document: at most
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import decimal
@@ -62,7 +61,9 @@ from conveyor.sinks.base import (
     framed_id,
     id_field,
     iter_records,
+    mapped_errors,
     secret,
+    text_of,
     tombstone_id_rule,
 )
 from conveyor.sinks.tombstones import delete_key, tombstone_flags  # noqa: E402
@@ -250,14 +251,6 @@ def render_index(template: str, record: Record) -> str:
 
 
 # -- documents (pure) --------------------------------------------------------------------------
-
-
-def text_of(b: bytes) -> str:
-    """Bytes as JSON text: UTF-8 when valid, else 'base64:<base64>'."""
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(b).decode()
 
 
 def jsonable(v: Any) -> Any:
@@ -626,13 +619,8 @@ class ElasticsearchSink(Sink):
 
     def _bulk(self, plan: BulkPlan) -> list[RowFailure]:
         """One ``_bulk`` request; the rows it refused."""
-        try:
+        with mapped_errors(map_error):
             response = self._client.bulk(operations=plan.operations, **self.bulk_params())
-        except Exception as e:
-            mapped = map_error(e)
-            if mapped is None:
-                raise
-            raise mapped from None
         return map_bulk_response(response.body, plan, self.config)
 
     def _bulk_in_order(self, plan: BulkPlan) -> list[RowFailure]:

@@ -23,7 +23,6 @@ replayed batch overwrites its own rows as long as tags + timestamp identify a me
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import decimal
@@ -56,8 +55,10 @@ from conveyor.sinks.base import (
     Sink,
     SinkConfig,
     iter_records,
+    mapped_errors,
     payload_columns,
     secret,
+    text_of,
 )
 
 log = logging.getLogger("conveyor.sinks.greptimedb")
@@ -309,13 +310,6 @@ def format_float(v: float) -> str:
     if e and "." not in mantissa:
         text = f"{mantissa}.0e{exponent}"
     return text
-
-
-def text_of(b: bytes) -> str:
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(b).decode()
 
 
 def field_value(v: Any, newlines: str = "reject") -> str | None:
@@ -596,7 +590,9 @@ class GreptimeDBSink(Sink):
         c = self.config
         session = requests.Session()
         base = c.url.rstrip("/")
-        try:
+        with mapped_errors(
+            map_request_error, cleanup=session.close, catching=requests.RequestException
+        ):
             health = session.get(f"{base}/health", timeout=c.timeout_s, verify=self._verify())
             if health.status_code >= 500:
                 raise TransientSinkError(f"GreptimeDB is not healthy: HTTP {health.status_code}")
@@ -609,10 +605,6 @@ class GreptimeDBSink(Sink):
                 timeout=c.timeout_s,
                 verify=self._verify(),
             )
-        except requests.RequestException as e:
-            session.close()
-            mapped = map_request_error(e)
-            raise (mapped or e) from None
         error = map_response(check.status_code, check.headers, check.text)
         if error is not None:
             session.close()
@@ -650,13 +642,10 @@ class GreptimeDBSink(Sink):
             plan = LinePlan([plan.lines[k] for k in keep], [plan.rows[k] for k in keep], failures)
         if plan.lines:
             prepared = self._session.prepare_request(write_request(self.config, plan.body()))
-            try:
+            with mapped_errors(map_request_error, catching=requests.RequestException):
                 resp = self._session.send(
                     prepared, timeout=self.config.timeout_s, verify=self._verify()
                 )
-            except requests.RequestException as e:
-                mapped = map_request_error(e)
-                raise (mapped or e) from None
             error = map_response(resp.status_code, resp.headers, resp.text)
             if error is not None:
                 raise error

@@ -66,6 +66,7 @@ from conveyor.sinks.base import (
     framed_id,
     id_field,
     iter_records,
+    mapped_errors,
     secret,
     tombstone_id_rule,
 )
@@ -614,14 +615,8 @@ class MongoDBSink(Sink):
         except (ConfigurationError, ValueError, TypeError) as e:
             client.close()
             raise ConfigError(f"invalid write concern: {e}", field="sink.w") from None
-        try:
+        with mapped_errors(map_error, cleanup=client.close):
             client.admin.command("ping")
-        except Exception as e:
-            client.close()
-            mapped = map_error(e)
-            if mapped is None:
-                raise
-            raise mapped from None
         self._client = client
         self._collection = client[c.database].get_collection(c.collection, write_concern=wc)
 
@@ -661,40 +656,36 @@ class MongoDBSink(Sink):
 
         looked_up = False
         while plan.ops:
-            try:
-                self._collection.bulk_write(
-                    plan.ops,
-                    ordered=True,
-                    bypass_document_validation=self.config.bypass_document_validation or None,
-                )
-                return []
-            except BulkWriteError as e:
-                failures = map_bulk_write_error(e.details, plan, self.config, resend=resend)
-                if failures:
-                    return failures[:1]
-                errors = e.details.get("writeErrors") or []
-                if not errors:
+            with mapped_errors(map_error):
+                try:
+                    self._collection.bulk_write(
+                        plan.ops,
+                        ordered=True,
+                        bypass_document_validation=self.config.bypass_document_validation or None,
+                    )
                     return []
-                stop = int(errors[0]["index"])  # a replayed _id, acknowledged: go on after it
-                plan = plan.without(set(range(stop + 1)))
-                if not looked_up:
-                    plan, looked_up = self._without_stored(plan), True
-            except (InvalidDocument, OverflowError) as e:
-                # The driver encodes while sending: the sub-batches before the bad document
-                # may be stored already (resent below as a replay); nothing after it is sent.
-                bad = unencodable(plan)
-                if not bad:
-                    raise BatchRejected(f"document cannot be encoded as BSON: {e}") from None
-                pos, reason = bad[0]
-                before = plan.without(set(range(pos, len(plan.ops))))
-                return self._bulk_in_order(before, resend=True) or [
-                    RowFailure(plan.rows[pos], reason)
-                ]
-            except Exception as e:
-                mapped = map_error(e)
-                if mapped is None:
-                    raise
-                raise mapped from None
+                except BulkWriteError as e:
+                    failures = map_bulk_write_error(e.details, plan, self.config, resend=resend)
+                    if failures:
+                        return failures[:1]
+                    errors = e.details.get("writeErrors") or []
+                    if not errors:
+                        return []
+                    stop = int(errors[0]["index"])  # a replayed _id, acknowledged: go on after it
+                    plan = plan.without(set(range(stop + 1)))
+                    if not looked_up:
+                        plan, looked_up = self._without_stored(plan), True
+                except (InvalidDocument, OverflowError) as e:
+                    # The driver encodes while sending: the sub-batches before the bad document
+                    # may be stored already (resent below as a replay); nothing after it is sent.
+                    bad = unencodable(plan)
+                    if not bad:
+                        raise BatchRejected(f"document cannot be encoded as BSON: {e}") from None
+                    pos, reason = bad[0]
+                    before = plan.without(set(range(pos, len(plan.ops))))
+                    return self._bulk_in_order(before, resend=True) or [
+                        RowFailure(plan.rows[pos], reason)
+                    ]
         return []
 
     def _without_stored(self, plan: MongoPlan) -> MongoPlan:
@@ -706,16 +697,11 @@ class MongoDBSink(Sink):
         ]
         if not ids or self.config.write_mode != "insert":
             return plan
-        try:
+        with mapped_errors(map_error):
             stored = {
                 _hashable(d["_id"])
                 for d in self._collection.find({"_id": {"$in": ids}}, {"_id": 1})
             }
-        except Exception as e:
-            mapped = map_error(e)
-            if mapped is None:
-                raise
-            raise mapped from None
         return plan.without(
             {
                 p
@@ -728,30 +714,26 @@ class MongoDBSink(Sink):
         from bson.errors import InvalidDocument
         from pymongo.errors import BulkWriteError
 
-        try:
-            self._collection.bulk_write(
-                plan.ops,
-                ordered=False,
-                bypass_document_validation=self.config.bypass_document_validation or None,
-            )
-        except BulkWriteError as e:
-            return map_bulk_write_error(e.details, plan, self.config, resend=not isolate)
-        except (InvalidDocument, OverflowError) as e:
-            # The driver encodes while sending and stops at the first bad document (earlier
-            # sub-batches may be stored already; resending them is a replay).
-            bad = unencodable(plan) if isolate else []
-            if not bad:
-                raise BatchRejected(f"document cannot be encoded as BSON: {e}") from None
-            failures = [RowFailure(plan.rows[pos], reason) for pos, reason in bad]
-            rest = plan.without({pos for pos, _ in bad})
-            if rest.ops:
-                failures.extend(self._bulk(rest, isolate=False))
-            return failures
-        except Exception as e:
-            mapped = map_error(e)
-            if mapped is None:
-                raise
-            raise mapped from None
+        with mapped_errors(map_error):
+            try:
+                self._collection.bulk_write(
+                    plan.ops,
+                    ordered=False,
+                    bypass_document_validation=self.config.bypass_document_validation or None,
+                )
+            except BulkWriteError as e:
+                return map_bulk_write_error(e.details, plan, self.config, resend=not isolate)
+            except (InvalidDocument, OverflowError) as e:
+                # The driver encodes while sending and stops at the first bad document (earlier
+                # sub-batches may be stored already; resending them is a replay).
+                bad = unencodable(plan) if isolate else []
+                if not bad:
+                    raise BatchRejected(f"document cannot be encoded as BSON: {e}") from None
+                failures = [RowFailure(plan.rows[pos], reason) for pos, reason in bad]
+                rest = plan.without({pos for pos, _ in bad})
+                if rest.ops:
+                    failures.extend(self._bulk(rest, isolate=False))
+                return failures
         return []
 
     def cleanup_sink(self) -> None:

@@ -21,7 +21,6 @@ de-duplicate with the ``conveyor.*`` properties (``metadata_properties: true``).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import logging
@@ -52,7 +51,9 @@ from conveyor.sinks.base import (
     Sink,
     SinkConfig,
     iter_records,
+    mapped_errors,
     secret,
+    text_of,
 )
 
 log = logging.getLogger("conveyor.sinks.pulsar")
@@ -202,14 +203,6 @@ class PulsarSinkConfig(SinkConfig):
 
 
 # -- pure request building ---------------------------------------------------------------------
-
-
-def text_of(b: bytes) -> str:
-    """Bytes as a Pulsar string: UTF-8 when valid, else 'base64:<base64>'."""
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(b).decode()
 
 
 def template_problems(template: str) -> list[str]:
@@ -391,33 +384,24 @@ class PulsarSink(Sink):
         import pulsar
 
         try:
-            self._client = pulsar.Client(
-                self.config.service_url,
-                logger=logging.getLogger("conveyor.sinks.pulsar.client"),
-                **client_options(self.config),
-            )
+            with mapped_errors(map_error):
+                self._client = pulsar.Client(
+                    self.config.service_url,
+                    logger=logging.getLogger("conveyor.sinks.pulsar.client"),
+                    **client_options(self.config),
+                )
         except (ValueError, TypeError) as e:
             raise ConfigError(
                 f"invalid Pulsar client option: {e}", field="sink.service_url"
             ) from None
-        except Exception as e:
-            mapped = map_error(e)
-            if mapped is None:
-                raise
-            raise mapped from None
         if templates.is_static(self.config.topic):
             self._producer(self.config.topic)  # checks the topic and our rights now
 
     def _producer(self, topic: str) -> Any:
         producer = self._producers.get(topic)
         if producer is None:
-            try:
+            with mapped_errors(map_error):
                 producer = self._client.create_producer(topic, **producer_options(self.config))
-            except Exception as e:
-                mapped = map_error(e)
-                if mapped is None:
-                    raise
-                raise mapped from None
             self._producers[topic] = producer
         return producer
 
