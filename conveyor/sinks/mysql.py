@@ -53,15 +53,19 @@ from conveyor.sinks.base import (
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
+    AutoEvolve,
     ConnectTimeoutS,
     DeleteEnabled,
     SqlColumns,
     SqlDialect,
     SqlSinkConfig,
+    TableColumn,
     check_columns,
     column_mapping,
     column_types,
     concat_text,
+    evolution,
+    json_values,
     text_offsets,
     text_scalar,
 )
@@ -115,6 +119,7 @@ class MySQLSinkConfig(SqlSinkConfig):
         default=False,
         description="Create the table (InnoDB, upsert_keys as PRIMARY KEY) from the first batch's schema when it does not exist.",
     )
+    auto_evolve: AutoEvolve = False
     delete_enabled: DeleteEnabled = False
     rows_per_statement: int = Field(
         default=1000, ge=1, le=100_000, description="Rows per multi-row INSERT statement."
@@ -266,6 +271,12 @@ def insert_statement(table: str, columns: Sequence[str], upsert_keys: Sequence[s
     return prefix.replace("%", "%%") + values + postfix.replace("%", "%%")
 
 
+def add_column_statement(table: str, column: str, sql_type: str) -> str:
+    """ALTER TABLE ... ADD COLUMN of one nullable column (executed without parameters)."""
+    q = quote_identifier
+    return f"ALTER TABLE {q(table)} ADD COLUMN {q(column)} {sql_type} NULL"
+
+
 def create_table_statement(table: str, columns: dict[str, str], upsert_keys: Sequence[str]) -> str:
     """CREATE TABLE IF NOT EXISTS from target column -> SQL type (executed without parameters)."""
     q = quote_identifier
@@ -277,6 +288,8 @@ def create_table_statement(table: str, columns: dict[str, str], upsert_keys: Seq
 
 def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
     """The MySQL column type for an Arrow type (key columns get indexable types)."""
+    if pa.types.is_dictionary(t):
+        return mysql_type(t.value_type, key=key)
     if pa.types.is_boolean(t):
         return "BOOLEAN"
     if pa.types.is_integer(t):
@@ -288,8 +301,9 @@ def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
         return "DOUBLE"
     if pa.types.is_decimal(t):
         return f"DECIMAL({min(t.precision, 65)},{min(t.scale, 30)})"
-    if pa.types.is_timestamp(t):
-        return "DATETIME" + {"s": "", "ms": "(3)"}.get(t.unit, "(6)")
+    if pa.types.is_timestamp(t) or pa.types.is_time(t):
+        base = "DATETIME" if pa.types.is_timestamp(t) else "TIME"
+        return base + {"s": "", "ms": "(3)"}.get(t.unit, "(6)")
     if pa.types.is_date(t):
         return "DATE"
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
@@ -325,7 +339,7 @@ def column_values(col: pa.ChunkedArray | pa.Array) -> tuple[list[Any], dict[int,
         return values, bad
     if pa.types.is_nested(t):
         return [
-            None if v is None else json.dumps(v, default=json_default) for v in col.to_pylist()
+            None if v is None else json.dumps(v, default=json_default) for v in json_values(col)
         ], bad
     return col.to_pylist(), bad
 
@@ -553,6 +567,34 @@ class _Delete(tuple):  # type: ignore[type-arg]
     """A tombstone's key values (upsert_keys order): a DELETE, not a write."""
 
 
+def table_column(
+    name: str,
+    data_type: str,
+    nullable: str,
+    default: str | None,
+    extra: str | None,
+    column_type: str,
+    precision: int | None,
+    scale: int | None,
+    fraction: int | None,
+) -> TableColumn:
+    """A column from its row of information_schema.COLUMNS (``_describe_table``'s query)."""
+    kind = str(data_type).lower()
+    extra = str(extra or "").lower()
+    return TableColumn(
+        name,
+        kind,
+        nullable=nullable == "YES",
+        has_default=default is not None or "auto_increment" in extra or "generated" in extra,
+        precision=int(precision)
+        if kind in ("decimal", "numeric") and precision is not None
+        else None,
+        scale=int(scale) if kind in ("decimal", "numeric") and scale is not None else None,
+        fraction_digits=int(fraction) if fraction is not None else None,
+        unsigned="unsigned" in str(column_type).lower(),
+    )
+
+
 _INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer", "bigint"})
 _NUMERIC_TYPES = _INTEGER_TYPES | {"decimal", "numeric", "float", "double", "real"}
 
@@ -567,6 +609,8 @@ class MySQLSink(Sink):
         super().__init__(config)
         self._conn: Any = None
         self._types: dict[str, str] = {}  # existing columns -> data type
+        self._table: dict[str, TableColumn] = {}  # existing columns, described
+        self._schema: pa.Schema | None = None  # the schema of the batch last resolved
         self._exists = False
         self._transactional = True
         self._columns: list[str] | None = None  # target columns, in order
@@ -692,11 +736,13 @@ class MySQLSink(Sink):
     def _describe_table(self) -> None:
         with self._conn.cursor() as cur:
             cur.execute(
-                "SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s "
-                "ORDER BY ORDINAL_POSITION",
+                "SELECT COLUMN_NAME, DATA_TYPE, IS_NULLABLE, COLUMN_DEFAULT, EXTRA, COLUMN_TYPE, NUMERIC_PRECISION, "
+                "NUMERIC_SCALE, DATETIME_PRECISION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
+                "AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
                 (self.config.table,),
             )
-            self._types = {name: typ for name, typ in cur.fetchall()}
+            self._table = {row[0]: table_column(*row) for row in cur.fetchall()}
+            self._types = {name: col.data_type for name, col in self._table.items()}
             cur.execute(
                 "SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
                 (self.config.table,),
@@ -753,7 +799,9 @@ class MySQLSink(Sink):
     # -- columns ----------------------------------------------------------------------------
 
     def _resolve(self, batch: pa.Table) -> None:
-        """Pick target and source columns on the first batch; check them against the table."""
+        """Pick target and source columns on the first batch (with auto_evolve, again on
+        each batch of another schema, adding the columns the table lacks); check them
+        against the table."""
         c = self.config
         mapping = column_mapping(c.columns, batch)
         if c.columns is None:
@@ -770,13 +818,50 @@ class MySQLSink(Sink):
                     f"upsert key {k!r} is not a payload column ({', '.join(mapping)})",
                     field="sink.upsert_keys",
                 )
+        if c.auto_evolve and self._columns is not None:
+            self._describe_table()  # another sink may have changed the table since
         if not self._exists:
             self._create_table(batch, mapping)
+        if c.auto_evolve:
+            added = evolution(
+                quote_identifier(c.table), mapping, batch, MYSQL, self._table, c.upsert_keys
+            )
+            if added:
+                self._add_columns(added)
         check_columns(quote_identifier(c.table), mapping, list(self._types))
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
         self._stmt = insert_statement(c.table, self._columns, c.upsert_keys)
         self._insert = insert_parts(c.table, self._columns, c.upsert_keys)
+        self._schema = batch.schema
+
+    def _evolves(self, batch: pa.Table) -> bool:
+        """With auto_evolve: whether ``batch``'s schema is not the one last resolved."""
+        return self.config.auto_evolve and not batch.schema.equals(self._schema)
+
+    def _add_columns(self, added: dict[str, str]) -> None:
+        """ALTER TABLE ... ADD COLUMN each of ``added`` (name -> type) the table still lacks
+        (MySQL has no ADD COLUMN IF NOT EXISTS: the description just read is the check), as
+        nullable columns, then describe the table again. A column another sink added between
+        that check and this statement (duplicate column, 1060) is done, not an error; any
+        other error goes to ``send_batch``'s mapping."""
+        import pymysql
+
+        with self._conn.cursor() as cur:
+            for name, sql_type in added.items():
+                try:
+                    cur.execute(add_column_statement(self.config.table, name, sql_type))
+                except pymysql.err.MySQLError as e:
+                    if error_code(e) != 1060:
+                        raise
+                else:
+                    log.info("table %s: added column %s", quote_identifier(self.config.table), name)
+        self._describe_table()
+        missing = [n for n in added if n not in self._table]
+        if missing:
+            raise PermanentSinkError(
+                f"table {quote_identifier(self.config.table)}: column(s) {', '.join(missing)} were not added"
+            )
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
         types = column_types(mapping, batch, MYSQL, self.config.upsert_keys)
@@ -845,7 +930,7 @@ class MySQLSink(Sink):
                 self.cleanup_sink()
                 self._conn = self._connect()
                 self._describe_table()
-            if self._columns is None:
+            if self._columns is None or self._evolves(batch):
                 self._resolve(batch)
             rows, failures = self._rows(batch)
             failures += self._deletes(batch, rows)

@@ -38,15 +38,19 @@ from conveyor.sinks.base import (
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
+    AutoEvolve,
     ConnectTimeoutS,
     DeleteEnabled,
     SqlColumns,
     SqlDialect,
     SqlSinkConfig,
+    TableColumn,
     check_columns,
     column_mapping,
     column_types,
     concat_text,
+    evolution,
+    json_values,
     text_offsets,
     text_scalar,
 )
@@ -80,6 +84,7 @@ class PostgresSinkConfig(SqlSinkConfig):
         default=False,
         description="Create the table from the first batch's schema when it does not exist.",
     )
+    auto_evolve: AutoEvolve = False
     delete_enabled: DeleteEnabled = False
     truncate_enabled: bool = Field(
         default=False,
@@ -147,7 +152,9 @@ class PostgresSink(Sink):
         self._conn: Any = None
         self._columns: list[str] | None = None  # target columns, in order
         self._sources: list[str] | None = None  # their source columns / $payload
-        self._types: dict[str, str] = {}
+        self._types: dict[str, str] = {}  # existing columns -> data type
+        self._table: dict[str, TableColumn] = {}  # existing columns, described
+        self._schema: pa.Schema | None = None  # the schema of the batch last resolved
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -181,12 +188,26 @@ class PostgresSink(Sink):
     def _describe_table(self) -> None:
         with self._conn.cursor() as cur:
             cur.execute(
-                "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
+                "SELECT column_name, data_type, is_nullable, column_default, is_identity, is_generated, "
+                "numeric_precision, numeric_scale, datetime_precision FROM information_schema.columns "
+                "WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
                 (self.config.schema_, self.config.table),
             )
             rows = cur.fetchall()
         self._conn.rollback()
-        self._types = {name: typ for name, typ in rows}
+        self._table = {
+            name: TableColumn(
+                name,
+                str(typ).lower(),
+                nullable=nullable == "YES",
+                has_default=default is not None or identity == "YES" or generated == "ALWAYS",
+                precision=precision if str(typ) == "numeric" else None,
+                scale=scale if str(typ) == "numeric" else None,
+                fraction_digits=fraction,
+            )
+            for name, typ, nullable, default, identity, generated, precision, scale, fraction in rows
+        }
+        self._types = {name: col.data_type for name, col in self._table.items()}
 
     def _fq(self) -> Any:
         from psycopg2 import sql
@@ -194,18 +215,76 @@ class PostgresSink(Sink):
         return sql.Identifier(self.config.schema_, self.config.table)
 
     def _resolve(self, batch: pa.Table) -> None:
-        """Pick target and source columns on the first batch; check them against the table."""
+        """Pick target and source columns on the first batch (with auto_evolve, again on
+        each batch of another schema, adding the columns the table lacks); check them
+        against the table."""
         c = self.config
         mapping = column_mapping(c.columns, batch)
+        if c.auto_evolve and self._columns is not None:
+            self._describe_table()  # another sink may have changed the table since
         if not self._types:
             if not c.create_table:
                 raise PermanentSinkError(
                     f'table "{c.schema_}"."{c.table}" does not exist (set create_table: true to create it)'
                 )
             self._create_table(batch, mapping)
-        check_columns(f'"{c.schema_}"."{c.table}"', mapping, list(self._types))
+        if c.auto_evolve:
+            added = evolution(self._name(), mapping, batch, POSTGRES, self._table, c.upsert_keys)
+            if added:
+                self._add_columns(added)
+        check_columns(self._name(), mapping, list(self._types))
         self._columns = list(mapping)
         self._sources = [mapping[t] for t in self._columns]
+        self._schema = batch.schema
+
+    def _evolves(self, batch: pa.Table) -> bool:
+        """With auto_evolve: whether ``batch``'s schema is not the one last resolved."""
+        return self.config.auto_evolve and not batch.schema.equals(self._schema)
+
+    def _name(self) -> str:
+        """The table's name in messages."""
+        return f'"{self.config.schema_}"."{self.config.table}"'
+
+    def _add_columns(self, added: dict[str, str]) -> None:
+        """ALTER TABLE ... ADD COLUMN IF NOT EXISTS each of ``added`` (name -> type) as a
+        nullable column, then describe the table again. A column another sink added first
+        is done, not an error (IF NOT EXISTS, or its duplicate-column error when both
+        statements passed the check at once)."""
+        import psycopg2
+        from psycopg2 import sql
+
+        for _ in range(3):  # a duplicate undoes the whole statement: the others again
+            todo = {n: t for n, t in added.items() if n not in self._table}
+            if not todo:
+                break
+            clauses = sql.SQL(", ").join(
+                sql.SQL("ADD COLUMN IF NOT EXISTS {} {} NULL").format(sql.Identifier(n), sql.SQL(t))
+                for n, t in todo.items()
+            )
+            try:
+                with self._conn.cursor() as cur:
+                    cur.execute(sql.SQL("ALTER TABLE {} ").format(self._fq()) + clauses)
+                self._conn.commit()
+            except (psycopg2.errors.DuplicateColumn, psycopg2.errors.UniqueViolation):
+                self._conn.rollback()
+            except psycopg2.OperationalError as e:  # lost, or a lock wait over the timeout
+                self.cleanup_sink()
+                raise TransientSinkError(
+                    f"PostgreSQL: adding column(s) to {self._name()}: {e}"
+                ) from None
+            except psycopg2.Error as e:
+                self._rollback()
+                raise PermanentSinkError(
+                    f"table {self._name()}: cannot add column(s) {', '.join(todo)}: {e.pgerror or e}"
+                ) from None
+            else:
+                log.info("table %s: added column(s) %s", self._name(), ", ".join(todo))
+            self._describe_table()
+        missing = [n for n in added if n not in self._table]
+        if missing:
+            raise PermanentSinkError(
+                f"table {self._name()}: column(s) {', '.join(missing)} were not added"
+            )
 
     def _create_table(self, batch: pa.Table, mapping: dict[str, str]) -> None:
         from psycopg2 import sql
@@ -274,8 +353,20 @@ class PostgresSink(Sink):
         out = []
         need_records = "$payload" in self._sources or "$headers" in self._sources
         records = list(iter_records(batch)) if need_records else None
+        json_sources = {  # nested values into a JSON column go as JSON text (maps as objects)
+            src
+            for target, src in zip(self._columns or [], self._sources, strict=True)
+            if self._types.get(target) in ("json", "jsonb")
+            and src in batch.schema.names
+            and pa.types.is_nested(batch.schema.field(src).type)
+        }
         cols = {
-            name: batch.column(name).to_pylist()
+            name: [
+                None if v is None else json.dumps(v, default=json_default)
+                for v in json_values(batch.column(name))
+            ]
+            if name in json_sources
+            else batch.column(name).to_pylist()
             for name in set(self._sources)
             if not name.startswith("$")
         }
@@ -285,7 +376,7 @@ class PostgresSink(Sink):
             if src in self._sources and col in batch.schema.names and src != "$headers"
         }
         for i in range(batch.num_rows):
-            row = []
+            row: list[Any] = []
             for src in self._sources:
                 if src == "$payload":
                     assert records is not None
@@ -310,7 +401,7 @@ class PostgresSink(Sink):
         if self._conn is None or self._conn.closed:
             self._conn = self._connect()
             self._describe_table()
-        if self._columns is None:
+        if self._columns is None or self._evolves(batch):
             self._resolve(batch)
         copy = self._copy_lines(batch)
         rows: Any = copy if copy is not None else self._rows(batch)
@@ -557,6 +648,8 @@ def _copy_column(column: pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
             text = pc.strftime(column, format="%Y-%m-%dT%H:%M:%S%z")
         except pa.ArrowException:  # a zone Arrow cannot find here: Python's conversion
             return pa.array([_copy_value(v) for v in column.to_pylist()], pa.large_string())
+    elif pa.types.is_nested(t):  # JSON, maps as objects
+        return pa.array([_copy_value(v) for v in json_values(column)], pa.large_string())
     else:
         return pa.array([_copy_value(v) for v in column.to_pylist()], pa.large_string())
     return pc.cast(pc.fill_null(text, "\\N"), pa.large_string())
@@ -615,12 +708,17 @@ def _copy_value(v: Any) -> str:
 
 
 def _pg_type(t: pa.DataType) -> str:
+    """The PostgreSQL column type for an Arrow type (create_table and auto_evolve)."""
+    if pa.types.is_dictionary(t):
+        return _pg_type(t.value_type)
     if pa.types.is_boolean(t):
         return "boolean"
     if pa.types.is_int8(t) or pa.types.is_int16(t):
         return "smallint"
     if pa.types.is_int32(t):
         return "integer"
+    if pa.types.is_uint64(t):
+        return "numeric(20,0)"  # above bigint's range
     if pa.types.is_integer(t):
         return "bigint"
     if pa.types.is_float32(t):
@@ -633,7 +731,9 @@ def _pg_type(t: pa.DataType) -> str:
         return "timestamptz" if t.tz else "timestamp"
     if pa.types.is_date(t):
         return "date"
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+    if pa.types.is_time(t):
+        return "time"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return "bytea"
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "text"

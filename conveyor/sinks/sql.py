@@ -105,6 +105,17 @@ DeleteEnabled = Annotated[
     ),
 ]
 ConnectTimeoutS = Annotated[int, Field(ge=1, le=300, description="Connect timeout.")]
+AutoEvolve = Annotated[
+    bool,
+    Field(
+        description="Evolve the table with the batches (Kafka Connect JDBC's auto.evolve): a mapped column the table "
+        "lacks (with columns unset, any new payload field) is added in the running sink as a nullable column of the "
+        "type create_table would give it. A batch column the table's column cannot hold (narrowing, e.g. decimal into "
+        "integer) and a NOT NULL column without a default that the batch lacks are refused, naming the column; no "
+        "column is ever dropped or retyped. Off: the columns are resolved on the first batch and a column the table "
+        "lacks is refused.",
+    ),
+]
 
 
 class SqlSinkConfig(UrlSinkConfig):
@@ -112,14 +123,15 @@ class SqlSinkConfig(UrlSinkConfig):
     and their asset key ``[kind, namespace, table]``.
 
     A subclass declares ``table``, ``columns``, ``upsert_keys``, ``create_table``,
-    ``delete_enabled`` and ``connect_timeout_s`` (the shared ones through the aliases above),
-    and says where its table lives (``key_namespace``)."""
+    ``auto_evolve``, ``delete_enabled`` and ``connect_timeout_s`` (the shared ones through the
+    aliases above), and says where its table lives (``key_namespace``)."""
 
     if TYPE_CHECKING:  # declared by each subclass, in its own field order
         table: str
         columns: dict[str, str] | None
         upsert_keys: list[str]
         create_table: bool
+        auto_evolve: bool
         delete_enabled: bool
         connect_timeout_s: int
 
@@ -168,9 +180,23 @@ def column_types(
         if src in dialect.json_sources:
             types[target] = dialect.json_type
         else:
-            arrow = batch.schema.field(META_SOURCES.get(src, src)).type
-            types[target] = dialect.type_of(arrow, target in keys)
+            types[target] = dialect.type_of(source_type(src, batch), target in keys)
     return types
+
+
+def source_type(src: str, batch: pa.Table) -> pa.DataType:
+    """The Arrow type of a mapped source (a payload column or a message column) in ``batch``."""
+    return batch.schema.field(META_SOURCES.get(src, src)).type
+
+
+def json_values(column: pa.ChunkedArray | pa.Array) -> list[Any]:
+    """A nested column's values as JSON-ready Python values: maps as objects (the last of a
+    repeated key wins), at any depth (``to_pylist`` gives a map as a list of pairs)."""
+    import warnings
+
+    with warnings.catch_warnings():  # "lossy" warns about a repeated key; the last one wins
+        warnings.simplefilter("ignore")
+        return column.to_pylist(maps_as_pydicts="lossy")
 
 
 def check_columns(table: str, mapping: dict[str, str], existing: Collection[str]) -> None:
@@ -180,6 +206,168 @@ def check_columns(table: str, mapping: dict[str, str], existing: Collection[str]
         raise PermanentSinkError(
             f"table {table} has no column(s) {', '.join(missing)} (it has {', '.join(existing)})"
         )
+
+
+# -- tables that evolve (auto_evolve) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableColumn:
+    """A column of the target table, as the database's information_schema describes it."""
+
+    name: str
+    data_type: str  # information_schema's data type, lower case (``integer``, ``bigint``...)
+    nullable: bool
+    has_default: bool  # a default, identity, auto-increment or generated value
+    precision: int | None = None  # a decimal column's precision (None: unconstrained)
+    scale: int | None = None  # a decimal column's scale
+    fraction_digits: int | None = None  # a timestamp or time column's fractional digits
+    unsigned: bool = False  # MySQL's UNSIGNED integers
+
+
+_INT_BITS = {"tinyint": 8, "smallint": 16, "mediumint": 24, "int": 32, "integer": 32, "bigint": 64}
+_FLOAT_BITS = {"real": 32, "float": 32, "double precision": 64, "double": 64}
+_DECIMALS = frozenset({"numeric", "decimal"})
+_TEXTS = frozenset(
+    {"text", "character varying", "character", "varchar", "char", "tinytext", "mediumtext"}
+    | {"longtext", "enum", "set", "uuid"}
+)
+_BINARIES = frozenset(
+    {"bytea", "binary", "varbinary", "tinyblob", "blob", "mediumblob", "longblob"}
+)
+_JSONS = frozenset({"json", "jsonb"})
+_TIMESTAMPS = frozenset(
+    {"timestamp with time zone", "timestamp without time zone", "datetime", "timestamp"}
+)
+_TIMES = frozenset({"time with time zone", "time without time zone", "time"})
+#: Decimal digits an integer of so many bits (signed, unsigned) needs.
+_INT_DIGITS = {(8, True): 3, (16, True): 5, (32, True): 10, (64, True): 19}
+_INT_DIGITS |= {(8, False): 3, (16, False): 5, (32, False): 10, (64, False): 20}
+_FRACTION_DIGITS = {"s": 0, "ms": 3, "us": 6, "ns": 6}  # ns: written as microseconds
+
+
+def _holds_integer(t: pa.DataType, col: TableColumn) -> bool:
+    """Whether ``col`` holds every value of the integer type ``t``."""
+    signed = pa.types.is_signed_integer(t)
+    kind = col.data_type
+    if kind in _INT_BITS:
+        bits = _INT_BITS[kind]
+        if col.unsigned:
+            return not signed and bits >= t.bit_width
+        return bits >= t.bit_width + (0 if signed else 1)
+    if kind in _DECIMALS:
+        digits = _INT_DIGITS[(t.bit_width, signed)]
+        return col.precision is None or col.precision - (col.scale or 0) >= digits
+    # A float's mantissa holds integers of 24 (real) or 53 (double) bits exactly.
+    return kind in _FLOAT_BITS and t.bit_width <= (16 if _FLOAT_BITS[kind] == 32 else 32)
+
+
+def _holds_decimal(t: pa.Decimal128Type, col: TableColumn) -> bool:
+    if col.data_type not in _DECIMALS:
+        return False
+    if col.precision is None:
+        return True
+    scale = col.scale or 0
+    return col.precision - scale >= t.precision - t.scale and scale >= t.scale
+
+
+def _holds(t: pa.DataType, col: TableColumn) -> bool:
+    """Whether ``col`` holds every value of Arrow type ``t`` (``type_problem`` knows ``col``)."""
+    kind = col.data_type
+    if pa.types.is_dictionary(t):
+        return _holds(t.value_type, col)
+    if pa.types.is_boolean(t):
+        return kind == "boolean" or kind in _INT_BITS
+    if pa.types.is_integer(t):
+        return _holds_integer(t, col)
+    if pa.types.is_floating(t):
+        return kind in _FLOAT_BITS and _FLOAT_BITS[kind] >= t.bit_width
+    if pa.types.is_decimal(t):
+        return _holds_decimal(t, col)
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return kind in _TEXTS
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return kind in _BINARIES
+    if pa.types.is_timestamp(t) or pa.types.is_time(t):
+        kinds = _TIMESTAMPS if pa.types.is_timestamp(t) else _TIMES
+        digits = col.fraction_digits
+        return kind in kinds and (digits is None or digits >= _FRACTION_DIGITS[t.unit])
+    if pa.types.is_date(t):
+        return kind == "date" or kind in _TIMESTAMPS
+    if pa.types.is_nested(t):
+        return kind in _JSONS or kind in _TEXTS
+    return True  # a type this table does not judge (null): the server does
+
+
+_KNOWN_KINDS = (
+    (_TEXTS | _BINARIES | _JSONS | _TIMESTAMPS | _TIMES | _DECIMALS | {"boolean", "date"})
+    | set(_INT_BITS)
+    | set(_FLOAT_BITS)
+)
+
+
+def type_problem(t: pa.DataType, col: TableColumn) -> str | None:
+    """Why column ``col`` cannot hold every value of Arrow type ``t`` (a narrowing), or None.
+
+    A column type this does not know (PostgreSQL's arrays, enums, domains...) is left to the
+    server, row by row."""
+    if col.data_type not in _KNOWN_KINDS or _holds(t, col):
+        return None
+    size = (
+        f"({col.precision},{col.scale or 0})"
+        if col.data_type in _DECIMALS and col.precision is not None
+        else ""
+    )
+    sign = " unsigned" if col.unsigned else ""
+    return f"the table's {col.data_type}{size}{sign} column cannot hold the batch's {t}"
+
+
+def evolution(
+    table: str,
+    mapping: dict[str, str],
+    batch: pa.Table,
+    dialect: SqlDialect,
+    existing: dict[str, TableColumn],
+    keys: Collection[str] = (),
+) -> dict[str, str]:
+    """The columns ``auto_evolve`` adds to ``table`` for ``batch`` (target -> type, from
+    ``column_types``: the types create_table gives), after checking the columns it keeps.
+
+    PermanentSinkError naming the column for a narrowing (``type_problem``), for a NOT NULL
+    column without a default that the batch does not carry, and for a missing upsert key (an
+    added column is nullable, never a key)."""
+    for target, src in mapping.items():
+        col = existing.get(target)
+        if col is None or src in dialect.json_sources:
+            continue
+        problem = type_problem(source_type(src, batch), col)
+        if problem:
+            raise PermanentSinkError(
+                f"table {table}, column {target}: {problem} (a narrowing: auto_evolve adds "
+                "columns, it never changes a column's type)"
+            )
+    required = [
+        c.name
+        for c in existing.values()
+        if not c.nullable and not c.has_default and c.name not in mapping
+    ]
+    if required:
+        raise PermanentSinkError(
+            f"table {table} has NOT NULL column(s) without a default that the batch does not carry: "
+            f"{', '.join(required)} (a required column was removed from the data, or is not mapped)"
+        )
+    added = {
+        t: typ
+        for t, typ in column_types(mapping, batch, dialect, keys).items()
+        if t not in existing
+    }
+    missing_keys = [k for k in keys if k in added]
+    if missing_keys:
+        raise PermanentSinkError(
+            f"table {table} has no upsert key column(s) {', '.join(missing_keys)}: auto_evolve adds only "
+            "nullable columns, never a key"
+        )
+    return added
 
 
 # -- statement text built by Arrow (the PostgreSQL COPY text, the MySQL literals) -------------
