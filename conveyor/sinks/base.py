@@ -372,6 +372,22 @@ class UrlSinkConfig(SinkConfig):
         return url_env_alias(data)
 
 
+def credential_rules(username: Any, password: Any, token: Any, *, token_field: str) -> None:
+    """Config rules of a sink that logs in by username and password or by a token (named
+    ``token_field`` in its config): the two halves of a login together or not at all, and
+    not with a token."""
+    rule(
+        (username is None) == (password is None),
+        "give both username and password, or neither",
+        field="password",
+    )
+    rule(
+        not (token and username),
+        f"give {token_field} or username/password, not both",
+        field=token_field,
+    )
+
+
 def require(condition: bool, message: str, *, field: str) -> None:
     """Raise ConfigError naming ``field`` unless ``condition`` holds (in ``Sink.validate``; a
     config model's validator uses ``core.errors.rule``)."""

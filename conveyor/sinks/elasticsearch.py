@@ -58,6 +58,7 @@ from conveyor.sinks.base import (
     SendResult,
     Sink,
     SinkConfig,
+    credential_rules,
     framed_id,
     id_field,
     iter_records,
@@ -190,16 +191,7 @@ class ElasticsearchSinkConfig(SinkConfig):
             )
         problems = template_problems(self.index) if known_now(self.index) else []
         rule(not problems, "; ".join(problems), field="index")
-        rule(
-            (self.username is None) == (self.password is None),
-            "give both username and password, or neither",
-            field="password",
-        )
-        rule(
-            not (self.api_key and self.username),
-            "give api_key or username/password, not both",
-            field="api_key",
-        )
+        credential_rules(self.username, self.password, self.api_key, token_field="api_key")
         if self.ca_certs is not None:
             rule(bool(self.ca_certs.strip()), "must be a file path", field="ca_certs")
             rule(

@@ -54,6 +54,7 @@ from conveyor.sinks.base import (
     SendResult,
     Sink,
     SinkConfig,
+    credential_rules,
     iter_records,
     mapped_errors,
     payload_columns,
@@ -239,16 +240,7 @@ class GreptimeDBSinkConfig(SinkConfig):
     def _auth_rules(self) -> None:
         """Username and password together or not at all, not with a token; a CA file only
         with https."""
-        rule(
-            (self.username is None) == (self.password is None),
-            "give both username and password, or neither",
-            field="password",
-        )
-        rule(
-            not (self.token and self.username),
-            "give token or username/password, not both",
-            field="token",
-        )
+        credential_rules(self.username, self.password, self.token, token_field="token")
         if self.tls_ca_file is not None:
             rule(
                 not known_now(self.url) or self.url.startswith("https://"),
