@@ -58,6 +58,7 @@ LAYERS = {
     "conveyor.core": 0,
     "conveyor.store": 1,
     "conveyor.brokers": 2,
+    "conveyor.formats": 2,
     "conveyor.spark": 3,
     "conveyor.sinks": 4,
     "conveyor.sources": 4,

@@ -1,0 +1,254 @@
+"""Avro payloads into Arrow: Confluent-framed records with a registry, or plain Avro with a schema file.
+
+Each record is read by fastavro's ``schemaless_reader(payload, writer, reader)``: the writer
+schema is the one the record's frame names (looked up by id once, parsed once, cached), the
+reader schema the one shape every record of the batch decodes into, so records written with
+several schema versions land in one table (fields added with a default appear, removed ones
+go, as Avro's schema resolution says). The reader schema is:
+
+- the ``reader_schema`` given (Avro schema JSON text); or
+- ``latest``: the subject's newest version, asked again when a batch holds a record whose
+  writer id is newer (greater) than the reader's, so a field added mid-stream is a column
+  from the batch that first carries it; or
+- none given: the newest writer schema seen so far (the greatest id), so the shape only
+  grows as newer writers appear, and older records read with it (their missing fields get
+  the newer schema's defaults).
+
+A record the reader schema cannot read (an incompatible change) is a failed row naming
+fastavro's reason. Types map as ``conveyor.formats.avro_arrow`` says.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import fastavro
+from fastavro.read import SchemaResolutionError
+
+from conveyor.core.errors import ConfigError
+from conveyor.core.home import conveyor_home
+from conveyor.formats.avro_arrow import AvroTypeError, record_type
+from conveyor.formats.decoded import Convert, Decoded, converted, payloads, table_of_records
+from conveyor.formats.frame import FrameError, read_frame
+from conveyor.formats.registry import Registry, UnknownSchema
+
+LATEST = "latest"
+
+
+class ParsedSchema:
+    """A parsed Avro schema with its named types, its Arrow row type and converter."""
+
+    def __init__(self, raw: Any, named: dict[str, Any] | None = None):
+        self.named: dict[str, Any] = dict(named or {})
+        self.parsed = fastavro.parse_schema(raw, named_schemas=self.named)
+        self.row_type, self.convert = record_type(self.parsed, self.named)
+
+
+def parse_avro(text: str, *, what: str, named: dict[str, Any] | None = None) -> ParsedSchema:
+    """``text`` (Avro schema JSON) parsed; ValueError naming ``what`` when it is not one."""
+    try:
+        return ParsedSchema(json.loads(text), named)
+    except AvroTypeError as e:
+        raise ValueError(f"{what} has no Arrow shape: {e}") from None
+    except (ValueError, TypeError, KeyError, fastavro.schema.SchemaParseException) as e:
+        raise ValueError(f"{what} is not an Avro schema: {e}") from None
+
+
+def schema_file_text(path: str, *, field: str) -> str:
+    """The text of an Avro schema file, which must lie under ``$CONVEYOR_HOME`` (a spec may
+    not make the run read any file of its host); ConfigError naming ``field``."""
+    home = str(conveyor_home())
+    if ".." in PurePosixPath(path).parts:
+        raise ConfigError(f"{path!r}: '..' is not allowed", field=field)
+    full = path if os.path.isabs(path) else os.path.join(home, path)
+    real = os.path.realpath(full)
+    if os.path.commonpath([real, home]) != home or real == home:
+        raise ConfigError(
+            f"{path!r} is outside $CONVEYOR_HOME ({home}); put the schema file there",
+            field=field,
+        )
+    try:
+        return Path(real).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path!r} cannot be read: {e.strerror}", field=field) from None
+
+
+class AvroDecoder:
+    """Confluent-framed Avro with a registry, or (``schema_file``) plain Avro binary."""
+
+    def __init__(
+        self,
+        registry: Registry | None,
+        reader_schema: str | None,
+        subject: str | None,
+        schema_file: str | None,
+        *,
+        prefix: str = "transform",
+    ):
+        self.registry, self.subject, self.prefix = registry, subject, prefix
+        self.latest = reader_schema == LATEST
+        self._checked_id = -1  # the newest writer id the latest version was asked for
+        self._writers: dict[int, ParsedSchema] = {}
+        self._reader: ParsedSchema | None = None
+        self._reader_id = -1
+        self._file: ParsedSchema | None = None
+        if reader_schema is not None and not self.latest:
+            self._reader = _config_schema(reader_schema, field=f"{prefix}.reader_schema")
+        if schema_file is not None:
+            field = f"{prefix}.schema_file"
+            self._file = _config_schema(schema_file_text(schema_file, field=field), field=field)
+        elif registry is None:
+            raise ConfigError("decode avro needs schema_registry or schema_file", field=prefix)
+        if self.latest and not subject:
+            raise ConfigError("reader_schema latest needs the subject", field=f"{prefix}.subject")
+
+    def decode(self, values: Any) -> Decoded:
+        raw = payloads(values)
+        failed: dict[int, str] = {}
+        if self._file is not None:
+            return self._decode_plain(raw, self._file, failed)
+        frames: list[tuple[int, bytes] | None] = []
+        for i, value in enumerate(raw):
+            try:
+                framed = read_frame(value)
+                frames.append((framed.schema_id, framed.payload))
+            except FrameError as e:
+                frames.append(None)
+                failed[i] = str(e)
+        problems = self._load_writers({f[0] for f in frames if f is not None})
+        reader = self._choose_reader()
+        records: list[dict[str, Any] | None] = []
+        for i, entry in enumerate(frames):
+            record = None
+            if entry is not None:
+                sid, payload = entry
+                if sid in problems:
+                    failed[i] = problems[sid]
+                else:
+                    record = self._read(i, payload, self._writers[sid], reader, failed)
+            records.append(record)
+        assert reader is not None or not self._writers
+        row_type = reader.row_type if reader is not None else _EMPTY.row_type
+        return Decoded(table_of_records(records, row_type, failed), failed)
+
+    def _decode_plain(
+        self, raw: list[bytes], writer: ParsedSchema, failed: dict[int, str]
+    ) -> Decoded:
+        reader = self._reader or writer
+        records = [self._read(i, v, writer, reader, failed) for i, v in enumerate(raw)]
+        return Decoded(table_of_records(records, reader.row_type, failed), failed)
+
+    def _read(
+        self,
+        i: int,
+        payload: bytes,
+        writer: ParsedSchema,
+        reader: ParsedSchema | None,
+        failed: dict[int, str],
+    ) -> dict[str, Any] | None:
+        reader = reader or writer
+        buf = io.BytesIO(payload)
+        try:
+            value = fastavro.schemaless_reader(
+                buf,
+                writer.parsed,
+                None if reader is writer else reader.parsed,
+                return_named_type=True,
+            )
+        except SchemaResolutionError as e:
+            failed[i] = f"not readable with the reader schema: {e}"
+            return None
+        except Exception as e:  # fastavro raises what its reading hits (EOFError, ValueError...)
+            failed[i] = f"not Avro of its writer schema: {type(e).__name__}: {e}"
+            return None
+        if buf.tell() != len(payload):
+            failed[i] = (
+                f"not Avro of its writer schema: {len(payload) - buf.tell()} bytes left over"
+            )
+            return None
+        return _convert_record(i, value, reader.convert, failed)
+
+    def _load_writers(self, ids: set[int]) -> dict[int, str]:
+        """Fetch and parse the writer schemas not cached yet; the ids that failed -> why."""
+        assert self.registry is not None
+        problems: dict[int, str] = {}
+        for sid in sorted(ids - set(self._writers)):
+            try:
+                schema = self.registry.schema(sid)
+            except UnknownSchema as e:
+                problems[sid] = str(e)
+                continue
+            if (schema.schema_type or "AVRO") != "AVRO":
+                problems[sid] = f"schema id {sid} is a {schema.schema_type} schema, not Avro"
+                continue
+            try:
+                named = self._references(schema.references or [])
+                self._writers[sid] = parse_avro(
+                    schema.schema_str or "", what=f"schema id {sid}", named=named
+                )
+            except ValueError as e:
+                problems[sid] = str(e)
+        return problems
+
+    def _references(self, refs: list[Any], named: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Named types of a schema's references (recursively), for fastavro's parser."""
+        assert self.registry is not None
+        named = {} if named is None else named
+        for ref in refs:
+            found = self.registry.version(ref.subject, ref.version)
+            self._references(found.schema.references or [], named)
+            fastavro.parse_schema(json.loads(found.schema.schema_str or ""), named_schemas=named)
+        return named
+
+    def _choose_reader(self) -> ParsedSchema | None:
+        if self._reader is not None and not self.latest:
+            return self._reader
+        newest = max(self._writers, default=-1)
+        if newest > self._reader_id:
+            if self.latest:
+                if newest > self._checked_id:
+                    self._refresh_latest()
+                    self._checked_id = newest
+            else:
+                self._reader, self._reader_id = self._writers[newest], newest
+        return self._reader
+
+    def _refresh_latest(self) -> None:
+        assert self.registry is not None and self.subject is not None
+        latest = self.registry.latest(self.subject)
+        sid = int(latest.schema_id or -1)
+        if sid == self._reader_id:
+            return
+        try:
+            named = self._references(latest.schema.references or [])
+            self._reader = parse_avro(
+                latest.schema.schema_str or "", what=f"subject {self.subject!r}", named=named
+            )
+        except ValueError as e:
+            raise ConfigError(str(e), field=f"{self.prefix}.reader_schema") from None
+        self._reader_id = sid
+
+
+def _convert_record(
+    i: int, value: Any, convert: Convert, failed: dict[int, str]
+) -> dict[str, Any] | None:
+    try:
+        record: dict[str, Any] = converted(convert, value)
+    except (ValueError, TypeError) as e:
+        failed[i] = f"not convertible to Arrow: {e}"
+        return None
+    return record
+
+
+def _config_schema(text: str, *, field: str) -> ParsedSchema:
+    try:
+        return parse_avro(text, what="the schema")
+    except ValueError as e:
+        raise ConfigError(str(e), field=field) from None
+
+
+_EMPTY = ParsedSchema({"type": "record", "name": "Empty", "fields": []})

@@ -1,0 +1,84 @@
+"""What every payload decoder returns: the records as Arrow columns, and the rows that failed.
+
+The contract (``PayloadDecoder``): ``decode`` takes a batch's payloads (binary, no nulls) and
+returns one row per payload, the payload's fields as columns; a payload that cannot be decoded
+(an unknown schema id, a corrupt frame, content its schema does not allow, a record the
+reader schema cannot read) is an all-null row and an entry of ``failed`` saying why, for the
+connector's failure policy. ``decode`` raises only for what is not a record's fault: a
+registry outage (``TransientSinkError``: the batch is retried) or refused credentials
+(``ConfigError``). Decoders keep state between batches (schemas by id, the reader shape), so
+one decoder serves one topic's stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded batch: ``table`` has one row per input payload (failed rows all null), the
+    payload's top-level fields as columns; ``failed`` maps an input row index to why."""
+
+    table: pa.Table
+    failed: dict[int, str]
+
+
+class PayloadDecoder(Protocol):
+    """Decodes a batch of payloads (binary, no nulls) into ``Decoded`` (see the module)."""
+
+    def decode(self, values: pa.Array) -> Decoded: ...
+
+
+# Converts a decoded value (a library's Python object) into what ``pa.array`` takes for the
+# value's Arrow type; None where the value is taken as it is.
+Convert = Callable[[Any], Any] | None
+
+
+def converted(convert: Convert, value: Any) -> Any:
+    """``value`` through ``convert`` (None passes through; no converter: as it is)."""
+    if value is None or convert is None:
+        return value
+    return convert(value)
+
+
+def table_of_records(
+    records: list[dict[str, Any] | None], row_type: pa.StructType, failed: dict[int, str]
+) -> pa.Table:
+    """A table with ``row_type``'s fields as columns, one row per record (None: an all-null
+    row). Every column is nullable: a failed row is null in each. A record Arrow refuses
+    (a value outside its column's type) becomes a failed row in ``failed``."""
+    try:
+        array = pa.array(records, type=row_type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        for i, record in enumerate(records):
+            if record is None:
+                continue
+            try:
+                pa.array([record], type=row_type)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+                records[i] = None
+                failed[i] = f"a value does not fit its column's type: {e}"
+        array = pa.array(records, type=row_type)
+    assert isinstance(array, pa.StructArray)
+    columns = array.flatten()
+    fields = [row_type.field(i).with_nullable(True) for i in range(row_type.num_fields)]
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def payloads(values: pa.Array | pa.ChunkedArray) -> list[bytes]:
+    """A batch's payloads as Python bytes (binary or large binary, no nulls)."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if not (pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)):
+        raise TypeError(f"payloads must be binary, not {values.type}")
+    out: list[bytes] = values.to_pylist()
+    return out
+
+
+class RowFailure(Exception):
+    """One record cannot be decoded; the message says why (it becomes ``failed[i]``)."""

@@ -1,0 +1,162 @@
+"""A ``SchemaRegistrySpec`` as confluent-kafka's ``SchemaRegistryClient``, and what its failures mean.
+
+``Registry`` wraps the client (which caches schemas by id, ``cache_capacity``) and classifies
+every failure once:
+
+- connection refused or reset, a timeout, HTTP 5xx or 429: ``TransientSinkError``, an outage
+  (the loop retries the batch with backoff and shows the connector Degraded);
+- HTTP 401 / 403: ``ConfigError`` naming ``<prefix>.basic_auth_user`` or
+  ``<prefix>.bearer_token`` (no retry fixes refused credentials);
+- an unknown schema id (HTTP 404, error 40403): ``UnknownSchema``, which a decoder turns into
+  a failed row (the record's fault, for the failure policy);
+- a missing subject or version (40401 / 40402): ``ConfigError`` naming the subject.
+
+Secrets are resolved through ``conveyor.core.secrets.resolve`` when the client is built (the
+password) or at each request (the bearer token, so a rotated token file works); no error text
+carries them (the server's message is scrubbed, ``conveyor.core.scrubbing``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+from confluent_kafka.schema_registry import RegisteredSchema, Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+from conveyor.core import scrubbing
+from conveyor.core.errors import ConfigError, TransientSinkError
+from conveyor.core.schema_registry import SR_SSL_FIELDS, SchemaRegistrySpec
+from conveyor.core.secrets import resolve
+
+SCHEMA_NOT_FOUND = 40403
+SUBJECT_NOT_FOUND = 40401
+VERSION_NOT_FOUND = 40402
+# The client's own retries stay short: a longer outage is the loop's to retry (with backoff,
+# Degraded shown), not a request hanging inside one batch.
+CLIENT_RETRIES = {"max.retries": 1, "retries.wait.ms": 200, "retries.max.wait.ms": 1000}
+
+
+class UnknownSchema(LookupError):
+    """The registry has no schema with this id: the record's fault (a failed row)."""
+
+
+def check_files(spec: SchemaRegistrySpec, *, prefix: str) -> None:
+    """Every certificate / key file of the section is readable (ConfigError naming the field),
+    the rule ``conveyor.brokers.connection.check_files`` applies to a Kafka connection."""
+    for name in SR_SSL_FIELDS:
+        path = getattr(spec, name)
+        if path:
+            try:
+                open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
+            except OSError as e:
+                raise ConfigError(
+                    f"{path!r} cannot be read: {e.strerror}", field=f"{prefix}.{name}"
+                ) from None
+
+
+def client_config(spec: SchemaRegistrySpec, *, prefix: str) -> dict[str, Any]:
+    """confluent-kafka's registry client configuration (secrets resolved: never log it)."""
+    check_files(spec, prefix=prefix)
+    conf: dict[str, Any] = {
+        "url": spec.url,
+        "timeout": spec.timeout_s,
+        "cache.capacity": spec.cache_capacity,
+        **CLIENT_RETRIES,
+    }
+    if spec.ssl_cafile:
+        conf["ssl.ca.location"] = spec.ssl_cafile
+    if spec.ssl_certfile:
+        conf["ssl.certificate.location"] = spec.ssl_certfile
+        conf["ssl.key.location"] = spec.ssl_keyfile
+    if spec.basic_auth_user is not None and spec.basic_auth_password is not None:
+        password = resolve(spec.basic_auth_password, field=f"{prefix}.basic_auth_password")
+        conf["basic.auth.user.info"] = f"{spec.basic_auth_user}:{password}"
+    if spec.bearer_token is not None:
+        ref, field = spec.bearer_token, f"{prefix}.bearer_token"
+        resolve(ref, field=field)  # fail now, not at the first request
+
+        def bearer(_config: dict[str, Any]) -> dict[str, str]:
+            # confluent-kafka sends 'target-sr-cluster' with the token; only Confluent Cloud
+            # reads it, so it stays empty.
+            token: str = resolve(ref, field=field)
+            return {"bearer.auth.token": token, "bearer.auth.logical.cluster": ""}
+
+        conf["bearer.auth.credentials.source"] = "CUSTOM"
+        conf["bearer.auth.custom.provider.function"] = bearer
+        conf["bearer.auth.custom.provider.config"] = {}
+    return conf
+
+
+def registry_error(
+    error: Exception, spec: SchemaRegistrySpec, *, prefix: str, what: str
+) -> Exception:
+    """What a failure of the registry client means (see the module); ``what`` names the
+    request (``schema id 42``)."""
+    where = f"schema registry {spec.url}"
+    if isinstance(error, SchemaRegistryError):
+        status, code = error.http_status_code, error.error_code
+        text = scrubbing.scrub(str(error.error_message))
+        if status in (401, 403):
+            field = (
+                f"{prefix}.bearer_token"
+                if spec.bearer_token is not None
+                else f"{prefix}.basic_auth_user"
+            )
+            return ConfigError(
+                f"the {where} refused the credentials (HTTP {status}) for {what}", field=field
+            )
+        if status == 429 or status >= 500 or status < 0:
+            return TransientSinkError(f"{where} unavailable (HTTP {status}) for {what}: {text}")
+        if code == SCHEMA_NOT_FOUND or (status == 404 and what.startswith("schema id")):
+            return UnknownSchema(f"unknown schema id: {what} is not in the {where}")
+        if code in (SUBJECT_NOT_FOUND, VERSION_NOT_FOUND):
+            return ConfigError(f"{what}: not in the {where} ({text})", field=f"{prefix}.url")
+        return ConfigError(
+            f"the {where} refused {what} (HTTP {status}): {text}", field=f"{prefix}.url"
+        )
+    if isinstance(error, (httpx.TransportError, OSError, TimeoutError)):
+        kind = type(error).__name__
+        return TransientSinkError(
+            f"{where} unreachable for {what}: {kind}: {scrubbing.scrub(str(error))}"
+        )
+    return error
+
+
+class Registry:
+    """A registry client for one section; every call's failure classified (see the module)."""
+
+    def __init__(self, spec: SchemaRegistrySpec, *, prefix: str = "schema_registry"):
+        self.spec, self.prefix = spec, prefix
+        self.client = SchemaRegistryClient(client_config(spec, prefix=prefix))
+        self._latest_lock = threading.Lock()
+
+    def _fail(self, error: Exception, what: str) -> Exception:
+        return registry_error(error, self.spec, prefix=self.prefix, what=what)
+
+    def schema(self, schema_id: int, fmt: str | None = None) -> Schema:
+        """The schema with this id (cached by the client); UnknownSchema when there is none."""
+        try:
+            found: Schema = self.client.get_schema(schema_id, fmt=fmt)
+        except Exception as e:
+            raise self._fail(e, f"schema id {schema_id}") from None
+        return found
+
+    def version(self, subject: str, version: int, fmt: str | None = None) -> RegisteredSchema:
+        """A subject's version (a schema's reference)."""
+        try:
+            found: RegisteredSchema = self.client.get_version(subject, version, True, fmt)
+        except Exception as e:
+            raise self._fail(e, f"subject {subject!r} version {version}") from None
+        return found
+
+    def latest(self, subject: str, fmt: str | None = None) -> RegisteredSchema:
+        """The subject's newest version, asked of the registry again (not the client's cache)."""
+        with self._latest_lock:
+            try:
+                self.client.clear_latest_caches()
+                found: RegisteredSchema = self.client.get_latest_version(subject, fmt)
+            except Exception as e:
+                raise self._fail(e, f"the latest version of subject {subject!r}") from None
+        return found
