@@ -753,17 +753,24 @@ class MetaStore:
         """Write offsets (next offset to read) for this run's generation, atomically fenced."""
         now = self.clock()
         with transient_errors("committing offsets"), self._tx() as c:
-            # The fencing UPDATE also takes the row lock that serialises against a bump.
-            res = c.execute(
-                t.connectors.update()
-                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
-                .values(updated_at=now)
-            )
-            if res.rowcount == 0:
-                raise FencedError(
-                    f"connector {name!r}: generation {generation} is no longer current; not committing"
-                )
+            self._fenced_touch(c, name, generation, now, "not committing")
             self._upsert_offsets(c, name, generation, offsets, now)
+
+    def _fenced_touch(
+        self, c: sa.Connection, name: str, generation: int, now: float, not_done: str
+    ) -> None:
+        """The fencing UPDATE a run's write starts with: it touches the connector's row only
+        at ``generation``, and takes the row lock that serialises against a bump. FencedError
+        (ending in ``not_done``) when the generation is no longer current."""
+        res = c.execute(
+            t.connectors.update()
+            .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+            .values(updated_at=now)
+        )
+        if res.rowcount == 0:
+            raise FencedError(
+                f"connector {name!r}: generation {generation} is no longer current; {not_done}"
+            )
 
     def heartbeat(
         self,
@@ -1074,15 +1081,7 @@ class MetaStore:
         (clears the request, records ``last_abandon_at``)."""
         now = self.clock()
         with self._tx() as c:
-            res = c.execute(
-                t.connectors.update()
-                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
-                .values(updated_at=now)
-            )
-            if res.rowcount == 0:
-                raise FencedError(
-                    f"connector {name!r}: generation {generation} is no longer current; state not stored"
-                )
+            self._fenced_touch(c, name, generation, now, "state not stored")
             values: dict[str, Any] = {
                 "version": version,
                 "state_json": json.dumps(state, sort_keys=True),
