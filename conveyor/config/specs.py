@@ -26,10 +26,10 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -213,21 +213,12 @@ def parse_spec(data: Any, *, source: str = "<spec>") -> tuple[ConnectorSpec, Sin
 
     References are checked for syntax, not resolved: a reference stands for text.
     """
-    if not isinstance(data, dict):
-        raise ConfigError(f"expected a mapping, got {type(data).__name__}", source=source)
-    try:
-        check_syntax(data)
-    except ConfigError as e:
-        raise ConfigError(str(e), source=source) from None
-    try:
-        spec = ConnectorSpec.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e), source=source) from None
-    try:
-        sink = parse_sink_config(spec.sink.model_dump())
-    except ConfigError as e:
-        raise ConfigError(str(e), source=source) from None
-    return spec, sink
+    return _parse(
+        data,
+        source,
+        ConnectorSpec.model_validate,
+        lambda spec: parse_sink_config(spec.sink.model_dump()),
+    )
 
 
 def parse_source_spec(
@@ -236,6 +227,27 @@ def parse_source_spec(
     """Validate one source connector's spec mapping; ConfigError naming the source and the field."""
     from conveyor.sources import parse_source_config
 
+    return _parse(
+        data,
+        source,
+        lambda d: SourceConnectorSpec.model_validate({**d, "kind": "source"}),
+        lambda spec: parse_source_config(spec.source.model_dump()),
+    )
+
+
+_Spec = TypeVar("_Spec")
+_Part = TypeVar("_Part")
+
+
+def _parse(
+    data: Any,
+    source: str,
+    validate: Callable[[dict[str, Any]], _Spec],
+    part: Callable[[_Spec], _Part],
+) -> tuple[_Spec, _Part]:
+    """The one flow of a sink's and a source's spec: a mapping, references' syntax, the
+    spec model (``validate``), then the sink's or source's own config model (``part``);
+    every ConfigError names ``source``."""
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping, got {type(data).__name__}", source=source)
     try:
@@ -243,11 +255,11 @@ def parse_source_spec(
     except ConfigError as e:
         raise ConfigError(str(e), source=source) from None
     try:
-        spec = SourceConnectorSpec.model_validate({**data, "kind": "source"})
+        spec = validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e), source=source) from None
     try:
-        config = parse_source_config(spec.source.model_dump())
+        config = part(spec)
     except ConfigError as e:
         raise ConfigError(str(e), source=source) from None
     return spec, config
