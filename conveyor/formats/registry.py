@@ -18,10 +18,10 @@ carries them (the server's message is scrubbed, ``conveyor.core.scrubbing``).
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any
 
-import httpx
 from confluent_kafka.schema_registry import RegisteredSchema, Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
@@ -36,6 +36,21 @@ VERSION_NOT_FOUND = 40402
 # The client's own retries stay short: a longer outage is the loop's to retry (with backoff,
 # Degraded shown), not a request hanging inside one batch.
 CLIENT_RETRIES = {"max.retries": 1, "retries.wait.ms": 200, "retries.max.wait.ms": 1000}
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The network errors of the HTTP client confluent-kafka uses: httpx2 where installed
+    (its preference), else httpx; both when both are."""
+    found: list[type[BaseException]] = [OSError, TimeoutError]
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(name).TransportError)
+        except ImportError:
+            continue
+    return tuple(found)
+
+
+TRANSPORT_ERRORS = _transport_errors()
 
 
 class UnknownSchema(LookupError):
@@ -116,7 +131,7 @@ def registry_error(
         return ConfigError(
             f"the {where} refused {what} (HTTP {status}): {text}", field=f"{prefix}.url"
         )
-    if isinstance(error, (httpx.TransportError, OSError, TimeoutError)):
+    if isinstance(error, TRANSPORT_ERRORS):
         kind = type(error).__name__
         return TransientSinkError(
             f"{where} unreachable for {what}: {kind}: {scrubbing.scrub(str(error))}"
