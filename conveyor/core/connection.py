@@ -18,7 +18,7 @@ these fields as references (``specs.resolved``) and the client resolves them, th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
@@ -225,6 +225,13 @@ class KafkaConnection(BaseModel):
     def _security(self) -> KafkaConnection:
         for problem in connection_problems(self):
             raise ValueError(problem)
+        return self
+
+    def with_default_bootstrap(self, default: str | None) -> Self:
+        """This connection, with ``default`` (the deployment's bootstrap servers: the
+        resource's ``kafka_bootstrap`` or $CONVEYOR_KAFKA_BOOTSTRAP) where it names none."""
+        if self.bootstrap_servers is None and default:
+            return self.model_copy(update={"bootstrap_servers": default})
         return self
 
 

@@ -37,9 +37,7 @@ def build_sink_loop(
     live = resolved(ls)  # holds secrets: used to build clients, never logged or stored
     assert live.spec is not None and live.sink is not None and ls.sink is not None
     spec = live.spec
-    source_spec = spec.source
-    if source_spec.bootstrap_servers is None and conveyor.bootstrap():
-        source_spec = source_spec.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
+    source_spec = spec.source.with_default_bootstrap(conveyor.bootstrap())
     context.log.info(
         f"connector {name} generation {gen} on broker {claim.broker_id or '-'} (Spark {remote}); "
         f"sink {'/'.join(ls.sink.asset_key_path())}; spec {(spec_hash or '-')[:12]}; resuming from "

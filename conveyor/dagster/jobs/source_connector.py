@@ -197,9 +197,7 @@ def _build_loop(
         context.log.warning(
             f"source connector {name}: abandon-batch requested; the first batch is skipped (data loss)"
         )
-    kafka = spec.kafka
-    if kafka.bootstrap_servers is None and conveyor.bootstrap():
-        kafka = kafka.model_copy(update={"bootstrap_servers": conveyor.bootstrap()})
+    kafka = spec.kafka.with_default_bootstrap(conveyor.bootstrap())
     route = (
         Route.build(spec.routing.route, fetch_mapping) if spec.routing.route is not None else None
     )
