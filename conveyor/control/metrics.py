@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from conveyor.core.model import ConnectorStatus
-from conveyor.store.meta import LIVE_STATUSES, MetaStore, UnknownConnectorError
+from conveyor.store.meta import LIVE_STATUSES, ConnectorRow, MetaStore, UnknownConnectorError
 
 COUNTERS = {
     "messages_out": (
@@ -193,6 +193,18 @@ def _highwaters(counters: dict[str, Any]) -> dict[str, int]:
     return {str(k): int(v) for k, v in hw.items() if isinstance(v, (int, float))}
 
 
+def row_head(r: ConnectorRow) -> dict[str, Any]:
+    """What every JSON view of a connector starts with (this exporter's, the CLI's and the
+    API's): its name, status, desired state, broker and generation."""
+    return {
+        "name": r.name,
+        "status": r.status.value,
+        "desired": r.desired.value,
+        "broker": r.broker_id,
+        "generation": r.generation,
+    }
+
+
 def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
     """Status, counters, and per partition the committed offset, high watermark and lag.
 
@@ -216,11 +228,7 @@ def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
             }
         )
     return {
-        "name": r.name,
-        "status": r.status.value,
-        "desired": r.desired.value,
-        "broker": r.broker_id,
-        "generation": r.generation,
+        **row_head(r),
         "heartbeat_at": r.heartbeat_at,
         "lag": r.counters.get("lag"),
         "partitions": partitions,

@@ -38,6 +38,7 @@ from conveyor.config.specs import (
     sync_one,
     write_spec_file,
 )
+from conveyor.control.metrics import destinations_json, row_head
 from conveyor.core.errors import ConfigError, ConveyorError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
 from conveyor.core.secrets import has_reference
@@ -263,8 +264,6 @@ class Operations:
     def destinations(self, name: str) -> dict[str, Any]:
         """A source connector's destinations: produced count, breaker, failures, last error;
         and its routing totals (rejected by reason, unmatched by action)."""
-        from conveyor.control.metrics import destinations_json
-
         row = self.row(name)
         routing = row.counters.get("routing") or {}
         info = self.store.source_state_info(name)
@@ -744,11 +743,7 @@ def _iso(ts: float | None) -> str | None:
 def row_summary(r: ConnectorRow) -> dict[str, Any]:
     """One connector's state as the CLI's ``--json`` and the API's ``conveyor`` section show it."""
     return {
-        "name": r.name,
-        "status": r.status.value,
-        "desired": r.desired.value,
-        "broker": r.broker_id,
-        "generation": r.generation,
+        **row_head(r),
         "run_id": r.run_id,
         "heartbeat_at": r.heartbeat_at,
         "counters": r.counters,
