@@ -30,7 +30,7 @@ from conveyor.core.errors import (
     PermanentSourceError,
     TransientSourceError,
 )
-from conveyor.core.loop import SourceBatch
+from conveyor.core.loop import SourceBatch, next_offsets_of
 from conveyor.core.model import (
     MESSAGE_SCHEMA,
     BatchPolicy,
@@ -125,22 +125,6 @@ def _headers_array(headers: list[Any]) -> pa.Array:
         offsets = pa.array([0] * (len(headers) + 1), pa.int32())
         return pa.ListArray.from_arrays(offsets, pa.array([], htype.value_type), type=htype)
     return pa.array([[{"key": k, "value": v} for k, v in (h or [])] for h in headers], htype)
-
-
-def next_offsets_of(table: pa.Table) -> Offsets:
-    """Per partition in ``table``: its last offset + 1 (grouped by Arrow, not per record)."""
-    if table.num_rows == 0:
-        return {}
-    g = table.group_by(["__topic", "__partition"]).aggregate([("__offset", "max")])
-    return {
-        TopicPartition(t, p): o + 1
-        for t, p, o in zip(
-            g.column("__topic").to_pylist(),
-            g.column("__partition").to_pylist(),
-            g.column("__offset_max").to_pylist(),
-            strict=True,
-        )
-    }
 
 
 SourceClient = Literal["confluent", "kafka-python"]

@@ -973,10 +973,17 @@ def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
 
 
 def next_offsets_of(table: pa.Table) -> Offsets:
-    """Per partition: max offset + 1 (what a commit after this table stores)."""
-    out: Offsets = {}
-    for topic, part, off in _all_coords(table):
-        tp = TopicPartition(topic, part)
-        if off + 1 > out.get(tp, -1):
-            out[tp] = off + 1
-    return out
+    """Per partition in ``table``: its last offset + 1, what a commit after this table stores
+    (grouped by Arrow, not per record)."""
+    if table.num_rows == 0:
+        return {}
+    g = table.group_by([TOPIC_COL, PARTITION_COL]).aggregate([(OFFSET_COL, "max")])
+    return {
+        TopicPartition(t, p): o + 1
+        for t, p, o in zip(
+            g.column(TOPIC_COL).to_pylist(),
+            g.column(PARTITION_COL).to_pylist(),
+            g.column(f"{OFFSET_COL}_max").to_pylist(),
+            strict=True,
+        )
+    }
