@@ -91,6 +91,7 @@ class AvroDecoder:
     ):
         self.registry, self.subject, self.prefix = registry, subject, prefix
         self.latest = reader_schema == LATEST
+        self._fixed = reader_schema is not None and not self.latest  # a reader schema given
         self._checked_id = -1  # the newest writer id the latest version was asked for
         self._writers: dict[int, ParsedSchema] = {}
         self._reader: ParsedSchema | None = None
@@ -205,7 +206,7 @@ class AvroDecoder:
         return named
 
     def _choose_reader(self) -> ParsedSchema | None:
-        if self._reader is not None and not self.latest:
+        if self._fixed:
             return self._reader
         newest = max(self._writers, default=-1)
         if newest > self._reader_id:

@@ -9,10 +9,10 @@ Avro -> Arrow (``avro_shape``; the values are fastavro's, read with ``return_nam
 | bytes, fixed | binary, fixed_size_binary(size) |
 | decimal (bytes or fixed) | decimal128(p, s); p > 38: decimal256(p, s) (Spark holds 38 digits) |
 | date | date32 |
-| time-millis, time-micros | time32(ms), time64(us) |
+| time-millis, time-micros | int64, microseconds since midnight (Spark 4's server refuses TIME: ``UNSUPPORTED_TIME_TYPE``) |
 | timestamp-millis, -micros, -nanos | timestamp(ms / us / ns, tz=UTC) |
 | local-timestamp-millis, -micros, -nanos | timestamp(ms / us / ns), no time zone |
-| record | struct (a field nullable when its type is a union with null) |
+| record | struct (its fields nullable, whatever the schema: see ``decoded``) |
 | array, map | list<item>, map<string, value> |
 | union [null, X] (either order) | X, nullable |
 | other unions | struct with one field per member (named by its type: ``int``, ``string``, a named type's short name), exactly one set; nullable when null is a member |
@@ -132,10 +132,10 @@ def _logical(schema: Mapping[str, Any], kind: str, logical: str) -> Shape | None
         return Shape(pa.string(), False, str)
     if logical == "date" and kind == "int":
         return Shape(pa.date32(), False)
-    if logical == "time-millis" and kind == "int":
-        return Shape(pa.time32("ms"), False)
-    if logical == "time-micros" and kind == "long":
-        return Shape(pa.time64("us"), False)
+    if logical in ("time-millis", "time-micros") and kind in ("int", "long"):
+        # Spark Connect's server refuses TIME columns (UNSUPPORTED_TIME_TYPE, Spark 4.x), so a
+        # time of day crosses as its microseconds since midnight.
+        return Shape(pa.int64(), False, micros_of_day)
     m = re.fullmatch(r"(local-)?timestamp-(millis|micros|nanos)", logical)
     if m and kind == "long":
         tz = None if m.group(1) else "UTC"
@@ -143,12 +143,19 @@ def _logical(schema: Mapping[str, Any], kind: str, logical: str) -> Shape | None
     return None  # an unknown logical type: its base type (the Avro specification)
 
 
+def micros_of_day(t: dt.time) -> int:
+    """A time of day as microseconds since midnight (how Avro's time-micros stores it)."""
+    return ((t.hour * 60 + t.minute) * 60 + t.second) * 1_000_000 + t.microsecond
+
+
 def _record(schema: Mapping[str, Any], named: Mapping[str, Any], seen: tuple[str, ...]) -> Shape:
     fields: list[pa.Field] = []
     convs: list[tuple[str, Callable[[Any], Any]]] = []
     for f in schema["fields"]:
         shape = _shape(f["type"], named, seen)
-        fields.append(pa.field(f["name"], shape.type, shape.nullable))
+        fields.append(
+            pa.field(f["name"], shape.type, True)
+        )  # struct fields are all nullable: see STRUCT_FIELDS_NULLABLE in conveyor.formats.decoded
         if shape.convert is not None:
             convs.append((f["name"], shape.convert))
     if not convs:

@@ -34,6 +34,13 @@ class PayloadDecoder(Protocol):
     def decode(self, values: pa.Array) -> Decoded: ...
 
 
+# A struct's fields are nullable in every decoded table, whatever the schema says (a record
+# field without null in its union, a required JSON property, a proto3 scalar): a null struct
+# (a null nested record, a failed row) holds nulls in its children, and Spark Connect's
+# client refuses such a result (``toArrow``: "nulls in input cannot be viewed as
+# non-nullable"). Nullability of list items and map values is kept.
+STRUCT_FIELDS_NULLABLE = True
+
 # Converts a decoded value (a library's Python object) into what ``pa.array`` takes for the
 # value's Arrow type; None where the value is taken as it is.
 Convert = Callable[[Any], Any] | None

@@ -7,7 +7,8 @@ confluent-kafka's ``JSONDeserializer`` does). A record that does not validate is
 naming the first error's path (``$.items[2].qty: -1 is less than the minimum of 0``).
 
 The Arrow type comes from the schema (``json_shape``): object with properties -> struct
-(required properties not null, others nullable), object with only ``additionalProperties``
+(every property nullable, required or not: see ``decoded``; ``required`` is checked by
+validation), object with only ``additionalProperties``
 -> map<string, V>, array -> list, integer -> int64, number -> float64, boolean -> bool,
 string -> string, except ``format: date-time`` -> timestamp(us, UTC) and ``format: date`` ->
 date32; a type list with ``"null"`` is nullable; anything else (no type, several types,
@@ -106,12 +107,13 @@ def _object(schema: Mapping[str, Any], resolver: Any, depth: int, nullable: bool
                 mtype, nullable, lambda m: [(k, converted(vconv, v)) for k, v in m.items()]
             )
         return JsonShape(pa.string(), True, json.dumps)
-    required = set(schema.get("required") or [])
     fields: list[pa.Field] = []
     convs: list[tuple[str, Callable[[Any], Any] | None]] = []
     for name, sub in props.items():
         shape = json_shape(sub, resolver, depth + 1)
-        fields.append(pa.field(name, shape.type, shape.nullable or name not in required))
+        fields.append(
+            pa.field(name, shape.type, True)
+        )  # struct fields are all nullable: see STRUCT_FIELDS_NULLABLE in conveyor.formats.decoded
         convs.append((name, shape.convert))
 
     def convert(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -97,8 +97,10 @@ def _message(desc: Descriptor, seen: tuple[str, ...]) -> tuple[pa.StructType, Re
     fields: list[pa.Field] = []
     readers: list[tuple[str, FieldDescriptor, Reader]] = []
     for fd in desc.fields:
-        dtype, nullable, field_reader = _field(fd, seen)
-        fields.append(pa.field(fd.name, dtype, nullable))
+        dtype, _, field_reader = _field(fd, seen)
+        fields.append(
+            pa.field(fd.name, dtype, True)
+        )  # struct fields are all nullable: see STRUCT_FIELDS_NULLABLE in conveyor.formats.decoded
         readers.append((fd.name, fd, field_reader))
 
     def read(msg: Any) -> dict[str, Any]:
