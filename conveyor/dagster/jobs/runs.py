@@ -250,6 +250,30 @@ class RunLoop(Protocol):
     def counters(self) -> Any: ...
 
 
+def run_loops(
+    ls: LoadedSpec,
+    canceled: Callable[[], bool],
+    *,
+    run_one: Callable[[LoadedSpec, str | None, Callable[[], bool]], RunLoop | None],
+    reconfigure: Callable[[LoadedSpec, str | None], tuple[LoadedSpec, str | None]],
+) -> RunLoop | None:
+    """The loops of one run, sink, source or partition task: ``run_one`` builds a loop for the
+    spec (and its hash) and runs it until it ends (None: nothing left to run); a loop that
+    ended for a reconfigure is followed by the next, once ``reconfigure`` gave the spec to run
+    with. Returns the last loop; raises DagsterExecutionInterruptedError for a terminate whose
+    interrupt never reached the op (see ``cancel_requested``)."""
+    running_hash = ls.spec_hash()
+    while True:
+        loop = run_one(ls, running_hash, canceled)
+        if loop is None:
+            return None
+        if canceled():
+            raise DagsterExecutionInterruptedError()
+        if not loop.reconfigure_requested:
+            return loop
+        ls, running_hash = reconfigure(ls, running_hash)
+
+
 def run_until_stopped(
     context: OpExecutionContext,
     store: MetaStore,
@@ -270,17 +294,17 @@ def run_until_stopped(
     counters; ``terminated`` says what a terminate kept."""
     name = ls.name
     canceled = cancel_requested(context)
-    running_hash = ls.spec_hash()
     loop: RunLoop | None = None
+
+    def reconfigure(
+        current: LoadedSpec, _running_hash: str | None
+    ) -> tuple[LoadedSpec, str | None]:
+        nonlocal ls  # the spec the run ends with (its retry delay)
+        ls, running_hash = next_spec(context, store, current)
+        return ls, running_hash
+
     try:
-        while True:
-            loop = run_one(ls, running_hash, canceled)
-            # A terminate whose interrupt never reached the op (see cancel_requested).
-            if canceled():
-                raise DagsterExecutionInterruptedError()
-            if not loop.reconfigure_requested:
-                break
-            ls, running_hash = next_spec(context, store, ls)
+        loop = run_loops(ls, canceled, run_one=run_one, reconfigure=reconfigure)
     except DagsterExecutionInterruptedError:
         store.release(
             name, generation, ConnectorStatus.STOPPED, f"run {context.run_id} terminated",

@@ -40,7 +40,7 @@ from conveyor.core.model import (
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.core.tasks import TaskSample
 from conveyor.dagster.jobs.progress import progress_logger
-from conveyor.dagster.jobs.runs import cancel_requested, next_spec
+from conveyor.dagster.jobs.runs import cancel_requested, next_spec, run_loops
 from conveyor.dagster.jobs.sink_loop import build_sink_loop
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_BROKER, TAG_TASK, TAG_TASK_GENERATION
@@ -177,38 +177,49 @@ def run_task(
     assert loaded.spec is not None
     run = _TaskRun.of(context, name, store, context.run.tags.get(TAG_BROKER))
     gen = run.generation
-    ls = loaded
-    interval = ls.spec.tasks.sample_interval_s  # type: ignore[union-attr]
-    grant = _first_grant(context, run)
-    if grant is None:
+    interval = loaded.spec.tasks.sample_interval_s
+    first = _first_grant(context, run)
+    if first is None:
         return
+    grant: Grant = first
     remote = _spark_remote(conveyor, store, run.broker_id)
-    running_hash = ls.spec_hash()
     canceled = cancel_requested(context)
     counters: Counters | None = None
+
+    def run_one(
+        ls: LoadedSpec, running_hash: str | None, canceled: Callable[[], bool]
+    ) -> ConnectorLoop | None:
+        """The loop over the task's partitions once they are handed over; None: it ends."""
+        nonlocal grant, counters
+        ready = _partitions_to_read(context, run, grant, canceled)
+        if ready is None:
+            return None
+        grant = ready
+        mine = frozenset(grant.owned)
+        committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
+        claim = Claim(name, gen, run.broker_id, committed)
+        loop = build_sink_loop(
+            context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
+        )
+        committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
+        loop.stop_requested = canceled
+        loop.on_progress = progress_logger(
+            context, ls, loop.dead_letters, extra=_task_metadata(run.task_id, committer)
+        )
+        _log_reads(context, run, mine, committed)
+        counters = run_loop(loop)
+        return loop
+
+    def reconfigure(ls: LoadedSpec, running_hash: str | None) -> tuple[LoadedSpec, str | None]:
+        """A new grant (a handover) and, when the stored spec changed, the new spec."""
+        nonlocal grant
+        grant = run.tasks.grant(name, run.task_id, gen)
+        if _spec_changed(store, name, running_hash):
+            return next_spec(context, store, ls)
+        return ls, running_hash
+
     try:
-        while (ready := _partitions_to_read(context, run, grant, canceled)) is not None:
-            grant = ready
-            mine = frozenset(grant.owned)
-            committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
-            claim = Claim(name, gen, run.broker_id, committed)
-            loop = build_sink_loop(
-                context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
-            )
-            committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
-            loop.stop_requested = canceled
-            loop.on_progress = progress_logger(
-                context, ls, loop.dead_letters, extra=_task_metadata(run.task_id, committer)
-            )
-            _log_reads(context, run, mine, committed)
-            counters = run_loop(loop)
-            if canceled():
-                raise DagsterExecutionInterruptedError()
-            if not loop.reconfigure_requested:
-                break
-            grant = run.tasks.grant(name, run.task_id, gen)
-            if _spec_changed(store, name, running_hash):
-                ls, running_hash = next_spec(context, store, ls)
+        run_loops(loaded, canceled, run_one=run_one, reconfigure=reconfigure)
     except DagsterExecutionInterruptedError:
         context.log.info(f"connector {name} task {run.task_id} stopped by terminate")
         raise
