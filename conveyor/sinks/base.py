@@ -428,6 +428,26 @@ def lookup_path(doc: Mapping[str, Any], path: str) -> Any:
     return cur
 
 
+def record_metadata(
+    record: Record,
+    *,
+    timestamp: Callable[[dt.datetime], Any],
+    key: Callable[[bytes], Any],
+    header: Callable[[bytes], Any],
+) -> dict[str, Any]:
+    """A message's coordinates, timestamp, key and headers, as a document sink stores them
+    beside the document (``metadata_field``): the timestamp, the key and each header's value
+    in the sink's own types (``timestamp``, ``key``, ``header``); None stays None."""
+    return {
+        "topic": record.topic,
+        "partition": record.partition,
+        "offset": record.offset,
+        "timestamp": timestamp(record.timestamp) if record.timestamp is not None else None,
+        "key": key(record.key) if record.key is not None else None,
+        "headers": [{"key": k, "value": header(v)} for k, v in record.headers],
+    }
+
+
 def framed_id(
     record: Record,
     doc: Mapping[str, Any],

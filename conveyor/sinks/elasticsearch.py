@@ -63,6 +63,7 @@ from conveyor.sinks.base import (
     id_field,
     iter_records,
     mapped_errors,
+    record_metadata,
     secret,
     text_of,
     tombstone_id_rule,
@@ -282,14 +283,9 @@ def document_of(record: Record, config: ElasticsearchSinkConfig) -> dict[str, An
     ):
         doc[config.timestamp_field] = _iso(record.timestamp)
     if config.metadata_field:
-        doc[config.metadata_field] = {
-            "topic": record.topic,
-            "partition": record.partition,
-            "offset": record.offset,
-            "timestamp": _iso(record.timestamp) if record.timestamp is not None else None,
-            "key": text_of(record.key) if record.key is not None else None,
-            "headers": [{"key": k, "value": text_of(v)} for k, v in record.headers],
-        }
+        doc[config.metadata_field] = record_metadata(
+            record, timestamp=_iso, key=text_of, header=text_of
+        )
     return doc
 
 

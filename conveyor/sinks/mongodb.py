@@ -67,6 +67,7 @@ from conveyor.sinks.base import (
     id_field,
     iter_records,
     mapped_errors,
+    record_metadata,
     secret,
     tombstone_id_rule,
 )
@@ -356,14 +357,7 @@ def document_id(record: Record, doc: Mapping[str, Any], id_strategy: str) -> Any
 
 def metadata_of(record: Record) -> dict[str, Any]:
     """The message's coordinates, timestamp, key and headers (header values stay bytes: BSON binary)."""
-    return {
-        "topic": record.topic,
-        "partition": record.partition,
-        "offset": record.offset,
-        "timestamp": record.timestamp,
-        "key": _key_value(record.key) if record.key is not None else None,
-        "headers": [{"key": k, "value": v} for k, v in record.headers],
-    }
+    return record_metadata(record, timestamp=lambda ts: ts, key=_key_value, header=lambda v: v)
 
 
 def build_operations(
