@@ -370,21 +370,14 @@ class ConnectorLoop(LoopControl):
         discarded, dead = self._apply_policy(sb.table, failures)
         # Dead letters are flushed, the sink acknowledged: only now may offsets move.
         self._acked = sb.next_offsets
-        self._commit_acknowledged()
-        self._outage.recovered()
-        now = self.clock()
-        self._latencies.append(now - started)
-        self._rate_window.append((now, sent))
-        c = self.counters
-        self.counters = replace(
-            c,
-            messages_in=c.messages_in + n_in,
-            messages_out=c.messages_out + sent,
-            filtered=c.filtered + tr.filtered,
-            failed=c.failed + len(failures),
-            discarded=c.discarded + discarded,
-            dead_lettered=c.dead_lettered + dead,
-            batches=c.batches + 1,
+        self._batch_done(
+            started,
+            messages_in=n_in,
+            messages_out=sent,
+            filtered=tr.filtered,
+            failed=len(failures),
+            discarded=discarded,
+            dead_lettered=dead,
         )
         if self.status == ConnectorStatus.DEGRADED:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
@@ -431,19 +424,12 @@ class ConnectorLoop(LoopControl):
             at = position()
             sent_before = sum(1 for c in _all_coords(table) if at[c] < cut)
             self._acked = offsets_before(sb.table, cut, sb.next_offsets)
-        self._commit_acknowledged()
-        self._outage.recovered()
-        now = self.clock()
-        self._latencies.append(now - started)
-        self._rate_window.append((now, sent_before))
-        c = self.counters
-        self.counters = replace(
-            c,
-            messages_in=c.messages_in + done,
-            messages_out=c.messages_out + sent_before,
-            filtered=c.filtered + (tr.filtered if first is None else 0),
-            failed=c.failed + (1 if first is not None else 0),
-            batches=c.batches + 1,
+        self._batch_done(
+            started,
+            messages_in=done,
+            messages_out=sent_before,
+            filtered=tr.filtered if first is None else 0,
+            failed=1 if first is not None else 0,
         )
         if first is not None:
             self._heartbeat(force=True)
@@ -460,6 +446,16 @@ class ConnectorLoop(LoopControl):
         if self.status == ConnectorStatus.DEGRADED:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
+
+    def _batch_done(self, started: float, *, messages_out: int, **counts: int) -> None:
+        """A batch is over and ``_acked`` holds what it acknowledged: commit it; the outage
+        (if any) is over; the batch's latency and rate are recorded and its counts added."""
+        self._commit_acknowledged()
+        self._outage.recovered()
+        now = self.clock()
+        self._latencies.append(now - started)
+        self._rate_window.append((now, messages_out))
+        self._count(messages_out=messages_out, batches=1, **counts)
 
     def _screen_destinations(self, source: pa.Table, tr: Transformed) -> Transformed:
         """Rows whose destination the connector's rules refuse leave the batch as failed
