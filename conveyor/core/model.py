@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import FieldRuleError
 from conveyor.core.routing import DestinationRulesSpec
+from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.core.sql_guard import expression_problem
 
 # Matched whole (``fullmatch``): with ``match`` and ``$`` a trailing newline would pass.
@@ -110,6 +111,14 @@ class Decode(str, enum.Enum):
     JSON = "json"
     RAW = "raw"
     TEXT = "text"
+    AVRO = "avro"
+    PROTOBUF = "protobuf"
+    JSON_SCHEMA = "json_schema"
+
+
+# Formats decoded in the run process into typed Arrow columns before Spark (conveyor.formats):
+# Confluent's wire format, the writer schema looked up in a schema registry by the record's id.
+SCHEMA_FORMATS = frozenset([Decode.AVRO, Decode.PROTOBUF, Decode.JSON_SCHEMA])
 
 
 class FailurePolicyName(str, enum.Enum):
@@ -280,7 +289,48 @@ class TransformSpec(_Spec):
     """How a batch is decoded and shaped in Spark (all expressions are Spark SQL)."""
 
     decode: Decode = Field(
-        default=Decode.JSON, description="Payload decoding: json, raw (bytes) or text (UTF-8)."
+        default=Decode.JSON,
+        description="Payload decoding: json, raw (bytes), text (UTF-8), or a format with a schema: "
+        "avro, protobuf or json_schema, in Confluent's wire format (a magic byte and the writer "
+        "schema's id in front of each record; the schema from schema_registry). These decode in the "
+        "run process into typed columns (decimals, dates and timestamps exact; records as structs) "
+        "before Spark; a record with an unknown schema id, a corrupt frame or content its schema "
+        "does not allow is a failed message (failure.policy).",
+    )
+    schema_registry: SchemaRegistrySpec | None = Field(
+        default=None,
+        description="With decode avro, protobuf or json_schema: the schema registry the writer "
+        "schemas are read from (by the id in each record, cached). Unreachable: an outage (retried, "
+        "Degraded).",
+    )
+    reader_schema: str | None = Field(
+        default=None,
+        description="decode avro: the one shape records of every writer version decode into: an "
+        "Avro schema (JSON text), or 'latest' (the subject's newest version, looked up again when a "
+        "record carries a newer id, so a field added mid-stream becomes a column at that batch). "
+        "Default: the newest writer schema seen so far (the greatest id), so the shape only grows as "
+        "newer writers appear and older records read with it (a field they lack gets its default). "
+        "A record the reader schema cannot read (an incompatible change) is a failed message naming "
+        "why.",
+    )
+    subject: str | None = Field(
+        default=None,
+        description="The registry subject reader_schema: latest reads (default: '<topic>-value', "
+        "the topic name strategy).",
+    )
+    schema_file: str | None = Field(
+        default=None,
+        description="decode avro without a registry: an Avro schema file (.avsc) under "
+        "$CONVEYOR_HOME; each payload is plain Avro binary, without the 5-byte frame.",
+    )
+    envelope: Literal["none", "debezium"] = Field(
+        default="none",
+        description="debezium: each decoded record is a Debezium change event ({before, after, op, "
+        "source}; in JSON with or without Kafka Connect's {schema, payload} wrapper, or Avro): op c, r "
+        "and u become the row `after` (an upsert with upsert_keys), d becomes a delete of the row "
+        "`before` names (__tombstone true: sinks with delete_enabled delete by its key columns), t a "
+        "truncate (__truncate true). With decode json, schema is the row's Spark DDL (the fields of "
+        "after), not the envelope's. The filter and select see the row's columns and __op.",
     )
     null_values: NullValues = Field(
         default=NullValues.SKIP,
@@ -342,6 +392,56 @@ class TransformSpec(_Spec):
             problem = None if text is None else expression_problem(text)
             if problem:
                 raise FieldRuleError(problem, field=name)
+        return self
+
+    @model_validator(mode="after")
+    def _schema_settings_fit_decode(self) -> TransformSpec:
+        """The settings of a format with a schema go with that format, and it has its schema."""
+        fmt = self.decode
+        if fmt in SCHEMA_FORMATS:
+            if self.json_schema is not None:
+                raise FieldRuleError(
+                    f"schema (Spark DDL) is for decode: json; decode: {fmt.value} takes its "
+                    "schema from the writer's (schema_registry)",
+                    field="schema",
+                )
+            if self.schema_registry is None and not (fmt == Decode.AVRO and self.schema_file):
+                hint = " (or schema_file for Avro without a registry)" if fmt == Decode.AVRO else ""
+                raise FieldRuleError(
+                    f"decode: {fmt.value} needs schema_registry{hint}", field="schema_registry"
+                )
+        else:
+            for name in ("schema_registry", "reader_schema", "subject", "schema_file"):
+                if getattr(self, name) is not None:
+                    raise FieldRuleError(
+                        f"{name} is for decode avro, protobuf or json_schema, not {fmt.value}",
+                        field=name,
+                    )
+        if self.schema_file is not None:
+            if fmt != Decode.AVRO:
+                raise FieldRuleError("schema_file is for decode: avro", field="schema_file")
+            if self.schema_registry is not None:
+                raise FieldRuleError(
+                    "schema_file (plain Avro) and schema_registry (Confluent's framed records) "
+                    "exclude each other",
+                    field="schema_file",
+                )
+        if self.envelope == "debezium" and fmt in (Decode.RAW, Decode.TEXT):
+            raise FieldRuleError(
+                f"envelope: debezium needs a decoded record (decode json with schema, avro, "
+                f"protobuf or json_schema), not decode: {fmt.value}",
+                field="envelope",
+            )
+        if self.envelope == "debezium" and fmt == Decode.JSON and not self.json_schema:
+            raise FieldRuleError(
+                "envelope: debezium with decode: json needs schema (the Spark DDL of the row: "
+                "the fields of after)",
+                field="schema",
+            )
+        if self.reader_schema is not None and fmt != Decode.AVRO:
+            raise FieldRuleError(
+                f"reader_schema is for decode: avro, not {fmt.value}", field="reader_schema"
+            )
         return self
 
 

@@ -33,12 +33,21 @@ from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.loop import Rejected, Transformed
 from conveyor.core.model import (
     META_COLUMNS,
+    SCHEMA_FORMATS,
     TOMBSTONE_COL,
     TRUNCATE_COL,
     VALUE_COL,
     Decode,
     NullValues,
     TransformSpec,
+)
+from conveyor.formats import PayloadDecoder, payload_decoder
+from conveyor.spark.envelopes import (
+    OP_COL,
+    debezium_json_columns,
+    debezium_json_schema,
+    debezium_row_fields,
+    unwrap_debezium,
 )
 from conveyor.spark.session import (
     discard_session,
@@ -86,6 +95,11 @@ class SparkTransformer:
         # (about 8% of its CPU per row, bench/test_bench_transform.py).
         self._json_fields: list[str] | None = None
         self._rows: pa.Array | None = None  # the last batch's row numbers (_row_numbers)
+        # decode avro/protobuf/json_schema: a decoder per topic (its subject is the topic's),
+        # used by one thread at a time (batches ahead are transformed on several).
+        self._decoders: dict[str, PayloadDecoder] = {}
+        self._decode_lock = threading.Lock()
+        self._decoded_schema: pa.Schema | None = None  # the last batch's payload shape
 
     @property
     def session(self) -> Any:
@@ -116,7 +130,11 @@ class SparkTransformer:
         tomb = "(__value IS NULL OR length(__value) = 0)"
         # No DataFrame property that needs the schema (``df.columns``) may be read here: on
         # Spark Connect each is an analysis round trip that uploads the whole batch again.
-        if spec.decode == Decode.RAW:
+        if spec.decode in SCHEMA_FORMATS:
+            # Decoded here before the trip (``_decode_locally``): the shipped columns are the
+            # payload's fields already, and rows that failed to decode never left.
+            df = df.selectExpr("*", f"CAST(NULL AS STRING) AS {BAD_COL}")
+        elif spec.decode == Decode.RAW:
             df = df.selectExpr(
                 ROW_COL, *used, f"CAST(NULL AS STRING) AS {BAD_COL}", "__value AS value"
             )
@@ -127,40 +145,7 @@ class SparkTransformer:
         else:
             invalid = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
             if spec.json_schema:
-                # One parse per row: from_json in PERMISSIVE mode with a corrupt-record
-                # column. A document that is not JSON, not an object, or has a field of the
-                # wrong type sets that column (all nulls in the rest); a blank one decodes to
-                # NULL. Only those rows, rare, are parsed a second time (try_parse_json,
-                # inside the CASE branch, evaluated for them alone) to tell "not valid JSON"
-                # from a mismatch: with on_type_mismatch 'fail' (the default) a mismatch is
-                # a failed message, never a silent NULL. The options make from_json as
-                # strict as try_parse_json (no NaN/Infinity tokens, no single quotes).
-                schema = f"{spec.json_schema}, {CORRUPT_COL} STRING"
-                opts = (
-                    f"map('columnNameOfCorruptRecord', '{CORRUPT_COL}', "
-                    "'allowNonNumericNumbers', 'false', 'allowSingleQuotes', 'false')"
-                )
-                mismatch = f"'{MISMATCH}'" if spec.on_type_mismatch == "fail" else "NULL"
-                df = df.selectExpr(
-                    ROW_COL,
-                    *used,
-                    f"{tomb} AS __tomb",
-                    f"from_json({value_str}, '{_sql_str(schema)}', {opts}) AS __d",
-                    "__value",
-                )
-                bad = (
-                    f"CASE WHEN `__tomb` THEN NULL WHEN `__d` IS NULL THEN '{NOT_JSON}' "
-                    f"WHEN `__d`.{CORRUPT_COL} IS NOT NULL THEN CASE WHEN "
-                    f"try_parse_json({value_str}) IS NULL THEN '{NOT_JSON}' ELSE {mismatch} END "
-                    f"END AS {BAD_COL}"
-                )
-                fields = self._json_fields
-                if fields is None:
-                    df = df.selectExpr(ROW_COL, *used, bad, "__d.*").drop(CORRUPT_COL)
-                else:
-                    df = df.selectExpr(
-                        ROW_COL, *used, bad, *(f"`__d`.{_ident(f)} AS {_ident(f)}" for f in fields)
-                    )
+                df = self._decode_json_with_schema(df, used, value_str, tomb)
             else:
                 df = df.selectExpr(
                     ROW_COL,
@@ -172,10 +157,62 @@ class SparkTransformer:
             df = df.where(f"{BAD_COL} IS NOT NULL OR coalesce(({spec.filter}), false)")
         if spec.select:
             df = df.selectExpr(ROW_COL, BAD_COL, *spec.select)
-        elif used:
-            df = df.drop(*used)
+        elif used or spec.envelope == "debezium":
+            # The envelope's __op is for the filter and select, never a column of the target.
+            df = df.drop(*used, *([OP_COL] if spec.envelope == "debezium" else []))
         if spec.rename:
             df = df.withColumnsRenamed(dict(spec.rename))
+        return df
+
+    def _decode_json_with_schema(self, df: Any, used: list[str], value_str: str, tomb: str) -> Any:
+        """decode json with a schema: the payload's fields as columns (the envelope's row
+        under envelope: debezium), ``__bad`` set for what cannot be decoded."""
+        spec = self.spec
+        # One parse per row: from_json in PERMISSIVE mode with a corrupt-record
+        # column. A document that is not JSON, not an object, or has a field of the
+        # wrong type sets that column (all nulls in the rest); a blank one decodes to
+        # NULL. Only those rows, rare, are parsed a second time (try_parse_json,
+        # inside the CASE branch, evaluated for them alone) to tell "not valid JSON"
+        # from a mismatch: with on_type_mismatch 'fail' (the default) a mismatch is
+        # a failed message, never a silent NULL. The options make from_json as
+        # strict as try_parse_json (no NaN/Infinity tokens, no single quotes).
+        schema = f"{self._json_ddl}, {CORRUPT_COL} STRING"
+        opts = (
+            f"map('columnNameOfCorruptRecord', '{CORRUPT_COL}', "
+            "'allowNonNumericNumbers', 'false', 'allowSingleQuotes', 'false')"
+        )
+        mismatch = f"'{MISMATCH}'" if spec.on_type_mismatch == "fail" else "NULL"
+        df = df.selectExpr(
+            ROW_COL,
+            *used,
+            f"{tomb} AS __tomb",
+            f"from_json({value_str}, '{_sql_str(schema)}', {opts}) AS __d",
+            "__value",
+        )
+        bad = (
+            f"CASE WHEN `__tomb` THEN NULL WHEN `__d` IS NULL THEN '{NOT_JSON}' "
+            f"WHEN `__d`.{CORRUPT_COL} IS NOT NULL THEN CASE WHEN "
+            f"try_parse_json({value_str}) IS NULL THEN '{NOT_JSON}' ELSE {mismatch} END "
+            "END"
+        )
+        fields = self._json_fields
+        if spec.envelope == "debezium":
+            if fields is None:
+                raise ConfigError(
+                    "envelope: debezium needs the row's fields to differ in more than case",
+                    field="schema",
+                )
+            env = debezium_json_columns("__d", fields)
+            why = f"coalesce({bad}, {env.why}) AS {BAD_COL}"
+            df = df.selectExpr(ROW_COL, *used, why, *env.columns)
+        elif fields is None:
+            bad += f" AS {BAD_COL}"
+            df = df.selectExpr(ROW_COL, *used, bad, "__d.*").drop(CORRUPT_COL)
+        else:
+            bad += f" AS {BAD_COL}"
+            df = df.selectExpr(
+                ROW_COL, *used, bad, *(f"`__d`.{_ident(f)} AS {_ident(f)}" for f in fields)
+            )
         return df
 
     @functools.cached_property
@@ -191,6 +228,8 @@ class SparkTransformer:
             c
             for c in META_COLUMNS
             if c != TRUNCATE_COL  # set by a select, carried by no message
+            # envelope: debezium sets __tombstone itself (d events and payloadless messages)
+            and not (c == TOMBSTONE_COL and self.spec.envelope == "debezium")
             and re.search(rf"(?<![A-Za-z0-9_]){c}(?![A-Za-z0-9_])", text)
         ]
 
@@ -219,6 +258,84 @@ class SparkTransformer:
             rows = self._rows = pa.array(range(n), pa.int64())
         return rows
 
+    def _decode_locally(
+        self, batch: pa.Table, shipped: pa.Table
+    ) -> tuple[pa.Table, list[Rejected]]:
+        """decode avro/protobuf/json_schema: the shipped payloads become their fields' typed
+        columns here (``conveyor.formats``), per topic; rows that cannot be decoded become
+        failed messages and do not make the trip. A registry outage raises
+        TransientSinkError (retried, Degraded)."""
+        import pyarrow.compute as pc
+
+        # Under null_values: pass, messages without a payload go on with null payload columns.
+        empty = pc.fill_null(pc.equal(pc.binary_length(shipped.column(VALUE_COL)), 0), True)
+        payloadless = shipped.filter(empty).drop_columns([VALUE_COL])
+        if self.spec.envelope == "debezium":
+            # Payload columns replace message columns: these rows must say they are tombstones.
+            n = payloadless.num_rows
+            payloadless = payloadless.append_column(
+                TOMBSTONE_COL, pa.array([True] * n, pa.bool_())
+            ).append_column(TRUNCATE_COL, pa.array([False] * n, pa.bool_()))
+        shipped = shipped.filter(pc.invert(empty))
+        rows = shipped.column(ROW_COL)
+        topics = batch.column("__topic").take(rows) if "__topic" in batch.column_names else None
+        parts: list[pa.Table] = [payloadless] if payloadless.num_rows else []
+        failed: list[Rejected] = []
+        for topic in _distinct(topics) if shipped.num_rows else []:
+            mask = pc.equal(topics, topic) if topics is not None else None
+            part = shipped if mask is None else shipped.filter(mask)
+            with self._decode_lock:
+                decoded = self._decoder(topic).decode(part.column(VALUE_COL).combine_chunks())
+            table, whys = decoded.table, decoded.failed
+            if self.spec.envelope == "debezium":
+                table, unwrapped = unwrap_debezium(table)
+                whys = {**unwrapped, **whys}  # a record that did not decode says so
+            part_rows = part.column(ROW_COL).to_pylist()
+            failed += [Rejected(part_rows[i], why) for i, why in sorted(whys.items())]
+            keep = pa.array([i not in whys for i in range(part.num_rows)], pa.bool_())
+            payload = table.filter(keep)
+            payload = payload.cast(_all_nullable(payload.schema))
+            clash = set(payload.column_names) & {ROW_COL, BAD_COL, *self._meta_used}
+            if clash:
+                raise ConfigError(
+                    f"payload field {sorted(clash)[0]!r} has the name of a message column; "
+                    "rename it in the writer schema",
+                    field="transform.decode",
+                )
+            carried = part.drop_columns([VALUE_COL]).filter(keep)
+            parts.append(
+                pa.Table.from_arrays(
+                    [*carried.columns, *payload.columns],
+                    schema=pa.schema([*carried.schema, *payload.schema]),
+                )
+            )
+        if not parts:
+            return shipped.drop_columns([VALUE_COL]), failed
+        out = parts[0]
+        if len(parts) > 1:
+            out = pa.concat_tables(parts, promote_options="permissive")
+            out = out.take(pc.sort_indices(out.column(ROW_COL)))  # source order
+        if self._decoded_schema is None or not out.schema.equals(self._decoded_schema):
+            # A new writer (or reader) shape: the output schema is learnt again.
+            self._decoded_schema = out.schema
+            self._out_schema = None
+        return out, failed
+
+    def _decoder(self, topic: str | None) -> PayloadDecoder:
+        key = topic or ""
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            spec = self.spec
+            subject = spec.subject or (f"{topic}-value" if topic else None)
+            decoder = self._decoders[key] = payload_decoder(
+                spec.decode.value,
+                spec.schema_registry,
+                reader_schema=spec.reader_schema,
+                subject=subject,
+                schema_file=spec.schema_file,
+            )
+        return decoder
+
     def _collect(self, df: Any) -> pa.Table:
         """The result as Arrow. ``toArrow()`` asks the server for the schema first (an
         analysis RPC that uploads the batch a second time); the output schema never
@@ -233,18 +350,23 @@ class SparkTransformer:
 
     def check(self, source_schema: pa.Schema) -> list[str]:
         """Analyse the pipeline on an empty batch: bad expressions become ConfigError. Returns output columns."""
+        if self.spec.decode in SCHEMA_FORMATS:
+            # The payload's columns are the writer schema's fields, known at the first batch:
+            # its analysis checks the expressions (``__call__``).
+            return []
         # Spark cannot infer a schema from zero rows: analyse a one-row sample instead
         # (analysis only; nothing is executed).
         sample = pa.Table.from_pylist(
             [{f.name: _sample_value(f.type) for f in source_schema}], schema=source_schema
         )
         try:
+            if self.spec.decode == Decode.JSON and self.spec.json_schema:
+                # Before the pipeline: envelope: debezium selects the row's fields by name.
+                self._json_fields = self._decoded_fields(self._shipped(sample))
             df = self._pipeline(self.session.createDataFrame(self._shipped(sample)))
             # Spark Connect may answer .schema without analysing a Filter's condition;
             # executing on zero rows forces full analysis at negligible cost.
             cols = df.limit(0).toArrow().schema.names
-            if self.spec.decode == Decode.JSON and self.spec.json_schema:
-                self._json_fields = self._decoded_fields(self._shipped(sample))
         except Exception as e:
             if is_connect_outage(e):
                 self._lost(e)
@@ -258,12 +380,23 @@ class SparkTransformer:
         """The top-level field names of the JSON schema, as the server reads it (one
         analysis). None when two differ only in case: Spark resolves names ignoring case,
         so only ``__d.*`` can tell them apart."""
-        schema = _sql_str(f"{self.spec.json_schema}, {CORRUPT_COL} STRING")
+        schema = _sql_str(f"{self._json_ddl}, {CORRUPT_COL} STRING")
         df = self.session.createDataFrame(shipped).selectExpr(
             f"from_json(CAST(__value AS STRING), '{schema}') AS __d"
         )
-        names = [f.name for f in df.schema["__d"].dataType.fields if f.name != CORRUPT_COL]
+        decoded = df.schema["__d"].dataType
+        if self.spec.envelope == "debezium":
+            names = debezium_row_fields(decoded)  # the row's, inside before/after
+        else:
+            names = [f.name for f in decoded.fields if f.name != CORRUPT_COL]
         return None if len({n.lower() for n in names}) < len(names) else names
+
+    @property
+    def _json_ddl(self) -> str:
+        """decode json: the DDL from_json reads (envelope: debezium: the event's, around the
+        row's ``schema``)."""
+        ddl = self.spec.json_schema or ""
+        return debezium_json_schema(ddl) if self.spec.envelope == "debezium" else ddl
 
     def prepare(self) -> None:
         from conveyor.brokers.kafka import SOURCE_SCHEMA
@@ -282,29 +415,12 @@ class SparkTransformer:
         import pyarrow.compute as pc
 
         tombstones = without_payload(batch)
-        shipped = self._shipped(batch, tombstones)
-        held: list[Rejected] = []
-        skipped = 0
-        if self.spec.null_values != NullValues.PASS and pc.any(tombstones).as_py():
-            # Messages without a payload never reach Spark: skipped, or failed messages.
-            rows = pc.indices_nonzero(tombstones).to_pylist()
-            if self.spec.null_values == NullValues.SKIP:
-                skipped = len(rows)
-            else:
-                values = batch.column(VALUE_COL)
-                held = [
-                    Rejected(
-                        i,
-                        (
-                            "null payload (a tombstone)"
-                            if values[i].as_py() is None
-                            else "empty payload"
-                        )
-                        + "; transform.null_values is 'fail'",
-                    )
-                    for i in rows
-                ]
-            shipped = shipped.filter(pc.invert(tombstones))
+        shipped, held, skipped = self._hold_payloadless(
+            batch, self._shipped(batch, tombstones), tombstones
+        )
+        if self.spec.decode in SCHEMA_FORMATS and shipped.num_rows:
+            shipped, failed = self._decode_locally(batch, shipped)
+            held += failed
         meta = [c for c in META_COLUMNS if c in batch.column_names]
         if shipped.num_rows == 0:
             return Transformed(
@@ -316,6 +432,11 @@ class SparkTransformer:
             if is_connect_outage(e):
                 self._lost(e)
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
+            if self.spec.decode in SCHEMA_FORMATS and _is_analysis_error(e):
+                # The first batch of a writer shape is where its expressions are analysed.
+                raise ConfigError(
+                    f"Spark rejected the transform: {_short(e)}", field="transform"
+                ) from None
             raise
         bad_mask = pc.is_valid(out.column(BAD_COL))
         bad_out = out.filter(bad_mask)
@@ -341,6 +462,66 @@ class SparkTransformer:
         )
         filtered = skipped + shipped.num_rows - out.num_rows
         return Transformed(table=table, rejected=rejected, filtered=filtered)
+
+    def _hold_payloadless(
+        self, batch: pa.Table, shipped: pa.Table, tombstones: pa.Array
+    ) -> tuple[pa.Table, list[Rejected], int]:
+        """Messages without a payload never reach Spark unless null_values is pass: skipped
+        (their count returned), or failed messages (returned). The rest of ``shipped``."""
+        import pyarrow.compute as pc
+
+        if self.spec.null_values == NullValues.PASS or not pc.any(tombstones).as_py():
+            return shipped, [], 0
+        rows = pc.indices_nonzero(tombstones).to_pylist()
+        shipped = shipped.filter(pc.invert(tombstones))
+        if self.spec.null_values == NullValues.SKIP:
+            return shipped, [], len(rows)
+        values = batch.column(VALUE_COL)
+        held = [
+            Rejected(
+                i,
+                ("null payload (a tombstone)" if values[i].as_py() is None else "empty payload")
+                + "; transform.null_values is 'fail'",
+            )
+            for i in rows
+        ]
+        return shipped, held, 0
+
+
+def _is_analysis_error(e: BaseException) -> bool:
+    from pyspark.errors import AnalysisException, ParseException
+
+    return isinstance(e, (AnalysisException, ParseException))
+
+
+def _all_nullable(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with every field nullable, nested ones too: a decoder's required nested
+    field (an Avro record's) may sit under a null parent, which Spark's crossing refuses."""
+
+    def relax(t: pa.DataType) -> pa.DataType:
+        if pa.types.is_struct(t):
+            return pa.struct(
+                [
+                    t.field(i).with_type(relax(t.field(i).type)).with_nullable(True)
+                    for i in range(t.num_fields)
+                ]
+            )
+        if pa.types.is_map(t):
+            return pa.map_(t.key_type, relax(t.item_type))
+        if pa.types.is_large_list(t):
+            return pa.large_list(relax(t.value_type))
+        if pa.types.is_list(t):
+            return pa.list_(relax(t.value_type))
+        return t
+
+    return pa.schema([f.with_type(relax(f.type)).with_nullable(True) for f in schema])
+
+
+def _distinct(values: pa.Array | pa.ChunkedArray | None) -> list[Any]:
+    """The distinct values in order of first appearance ([None] without a column)."""
+    if values is None:
+        return [None]
+    return list(dict.fromkeys(values.to_pylist()))
 
 
 def as_one_row(table: pa.Table) -> pa.Table:
