@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -55,9 +55,15 @@ from conveyor.sinks.base import (
     SendResult,
     Sink,
     iter_records,
+    payload_columns,
     payload_values,
     require,
 )
+from conveyor.sinks.tombstones import tombstone_flags
+
+if TYPE_CHECKING:
+    from conveyor.formats.encoding import Encoder
+
 from conveyor.sinks.kafka_config import (
     CODEC_MODULES,
     KafkaSinkConfig,
@@ -193,6 +199,7 @@ class KafkaSink(Sink):
         self._partitions: dict[str, set[int]] = {}
         self._limits: dict[str, int | None] = {}  # topic -> max.message.bytes (None: unknown)
         self._admin: Any = None  # reads the limits (fail_fast), opened on first use
+        self._encoder: Encoder | None = None  # value_format avro / json_schema, built on first use
 
     def validate(self) -> None:
         """The compression codec's package is installed here (kafka-python; librdkafka has
@@ -425,6 +432,12 @@ class KafkaSink(Sink):
         through ``target_topic`` and ``message`` otherwise. Both give the same records
         (tests/unit/test_kafka_sink_config.py).
         """
+        out = self._outgoing_of(batch)
+        if self.config.value_format != "json":
+            self._encode_values(batch, out)
+        return out
+
+    def _outgoing_of(self, batch: pa.Table) -> Outgoing:
         c = self.config
         if c.key is not None or not templates.is_static(c.topic):
             return self._outgoing_by_row(batch)
@@ -475,6 +488,61 @@ class KafkaSink(Sink):
             ),
             partitions=([p or 0 for p in partitions] if c.partitioning == "source" else [None] * n),
         )
+
+    def _encode_values(self, batch: pa.Table, out: Outgoing) -> None:
+        """value_format avro / json_schema: each row's payload columns written by confluent-kafka's
+        serializer for its target topic, replacing the JSON. A row its schema does not allow
+        becomes a failed message (its topic an error); tombstones stay null."""
+        if self._encoder is None:
+            from conveyor.formats.encoding import payload_encoder
+
+            c = self.config
+            assert c.schema_registry is not None
+            self._encoder = payload_encoder(
+                c.value_format,
+                c.schema_registry,
+                c.subject_name_strategy,
+                c.auto_register,
+                c.use_latest_version,
+                c.value_schema,
+            )
+        payload = batch.select(payload_columns(batch))
+        tombstones = tombstone_flags(batch)
+        by_topic: dict[str, list[int]] = {}
+        for i, t in enumerate(out.topics):
+            if tombstones[i]:
+                out.values[i] = None  # a message without a payload stays one
+            elif isinstance(t, str) and out.values[i] is not None:
+                by_topic.setdefault(t, []).append(i)
+        for topic, rows in by_topic.items():
+            for i, value in self._encoded(payload, topic, rows).items():
+                if isinstance(value, templates.TemplateError):
+                    out.topics[i] = value
+                else:
+                    out.values[i] = value
+
+    def _encoded(
+        self, payload: pa.Table, topic: str, rows: list[int]
+    ) -> dict[int, bytes | templates.TemplateError]:
+        """Rows ``rows`` of ``payload`` encoded for ``topic``; a row the schema refuses is set
+        apart with why and the rest encoded again (as many passes as refused rows)."""
+        from conveyor.formats.encoding import EncodeError
+
+        assert self._encoder is not None
+        done: dict[int, bytes | templates.TemplateError] = {}
+        left = list(rows)
+        while left:
+            try:
+                values = self._encoder.encode(payload.take(pa.array(left, pa.int64())), topic)
+            except EncodeError as e:
+                bad = left.pop(e.row)
+                done[bad] = templates.TemplateError(
+                    f"not encodable as {self.config.value_format}: {e}"
+                )
+                continue
+            done.update(zip(left, values, strict=True))
+            left = []
+        return done
 
     def _outgoing_by_row(self, batch: pa.Table) -> Outgoing:
         out = Outgoing([], [], [], [], [], [])

@@ -18,6 +18,7 @@ from conveyor.core.asset_keys import key_part
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import rule
 from conveyor.core.references import known_now
+from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.sinks import templates
 from conveyor.sinks.base import SinkConfig
 
@@ -154,6 +155,37 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     client_id: str | None = Field(
         default="conveyor-sink", description="Client id shown in broker logs and quotas."
     )
+    value_format: Literal["json", "avro", "json_schema"] = Field(
+        default="json",
+        description="How each row's payload columns are written: json (a JSON object; a single "
+        "value column as it is), or avro / json_schema in Confluent's wire format, written by "
+        "confluent-kafka's own serializers with the schema in schema_registry (so Confluent's "
+        "deserializers, Kafka Connect's converters and ksqlDB read them). A row its schema does not "
+        "allow is a failed message. Protobuf is not offered: its serializer needs a generated class.",
+    )
+    schema_registry: SchemaRegistrySpec | None = Field(
+        default=None, description="With value_format avro or json_schema: the schema registry."
+    )
+    value_schema: str | None = Field(
+        default=None,
+        description="The writer schema (Avro schema or JSON Schema, as JSON text). Default: derived "
+        "from the rows' columns (Avro record conveyor.<topic>; decimals, dates and timestamps as "
+        "their logical types).",
+    )
+    subject_name_strategy: Literal["topic", "record", "topic_record"] = Field(
+        default="topic",
+        description="The subject the schema is registered under: topic (<topic>-value), record "
+        "(the record's full name) or topic_record (<topic>-<record>), as Confluent's serializers.",
+    )
+    auto_register: bool = Field(
+        default=True,
+        description="Register the writer schema under its subject (false: it must be there).",
+    )
+    use_latest_version: bool = Field(
+        default=False,
+        description="Write with the subject's latest registered version instead of value_schema "
+        "(with auto_register false).",
+    )
 
     def asset_key_path(self) -> list[str]:
         name = (
@@ -187,6 +219,28 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
             stacklevel=2,
         )
         return {**data, "client": "kafka-python"}
+
+    @model_validator(mode="after")
+    def _schema_rules(self) -> KafkaSinkConfig:
+        """The schema settings go with value_format avro or json_schema, which needs a registry."""
+        framed = self.value_format != "json"
+        rule(
+            not framed or self.schema_registry is not None,
+            f"value_format {self.value_format} needs schema_registry",
+            field="schema_registry",
+        )
+        for name in ("schema_registry", "value_schema"):
+            rule(
+                framed or getattr(self, name) is None,
+                f"{name} is for value_format avro or json_schema",
+                field=name,
+            )
+        rule(
+            not (self.use_latest_version and self.auto_register),
+            "use_latest_version writes with the registered version: set auto_register: false",
+            field="use_latest_version",
+        )
+        return self
 
     @model_validator(mode="after")
     def _rules(self) -> KafkaSinkConfig:
