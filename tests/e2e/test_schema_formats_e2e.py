@@ -193,3 +193,114 @@ def test_avro_of_two_versions_arrives_column_for_column_and_a_new_field_adds_a_c
     assert all(emails[i] == f"user{i}@example.com" for i in range(150, 300))
     assert {s.store.get(name).run_id} == run_ids, "the column was added without a restart"
     assert s.state(name) == "RUNNING"
+
+
+def test_protobuf_and_json_schema_topics_arrive_column_for_column(
+    stack: Stack,  # noqa: F811
+    schema_registry,
+    tansu: str,
+    pg_url: str,
+    pg_schema: str,
+) -> None:
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.json_schema import JSONSerializer
+    from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    from tests.integration.test_formats_registry import EVENT, _proto_classes
+
+    s = stack
+    client = SchemaRegistryClient({"url": schema_registry.url})
+    pb, js = f"pb_{uuid.uuid4().hex[:6]}", f"js_{uuid.uuid4().hex[:6]}"
+    order_cls = _proto_classes()["Order"]
+    ser = ProtobufSerializer(order_cls, client, {"use.deprecated.format": False})
+    ctx = SerializationContext(f"t_{pb}", MessageField.VALUE)
+    msgs = []
+    for i in range(40):
+        o = order_cls(id=i, big=2**63 + i, status=i % 2, tags=[f"x{i}"], price=i / 4)
+        o.lines.add(sku=f"s{i}", qty=i)
+        o.at.FromDatetime(dt.datetime(2024, 5, 6, 7, 8, 9, 123456) + dt.timedelta(minutes=i))
+        o.ship_to.city = f"c{i}"
+        msgs.append(Msg(ser(o, ctx), key=str(i).encode()))
+    create_topic(tansu, f"t_{pb}", 2)
+    produce(tansu, f"t_{pb}", msgs)
+    jser = JSONSerializer(json.dumps(EVENT), client)
+    jctx = SerializationContext(f"t_{js}", MessageField.VALUE)
+    events = [
+        {
+            "id": i,
+            "at": f"2024-03-04T05:06:{i:02d}.5Z",
+            "score": i / 2,
+            "items": [{"sku": "A", "qty": i}],
+        }
+        for i in range(40)
+    ]
+    create_topic(tansu, f"t_{js}", 2)
+    produce(tansu, f"t_{js}", [Msg(jser(e, jctx), key=str(e["id"]).encode()) for e in events])
+    for name, fmt in ((pb, "protobuf"), (js, "json_schema")):
+        spec = connector(name, f"t_{name}", schema_registry.url, pg_url, pg_schema, decode=fmt)
+        (s.connectors / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    wait_for(
+        lambda: (
+            len(rows(pg_url, pg_schema, pb, "id")) == 40
+            and len(rows(pg_url, pg_schema, js, "id")) == 40
+        ),
+        300,
+        f"40 rows in each table\n{s.log()}",
+    )
+    got = rows(pg_url, pg_schema, pb, "id, big, status, tags, price, at, ship_to, lines")
+    for i, r in enumerate(got):
+        assert r[0] == i and r[1] == Decimal(2**63 + i)
+        assert r[2] == ["NEW", "PAID"][i % 2] and r[3] == [f"x{i}"] and r[4] == i / 4
+        assert r[5] == dt.datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=UTC) + dt.timedelta(
+            minutes=i
+        )
+        assert r[6]["city"] == f"c{i}" and r[7] == [{"sku": f"s{i}", "qty": i}]
+    got = rows(pg_url, pg_schema, js, "id, at, score, items")
+    for i, r in enumerate(got):
+        assert r[0] == i and r[2] == i / 2 and r[3] == [{"sku": "A", "qty": i}]
+        assert r[1] == dt.datetime(2024, 3, 4, 5, 6, i, 500000, tzinfo=UTC)
+
+
+def test_a_kafka_to_kafka_connector_re_encodes_to_avro_confluent_reads(
+    stack: Stack,  # noqa: F811
+    schema_registry,
+    tansu: str,
+) -> None:
+    """JSON in, Avro out: the Avro is read by confluent-kafka's AvroDeserializer."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.avro import AvroDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    from tests.sinks.test_kafka import consume_all
+
+    s = stack
+    name = f"k2k_{uuid.uuid4().hex[:6]}"
+    src, dst = f"t_{name}", f"out_{name}"
+    create_topic(tansu, src, 2)
+    create_topic(tansu, dst, 1)
+    docs = [{"id": i, "amount": f"{i}.25", "name": f"n{i}"} for i in range(60)]
+    produce(tansu, src, [Msg(json.dumps(d).encode(), key=str(d["id"]).encode()) for d in docs])
+    spec = {
+        "name": name,
+        "source": {"topics": [src]},
+        "batch": {"max_records": 100, "max_wait_ms": 200},
+        "transform": {
+            "decode": "json",
+            "schema": "id BIGINT, amount STRING, name STRING",
+            "select": ["id", "CAST(amount AS DECIMAL(10,2)) AS amount", "name"],
+        },
+        "sink": {
+            "type": "kafka",
+            "bootstrap_servers": tansu,
+            "topic": dst,
+            "value_format": "avro",
+            "schema_registry": {"url": schema_registry.url},
+        },
+    }
+    (s.connectors / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    wait_for(lambda: len(consume_all(tansu, dst, 5)) >= 60, 240, f"60 records in {dst}\n{s.log()}")
+    de = AvroDeserializer(SchemaRegistryClient({"url": schema_registry.url}))
+    ctx = SerializationContext(dst, MessageField.VALUE)
+    got = sorted((de(r.value, ctx) for r in consume_all(tansu, dst, 5)), key=lambda d: d["id"])
+    assert got == [{"id": i, "amount": Decimal(f"{i}.25"), "name": f"n{i}"} for i in range(60)]
