@@ -658,3 +658,83 @@ def test_a_json_null_is_not_sql_null(pipeline: Pipeline, tansu: str, cdc_url: st
         a, b = (after[1].get(column, "absent"), after[2].get(column, "absent"))
         assert a != b, f"{column}: JSON null and SQL NULL both arrive as {a!r}"
         assert (a, b) == ("null", None)
+
+
+def test_envelope_debezium_replicates_a_table_with_no_hand_written_select(
+    dagster: DagsterHarness, cdc_url: str, pg_url: str, pg_schema: str
+) -> None:
+    """Issue 36 point 3: the sink's ``transform.envelope: debezium`` replaces the selects above.
+    The source's Debezium topic (default settings: the tombstone after a delete is skipped, the
+    delete event itself deletes) replicates inserts, updates, a key change and deletes; the
+    replica equals the source at the end."""
+    tag = uuid.uuid4().hex[:6]
+    src_schema, topic = f"e_{tag}", f"env_{tag}.items"
+    table, replica = f"{src_schema}.items", f'"{pg_schema}".items'
+    ddl = "(id bigint PRIMARY KEY, name text, amount numeric(12,2), at timestamptz)"
+    execute(cdc_url, f"CREATE SCHEMA {src_schema}", f"CREATE TABLE {table} {ddl}")
+    execute(pg_url, f"CREATE TABLE {replica} {ddl}")
+    execute(
+        cdc_url,
+        f"INSERT INTO {table} SELECT g, 'item ' || g, g * 1.25, "
+        "'2026-01-01 00:00:00+00'::timestamptz + g * interval '1 minute' FROM generate_series(1, 40) g",
+    )
+    source = {
+        "name": f"env_in_{tag}",
+        "kind": "source",
+        "source": {"type": "postgres_cdc", "url": cdc_url, "tables": [table], "format": "debezium"},
+        "kafka": {"partitions": 2},
+        "routing": {"default_destination": topic},
+        "batch": {"max_records": 20, "max_wait_ms": 200},
+    }
+    sink = {
+        "name": f"env_out_{tag}",
+        "source": {"topics": [topic]},
+        "transform": {
+            "decode": "json",
+            # The row's fields as the source writes them (numerics and times as text, cast by
+            # PostgreSQL exactly), not the envelope's.
+            "schema": "id BIGINT, name STRING, amount STRING, at STRING",
+            "envelope": "debezium",
+        },
+        "batch": {"max_records": 20, "max_wait_ms": 200},
+        "sink": {
+            "type": "postgres",
+            "url": pg_url,
+            "schema": pg_schema,
+            "table": "items",
+            "upsert_keys": ["id"],
+            "delete_enabled": True,
+        },
+    }
+    for spec in (source, sink):
+        dagster.write_spec(spec)
+    dagster.reload()
+    runs = [dagster.launch(source["name"]), dagster.launch(sink["name"])]
+
+    def rows(url: str, t: str) -> list[tuple[Any, ...]]:
+        return query(url, f"SELECT id, name, amount::text, at FROM {t} ORDER BY id")
+
+    try:
+        wait_for(
+            lambda: rows(pg_url, replica) == rows(cdc_url, table), 240, "the snapshot replicated"
+        )
+        execute(
+            cdc_url,
+            f"UPDATE {table} SET name = 'renamed ' || id, amount = amount + 0.01 WHERE id <= 10",
+            f"DELETE FROM {table} WHERE id BETWEEN 30 AND 34",
+            f"UPDATE {table} SET id = 1000 WHERE id = 20",  # a key change: a delete and a create
+            f"INSERT INTO {table} VALUES (41, NULL, NULL, NULL)",
+        )
+        wait_for(
+            lambda: rows(pg_url, replica) == rows(cdc_url, table), 240, "the changes replicated"
+        )
+        got = rows(pg_url, replica)
+        assert len(got) == 36 and got[0][1] == "renamed 1" and got[0][2] == "1.26"
+        assert 20 not in {r[0] for r in got} and 1000 in {r[0] for r in got}
+        counters = dagster.store.get(sink["name"]).counters or {}
+        assert counters.get("failed", 0) == 0
+    finally:
+        for run in runs:
+            dagster.terminate(run)
+        for run in runs:
+            dagster.wait_status(run, FINISHED)
