@@ -36,6 +36,7 @@ from conveyor.core.model import (
     TransformSpec,
 )
 from conveyor.core.routing import DestinationRulesSpec
+from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.sinks.base import SinkConfig
 
 REGENERATE = "python -m conveyor.control.configdoc > docs/CONFIG.md"
@@ -45,6 +46,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("source", SourceSpec),
     ("batch", BatchPolicy),
     ("transform", TransformSpec),
+    ("transform.schema_registry", SchemaRegistrySpec),
     ("retry", RetrySpec),
     ("failure", FailureSpec),
     ("failure.dead_letter", DeadLetterSpec),
