@@ -47,7 +47,6 @@ from conveyor.core.errors import (
     ConveyorError,
     DataPolicyError,
     FencedError,
-    OutageBudgetExceeded,
     TransientSinkError,
     TransientSourceError,
     TransientStoreError,
@@ -626,29 +625,7 @@ class ConnectorLoop(LoopControl):
                 with self.stages.stage(stage_of(what)):
                     return fn()
             except OUTAGES as e:
-                now = self.clock()
-                delay = self._outage.failed(now)
-                self._count(retries=1)
-                if self._outage.exhausted(now):
-                    raise OutageBudgetExceeded(
-                        f"{what} kept failing for {self._outage.duration(now):.0f}s "
-                        f"({self._outage.attempts} attempts): {e}"
-                    ) from e
-                self._set_status(
-                    ConnectorStatus.DEGRADED, f"{what} failed, retrying in {delay:.1f}s: {e}"
-                )
-                log.warning(
-                    "%s: %s failed (attempt %d), retrying in %.1fs: %s",
-                    self.cfg.name,
-                    what,
-                    self._outage.attempts,
-                    delay,
-                    e,
-                )
-                self._heartbeat(force=True)
-                self._sleep(delay)
-                if self._should_stop():
-                    raise Stopping() from e
+                self._outage_wait(what, e)
 
     # -- commits, heartbeats, progress -----------------------------------------------
 

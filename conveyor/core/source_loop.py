@@ -54,7 +54,7 @@ from conveyor.core.errors import (
     TransientSourceError,
 )
 from conveyor.core.failure import OutageTracker
-from conveyor.core.loop import OutageBudgetExceeded, Transformed, Transformer
+from conveyor.core.loop import Transformed, Transformer
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -339,7 +339,7 @@ class SourceLoop(LoopControl):
             produced = self._deliver(polled)
         except (TransientSinkError, TransientSourceError) as e:
             # Nothing stored, nothing committed: the next poll returns the same rows.
-            self._batch_failed_step("batch", e)
+            self._outage_wait("batch", e)
             return
         # Every group acknowledged: the state may move, then the source's side effects.
         self.writer.save(polled.state)
@@ -516,23 +516,7 @@ class SourceLoop(LoopControl):
             try:
                 return fn()
             except (TransientSinkError, TransientSourceError) as e:
-                self._batch_failed_step(what, e)
-
-    def _batch_failed_step(self, what: str, e: Exception) -> None:
-        now = self.clock()
-        delay = self._outage.failed(now)
-        self._count(retries=1)
-        if self._outage.exhausted(now):
-            raise OutageBudgetExceeded(
-                f"{what} kept failing for {self._outage.duration(now):.0f}s "
-                f"({self._outage.attempts} attempts): {e}"
-            ) from e
-        self._set_status(ConnectorStatus.DEGRADED, f"{what} failed, retrying in {delay:.1f}s: {e}")
-        log.warning("%s: %s failed, retrying in %.1fs: %s", self.cfg.name, what, delay, e)
-        self._heartbeat(force=True)
-        self._sleep(delay)
-        if self._should_stop():
-            raise Stopping() from e
+                self._outage_wait(what, e)
 
     def heartbeat_payload(self) -> dict[str, Any]:
         now = self.clock()

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from conveyor.core.errors import OutageBudgetExceeded
+from conveyor.core.failure import OutageTracker
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, HeartbeatReply
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ class LoopControl(abc.ABC):
     name: str
     status: ConnectorStatus
     counters: Counters
+    clock: Callable[[], float]
+    _outage: OutageTracker
 
     def _init_control(
         self,
@@ -138,6 +142,32 @@ class LoopControl(abc.ABC):
         self.counters = replace(
             self.counters, **{k: getattr(self.counters, k) + v for k, v in inc.items()}
         )
+
+    def _outage_wait(self, what: str, e: Exception) -> None:
+        """``what`` ran into an outage ``e``: a retry counted; past the outage budget
+        OutageBudgetExceeded; else Degraded, reported at once, and a sleep of the backoff
+        (a stop cuts it short and raises Stopping)."""
+        now = self.clock()
+        delay = self._outage.failed(now)
+        self._count(retries=1)
+        if self._outage.exhausted(now):
+            raise OutageBudgetExceeded(
+                f"{what} kept failing for {self._outage.duration(now):.0f}s "
+                f"({self._outage.attempts} attempts): {e}"
+            ) from e
+        self._set_status(ConnectorStatus.DEGRADED, f"{what} failed, retrying in {delay:.1f}s: {e}")
+        log.warning(
+            "%s: %s failed (attempt %d), retrying in %.1fs: %s",
+            self.name,
+            what,
+            self._outage.attempts,
+            delay,
+            e,
+        )
+        self._heartbeat(force=True)
+        self._sleep(delay)
+        if self._should_stop():
+            raise Stopping() from e
 
     def _should_stop(self) -> bool:
         return self._stop_event.is_set() or self.stop_requested()

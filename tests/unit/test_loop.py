@@ -14,6 +14,7 @@ from conveyor.core.errors import (
     BatchRejected,
     DeadLetterLimitError,
     FencedError,
+    OutageBudgetExceeded,
     TransientSinkError,
     is_data_error,
 )
@@ -22,7 +23,6 @@ from conveyor.core.loop import (
     DataPolicyError,
     Directive,
     LoopConfig,
-    OutageBudgetExceeded,
     Rejected,
     SourceBatch,
     Transformed,
