@@ -23,7 +23,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any, Literal
 
-from conveyor.core.connection import OPTION_NAMES, KafkaConnection
+from conveyor.core.connection import OPTION_NAMES, KafkaConnection, check_readable
 from conveyor.core.errors import ConfigError
 from conveyor.core.secrets import resolve
 from conveyor.core.sink import ErrorKind
@@ -63,15 +63,7 @@ def resolve_secret(ref: str, *, field: str) -> str:
 
 def check_files(c: KafkaConnection, *, prefix: str) -> None:
     """Every certificate / key file of the connection is readable (ConfigError naming the field)."""
-    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-        path = getattr(c, name)
-        if path:
-            try:
-                open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
-            except OSError as e:
-                raise ConfigError(
-                    f"{path!r} cannot be read: {e.strerror}", field=f"{prefix}.{name}"
-                ) from None
+    check_readable(c, ("ssl_cafile", "ssl_certfile", "ssl_keyfile"), prefix=prefix)
 
 
 def _kafka_python_known(role: ClientRole) -> set[str]:

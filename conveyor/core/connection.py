@@ -18,11 +18,13 @@ these fields as references (``specs.resolved``) and the client resolves them, th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
+from conveyor.core.errors import ConfigError
 from conveyor.core.references import whole_reference_problem
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -61,6 +63,20 @@ SASL_FIELDS = (
 # Words that mark a client option as a secret: such options must be model fields
 # (references), never pass-through values stored in the spec.
 _SECRET_WORDS = ("password", "secret", "token", "jaas", "credential", "private_key", "key_pem")
+
+
+def check_readable(model: BaseModel, names: Iterable[str], *, prefix: str) -> None:
+    """Each certificate / key file named by ``model``'s fields ``names`` is readable here
+    (a ConfigError naming ``<prefix>.<field>`` otherwise): checked when a client is built."""
+    for name in names:
+        path = getattr(model, name)
+        if path:
+            try:
+                open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
+            except OSError as e:
+                raise ConfigError(
+                    f"{path!r} cannot be read: {e.strerror}", field=f"{prefix}.{name}"
+                ) from None
 
 
 def secret_ref_problem(value: str) -> str | None:

@@ -87,5 +87,27 @@ def payloads(values: pa.Array | pa.ChunkedArray) -> list[bytes]:
     return out
 
 
+def decode_each(
+    values: pa.Array | pa.ChunkedArray, read: Callable[[bytes], str | tuple[dict[str, Any], Any]]
+) -> Decoded:
+    """Each payload through ``read``: (the record, its row type: Arrow fields), or why it
+    failed. The batch's columns are the union of its records' fields, first seen first (the
+    decoders whose records each carry their writer's shape: Protobuf, JSON Schema)."""
+    failed: dict[int, str] = {}
+    records: list[dict[str, Any] | None] = []
+    fields: dict[str, pa.Field] = {}
+    for i, value in enumerate(payloads(values)):
+        outcome = read(value)
+        if isinstance(outcome, str):
+            failed[i] = outcome
+            records.append(None)
+            continue
+        record, row_type = outcome
+        for f in row_type:
+            fields.setdefault(f.name, f)
+        records.append(record)
+    return Decoded(table_of_records(records, pa.struct(list(fields.values())), failed), failed)
+
+
 class RowFailure(Exception):
     """One record cannot be decoded; the message says why (it becomes ``failed[i]``)."""

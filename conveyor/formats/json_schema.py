@@ -32,7 +32,12 @@ from referencing import Resource
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT7
 
-from conveyor.formats.decoded import Convert, Decoded, converted, payloads, table_of_records
+from conveyor.formats.decoded import (
+    Convert,
+    Decoded,
+    converted,
+    decode_each,
+)
 from conveyor.formats.frame import FrameError, read_frame
 from conveyor.formats.registry import Registry, UnknownSchema
 
@@ -158,26 +163,11 @@ class JsonSchemaDecoder:
         self._writers: dict[int, _Writer] = {}
 
     def decode(self, values: Any) -> Decoded:
-        failed: dict[int, str] = {}
-        records: list[dict[str, Any] | None] = []
-        fields: dict[str, pa.Field] = {}
-        problems: dict[int, str] = {}
-        for i, value in enumerate(payloads(values)):
-            outcome = self._record(value, problems)
-            if isinstance(outcome, str):
-                failed[i] = outcome
-                records.append(None)
-                continue
-            record, writer = outcome
-            for f in writer.row_type:
-                fields.setdefault(f.name, f)
-            records.append(record)
-        return Decoded(table_of_records(records, pa.struct(list(fields.values())), failed), failed)
+        problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
+        return decode_each(values, lambda value: self._record(value, problems))
 
-    def _record(
-        self, value: bytes, problems: dict[int, str]
-    ) -> str | tuple[dict[str, Any], _Writer]:
-        """(the record, its writer), or why it failed."""
+    def _record(self, value: bytes, problems: dict[int, str]) -> str | tuple[dict[str, Any], Any]:
+        """(the record, its writer's row type), or why it failed."""
         try:
             frame = read_frame(value)
         except FrameError as e:
@@ -193,7 +183,7 @@ class JsonSchemaDecoder:
         if error is not None:
             return f"does not validate against schema id {frame.schema_id}: {error_path(error)}"
         try:
-            return writer.convert(doc), writer
+            return writer.convert(doc), writer.row_type
         except (ValueError, TypeError) as e:
             return f"not convertible to Arrow: {e}"
 

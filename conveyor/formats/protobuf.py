@@ -39,7 +39,7 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
-from conveyor.formats.decoded import Decoded, payloads, table_of_records
+from conveyor.formats.decoded import Decoded, decode_each
 from conveyor.formats.frame import FrameError, read_frame
 from conveyor.formats.registry import Registry, UnknownSchema
 
@@ -192,40 +192,28 @@ class ProtobufDecoder:
         self._writers: dict[int, _Writer] = {}
 
     def decode(self, values: Any) -> Decoded:
-        failed: dict[int, str] = {}
-        records: list[dict[str, Any] | None] = []
-        fields: dict[str, pa.Field] = {}
-        problems: dict[int, str] = {}
-        for i, value in enumerate(payloads(values)):
-            record, shape = self._record(value, problems)
-            if isinstance(record, str):
-                failed[i] = record
-                records.append(None)
-                continue
-            for f in shape.row_type:
-                fields.setdefault(f.name, f)
-            records.append(record)
-        return Decoded(table_of_records(records, pa.struct(list(fields.values())), failed), failed)
+        problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
+        return decode_each(values, lambda value: self._record(value, problems))
 
-    def _record(self, value: bytes, problems: dict[int, str]) -> tuple[Any, Any]:
-        """(the record, its shape), or (why it failed, None)."""
+    def _record(self, value: bytes, problems: dict[int, str]) -> str | tuple[Any, Any]:
+        """(the record, its shape's row type), or why it failed."""
         try:
             frame = read_frame(value, protobuf=True)
         except FrameError as e:
-            return str(e), None
+            return str(e)
         writer = self._writer(frame.schema_id, problems)
         if writer is None:
-            return problems[frame.schema_id], None
+            return problems[frame.schema_id]
         try:
             cls, shape = writer.message(frame.message_indexes or (0,))
         except (KeyError, ValueError, TypeError) as e:
-            return f"schema id {frame.schema_id}: {e}", None
+            return f"schema id {frame.schema_id}: {e}"
         msg = cls()
         try:
             msg.ParseFromString(frame.payload)
         except DecodeError as e:
-            return f"not Protobuf of its writer schema: {e}", None
-        return shape.read(msg), shape
+            return f"not Protobuf of its writer schema: {e}"
+        return shape.read(msg), shape.row_type
 
     def _writer(self, sid: int, problems: dict[int, str]) -> _Writer | None:
         if sid in self._writers:

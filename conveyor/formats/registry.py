@@ -26,6 +26,7 @@ from confluent_kafka.schema_registry import RegisteredSchema, Schema, SchemaRegi
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from conveyor.core import scrubbing
+from conveyor.core.connection import check_readable
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.schema_registry import SR_SSL_FIELDS, SchemaRegistrySpec
 from conveyor.core.secrets import resolve
@@ -58,17 +59,8 @@ class UnknownSchema(LookupError):
 
 
 def check_files(spec: SchemaRegistrySpec, *, prefix: str) -> None:
-    """Every certificate / key file of the section is readable (ConfigError naming the field),
-    the rule ``conveyor.brokers.connection.check_files`` applies to a Kafka connection."""
-    for name in SR_SSL_FIELDS:
-        path = getattr(spec, name)
-        if path:
-            try:
-                open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
-            except OSError as e:
-                raise ConfigError(
-                    f"{path!r} cannot be read: {e.strerror}", field=f"{prefix}.{name}"
-                ) from None
+    """Every certificate / key file of the section is readable (ConfigError naming the field)."""
+    check_readable(spec, SR_SSL_FIELDS, prefix=prefix)
 
 
 def client_config(spec: SchemaRegistrySpec, *, prefix: str) -> dict[str, Any]:
