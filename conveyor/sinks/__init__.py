@@ -21,6 +21,8 @@ _SINKS: dict[str, str] = {
     "elasticsearch": "conveyor.sinks.elasticsearch:ElasticsearchSink",
     "pulsar": "conveyor.sinks.pulsar:PulsarSink",
     "greptimedb": "conveyor.sinks.greptimedb:GreptimeDBSink",
+    "iceberg": "conveyor.sinks.iceberg:IcebergSink",
+    "delta": "conveyor.sinks.delta:DeltaSink",
 }
 
 _ALIASES: dict[str, str] = {
@@ -33,6 +35,9 @@ _ALIASES: dict[str, str] = {
     "mongo": "mongodb",
     "es": "elasticsearch",
     "greptime": "greptimedb",
+    "pyiceberg": "iceberg",
+    "deltalake": "delta",
+    "delta_lake": "delta",
 }
 
 

@@ -1,0 +1,439 @@
+"""What the lakehouse sinks (Iceberg, Delta Lake) share: exactly once through the table's own
+commits, buffering to a commit interval or a file size, the warehouse path rule and the rows a
+table commit holds.
+
+Every table commit of a sink carries a ``CommitMark`` in its properties (Iceberg: the snapshot
+summary; Delta: the commit info's custom metadata): ``conveyor.connector``,
+``conveyor.generation`` and ``conveyor.offsets``, the next offset per topic-partition of every
+row this connector has in the table (cumulative: a commit holds the offsets of the commits
+before it). Before committing, the sink reads the table's latest mark of its connector: a
+greater generation means this run is a zombie (``FencedError``), and rows whose offsets the
+mark already covers are dropped (a replay after a crash between the table commit and the meta
+store's commit, or a batch sent twice, is written once). A table commit that loses a race
+with another writer is an outage: the retry reads the marks again.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Annotated, Any
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+from pydantic import Field
+
+from conveyor.core.errors import FencedError, rule
+from conveyor.core.home import conveyor_home
+from conveyor.core.loop import next_offsets_of
+from conveyor.core.model import (
+    DESTINATION_COL,
+    META_COLUMNS,
+    OFFSET_COL,
+    PARTITION_COL,
+    TOPIC_COL,
+    Offsets,
+    TopicPartition,
+)
+from conveyor.core.sink import RowFailure, SendResult, first_failure_only, invalid_utf8, utf8_reason
+from conveyor.sinks.base import Sink, SinkConfig, payload_columns
+
+log = logging.getLogger("conveyor.sinks.lakehouse")
+
+CONNECTOR_PROP = "conveyor.connector"
+GENERATION_PROP = "conveyor.generation"
+OFFSETS_PROP = "conveyor.offsets"
+
+#: The message columns ``message_columns`` writes next to the payload (``__destination`` is
+#: a routing decision, not data).
+MESSAGE_COLUMNS = [c for c in META_COLUMNS if c != DESTINATION_COL]
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+# -- config shared by both sinks -----------------------------------------------------------------
+
+CommitIntervalS = Annotated[
+    float,
+    Field(
+        default=0.0,
+        ge=0,
+        description="Seconds to buffer batches in memory before one table commit (fewer, larger files). "
+        "0: one commit per batch, acknowledged when committed. Above 0 a batch is acknowledged when "
+        "buffered: exactly once then needs the table's offsets to win on start (docs/sinks/iceberg.md).",
+    ),
+]
+TargetFileSizeMb = Annotated[
+    int,
+    Field(
+        default=128,
+        ge=1,
+        description="Commit the buffer once it holds this many MiB of Arrow data (with commit_interval_s), "
+        "and the writer's target data file size.",
+    ),
+]
+AutoEvolveTable = Annotated[
+    bool,
+    Field(
+        default=False,
+        description="A payload field the table lacks is added as a nullable column (never dropped or "
+        "retyped). Off: a batch with a column the table lacks is refused, naming the column.",
+    ),
+]
+UpsertKeys = Annotated[
+    list[str],
+    Field(
+        default_factory=list,
+        description="Key columns: a row replaces the table's rows with the same key (within a batch the "
+        "last one by position wins).",
+    ),
+]
+MessageColumnsFlag = Annotated[
+    bool,
+    Field(
+        default=False,
+        description="Also write the message columns __topic, __partition, __offset, __timestamp, __key "
+        "and __headers next to the payload.",
+    ),
+]
+
+
+class LakehouseSinkConfig(SinkConfig):
+    """The fields both lakehouse sinks share (their rules are ``lakehouse_rules``)."""
+
+    commit_interval_s: CommitIntervalS = 0.0
+    target_file_size_mb: TargetFileSizeMb = 128
+    auto_evolve: AutoEvolveTable = False
+    upsert_keys: UpsertKeys
+    message_columns: MessageColumnsFlag = False
+
+    def lakehouse_rules(self) -> None:
+        """Rules every lakehouse config checks in its model validator."""
+        rule(
+            len(set(self.upsert_keys)) == len(self.upsert_keys),
+            "a key column is named twice",
+            field="upsert_keys",
+        )
+        rule(
+            not any(k in META_COLUMNS for k in self.upsert_keys) or self.message_columns,
+            "a message column as a key needs message_columns: true",
+            field="upsert_keys",
+        )
+
+
+def location_problem(value: str) -> str | None:
+    """Why a table location is refused, or None. A URL with another scheme (s3://, gs://,
+    abfss://) is passed through as written; a path or a ``file://`` URL must lie under
+    ``$CONVEYOR_HOME`` (a relative path is taken from there), so a spec cannot make a run
+    write anywhere on its host (the rule of ``formats.avro.schema_file_text``)."""
+    if not value.strip():
+        return "must not be empty"
+    if _SCHEME.match(value) and not value.lower().startswith("file://"):
+        return None
+    path = unquote(urlparse(value).path) if value.lower().startswith("file://") else value
+    if ".." in PurePosixPath(path).parts:
+        return f"{value!r}: '..' is not allowed"
+    home = str(conveyor_home())
+    real = os.path.realpath(path if os.path.isabs(path) else os.path.join(home, path))
+    if os.path.commonpath([real, home]) != home or real == home:
+        return f"{value!r} is outside $CONVEYOR_HOME ({home}); put the table there"
+    return None
+
+
+def local_location(value: str) -> str:
+    """A location ``location_problem`` accepted, as the writers take it: an absolute local path
+    (a relative one under ``$CONVEYOR_HOME``), or the URL as written."""
+    if _SCHEME.match(value) and not value.lower().startswith("file://"):
+        return value
+    path = unquote(urlparse(value).path) if value.lower().startswith("file://") else value
+    return os.path.realpath(path if os.path.isabs(path) else os.path.join(conveyor_home(), path))
+
+
+def is_local(location: str) -> bool:
+    return not _SCHEME.match(location)
+
+
+# -- the mark each commit carries ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommitMark:
+    """What a table commit says about the connector that made it."""
+
+    connector: str
+    generation: int
+    offsets: Offsets
+
+    def properties(self) -> dict[str, str]:
+        """The commit's properties (text values, as Iceberg's snapshot summary holds them)."""
+        return {
+            CONNECTOR_PROP: self.connector,
+            GENERATION_PROP: str(self.generation),
+            OFFSETS_PROP: json.dumps(
+                {f"{tp.topic}/{tp.partition}": o for tp, o in sorted(self.offsets.items())},
+                separators=(",", ":"),
+            ),
+        }
+
+    @classmethod
+    def of(cls, props: Mapping[str, Any]) -> CommitMark | None:
+        """The mark in a commit's properties; None for a commit without one (another writer's)."""
+        if CONNECTOR_PROP not in props or OFFSETS_PROP not in props:
+            return None
+        try:
+            raw = json.loads(str(props[OFFSETS_PROP]))
+            offsets = {}
+            for tp, o in raw.items():
+                topic, partition = str(tp).rsplit("/", 1)
+                offsets[TopicPartition(topic, int(partition))] = int(o)
+            return cls(str(props[CONNECTOR_PROP]), int(props.get(GENERATION_PROP, 0)), offsets)
+        except (ValueError, TypeError, AttributeError):
+            log.warning("a table commit's %s is not Conveyor's: ignored", OFFSETS_PROP)
+            return None
+
+
+def unseen_rows(table: pa.Table, offsets: Offsets) -> pa.Table:
+    """The rows of ``table`` the table's mark does not cover yet (offset >= its next offset)."""
+    if not offsets or not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(table.schema.names):
+        return table
+    import pyarrow.compute as pc
+
+    topics = table.column(TOPIC_COL).to_pylist()
+    partitions = table.column(PARTITION_COL).to_pylist()
+    floor = pa.array(
+        [offsets.get(TopicPartition(t, p), 0) for t, p in zip(topics, partitions, strict=True)],
+        pa.int64(),
+    )
+    return table.filter(pc.greater_equal(table.column(OFFSET_COL).cast(pa.int64()), floor))
+
+
+def batch_offsets(table: pa.Table) -> Offsets:
+    """Next offset per partition of the rows in ``table`` (none without the message columns)."""
+    if not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(table.schema.names):
+        return {}
+    return next_offsets_of(table)
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+
+def utf8_failures(batch: pa.Table) -> list[RowFailure]:
+    """The rows holding text that is not valid UTF-8 (Arrow does not check buffers it did not
+    build; a Parquet writer would store them as they are), each naming the column and byte."""
+    bad: dict[int, str] = {}
+    for name in batch.schema.names:
+        column = batch.column(name)
+        try:
+            column.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        for i in range(batch.num_rows):
+            if i in bad:
+                continue
+            try:
+                column.slice(i, 1).to_pylist()
+            except UnicodeDecodeError as e:
+                row = batch.slice(i, 1)
+                bad[i] = invalid_utf8(row) or utf8_reason(e, f"column {name!r}")
+    return [RowFailure(i, bad[i]) for i in sorted(bad)]
+
+
+def writable_rows(batch: pa.Table, fail_fast: bool) -> tuple[list[RowFailure], pa.Table]:
+    """The batch's row failures and the rows to write (under ``fail_fast``: the first failure
+    and only the rows before it)."""
+    failed = utf8_failures(batch)
+    if not failed:
+        return [], batch
+    todo = list(range(batch.num_rows))
+    if fail_fast:
+        failed, todo = first_failure_only(failed, todo)
+    bad = {f.index for f in failed}
+    keep = [i for i in todo if i not in bad]
+    return failed, batch.take(pa.array(keep, pa.int64()))
+
+
+def data_columns(table: pa.Table, message_columns: bool) -> pa.Table:
+    """What a table commit writes: the payload columns, and the message columns if asked."""
+    names = payload_columns(table)
+    if message_columns:
+        names += [c for c in MESSAGE_COLUMNS if c in table.schema.names]
+    return table.select(names)
+
+
+def last_per_key(table: pa.Table, keys: list[str]) -> pa.Table:
+    """One row per key: the last by position (a merge refuses two source rows for one key)."""
+    if not keys or table.num_rows == 0:
+        return table
+    import pyarrow.compute as pc
+
+    pos = "__conveyor_row"
+    numbered = table.append_column(pos, pa.array(range(table.num_rows), pa.int64()))
+    last = numbered.group_by(keys, use_threads=False).aggregate([(pos, "max")])
+    rows = pc.sort_indices(last.column(f"{pos}_max"))
+    return table.take(pc.take(last.column(f"{pos}_max"), rows))
+
+
+# -- the sink both formats build on --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """The last table commit a sink made, for the sink asset's metadata."""
+
+    snapshot: str  # Iceberg snapshot id / Delta version
+    files_added: int
+    rows_added: int
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "snapshot": self.snapshot,
+            "files_added": self.files_added,
+            "rows_added": self.rows_added,
+        }
+
+
+class LakehouseSink(Sink):
+    """Buffers batches and commits them to a table, each commit carrying its ``CommitMark``.
+
+    A subclass reads the table's marks (``_latest_mark``) and writes one commit
+    (``_write``); ``_mapped`` turns its client's exceptions into sink errors.
+    """
+
+    config: LakehouseSinkConfig
+
+    def __init__(self, config: LakehouseSinkConfig, *, clock: Callable[[], float] | None = None):
+        super().__init__(config)
+        self.connector = ""  # unbound: the marks of an unnamed writer
+        self.generation = 0
+        self.last_commit: CommitInfo | None = None
+        self._clock = clock or time.monotonic
+        self._pending: list[pa.Table] = []
+        self._pending_bytes = 0
+        self._pending_since = 0.0
+
+    def bind(self, connector: str, generation: int) -> None:
+        """The connector and generation this sink writes for (before ``init_sink``): its
+        commits carry them, and a table holding a newer generation's commit fences it."""
+        self.connector = connector
+        self.generation = generation
+
+    def target_offsets(self) -> Offsets | None:
+        """The offsets of the table's latest commit of this connector; None when it has none."""
+        mark = self._latest_mark()
+        return dict(mark.offsets) if mark is not None else None
+
+    def send_batch(self, batch: pa.Table) -> SendResult:
+        failed, rows = writable_rows(batch, self.fail_fast)
+        if rows.num_rows:
+            if not self._pending:
+                self._pending_since = self._clock()
+            self._pending.append(rows)
+            self._pending_bytes += rows.nbytes
+        if self._due():
+            self.flush()
+        return SendResult(rows=batch.num_rows, failed=tuple(failed))
+
+    def _due(self) -> bool:
+        if not self._pending:
+            return False
+        if self.config.commit_interval_s <= 0:
+            return True
+        full = self._pending_bytes >= self.config.target_file_size_mb << 20
+        return full or self._clock() - self._pending_since >= self.config.commit_interval_s
+
+    def flush(self) -> None:
+        """Commit what is buffered (one table commit); a failed commit keeps the buffer."""
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending, promote_options="permissive")
+        with self._mapped():
+            self._commit(table)
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def _commit(self, table: pa.Table) -> None:
+        mark = self._latest_mark()
+        if mark is not None and mark.generation > self.generation:
+            raise FencedError(
+                f"connector {self.connector!r}: the table holds a commit of generation "
+                f"{mark.generation}, this run is generation {self.generation}; not committing"
+            )
+        known = mark.offsets if mark is not None else {}
+        fresh = unseen_rows(table, known)
+        if fresh.num_rows == 0:
+            return  # every row is in the table already (a replay)
+        offsets = {**known, **batch_offsets(fresh)}
+        new = CommitMark(self.connector, self.generation, offsets)
+        self._write(fresh, new)
+
+    def cleanup_sink(self) -> None:
+        """Commit what is buffered (best effort), then release the table."""
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 - the table's offsets win on start: re-read
+            log.warning(
+                "%s: %d buffered rows not committed on close: %s",
+                self.describe(),
+                sum(t.num_rows for t in self._pending),
+                e,
+            )
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._close()
+
+    @abc.abstractmethod
+    def _latest_mark(self) -> CommitMark | None:
+        """The newest mark of ``self.connector`` in the table (read now), or None."""
+
+    @abc.abstractmethod
+    def _write(self, table: pa.Table, mark: CommitMark) -> None:
+        """One table commit of ``table`` (message columns included) carrying ``mark``;
+        sets ``last_commit``."""
+
+    @abc.abstractmethod
+    def _mapped(self) -> Any:
+        """A context manager raising the client's exceptions as sink errors."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release the table and its catalog. Idempotent."""
+
+
+def conform(data: pa.Table, schema: pa.Schema, *, auto_evolve: bool) -> pa.Table:
+    """``data`` in the table's column order and types (a millisecond timestamp as the table's
+    microseconds, a column the batch lacks as nulls). A column the table lacks, or a value its
+    column cannot hold, raises ``PermanentSinkError`` naming the column (the retry would fail
+    the same way)."""
+    from conveyor.core.errors import PermanentSinkError
+
+    extra = [n for n in data.schema.names if schema.get_field_index(n) < 0]
+    if extra:
+        hint = "" if auto_evolve else " (auto_evolve: true adds it)"
+        raise PermanentSinkError(f"the table has no column {', '.join(extra)}{hint}")
+    columns = []
+    for f in schema:
+        if f.name not in data.schema.names:
+            columns.append(pa.nulls(data.num_rows, f.type))
+            continue
+        column = data.column(f.name)
+        try:
+            columns.append(column if column.type == f.type else column.cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise PermanentSinkError(
+                f"column {f.name}: the table's {f.type} cannot hold the batch's {column.type}: {e}"
+            ) from None
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def nullable_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with every top-level field nullable (a table created from one batch must
+    take a later batch's nulls)."""
+    return pa.schema([f.with_nullable(True) for f in schema], metadata=schema.metadata)
