@@ -179,3 +179,62 @@ def test_tombstones_pass_with_null_payload_columns(spark, schema_registry):
     out = t(batch([values[0], None, values[1]]))
     assert out.table.column("id").to_pylist() == [0, None, 1]
     assert out.table.column("__tombstone").to_pylist() == [False, True, False]
+
+
+VALUE = {
+    "type": "record",
+    "name": "Value",
+    "namespace": "dbserver1.inventory.items",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {
+            "name": "price",
+            "type": [
+                "null",
+                {"type": "bytes", "logicalType": "decimal", "precision": 8, "scale": 2},
+            ],
+            "default": None,
+        },
+    ],
+}
+ENVELOPE = {
+    "type": "record",
+    "name": "Envelope",
+    "namespace": "dbserver1.inventory.items",
+    "fields": [
+        {"name": "before", "type": ["null", VALUE], "default": None},
+        {"name": "after", "type": ["null", "Value"], "default": None},
+        {"name": "op", "type": "string"},
+        {"name": "ts_ms", "type": ["null", "long"], "default": None},
+    ],
+}
+
+
+def test_debezium_avro_events_become_upserts_deletes_and_truncates(spark, schema_registry):
+    """Debezium's Avro envelope (as its AvroConverter writes it) with envelope: debezium."""
+    row = lambda i, p: {"id": i, "price": Decimal(p)}  # noqa: E731
+    events = [
+        {"before": None, "after": row(1, "1.50"), "op": "r"},
+        {"before": None, "after": row(2, "2.50"), "op": "c"},
+        {"before": row(2, "2.50"), "after": row(2, "3.00"), "op": "u"},
+        {"before": row(1, "1.50"), "after": None, "op": "d"},
+        {"before": None, "after": None, "op": "t"},
+        {"before": None, "after": row(9, "9.99"), "op": "x"},  # an op Debezium never writes
+    ]
+    values = avro(schema_registry.url, ENVELOPE, events)
+    t = transformer(spark, schema_registry.url, envelope="debezium")
+    out = t(batch([*values, None]))  # and the tombstone after the delete: skipped by default
+    table = out.table
+    assert table.column("id").to_pylist() == [1, 2, 2, 1, None]
+    assert table.column("price").to_pylist() == [
+        Decimal("1.50"),
+        Decimal("2.50"),
+        Decimal("3.00"),
+        Decimal("1.50"),
+        None,
+    ]
+    assert table.column("__tombstone").to_pylist() == [False, False, False, True, False]
+    assert table.column("__truncate").to_pylist() == [False, False, False, False, True]
+    assert "__op" not in table.column_names and "before" not in table.column_names
+    assert [r.index for r in out.rejected] == [5] and "op" in out.rejected[0].message
+    assert out.filtered == 1
