@@ -407,15 +407,17 @@ class LakehouseSink(Sink):
         """Release the table and its catalog. Idempotent."""
 
 
-def conform(data: pa.Table, schema: pa.Schema, *, auto_evolve: bool) -> pa.Table:
+def conform(
+    data: pa.Table, schema: pa.Schema, *, auto_evolve: bool, keep_extra: bool = False
+) -> pa.Table:
     """``data`` in the table's column order and types (a millisecond timestamp as the table's
-    microseconds, a column the batch lacks as nulls). A column the table lacks, or a value its
-    column cannot hold, raises ``PermanentSinkError`` naming the column (the retry would fail
-    the same way)."""
+    microseconds, a column the batch lacks as nulls). A column the table lacks (kept as it is,
+    after the others, with ``keep_extra``: the writer adds it), or a value its column cannot
+    hold, raises ``PermanentSinkError`` naming the column (the retry would fail the same way)."""
     from conveyor.core.errors import PermanentSinkError
 
     extra = [n for n in data.schema.names if schema.get_field_index(n) < 0]
-    if extra:
+    if extra and not keep_extra:
         hint = "" if auto_evolve else " (auto_evolve: true adds it)"
         raise PermanentSinkError(f"the table has no column {', '.join(extra)}{hint}")
     columns = []
@@ -430,7 +432,10 @@ def conform(data: pa.Table, schema: pa.Schema, *, auto_evolve: bool) -> pa.Table
             raise PermanentSinkError(
                 f"column {f.name}: the table's {f.type} cannot hold the batch's {column.type}: {e}"
             ) from None
-    return pa.Table.from_arrays(columns, schema=schema)
+    out = pa.Table.from_arrays(columns, schema=schema)
+    for name in extra:
+        out = out.append_column(data.schema.field(name), data.column(name))
+    return out
 
 
 def nullable_schema(schema: pa.Schema) -> pa.Schema:
