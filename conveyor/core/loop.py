@@ -66,10 +66,12 @@ from conveyor.core.model import (
     Offsets,
     RetrySpec,
     TopicPartition,
+    WatermarkSpec,
 )
 from conveyor.core.routing import DestinationGate, DestinationRulesSpec
 from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
 from conveyor.core.stopping import Directive, LoopControl, Stopping
+from conveyor.core.watermarks import Watermark, WatermarkTracker
 
 log = logging.getLogger("conveyor.loop")
 
@@ -190,6 +192,8 @@ class LoopConfig:
     paused_poll_s: float = 0.25
     # Admission, cap and breakers for rows that choose their destination (__destination).
     destinations: DestinationRulesSpec | None = None
+    # The event-time watermark's rule (core/watermarks.py), reported with each progress.
+    watermark: WatermarkSpec = field(default_factory=WatermarkSpec)
 
 
 @dataclass
@@ -197,6 +201,8 @@ class Progress:
     counters: Counters
     offsets: Offsets
     final: bool = False
+    # The watermark at this report, with the late event times since the previous report.
+    watermark: Watermark | None = None
 
 
 class ConnectorLoop(LoopControl):
@@ -238,6 +244,7 @@ class ConnectorLoop(LoopControl):
         self._latencies: deque[float] = deque(maxlen=256)
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._first_failure: dict[tuple[str, int, int], float] = {}
+        self.watermarks = WatermarkTracker(config.watermark, self.clock())
         self._closed = False
         # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
         # heartbeats for a supervised loop, which then only queues its status changes.
@@ -371,6 +378,7 @@ class ConnectorLoop(LoopControl):
         self._acked = sb.next_offsets
         self._batch_done(
             started,
+            delivered=self._delivered_rows(sb.table, tr.table),
             messages_in=n_in,
             messages_out=sent,
             filtered=tr.filtered,
@@ -425,6 +433,7 @@ class ConnectorLoop(LoopControl):
             self._acked = offsets_before(sb.table, cut, sb.next_offsets)
         self._batch_done(
             started,
+            delivered=self._delivered_rows(sb.table, table, None if first is None else cut),
             messages_in=done,
             messages_out=sent_before,
             filtered=tr.filtered if first is None else 0,
@@ -446,15 +455,44 @@ class ConnectorLoop(LoopControl):
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
 
-    def _batch_done(self, started: float, *, messages_out: int, **counts: int) -> None:
+    def _batch_done(
+        self, started: float, *, messages_out: int, delivered: pa.Table, **counts: int
+    ) -> None:
         """A batch is over and ``_acked`` holds what it acknowledged: commit it; the outage
-        (if any) is over; the batch's latency and rate are recorded and its counts added."""
+        (if any) is over; the watermark moves with the ``delivered`` rows' event times; the
+        batch's latency and rate are recorded and its counts added."""
         self._commit_acknowledged()
         self._outage.recovered()
         now = self.clock()
+        self.watermarks.observe(delivered, now, self._partition_lags())
         self._latencies.append(now - started)
         self._rate_window.append((now, messages_out))
         self._count(messages_out=messages_out, batches=1, **counts)
+
+    def _delivered_rows(self, source: pa.Table, out: pa.Table, cut: int | None = None) -> pa.Table:
+        """The rows whose event times a committed batch delivered: the source rows (the record
+        timestamp) or the transform's output (``watermark.column``), those before ``cut`` only."""
+        if self.cfg.watermark.column is None:
+            return source if cut is None else source.slice(0, cut)
+        if cut is None or out.num_rows == 0:
+            return out
+        at = {c: i for i, c in enumerate(_all_coords(source))}
+        return out.filter(pa.array([at[c] < cut for c in _all_coords(out)], pa.bool_()))
+
+    def _partition_lags(self) -> dict[str, int | None]:
+        """Per partition (``topic[partition]``) the last fetch reported: messages behind its
+        high watermark, None when nothing was committed there yet."""
+        committed = {str(tp): off for tp, off in self.committed.items()}
+        return {
+            name: (max(0, hw - committed[name]) if name in committed else None)
+            for name, hw in (self.counters.highwaters or {}).items()
+        }
+
+    def _watermark(self) -> Watermark:
+        """The watermark now, for a progress report: the late ranges are reported once."""
+        wm = self.watermarks.current(self.clock(), self._partition_lags())
+        self.watermarks.take_late()
+        return wm
 
     def _screen_destinations(self, source: pa.Table, tr: Transformed) -> Transformed:
         """Rows whose destination the connector's rules refuse leave the batch as failed
@@ -671,7 +709,9 @@ class ConnectorLoop(LoopControl):
             self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s
         ):
             self._last_progress = now
-            self.on_progress(Progress(self.counters, dict(self.committed)))
+            self.on_progress(
+                Progress(self.counters, dict(self.committed), watermark=self._watermark())
+            )
 
     def beat(self, override: ConnectorStatus | None = None) -> None:
         """Heartbeat once (any thread): each queued status change in order, else the current
@@ -731,7 +771,14 @@ class ConnectorLoop(LoopControl):
             # The run's last word in the UI, even when closing a client failed.
             if self.on_progress:
                 try:
-                    self.on_progress(Progress(self.counters, dict(self.committed), final=True))
+                    self.on_progress(
+                        Progress(
+                            self.counters,
+                            dict(self.committed),
+                            final=True,
+                            watermark=self._watermark(),
+                        )
+                    )
                 except Exception:  # noqa: BLE001 - never hides the error that ended the loop
                     log.warning(
                         "%s: could not report the final progress", self.cfg.name, exc_info=True

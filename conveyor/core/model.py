@@ -667,6 +667,31 @@ class ConnectorRunSpec(_Spec):
         return v
 
 
+class WatermarkSpec(_Spec):
+    """The connector's event-time watermark (core/watermarks.py): how complete its sink is."""
+
+    column: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Transform output column holding each row's event time (a timestamp; "
+        "naive times are UTC). Default: the record timestamp `__timestamp`.",
+    )
+    allowed_lateness_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=30 * 86_400,
+        description="Seconds the low watermark stays behind the oldest partition's newest event "
+        "time, for events that arrive out of order.",
+    )
+    idle_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=30 * 86_400,
+        description="A partition with no lag that delivered nothing for this long is idle: it no "
+        "longer holds the watermark back.",
+    )
+
+
 class ConnectorSpec(ConnectorRunSpec):
     """One connector: a source, a sink, and how the batch travels between them."""
 
@@ -701,6 +726,10 @@ class ConnectorSpec(ConnectorRunSpec):
         default=None,
         description="For sinks whose rows choose their destination (`__destination`): admission, cap "
         "and per-destination breakers (section `destinations`); refused rows go to the failure policy.",
+    )
+    watermark: WatermarkSpec = Field(
+        default_factory=WatermarkSpec,
+        description="Event-time watermark reported on the sink asset (section `watermark`).",
     )
 
 
