@@ -214,12 +214,13 @@ class IcebergSink(LakehouseSink):
         return (*self.config.namespace.split("."), self.config.table)
 
     def init_sink(self) -> None:
+        """Load the catalog and the table (once: ``target_offsets`` may have done it)."""
         with self._mapped():
             from pyiceberg.catalog import load_catalog
 
-            self._catalog = load_catalog(
-                self.config.catalog.name, **catalog_properties(self.config)
-            )
+            if self._catalog is None:
+                props = catalog_properties(self.config)
+                self._catalog = load_catalog(self.config.catalog.name, **props)
             self._table = self._load()
         if self._table is None and not self.config.create_table:
             raise PermanentSinkError(
@@ -238,6 +239,8 @@ class IcebergSink(LakehouseSink):
             return None
 
     def _latest_mark(self) -> CommitMark | None:
+        if self._catalog is None:
+            self.init_sink()  # target_offsets before init_sink (the run reads them first)
         with self._mapped():
             self._table = self._load()
         if self._table is None:

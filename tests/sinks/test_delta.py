@@ -145,8 +145,12 @@ def test_offsets_round_trip_through_the_commit_info(home: Path) -> None:
     assert info["conveyor.offsets"] == '{"orders/0":5,"orders/1":107}'
     assert sink.last_commit.snapshot == "1" and sink.last_commit.rows_added == 7
     sink.cleanup_sink()
-    again = started(c, "orders-to-lake", 4)
     expected = {TopicPartition("orders", 0): 5, TopicPartition("orders", 1): 107}
+    fresh = build_sink(c)  # what the run reads before starting the loop: no init_sink yet
+    fresh.bind("orders-to-lake", 4)  # type: ignore[attr-defined]
+    assert fresh.target_offsets() == expected  # type: ignore[attr-defined]
+    fresh.cleanup_sink()
+    again = started(c, "orders-to-lake", 4)
     assert again.target_offsets() == expected
     other = started(c, "someone-else", 1)
     other.send_batch(make_batch(2, start=50, partition=0))

@@ -184,6 +184,13 @@ def test_offsets_round_trip_through_the_snapshot_summary(home: Path) -> None:
     assert summary["conveyor.generation"] == "3"
     assert summary["conveyor.offsets"] == '{"orders/0":5,"orders/1":107}'
     sink.cleanup_sink()
+    fresh = build_sink(c)  # what the run reads before starting the loop: no init_sink yet
+    fresh.bind("orders-to-lake", 4)  # type: ignore[attr-defined]
+    assert fresh.target_offsets() == {  # type: ignore[attr-defined]
+        TopicPartition("orders", 0): 5,
+        TopicPartition("orders", 1): 107,
+    }
+    fresh.cleanup_sink()
     again = started(c, "orders-to-lake", 4)
     assert again.target_offsets() == {
         TopicPartition("orders", 0): 5,
