@@ -1,4 +1,4 @@
-"""Rows of an Arrow table as Confluent-framed Avro or JSON Schema records, for the Kafka sink.
+"""Rows of an Arrow table as Confluent-framed Avro, Protobuf or JSON Schema records, for the Kafka sink.
 
 ``payload_encoder`` builds an ``Encoder``; ``encode(table, topic)`` returns one payload per
 row, written by confluent-kafka's own ``AvroSerializer`` / ``JSONSerializer`` (so Confluent's
@@ -11,8 +11,10 @@ Arrow schema: Avro as ``conveyor.formats.avro_arrow.avro_schema_of`` says (recor
 additionalProperties, integers -> integer, floats -> number, decimal -> string (exact),
 timestamp -> string date-time, date -> string date, binary -> string (base64).
 
-Protobuf encoding is not offered: confluent-kafka's ``ProtobufSerializer`` takes a generated
-message class, which a schema given as text does not provide.
+Protobuf (``ProtobufEncoder``) writes with the subject's latest registered schema: its message
+class is built from the registry's serialized descriptor (confluent-kafka's
+``ProtobufSerializer`` takes a message class, and no ``.proto`` compiler runs here), each row
+filled in by protobuf's ``json_format.ParseDict``.
 
 Failures: a registry outage raises ``TransientSinkError``, refused credentials
 ``ConfigError`` (``conveyor.formats.registry``); a row its schema does not allow raises
@@ -42,7 +44,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from conveyor.core.errors import ConfigError
 from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.formats.avro_arrow import AvroTypeError, avro_schema_of
-from conveyor.formats.registry import Registry, registry_error
+from conveyor.formats.registry import Registry, UnknownSchema, registry_error
 
 SubjectStrategy = Literal["topic", "record", "topic_record"]
 STRATEGIES: dict[str, Callable[..., Any]] = {
@@ -177,6 +179,77 @@ class JsonSchemaEncoder(_SerializingEncoder):
         return to_json_value(row, self._node or {})
 
 
+class ProtobufEncoder:
+    """Rows as Protobuf through confluent-kafka's ProtobufSerializer. The writer schema is the
+    subject's latest registered version (Protobuf schemas come from ``.proto`` files, registered
+    by whoever owns them; no ``.proto`` compiler runs here): its message ``message`` (or the
+    file's first) built from the registry's serialized descriptor, each row filled in by
+    protobuf's own ``json_format.ParseDict``."""
+
+    def __init__(self, registry: Registry, conf: dict[str, Any], message: str | None):
+        self.registry, self.conf, self.message = registry, conf, message
+        self._serializers: dict[str, tuple[Any, type[Any]]] = {}
+
+    def _serializer(self, topic: str) -> tuple[Any, type[Any]]:
+        found = self._serializers.get(topic)
+        if found is None:
+            from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
+
+            from conveyor.formats.protobuf import SERIALIZED, writer_of
+
+            strategy = self.conf["subject.name.strategy"]
+            subject = strategy(SerializationContext(topic, MessageField.VALUE), self.message)
+            try:
+                latest = self.registry.latest(subject, SERIALIZED)
+                cls = writer_of(self.registry, latest.schema, f"subject {subject!r}").message_class(
+                    self.message
+                )
+            except (UnknownSchema, ValueError) as e:
+                raise ConfigError(
+                    f"no usable Protobuf schema for topic {topic!r}: {e}",
+                    field="sink.value_message",
+                ) from None
+            conf = {**self.conf, "use.deprecated.format": False}
+            found = self._serializers[topic] = (
+                ProtobufSerializer(cls, self.registry.client, conf),
+                cls,
+            )
+        return found
+
+    def encode(self, table: pa.Table, topic: str) -> list[bytes]:
+        from google.protobuf.json_format import ParseDict, ParseError
+
+        ser, cls = self._serializer(topic)
+        ctx = SerializationContext(topic, MessageField.VALUE)
+        out: list[bytes] = []
+        for i, row in enumerate(python_rows(table)):
+            try:
+                msg = ParseDict(_set_fields(to_json_value(row, {})), cls())
+            except (ParseError, ValueError, TypeError) as e:
+                raise EncodeError(
+                    f"row {i}: not a {cls.DESCRIPTOR.full_name}: {e}", row=i
+                ) from None
+            try:
+                out.append(ser(msg, ctx))
+            except Exception as e:  # noqa: BLE001 - classified: an outage, credentials or the row
+                classified = registry_error(
+                    e, self.registry.spec, prefix=self.registry.prefix, what=f"topic {topic!r}"
+                )
+                if classified is not e:
+                    raise classified from None
+                raise EncodeError(f"row {i}: {type(e).__name__}: {e}", row=i) from None
+        return out
+
+
+def _set_fields(value: Any) -> Any:
+    """A JSON value without its null members: in Protobuf a null is a field left unset."""
+    if isinstance(value, dict):
+        return {k: _set_fields(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_set_fields(v) for v in value]
+    return value
+
+
 def _json_field(f: pa.Field) -> dict[str, Any]:
     node = _json_type(f.type)
     if f.nullable and "type" in node:
@@ -251,16 +324,18 @@ def payload_encoder(
     use_latest_version: bool,
     schema: str | None,
     *,
+    message: str | None = None,
     prefix: str = "sink",
 ) -> Encoder:
     """The encoder of rows into ``fmt`` (see the module). ConfigError for settings that
     cannot work (Protobuf, both auto_register and use_latest_version, a schema that does
     not parse)."""
-    if fmt == "protobuf":
+    if fmt == "protobuf" and (auto_register or not use_latest_version or schema is not None):
         raise ConfigError(
-            "protobuf encoding is not supported (confluent-kafka's ProtobufSerializer needs a "
-            "generated message class); use avro or json_schema",
-            field=f"{prefix}.format",
+            "protobuf writes with the subject's latest registered schema: set auto_register: "
+            "false and use_latest_version: true (and no value_schema; value_message names the "
+            "message)",
+            field=f"{prefix}.use_latest_version",
         )
     if auto_register and use_latest_version:
         raise ConfigError(
@@ -287,4 +362,8 @@ def payload_encoder(
         return AvroEncoder(client, conf, schema)
     if fmt == "json_schema":
         return JsonSchemaEncoder(client, conf, schema)
-    raise ConfigError(f"unknown format {fmt!r}: avro or json_schema", field=f"{prefix}.format")
+    if fmt == "protobuf":
+        return ProtobufEncoder(client, conf, message)
+    raise ConfigError(
+        f"unknown format {fmt!r}: avro, protobuf or json_schema", field=f"{prefix}.format"
+    )

@@ -156,7 +156,7 @@ def _identity(v: Any) -> Any:
     return v
 
 
-class _Writer:
+class ProtobufWriter:
     """A writer schema: its pool and, per message-index path, the class and shape."""
 
     def __init__(self, pool: DescriptorPool, fd_proto: descriptor_pb2.FileDescriptorProto):
@@ -170,6 +170,15 @@ class _Writer:
             found = (GetMessageClass(desc), MessageShape(desc))
             self.messages[indexes] = found
         return found
+
+    def message_class(self, name: str | None) -> type[Any]:
+        """The class of the message ``name`` (its full name), or of the file's first message;
+        ValueError when the schema has no such message."""
+        full = name or _message_name(self.fd_proto, (0,))
+        try:
+            return GetMessageClass(self.pool.FindMessageTypeByName(full))
+        except KeyError:
+            raise ValueError(f"the schema has no message {full!r}") from None
 
 
 def _message_name(fd: descriptor_pb2.FileDescriptorProto, indexes: tuple[int, ...]) -> str:
@@ -189,7 +198,7 @@ class ProtobufDecoder:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._writers: dict[int, _Writer] = {}
+        self._writers: dict[int, ProtobufWriter] = {}
 
     def decode(self, values: Any) -> Decoded:
         problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
@@ -215,37 +224,44 @@ class ProtobufDecoder:
             return f"not Protobuf of its writer schema: {e}"
         return shape.read(msg), shape.row_type
 
-    def _writer(self, sid: int, problems: dict[int, str]) -> _Writer | None:
+    def _writer(self, sid: int, problems: dict[int, str]) -> ProtobufWriter | None:
         if sid in self._writers:
             return self._writers[sid]
         if sid in problems:
             return None
         try:
             schema = self.registry.schema(sid, SERIALIZED)
-            if schema.schema_type != "PROTOBUF":
-                raise ValueError(f"schema id {sid} is a {schema.schema_type} schema, not Protobuf")
-            pool = _base_pool()
-            self._add_references(pool, schema.references or [])
-            fd_proto = _file_proto(schema.schema_str or "", f"schema id {sid}")
-            pool.Add(fd_proto)
+            self._writers[sid] = writer_of(self.registry, schema, f"schema id {sid}")
         except (UnknownSchema, ValueError, TypeError) as e:
             problems[sid] = str(e)
             return None
-        self._writers[sid] = _Writer(pool, fd_proto)
         return self._writers[sid]
 
-    def _add_references(self, pool: DescriptorPool, refs: list[Any]) -> None:
-        for ref in refs:
-            try:
-                pool.FindFileByName(ref.name)
-                continue  # a well-known type, or added through another reference
-            except KeyError:
-                pass
-            found = self.registry.version(ref.subject, ref.version, SERIALIZED)
-            self._add_references(pool, found.schema.references or [])
-            fd = _file_proto(found.schema.schema_str or "", f"reference {ref.name}")
-            fd.name = ref.name
-            pool.Add(fd)
+
+def writer_of(registry: Registry, schema: Any, what: str) -> ProtobufWriter:
+    """A registered Protobuf schema (``format=serialized``) with its references, as a
+    descriptor pool and its file; ValueError naming ``what`` when it is not one."""
+    if schema.schema_type != "PROTOBUF":
+        raise ValueError(f"{what} is a {schema.schema_type} schema, not Protobuf")
+    pool = _base_pool()
+    _add_references(registry, pool, schema.references or [])
+    fd_proto = _file_proto(schema.schema_str or "", what)
+    pool.Add(fd_proto)
+    return ProtobufWriter(pool, fd_proto)
+
+
+def _add_references(registry: Registry, pool: DescriptorPool, refs: list[Any]) -> None:
+    for ref in refs:
+        try:
+            pool.FindFileByName(ref.name)
+            continue  # a well-known type, or added through another reference
+        except KeyError:
+            pass
+        found = registry.version(ref.subject, ref.version, SERIALIZED)
+        _add_references(registry, pool, found.schema.references or [])
+        fd = _file_proto(found.schema.schema_str or "", f"reference {ref.name}")
+        fd.name = ref.name
+        pool.Add(fd)
 
 
 def _file_proto(text: str, what: str) -> descriptor_pb2.FileDescriptorProto:

@@ -505,6 +505,7 @@ class KafkaSink(Sink):
                 c.auto_register,
                 c.use_latest_version,
                 c.value_schema,
+                message=c.value_message,
             )
         payload = batch.select(payload_columns(batch))
         tombstones = tombstone_flags(batch)

@@ -155,13 +155,19 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     client_id: str | None = Field(
         default="conveyor-sink", description="Client id shown in broker logs and quotas."
     )
-    value_format: Literal["json", "avro", "json_schema"] = Field(
+    value_format: Literal["json", "avro", "protobuf", "json_schema"] = Field(
         default="json",
         description="How each row's payload columns are written: json (a JSON object; a single "
-        "value column as it is), or avro / json_schema in Confluent's wire format, written by "
-        "confluent-kafka's own serializers with the schema in schema_registry (so Confluent's "
-        "deserializers, Kafka Connect's converters and ksqlDB read them). A row its schema does not "
-        "allow is a failed message. Protobuf is not offered: its serializer needs a generated class.",
+        "value column as it is), or avro / protobuf / json_schema in Confluent's wire format, "
+        "written by confluent-kafka's own serializers with the schema in schema_registry (so "
+        "Confluent's deserializers, Kafka Connect's converters and ksqlDB read them). A row its "
+        "schema does not allow is a failed message. protobuf writes with the subject's latest "
+        "registered schema (auto_register: false, use_latest_version: true; value_message).",
+    )
+    value_message: str | None = Field(
+        default=None,
+        description="value_format protobuf: the full name of the message the rows are (e.g. "
+        "shop.Order). Default: the schema file's first message.",
     )
     schema_registry: SchemaRegistrySpec | None = Field(
         default=None, description="With value_format avro or json_schema: the schema registry."
@@ -175,7 +181,8 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     subject_name_strategy: Literal["topic", "record", "topic_record"] = Field(
         default="topic",
         description="The subject the schema is registered under: topic (<topic>-value), record "
-        "(the record's full name) or topic_record (<topic>-<record>), as Confluent's serializers.",
+        "(the record's full name) or topic_record (<topic>-<record>), as Confluent's serializers "
+        "(protobuf: the record is value_message).",
     )
     auto_register: bool = Field(
         default=True,
@@ -235,6 +242,18 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
                 f"{name} is for value_format avro or json_schema",
                 field=name,
             )
+        rule(
+            self.value_format != "protobuf"
+            or (self.use_latest_version and not self.auto_register and not self.value_schema),
+            "value_format protobuf writes with the subject's latest registered schema: set "
+            "auto_register: false and use_latest_version: true (no value_schema)",
+            field="use_latest_version",
+        )
+        rule(
+            self.value_format == "protobuf" or self.value_message is None,
+            "value_message is for value_format protobuf",
+            field="value_message",
+        )
         rule(
             not (self.use_latest_version and self.auto_register),
             "use_latest_version writes with the registered version: set auto_register: false",

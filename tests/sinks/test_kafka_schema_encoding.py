@@ -160,3 +160,62 @@ def test_the_schema_settings_go_with_their_format():
             KafkaSinkConfig.model_validate(
                 {"type": "kafka", "topic": "t", "bootstrap_servers": "127.0.0.1:9", **bad}
             )
+
+
+def test_protobuf_written_with_the_latest_registered_schema_is_what_confluent_reads(
+    tansu, schema_registry
+):
+    """Protobuf schemas are registered by their owners (here: confluent-kafka's serializer,
+    once); the sink writes with the subject's latest version, the message named."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    from tests.integration.test_formats_registry import _proto_classes
+
+    topic = unique("pb_out")
+    create_topic(tansu, topic)
+    order_cls = _proto_classes()["Order"]
+    client = SchemaRegistryClient({"url": schema_registry.url})
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    ProtobufSerializer(order_cls, client, {"use.deprecated.format": False})(order_cls(id=0), ctx)
+    s = _sink(
+        bootstrap_servers=tansu,
+        topic=topic,
+        value_format="protobuf",
+        value_message="shop.Order",
+        auto_register=False,
+        use_latest_version=True,
+        schema_registry={"url": schema_registry.url},
+    )
+    table = pa.table(
+        {
+            "__key": pa.array([b"1", b"2", b"3"], pa.binary()),
+            "id": pa.array([1, 2, 3], pa.int64()),
+            "big": pa.array([Decimal(2**64 - 1), Decimal(5), Decimal(6)], pa.decimal128(20, 0)),
+            "status": pa.array(["PAID", "NEW", "PAID"]),
+            "tags": pa.array([["a", "b"], [], ["c"]], pa.list_(pa.string())),
+            "at": pa.array(
+                [dt.datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=UTC)] * 3,
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "ship_to": pa.array(
+                [{"city": "Oslo"}, {"city": "Rome"}, {"city": "Lima"}],
+                pa.struct([("city", pa.string())]),
+            ),
+            "nope": pa.array([None, None, 7], pa.int64()),  # row 2: a field Order lacks
+        }
+    )
+    try:
+        res = s.send_batch(table)
+    finally:
+        s.cleanup_sink()
+    assert [f.index for f in res.failed] == [2] and "nope" in res.failed[0].message
+    de = ProtobufDeserializer(order_cls, {"use.deprecated.format": False})
+    got = [de(r.value, ctx) for r in consume_all(tansu, topic)]
+    delete_topics(tansu, topic)
+    assert [(m.id, m.big, m.status, list(m.tags), m.ship_to.city) for m in got] == [
+        (1, 2**64 - 1, 1, ["a", "b"], "Oslo"),
+        (2, 5, 0, [], "Rome"),
+    ]
+    assert got[0].at.ToDatetime(tzinfo=UTC) == dt.datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=UTC)
