@@ -58,11 +58,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import pyarrow as pa
 
 from conveyor.core.errors import BatchRejected, PermanentSinkError, SinkError, TransientSinkError
+from conveyor.core.model import Offsets
 
 
 class ErrorKind(str, enum.Enum):
@@ -106,6 +107,17 @@ class SinkProtocol(Protocol):
     def send_batch(self, batch: pa.Table) -> SendResult: ...
     def cleanup_sink(self) -> None: ...
     def describe(self) -> str: ...
+
+
+@runtime_checkable
+class OffsetsInTarget(Protocol):
+    """A sink whose target keeps the offsets with the data, in its own commit (exactly once:
+    the lakehouse tables). The run binds it to its connector and generation before the loop
+    starts (a commit of an older generation is refused by the target), and the offsets the
+    target holds win over the meta store's on start: the meta store keeps a mirror."""
+
+    def bind(self, connector: str, generation: int) -> None: ...
+    def target_offsets(self) -> Offsets | None: ...
 
 
 def sink_error(

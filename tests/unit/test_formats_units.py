@@ -263,7 +263,9 @@ def test_decoder_settings_that_cannot_work(home: Path) -> None:
 
 def test_encoder_settings_that_cannot_work() -> None:
     spec = SchemaRegistrySpec(url=URL)
-    with pytest.raises(ConfigError, match="sink.use_latest_version: protobuf writes with the subject.s latest"):
+    with pytest.raises(
+        ConfigError, match="sink.use_latest_version: protobuf writes with the subject.s latest"
+    ):
         payload_encoder("protobuf", spec, "topic", True, False, None)
     with pytest.raises(ConfigError, match="exclude each other"):
         payload_encoder("avro", spec, "topic", True, True, None)

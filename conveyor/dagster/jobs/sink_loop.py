@@ -4,13 +4,15 @@ committer and dead-letter store, references resolved in the run. The connector's
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from dagster import OpExecutionContext
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.config.specs import LoadedSpec, resolved
-from conveyor.core.errors import ConfigError
 from conveyor.core.loop import ConnectorLoop, LoopConfig
-from conveyor.core.model import Counters, FailurePolicyName, Offsets
+from conveyor.core.model import Counters, FailurePolicyName, Offsets, TopicPartition
+from conveyor.core.sink import OffsetsInTarget
 from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.dagster.jobs.progress import progress_logger
 from conveyor.dagster.resources.conveyor import ConveyorResource
@@ -31,8 +33,10 @@ def build_sink_loop(
     remote: str,
     committed: Offsets,
     counters: Counters | None,
+    partitions: Collection[TopicPartition] | None = None,
 ) -> ConnectorLoop:
-    """Source, transform, sink and committer for one spec, its references resolved (in the run)."""
+    """Source, transform, sink and committer for one spec, its references resolved (in the run).
+    ``partitions``: a partition task's, the only ones whose target-held offsets it takes."""
     name = ls.name
     live = resolved(ls)  # holds secrets: used to build clients, never logged or stored
     assert live.spec is not None and live.sink is not None and ls.sink is not None
@@ -56,7 +60,8 @@ def build_sink_loop(
         )
     try:
         sink = build_sink(live.sink)
-    except ConfigError:
+        committed = _target_offsets_win(context, sink, name, gen, committed, partitions)
+    except Exception:
         source.close()
         raise
     return ConnectorLoop(
@@ -86,3 +91,30 @@ def build_sink_loop(
         on_progress=progress_logger(context, ls, dead_letters),
         counters=counters,
     )
+
+
+def _target_offsets_win(
+    context: OpExecutionContext,
+    sink: object,
+    name: str,
+    gen: int,
+    committed: Offsets,
+    partitions: Collection[TopicPartition] | None,
+) -> Offsets:
+    """A sink whose target keeps the offsets with the data (``OffsetsInTarget``): bound to this
+    run, and where its target's offsets differ from the meta store's, the target's win."""
+    if not isinstance(sink, OffsetsInTarget):
+        return committed
+    sink.bind(name, gen)
+    held = sink.target_offsets() or {}
+    if partitions is not None:
+        held = {tp: o for tp, o in held.items() if tp in partitions}
+    differ = {tp: o for tp, o in held.items() if committed.get(tp) != o}
+    if differ:
+        context.log.info(
+            f"connector {name}: the target holds other offsets than the meta store, and wins: "
+            + ", ".join(
+                f"{tp}@{o} (meta store {committed.get(tp)})" for tp, o in sorted(differ.items())
+            )
+        )
+    return {**committed, **held}

@@ -199,7 +199,17 @@ def run_task(
         committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
         claim = Claim(name, gen, run.broker_id, committed)
         loop = build_sink_loop(
-            context, conveyor, store, ls, running_hash, gen, claim, remote, committed, counters
+            context,
+            conveyor,
+            store,
+            ls,
+            running_hash,
+            gen,
+            claim,
+            remote,
+            committed,
+            counters,
+            partitions=mine,
         )
         committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
         loop.stop_requested = canceled
