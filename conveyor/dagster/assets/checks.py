@@ -1,4 +1,4 @@
-"""Asset checks on sink assets: fail when a connector's lag keeps growing.
+"""Asset checks on sink assets: fail when a connector's lag keeps growing; complete through T.
 
 Connector runs record a materialization on their sink asset at most once a
 minute with ``lag`` in its metadata (see ``jobs.progress.progress_logger``).
@@ -6,15 +6,23 @@ The check reads those and asks the pure :func:`lag_verdict` whether lag grew
 over the last ``N`` minutes (``CONVEYOR_LAG_CHECK_MINUTES``, default 10).
 The sink assets are external (no op materializes them), so the checks run in
 their own asset job ``lag_checks`` on a schedule that is running by default.
+
+The same materializations carry the connector's event-time watermark (``watermark``,
+``watermark_ts``, ``watermark_by_partition``, ``lag_seconds``, ``late_event_times``; rule in
+``core/watermarks.py``): :func:`watermark_of` and :func:`late_ranges_of` read them back for
+the ``complete_through`` check (:func:`complete_through_check`, which users add to their own
+definitions) and for ``conveyor.dagster.landed``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from dagster import (
@@ -24,7 +32,9 @@ from dagster import (
     AssetKey,
     AssetRecordsFilter,
     AssetSelection,
+    DagsterInstance,
     DefaultScheduleStatus,
+    MetadataValue,
     ScheduleDefinition,
     asset_check,
     define_asset_job,
@@ -218,3 +228,111 @@ def lag_check_schedules(specs: Sequence[LoadedSpec]) -> list[ScheduleDefinition]
             description="Evaluates the sink assets' lag checks every five minutes.",
         )
     ]
+
+
+# -- the watermark on the sink asset -------------------------------------------------------
+
+# Metadata of a sink asset's materializations (written by ``jobs.progress``).
+WATERMARK = "watermark"  # ISO-8601 UTC text
+WATERMARK_TS = "watermark_ts"  # the same as a timestamp
+WATERMARK_BY_PARTITION = "watermark_by_partition"  # JSON: topic[partition] -> ISO high mark
+IDLE_PARTITIONS = "idle_partitions"  # JSON list: partitions not holding the watermark back
+LAG_SECONDS = "lag_seconds"  # now - watermark, when the report was made
+LATE_EVENT_TIMES = "late_event_times"  # JSON list of [from, to] ISO event times since last report
+COMPLETE_THROUGH_CHECK_NAME = "complete_through"
+# Materializations read for the newest watermark of each connector of a sink asset.
+WATERMARK_FETCH_LIMIT = 200
+
+
+def iso(ts: float) -> str:
+    """Unix seconds as ISO-8601 UTC text (``2025-01-02T03:04:05.123000Z``)."""
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _seconds(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def watermark_of(metadata: Mapping[str, Any]) -> float | None:
+    """The watermark a materialization reported (Unix seconds), None when it has none."""
+    entry = metadata.get(WATERMARK_TS)
+    if entry is not None and isinstance(entry.value, (int, float)):
+        return float(entry.value)
+    entry = metadata.get(WATERMARK)
+    if entry is not None and isinstance(entry.value, str):
+        try:
+            return _seconds(entry.value)
+        except ValueError:
+            return None
+    return None
+
+
+def late_ranges_of(metadata: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """The late event-time ranges a materialization reported (Unix seconds)."""
+    entry = metadata.get(LATE_EVENT_TIMES)
+    if entry is None:
+        return []
+    value = entry.value
+    if isinstance(value, str):
+        value = json.loads(value)
+    out = []
+    for pair in value or []:
+        try:
+            out.append((_seconds(pair[0]), _seconds(pair[1])))
+        except (ValueError, TypeError, IndexError):
+            continue
+    return out
+
+
+def latest_watermarks(instance: DagsterInstance, key: AssetKey) -> dict[str, float]:
+    """The newest watermark each connector reported on sink asset ``key`` (by connector tag)."""
+    records = instance.fetch_materializations(key, limit=WATERMARK_FETCH_LIMIT).records
+    out: dict[str, float] = {}
+    for r in records:  # newest first
+        m = r.asset_materialization
+        if m is None:
+            continue
+        connector = (m.tags or {}).get(TAG_CONNECTOR, "")
+        wm = watermark_of(m.metadata)
+        if wm is not None and connector not in out:
+            out[connector] = wm
+    return out
+
+
+def complete_through_check(
+    sink_asset_key: AssetKey | str | Sequence[str],
+    *,
+    max_lag_s: float | None = None,
+    name: str = COMPLETE_THROUGH_CHECK_NAME,
+) -> AssetChecksDefinition:
+    """An asset check "complete through T" on a connector's sink asset: T is the watermark the
+    connector last reported (the smallest, when several connectors write the asset). It fails
+    when no watermark was reported yet, or (``max_lag_s``) when T is further behind now."""
+    key = AssetKey.from_coercible(sink_asset_key)
+    limit = "" if max_lag_s is None else f"; fails when more than {max_lag_s:g} s behind"
+
+    @asset_check(
+        asset=key,
+        name=name,
+        description=f"Complete through T: the connector's event-time watermark{limit}.",
+    )
+    def check(context) -> AssetCheckResult:  # dagster reads the annotation at runtime
+        marks = latest_watermarks(context.instance, key)
+        if not marks:
+            return AssetCheckResult(
+                passed=False, description="no watermark reported yet on this sink asset"
+            )
+        through = min(marks.values())
+        behind = max(0.0, clock() - through)
+        passed = max_lag_s is None or behind <= max_lag_s
+        return AssetCheckResult(
+            passed=passed,
+            description=f"complete through {iso(through)} ({behind:.0f} s behind)",
+            metadata={
+                "complete_through": MetadataValue.timestamp(through),
+                LAG_SECONDS: MetadataValue.float(behind),
+                "connectors": MetadataValue.json({c or "?": iso(t) for c, t in marks.items()}),
+            },
+        )
+
+    return check

@@ -1,5 +1,6 @@
 """A sink connector run's progress in the Dagster UI: materializations of the sink asset and
-of the dead-letter asset, with the loop's counters, offsets and the stuck stage."""
+of the dead-letter asset, with the loop's counters, offsets, event-time watermark and the stuck
+stage."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from dagster import AssetKey, AssetMaterialization, MetadataValue, OpExecutionCo
 
 from conveyor.config.specs import LoadedSpec
 from conveyor.core.loop import Progress
+from conveyor.core.watermarks import Watermark
+from conveyor.dagster.assets.checks import (
+    IDLE_PARTITIONS,
+    LAG_SECONDS,
+    LATE_EVENT_TIMES,
+    WATERMARK,
+    WATERMARK_BY_PARTITION,
+    WATERMARK_TS,
+    iso,
+)
 from conveyor.dagster.assets.lineage import dead_letter_key
 from conveyor.dagster.tags import TAG_CONNECTOR
 
@@ -49,6 +60,8 @@ def progress_logger(
             metadata["batch_latency_p50_ms"] = MetadataValue.float(c.batch_latency_p50_ms)
         if c.batch_latency_p99_ms is not None:
             metadata["batch_latency_p99_ms"] = MetadataValue.float(c.batch_latency_p99_ms)
+        if p.watermark is not None:
+            metadata.update(watermark_metadata(p.watermark))
         if extra is not None:
             metadata.update(extra())
         context.log_event(
@@ -62,6 +75,25 @@ def progress_logger(
         )
 
     return on_progress
+
+
+def watermark_metadata(wm: Watermark) -> dict[str, Any]:
+    """The watermark as sink asset metadata (names in ``assets/checks.py``, which reads them)."""
+    out: dict[str, Any] = {
+        WATERMARK_BY_PARTITION: MetadataValue.json(
+            {name: iso(t) for name, t in wm.by_partition.items()}
+        ),
+    }
+    if wm.low is not None:
+        out[WATERMARK] = MetadataValue.text(iso(wm.low))
+        out[WATERMARK_TS] = MetadataValue.timestamp(wm.low)
+    if wm.lag_seconds is not None:
+        out[LAG_SECONDS] = MetadataValue.float(round(wm.lag_seconds, 3))
+    if wm.idle:
+        out[IDLE_PARTITIONS] = MetadataValue.json(list(wm.idle))
+    if wm.late:
+        out[LATE_EVENT_TIMES] = MetadataValue.json([[iso(a), iso(b)] for a, b in wm.late])
+    return out
 
 
 def log_dead_letters(context: OpExecutionContext, name: str, writer: Any, written: int) -> None:
