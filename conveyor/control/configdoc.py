@@ -34,6 +34,7 @@ from conveyor.core.model import (
     SourceSpec,
     TasksSpec,
     TransformSpec,
+    WatermarkSpec,
 )
 from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.schema_registry import SchemaRegistrySpec
@@ -52,6 +53,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("failure.dead_letter", DeadLetterSpec),
     ("liveness", LivenessSpec),
     ("tasks", TasksSpec),
+    ("watermark", WatermarkSpec),
     ("destinations", DestinationRulesSpec),
 ]
 _SECTION_OF = {model: title for title, model in SECTIONS}

@@ -30,6 +30,7 @@ def progress_logger(
     loaded: LoadedSpec,
     dead_letters: Any = None,
     extra: Callable[[], dict[str, Any]] | None = None,  # more metadata (a partition task's)
+    sink: Any = None,
 ) -> Callable[[Progress], None]:
     """Each progress report of the loop as a materialization of the sink asset (and of the
     dead-letter asset when new dead letters were written)."""
@@ -64,6 +65,7 @@ def progress_logger(
             metadata.update(watermark_metadata(p.watermark))
         if extra is not None:
             metadata.update(extra())
+        metadata.update(target_commit_metadata(sink))
         context.log_event(
             AssetMaterialization(
                 asset_key=sink_key,
@@ -94,6 +96,18 @@ def watermark_metadata(wm: Watermark) -> dict[str, Any]:
     if wm.late:
         out[LATE_EVENT_TIMES] = MetadataValue.json([[iso(a), iso(b)] for a, b in wm.late])
     return out
+
+
+def target_commit_metadata(sink: Any) -> dict[str, Any]:
+    """The target's last commit (a lakehouse table's snapshot or version, files and rows
+    added: the sink's ``last_commit``), as metadata; empty for the other sinks."""
+    last = getattr(sink, "last_commit", None)
+    if last is None:
+        return {}
+    return {
+        f"table_{k}": MetadataValue.int(v) if isinstance(v, int) else MetadataValue.text(str(v))
+        for k, v in last.metadata().items()
+    }
 
 
 def log_dead_letters(context: OpExecutionContext, name: str, writer: Any, written: int) -> None:

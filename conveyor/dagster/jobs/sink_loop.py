@@ -34,9 +34,12 @@ def build_sink_loop(
     committed: Offsets,
     counters: Counters | None,
     partitions: Collection[TopicPartition] | None = None,
+    writer: str | None = None,
 ) -> ConnectorLoop:
     """Source, transform, sink and committer for one spec, its references resolved (in the run).
-    ``partitions``: a partition task's, the only ones whose target-held offsets it takes."""
+    ``partitions``: a partition task's, the only ones whose target-held offsets it takes;
+    ``writer``: the name its commits carry in a target that keeps offsets (default the
+    connector's; a task's own, as tasks have their own generations)."""
     name = ls.name
     live = resolved(ls)  # holds secrets: used to build clients, never logged or stored
     assert live.spec is not None and live.sink is not None and ls.sink is not None
@@ -60,7 +63,7 @@ def build_sink_loop(
         )
     try:
         sink = build_sink(live.sink)
-        committed = _target_offsets_win(context, sink, name, gen, committed, partitions)
+        committed = _target_offsets_win(context, sink, writer or name, gen, committed, partitions)
     except Exception:
         source.close()
         raise
@@ -72,6 +75,7 @@ def build_sink_loop(
             failure=spec.failure,
             destinations=spec.destinations,
             transform_depth=spec.transform.pipeline_depth,
+            watermark=spec.watermark,
         ),
         source=source,
         transform=SparkTransformer(spec.transform, lambda: spark_session(remote)),
@@ -88,7 +92,7 @@ def build_sink_loop(
         ),
         committed=committed,
         dead_letters=dead_letters,
-        on_progress=progress_logger(context, ls, dead_letters),
+        on_progress=progress_logger(context, ls, dead_letters, sink=sink),
         counters=counters,
     )
 

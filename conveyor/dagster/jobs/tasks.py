@@ -198,23 +198,15 @@ def run_task(
         mine = frozenset(grant.owned)
         committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
         claim = Claim(name, gen, run.broker_id, committed)
+        built = (context, conveyor, store, ls, running_hash, gen, claim, remote, committed)
         loop = build_sink_loop(
-            context,
-            conveyor,
-            store,
-            ls,
-            running_hash,
-            gen,
-            claim,
-            remote,
-            committed,
-            counters,
-            partitions=mine,
+            *built, counters, partitions=mine, writer=f"{name}.task{run.task_id}"
         )
         committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
         loop.stop_requested = canceled
+        extra = _task_metadata(run.task_id, committer)
         loop.on_progress = progress_logger(
-            context, ls, loop.dead_letters, extra=_task_metadata(run.task_id, committer)
+            context, ls, loop.dead_letters, extra=extra, sink=loop.sink
         )
         _log_reads(context, run, mine, committed)
         counters = run_loop(loop)
