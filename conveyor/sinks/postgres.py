@@ -4,7 +4,9 @@ Identifiers are always quoted with ``psycopg2.sql.Identifier``. A batch is one
 transaction, committed before ``send_batch`` returns (that is the
 acknowledgement). A row the server rejects for its content (SQLSTATE class 22
 data exception or 23 integrity violation) is isolated by bisecting the batch
-inside savepoints, so the good rows of the batch still go through.
+inside savepoints, so the good rows of the batch still go through. With
+``delivery: exactly_once`` the same transaction raises the batch's offsets in the
+offsets table (``sinks.sql.OffsetsLedger``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import pyarrow as pa
 from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.errors import (
+    FencedError,
     PermanentSinkError,
     TransientSinkError,
     rule,
 )
-from conveyor.core.model import TRUNCATE_COL
+from conveyor.core.model import TRUNCATE_COL, Offsets
 from conveyor.core.sink import first_failure_only, isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
@@ -41,6 +44,9 @@ from conveyor.sinks.sql import (
     AutoEvolve,
     ConnectTimeoutS,
     DeleteEnabled,
+    Delivery,
+    OffsetsLedger,
+    OffsetsTableName,
     SqlColumns,
     SqlDialect,
     SqlSinkConfig,
@@ -51,6 +57,7 @@ from conveyor.sinks.sql import (
     concat_text,
     evolution,
     json_values,
+    offsets_statements,
     text_offsets,
     text_scalar,
 )
@@ -101,6 +108,8 @@ class PostgresSinkConfig(SqlSinkConfig):
     statement_timeout_ms: int = Field(
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
+    delivery: Delivery = "at_least_once"
+    offsets_table: OffsetsTableName = "conveyor_offsets"
 
     def key_namespace(self) -> str:
         return self.schema_
@@ -155,6 +164,68 @@ class PostgresSink(Sink):
         self._types: dict[str, str] = {}  # existing columns -> data type
         self._table: dict[str, TableColumn] = {}  # existing columns, described
         self._schema: pa.Schema | None = None  # the schema of the batch last resolved
+        self._ledger = OffsetsLedger(
+            offsets_statements(pg_name(config.schema_, config.offsets_table), "postgres")
+        )
+
+    # -- exactly once -------------------------------------------------------------
+
+    def _exactly_once(self) -> bool:
+        """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
+        dead-letter replay, unbound, writes at least once)."""
+        return self.config.delivery == "exactly_once" and self._ledger.bound
+
+    def bind(self, connector: str, generation: int) -> None:
+        """The writer and generation this sink commits offsets for (before ``init_sink``)."""
+        self._ledger.bind(connector, generation)
+
+    def target_offsets(self) -> Offsets | None:
+        """The offsets the offsets table holds for this writer; None when it holds none (or
+        with ``at_least_once``)."""
+        if not self._exactly_once():
+            return None
+        import psycopg2
+
+        conn = self._connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT to_regclass(%s)", (self._ledger.sql.table,))
+                row = cur.fetchone()
+                return self._ledger.read(cur) if row and row[0] else None
+        except psycopg2.Error as e:
+            raise TransientSinkError(
+                f"PostgreSQL: reading {self._ledger.sql.table}: {e.pgerror or e}"
+            ) from None
+        finally:
+            conn.close()
+
+    def _claim(self) -> None:
+        """The offsets table (created if missing) and this generation's claim, committed."""
+        import psycopg2
+        from psycopg2 import sql
+
+        try:
+            with self._conn.cursor() as cur:
+                if self.config.create_table:
+                    cur.execute(
+                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                            sql.Identifier(self.config.schema_)
+                        )
+                    )
+                self._ledger.create(cur)
+                self._ledger.claim(cur)
+            self._conn.commit()
+        except FencedError:
+            self._rollback()
+            raise
+        except psycopg2.OperationalError as e:
+            self.cleanup_sink()
+            raise TransientSinkError(f"PostgreSQL: claiming the offsets table: {e}") from None
+        except psycopg2.Error as e:
+            self._rollback()
+            raise PermanentSinkError(
+                f"offsets table {self._ledger.sql.table} (delivery exactly_once): {e.pgerror or e}"
+            ) from None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -184,6 +255,8 @@ class PostgresSink(Sink):
     def init_sink(self) -> None:
         self._conn = self._connect()
         self._describe_table()
+        if self._exactly_once():
+            self._claim()
 
     def _describe_table(self) -> None:
         with self._conn.cursor() as cur:
@@ -403,20 +476,18 @@ class PostgresSink(Sink):
             self._describe_table()
         if self._columns is None or self._evolves(batch):
             self._resolve(batch)
-        copy = self._copy_lines(batch)
-        rows: Any = copy if copy is not None else self._rows(batch)
-        failures = self._truncates(batch, rows)
-        failures += self._deletes(batch, rows, skip={f.index for f in failures})
-        bad = {f.index for f in failures}
-        todo = [i for i in range(len(rows)) if i not in bad]
-        if self.fail_fast:
-            failures, todo = first_failure_only(failures, todo)
         try:
-            failures += self._write_isolating(rows, todo)
-            failures.sort(key=lambda f: f.index)
-            if self.fail_fast:
-                failures = failures[:1]
+            if self._exactly_once():
+                with self._conn.cursor() as cur:
+                    failures = self._ledger.send(
+                        cur, batch, self._write_batch, fail_fast=self.fail_fast
+                    )
+            else:
+                failures = self._write_batch(batch)
             self._conn.commit()
+        except FencedError:
+            self._rollback()
+            raise
         except psycopg2.errors.ObjectNotInPrerequisiteState as e:
             # 55000 (e.g. ON CONFLICT on a deferrable unique constraint): psycopg2 files it as
             # an OperationalError, but no retry changes the table's definition.
@@ -443,7 +514,24 @@ class PostgresSink(Sink):
                 self.cleanup_sink()
                 raise TransientSinkError(f"PostgreSQL unavailable: {e.pgerror or e}") from None
             raise
+        except BaseException:
+            self._rollback()  # nothing of the batch (nor its offsets) stays
+            raise
         return SendResult(rows=batch.num_rows, failed=tuple(failures))
+
+    def _write_batch(self, batch: pa.Table) -> list[RowFailure]:
+        """Write ``batch`` in the open transaction (not committed); its failed rows."""
+        copy = self._copy_lines(batch)
+        rows: Any = copy if copy is not None else self._rows(batch)
+        failures = self._truncates(batch, rows)
+        failures += self._deletes(batch, rows, skip={f.index for f in failures})
+        bad = {f.index for f in failures}
+        todo = [i for i in range(len(rows)) if i not in bad]
+        if self.fail_fast:
+            failures, todo = first_failure_only(failures, todo)
+        failures += self._write_isolating(rows, todo)
+        failures.sort(key=lambda f: f.index)
+        return failures[:1] if self.fail_fast else failures
 
     def _truncates(self, batch: pa.Table, rows: list[Any]) -> list[RowFailure]:
         """With truncate_enabled, rows whose ``__truncate`` is true become ``_TRUNCATE`` (in
@@ -738,6 +826,11 @@ def _pg_type(t: pa.DataType) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "text"
     return "jsonb"
+
+
+def pg_name(schema: str, table: str) -> str:
+    """``"schema"."table"``, quoted as ``psycopg2.sql.Identifier`` quotes it (without a connection)."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in (schema, table))
 
 
 POSTGRES = SqlDialect("postgres", lambda t, key: _pg_type(t), "jsonb", frozenset({"$payload"}))

@@ -9,15 +9,16 @@ savepoints through the one bisection, ``core.sink.isolate_rows``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import pyarrow as pa
 from pydantic import Field
 
 from conveyor.core.asset_keys import key_part
-from conveyor.core.errors import ConfigError, FieldRuleError, PermanentSinkError, rule
+from conveyor.core.errors import ConfigError, FencedError, FieldRuleError, PermanentSinkError, rule
+from conveyor.core.loop import next_offsets_of
 from conveyor.core.model import (
     HEADERS_COL,
     KEY_COL,
@@ -25,7 +26,10 @@ from conveyor.core.model import (
     PARTITION_COL,
     TIMESTAMP_COL,
     TOPIC_COL,
+    Offsets,
+    TopicPartition,
 )
+from conveyor.core.sink import RowFailure
 from conveyor.sinks.base import UrlSinkConfig, payload_columns
 
 #: ``columns`` sources besides payload columns: message metadata, and the payload as JSON.
@@ -117,14 +121,34 @@ AutoEvolve = Annotated[
     ),
 ]
 
+DeliveryMode = Literal["at_least_once", "exactly_once"]
+Delivery = Annotated[
+    DeliveryMode,
+    Field(
+        description="at_least_once: the offsets go to the meta store after the target commits (a crash "
+        "between the two writes the batch again; upsert_keys make that harmless). exactly_once: each batch's "
+        "rows and its end offsets are committed in one transaction of the target, into offsets_table "
+        "(created if missing, so the user needs CREATE on the schema); rows the table's offsets already "
+        "cover are dropped, and a run of an older generation is refused (docs/sinks/postgres.md).",
+    ),
+]
+OffsetsTableName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        description="With delivery exactly_once: the table holding each writer's next offset per "
+        "topic-partition, next to the target table (same schema or database).",
+    ),
+]
+
 
 class SqlSinkConfig(UrlSinkConfig):
     """Base of the SQL sinks' configs (PostgreSQL, MySQL): the rules of the fields they share,
     and their asset key ``[kind, namespace, table]``.
 
     A subclass declares ``table``, ``columns``, ``upsert_keys``, ``create_table``,
-    ``auto_evolve``, ``delete_enabled`` and ``connect_timeout_s`` (the shared ones through the
-    aliases above), and says where its table lives (``key_namespace``)."""
+    ``auto_evolve``, ``delete_enabled``, ``connect_timeout_s``, ``delivery`` and ``offsets_table``
+    (the shared ones through the aliases above), and says where its table lives (``key_namespace``)."""
 
     if TYPE_CHECKING:  # declared by each subclass, in its own field order
         table: str
@@ -134,6 +158,8 @@ class SqlSinkConfig(UrlSinkConfig):
         auto_evolve: bool
         delete_enabled: bool
         connect_timeout_s: int
+        delivery: DeliveryMode
+        offsets_table: str
 
     @abc.abstractmethod
     def key_namespace(self) -> str:
@@ -393,3 +419,198 @@ def text_offsets(text: pa.LargeStringArray) -> tuple[Any, memoryview]:
     _, offsets, data = text.buffers()
     off = np.frombuffer(offsets, np.int64)[text.offset : text.offset + len(text) + 1]
     return off, memoryview(data) if data is not None else memoryview(b"")
+
+
+# -- exactly once: the offsets table in the target (delivery: exactly_once) ----------------------
+
+#: The claim row: one per writer, holding the newest generation that started (its fence).
+CLAIM_TOPIC = ""
+CLAIM_PARTITION = -1
+#: How many failed rows a sink remembers, so that the loop's re-sends of them are written.
+FAILED_MEMORY = 100_000
+
+
+@dataclass(frozen=True)
+class OffsetsStatements:
+    """The statements of one database on its offsets table (``%s`` parameters)."""
+
+    table: str  # the quoted, qualified name
+    create: str
+    claim: str  # (writer, generation): the claim row, its generation raised to this one
+    ensure: str  # (writer, generation): the claim row, if missing
+    lock: str  # (writer,): the writer's rows, locked until the transaction ends
+    read: str  # (writer,): the writer's rows
+    advance: str  # (writer, topic, partition, next_offset, generation)
+
+
+def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> OffsetsStatements:
+    """The offsets table's statements for PostgreSQL or MySQL/MariaDB; ``table`` is quoted."""
+    q = '"partition"' if flavor == "postgres" else "`partition`"
+    cols = f"(writer, topic, {q}, next_offset, generation)"
+    insert = f"INSERT INTO {table} {cols} VALUES (%s, %s, %s, %s, %s)"
+    claim_values = (
+        f"INSERT INTO {table} {cols} VALUES (%s, '{CLAIM_TOPIC}', {CLAIM_PARTITION}, 0, %s)"
+    )
+    select = f"SELECT topic, {q}, next_offset, generation FROM {table} WHERE writer = %s"
+    if flavor == "postgres":
+        text = "text NOT NULL"
+        on_key = f" ON CONFLICT (writer, topic, {q}) DO "
+        claim = (
+            on_key + f"UPDATE SET generation = GREATEST({table}.generation, EXCLUDED.generation)"
+        )
+        ensure = on_key + "NOTHING"
+        advance = on_key + (
+            f"UPDATE SET next_offset = GREATEST({table}.next_offset, EXCLUDED.next_offset), "
+            "generation = EXCLUDED.generation"
+        )
+        engine = ""
+    else:
+        text = "VARCHAR(255) NOT NULL"
+        claim = " ON DUPLICATE KEY UPDATE generation = GREATEST(generation, VALUES(generation))"
+        ensure = " ON DUPLICATE KEY UPDATE writer = writer"
+        advance = (
+            " ON DUPLICATE KEY UPDATE next_offset = GREATEST(next_offset, VALUES(next_offset)), "
+            "generation = VALUES(generation)"
+        )
+        engine = " ENGINE=InnoDB"
+    return OffsetsStatements(
+        table=table,
+        create=f"CREATE TABLE IF NOT EXISTS {table} (writer {text}, topic {text}, {q} integer NOT NULL, "
+        f"next_offset bigint NOT NULL, generation bigint NOT NULL, PRIMARY KEY (writer, topic, {q})){engine}",
+        claim=claim_values + claim,
+        ensure=claim_values + ensure,
+        lock=select + " FOR UPDATE",
+        read=select,
+        advance=insert + advance,
+    )
+
+
+def written_rows(n: int, failures: Sequence[RowFailure], fail_fast: bool) -> list[int]:
+    """The rows of an ``n``-row write that its transaction holds: every row not failed, and under
+    ``fail_fast`` only those before the first failure (nothing after it was written)."""
+    bad = {f.index for f in failures}
+    end = min(bad) if fail_fast and bad else n
+    return [i for i in range(end) if i not in bad]
+
+
+class OffsetsLedger:
+    """A SQL sink's offsets table in ``exactly_once`` mode, for the writer the run bound it to.
+
+    One row per (writer, topic, partition): the next offset after the rows the writer committed,
+    and the generation that committed it; a claim row per writer (topic ``''``, partition -1)
+    holds the newest generation that started. Every batch's transaction first locks the
+    writer's rows (the claim row serialises two runs of one writer), refuses to go on when a
+    newer generation is there (``FencedError``), drops the rows the offsets cover, writes the
+    others and raises the offsets to the rows it wrote, then the sink commits: rows and
+    offsets, or neither.
+
+    A row that failed (dead-lettered, discarded) before the last row written in its partition is
+    covered by the offsets; this sink remembers the rows that failed in this run so the loop's
+    re-sends of them are written, not dropped.
+    """
+
+    def __init__(self, statements: OffsetsStatements):
+        self.sql = statements
+        self.writer: str | None = None  # unbound: at least once (a dead-letter replay)
+        self.generation = 0
+        self._failed: dict[tuple[str, int, int], None] = {}
+
+    def bind(self, writer: str, generation: int) -> None:
+        self.writer = writer
+        self.generation = generation
+
+    @property
+    def bound(self) -> bool:
+        return self.writer is not None
+
+    def create(self, cur: Any) -> None:
+        """The offsets table, if missing."""
+        cur.execute(self.sql.create)
+
+    def claim(self, cur: Any) -> None:
+        """Raise the writer's claim to this generation (a zombie's next batch is refused);
+        ``FencedError`` when a newer generation has started."""
+        cur.execute(self.sql.claim, (self.writer, self.generation))
+        cur.execute(self.sql.lock, (self.writer,))
+        self._fence(cur.fetchall())
+
+    def read(self, cur: Any) -> Offsets | None:
+        """The writer's offsets; None when it has none."""
+        cur.execute(self.sql.read, (self.writer,))
+        held = _offsets_of(cur.fetchall())
+        return held or None
+
+    def _fence(self, rows: Sequence[Sequence[Any]]) -> Offsets:
+        newest = max((int(r[3]) for r in rows), default=0)
+        if newest > self.generation:
+            raise FencedError(
+                f"writer {self.writer!r}: the offsets table {self.sql.table} holds generation "
+                f"{newest}, this run is generation {self.generation}; not committing"
+            )
+        return _offsets_of(rows)
+
+    def send(
+        self,
+        cur: Any,
+        batch: pa.Table,
+        write: Callable[[pa.Table], list[RowFailure]],
+        *,
+        fail_fast: bool,
+    ) -> list[RowFailure]:
+        """In the sink's open transaction: lock and fence, ``write`` the rows the offsets do
+        not cover (it returns its failures, indexed in what it was given), raise the offsets.
+        Returns the failures indexed in ``batch``. The caller commits, or rolls back on error."""
+        missing = {TOPIC_COL, PARTITION_COL, OFFSET_COL} - set(batch.schema.names)
+        if missing:
+            raise PermanentSinkError(
+                f"delivery exactly_once needs the message columns {', '.join(sorted(missing))} in the batch"
+            )
+        cur.execute(self.sql.ensure, (self.writer, self.generation))
+        cur.execute(self.sql.lock, (self.writer,))
+        known = self._fence(cur.fetchall())
+        coords = list(
+            zip(
+                batch.column(TOPIC_COL).to_pylist(),
+                batch.column(PARTITION_COL).to_pylist(),
+                batch.column(OFFSET_COL).to_pylist(),
+                strict=True,
+            )
+        )
+        keep = [
+            i
+            for i, (t, p, o) in enumerate(coords)
+            if o >= known.get(TopicPartition(t, p), 0) or (t, p, o) in self._failed
+        ]
+        if not keep:
+            return []  # every row is in the table already (a replay)
+        part = batch if len(keep) == batch.num_rows else batch.take(pa.array(keep, pa.int64()))
+        failures = write(part)
+        done = written_rows(len(keep), failures, fail_fast)
+        if done:
+            offsets = next_offsets_of(part.take(pa.array(done, pa.int64())))
+            cur.executemany(
+                self.sql.advance,
+                [
+                    (self.writer, tp.topic, tp.partition, o, self.generation)
+                    for tp, o in sorted(offsets.items())
+                ],
+            )
+        self._remember([coords[keep[i]] for i in done], [coords[keep[f.index]] for f in failures])
+        return [RowFailure(keep[f.index], f.message, f.kind) for f in failures]
+
+    def _remember(self, written: list[tuple[str, int, int]], failed: list[Any]) -> None:
+        for c in written:
+            self._failed.pop(c, None)
+        for c in failed:
+            self._failed[c] = None
+        while len(self._failed) > FAILED_MEMORY:
+            self._failed.pop(next(iter(self._failed)))
+
+
+def _offsets_of(rows: Sequence[Sequence[Any]]) -> Offsets:
+    """The offsets in rows of (topic, partition, next_offset, generation), the claim row left out."""
+    return {
+        TopicPartition(str(t), int(p)): int(o)
+        for t, p, o, _ in rows
+        if not (t == CLAIM_TOPIC and int(p) == CLAIM_PARTITION)
+    }

@@ -1,0 +1,362 @@
+"""``delivery: exactly_once`` of the SQL sinks against the machine's PostgreSQL and MariaDB: each
+batch's rows and its end offsets are committed in one transaction (the offsets table), a replay
+writes nothing, a zombie's batch is refused with nothing written, and the offsets read back."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from conveyor.core.errors import ConfigError, FencedError, TransientSinkError
+from conveyor.core.model import TopicPartition
+from conveyor.core.sink import ErrorKind, send_isolating
+from conveyor.sinks import build_sink
+from tests.conftest import PG_URL
+from tests.sinks.contract import make_batch
+
+pytestmark = pytest.mark.integration
+
+MYSQL_URL = "mysql://root@127.0.0.1:3306/test"
+
+
+class Postgres:
+    """A schema of the machine's PostgreSQL, its SQL run on a connection of the test's own."""
+
+    name = "postgres"
+
+    def __init__(self) -> None:
+        import psycopg2
+
+        self.schema = f"eo_{uuid.uuid4().hex[:10]}"
+        self.conn = psycopg2.connect(PG_URL)
+        self.conn.autocommit = True
+        self.run(f'CREATE SCHEMA "{self.schema}"')
+
+    def run(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        with self.conn.cursor() as cur:
+            cur.execute(sql, args or None)
+            return cur.fetchall() if cur.description else []
+
+    def table(self, name: str) -> str:
+        return f'"{self.schema}"."{name}"'
+
+    def create(self, name: str, *, key: bool = False) -> None:
+        pk = " PRIMARY KEY" if key else ""
+        self.run(
+            f"CREATE TABLE {self.table(name)} (id bigint{pk}, name text NOT NULL, amount double precision)"
+        )
+
+    def config(self, table: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "type": "postgres",
+            "url": PG_URL,
+            "schema": self.schema,
+            "table": table,
+            "delivery": "exactly_once",
+            **extra,
+        }
+
+    def offsets(self, writer: str) -> dict[tuple[str, int], tuple[int, int]]:
+        rows = self.run(
+            f'SELECT topic, "partition", next_offset, generation FROM {self.table("conveyor_offsets")} '
+            'WHERE writer = %s AND "partition" >= 0',
+            writer,
+        )
+        return {(t, p): (o, g) for t, p, o, g in rows}
+
+    def backend_of(self, sink: Any) -> int:
+        return int(sink._conn.get_backend_pid())
+
+    def kill(self, pid: int) -> None:
+        self.run("SELECT pg_terminate_backend(%s)", pid)
+
+    def close(self) -> None:
+        self.run(f'DROP SCHEMA "{self.schema}" CASCADE')
+        self.conn.close()
+
+
+class MariaDB:
+    """The machine's MariaDB database ``test``; the tables a test made are dropped after it."""
+
+    name = "mysql"
+
+    def __init__(self) -> None:
+        import pymysql
+
+        self.conn = pymysql.connect(host="127.0.0.1", user="root", database="test", autocommit=True)
+        self.tag = uuid.uuid4().hex[:8]
+        self.made: list[str] = [f"conveyor_offsets_{self.tag}"]
+
+    def run(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        with self.conn.cursor() as cur:
+            cur.execute(sql, args or None)
+            return list(cur.fetchall()) if cur.description else []
+
+    def table(self, name: str) -> str:
+        return f"`{name}`"
+
+    def create(self, name: str, *, key: bool = False) -> None:
+        pk = " PRIMARY KEY" if key else ""
+        self.made.append(name)
+        self.run(
+            f"CREATE TABLE `{name}` (id bigint{pk}, name varchar(100) NOT NULL, amount double) ENGINE=InnoDB"
+        )
+
+    def config(self, table: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "type": "mysql",
+            "url": MYSQL_URL,
+            "table": table,
+            "delivery": "exactly_once",
+            "offsets_table": self.made[0],
+            **extra,
+        }
+
+    def offsets(self, writer: str) -> dict[tuple[str, int], tuple[int, int]]:
+        rows = self.run(
+            f"SELECT topic, `partition`, next_offset, generation FROM `{self.made[0]}` "
+            "WHERE writer = %s AND `partition` >= 0",
+            writer,
+        )
+        return {(t, p): (o, g) for t, p, o, g in rows}
+
+    def backend_of(self, sink: Any) -> int:
+        return int(sink._conn.thread_id())
+
+    def kill(self, pid: int) -> None:
+        self.run(f"KILL {int(pid)}")
+
+    def close(self) -> None:
+        for name in self.made:
+            self.run(f"DROP TABLE IF EXISTS `{name}`")
+        self.conn.close()
+
+
+@pytest.fixture(params=["postgres", "mysql"])
+def db(request: pytest.FixtureRequest) -> Iterator[Any]:
+    target = Postgres() if request.param == "postgres" else MariaDB()
+    try:
+        yield target
+    finally:
+        target.close()
+
+
+def sink_for(db: Any, table: str, writer: str = "orders_eo", generation: int = 1, **extra: Any):
+    sink = build_sink(db.config(table, **extra))
+    sink.bind(writer, generation)
+    sink.init_sink()
+    return sink
+
+
+def count(db: Any, table: str) -> tuple[int, int]:
+    rows = db.run(f"SELECT count(*), count(DISTINCT id) FROM {db.table(table)}")
+    return int(rows[0][0]), int(rows[0][1])
+
+
+def two_partitions(start: int, n: int) -> pa.Table:
+    """``n`` messages of partition 0 and ``n`` of partition 1 (ids apart), interleaved."""
+    a = make_batch(n, start=start, partition=0)
+    b = make_batch(n, start=start, partition=1)
+    b = b.set_column(0, "id", pa.array([10_000 + i for i in range(start, start + n)], pa.int64()))
+    return pa.concat_tables([a, b])
+
+
+def test_rows_and_offsets_commit_together_and_a_replay_writes_nothing(db: Any) -> None:
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    sink = sink_for(db, table)
+    try:
+        result = sink.send_batch(two_partitions(0, 100))
+        assert result.failed == ()
+        assert count(db, table) == (200, 200)
+        assert db.offsets("orders_eo") == {("orders", 0): (100, 1), ("orders", 1): (100, 1)}
+        # The same batch again, and one overlapping it: only the new rows are written.
+        assert sink.send_batch(two_partitions(0, 100)).failed == ()
+        assert count(db, table) == (200, 200)
+        sink.send_batch(two_partitions(50, 100))
+        assert count(db, table) == (300, 300)
+        assert db.offsets("orders_eo") == {("orders", 0): (150, 1), ("orders", 1): (150, 1)}
+    finally:
+        sink.cleanup_sink()
+    # A new run of the writer replays from before what the table holds: nothing twice.
+    again = sink_for(db, table, generation=2)
+    try:
+        assert again.target_offsets() == {
+            TopicPartition("orders", 0): 150,
+            TopicPartition("orders", 1): 150,
+        }
+        again.send_batch(two_partitions(0, 160))
+        assert count(db, table) == (320, 320)
+        assert db.offsets("orders_eo") == {("orders", 0): (160, 2), ("orders", 1): (160, 2)}
+    finally:
+        again.cleanup_sink()
+
+
+def test_a_connection_killed_mid_transaction_leaves_neither_rows_nor_offsets(db: Any) -> None:
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    sink = sink_for(db, table)
+    try:
+        sink.send_batch(make_batch(10))
+        killed = threading.Event()
+        write = sink._write_batch
+
+        def write_then_kill(batch: pa.Table) -> Any:
+            failures = write(batch)  # the rows are in the open transaction now
+            db.kill(db.backend_of(sink))
+            killed.set()
+            return failures
+
+        sink._write_batch = write_then_kill
+        with pytest.raises(TransientSinkError):
+            sink.send_batch(make_batch(10, start=10))
+        assert killed.is_set()
+        assert count(db, table) == (10, 10)
+        assert db.offsets("orders_eo") == {("orders", 0): (10, 1)}
+        # The retry (the loop's, after the outage) writes the batch once.
+        sink._write_batch = write
+        assert sink.send_batch(make_batch(10, start=10)).failed == ()
+        assert count(db, table) == (20, 20)
+        assert db.offsets("orders_eo") == {("orders", 0): (20, 1)}
+    finally:
+        sink.cleanup_sink()
+
+
+def test_a_zombie_is_refused_and_writes_nothing(db: Any) -> None:
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    zombie = sink_for(db, table, generation=1)
+    zombie.send_batch(make_batch(10))
+    current = sink_for(db, table, generation=2)  # claims the writer: the zombie is fenced now
+    try:
+        with pytest.raises(FencedError, match="generation 2, this run is generation 1"):
+            zombie.send_batch(make_batch(10, start=10))
+        assert count(db, table) == (10, 10)
+        current.send_batch(make_batch(20))
+        assert count(db, table) == (20, 20)
+        with pytest.raises(FencedError):
+            zombie.send_batch(make_batch(10, start=20))
+        assert count(db, table) == (20, 20)
+        assert db.offsets("orders_eo") == {("orders", 0): (20, 2)}
+        # A zombie starting again after the newer generation is refused at init.
+        with pytest.raises(FencedError):
+            sink_for(db, table, generation=1)
+    finally:
+        zombie.cleanup_sink()
+        current.cleanup_sink()
+
+
+def test_target_offsets_round_trip_per_writer(db: Any) -> None:
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    unbound = build_sink(db.config(table))
+    assert unbound.target_offsets() is None  # not bound: no offsets of its own
+    first = build_sink(db.config(table))
+    first.bind("orders_eo", 1)
+    assert first.target_offsets() is None  # before the table exists
+    first.init_sink()
+    try:
+        assert first.target_offsets() is None  # the writer committed nothing yet
+        first.send_batch(two_partitions(0, 7))
+        task = sink_for(db, table, writer="orders_eo.task1")
+        task.send_batch(make_batch(3, start=500, topic="other"))
+        task.cleanup_sink()
+        reader = build_sink(db.config(table))
+        reader.bind("orders_eo", 1)
+        assert reader.target_offsets() == {
+            TopicPartition("orders", 0): 7,
+            TopicPartition("orders", 1): 7,
+        }
+        reader.bind("orders_eo.task1", 1)
+        assert reader.target_offsets() == {TopicPartition("other", 0): 503}
+        at_least_once = build_sink(db.config(table, delivery="at_least_once"))
+        at_least_once.bind("orders_eo", 1)
+        assert at_least_once.target_offsets() is None
+    finally:
+        first.cleanup_sink()
+
+
+def test_failed_rows_are_reported_and_a_resend_of_them_is_tried_not_dropped(db: Any) -> None:
+    """Rows the table refuses (NOT NULL): the others commit with offsets past the batch; the
+    loop's re-send of the failed rows reaches the table (and fails again), never dropped as
+    covered."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    sink = sink_for(db, table)
+    try:
+        batch = make_batch(20, names={5: None, 19: None})
+        failed = send_isolating(sink, batch)
+        assert [f.index for f in failed] == [5, 19]
+        assert all(f.kind is ErrorKind.DATA for f in failed)
+        assert count(db, table) == (18, 18)
+        # Next offset after the last row written: row 19 failed, so it is not covered.
+        assert db.offsets("orders_eo") == {("orders", 0): (19, 1)}
+        again = send_isolating(sink, batch.take(pa.array([5, 19])))
+        assert [f.index for f in again] == [0, 1]
+        # A replay of the whole batch writes nothing new and reports the failed rows again.
+        assert [f.index for f in send_isolating(sink, batch)] == [5, 19]
+        assert count(db, table) == (18, 18)
+    finally:
+        sink.cleanup_sink()
+
+
+def test_fail_fast_commits_the_offsets_of_the_rows_before_the_failed_one(db: Any) -> None:
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    sink = sink_for(db, table)
+    try:
+        failed = send_isolating(sink, make_batch(20, names={7: None}), fail_fast=True)
+        assert [f.index for f in failed] == [7]
+        assert count(db, table) == (7, 7)
+        assert db.offsets("orders_eo") == {("orders", 0): (7, 1)}
+    finally:
+        sink.cleanup_sink()
+
+
+def test_upserts_and_the_created_table_take_part(db: Any) -> None:
+    """With upsert_keys and create_table: the table and the offsets table are created, and a
+    replay after the offsets moved on changes nothing (the row's later value stays)."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    if db.name == "mysql":
+        db.made.append(table)
+    sink = sink_for(db, table, upsert_keys=["id"], create_table=True)
+    try:
+        sink.send_batch(make_batch(10))
+        sink.send_batch(make_batch(5, start=10, names={12: "new"}))
+        sink.send_batch(make_batch(15, names={12: "stale"}))  # a replay of both
+        assert count(db, table) == (15, 15)
+        rows = db.run(f"SELECT name FROM {db.table(table)} WHERE id = 12")
+        assert rows == [("new",)]
+        assert db.offsets("orders_eo") == {("orders", 0): (15, 1)}
+    finally:
+        sink.cleanup_sink()
+
+
+def test_an_unbound_sink_writes_at_least_once(db: Any) -> None:
+    """A dead-letter replay builds the sink without a run to bind it to: it writes every row it
+    is given (replayed messages lie before the offsets) and no offsets."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    bound = sink_for(db, table)
+    replay = build_sink(db.config(table))
+    replay.init_sink()
+    try:
+        bound.send_batch(make_batch(10))
+        replay.send_batch(make_batch(1, start=3))
+        assert count(db, table) == (11, 10)
+        assert db.offsets("orders_eo") == {("orders", 0): (10, 1)}
+    finally:
+        bound.cleanup_sink()
+        replay.cleanup_sink()
+
+
+def test_delivery_is_validated_naming_the_field(db: Any) -> None:
+    with pytest.raises(ConfigError, match="sink.delivery: Input should be 'at_least_once' or"):
+        build_sink(db.config("t", delivery="twice"))
+    with pytest.raises(ConfigError, match="sink.offsets_table"):
+        build_sink(db.config("t", offsets_table=""))
