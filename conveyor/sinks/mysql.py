@@ -12,6 +12,9 @@ acknowledgement). Rows go out in statements of ``rows_per_statement`` rows, each
 behind a savepoint: a statement the server rejects for a row's content (NOT NULL,
 CHECK, out of range, too long, duplicate key, foreign key...) is rolled back to its
 savepoint and bisected until the guilty rows are found; the good rows are kept.
+With ``delivery: exactly_once`` the same transaction raises the batch's offsets in
+the offsets table (``sinks.sql.OffsetsLedger``); it needs a transactional (InnoDB)
+table.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core.errors import (
     ConfigError,
+    FencedError,
     PermanentSinkError,
     TransientSinkError,
     rule,
 )
 from conveyor.core.model import (
     HEADERS_COL,
+    Offsets,
 )
 from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, first_failure_only, isolate_rows, sink_error
@@ -56,6 +61,9 @@ from conveyor.sinks.sql import (
     AutoEvolve,
     ConnectTimeoutS,
     DeleteEnabled,
+    Delivery,
+    OffsetsLedger,
+    OffsetsTableName,
     SqlColumns,
     SqlDialect,
     SqlSinkConfig,
@@ -66,6 +74,7 @@ from conveyor.sinks.sql import (
     concat_text,
     evolution,
     json_values,
+    offsets_statements,
     text_offsets,
     text_scalar,
 )
@@ -149,6 +158,8 @@ class MySQLSinkConfig(SqlSinkConfig):
         description="CA bundle (PEM): connect with TLS and verify the server against it.",
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
+    delivery: Delivery = "at_least_once"
+    offsets_table: OffsetsTableName = "conveyor_offsets"
 
     def database_name(self) -> str | None:
         """The database, from `database` or the URL's path when the URL writes it out.
@@ -202,6 +213,8 @@ class MySQLSinkConfig(SqlSinkConfig):
             )
         problem = identifier_problem(self.table) if known_now(self.table) else None
         rule(problem is None, f"{self.table!r}: {problem}", field="table")
+        problem = identifier_problem(self.offsets_table)
+        rule(problem is None, f"{self.offsets_table!r}: {problem}", field="offsets_table")
         self.check_mapping(column_problem=identifier_problem)
         rule(
             len(set(self.upsert_keys)) == len(self.upsert_keys),
@@ -618,6 +631,56 @@ class MySQLSink(Sink):
         self._stmt: str | None = None
         self._insert: tuple[str, str] | None = None  # the INSERT's text around its values
         self._max_packet = 16 << 20  # the server's max_allowed_packet, read at start
+        self._ledger = OffsetsLedger(offsets_statements(_q(config.offsets_table), "mysql"))
+
+    # -- exactly once -----------------------------------------------------------------------
+
+    def _exactly_once(self) -> bool:
+        """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
+        dead-letter replay, unbound, writes at least once)."""
+        return self.config.delivery == "exactly_once" and self._ledger.bound
+
+    def bind(self, connector: str, generation: int) -> None:
+        """The writer and generation this sink commits offsets for (before ``init_sink``)."""
+        self._ledger.bind(connector, generation)
+
+    def target_offsets(self) -> Offsets | None:
+        """The offsets the offsets table holds for this writer; None when it holds none (or
+        with ``at_least_once``)."""
+        if not self._exactly_once():
+            return None
+        import pymysql
+
+        conn = self._connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() "
+                    "AND TABLE_NAME = %s",
+                    (self.config.offsets_table,),
+                )
+                return self._ledger.read(cur) if cur.fetchone() else None
+        except (pymysql.err.MySQLError, OSError) as e:
+            raise self._error(e, f"reading {self._ledger.sql.table}") from None
+        finally:
+            conn.close()
+
+    def _claim(self) -> None:
+        """The offsets table (created if missing) and this generation's claim, committed."""
+        import pymysql
+
+        try:
+            with self._conn.cursor() as cur:
+                self._ledger.create(cur)
+                self._ledger.claim(cur)
+            self._conn.commit()
+        except FencedError:
+            self._rollback()
+            raise
+        except (pymysql.err.MySQLError, OSError) as e:
+            self._rollback()
+            self.cleanup_sink()
+            raise self._error(e, f"claiming the offsets table {self._ledger.sql.table}") from None
 
     # -- config -----------------------------------------------------------------------------
 
@@ -732,6 +795,14 @@ class MySQLSink(Sink):
             )
         if self._exists:
             self._check_upsert_keys()
+        if self._exactly_once():
+            if self._exists and not self._transactional:
+                self.cleanup_sink()
+                raise PermanentSinkError(
+                    f"table {quote_identifier(c.table)} is not transactional: delivery exactly_once "
+                    "needs a transactional engine (InnoDB)"
+                )
+            self._claim()
 
     def _describe_table(self) -> None:
         with self._conn.cursor() as cur:
@@ -932,25 +1003,24 @@ class MySQLSink(Sink):
                 self._describe_table()
             if self._columns is None or self._evolves(batch):
                 self._resolve(batch)
-            rows, failures = self._rows(batch)
-            failures += self._deletes(batch, rows)
-            literals = None if any(isinstance(r, _Delete) for r in rows) else self._literals(batch)
-            good = [i for i, r in enumerate(rows) if r is not None]
-            if self.fail_fast:
-                failures, good = first_failure_only(failures, good)
-            step = self.config.rows_per_statement if self._transactional else 1
             with self._conn.cursor() as cur:
                 # A statement above max_allowed_packet makes the server drop the connection.
                 cur.max_stmt_length = min(
                     self.config.max_statement_bytes, self._max_packet - PACKET_MARGIN
                 )
-                for start in range(0, len(good), step):
-                    if failures and self.fail_fast:
-                        break  # nothing after the first failed row is written
-                    failures += self._write_isolating(
-                        cur, rows, good[start : start + step], literals
+                if self._exactly_once():
+                    failures = self._ledger.send(
+                        cur,
+                        batch,
+                        lambda part: self._write_batch(cur, part),
+                        fail_fast=self.fail_fast,
                     )
+                else:
+                    failures = self._write_batch(cur, batch)
             self._conn.commit()
+        except FencedError:
+            self._rollback()
+            raise
         except (pymysql.err.MySQLError, OSError) as e:
             kind = classify_mysql_error(e)
             err = self._error(
@@ -963,9 +1033,27 @@ class MySQLSink(Sink):
             if isinstance(err, TransientSinkError):
                 self.cleanup_sink()
             raise err from None
+        except BaseException:
+            self._rollback()  # nothing of the batch (nor its offsets) stays
+            raise
         return SendResult(
             rows=batch.num_rows, failed=tuple(sorted(failures, key=lambda f: f.index))
         )
+
+    def _write_batch(self, cur: Any, batch: pa.Table) -> list[RowFailure]:
+        """Write ``batch`` in the open transaction (not committed); its failed rows."""
+        rows, failures = self._rows(batch)
+        failures += self._deletes(batch, rows)
+        literals = None if any(isinstance(r, _Delete) for r in rows) else self._literals(batch)
+        good = [i for i, r in enumerate(rows) if r is not None]
+        if self.fail_fast:
+            failures, good = first_failure_only(failures, good)
+        step = self.config.rows_per_statement if self._transactional else 1
+        for start in range(0, len(good), step):
+            if failures and self.fail_fast:
+                break  # nothing after the first failed row is written
+            failures += self._write_isolating(cur, rows, good[start : start + step], literals)
+        return sorted(failures, key=lambda f: f.index)
 
     def _oversized(self, rows: list[tuple[Any, ...] | None]) -> list[RowFailure]:
         """Rows whose INSERT alone would exceed max_allowed_packet (sets them to None)."""

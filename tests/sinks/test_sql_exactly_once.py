@@ -206,8 +206,8 @@ def test_a_connection_killed_mid_transaction_leaves_neither_rows_nor_offsets(db:
         killed = threading.Event()
         write = sink._write_batch
 
-        def write_then_kill(batch: pa.Table) -> Any:
-            failures = write(batch)  # the rows are in the open transaction now
+        def write_then_kill(*args: Any) -> Any:
+            failures = write(*args)  # the rows are in the open transaction now
             db.kill(db.backend_of(sink))
             killed.set()
             return failures
