@@ -74,7 +74,7 @@ def duckdb_count(files: list[str]) -> tuple[int, int]:
     listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
     return duckdb.sql(
         f"SELECT count(*), count(DISTINCT id) FROM read_parquet([{listed}])"
-    ).fetchone()
+    ).fetchall()[0]
 
 
 def kill_run(dagster: DagsterHarness, name: str, run_id: str) -> None:
