@@ -23,6 +23,7 @@ from conveyor.dagster.jobs.maintenance import (
     maintain_table,
     maintenance_job,
     maintenance_job_name,
+    maintenance_op_name,
 )
 from conveyor.sinks import build_sink
 from tests.sinks.contract import make_batch
@@ -81,12 +82,12 @@ def run_job(home: Path, name: str, sink_cfg: dict[str, Any], **config: Any) -> d
     loaded = load_file(path)
     assert loaded.ok, loaded.error
     assert is_lakehouse(loaded)
-    op_name = maintenance_job_name(name)
+    op_name = maintenance_op_name(name)
     with DagsterInstance.ephemeral() as instance:
         result = maintenance_job(loaded).execute_in_process(
             instance=instance, run_config={"ops": {op_name: {"config": config}}}
         )
-        assert result.success
+        assert result.success and result.dagster_run.job_name == maintenance_job_name(name)
         observations = [
             e.dagster_event.event_specific_data.asset_observation  # type: ignore[union-attr]
             for e in instance.all_logs(result.run_id)
@@ -243,3 +244,35 @@ def test_a_sink_without_tables_has_no_maintenance(home: Path) -> None:
     sink = build_sink({"type": "postgres", "url": "postgresql://127.0.0.1/test", "table": "t"})
     with pytest.raises(ValueError, match="no table maintenance"):
         maintain_table(sink.config, MaintenanceConfig())
+
+
+def test_maintenance_jobs_load_beside_the_connector_jobs(home: Path) -> None:
+    """A code location with Conveyor's jobs and a maintenance job per lakehouse connector
+    (none for another sink) loads: no job or op name collides."""
+    from dagster import Definitions
+
+    from conveyor.dagster.definitions import conveyor_defs
+    from conveyor.dagster.sensors.scheduler import SpecSources
+
+    sinks = {
+        "lk": {"type": "iceberg", "namespace": "ns", "table": "t"},
+        "dl": {"type": "delta", "path": "lake/t"},
+        "pg": {"type": "postgres", "url": "postgresql://127.0.0.1/test", "table": "t"},
+    }
+    folder = home / "connectors"
+    folder.mkdir()
+    for name, sink in sinks.items():
+        spec = {
+            "name": name,
+            "source": {"topics": ["orders"]},
+            "transform": {"decode": "json", "schema": "id BIGINT"},
+            "sink": sink,
+        }
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    sources = SpecSources(folder)
+    specs = sources.scan()
+    jobs = [maintenance_job(ls) for ls in specs if is_lakehouse(ls)]
+    defs = Definitions.merge(conveyor_defs(specs, sources), Definitions(jobs=jobs))
+    names = {j.name for j in defs.resolve_all_job_defs()}
+    assert {"maintain_table__lk", "maintain_table__dl", "connector__pg"} <= names
+    assert "maintain_table__pg" not in names

@@ -59,13 +59,18 @@ def maintenance_job_name(connector: str) -> str:
     return f"maintain_table__{connector}"
 
 
+def maintenance_op_name(connector: str) -> str:
+    """The job's one op (its run config's key: ``ops: {<this>: {config: ...}}``)."""
+    return f"maintain__{connector}"
+
+
 def is_lakehouse(ls: LoadedSpec) -> bool:
     """A valid sink connector writing an Iceberg or Delta table (it gets a maintenance job)."""
     return ls.ok and not ls.is_source and getattr(ls.sink, "type", None) in LAKEHOUSE_SINKS
 
 
 class MaintenanceConfig(Config):
-    """What one maintenance run does (the job's run config, ops.maintain_table__<name>.config)."""
+    """What one maintenance run does (the job's run config, ops.maintain__<name>.config)."""
 
     retention_hours: int = Field(
         default=168,
@@ -337,7 +342,7 @@ def maintenance_job(ls: LoadedSpec) -> JobDefinition:
     # ``from __future__ import annotations`` leaves, which it resolves in no namespace.
     maintain.__annotations__.update(context=OpExecutionContext, config=MaintenanceConfig)
     maintain_op = op(
-        name=f"maintain_table__{name}",
+        name=maintenance_op_name(name),
         description=f"Compact connector {name}'s table and expire old snapshots / vacuum.",
         tags={"kind": getattr(ls.sink, "type", "table")},
     )(scrubbed_errors(maintain))
