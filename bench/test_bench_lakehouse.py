@@ -58,14 +58,15 @@ NAMESPACE = "bench"
 class Lake:
     """One SQL catalog and its warehouse (a contender's), read as a reader would."""
 
-    def __init__(self, catalog_db: Path, warehouse: Path) -> None:
+    def __init__(self, catalog_db: Path, warehouse: Path, name: str) -> None:
         from pyiceberg.catalog import load_catalog
 
         catalog_db.parent.mkdir(parents=True, exist_ok=True)
         warehouse.mkdir(parents=True, exist_ok=True)
         self.uri = f"sqlite:///{catalog_db}"
         self.warehouse = f"file://{warehouse}"
-        self.catalog = load_catalog("bench", type="sql", uri=self.uri, warehouse=self.warehouse)
+        # A SQL catalog's rows are keyed by its name: the sink's is "conveyor" (its default).
+        self.catalog = load_catalog(name, type="sql", uri=self.uri, warehouse=self.warehouse)
 
     def summary(self, table: str) -> dict[str, str]:
         """The current snapshot's summary ({} while the table or its first snapshot is missing)."""
@@ -144,13 +145,13 @@ def test_iceberg_as_users_run_it_vs_the_librdkafka_pyiceberg_loop(
     jvm = listening_pid(int(warm_spark_remote.rsplit(":", 1)[1]))
     names = [f"lake_conv_r{i}_{tag}" for i in range(ROUNDS)]
     conveyor_lake_paths = (home / "iceberg" / "catalog.db", home / "iceberg" / "warehouse")
-    loop_lake = Lake(tmp_path / "loop" / "catalog.db", tmp_path / "loop" / "warehouse")
+    loop_lake = Lake(tmp_path / "loop" / "catalog.db", tmp_path / "loop" / "warehouse", "bench")
     results: dict[str, list[Result]] = {c: [] for c in CONTENDERS}
     files: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS}
     loads = [("start", os.getloadavg())]
     with dev_stack(home, tansu, warm_spark_remote, [spec(n, f"t_{n}") for n in names]) as stack:
         wait_for(lambda: len(stack.store.list()) == len(names), 120, "specs synced")
-        conveyor_lake = Lake(*conveyor_lake_paths)
+        conveyor_lake = Lake(*conveyor_lake_paths, "conveyor")
         for i, name in enumerate(names):
             for contender in CONTENDERS if i % 2 == 0 else list(reversed(CONTENDERS)):
                 table = name if contender == "conveyor" else f"lake_loop_r{i}_{tag}"
