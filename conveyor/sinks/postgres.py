@@ -218,7 +218,9 @@ class PostgresSink(Sink):
         except FencedError:
             self._rollback()
             raise
-        except psycopg2.OperationalError as e:
+        except (psycopg2.OperationalError, psycopg2.errors.UniqueViolation) as e:
+            # A UniqueViolation: another run created the schema or table at the same moment
+            # (IF NOT EXISTS races in PostgreSQL's catalog); the retry finds it there.
             self.cleanup_sink()
             raise TransientSinkError(f"PostgreSQL: claiming the offsets table: {e}") from None
         except psycopg2.Error as e:
