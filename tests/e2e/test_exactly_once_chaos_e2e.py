@@ -1,0 +1,178 @@
+"""Issue 37's chaos test for PostgreSQL under a real Dagster instance: a connector with default
+settings but ``delivery: exactly_once`` into an append-only table (no upsert keys) is killed with
+-9 at random points, at least 20 times (seeded), some of them while the test holds the meta
+store (the harness's SQLite file) in an EXCLUSIVE transaction, so that the target commits a
+batch whose offsets the meta store cannot record; each time the run is relaunched. At the end
+the table holds every message once: count = distinct = produced, and the offsets table's
+offsets add up to what was produced."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg2
+import pytest
+
+from tests.conftest import PG_URL
+from tests.e2e.conftest import FINISHED, SETTLE_S, DagsterHarness, produce, wait_for
+from tests.e2e.test_lakehouse_e2e import kill_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+KILLS = int(os.environ.get("CONVEYOR_E2E_CHAOS_KILLS", "20"))
+SEED = int(os.environ.get("CONVEYOR_E2E_CHAOS_SEED", "37"))
+CHUNK = 500  # messages produced before and after each kill's point
+PARTITIONS = 3
+TRANSFORM = {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"}
+WINS = "the target holds other offsets than the meta store, and wins"
+
+
+def pg(sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    conn = psycopg2.connect(PG_URL)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, args or None)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def schema() -> Iterator[str]:
+    name = f"chaos_{uuid.uuid4().hex[:10]}"
+    pg(f'CREATE SCHEMA "{name}"')
+    pg(f'CREATE TABLE "{name}".orders (id bigint, name text, amount double precision)')
+    try:
+        yield name
+    finally:
+        pg(f'DROP SCHEMA "{name}" CASCADE')
+
+
+@contextlib.contextmanager
+def meta_store_locked(dagster: DagsterHarness) -> Iterator[None]:
+    """The harness's SQLite meta store held in an EXCLUSIVE transaction (no other writer)."""
+    path = dagster.meta_url.removeprefix("sqlite:///")
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        conn.execute("BEGIN EXCLUSIVE")
+        yield
+    finally:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        conn.close()
+
+
+def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_once(
+    dagster: DagsterHarness, tansu: str, schema: str
+) -> None:
+    rng = random.Random(SEED)
+    tag = uuid.uuid4().hex[:6]
+    name, topic = f"eo_{tag}", f"eo_{tag}"
+
+    def counts() -> tuple[int, int]:
+        c, d = pg(f'SELECT count(*), count(DISTINCT id) FROM "{schema}".orders')[0]
+        return int(c), int(d)
+
+    def rows() -> int:
+        return counts()[0]
+
+    dagster.write_spec(
+        {
+            "name": name,
+            "source": {"topics": [topic]},
+            "transform": TRANSFORM,
+            "sink": {
+                "type": "postgres",
+                "url": PG_URL,
+                "schema": schema,
+                "table": "orders",
+                "delivery": "exactly_once",
+            },
+        }
+    )
+    produced = 0
+
+    def more() -> None:
+        nonlocal produced
+        produce(tansu, topic, CHUNK, partitions=PARTITIONS, start=produced)
+        produced += CHUNK
+
+    more()
+    dagster.reload()
+    run = dagster.launch(name)
+    runs = [run]
+    locked_kills: list[int] = []  # the kill's index: the run after it must find the target ahead
+    started = time.monotonic()
+    try:
+        for k in range(KILLS):
+            assert dagster.wait_status(run, {"STARTED", *FINISHED}) == "STARTED", dagster.run_log(
+                run
+            )
+            point = rng.choice(["startup", "stream", "stream", "locked"])
+            wait_for(
+                lambda run=run: (r := dagster.store.get(name)).run_id == run and bool(r.run_pid),
+                SETTLE_S,
+                f"run {k} claimed the connector",
+            )
+            if point == "startup":
+                # Anywhere in the run's first seconds: building the loop, its first batch.
+                time.sleep(rng.uniform(0, 2))  # the kill's random point, not a wait
+                kill_run(dagster, name, run)
+            else:
+                before = rows()
+                more()
+                wait_for(lambda b=before: rows() > b, SETTLE_S, f"run {k} delivers")
+                if point == "locked":
+                    with meta_store_locked(dagster):
+                        during = rows()
+                        more()
+                        # The target commits a batch; the run's commit to the meta store waits.
+                        wait_for(lambda d=during: rows() > d, SETTLE_S, f"run {k}: target commit")
+                        time.sleep(rng.uniform(0, 0.5))  # the kill's random point, not a wait
+                        kill_run(dagster, name, run)
+                    locked_kills.append(k)
+                else:
+                    more()
+                    time.sleep(rng.uniform(0, 1.5))  # the kill's random point, not a wait
+                    kill_run(dagster, name, run)
+            run = dagster.launch(name)
+            runs.append(run)
+        # The last run delivers the rest: every message once, the offsets at the end.
+        wait_for(lambda: rows() >= produced, 300, f"all {produced} messages delivered")
+        wait_for(
+            lambda: (
+                pg(
+                    f'SELECT sum(next_offset) FROM "{schema}".conveyor_offsets '
+                    'WHERE writer = %s AND "partition" >= 0',
+                    name,
+                )[0][0]
+                == produced
+            ),
+            SETTLE_S,
+            "the offsets table at the end of the topic",
+        )
+    finally:
+        with contextlib.suppress(AssertionError):
+            dagster.wait_status(run, {"STARTED", *FINISHED})
+        with contextlib.suppress(Exception):  # ended already
+            dagster.terminate(run)
+        dagster.wait_status(run, FINISHED)
+    elapsed = time.monotonic() - started
+    assert counts() == (produced, produced), (counts(), produced)
+    got = {int(i) for (i,) in pg(f'SELECT id FROM "{schema}".orders')}
+    assert got == set(range(produced))
+    assert len(runs) == KILLS + 1
+    # The meta store missed the commits made while it was locked: a later run took the
+    # target's offsets over it (else the test would not have tested the window).
+    assert locked_kills, "the seed drew no kill with the meta store locked"
+    logs = [dagster.run_log(r, tail=400) for r in runs[min(locked_kills) + 1 :]]
+    assert any(WINS in log for log in logs), logs[-1]
+    print(f"{KILLS} kills ({len(locked_kills)} with the meta store locked) in {elapsed:.0f} s")
