@@ -5,6 +5,7 @@ writes nothing, a zombie's batch is refused with nothing written, and the offset
 from __future__ import annotations
 
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,10 +19,24 @@ from conveyor.core.sink import ErrorKind, send_isolating
 from conveyor.sinks import build_sink
 from tests.conftest import PG_URL
 from tests.sinks.contract import make_batch
+from tests.sinks.test_mysql import MYSQL_URL
 
 pytestmark = pytest.mark.integration
 
-MYSQL_URL = "mysql://root@127.0.0.1:3306/test"
+
+def mysql_connect() -> Any:
+    """An autocommit pymysql connection to ``MYSQL_URL`` (the MySQL tests' server)."""
+    import pymysql
+
+    u = urllib.parse.urlsplit(MYSQL_URL)
+    return pymysql.connect(
+        host=u.hostname,
+        port=u.port or 3306,
+        user=u.username or "root",
+        password=u.password or "",
+        database=u.path.lstrip("/"),
+        autocommit=True,
+    )
 
 
 class Postgres:
