@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -46,6 +46,7 @@ from conveyor.core.model import (
     PARTITION_COL,
     TIMESTAMP_COL,
     TOPIC_COL,
+    Offsets,
 )
 from conveyor.core.sink import ErrorKind, sink_error
 from conveyor.sinks import templates
@@ -59,10 +60,12 @@ from conveyor.sinks.base import (
     payload_values,
     require,
 )
+from conveyor.sinks.kafka_transactions import end_offsets, uncovered_rows
 from conveyor.sinks.tombstones import tombstone_flags
 
 if TYPE_CHECKING:
     from conveyor.formats.encoding import Encoder
+    from conveyor.sinks.kafka_transactions import Transactions
 
 from conveyor.sinks.kafka_config import (
     CODEC_MODULES,
@@ -101,6 +104,10 @@ def producer_kwargs(c: KafkaSinkConfig) -> dict[str, Any]:
 
 def _describe(exc: BaseException) -> str:
     return describe_kafka_error(exc)
+
+
+def _index(f: RowFailure) -> int:
+    return f.index
 
 
 def timestamp_ms(ts: dt.datetime | None) -> int | None:
@@ -200,6 +207,8 @@ class KafkaSink(Sink):
         self._limits: dict[str, int | None] = {}  # topic -> max.message.bytes (None: unknown)
         self._admin: Any = None  # reads the limits (fail_fast), opened on first use
         self._encoder: Encoder | None = None  # value_format avro / json_schema, built on first use
+        self._txn: Transactions | None = None  # delivery: exactly_once, once bound to a run
+        self._held: Offsets | None = None  # the offsets the target's group held at the start
 
     def validate(self) -> None:
         """The compression codec's package is installed here (kafka-python; librdkafka has
@@ -245,12 +254,70 @@ class KafkaSink(Sink):
             raise PermanentSinkError(str(e)) from None
         if problem:
             raise PermanentSinkError(f"cannot connect to Kafka at {c.bootstrap_servers}: {problem}")
+        if self._txn is not None:
+            conf = {**conf, **self._txn.producer_conf()}
         try:
             producer = rd.ConfluentProducer(c, conf)
             producer.bootstrap(c.connect_timeout_ms / 1000)
         except Exception as e:  # noqa: BLE001 - classified below
             raise self._error(e, f"cannot connect to Kafka at {c.bootstrap_servers}") from None
+        if self._txn is not None:
+            try:
+                self._held = self._txn.start(producer.client)
+            except BaseException:
+                producer.close(timeout=0)
+                raise
         return producer
+
+    # -- exactly once (``conveyor.sinks.kafka_transactions``) -----------------------------
+
+    def bind(self, connector: str, generation: int) -> None:
+        """With delivery exactly_once: this run's transactional producer, started now (older
+        producers of the id are fenced before the run reads where to start)."""
+        if self.config.delivery != "exactly_once":
+            return
+        from conveyor.sinks import kafka_confluent as rd
+        from conveyor.sinks.kafka_transactions import Transactions
+
+        try:
+            conf = rd.producer_config(self.config)
+        except ConfigError as e:
+            raise PermanentSinkError(str(e)) from None
+        timeout = self.config.request_timeout_ms / 1000
+        self._txn = Transactions(conf, connector, generation, timeout)
+        self._producer = self._connect()
+
+    def target_offsets(self) -> Offsets | None:
+        """The source offsets the target's group held when this run's producer started."""
+        return self._held if self._txn is not None else None
+
+    def _send_in_transaction(self, batch: pa.Table) -> SendResult:
+        """The batch's rows the target's offsets do not cover yet, and the offsets they end at,
+        in one transaction. Rows already covered (a batch sent again after another producer of
+        the id committed it) are not written twice."""
+        assert self._txn is not None
+        if self._producer is None:
+            self._producer = self._connect()
+        todo = uncovered_rows(batch, self._held or {})
+        if not todo:
+            return SendResult(rows=batch.num_rows)
+        part = batch if len(todo) == batch.num_rows else batch.take(pa.array(todo, pa.int64()))
+        client = self._producer.client
+        self._txn.begin(client)
+        try:
+            result = self._send(part, in_transaction=True)
+            failed = {f.index for f in result.failed}
+            offsets = end_offsets(part, [i for i in range(part.num_rows) if i not in failed])
+            self._txn.commit(client, offsets)
+        except Exception as e:
+            fenced = self._txn.abort(client)
+            self._drop_producer()
+            if fenced is not None:
+                raise fenced from e
+            raise
+        self._held = {**(self._held or {}), **offsets}
+        failures = tuple(replace(f, index=todo[f.index]) for f in result.failed)
+        return SendResult(rows=batch.num_rows, failed=failures)
 
     def _error(self, exc: BaseException, context: str) -> Exception:
         # A data error outside a row (e.g. a codec the broker refuses) is the config's fault.
@@ -377,6 +444,8 @@ class KafkaSink(Sink):
             close_producer(p, timeout=0, quiet=True)
 
     def cleanup_sink(self) -> None:
+        if self._txn is not None:
+            self._txn.close()
         p, self._producer = self._producer, None
         self._partitions.clear()
         self._limits.clear()
@@ -497,9 +566,10 @@ class KafkaSink(Sink):
             from conveyor.formats.encoding import payload_encoder
 
             c = self.config
-            assert c.schema_registry is not None
+            fmt = c.value_format
+            assert c.schema_registry is not None and fmt != "json"
             self._encoder = payload_encoder(
-                c.value_format,
+                fmt,
                 c.schema_registry,
                 c.subject_name_strategy,
                 c.auto_register,
@@ -576,6 +646,13 @@ class KafkaSink(Sink):
     def send_batch(self, batch: pa.Table) -> SendResult:
         if batch.num_rows == 0:
             return SendResult(rows=0)
+        if self.config.delivery == "exactly_once" and self._txn is not None:
+            return self._send_in_transaction(batch)
+        return self._send(batch)
+
+    def _send(self, batch: pa.Table, *, in_transaction: bool = False) -> SendResult:
+        """Produce the batch's rows; the rows refused or not delivered are its failures. In a
+        transaction the commit flushes, and a record not delivered aborts the whole batch."""
         if self._producer is None:
             self._producer = self._connect()
         out = self.outgoing(batch)
@@ -605,6 +682,8 @@ class KafkaSink(Sink):
                 break
             rows = rows[sent + 1 :]
         failures.extend(refused.values())
+        if in_transaction:
+            return SendResult(rows=batch.num_rows, failed=tuple(sorted(failures, key=_index)))
         self._flush()
         unacked: list[tuple[int, BaseException | None]] = []
         for index, exc in self._not_acknowledged():

@@ -155,6 +155,14 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
     client_id: str | None = Field(
         default="conveyor-sink", description="Client id shown in broker logs and quotas."
     )
+    delivery: Literal["at_least_once", "exactly_once"] = Field(
+        default="at_least_once",
+        description="exactly_once: each batch's records and the source offsets they end at in one "
+        "Kafka transaction (transactional id and consumer group conveyor-<connector>; a newer run "
+        "fences an older one); on start the offsets the target's group holds win over the meta "
+        "store's. Consumers of the target read with isolation.level=read_committed. Needs client: "
+        "confluent, acks: all and the source topics on the target's cluster (docs/sinks/kafka.md).",
+    )
     value_format: Literal["json", "avro", "protobuf", "json_schema"] = Field(
         default="json",
         description="How each row's payload columns are written: json (a JSON object; a single "
@@ -226,6 +234,15 @@ class KafkaSinkConfig(SinkConfig, KafkaConnection):
             stacklevel=2,
         )
         return {**data, "client": "kafka-python"}
+
+    @model_validator(mode="after")
+    def _delivery_rules(self) -> KafkaSinkConfig:
+        """exactly_once is librdkafka's transactions: the confluent client, acks all, idempotent."""
+        if self.delivery == "exactly_once":
+            rule(self.client == "confluent", "exactly_once needs client: confluent", field="client")
+            rule(self.acks == "all", "exactly_once needs acks: all", field="acks")
+            rule(self.idempotent, "exactly_once needs idempotent: true", field="idempotent")
+        return self
 
     @model_validator(mode="after")
     def _schema_rules(self) -> KafkaSinkConfig:

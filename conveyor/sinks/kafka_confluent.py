@@ -119,6 +119,11 @@ class ConfluentProducer:
             client = Producer({**conf, "error_cb": self._on_error})
         self._p = client
 
+    @property
+    def client(self) -> Any:
+        """librdkafka's producer (its transactions: ``conveyor.sinks.kafka_transactions``)."""
+        return self._p
+
     def _on_error(self, err: Any) -> None:
         # Outages are retried by librdkafka and end in the records' delivery reports.
         log.debug("librdkafka: %s", err)

@@ -1,0 +1,216 @@
+"""Exactly once from Kafka to Kafka (``delivery: exactly_once``): each batch's records and the
+source offsets they end at in one Kafka transaction, as Kafka Streams does it.
+
+The run's producer has the transactional id ``conveyor-<writer>`` (the connector, or a partition
+task's ``<connector>.task<N>``): initialising it fences every older producer of that id, so a
+zombie run cannot commit after the new run has started. The offsets go to the consumer group
+``conveyor-<writer>`` of the target cluster with ``send_offsets_to_transaction``, each carrying the
+run's generation as its metadata; the run reads them on start (``target_offsets``) and they win
+over the meta store's. Rows those offsets already cover are never written again: a zombie that
+reconnects (and so fences the new run's producer) and commits makes the new run, once it has
+reconnected in turn, skip what the zombie wrote. A producer that initialises and finds a greater
+generation recorded is the zombie and stops (``FencedError``; a broker that keeps no offset
+metadata, as tansu, leaves that to the meta store's fencing). The source and target topics must be on one cluster (the offsets of
+the source's partitions are committed in the target's group coordinator), as in Kafka Streams.
+Consumers of the target see each record once with ``isolation.level=read_committed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from conveyor.core.errors import BatchRejected, FencedError, TransientSinkError
+from conveyor.core.model import OFFSET_COL, PARTITION_COL, TOPIC_COL, Offsets, TopicPartition
+
+log = logging.getLogger("conveyor.sinks.kafka")
+
+
+def transactional_id(writer: str) -> str:
+    return f"conveyor-{writer}"
+
+
+def end_offsets(batch: pa.Table, rows: list[int] | None = None) -> Offsets:
+    """The next offset per source partition after the batch's rows (``rows``: only those)."""
+    names = batch.schema.names
+    if not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(names):
+        return {}
+    t = batch.select([TOPIC_COL, PARTITION_COL, OFFSET_COL])
+    if rows is not None:
+        t = t.take(pa.array(rows, pa.int64()))
+    if t.num_rows == 0:
+        return {}
+    grouped = t.group_by([TOPIC_COL, PARTITION_COL]).aggregate([(OFFSET_COL, "max")])
+    return {
+        TopicPartition(topic, int(part)): int(top) + 1
+        for topic, part, top in zip(
+            grouped.column(TOPIC_COL).to_pylist(),
+            grouped.column(PARTITION_COL).to_pylist(),
+            pc.cast(grouped.column(f"{OFFSET_COL}_max"), pa.int64()).to_pylist(),
+            strict=True,
+        )
+    }
+
+
+def uncovered_rows(batch: pa.Table, held: Offsets) -> list[int]:
+    """The rows whose source offset the target's offsets ``held`` do not cover yet."""
+    n = batch.num_rows
+    if not held or not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(batch.schema.names):
+        return list(range(n))
+    topics = batch.column(TOPIC_COL).to_pylist()
+    parts = batch.column(PARTITION_COL).to_pylist()
+    offsets = batch.column(OFFSET_COL).to_pylist()
+    return [
+        i
+        for i in range(n)
+        if offsets[i] is None or offsets[i] >= held.get(TopicPartition(topics[i], parts[i]), -1)
+    ]
+
+
+class Transactions:
+    """One writer's transactions on a librdkafka producer (``ConfluentProducer.client``)."""
+
+    def __init__(self, conf: dict[str, Any], writer: str, generation: int, timeout_s: float):
+        self.conf, self.writer, self.generation, self.timeout_s = (
+            conf,
+            writer,
+            generation,
+            timeout_s,
+        )
+        self.group = transactional_id(writer)
+        self._consumer: Any = None
+
+    def producer_conf(self) -> dict[str, Any]:
+        return {"transactional.id": transactional_id(self.writer), "enable.idempotence": True}
+
+    def start(self, client: Any) -> Offsets:
+        """Initialise the producer (fencing older ones of the id), check no newer generation
+        committed, and return the offsets the group holds (the target's)."""
+        try:
+            client.init_transactions(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped
+            raise self.error(e, "initialising the transactional producer") from None
+        held, newest = self.read_offsets()
+        if newest > self.generation:
+            raise FencedError(
+                f"{self.writer}: generation {newest} has committed to the target; this run is "
+                f"generation {self.generation} and stops without writing"
+            )
+        if held and newest < self.generation:
+            # Record this generation at once: an older run that reconnects (and so fences this
+            # producer) finds it and stops, instead of taking the id back and forth.
+            self.begin(client)
+            self.commit(client, held)
+        return held
+
+    def read_offsets(self) -> tuple[Offsets, int]:
+        """The group's committed offsets and the greatest generation recorded with them."""
+        from confluent_kafka import ConsumerGroupTopicPartitions
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({k: v for k, v in self.conf.items() if k in _ADMIN_KEYS})
+        try:
+            futures = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(self.group)])
+            found = futures[self.group].result(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped
+            raise self.error(e, f"reading the offsets of group {self.group!r}") from None
+        held: Offsets = {}
+        newest = -1
+        for tp in found.topic_partitions or []:
+            if tp.offset is not None and tp.offset >= 0:
+                held[TopicPartition(tp.topic, tp.partition)] = tp.offset
+                newest = max(newest, _generation_of(tp.metadata))
+        return held, newest
+
+    def begin(self, client: Any) -> None:
+        try:
+            client.begin_transaction()
+        except Exception as e:  # noqa: BLE001 - mapped
+            raise self.error(e, "beginning a transaction") from None
+
+    def commit(self, client: Any, offsets: Offsets) -> None:
+        """Send the offsets to the transaction and commit it (records and offsets, or neither)."""
+        from confluent_kafka import TopicPartition as RdTopicPartition
+
+        try:
+            if offsets:
+                tps = [
+                    RdTopicPartition(tp.topic, tp.partition, off, metadata=str(self.generation))
+                    for tp, off in sorted(offsets.items())
+                ]
+                client.send_offsets_to_transaction(tps, self._group_metadata(), self.timeout_s)
+            client.commit_transaction(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped
+            self.abort(client)
+            raise self.error(e, "committing the transaction") from None
+
+    def abort(self, client: Any) -> Exception | None:
+        """Abort the open transaction (a fenced or fatal producer cannot): what the abort
+        revealed when the producer was fenced (the error to raise instead), else None."""
+        try:
+            client.abort_transaction(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the producer is dropped by the caller
+            log.debug("%s: abort_transaction: %s", self.writer, e)
+            mapped = self.error(e, "the transaction")
+            return mapped if "fenced" in str(mapped) else None
+        return None
+
+    def _group_metadata(self) -> Any:
+        if self._consumer is None:
+            from confluent_kafka import Consumer
+
+            conf = {k: v for k, v in self.conf.items() if k in _ADMIN_KEYS}
+            self._consumer = Consumer({**conf, "group.id": self.group, "enable.auto.commit": False})
+        return self._consumer.consumer_group_metadata()
+
+    def close(self) -> None:
+        c, self._consumer = self._consumer, None
+        if c is not None:
+            c.close()
+
+    def error(self, e: BaseException, what: str) -> Exception:
+        """A transaction failure as the loop takes it: fenced (another producer of the id
+        started: a newer run), an aborted batch (a record refused: bisected), or an outage."""
+        err = e.args[0] if e.args else None
+        code = getattr(err, "code", lambda: None)()
+        name = getattr(err, "name", lambda: "")() or ""
+        if "FENCED" in name or "INVALID_PRODUCER_EPOCH" in name:
+            return TransientSinkError(
+                f"{self.writer}: {what}: fenced by another producer of the same transactional "
+                f"id ({name}); reconnecting checks which generation runs"
+            )
+        if getattr(err, "txn_requires_abort", lambda: False)() and code is not None:
+            return BatchRejected(f"{self.writer}: {what}: the transaction was aborted: {err}")
+        return TransientSinkError(f"{self.writer}: {what}: {e}")
+
+
+# The connection settings an admin client and the group's consumer take from the producer's.
+_ADMIN_KEYS = frozenset(
+    [
+        "bootstrap.servers",
+        "client.id",
+        "security.protocol",
+        "sasl.mechanism",
+        "sasl.username",
+        "sasl.password",
+        "oauth_cb",
+        "sasl.kerberos.service.name",
+        "ssl.ca.location",
+        "ssl.certificate.location",
+        "ssl.key.location",
+        "ssl.key.password",
+        "ssl.endpoint.identification.algorithm",
+        "socket.connection.setup.timeout.ms",
+        "logger",
+    ]
+)
+
+
+def _generation_of(metadata: str | None) -> int:
+    try:
+        return int(metadata or "")
+    except ValueError:
+        return -1
