@@ -4,6 +4,9 @@ types a table created from an Arrow batch gets, through each database's type map
 Both configs subclass ``SqlSinkConfig`` (the fields they share, their rules and their asset
 key); ``url``/``url_env`` come from ``sinks.base.UrlSinkConfig``. Bad rows are isolated with
 savepoints through the one bisection, ``core.sink.isolate_rows``.
+
+``delivery: exactly_once`` is here too: ``OffsetsLedger``, the offsets table both sinks keep
+in the target and raise in each batch's transaction (docs/sinks/postgres.md).
 """
 
 from __future__ import annotations
