@@ -579,6 +579,15 @@ class Operations:
                 f"connector {row.name!r} is {row.status.value} (desired {row.desired.value}); "
                 "offsets can be changed only when it is stopped: stop it first"
             )
+        loaded = load_source(row.name, row.spec_source)
+        if loaded.ok and loaded.sink is not None and loaded.sink.offsets_in_target():
+            # The target's offsets win on start: a change made only here would be undone.
+            raise ConflictError(
+                f"connector {row.name!r} keeps its offsets in its target (sink {loaded.sink.type}, "
+                "exactly once), which win over the meta store's on start: changing them here is "
+                "not supported yet; move the target's own offsets (docs/OPERATIONS.md, 'Exactly "
+                "once and offsets')"
+            )
 
     # -- dead letters ---------------------------------------------------------------------------
 

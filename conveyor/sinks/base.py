@@ -64,6 +64,11 @@ class SinkConfig(BaseModel):
         """The config as a dict with every secret replaced by '**********'."""
         return json.loads(self.model_dump_json(by_alias=True))
 
+    def offsets_in_target(self) -> bool:
+        """Whether the target keeps the connector's offsets with the data (exactly once: they
+        win over the meta store's on start; ``conveyor.core.sink.OffsetsInTarget``)."""
+        return getattr(self, "delivery", None) == "exactly_once"
+
 
 class Sink(abc.ABC):
     """Base class of sinks; the contract is in conveyor.core.sink."""

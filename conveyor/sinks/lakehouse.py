@@ -114,6 +114,9 @@ class LakehouseSinkConfig(SinkConfig):
     upsert_keys: UpsertKeys
     message_columns: MessageColumnsFlag = False
 
+    def offsets_in_target(self) -> bool:
+        return True  # every commit carries the offsets (``CommitMark``)
+
     def lakehouse_rules(self) -> None:
         """Rules every lakehouse config checks in its model validator."""
         rule(

@@ -532,3 +532,47 @@ def test_limit_is_bounded(api: Api) -> None:
             assert r.status_code == 400 and r.json()["message"].startswith("limit:"), r.text
     finally:
         api.call("DELETE", f"/connectors/{name}")
+
+
+def test_offsets_a_target_keeps_are_not_changed_behind_its_back(api: Api) -> None:
+    """A sink that keeps the offsets in its target (exactly once: their offsets win on start)
+    refuses a change made only in the meta store, naming why; an at-least-once one takes it."""
+    body = {
+        "offsets": [
+            {
+                "partition": {"kafka_topic": "orders", "kafka_partition": 0},
+                "offset": {"kafka_offset": 7},
+            }
+        ]
+    }
+    sinks = {
+        "eos_delta": {"type": "delta", "path": "delta/eos_delta"},
+        "eos_kafka": {
+            "type": "kafka",
+            "bootstrap_servers": "127.0.0.1:9",
+            "topic": "out",
+            "delivery": "exactly_once",
+        },
+    }
+    for name, sink in sinks.items():
+        r = api.call(
+            "POST", "/connectors", json={"name": name, "config": {**spec(name), "sink": sink}}
+        )
+        assert r.status_code == 201, r.text
+        assert api.call("PUT", f"/connectors/{name}/stop").status_code == 204
+        for method, kw in (("PATCH", {"json": body}), ("DELETE", {})):
+            r = api.call(method, f"/connectors/{name}/offsets", **kw)
+            assert r.status_code == 409, (name, method, r.text)
+            assert "keeps its offsets in its target" in r.json()["message"]
+        assert api.store.committed_offsets(name) == {}
+    name = "alo_kafka"
+    sink = {**sinks["eos_kafka"], "delivery": "at_least_once"}
+    assert (
+        api.call(
+            "POST", "/connectors", json={"name": name, "config": {**spec(name), "sink": sink}}
+        ).status_code
+        == 201
+    )
+    assert api.call("PUT", f"/connectors/{name}/stop").status_code == 204
+    assert api.call("PATCH", f"/connectors/{name}/offsets", json=body).status_code == 200
+    assert api.store.committed_offsets(name) == {TopicPartition("orders", 0): 7}
