@@ -27,6 +27,7 @@ from conveyor.core.errors import (  # noqa: F401 - re-exported
     SinkError,
     rule,
 )
+from conveyor.core.loop import next_offsets_of
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -36,6 +37,8 @@ from conveyor.core.model import (
     PARTITION_COL,
     TIMESTAMP_COL,
     TOPIC_COL,
+    Offsets,
+    TopicPartition,
 )
 from conveyor.core.sink import (  # noqa: F401 - re-exported
     ErrorKind,
@@ -502,3 +505,37 @@ def mapped_errors(
         if mapped is None:
             raise
         raise mapped from None
+
+
+# -- exactly once: the offsets a target keeps (``conveyor.core.sink.OffsetsInTarget``) --------
+
+
+def batch_offsets(table: pa.Table) -> Offsets:
+    """Next offset per partition of the rows in ``table`` (none without the message columns):
+    what a target that keeps offsets records with them."""
+    if not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(table.schema.names):
+        return {}
+    return next_offsets_of(table)
+
+
+def unseen_mask(table: pa.Table, offsets: Offsets) -> pa.Array | None:
+    """Per row of ``table``: the target's ``offsets`` do not cover it yet (offset >= its next
+    offset), so a batch sent again after its commit writes nothing twice. None: no row is
+    covered (no offsets, or no message columns)."""
+    if not offsets or not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(table.schema.names):
+        return None
+    import pyarrow.compute as pc
+
+    topics = table.column(TOPIC_COL).to_pylist()
+    partitions = table.column(PARTITION_COL).to_pylist()
+    floor = pa.array(
+        [offsets.get(TopicPartition(t, p), 0) for t, p in zip(topics, partitions, strict=True)],
+        pa.int64(),
+    )
+    return pc.fill_null(pc.greater_equal(table.column(OFFSET_COL).cast(pa.int64()), floor), True)
+
+
+def unseen_rows(table: pa.Table, offsets: Offsets) -> pa.Table:
+    """The rows of ``table`` the target's ``offsets`` do not cover yet (``unseen_mask``)."""
+    mask = unseen_mask(table, offsets)
+    return table if mask is None else table.filter(mask)

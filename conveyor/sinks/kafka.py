@@ -55,12 +55,13 @@ from conveyor.sinks.base import (
     RowFailure,
     SendResult,
     Sink,
+    batch_offsets,
     iter_records,
     payload_columns,
     payload_values,
     require,
+    unseen_mask,
 )
-from conveyor.sinks.kafka_transactions import end_offsets, uncovered_rows
 from conveyor.sinks.tombstones import tombstone_flags
 
 if TYPE_CHECKING:
@@ -298,16 +299,18 @@ class KafkaSink(Sink):
         assert self._txn is not None
         if self._producer is None:
             self._producer = self._connect()
-        todo = uncovered_rows(batch, self._held or {})
+        mask = unseen_mask(batch, self._held or {})
+        todo = list(range(batch.num_rows)) if mask is None else pc.indices_nonzero(mask).to_pylist()
         if not todo:
             return SendResult(rows=batch.num_rows)
-        part = batch if len(todo) == batch.num_rows else batch.take(pa.array(todo, pa.int64()))
+        part = batch if mask is None else batch.filter(mask)
         client = self._producer.client
         self._txn.begin(client)
         try:
             result = self._send(part, in_transaction=True)
             failed = {f.index for f in result.failed}
-            offsets = end_offsets(part, [i for i in range(part.num_rows) if i not in failed])
+            done = [i for i in range(part.num_rows) if i not in failed]
+            offsets = batch_offsets(part.take(pa.array(done, pa.int64())))
             self._txn.commit(client, offsets)
         except Exception as e:
             fenced = self._txn.abort(client)

@@ -20,54 +20,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from conveyor.core.errors import BatchRejected, FencedError, TransientSinkError
-from conveyor.core.model import OFFSET_COL, PARTITION_COL, TOPIC_COL, Offsets, TopicPartition
+from conveyor.core.model import Offsets, TopicPartition
 
 log = logging.getLogger("conveyor.sinks.kafka")
 
 
 def transactional_id(writer: str) -> str:
     return f"conveyor-{writer}"
-
-
-def end_offsets(batch: pa.Table, rows: list[int] | None = None) -> Offsets:
-    """The next offset per source partition after the batch's rows (``rows``: only those)."""
-    names = batch.schema.names
-    if not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(names):
-        return {}
-    t = batch.select([TOPIC_COL, PARTITION_COL, OFFSET_COL])
-    if rows is not None:
-        t = t.take(pa.array(rows, pa.int64()))
-    if t.num_rows == 0:
-        return {}
-    grouped = t.group_by([TOPIC_COL, PARTITION_COL]).aggregate([(OFFSET_COL, "max")])
-    return {
-        TopicPartition(topic, int(part)): int(top) + 1
-        for topic, part, top in zip(
-            grouped.column(TOPIC_COL).to_pylist(),
-            grouped.column(PARTITION_COL).to_pylist(),
-            pc.cast(grouped.column(f"{OFFSET_COL}_max"), pa.int64()).to_pylist(),
-            strict=True,
-        )
-    }
-
-
-def uncovered_rows(batch: pa.Table, held: Offsets) -> list[int]:
-    """The rows whose source offset the target's offsets ``held`` do not cover yet."""
-    n = batch.num_rows
-    if not held or not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(batch.schema.names):
-        return list(range(n))
-    topics = batch.column(TOPIC_COL).to_pylist()
-    parts = batch.column(PARTITION_COL).to_pylist()
-    offsets = batch.column(OFFSET_COL).to_pylist()
-    return [
-        i
-        for i in range(n)
-        if offsets[i] is None or offsets[i] >= held.get(TopicPartition(topics[i], parts[i]), -1)
-    ]
 
 
 class Transactions:

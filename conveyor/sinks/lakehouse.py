@@ -32,18 +32,14 @@ from pydantic import Field
 
 from conveyor.core.errors import FencedError, rule
 from conveyor.core.home import conveyor_home
-from conveyor.core.loop import next_offsets_of
 from conveyor.core.model import (
     DESTINATION_COL,
     META_COLUMNS,
-    OFFSET_COL,
-    PARTITION_COL,
-    TOPIC_COL,
     Offsets,
     TopicPartition,
 )
 from conveyor.core.sink import RowFailure, SendResult, first_failure_only, invalid_utf8, utf8_reason
-from conveyor.sinks.base import Sink, SinkConfig, payload_columns
+from conveyor.sinks.base import Sink, SinkConfig, batch_offsets, payload_columns, unseen_rows
 
 log = logging.getLogger("conveyor.sinks.lakehouse")
 
@@ -200,28 +196,6 @@ class CommitMark:
         except (ValueError, TypeError, AttributeError):
             log.warning("a table commit's %s is not Conveyor's: ignored", OFFSETS_PROP)
             return None
-
-
-def unseen_rows(table: pa.Table, offsets: Offsets) -> pa.Table:
-    """The rows of ``table`` the table's mark does not cover yet (offset >= its next offset)."""
-    if not offsets or not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(table.schema.names):
-        return table
-    import pyarrow.compute as pc
-
-    topics = table.column(TOPIC_COL).to_pylist()
-    partitions = table.column(PARTITION_COL).to_pylist()
-    floor = pa.array(
-        [offsets.get(TopicPartition(t, p), 0) for t, p in zip(topics, partitions, strict=True)],
-        pa.int64(),
-    )
-    return table.filter(pc.greater_equal(table.column(OFFSET_COL).cast(pa.int64()), floor))
-
-
-def batch_offsets(table: pa.Table) -> Offsets:
-    """Next offset per partition of the rows in ``table`` (none without the message columns)."""
-    if not {TOPIC_COL, PARTITION_COL, OFFSET_COL} <= set(table.schema.names):
-        return {}
-    return next_offsets_of(table)
 
 
 # -- rows ---------------------------------------------------------------------------------------
