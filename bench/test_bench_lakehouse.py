@@ -19,7 +19,9 @@ reader sees). **steady** rows/s is between 20% and 90% of ``N``, **total** from 
 command (the script's start) to the last row; CPU s per 100,000 rows over the steady window
 and over the whole drain, per process (Conveyor's run process and the Spark Connect JVM
 apart). The small files question: each table's data files (count, mean size) and snapshots
-at the end. Every table is checked: ``N`` rows, ``N`` distinct ids, the amounts' sum.
+at the end, then the maintenance job's work (``conveyor.dagster.jobs.maintenance``: compaction,
+expiry with retention 0, files deleted) on the connector's last table, timed. Every table is
+checked: ``N`` rows, ``N`` distinct ids, the amounts' sum.
 
     CONVEYOR_BENCH_LAKE_N=200000 .venv/bin/python -m pytest bench/test_bench_lakehouse.py -m bench -s -n 0
 """
@@ -176,7 +178,41 @@ def test_iceberg_as_users_run_it_vs_the_librdkafka_pyiceberg_loop(
                     f"  cpu/100K {res.cpu_per_100k()}  whole drain {cpu_whole_per_100k(res)}"
                     f"  files {files[contender][-1]}"
                 )
+        compaction = maintain(home, spec(names[-1], "")["sink"])
     report(results, files, loads)
+    print(f"maintenance of {names[-1]} (retention 0 h): {compaction}")
+
+
+def maintain(home: Path, sink: dict[str, Any]) -> dict[str, Any]:
+    """The maintenance job's work on the connector's last table, timed: compaction of its
+    small files, then every snapshot but the current expired and their files deleted."""
+    from conveyor.dagster.jobs.maintenance import MaintenanceConfig, maintain_table
+    from conveyor.sinks import build_sink
+
+    before = os.environ.get("CONVEYOR_HOME")
+    os.environ["CONVEYOR_HOME"] = str(home)  # where the sink's default catalog lies
+    try:
+        config = build_sink(sink).config
+        start = time.monotonic()
+        result = maintain_table(config, MaintenanceConfig(retention_hours=0, compact_min_files=1))
+        seconds = time.monotonic() - start
+    finally:
+        if before is None:
+            os.environ.pop("CONVEYOR_HOME")
+        else:
+            os.environ["CONVEYOR_HOME"] = before
+    assert result.rows == N and result.files_after < result.files_before
+    on_disk = list((home / "iceberg" / "warehouse" / NAMESPACE / sink["table"]).rglob("*.parquet"))
+    size = sum(p.stat().st_size for p in on_disk)
+    return {
+        "seconds": round(seconds, 1),
+        "files_before": result.files_before,
+        "files_after": result.files_after,
+        "files_on_disk": len(on_disk),
+        "mean_mib_on_disk": round(size / max(len(on_disk), 1) / 2**20, 2),
+        "snapshots_expired": result.snapshots_expired,
+        "files_deleted": result.files_deleted,
+    }
 
 
 def report(
