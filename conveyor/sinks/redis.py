@@ -53,6 +53,7 @@ from conveyor.core.model import (
     PARTITION_COL,
     TIMESTAMP_COL,
     TOPIC_COL,
+    Offsets,
 )
 from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
@@ -62,9 +63,11 @@ from conveyor.sinks.base import (
     SendResult,
     Sink,
     SinkConfig,
+    batch_offsets,
     json_default,
     payload_columns,
     secret,
+    unseen_mask,
 )
 from conveyor.sinks.templates import Placeholder, TemplateError, TemplateSyntaxError
 from conveyor.sinks.tombstones import has_tombstones, tombstone_flags  # noqa: E402
@@ -148,6 +151,13 @@ class RedisSinkConfig(SinkConfig):
     transaction: bool = Field(
         default=False, description="Wrap each pipeline in MULTI/EXEC (standalone only)."
     )
+    delivery: Literal["at_least_once", "exactly_once"] = Field(
+        default="at_least_once",
+        description="exactly_once (standalone): each batch's commands and the source offsets they "
+        "end at in one MULTI/EXEC fenced by WATCH (the hash conveyor:offsets:<connector>, which wins "
+        "over the meta store's offsets on start), so XADD, LPUSH and INCR templates apply once per "
+        "message (docs/sinks/redis.md).",
+    )
     client_name: str = Field(
         default="conveyor", description="CLIENT SETNAME of the sink's connections."
     )
@@ -192,6 +202,11 @@ class RedisSinkConfig(SinkConfig):
                     _node(node)
                 except ValueError as e:
                     raise FieldRuleError(str(e), field="startup_nodes") from None
+            rule(
+                self.delivery == "at_least_once",
+                "exactly_once runs each batch in one MULTI/EXEC: standalone only",
+                field="delivery",
+            )
         else:
             rule(not self.startup_nodes, "only in cluster mode", field="startup_nodes")
         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
@@ -867,6 +882,8 @@ class RedisSink(Sink):
         self._templates: list[CommandTemplate] | None = None
         self._delete_templates: list[CommandTemplate] | None = None
         self._noscript = False  # a template command Redis does not allow in scripts
+        self._writer: str | None = None  # delivery exactly_once, once bound to a run
+        self._generation = 0
 
     def validate(self) -> None:
         """Parse the command templates once (the config model checked them)."""
@@ -982,6 +999,66 @@ class RedisSink(Sink):
 
     # -- writing ----------------------------------------------------------------------------
 
+    # -- exactly once (``conveyor.sinks.redis_transactions``) -------------------------------
+
+    def bind(self, connector: str, generation: int) -> None:
+        if self.config.delivery == "exactly_once":
+            self._writer, self._generation = connector, generation
+
+    def target_offsets(self) -> Offsets | None:
+        """The offsets the hash holds (a greater generation recorded: FencedError)."""
+        from redis import exceptions as rx
+
+        from conveyor.sinks import redis_transactions as rt
+
+        if self._writer is None:
+            return None
+        if self._client is None:
+            self._client = self._connect()
+        try:
+            held, recorded = rt.parse_offsets(self._client.hgetall(rt.offsets_key(self._writer)))
+        except (rx.RedisError, OSError) as e:
+            raise self._error(e, "reading the offsets failed") from None
+        rt.check_generation(self._writer, recorded, self._generation)
+        return held
+
+    def _send_exactly_once(self, batch: pa.Table) -> dict[int, RowFailure]:
+        """The rows the hash's offsets do not cover, their commands and the offsets they end
+        at in one MULTI/EXEC, watching the hash."""
+        from conveyor.sinks import redis_transactions as rt
+
+        assert self._writer is not None
+        key = rt.offsets_key(self._writer)
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.watch(key)
+            held, recorded = rt.parse_offsets(pipe.hgetall(key))
+            rt.check_generation(self._writer, recorded, self._generation)
+            mask = unseen_mask(batch, held)
+            todo = range(batch.num_rows) if mask is None else pc.indices_nonzero(mask).to_pylist()
+            rows, bad = self._render(batch)
+            failures = {i: RowFailure(i, msg) for i, msg in bad.items() if i in set(todo)}
+            good = [i for i in todo if i not in bad]
+            if self.fail_fast and failures:
+                first = min(failures)
+                failures = {first: failures[first]}
+                good = [i for i in good if i < first]
+            if not good:
+                return failures
+            queued = [cmd for i in good for cmd in rows[i] or []]
+            offsets = batch_offsets(batch.take(pa.array(good, pa.int64())))
+            replies = rt.run_transaction(
+                pipe, queued, key, rt.offsets_fields(offsets, self._generation)
+            )
+        pos = 0
+        for i in good:
+            row = rows[i] or []
+            for k, cmd in enumerate(row):
+                r = replies[pos + k]
+                if isinstance(r, Exception) and i not in failures:
+                    failures[i] = RowFailure(i, f"{str(cmd[0]).upper()}: {redis_error_text(r)}")
+            pos += len(row)
+        return failures
+
     def send_batch(self, batch: pa.Table) -> SendResult:
         from redis import exceptions as rx
 
@@ -990,7 +1067,9 @@ class RedisSink(Sink):
         if self._client is None:
             self._client = self._connect()
         try:
-            if self._use_script():
+            if self._writer is not None:
+                failures = self._send_exactly_once(batch)
+            elif self._use_script():
                 failures = self._send_scripted(batch)
             else:
                 failures = self._send_pipelined(batch)
