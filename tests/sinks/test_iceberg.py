@@ -120,6 +120,27 @@ class TestIcebergOnPostgres(IcebergContract):
         return {**self.config(target), "catalog": {"type": "sql", "uri": uri}}
 
 
+ICEBERG_REST_URL = os.environ.get("CONVEYOR_TEST_ICEBERG_REST_URL", "")
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    not ICEBERG_REST_URL,
+    reason="CONVEYOR_TEST_ICEBERG_REST_URL not set: no Iceberg REST catalog on this machine "
+    "(see docs/FULL_SUITE.md)",
+)
+class TestIcebergOnRestCatalog(IcebergContract):
+    """The REST catalog by URL (a real one: docs/FULL_SUITE.md has a container), the warehouse
+    the catalog's own."""
+
+    catalog = {"type": "rest", "uri": ICEBERG_REST_URL, "name": "conveyor_rest"}
+    outage_skip_reason = ""
+
+    def outage_config(self, target: str) -> dict[str, Any]:
+        uri = f"http://127.0.0.1:{closed_port()}"
+        return {**self.config(target), "catalog": {"type": "rest", "uri": uri}}
+
+
 # -- beyond the contract --------------------------------------------------------------------------
 
 
