@@ -1,4 +1,4 @@
-"""Issue 37's chaos test for PostgreSQL under a real Dagster instance: a connector with default
+"""Issue 37's chaos test for PostgreSQL and MariaDB under a real Dagster instance: a connector with default
 settings but ``delivery: exactly_once`` into an append-only table (no upsert keys) is killed with
 -9 at random points, at least 20 times (seeded), some of them while the test holds the meta
 store (the harness's SQLite file) in an EXCLUSIVE transaction, so that the target commits a
@@ -23,6 +23,8 @@ import pytest
 from tests.conftest import PG_URL
 from tests.e2e.conftest import FINISHED, SETTLE_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_lakehouse_e2e import kill_run
+from tests.sinks.test_mysql import MYSQL_URL
+from tests.sinks.test_sql_exactly_once import mysql_connect
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -34,26 +36,74 @@ TRANSFORM = {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"
 WINS = "the target holds other offsets than the meta store, and wins"
 
 
-def pg(sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(PG_URL)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, args or None)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
+class Postgres:
+    """An append-only table ``orders`` in a fresh schema of the machine's PostgreSQL."""
+
+    def __init__(self) -> None:
+        self.schema = f"chaos_{uuid.uuid4().hex[:10]}"
+        self.orders = f'"{self.schema}".orders'
+        self.offsets = f'"{self.schema}".conveyor_offsets'
+        self.partition = '"partition"'
+        self.sql(f'CREATE SCHEMA "{self.schema}"')
+        self.sql(f"CREATE TABLE {self.orders} (id bigint, name text, amount double precision)")
+
+    def sink(self) -> dict[str, Any]:
+        return {"type": "postgres", "url": PG_URL, "schema": self.schema, "table": "orders"}
+
+    def sql(self, text: str, *args: Any) -> list[tuple[Any, ...]]:
+        conn = psycopg2.connect(PG_URL)
+        conn.autocommit = True
+        try:
+            with conn.cursor() as cur:
+                cur.execute(text, args or None)
+                return cur.fetchall() if cur.description else []
+        finally:
+            conn.close()
+
+    def drop(self) -> None:
+        self.sql(f'DROP SCHEMA "{self.schema}" CASCADE')
 
 
-@pytest.fixture
-def schema() -> Iterator[str]:
-    name = f"chaos_{uuid.uuid4().hex[:10]}"
-    pg(f'CREATE SCHEMA "{name}"')
-    pg(f'CREATE TABLE "{name}".orders (id bigint, name text, amount double precision)')
+class MariaDB:
+    """An append-only InnoDB table in the machine's MariaDB (database ``test``), and an
+    offsets table of its own."""
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:10]
+        self.orders, self.offsets = f"chaos_{tag}", f"chaos_offsets_{tag}"
+        self.partition = "`partition`"
+        self.sql(
+            f"CREATE TABLE {self.orders} (id bigint, name varchar(100), amount double) ENGINE=InnoDB"
+        )
+
+    def sink(self) -> dict[str, Any]:
+        return {
+            "type": "mysql",
+            "url": MYSQL_URL,
+            "table": self.orders,
+            "offsets_table": self.offsets,
+        }
+
+    def sql(self, text: str, *args: Any) -> list[tuple[Any, ...]]:
+        conn = mysql_connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(text, args or None)
+                return list(cur.fetchall()) if cur.description else []
+        finally:
+            conn.close()
+
+    def drop(self) -> None:
+        self.sql(f"DROP TABLE IF EXISTS {self.orders}, {self.offsets}")
+
+
+@pytest.fixture(params=["postgres", "mysql"])
+def target(request: pytest.FixtureRequest) -> Iterator[Any]:
+    made = Postgres() if request.param == "postgres" else MariaDB()
     try:
-        yield name
+        yield made
     finally:
-        pg(f'DROP SCHEMA "{name}" CASCADE')
+        made.drop()
 
 
 @contextlib.contextmanager
@@ -71,15 +121,23 @@ def meta_store_locked(dagster: DagsterHarness) -> Iterator[None]:
 
 
 def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_once(
-    dagster: DagsterHarness, tansu: str, schema: str
+    dagster: DagsterHarness, tansu: str, target: Any
 ) -> None:
     rng = random.Random(SEED)
     tag = uuid.uuid4().hex[:6]
     name, topic = f"eo_{tag}", f"eo_{tag}"
 
     def counts() -> tuple[int, int]:
-        c, d = pg(f'SELECT count(*), count(DISTINCT id) FROM "{schema}".orders')[0]
+        c, d = target.sql(f"SELECT count(*), count(DISTINCT id) FROM {target.orders}")[0]
         return int(c), int(d)
+
+    def offsets() -> int:
+        rows = target.sql(
+            f"SELECT sum(next_offset) FROM {target.offsets} WHERE writer = %s "
+            f"AND {target.partition} >= 0",
+            name,
+        )
+        return int(rows[0][0] or 0)
 
     def rows() -> int:
         return counts()[0]
@@ -89,13 +147,7 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
             "name": name,
             "source": {"topics": [topic]},
             "transform": TRANSFORM,
-            "sink": {
-                "type": "postgres",
-                "url": PG_URL,
-                "schema": schema,
-                "table": "orders",
-                "delivery": "exactly_once",
-            },
+            "sink": {**target.sink(), "delivery": "exactly_once"},
         }
     )
     produced = 0
@@ -147,18 +199,7 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
             runs.append(run)
         # The last run delivers the rest: every message once, the offsets at the end.
         wait_for(lambda: rows() >= produced, 300, f"all {produced} messages delivered")
-        wait_for(
-            lambda: (
-                pg(
-                    f'SELECT sum(next_offset) FROM "{schema}".conveyor_offsets '
-                    'WHERE writer = %s AND "partition" >= 0',
-                    name,
-                )[0][0]
-                == produced
-            ),
-            SETTLE_S,
-            "the offsets table at the end of the topic",
-        )
+        wait_for(lambda: offsets() == produced, SETTLE_S, "the offsets at the end of the topic")
     finally:
         with contextlib.suppress(AssertionError):
             dagster.wait_status(run, {"STARTED", *FINISHED})
@@ -167,7 +208,7 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
         dagster.wait_status(run, FINISHED)
     elapsed = time.monotonic() - started
     assert counts() == (produced, produced), (counts(), produced)
-    got = {int(i) for (i,) in pg(f'SELECT id FROM "{schema}".orders')}
+    got = {int(i) for (i,) in target.sql(f"SELECT id FROM {target.orders}")}
     assert got == set(range(produced))
     assert len(runs) == KILLS + 1
     # The meta store missed the commits made while it was locked: a later run took the
