@@ -570,27 +570,15 @@ class OffsetsLedger:
             )
         cur.execute(self.sql.ensure, (self.writer, self.generation))
         cur.execute(self.sql.lock, (self.writer,))
-        known = self._fence(cur.fetchall())
-        coords = list(
-            zip(
-                batch.column(TOPIC_COL).to_pylist(),
-                batch.column(PARTITION_COL).to_pylist(),
-                batch.column(OFFSET_COL).to_pylist(),
-                strict=True,
-            )
-        )
-        keep = [
-            i
-            for i, (t, p, o) in enumerate(coords)
-            if o >= known.get(TopicPartition(t, p), 0) or (t, p, o) in self._failed
-        ]
+        keep = self._uncovered(batch, self._fence(cur.fetchall()))
         if not keep:
             return []  # every row is in the table already (a replay)
         part = batch if len(keep) == batch.num_rows else batch.take(pa.array(keep, pa.int64()))
         failures = write(part)
-        done = written_rows(len(keep), failures, fail_fast)
-        if done:
-            offsets = next_offsets_of(part.take(pa.array(done, pa.int64())))
+        done = written_rows(len(keep), failures, fail_fast) if failures else None
+        if done != []:
+            written = part if done is None else part.take(pa.array(done, pa.int64()))
+            offsets = next_offsets_of(written)
             cur.executemany(
                 self.sql.advance,
                 [
@@ -598,16 +586,56 @@ class OffsetsLedger:
                     for tp, o in sorted(offsets.items())
                 ],
             )
-        self._remember([coords[keep[i]] for i in done], [coords[keep[f.index]] for f in failures])
-        return [RowFailure(keep[f.index], f.message, f.kind) for f in failures]
-
-    def _remember(self, written: list[tuple[str, int, int]], failed: list[Any]) -> None:
-        for c in written:
-            self._failed.pop(c, None)
-        for c in failed:
-            self._failed[c] = None
+            self._forget(written)
+        for f in failures:
+            self._failed[_coords(part, f.index)] = None
         while len(self._failed) > FAILED_MEMORY:
             self._failed.pop(next(iter(self._failed)))
+        return [RowFailure(keep[f.index], f.message, f.kind) for f in failures]
+
+    def _uncovered(self, batch: pa.Table, known: Offsets) -> list[int]:
+        """The indexes of the rows the offsets do not cover, and of those that failed in this
+        run (computed by Arrow, one pass per partition the table knows)."""
+        import pyarrow.compute as pc
+
+        covered = pa.array([False] * batch.num_rows, pa.bool_())
+        topics, partitions = batch.column(TOPIC_COL), batch.column(PARTITION_COL)
+        offsets = batch.column(OFFSET_COL)
+        for tp, floor in known.items():
+            here = pc.and_(pc.equal(topics, tp.topic), pc.equal(partitions, tp.partition))
+            covered = pc.or_(covered, pc.and_(here, pc.less(offsets, floor)))
+        keep = pc.indices_nonzero(pc.invert(covered)).to_pylist()
+        if len(keep) < batch.num_rows:
+            again = [i for i in self._failed_rows(batch) if covered[i].as_py()]
+            keep = sorted(keep + again)
+        return keep
+
+    def _failed_rows(self, table: pa.Table) -> list[int]:
+        """The indexes of ``table``'s rows that failed in this run (the offsets picked by
+        Arrow, the few rows with such an offset checked one by one)."""
+        if not self._failed:
+            return []
+        import pyarrow.compute as pc
+
+        offsets = pa.array({o for _, _, o in self._failed}, pa.int64())
+        maybe = pc.is_in(table.column(OFFSET_COL).cast(pa.int64()), value_set=offsets)
+        return [
+            i for i in pc.indices_nonzero(maybe).to_pylist() if _coords(table, i) in self._failed
+        ]
+
+    def _forget(self, written: pa.Table) -> None:
+        """Rows written are no longer failed rows of this run."""
+        for i in self._failed_rows(written):
+            self._failed.pop(_coords(written, i), None)
+
+
+def _coords(table: pa.Table, i: int) -> tuple[str, int, int]:
+    """(topic, partition, offset) of row ``i``."""
+    return (
+        table.column(TOPIC_COL)[i].as_py(),
+        table.column(PARTITION_COL)[i].as_py(),
+        table.column(OFFSET_COL)[i].as_py(),
+    )
 
 
 def _offsets_of(rows: Sequence[Sequence[Any]]) -> Offsets:

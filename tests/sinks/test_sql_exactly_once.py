@@ -375,3 +375,20 @@ def test_delivery_is_validated_naming_the_field(db: Any) -> None:
         build_sink(db.config("t", delivery="twice"))
     with pytest.raises(ConfigError, match="sink.offsets_table"):
         build_sink(db.config("t", offsets_table=""))
+
+
+def test_a_failed_row_written_on_a_later_try_is_covered_from_then_on(db: Any) -> None:
+    """A row refused once and written on a re-send (its value fixed meanwhile, as a parent row
+    arriving would) is no longer a failed row: a replay of its batch writes nothing again."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    sink = sink_for(db, table)
+    try:
+        assert [f.index for f in send_isolating(sink, make_batch(10, names={3: None}))] == [3]
+        assert send_isolating(sink, make_batch(10).slice(3, 1)) == []
+        assert count(db, table) == (10, 10)
+        assert send_isolating(sink, make_batch(10)) == []
+        assert count(db, table) == (10, 10)
+        assert db.offsets("orders_eo") == {("orders", 0): (10, 1)}
+    finally:
+        sink.cleanup_sink()
