@@ -240,6 +240,20 @@ def test_delta_compaction_and_vacuum_keep_the_rows_and_the_offsets(home: Path) -
     assert len(delta_rows(home, cfg)) == len(rows) + ROWS
 
 
+@pytest.mark.parametrize("make_cfg", [iceberg_cfg, delta_cfg])
+def test_a_table_not_created_yet_is_nothing_to_do(home: Path, make_cfg: Any) -> None:
+    cfg = make_cfg()
+    meta = run_job(home, f"new_{uuid.uuid4().hex[:6]}", cfg, retention_hours=0)
+    assert meta == {
+        "data_files_before": 0,
+        "data_files_after": 0,
+        "rows": 0,
+        "compacted": False,
+        "snapshots_expired": 0,
+        "files_deleted": 0,
+    }
+
+
 def test_a_sink_without_tables_has_no_maintenance(home: Path) -> None:
     sink = build_sink({"type": "postgres", "url": "postgresql://127.0.0.1/test", "table": "t"})
     with pytest.raises(ValueError, match="no table maintenance"):

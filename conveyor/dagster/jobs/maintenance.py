@@ -250,8 +250,15 @@ def compact_iceberg(table: Any, settings: MaintenanceConfig) -> bool:
 def maintain_iceberg(
     config: Any, settings: MaintenanceConfig, now: Callable[[], float] = time.time
 ) -> MaintenanceResult:
-    """Compact (when due), then expire snapshots and delete their files."""
-    table = open_iceberg(config)
+    """Compact (when due), then expire snapshots and delete their files (nothing to do while
+    the connector has not created the table)."""
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+    try:
+        table = open_iceberg(config)
+    except (NoSuchTableError, NoSuchNamespaceError):
+        log.info("Iceberg table %s.%s does not exist yet", config.namespace, config.table)
+        return MaintenanceResult(0, 0, 0, compacted=False)
     files_before, _ = _totals(table)
     compacted = settings.compact and compact_iceberg(table, settings)
     cutoff_ms = int((now() - settings.retention_hours * 3600) * 1000)
@@ -278,8 +285,15 @@ def open_delta(config: Any) -> Any:
 
 
 def maintain_delta(config: Any, settings: MaintenanceConfig) -> MaintenanceResult:
-    """``optimize.compact()`` to the sink's target file size, then ``vacuum()``."""
-    table = open_delta(config)
+    """``optimize.compact()`` to the sink's target file size, then ``vacuum()`` (nothing to
+    do while the connector has not created the table)."""
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        table = open_delta(config)
+    except TableNotFoundError:
+        log.info("Delta table %s does not exist yet", config.path)
+        return MaintenanceResult(0, 0, 0, compacted=False)
     files_before = len(table.file_uris())
     compacted = False
     if settings.compact:
