@@ -3,8 +3,9 @@ whose sink is an Iceberg or a Delta Lake table (issue 39, small files).
 
 Iceberg (pyiceberg 0.12): compaction rewrites the whole table in one transaction (pyiceberg has
 no ``rewrite_data_files``; ``scan().to_arrow()`` then ``overwrite``, into files of the table's
-``write.target-file-size-bytes``), only when it holds more than ``compact_min_files`` data files
-and at most ``compact_max_rows`` rows (it is read into memory); then snapshots older than
+``write.target-file-size-bytes``, the newest ``CommitMark`` carried on), only when it holds more
+than ``compact_min_files`` data files and at most ``compact_max_rows`` rows (it is read into
+memory); then snapshots older than
 ``retention_hours`` are expired, except the chain from the current snapshot back to the newest
 snapshot carrying each connector's ``CommitMark`` (the sink finds its offsets by walking that
 chain: ``sinks.lakehouse``), and the files only expired snapshots referenced are deleted
