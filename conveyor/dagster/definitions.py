@@ -15,6 +15,7 @@ from conveyor.config.specs import LoadedSpec, connectors_dir
 from conveyor.dagster.assets.checks import lag_check_schedules, lag_checks
 from conveyor.dagster.assets.lineage import lineage_specs
 from conveyor.dagster.jobs.connector import connector_job
+from conveyor.dagster.jobs.maintenance import is_lakehouse, maintenance_job
 from conveyor.dagster.jobs.replay import replay_job
 from conveyor.dagster.jobs.source_connector import source_connector_job
 from conveyor.dagster.resources.conveyor import conveyor_resource
@@ -31,9 +32,10 @@ def conveyor_defs(specs: Sequence[LoadedSpec], sources: SpecSources) -> Definiti
         source_connector_job(ls) if ls.is_source else connector_job(ls) for ls in specs
     ]
     replay_jobs = [replay_job(ls) for ls in valid]
+    maintenance_jobs = [maintenance_job(ls) for ls in valid if is_lakehouse(ls)]
     return Definitions(
         assets=lineage_specs(specs),
-        jobs=connector_jobs + replay_jobs,
+        jobs=connector_jobs + replay_jobs + maintenance_jobs,
         sensors=[
             scheduler_sensor(connector_jobs, specs, sources),
             conveyor_run_failures,

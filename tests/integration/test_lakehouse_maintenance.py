@@ -261,10 +261,8 @@ def test_a_sink_without_tables_has_no_maintenance(home: Path) -> None:
 
 
 def test_maintenance_jobs_load_beside_the_connector_jobs(home: Path) -> None:
-    """A code location with Conveyor's jobs and a maintenance job per lakehouse connector
-    (none for another sink) loads: no job or op name collides."""
-    from dagster import Definitions
-
+    """Conveyor's code location has a maintenance job per lakehouse connector (none for
+    another sink) beside the connector jobs: no job or op name collides."""
     from conveyor.dagster.definitions import conveyor_defs
     from conveyor.dagster.sensors.scheduler import SpecSources
 
@@ -285,8 +283,7 @@ def test_maintenance_jobs_load_beside_the_connector_jobs(home: Path) -> None:
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(spec))
     sources = SpecSources(folder)
     specs = sources.scan()
-    jobs = [maintenance_job(ls) for ls in specs if is_lakehouse(ls)]
-    defs = Definitions.merge(conveyor_defs(specs, sources), Definitions(jobs=jobs))
+    defs = conveyor_defs(specs, sources)  # registers a maintenance job per lakehouse sink
     names = {j.name for j in defs.resolve_all_job_defs()}
     assert {"maintain_table__lk", "maintain_table__dl", "connector__pg"} <= names
     assert "maintain_table__pg" not in names
