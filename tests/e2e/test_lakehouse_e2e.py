@@ -148,6 +148,17 @@ def test_kill_9_mid_stream_leaves_every_order_once_in_iceberg_and_delta(
                 dagster.terminate(run)
         for run in runs.values():
             dagster.wait_status(run, FINISHED)
+    # The sink assets' materializations carry the table's last commit (snapshot / version).
+    from dagster import AssetKey
+
+    with dagster.instance() as inst:
+        for key, field in (
+            (["iceberg", namespace, "orders"], "table_snapshot"),
+            (["delta", f"orders_{tag}"], "table_snapshot"),
+        ):
+            records = inst.fetch_materializations(AssetKey(key), limit=50).records
+            seen = [r.asset_materialization.metadata for r in records if r.asset_materialization]
+            assert any(field in m and "table_rows_added" in m for m in seen), (key, seen[:2])
     # The files each table lists, read by another engine: the same rows, once each.
     from deltalake import DeltaTable
     from pyiceberg.catalog import load_catalog
