@@ -14,6 +14,7 @@ from dagster import Definitions
 from conveyor.config.specs import LoadedSpec, connectors_dir
 from conveyor.dagster.assets.checks import lag_check_schedules, lag_checks
 from conveyor.dagster.assets.lineage import lineage_specs
+from conveyor.dagster.jobs.backfill import backfill_job
 from conveyor.dagster.jobs.connector import connector_job
 from conveyor.dagster.jobs.maintenance import is_lakehouse, maintenance_job
 from conveyor.dagster.jobs.replay import replay_job
@@ -33,9 +34,10 @@ def conveyor_defs(specs: Sequence[LoadedSpec], sources: SpecSources) -> Definiti
     ]
     replay_jobs = [replay_job(ls) for ls in valid]
     maintenance_jobs = [maintenance_job(ls) for ls in valid if is_lakehouse(ls)]
+    backfill_jobs = [backfill_job(ls) for ls in valid]
     return Definitions(
         assets=lineage_specs(specs),
-        jobs=connector_jobs + replay_jobs + maintenance_jobs,
+        jobs=connector_jobs + replay_jobs + maintenance_jobs + backfill_jobs,
         sensors=[
             scheduler_sensor(connector_jobs, specs, sources),
             conveyor_run_failures,

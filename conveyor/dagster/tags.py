@@ -11,6 +11,7 @@ TAG_GENERATION = "conveyor/generation"
 TAG_TASK = "conveyor/task"
 TAG_TASK_GENERATION = "conveyor/task_generation"
 TAG_REPLAY = "conveyor/replay"
+TAG_BACKFILL = "conveyor/backfill"
 TAG_KIND = "conveyor/kind"
 
 # A run in one of these statuses holds (or will hold) its connector or task.
@@ -31,3 +32,8 @@ def job_name(connector: str) -> str:
 def replay_job_name(connector: str) -> str:
     """The Dagster job that replays a connector's dead letters."""
     return f"replay_dead_letters__{connector}"
+
+
+def backfill_job_name(connector: str) -> str:
+    """The Dagster job that reads a range of a connector's topics again into its sink."""
+    return f"backfill__{connector}"
