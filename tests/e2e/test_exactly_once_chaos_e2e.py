@@ -1,5 +1,6 @@
-"""Issue 37's chaos test for PostgreSQL and MariaDB under a real Dagster instance: a connector with default
-settings but ``delivery: exactly_once`` into an append-only table (no upsert keys) is killed with
+"""Issue 37's chaos test for PostgreSQL, MariaDB and Redis under a real Dagster instance: a connector
+with default settings but ``delivery: exactly_once`` into an append-only target (a table without
+upsert keys; a Redis stream every message is XADDed to) is killed with
 -9 at random points, at least 20 times (seeded), some of them while the test holds the meta
 store (the harness's SQLite file) in an EXCLUSIVE transaction, so that the target commits a
 batch whose offsets the meta store cannot record; each time the run is relaunched. At the end
@@ -36,13 +37,39 @@ TRANSFORM = {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"
 WINS = "the target holds other offsets than the meta store, and wins"
 
 
-class Postgres:
+class SqlTarget:
+    """What the test asks of an SQL target: rows (count, distinct), ids, the writer's offsets."""
+
+    orders: str
+    offsets_table: str
+    partition: str
+
+    def sql(self, text: str, *args: Any) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def counts(self) -> tuple[int, int]:
+        c, d = self.sql(f"SELECT count(*), count(DISTINCT id) FROM {self.orders}")[0]
+        return int(c), int(d)
+
+    def ids(self) -> set[int]:
+        return {int(i) for (i,) in self.sql(f"SELECT id FROM {self.orders}")}
+
+    def offsets(self, writer: str) -> int:
+        rows = self.sql(
+            f"SELECT sum(next_offset) FROM {self.offsets_table} WHERE writer = %s "
+            f"AND {self.partition} >= 0",
+            writer,
+        )
+        return int(rows[0][0] or 0)
+
+
+class Postgres(SqlTarget):
     """An append-only table ``orders`` in a fresh schema of the machine's PostgreSQL."""
 
     def __init__(self) -> None:
         self.schema = f"chaos_{uuid.uuid4().hex[:10]}"
         self.orders = f'"{self.schema}".orders'
-        self.offsets = f'"{self.schema}".conveyor_offsets'
+        self.offsets_table = f'"{self.schema}".conveyor_offsets'
         self.partition = '"partition"'
         self.sql(f'CREATE SCHEMA "{self.schema}"')
         self.sql(f"CREATE TABLE {self.orders} (id bigint, name text, amount double precision)")
@@ -64,13 +91,13 @@ class Postgres:
         self.sql(f'DROP SCHEMA "{self.schema}" CASCADE')
 
 
-class MariaDB:
+class MariaDB(SqlTarget):
     """An append-only InnoDB table in the machine's MariaDB (database ``test``), and an
     offsets table of its own."""
 
     def __init__(self) -> None:
         tag = uuid.uuid4().hex[:10]
-        self.orders, self.offsets = f"chaos_{tag}", f"chaos_offsets_{tag}"
+        self.orders, self.offsets_table = f"chaos_{tag}", f"chaos_offsets_{tag}"
         self.partition = "`partition`"
         self.sql(
             f"CREATE TABLE {self.orders} (id bigint, name varchar(100), amount double) ENGINE=InnoDB"
@@ -81,7 +108,7 @@ class MariaDB:
             "type": "mysql",
             "url": MYSQL_URL,
             "table": self.orders,
-            "offsets_table": self.offsets,
+            "offsets_table": self.offsets_table,
         }
 
     def sql(self, text: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -94,12 +121,50 @@ class MariaDB:
             conn.close()
 
     def drop(self) -> None:
-        self.sql(f"DROP TABLE IF EXISTS {self.orders}, {self.offsets}")
+        self.sql(f"DROP TABLE IF EXISTS {self.orders}, {self.offsets_table}")
 
 
-@pytest.fixture(params=["postgres", "mysql"])
+class Redis:
+    """A stream in the machine's Redis that every message is XADDed to (not idempotent: a
+    message written twice is two entries), and the writer's offsets hash."""
+
+    def __init__(self) -> None:
+        import redis
+
+        self.r = redis.Redis(host="127.0.0.1", port=6379)
+        self.prefix = f"chaos:{uuid.uuid4().hex[:10]}"
+        self.stream = f"{self.prefix}:orders"
+
+    def sink(self) -> dict[str, Any]:
+        return {"type": "redis", "commands": [f"XADD {self.stream} * id ${{payload.id}}"]}
+
+    def counts(self) -> tuple[int, int]:
+        ids = [int(f[b"id"]) for _, f in self.r.xrange(self.stream)]
+        return len(ids), len(set(ids))
+
+    def ids(self) -> set[int]:
+        return {int(f[b"id"]) for _, f in self.r.xrange(self.stream)}
+
+    def offsets(self, writer: str) -> int:
+        from conveyor.sinks import redis_transactions as rt
+
+        held, _ = rt.parse_offsets(self.r.hgetall(rt.offsets_key(writer)))
+        return sum(held.values())
+
+    def drop(self) -> None:
+        from conveyor.sinks import redis_transactions as rt
+
+        self.r.delete(self.stream)
+        for key in self.r.scan_iter(rt.offsets_key("eo_*")):
+            self.r.delete(key)
+
+
+TARGETS = {"postgres": Postgres, "mysql": MariaDB, "redis": Redis}
+
+
+@pytest.fixture(params=list(TARGETS))
 def target(request: pytest.FixtureRequest) -> Iterator[Any]:
-    made = Postgres() if request.param == "postgres" else MariaDB()
+    made = TARGETS[request.param]()
     try:
         yield made
     finally:
@@ -128,16 +193,10 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
     name, topic = f"eo_{tag}", f"eo_{tag}"
 
     def counts() -> tuple[int, int]:
-        c, d = target.sql(f"SELECT count(*), count(DISTINCT id) FROM {target.orders}")[0]
-        return int(c), int(d)
+        return target.counts()
 
     def offsets() -> int:
-        rows = target.sql(
-            f"SELECT sum(next_offset) FROM {target.offsets} WHERE writer = %s "
-            f"AND {target.partition} >= 0",
-            name,
-        )
-        return int(rows[0][0] or 0)
+        return target.offsets(name)
 
     def rows() -> int:
         return counts()[0]
@@ -208,8 +267,7 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
         dagster.wait_status(run, FINISHED)
     elapsed = time.monotonic() - started
     assert counts() == (produced, produced), (counts(), produced)
-    got = {int(i) for (i,) in target.sql(f"SELECT id FROM {target.orders}")}
-    assert got == set(range(produced))
+    assert target.ids() == set(range(produced))
     assert len(runs) == KILLS + 1
     # The meta store missed the commits made while it was locked: a later run took the
     # target's offsets over it (else the test would not have tested the window).
