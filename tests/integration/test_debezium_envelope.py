@@ -188,6 +188,7 @@ def changes(
     )
 
 
+@pytest.mark.slow  # a private wal_level=logical cluster: in the long suite, as the CDC corpus
 @pytest.mark.parametrize("identity", ["default", "full"])
 def test_postgres_cdc_debezium_into_a_replica(
     spark: Any, cdc_url: str, pg_schema: str, identity: str
