@@ -62,6 +62,7 @@ from conveyor.sinks.sql import (
     ConnectTimeoutS,
     DeleteEnabled,
     Delivery,
+    LedgerSink,
     OffsetsLedger,
     OffsetsTableName,
     SqlColumns,
@@ -612,7 +613,7 @@ _INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer"
 _NUMERIC_TYPES = _INTEGER_TYPES | {"decimal", "numeric", "float", "double", "real"}
 
 
-class MySQLSink(Sink):
+class MySQLSink(LedgerSink, Sink):
     """Writes each batch in one transaction; bad rows are isolated by savepoint bisection."""
 
     config_class = MySQLSinkConfig
@@ -634,15 +635,6 @@ class MySQLSink(Sink):
         self._ledger = OffsetsLedger(offsets_statements(_q(config.offsets_table), "mysql"))
 
     # -- exactly once -----------------------------------------------------------------------
-
-    def _exactly_once(self) -> bool:
-        """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
-        dead-letter replay, unbound, writes at least once)."""
-        return self.config.delivery == "exactly_once" and self._ledger.bound
-
-    def bind(self, connector: str, generation: int) -> None:
-        """The writer and generation this sink commits offsets for (before ``init_sink``)."""
-        self._ledger.bind(connector, generation)
 
     def target_offsets(self) -> Offsets | None:
         """The offsets the offsets table holds for this writer; None when it holds none (or

@@ -45,6 +45,7 @@ from conveyor.sinks.sql import (
     ConnectTimeoutS,
     DeleteEnabled,
     Delivery,
+    LedgerSink,
     OffsetsLedger,
     OffsetsTableName,
     SqlColumns,
@@ -150,7 +151,7 @@ def _is_data_error(e: Exception) -> bool:
     return code[:2] in ("22", "23")
 
 
-class PostgresSink(Sink):
+class PostgresSink(LedgerSink, Sink):
     """Writes each batch in one transaction; bad rows are isolated with savepoints."""
 
     config_class = PostgresSinkConfig
@@ -169,15 +170,6 @@ class PostgresSink(Sink):
         )
 
     # -- exactly once -------------------------------------------------------------
-
-    def _exactly_once(self) -> bool:
-        """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
-        dead-letter replay, unbound, writes at least once)."""
-        return self.config.delivery == "exactly_once" and self._ledger.bound
-
-    def bind(self, connector: str, generation: int) -> None:
-        """The writer and generation this sink commits offsets for (before ``init_sink``)."""
-        self._ledger.bind(connector, generation)
 
     def target_offsets(self) -> Offsets | None:
         """The offsets the offsets table holds for this writer; None when it holds none (or

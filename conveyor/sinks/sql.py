@@ -645,3 +645,20 @@ def _offsets_of(rows: Sequence[Sequence[Any]]) -> Offsets:
         for t, p, o, _ in rows
         if not (t == CLAIM_TOPIC and int(p) == CLAIM_PARTITION)
     }
+
+
+class LedgerSink:
+    """What the SQL sinks share of ``delivery: exactly_once`` (a mixin before ``Sink``): the
+    offsets ledger bound to a run. Each sink reads its ledger in its own dialect."""
+
+    config: Any
+    _ledger: OffsetsLedger
+
+    def _exactly_once(self) -> bool:
+        """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
+        dead-letter replay, unbound, writes at least once)."""
+        return bool(self.config.delivery == "exactly_once" and self._ledger.bound)
+
+    def bind(self, connector: str, generation: int) -> None:
+        """The writer and generation this sink commits offsets for (before ``init_sink``)."""
+        self._ledger.bind(connector, generation)
