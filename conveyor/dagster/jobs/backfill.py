@@ -35,11 +35,11 @@ from dagster import (
 from pydantic import Field
 
 from conveyor.brokers.kafka import KafkaSource
-from conveyor.config.specs import LoadedSpec, load_source, resolved
+from conveyor.config.specs import LoadedSpec
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import OFFSET_COL, PARTITION_COL, TOPIC_COL, Offsets, TopicPartition
 from conveyor.core.sink import OffsetsInTarget, send_isolating
-from conveyor.dagster.jobs.runs import scrubbed_errors
+from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_BACKFILL, backfill_job_name
 from conveyor.sinks import build_sink
@@ -203,13 +203,7 @@ def backfill_job(ls: LoadedSpec) -> JobDefinition:
     )
     @scrubbed_errors
     def backfill_op(context, config: BackfillConfig, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
-        current = load_source(name, ls.source)
-        if not current.ok or current.spec is None:
-            raise Failure(description=f"connector {name!r} has an invalid spec: {current.error}")
-        try:
-            live = resolved(current)  # secrets resolved here, in the run, only
-        except ConfigError as e:
-            raise Failure(description=f"connector {name!r}: {e}") from None
+        live = current_spec_resolved(name, ls.source)
         store = conveyor.store()
         row = store.get(name)
         broker = store.get_broker(row.broker_id) if row.broker_id else None

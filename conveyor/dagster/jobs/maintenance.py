@@ -30,7 +30,6 @@ from dagster import (
     AssetKey,
     AssetObservation,
     Config,
-    Failure,
     JobDefinition,
     MetadataValue,
     OpExecutionContext,
@@ -40,9 +39,8 @@ from dagster import (
 )
 from pydantic import Field
 
-from conveyor.config.specs import LoadedSpec, load_source, resolved
-from conveyor.core.errors import ConfigError
-from conveyor.dagster.jobs.runs import scrubbed_errors
+from conveyor.config.specs import LoadedSpec
+from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.sinks.base import SinkConfig
 from conveyor.sinks.lakehouse import CommitMark
 
@@ -335,13 +333,7 @@ def maintenance_job(ls: LoadedSpec) -> JobDefinition:
     name = ls.name
 
     def maintain(context: OpExecutionContext, config: MaintenanceConfig) -> None:
-        current = load_source(name, ls.source)
-        if not current.ok or current.sink is None:
-            raise Failure(description=f"connector {name!r} has an invalid spec: {current.error}")
-        try:
-            live = resolved(current)  # secrets resolved here, in the run, only
-        except ConfigError as e:
-            raise Failure(description=f"connector {name!r}: {e}") from None
+        live = current_spec_resolved(name, ls.source)
         assert live.sink is not None
         result = maintain_table(live.sink, config)
         context.log.info(f"table maintenance of {name}: {result}")

@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from dagster import (
     AssetMaterialization,
-    Failure,
     JobDefinition,
     MetadataValue,
     in_process_executor,
@@ -24,11 +23,10 @@ from dagster import (
     op,
 )
 
-from conveyor.config.specs import LoadedSpec, load_source, resolved
-from conveyor.core.errors import ConfigError
+from conveyor.config.specs import LoadedSpec
 from conveyor.core.sink import send_isolating
 from conveyor.dagster.assets.lineage import dead_letter_key
-from conveyor.dagster.jobs.runs import scrubbed_errors
+from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_CONNECTOR, TAG_REPLAY, replay_job_name
 from conveyor.sinks import build_sink
@@ -129,13 +127,8 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
     def replay_op(context, conveyor: ConveyorResource) -> None:  # type: ignore[no-untyped-def]
         store = conveyor.store()
         row = store.get(name)
-        current = load_source(name, ls.source)
-        if not current.ok or current.spec is None:
-            raise Failure(description=f"connector {name!r} has an invalid spec: {current.error}")
-        try:
-            live = resolved(current)  # secrets resolved here, in the run, only
-        except ConfigError as e:
-            raise Failure(description=f"connector {name!r}: {e}") from None
+        live = current_spec_resolved(name, ls.source)
+        assert live.spec is not None  # current_spec_resolved fails the op otherwise
         broker = store.get_broker(row.broker_id) if row.broker_id else None
         remote = broker.spark_remote if broker else conveyor.default_remote()
         result = replay_dead_letters(
@@ -149,7 +142,7 @@ def replay_job(ls: LoadedSpec) -> JobDefinition:
             run_id=context.run_id,
         )
         dl = SparkParquetDeadLetters(
-            dead_letter_location(current.spec), lambda: spark_session(remote), connector=name
+            dead_letter_location(live.spec), lambda: spark_session(remote), connector=name
         )
         sample = sample_rows(dl.pending(limit=5)) if result.remaining else []
         context.log_event(

@@ -21,8 +21,8 @@ from dagster import (
     RetryRequested,
 )
 
-from conveyor.config.specs import LoadedSpec, load_source, sync_one
-from conveyor.core.errors import AlreadyClaimedError, FencedError
+from conveyor.config.specs import LoadedSpec, load_source, resolved, sync_one
+from conveyor.core.errors import AlreadyClaimedError, ConfigError, FencedError
 from conveyor.core.failure import RunEnding, run_outcome
 from conveyor.core.model import ConnectorStatus
 from conveyor.core.processes import pid_alive
@@ -324,3 +324,17 @@ def run_until_stopped(
     )  # fmt: skip
     counters = loop.counters.as_dict() if loop is not None else {}
     context.log.info(f"{label} {name} stopped: {json.dumps(counters)}")
+
+
+def current_spec_resolved(name: str, source: str | None) -> LoadedSpec:
+    """A one-off job's connector as its spec file says now (replay, backfill, maintenance), its
+    references resolved here, in the run; a Dagster Failure naming what is wrong otherwise."""
+    from dagster import Failure
+
+    current = load_source(name, source)
+    if not current.ok or current.spec is None or current.sink is None:
+        raise Failure(description=f"connector {name!r} has an invalid spec: {current.error}")
+    try:
+        return resolved(current)  # secrets resolved here, in the run, only
+    except ConfigError as e:
+        raise Failure(description=f"connector {name!r}: {e}") from None
