@@ -23,6 +23,7 @@ Failures: a registry outage raises ``TransientSinkError``, refused credentials
 
 from __future__ import annotations
 
+import abc
 import base64
 import datetime as dt
 import decimal
@@ -99,18 +100,20 @@ def _map_fixer(t: pa.DataType) -> Callable[[Any], Any] | None:
     return None
 
 
-class _SerializingEncoder:
+class _SerializingEncoder(abc.ABC):
     """Shared by both formats: one confluent serializer per (topic, Arrow schema)."""
 
     def __init__(self, registry: Registry, conf: dict[str, Any], schema: str | None):
         self.registry, self.conf, self.schema = registry, conf, schema
         self._serializers: dict[tuple[str, pa.Schema], Any] = {}
 
+    @abc.abstractmethod
     def make(self, schema: str | None) -> Any:
-        raise NotImplementedError
+        """The format's confluent serializer for ``schema`` (None: the subject's latest)."""
 
+    @abc.abstractmethod
     def derive(self, arrow: pa.Schema, topic: str) -> str:
-        raise NotImplementedError
+        """A writer schema for rows of ``arrow`` (no schema given)."""
 
     def prepare(self, row: dict[str, Any]) -> Any:
         return row
