@@ -17,6 +17,8 @@ Starlette on uvicorn. Every route is a thin translation of one call of
 ``DELETE /connectors/{name}``             204 (spec file, state and offsets)
 ``GET|PATCH|DELETE .../offsets``          KIP-875; changes only when stopped
 ``GET .../dead-letters``, ``.../destination``, ``.../history``, ``.../tasks``
+``POST .../backfills``                    ``{"start", "end"}``: a backfill request (202)
+``GET .../backfills[/{id}]``              backfill requests, newest first / one
 ``GET /health``, ``GET /ready``           no token needed (probes)
 ``GET /metrics``                          Prometheus text
 =======================================  =========================================
@@ -51,6 +53,7 @@ from starlette.routing import Route
 
 from conveyor.config.specs import LoadedSpec, keep_stored, load_source
 from conveyor.control.api_guard import Access, BodyTooLargeError, Guard
+from conveyor.control.backfills import Backfills, backfill_body
 from conveyor.control.kafka_connect import (
     active_topics,
     reset_active_topics,
@@ -386,6 +389,25 @@ def reset_source_state(request: Request) -> Response:
     return JSONResponse(_ops(request).reset_source_state(request.path_params["name"]))
 
 
+async def request_backfill(request: Request) -> Response:
+    """202 with the request: the backfills sensor launches its run."""
+    context = ApiContext.of(request)
+    start, end = backfill_body(await _json_body(request))
+    name = request.path_params["name"]
+    made = await _threaded(lambda: Backfills.of(context.ops()).request(name, start, end))
+    return JSONResponse(made, 202)
+
+
+def list_backfills(request: Request) -> Response:
+    limit = _int_param(request, "limit", 50)
+    return JSONResponse(Backfills.of(_ops(request)).list(request.path_params["name"], limit))
+
+
+def get_backfill(request: Request) -> Response:
+    name, backfill_id = request.path_params["name"], request.path_params["backfill_id"]
+    return JSONResponse(Backfills.of(_ops(request)).get(name, backfill_id))
+
+
 def plugins(request: Request) -> Response:
     from conveyor.sinks import sink_types
     from conveyor.sources import source_types
@@ -433,6 +455,9 @@ def routes() -> list[Route]:
         Route(f"{c}/partition-tasks", partition_tasks, methods=["GET"]),
         Route(f"{c}/abandon-batch", abandon_batch, methods=["POST"]),
         Route(f"{c}/source-state", reset_source_state, methods=["DELETE"]),
+        Route(f"{c}/backfills", request_backfill, methods=["POST"]),
+        Route(f"{c}/backfills", list_backfills, methods=["GET"]),
+        Route(f"{c}/backfills/{{backfill_id:int}}", get_backfill, methods=["GET"]),
     ]
 
 

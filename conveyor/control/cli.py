@@ -781,3 +781,90 @@ def metrics_serve(ctx: click.Context, host: str, port: int) -> None:
 
 if __name__ == "__main__":
     main()
+# -- backfills -------------------------------------------------------------------------
+
+
+@main.command("backfill")
+@click.argument("name")
+@click.option(
+    "--start",
+    required=True,
+    help="Where each partition starts: earliest, an ISO 8601 time (naive = UTC; its first record "
+    "stamped at or after it), or TOPIC:PARTITION:OFFSET[,...].",
+)
+@click.option(
+    "--end",
+    default="latest",
+    show_default=True,
+    help="Where each partition ends (excluded): latest (its end when the backfill starts), an "
+    "ISO 8601 time, or TOPIC:PARTITION:OFFSET[,...].",
+)
+@click.pass_context
+@handles_errors
+def backfill(ctx: click.Context, name: str, start: str, end: str) -> None:
+    """Read a range of a sink connector's topics again into its sink, while it runs (a request:
+    Dagster's backfills sensor launches the run backfill__NAME)."""
+    from conveyor.control.backfills import Backfills
+    from conveyor.control.operations import InvalidRequestError
+
+    try:
+        r = Backfills.of(_ops(ctx)).request(name, start, end)
+    except InvalidRequestError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(
+        f"backfill {r['id']} of {name} requested: {r['start']} .. {r['end']}; the "
+        f"conveyor_backfill_requests sensor launches backfill__{name}. Follow it with "
+        f"`conveyor backfills {name} {r['id']}` or GET /connectors/{name}/backfills/{r['id']}"
+    )
+
+
+@main.command("backfills")
+@click.argument("name")
+@click.argument("backfill_id", required=False, type=int)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@handles_errors
+def backfills(
+    ctx: click.Context, name: str, backfill_id: int | None, limit: int, as_json: bool
+) -> None:
+    """A connector's backfill requests, newest first (or the one BACKFILL_ID): state, run,
+    counts."""
+    from conveyor.control.backfills import Backfills
+
+    b = Backfills.of(_ops(ctx))
+    rows = [b.get(name, backfill_id)] if backfill_id is not None else b.list(name, limit)
+    if as_json:
+        click.echo(json.dumps(rows[0] if backfill_id is not None else rows, indent=2))
+        return
+    table = _table(
+        f"backfills of {name}",
+        (
+            "id",
+            "requested",
+            "by",
+            "range",
+            "state",
+            "run",
+            "read",
+            "delivered",
+            "failed",
+            "message",
+        ),
+    )
+    for r in rows:
+        table.add_row(
+            str(r["id"]),
+            _ago(r["requested_at"]),
+            r["requested_by"],
+            f"{r['start']} .. {r['end']}",
+            r["state"],
+            (r["run_id"] or "-")[:8],
+            str(r["read"]),
+            str(r["delivered"]),
+            str(r["failed"]),
+            (r["message"] or "")[:120],
+        )
+    console.print(table)
+
+

@@ -20,6 +20,7 @@ from conveyor.dagster.jobs.maintenance import is_lakehouse, maintenance_job
 from conveyor.dagster.jobs.replay import replay_job
 from conveyor.dagster.jobs.source_connector import source_connector_job
 from conveyor.dagster.resources.conveyor import conveyor_resource
+from conveyor.dagster.sensors.backfills import backfill_requests_sensor
 from conveyor.dagster.sensors.dead_letters import dead_letter_replay_sensor
 from conveyor.dagster.sensors.run_status import conveyor_run_failures
 from conveyor.dagster.sensors.scheduler import SpecSources, scheduler_sensor
@@ -42,6 +43,7 @@ def conveyor_defs(specs: Sequence[LoadedSpec], sources: SpecSources) -> Definiti
             scheduler_sensor(connector_jobs, specs, sources),
             conveyor_run_failures,
             dead_letter_replay_sensor(replay_jobs),
+            backfill_requests_sensor(backfill_jobs),
         ],
         resources={"conveyor": conveyor_resource()},
         asset_checks=lag_checks(specs),

@@ -12,6 +12,7 @@ TAG_TASK = "conveyor/task"
 TAG_TASK_GENERATION = "conveyor/task_generation"
 TAG_REPLAY = "conveyor/replay"
 TAG_BACKFILL = "conveyor/backfill"
+TAG_BACKFILL_REQUEST = "conveyor/backfill_request"  # the id of the request a backfill run serves
 TAG_KIND = "conveyor/kind"
 
 # A run in one of these statuses holds (or will hold) its connector or task.

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 metadata = sa.MetaData()
 
@@ -134,7 +134,33 @@ def _v1_broker_gone(c: sa.Connection) -> None:
     c.exec_driver_sql("ALTER TABLE conveyor_brokers ADD COLUMN gone_at FLOAT")
 
 
-MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {1: _v1_broker_gone}
+# Backfill requests (`conveyor backfill`, POST /connectors/{name}/backfills): written by the CLI
+# and the API, launched by the backfills sensor, their end reported by the backfill job.
+backfills = sa.Table(
+    "conveyor_backfills",
+    metadata,
+    sa.Column("id", sa.Integer, sa.Identity(), primary_key=True),
+    sa.Column("connector", sa.String(64), nullable=False, index=True),
+    sa.Column("range_start", sa.Text, nullable=False),  # as given (backfill run config)
+    sa.Column("range_end", sa.Text, nullable=False),
+    sa.Column("requested_at", sa.Float, nullable=False),
+    sa.Column("requested_by", sa.String(255), nullable=False),
+    # requested -> launched -> running -> succeeded | failed
+    sa.Column("state", sa.String(16), nullable=False, index=True),
+    sa.Column("run_id", sa.String(64), nullable=True),
+    sa.Column("read", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("delivered", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("failed", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("message", sa.Text, nullable=True),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+
+def _v2_backfills(c: sa.Connection) -> None:
+    backfills.create(c, checkfirst=True)
+
+
+MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {1: _v1_broker_gone, 2: _v2_backfills}
 
 # A source connector's position (an id, an LSN, a sequence number), written in the same
 # transaction as the generation check; ``version`` is the source's state format.
