@@ -779,8 +779,6 @@ def metrics_serve(ctx: click.Context, host: str, port: int) -> None:
         server.server_close()
 
 
-if __name__ == "__main__":
-    main()
 # -- backfills -------------------------------------------------------------------------
 
 
@@ -868,3 +866,5 @@ def backfills(
     console.print(table)
 
 
+if __name__ == "__main__":
+    main()

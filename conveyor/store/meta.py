@@ -1442,6 +1442,40 @@ def parse_backfill_range(start: str, end: str) -> tuple[Position, Position]:
             raise ConfigError(f"before the start on {', '.join(behind[:5])}", field="end")
     return lo, hi
 
+
+def _with_driver(url: str) -> str:
+    """postgresql:// means psycopg2 (our dependency); SQLAlchemy 2.1 would pick psycopg 3."""
+    u = sa.make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg2")
+    return u.render_as_string(hide_password=False)
+
+
+def _file_gone(source: str) -> bool:
+    """``source`` names a spec file (an absolute path) that no longer exists."""
+    return os.path.isabs(source) and not os.path.exists(source)
+
+
+def _fmt_offsets(offsets: Offsets) -> str:
+    return ", ".join(f"{tp}={off}" for tp, off in sorted(offsets.items()))
+
+
+@contextmanager
+def transient_errors(what: str) -> Iterator[None]:
+    """Turn the meta store's transient failures into TransientStoreError (retried by the run).
+
+    Transient: SQLite "database is locked"/"busy", a PostgreSQL connection dropped, refused
+    or timed out (a failover, a restart), a statement or lock timeout.
+    """
+    try:
+        yield
+    except sa.exc.DBAPIError as e:
+        if is_transient(e):
+            raise TransientStoreError(f"meta store: {what} failed: {e.orig}") from e
+        raise
+
+
+def is_transient(e: sa.exc.DBAPIError) -> bool:
     if e.connection_invalidated or isinstance(e, (sa.exc.InterfaceError,)):
         return True
     text = str(e.orig).lower()
