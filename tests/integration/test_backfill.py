@@ -2,22 +2,35 @@
 the connector's transform into its sink, under the backfill's own consumer group; exactly the
 range arrives again (an append-only PostgreSQL table shows those rows twice and no other), the
 connector's own offsets in the meta store are untouched, and a range is given as offsets or as
-earliest/latest; the job loads in the code location with its run config."""
+earliest/latest; the job loads in the code location with its run config. A range in time is
+found by reading the records' timestamps (tansu's ListOffsets by time answers offset 0 for
+any time), and a run serving a request reports its state and counts to it."""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import time
 import uuid
 from typing import Any
 
 import psycopg2
 import pytest
 import yaml
+from dagster import DagsterInstance
 
 from conveyor.config.specs import load_source, resolved
 from conveyor.core.model import TopicPartition
-from conveyor.dagster.jobs.backfill import backfill_range, backfill_writer, parse_position
+from conveyor.dagster.jobs.backfill import (
+    backfill_job,
+    backfill_range,
+    backfill_writer,
+    parse_position,
+)
+from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.spark.session import spark_session
-from tests.e2e.conftest import produce
+from conveyor.store.meta import MetaStore
+from tests.e2e.conftest import SETTLE_S, produce
 
 pytestmark = pytest.mark.integration
 
@@ -84,3 +97,82 @@ def test_a_range_is_given_as_offsets_or_ends():
     hi = {TopicPartition("o", 0): 9}
     assert backfill_writer("c", lo, hi) == backfill_writer("c", dict(lo), dict(hi))
     assert backfill_writer("c", lo, hi) != backfill_writer("c", lo, {TopicPartition("o", 0): 10})
+
+
+def iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat()
+
+
+def produce_stamped(bootstrap: str, topic: str, events: list[tuple[int, float]]) -> None:
+    """``(id, time)`` messages, record timestamp = time, ids alternating two partitions."""
+    from kafka import KafkaProducer
+
+    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=10)
+    sent = [
+        p.send(
+            topic,
+            value=json.dumps({"id": i, "name": f"n{i}", "amount": 1.0}).encode(),
+            partition=i % 2,
+            timestamp_ms=int(t * 1000),
+        )
+        for i, t in events
+    ]
+    p.flush()
+    for future in sent:
+        future.get(timeout=SETTLE_S)
+    p.close()
+
+
+def test_a_time_range_is_found_by_reading_and_its_request_gets_the_counts(
+    tansu, spark_remote, pg_url, pg_schema, tmp_path
+):
+    """Ids 0..199 stamped a second apart (an hour ago), then ids 200..219 in batches of their
+    own; the range [50 s, 150 s) is ids 50..149, written once into an exactly-once table; the
+    same range again (its own writer) writes nothing more."""
+    name = f"bft_{uuid.uuid4().hex[:6]}"
+    topic = f"t_{name}"
+    produce(tansu, topic, 0)  # the topic, two partitions
+    base = float(int(time.time()) // 60 * 60 - 3600)
+    produce_stamped(tansu, topic, [(i, base + i) for i in range(200)])
+    for k in range(2):  # later batches: each partition's end ("latest") lies past the range
+        produce_stamped(tansu, topic, [(i, base + i) for i in range(200 + 10 * k, 210 + 10 * k)])
+    s = spec(name, topic, tansu, pg_url, pg_schema)
+    s["sink"]["delivery"] = "exactly_once"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(s))
+    loaded = load_source(name, str(path))
+    assert loaded.ok, loaded.error
+    store = MetaStore(f"sqlite:///{tmp_path / 'meta.db'}")
+    store.sync_spec(name, spec_json=json.dumps(s), spec_hash="h", source=str(path), error=None)
+    resources = {
+        "conveyor": ConveyorResource(
+            meta_url=store.url, kafka_bootstrap=tansu, spark_remote=spark_remote
+        )
+    }
+    start, end = iso(base + 50), iso(base + 150)
+    for attempt in range(2):
+        req = store.request_backfill(name, start, end, requested_by="test")
+        with DagsterInstance.ephemeral() as instance:
+            result = backfill_job(loaded).execute_in_process(
+                run_config={
+                    "ops": {
+                        f"backfill_range__{name}": {
+                            "config": {"start": start, "end": end, "request_id": req.id}
+                        }
+                    }
+                },
+                resources=resources,
+                instance=instance,
+            )
+        assert result.success
+        got = store.backfill(req.id)
+        want = 100 if attempt == 0 else 0  # the second: every row of the range is in already
+        assert (got.state, got.run_id, got.read, got.delivered, got.failed) == (
+            "succeeded",
+            result.run_id,
+            want,
+            want,
+            0,
+        ), got
+        assert ids(pg_url, pg_schema, name) == list(range(50, 150))
+    assert store.committed_offsets(name) == {}  # the connector's own offsets: untouched
