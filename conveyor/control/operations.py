@@ -500,20 +500,20 @@ class Operations:
         row = self.row(name)
         offsets, forget = parse_kip875(body, topics=_topics(row))
         self._require_stopped(row)
+        reason = f"offsets altered from {self.actor}"
         with _found(name):
-            self.store.reset_offsets(
-                name, offsets, forget=forget, reason=f"offsets altered from {self.actor}"
-            )
+            self._move_target_offsets(row, offsets, forget=forget, reason=reason)
+            self.store.reset_offsets(name, offsets, forget=forget, reason=reason)
         return {"message": OFFSETS_ALTERED}
 
     def reset_offsets(self, name: str) -> dict[str, str]:
         """DELETE: forget every offset; the connector starts over from ``source.start_from``."""
         row = self.row(name)
         self._require_stopped(row)
+        reason = f"offsets reset from {self.actor}"
         with _found(name):
-            self.store.reset_offsets(
-                name, {}, replace=True, reason=f"offsets reset from {self.actor}"
-            )
+            self._move_target_offsets(row, {}, replace=True, reason=reason)
+            self.store.reset_offsets(name, {}, replace=True, reason=reason)
         return {"message": OFFSETS_RESET}
 
     def reset_offsets_to(
@@ -542,8 +542,10 @@ class Operations:
                     raise InvalidRequestError(f"{item!r} is not TOPIC:PARTITION:OFFSET") from None
         else:
             new = self._offsets_from_kafka(row, to or to_datetime, from_group)
+        reason = f"offsets reset from {self.actor}"
         with _found(name):
-            self.store.reset_offsets(name, new, reason=f"offsets reset from {self.actor}")
+            self._move_target_offsets(row, new, reason=reason)
+            self.store.reset_offsets(name, new, reason=reason)
         return new
 
     def _offsets_from_kafka(
@@ -579,15 +581,48 @@ class Operations:
                 f"connector {row.name!r} is {row.status.value} (desired {row.desired.value}); "
                 "offsets can be changed only when it is stopped: stop it first"
             )
+
+    def _move_target_offsets(
+        self,
+        row: ConnectorRow,
+        offsets: dict[TopicPartition, int],
+        *,
+        forget: list[TopicPartition] | None = None,
+        replace: bool = False,
+        reason: str,
+    ) -> None:
+        """A connector whose target keeps its offsets (exactly once; they win over the meta
+        store's on start): the change made in the target first, fenced (``fence_writers``
+        raises every writer's generation; the target refuses an older run from then on),
+        then by the caller in the meta store, its mirror. A crash between the two leaves the
+        target's value, which wins on start. ConflictError when the sink cannot move them or
+        a run started meanwhile; nothing is changed in the meta store then."""
         loaded = load_source(row.name, row.spec_source)
-        if loaded.ok and loaded.sink is not None and loaded.sink.offsets_in_target():
-            # The target's offsets win on start: a change made only here would be undone.
-            raise ConflictError(
-                f"connector {row.name!r} keeps its offsets in its target (sink {loaded.sink.type}, "
-                "exactly once), which win over the meta store's on start: changing them here is "
-                "not supported yet; move the target's own offsets (docs/OPERATIONS.md, 'Exactly "
-                "once and offsets')"
+        if not (loaded.ok and loaded.sink is not None and loaded.sink.offsets_in_target()):
+            return
+        from conveyor.core.errors import FencedError, PermanentSinkError
+        from conveyor.core.sink import OffsetsInTarget
+        from conveyor.sinks import build_sink
+
+        live = resolved(loaded)  # holds secrets: used to connect, never shown
+        assert live.sink is not None
+        sink = build_sink(live.sink)
+        if not isinstance(sink, OffsetsInTarget):
+            raise ConflictError(f"connector {row.name!r}: sink {sink.describe()} keeps no offsets")
+        generations = self.store.fence_writers(row.name, reason=reason)
+        try:
+            sink.move_target_offsets(
+                row.name, generations, offsets, forget=forget or [], replace=replace
             )
+        except FencedError as e:
+            raise ConflictError(f"connector {row.name!r}: {e}") from None
+        except PermanentSinkError as e:
+            raise ConflictError(
+                f"connector {row.name!r} keeps its offsets in its target (sink "
+                f"{loaded.sink.type}, exactly once), which win over the meta store's on start, "
+                f"and they could not be moved there: {e} (docs/OPERATIONS.md, 'Exactly once "
+                "and offsets')"
+            ) from None
 
     # -- dead letters ---------------------------------------------------------------------------
 

@@ -56,14 +56,14 @@ from a client exception to what the loop does.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import pyarrow as pa
 
 from conveyor.core.errors import BatchRejected, PermanentSinkError, SinkError, TransientSinkError
-from conveyor.core.model import Offsets
+from conveyor.core.model import Offsets, TopicPartition
 
 
 class ErrorKind(str, enum.Enum):
@@ -112,12 +112,52 @@ class SinkProtocol(Protocol):
 @runtime_checkable
 class OffsetsInTarget(Protocol):
     """A sink whose target keeps the offsets with the data, in its own commit (exactly once:
-    the lakehouse tables). The run binds it to its connector and generation before the loop
-    starts (a commit of an older generation is refused by the target), and the offsets the
-    target holds win over the meta store's on start: the meta store keeps a mirror."""
+    the SQL sinks' offsets table, Kafka's transactions, Redis' MULTI/EXEC, the lakehouse
+    tables). The run binds it to its writer and generation before the loop starts (a commit
+    of an older generation is refused by the target), and the offsets the target holds win
+    over the meta store's on start: the meta store keeps a mirror.
+
+    A writer is the connector, or one of its partition tasks (``task_writer``); a backfill's
+    writers (``<connector>.backfill-<digest>``) are not the connector's and never moved.
+
+    ``move_target_offsets`` is an operator's offsets change (the connector stopped), made in
+    the target before the meta store (a crash between leaves the target's value, which wins
+    on start). In one target transaction where the target has one: for every writer of
+    ``connector`` (those in ``generations`` and those the target holds, a removed task's
+    included) the fence is raised to its generation in ``generations`` (the greatest for a
+    writer not named there), so a run of an older generation cannot commit afterwards;
+    partitions in ``offsets`` are set to that next offset (backwards too) where a writer
+    holds them, in the connector's own writer where none does; partitions in ``forget``
+    (every one, with ``replace``) are dropped, so the meta store's value or
+    ``source.start_from`` applies. ``FencedError`` when a writer's target already holds a
+    newer generation (a run started meanwhile): nothing moved. A sink that cannot move them
+    raises ``PermanentSinkError`` saying why, before touching the target."""
 
     def bind(self, connector: str, generation: int) -> None: ...
     def target_offsets(self) -> Offsets | None: ...
+    def move_target_offsets(
+        self,
+        connector: str,
+        generations: Mapping[str, int],
+        offsets: Offsets,
+        *,
+        forget: Collection[TopicPartition] = (),
+        replace: bool = False,
+    ) -> None: ...
+
+
+def task_writer(connector: str, task_id: int) -> str:
+    """The writer name a partition task's target commits carry (its own generations)."""
+    return f"{connector}.task{task_id}"
+
+
+def is_writer_of(connector: str, writer: str) -> bool:
+    """Whether ``writer`` is ``connector``'s own writer or one of its partition tasks' (a
+    backfill's writer is not)."""
+    if writer == connector:
+        return True
+    head, _, tid = writer.rpartition(".task")
+    return head == connector and tid.isdigit()
 
 
 def sink_error(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
     Offsets,
+    TopicPartition,
 )
 from conveyor.core.sink import ErrorKind, sink_error
 from conveyor.sinks import templates
@@ -287,6 +288,34 @@ class KafkaSink(Sink):
         timeout = self.config.request_timeout_ms / 1000
         self._txn = Transactions(conf, connector, generation, timeout)
         self._producer = self._connect()
+
+    def move_target_offsets(
+        self,
+        connector: str,
+        generations: Mapping[str, int],
+        offsets: Offsets,
+        *,
+        forget: Collection[TopicPartition] = (),
+        replace: bool = False,
+    ) -> None:
+        """An operator's offsets change in the writers' groups, through their transactional
+        ids (``kafka_transactions.move_offsets``)."""
+        from conveyor.sinks import kafka_confluent as rd
+        from conveyor.sinks.kafka_transactions import move_offsets
+
+        try:
+            conf = rd.producer_config(self.config)
+        except ConfigError as e:
+            raise PermanentSinkError(str(e)) from None
+        move_offsets(
+            conf,
+            generations,
+            connector,
+            offsets,
+            forget=forget,
+            replace=replace,
+            timeout_s=self.config.request_timeout_ms / 1000,
+        )
 
     def target_offsets(self) -> Offsets | None:
         """The source offsets the target's group held when this run's producer started."""

@@ -13,11 +13,20 @@ generation recorded is the zombie and stops (``FencedError``; a broker that keep
 metadata, as tansu, leaves that to the meta store's fencing). The source and target topics must be on one cluster (the offsets of
 the source's partitions are committed in the target's group coordinator), as in Kafka Streams.
 Consumers of the target see each record once with ``isolation.level=read_committed``.
+
+An operator's offsets change (``move_offsets``) goes through each writer's transactional id in
+turn: ``init_transactions`` fences that id's older producers (a zombie's open transaction is
+aborted and its commit refused), then one transaction sends the new offsets with the new
+generation (backwards too: a group's offsets are overwritten). To forget a partition the
+writer's group is deleted and the offsets it keeps are committed again (OffsetDelete is not in
+every broker); a crash between the two leaves the group without them, and the meta store's
+values apply.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from conveyor.core.errors import BatchRejected, FencedError, TransientSinkError
@@ -28,6 +37,56 @@ log = logging.getLogger("conveyor.sinks.kafka")
 
 def transactional_id(writer: str) -> str:
     return f"conveyor-{writer}"
+
+
+def move_offsets(
+    conf: dict[str, Any],
+    generations: Mapping[str, int],
+    connector: str,
+    offsets: Offsets,
+    *,
+    forget: Collection[TopicPartition] = (),
+    replace: bool = False,
+    timeout_s: float = 30.0,
+) -> None:
+    """``OffsetsInTarget.move_target_offsets`` on the writers' groups (the writers named in
+    ``generations``): every writer's older producers fenced first, then one transaction per
+    writer (a transactional id is one writer's). A partition to forget: the group is deleted
+    (Kafka's OffsetDelete is not in every broker, tansu's included) and what it keeps is
+    committed again, through a producer initialised anew."""
+    fenced: dict[str, tuple[Transactions, Any, Offsets]] = {}
+    try:
+        for writer, generation in sorted(generations.items()):
+            txn = Transactions(conf, writer, generation, timeout_s)
+            fenced[writer] = (txn, txn.fence(), {})
+            held, newest = txn.read_offsets()
+            if newest > generation:
+                raise FencedError(
+                    f"{txn.group}: generation {newest} has committed, newer than {generation}: "
+                    "a run started meanwhile; nothing moved"
+                )
+            fenced[writer] = (txn, fenced[writer][1], held)
+        anyone = {tp for _, _, held in fenced.values() for tp in held}
+        for writer, (txn, producer, held) in fenced.items():
+            mine = {
+                tp: off
+                for tp, off in offsets.items()
+                if tp in held or (writer == connector and tp not in anyone)
+            }
+            gone = set(held) if replace else {tp for tp in forget if tp in held}
+            if gone:
+                txn.delete_group()
+                mine = {**{tp: o for tp, o in held.items() if tp not in gone}, **mine}
+                producer.flush(0)
+                producer = txn.fence()
+                fenced[writer] = (txn, producer, held)
+            if mine:
+                txn.begin(producer)
+                txn.commit(producer, mine)
+    finally:
+        for txn, producer, _ in fenced.values():
+            txn.close()
+            producer.flush(0)
 
 
 class Transactions:
@@ -84,6 +143,29 @@ class Transactions:
                 held[TopicPartition(tp.topic, tp.partition)] = tp.offset
                 newest = max(newest, _generation_of(tp.metadata))
         return held, newest
+
+    def fence(self) -> Any:
+        """A producer of this writer's transactional id, initialised: every older producer of
+        the id is fenced (its open transaction aborted, its next commit refused)."""
+        from confluent_kafka import Producer
+
+        producer = Producer({**self.conf, **self.producer_conf()})
+        try:
+            producer.init_transactions(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped
+            producer.flush(0)
+            raise self.error(e, "initialising the transactional producer") from None
+        return producer
+
+    def delete_group(self) -> None:
+        """Delete the writer's group, its offsets with it (an operator's forget)."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({k: v for k, v in self.conf.items() if k in _ADMIN_KEYS})
+        try:
+            admin.delete_consumer_groups([self.group])[self.group].result(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped
+            raise self.error(e, f"deleting group {self.group!r}") from None
 
     def begin(self, client: Any) -> None:
         try:

@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Annotated, Any
@@ -306,6 +306,27 @@ class LakehouseSink(Sink):
         """The offsets of the table's latest commit of this connector; None when it has none."""
         mark = self._latest_mark()
         return dict(mark.offsets) if mark is not None else None
+
+    def move_target_offsets(
+        self,
+        connector: str,
+        generations: Mapping[str, int],
+        offsets: Offsets,
+        *,
+        forget: Collection[TopicPartition] = (),
+        replace: bool = False,
+    ) -> None:
+        """Refused: the offsets live in the table's commit history (the latest ``CommitMark``),
+        and moving them would take a commit of no rows carrying a new mark, which these sinks
+        do not write."""
+        from conveyor.core.errors import PermanentSinkError
+
+        raise PermanentSinkError(
+            f"{self.describe()}: the offsets are in the table's own commits (each commit's "
+            "conveyor.offsets); an offsets change would need a table commit without rows, which "
+            "this sink does not make. Write a new table, or reset with the connector's "
+            "offsets: give the connector another name"
+        )
 
     def send_batch(self, batch: pa.Table) -> SendResult:
         failed, rows = writable_rows(batch, self.fail_fast)

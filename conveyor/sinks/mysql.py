@@ -674,6 +674,11 @@ class MySQLSink(LedgerSink, Sink):
             self.cleanup_sink()
             raise self._error(e, f"claiming the offsets table {self._ledger.sql.table}") from None
 
+    def _ledger_error(self, e: Exception, what: str) -> Exception | None:
+        import pymysql
+
+        return self._error(e, what) if isinstance(e, (pymysql.err.MySQLError, OSError)) else None
+
     # -- config -----------------------------------------------------------------------------
 
     def validate(self) -> None:

@@ -191,20 +191,34 @@ class PostgresSink(LedgerSink, Sink):
         finally:
             conn.close()
 
+    def _create_ledger(self, cur: Any) -> None:
+        """The offsets table, and its schema with ``create_table``, if missing."""
+        from psycopg2 import sql
+
+        if self.config.create_table:
+            cur.execute(
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                    sql.Identifier(self.config.schema_)
+                )
+            )
+        self._ledger.create(cur)
+
+    def _ledger_error(self, e: Exception, what: str) -> Exception | None:
+        import psycopg2
+
+        if isinstance(e, psycopg2.OperationalError):
+            return TransientSinkError(f"PostgreSQL: {what}: {e}")
+        if isinstance(e, psycopg2.Error):
+            return PermanentSinkError(f"PostgreSQL: {what}: {e.pgerror or e}")
+        return None
+
     def _claim(self) -> None:
         """The offsets table (created if missing) and this generation's claim, committed."""
         import psycopg2
-        from psycopg2 import sql
 
         try:
             with self._conn.cursor() as cur:
-                if self.config.create_table:
-                    cur.execute(
-                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                            sql.Identifier(self.config.schema_)
-                        )
-                    )
-                self._ledger.create(cur)
+                self._create_ledger(cur)
                 self._ledger.claim(cur)
             self._conn.commit()
         except FencedError:

@@ -30,7 +30,7 @@ import json
 import logging
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -54,6 +54,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
     Offsets,
+    TopicPartition,
 )
 from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
@@ -1021,6 +1022,28 @@ class RedisSink(Sink):
             raise self._error(e, "reading the offsets failed") from None
         rt.check_generation(self._writer, recorded, self._generation)
         return held
+
+    def move_target_offsets(
+        self,
+        connector: str,
+        generations: Mapping[str, int],
+        offsets: Offsets,
+        *,
+        forget: Collection[TopicPartition] = (),
+        replace: bool = False,
+    ) -> None:
+        """An operator's offsets change in the writers' hashes (``redis_transactions.move_offsets``)."""
+        from redis import exceptions as rx
+
+        from conveyor.sinks import redis_transactions as rt
+
+        client = self._connect()
+        try:
+            rt.move_offsets(client, connector, generations, offsets, forget=forget, replace=replace)
+        except (rx.RedisError, OSError) as e:
+            raise self._error(e, "moving the offsets failed") from None
+        finally:
+            client.close()
 
     def _send_exactly_once(self, batch: pa.Table) -> dict[int, RowFailure]:
         """The rows the hash's offsets do not cover, their commands and the offsets they end

@@ -11,15 +11,20 @@ a greater generation recorded is a zombie: ``FencedError``. So ``XADD``, ``LPUSH
 templates apply once per message. A command refused while queued aborts the whole transaction
 (``EXECABORT``): the batch is bisected to find it (``BatchRejected``); a command that fails when
 it runs (``WRONGTYPE``) fails its row only, as MULTI/EXEC does not roll back.
+
+An operator's offsets change (``move_offsets``) rewrites every writer's hash of the connector in
+one ``MULTI``/``EXEC`` watching them all, each ``__generation`` raised to the writer's new one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from conveyor.core.errors import BatchRejected, FencedError, TransientSinkError
 from conveyor.core.model import Offsets, TopicPartition
+from conveyor.core.sink import is_writer_of
 
 GENERATION_FIELD = "__generation"
 
@@ -83,3 +88,61 @@ def run_transaction(
     if replies and isinstance(replies[0], rx.ExecAbortError):
         raise BatchRejected(f"Redis refused a command of the batch: {replies[0]}")
     return list(replies[: len(commands)])
+
+
+def writer_keys(client: Any, connector: str, generations: Mapping[str, int]) -> dict[str, str]:
+    """Every writer of ``connector`` (those named and those with a hash) -> its hash's key."""
+    prefix = offsets_key(connector)
+    found = client.scan_iter(match=re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*", count=1000)
+    keys = {k.decode() if isinstance(k, bytes) else str(k) for k in found}
+    writers = {k[len(offsets_key("")) :] for k in keys}
+    writers = {w for w in writers if is_writer_of(connector, w)} | set(generations) | {connector}
+    return {w: offsets_key(w) for w in sorted(writers)}
+
+
+def move_offsets(
+    client: Any,
+    connector: str,
+    generations: Mapping[str, int],
+    offsets: Offsets,
+    *,
+    forget: Collection[TopicPartition] = (),
+    replace: bool = False,
+) -> None:
+    """``OffsetsInTarget.move_target_offsets`` on the hashes: one MULTI/EXEC watching every
+    writer's hash (a batch committed meanwhile: ``TransientSinkError``, nothing moved)."""
+    from redis import exceptions as rx
+
+    keys = writer_keys(client, connector, generations)
+    top = max(generations.values())
+    with client.pipeline(transaction=True) as pipe:
+        pipe.watch(*keys.values())
+        held: dict[str, Offsets] = {}
+        for writer, key in keys.items():
+            held[writer], recorded = parse_offsets(pipe.hgetall(key))
+            if recorded > generations.get(writer, top):
+                raise FencedError(
+                    f"{key} holds generation {recorded}, newer than "
+                    f"{generations.get(writer, top)}: a run started meanwhile; nothing moved"
+                )
+        pipe.multi()
+        for writer, key in keys.items():
+            gone = list(held[writer]) if replace else [tp for tp in forget if tp in held[writer]]
+            if gone:
+                pipe.hdel(key, *[f"{tp.topic}/{tp.partition}" for tp in gone])
+            mine = {
+                tp: off
+                for tp, off in offsets.items()
+                if tp in held[writer] or (writer == connector and not _held_by_any(held, tp))
+            }
+            pipe.hset(key, mapping=offsets_fields(mine, generations.get(writer, top)))
+        try:
+            pipe.execute()
+        except rx.WatchError:
+            raise TransientSinkError(
+                f"{connector}: a writer committed while its offsets were being moved; try again"
+            ) from None
+
+
+def _held_by_any(held: Mapping[str, Offsets], tp: TopicPartition) -> bool:
+    return any(tp in known for known in held.values())

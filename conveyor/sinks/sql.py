@@ -12,7 +12,7 @@ in the target and raise in each batch's transaction (docs/sinks/postgres.md).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -32,7 +32,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
-from conveyor.core.sink import RowFailure
+from conveyor.core.sink import RowFailure, is_writer_of
 from conveyor.sinks.base import UrlSinkConfig, payload_columns
 
 #: ``columns`` sources besides payload columns: message metadata, and the payload as JSON.
@@ -444,6 +444,10 @@ class OffsetsStatements:
     lock: str  # (writer,): the writer's rows, locked until the transaction ends
     read: str  # (writer,): the writer's rows
     advance: str  # (writer, topic, partition, next_offset, generation)
+    writers: str  # (): every writer the table holds
+    put: str  # (writer, topic, partition, next_offset, generation): set, backwards too
+    drop: str  # (writer, topic, partition): one partition's row
+    clear: str  # (writer,): every partition row (the claim row stays)
 
 
 def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> OffsetsStatements:
@@ -466,6 +470,10 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
             f"UPDATE SET next_offset = GREATEST({table}.next_offset, EXCLUDED.next_offset), "
             "generation = EXCLUDED.generation"
         )
+        put = (
+            on_key
+            + "UPDATE SET next_offset = EXCLUDED.next_offset, generation = EXCLUDED.generation"
+        )
         engine = ""
     else:
         text = "VARCHAR(255) NOT NULL"
@@ -473,6 +481,10 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
         ensure = " ON DUPLICATE KEY UPDATE writer = writer"
         advance = (
             " ON DUPLICATE KEY UPDATE next_offset = GREATEST(next_offset, VALUES(next_offset)), "
+            "generation = VALUES(generation)"
+        )
+        put = (
+            " ON DUPLICATE KEY UPDATE next_offset = VALUES(next_offset), "
             "generation = VALUES(generation)"
         )
         engine = " ENGINE=InnoDB"
@@ -485,6 +497,10 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
         lock=select + " FOR UPDATE",
         read=select,
         advance=insert + advance,
+        writers=f"SELECT DISTINCT writer FROM {table}",
+        put=insert + put,
+        drop=f"DELETE FROM {table} WHERE writer = %s AND topic = %s AND {q} = %s",
+        clear=f"DELETE FROM {table} WHERE writer = %s AND {q} <> {CLAIM_PARTITION}",
     )
 
 
@@ -536,6 +552,50 @@ class OffsetsLedger:
         cur.execute(self.sql.claim, (self.writer, self.generation))
         cur.execute(self.sql.lock, (self.writer,))
         self._fence(cur.fetchall())
+
+    def move(
+        self,
+        cur: Any,
+        connector: str,
+        generations: Mapping[str, int],
+        offsets: Offsets,
+        *,
+        forget: Collection[TopicPartition] = (),
+        replace: bool = False,
+    ) -> None:
+        """An operator's offsets change for every writer of ``connector``, in the caller's
+        open transaction (``OffsetsInTarget.move_target_offsets``): each writer's claim raised
+        to its generation and its rows locked (``FencedError`` when a newer one is there),
+        then the partitions dropped and set. The caller commits."""
+        cur.execute(self.sql.writers)
+        held = {str(w) for (w,) in cur.fetchall() if is_writer_of(connector, str(w))}
+        top = max(generations.values())
+        rows: dict[str, Offsets] = {}
+        for writer in sorted(held | set(generations) | {connector}):
+            generation = generations.get(writer, top)
+            cur.execute(self.sql.claim, (writer, generation))
+            cur.execute(self.sql.lock, (writer,))
+            found = cur.fetchall()
+            newest = max((int(r[3]) for r in found), default=0)
+            if newest > generation:
+                raise FencedError(
+                    f"writer {writer!r}: the offsets table {self.sql.table} holds generation "
+                    f"{newest}, newer than {generation}: a run started meanwhile; nothing moved"
+                )
+            rows[writer] = _offsets_of(found)
+        for writer, known in rows.items():
+            if replace:
+                cur.execute(self.sql.clear, (writer,))
+            for tp in forget if not replace else ():
+                if tp in known:
+                    cur.execute(self.sql.drop, (writer, tp.topic, tp.partition))
+        puts = [
+            (writer, tp.topic, tp.partition, off, generations.get(writer, top))
+            for tp, off in sorted(offsets.items())
+            for writer in _holders(rows, tp, connector)
+        ]
+        if puts:
+            cur.executemany(self.sql.put, puts)
 
     def read(self, cur: Any) -> Offsets | None:
         """The writer's offsets; None when it has none."""
@@ -638,6 +698,11 @@ def _coords(table: pa.Table, i: int) -> tuple[str, int, int]:
     )
 
 
+def _holders(rows: Mapping[str, Offsets], tp: TopicPartition, connector: str) -> list[str]:
+    """The writers holding ``tp``; the connector's own when none does."""
+    return sorted(w for w, known in rows.items() if tp in known) or [connector]
+
+
 def _offsets_of(rows: Sequence[Sequence[Any]]) -> Offsets:
     """The offsets in rows of (topic, partition, next_offset, generation), the claim row left out."""
     return {
@@ -653,6 +718,10 @@ class LedgerSink:
 
     config: Any
     _ledger: OffsetsLedger
+    # Each sink's: a new connection (not autocommitting), and the sink error for a client
+    # exception while doing ``what`` (None: not the client's).
+    _connect: Callable[[], Any]
+    _ledger_error: Callable[[Exception, str], Exception | None]
 
     def _exactly_once(self) -> bool:
         """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
@@ -662,3 +731,37 @@ class LedgerSink:
     def bind(self, connector: str, generation: int) -> None:
         """The writer and generation this sink commits offsets for (before ``init_sink``)."""
         self._ledger.bind(connector, generation)
+
+    def move_target_offsets(
+        self,
+        connector: str,
+        generations: Mapping[str, int],
+        offsets: Offsets,
+        *,
+        forget: Collection[TopicPartition] = (),
+        replace: bool = False,
+    ) -> None:
+        """An operator's offsets change in the offsets table, in one transaction of its own
+        (``OffsetsLedger.move``; the table created if missing)."""
+        conn = self._connect()
+        try:
+            with conn.cursor() as cur:
+                self._create_ledger(cur)
+                self._ledger.move(
+                    cur, connector, generations, offsets, forget=forget, replace=replace
+                )
+            conn.commit()
+        except FencedError:
+            conn.rollback()
+            raise
+        except Exception as e:
+            mapped = self._ledger_error(e, f"moving the offsets in {self._ledger.sql.table}")
+            if mapped is None:
+                raise
+            raise mapped from None
+        finally:
+            conn.close()
+
+    def _create_ledger(self, cur: Any) -> None:
+        """The offsets table (and what holds it), if missing."""
+        self._ledger.create(cur)

@@ -37,6 +37,7 @@ from conveyor.core.model import (
     parse_start_timestamp,
 )
 from conveyor.core.scrubbing import scrub
+from conveyor.core.sink import task_writer
 from conveyor.core.state import StateChange
 from conveyor.store import schema as t
 
@@ -98,6 +99,14 @@ def drop_tasks(c: sa.Connection, connector: str) -> None:
     """Forget a connector's partition tasks: owners, tasks and group."""
     for table in (t.task_partitions, t.tasks, t.task_groups):
         c.execute(table.delete().where(table.c.connector == connector))
+
+
+def task_writers(c: sa.Connection, connector: str) -> dict[str, int]:
+    """Each partition task's writer name (``core.sink.task_writer``) -> its generation."""
+    rows = c.execute(
+        sa.select(t.tasks.c.task_id, t.tasks.c.generation).where(t.tasks.c.connector == connector)
+    )
+    return {task_writer(connector, int(tid)): int(g) for tid, g in rows}
 
 
 def default_meta_url() -> str:
@@ -922,6 +931,31 @@ class MetaStore:
                 None,
                 generation,
             )
+
+    # -- offsets a sink's target keeps (exactly once; issue 37) ----------------------------
+
+    def fence_writers(self, name: str, *, reason: str) -> dict[str, int]:
+        """Before an offsets change moves the offsets a connector's target keeps: the
+        connector's generation and every partition task's bumped (``_fence``; stopped only),
+        and each writer's new generation, by the name its target commits carry (the
+        connector's own, ``<connector>.task<N>``). The target's fence is raised to these; every
+        later run of a writer gets a generation at least as high (runs claim above the
+        connector's, tasks restart above theirs), and no older run holds one."""
+        with self._tx() as c:
+            row = self._lock_operator(c, name)
+            _require_editable(row, "offsets")
+            generation = self._fence(c, row)
+            writers = {name: generation, **task_writers(c, name)}
+            self._history(
+                c,
+                name,
+                row.status,
+                row.status,
+                f"{reason}: generation {row.generation} fenced for the change in the target",
+                None,
+                generation,
+            )
+        return writers
 
     def _upsert_offsets(
         self, c: sa.Connection, name: str, generation: int, offsets: Offsets, now: float
