@@ -199,8 +199,11 @@ def test_a_backfill_of_a_time_range_re_delivers_exactly_that_range_while_the_con
         wait_for(
             lambda: sum(counts(pg_url, pg_schema).values()) >= FIRST, 300, "the live connector"
         )
-        live = store.get(name)
-        assert live.status.value == "Running" and live.run_id, live
+        live = wait_for(
+            lambda: (r := store.get(name)).status.value == "Running" and r.run_id and r,
+            SETTLE_S,
+            "the live connector to show Running",
+        )
         producer.start()  # the stream goes on while the backfill runs
         try:
             with served(home) as api:
