@@ -141,6 +141,13 @@ def main(ctx: click.Context, meta_url: str | None, connectors_dir: Path | None) 
     help="Run the broker executor's Spark Connect server in front of a Spark standalone "
     "cluster (a master and this many workers, 1 core each) instead of local[*].",
 )
+@click.option(
+    "--defs",
+    multiple=True,
+    metavar="MODULE|FILE.py",
+    help="Your own Dagster definitions, loaded as a code location beside Conveyor's (a module "
+    "importable from the current directory, or a .py file); repeat for several.",
+)
 @handles_errors
 def dev(
     home: Path | None,
@@ -151,6 +158,7 @@ def dev(
     rate: float,
     no_demo: bool,
     spark_workers: int,
+    defs: tuple[str, ...],
 ) -> None:
     """Start the embedded broker, Spark Connect, a demo, the REST API and `dagster dev`."""
     from conveyor.control.devserver import run_dev
@@ -166,6 +174,7 @@ def dev(
             demo=not no_demo,
             api_port=api_port,
             spark_workers=spark_workers,
+            defs=defs,
         )
     )
 

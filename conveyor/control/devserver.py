@@ -2,7 +2,9 @@
 
 Starts the embedded tansu broker (in memory), a local Spark Connect server (the
 default broker executor), the demo producer and connector specs, then
-``dagster dev`` with the SQLite meta store under ``.conveyor/``.
+``dagster dev`` with the SQLite meta store under ``.conveyor/``, over a workspace of
+Conveyor's code location, the demo's downstream asset (``conveyor.demo.downstream``) and
+the user's own definitions (``--defs``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 import click
+import yaml
 
 from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
 from conveyor.core.errors import ConveyorError
@@ -66,6 +69,32 @@ def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
     return DAGSTER_YAML.format(limits=limits)
 
 
+CONVEYOR_LOCATION = "conveyor.dagster.definitions"
+DEMO_LOCATION = "conveyor.demo.downstream"
+
+
+def workspace_yaml(defs: tuple[str, ...], *, demo: bool, cwd: Path) -> str:
+    """The ``dagster dev -w`` workspace: Conveyor's code location, the demo's downstream
+    location (with the demo), and each of ``defs``: a ``.py`` file, else a module importable
+    from ``cwd``. Each location is named after its module or file."""
+    entries: list[dict[str, object]] = [{"python_module": {"module_name": CONVEYOR_LOCATION}}]
+    if demo:
+        entries.append({"python_module": {"module_name": DEMO_LOCATION}})
+    for d in defs:
+        if d.endswith(".py"):
+            path = (cwd / d).resolve()
+            if not path.is_file():
+                raise ConveyorError(f"--defs {d}: no such file {path}")
+            entries.append({"python_file": {"relative_path": str(path)}})
+        else:
+            entries.append(
+                {"python_module": {"module_name": d, "working_directory": str(cwd.resolve())}}
+            )
+    return "# Written by `conveyor dev` at each start.\n" + yaml.safe_dump(
+        {"load_from": entries}, sort_keys=False
+    )
+
+
 def _say(msg: str) -> None:
     click.secho(f"conveyor dev: {msg}", fg="cyan", err=True)
 
@@ -90,10 +119,13 @@ def run_dev(
     demo: bool,
     api_port: int = 8083,
     spark_workers: int = 0,
+    defs: tuple[str, ...] = (),
 ) -> int:
     """Start every service in order (broker, Spark, demo producer, API, Dagster), wait for
     ``dagster dev`` to end, and stop them all in reverse order on exit or Ctrl-C."""
     connectors, dagster_home = _prepare_home(home)
+    workspace = home / "workspace.yaml"
+    workspace.write_text(workspace_yaml(defs, demo=demo, cwd=Path.cwd()))
     services = _DevServices()
     _install_signal_handlers()
     try:
@@ -105,9 +137,11 @@ def run_dev(
         (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
         if demo:
             _install_demo(connectors)
+            # The demo's minutes begin when it starts (conveyor/demo/downstream.py).
+            env["CONVEYOR_DEMO_START"] = str(int(time.time() // 60 * 60))
             services.children.append(_start_demo_producer(home, bootstrap, producer_rate, env))
         services.children.append(_start_api(home, api_port, dagster_url, env))
-        proc = _start_dagster(dagster_port, connectors, env)
+        proc = _start_dagster(dagster_port, connectors, workspace, env)
         services.children.append(proc)
         return proc.wait()
     except KeyboardInterrupt:
@@ -285,15 +319,15 @@ def _start_api(
 
 
 def _start_dagster(
-    dagster_port: int, connectors: Path, env: dict[str, str]
+    dagster_port: int, connectors: Path, workspace: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
-    """``dagster dev`` (webserver, daemon, code server) on ``dagster_port``."""
+    """``dagster dev`` (webserver, daemon, code servers) on ``dagster_port``, over ``workspace``."""
     dagster = shutil.which("dagster") or str(Path(sys.executable).parent / "dagster")
     cmd = [
         dagster,
         "dev",
-        "-m",
-        "conveyor.dagster.definitions",
+        "-w",
+        str(workspace),
         "-p",
         str(dagster_port),
         "-h",

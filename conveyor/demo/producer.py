@@ -47,13 +47,17 @@ def main() -> None:
             "customer": rng.choice(["ada", "grace", "linus", "margaret", "barbara"]),
             "amount": round(rng.uniform(-5, 200), 2),
             "status": rng.choice(["new", "paid", "shipped"]),
-            "created_at": datetime.now(timezone.utc).isoformat(),
         }
+        # The record timestamp is the order's created_at (milliseconds, the same minute):
+        # the demo connector's watermark reads it.
+        now_ms = int(time.time() * 1000)
+        order["created_at"] = datetime.fromtimestamp(now_ms / 1000, timezone.utc).isoformat()
         producer.send(
             args.topic,
             key=str(i).encode(),
             value=json.dumps(order).encode(),
             headers=[("source", b"demo")],
+            timestamp_ms=now_ms,
         )
         i += 1
         if interval:

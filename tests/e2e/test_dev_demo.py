@@ -2,16 +2,19 @@
 
 It starts the embedded tansu broker, its own Spark Connect server (on a free port), the
 demo producer and ``dagster dev``; the ``conveyor_scheduler`` sensor launches the demo
-connector by itself; orders land in JSONL files; the UI shows the demo's lineage and its plotted
-metadata (headless Chromium; screenshots go to docs/img with
-CONVEYOR_UPDATE_SCREENSHOTS=1); Ctrl-C (SIGINT) stops every process it started,
-connector run and Spark server included.
+connector by itself; orders land in JSONL files; the demo's downstream asset
+``orders_per_minute`` (a second code location) runs each minute once the connector's watermark
+has passed it, counting every order of that minute; the UI shows the demo's lineage with the
+downstream asset materialized, and the sink's watermark and plotted metadata (headless Chromium;
+screenshots go to docs/img with CONVEYOR_UPDATE_SCREENSHOTS=1); Ctrl-C (SIGINT) stops every
+process it started, connector run and Spark server included.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,24 @@ from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_toolti
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 DEMO = "demo_orders"
+SINK_KEY = ["localfile", "orders"]
+# Minutes of orders_per_minute the test waits for: the first (the minute the demo started in,
+# partly produced) and two whole ones.
+MINUTES = 3
+# From `conveyor dev` to three minutes run: the services start (a minute or two on a loaded
+# machine), three minutes pass, then a progress report (at most a minute apart), a sensor tick
+# and a run each.
+DOWNSTREAM_S = 900.0
+USER_DEFS = """\
+import dagster as dg
+
+
+@dg.asset
+def my_report() -> None: ...
+
+
+defs = dg.Definitions(assets=[my_report])
+"""
 
 
 class Dev:
@@ -53,6 +75,19 @@ class Dev:
     def log(self) -> str:
         return (self.cwd / "conveyor-dev.log").read_text(errors="replace")[-4000:]
 
+    def instance(self) -> Any:
+        from dagster import DagsterInstance
+
+        return DagsterInstance.from_config(str(self.home / "dagster"))
+
+    def downstream_runs(self) -> list[dict[str, Any]]:
+        """What each orders_per_minute run counted (conveyor/demo/downstream.py), in run order."""
+        path = self.home / "out" / "orders_per_minute" / "counts.jsonl"
+        if not path.exists():
+            return []
+        text = path.read_text()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
     def lines(self) -> int:
         out = self.home / "out" / "orders"
         return (
@@ -71,10 +106,13 @@ def dev() -> Iterator[Dev]:
     }
     exe = str(Path(sys.executable).parent / "conveyor")
     log = open(cwd / "conveyor-dev.log", "wb")  # noqa: SIM115
+    # A user's own definitions, loaded beside Conveyor's with --defs.
+    (cwd / "my_defs.py").write_text(USER_DEFS)
     # The README's second command, on free ports, from a fresh directory.
     proc = subprocess.Popen(
         [exe, "dev", "--kafka-port", str(ports["kafka"]), "--port", str(ports["ui"])]
-        + ["--spark-port", str(ports["spark"]), "--api-port", str(ports["api"]), "--rate", "200"],
+        + ["--spark-port", str(ports["spark"]), "--api-port", str(ports["api"]), "--rate", "200"]
+        + ["--defs", "my_defs.py"],
         cwd=cwd,
         env=env,
         stdout=log,
@@ -142,57 +180,254 @@ def test_the_scheduler_runs_the_demo_connector_and_orders_reach_the_files(dev: D
         for n in graphql(dev, "{ assetNodes { assetKey { path } } }")["data"]["assetNodes"]
     }
     assert {"kafka/orders", f"dead_letters/{DEMO}"} <= keys
+    # Beside it, the demo's downstream location and the user's own (--defs my_defs.py).
+    assert {"orders_per_minute", "my_report"} <= keys, keys
     assert any(k.startswith("localfile/") for k in keys), keys
 
 
+def minute_of(ts: str | float) -> str:
+    """The orders_per_minute partition key of an ISO time or Unix seconds."""
+    t = datetime.fromisoformat(ts) if isinstance(ts, str) else datetime.fromtimestamp(ts)
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%d-%H:%M")
+
+
+def minute_end(key: str) -> float:
+    start = datetime.strptime(key, "%Y-%m-%d-%H:%M").replace(tzinfo=timezone.utc)
+    return start.timestamp() + 60
+
+
+def orders_in_files(out: Path) -> dict[str, int]:
+    """The orders in the sink's JSONL files, per minute of created_at (complete lines only)."""
+    counts: dict[str, int] = {}
+    for f in out.glob("*.jsonl"):
+        text = f.read_text()
+        for line in text[: text.rfind("\n") + 1].splitlines():
+            m = minute_of(json.loads(line)["created_at"])
+            counts[m] = counts.get(m, 0) + 1
+    return counts
+
+
+def orders_in_topic(bootstrap: str) -> dict[str, int]:
+    """The orders the demo connector delivers (amount > 0, its filter), per minute of
+    created_at, read from the source topic up to its end; each record's timestamp (what the
+    watermark reads) is in the same minute as its created_at."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        parts = [TopicPartition("orders", p) for p in consumer.partitions_for_topic("orders")]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        end = consumer.end_offsets(parts)
+        counts: dict[str, int] = {}
+
+        def read_to_end() -> bool:
+            for records in consumer.poll(1000).values():
+                for r in records:
+                    order = json.loads(r.value)
+                    m = minute_of(order["created_at"])
+                    assert minute_of(r.timestamp / 1000) == m, (r.timestamp, order)
+                    if order["amount"] > 0:
+                        counts[m] = counts.get(m, 0) + 1
+            return all(consumer.position(tp) >= end[tp] for tp in parts)
+
+        wait_for(read_to_end, SETTLE_S, "the topic 'orders' read to its end")
+        return counts
+    finally:
+        consumer.close()
+
+
+def sink_watermarks(dev: Dev) -> list[tuple[float, float]]:
+    """(when, watermark) of each sink materialization that carried a watermark, oldest first."""
+    from dagster import AssetKey
+
+    with dev.instance() as instance:
+        records = instance.fetch_materializations(AssetKey(SINK_KEY), limit=1000).records
+    out = []
+    for r in records:
+        wm = r.asset_materialization.metadata.get("watermark_ts")
+        if wm is not None:
+            out.append((r.timestamp, float(wm.value)))
+    return sorted(out)
+
+
+@pytest.mark.timeout(DOWNSTREAM_S + 300)
+def test_orders_per_minute_runs_each_minute_once_after_the_watermark_passes_it(dev: Dev) -> None:
+    # Nobody launches anything: landed_through requests each minute as the watermark passes it.
+    runs = wait_for(
+        lambda: (r := dev.downstream_runs()) and len({x["minute"] for x in r}) >= MINUTES and r,
+        DOWNSTREAM_S,
+        f"{MINUTES} minutes of orders_per_minute\n{dev.log()}",
+    )
+    minutes = [r["minute"] for r in runs]
+    # Each minute once, in order, with no gap, and none still going on.
+    assert len(minutes) == len(set(minutes)), minutes
+    assert minutes == sorted(minutes), minutes
+    ends = [minute_end(m) for m in minutes]
+    assert all(b - a == 60 for a, b in zip(ends, ends[1:], strict=False)), minutes
+    assert ends[-1] <= time.time()
+    assert {r["reason"] for r in runs} == {"watermark"}, runs
+    # Each run counted every order of its minute: what the files hold now (a run before the
+    # minute had landed would have counted fewer) and what the producer sent (the source).
+    in_files = orders_in_files(dev.home / "out" / "orders")
+    in_topic = orders_in_topic(f"127.0.0.1:{dev.ports['kafka']}")
+    for r in runs:
+        assert r["orders"] > 0, r
+        assert r["orders"] == in_files.get(r["minute"]) == in_topic.get(r["minute"]), (
+            r,
+            in_files.get(r["minute"]),
+            in_topic.get(r["minute"]),
+        )
+    # Each run came after a report of the sink whose watermark had passed its minute's end.
+    marks = sink_watermarks(dev)
+    with dev.instance() as instance:
+        for r, end in zip(runs, ends, strict=True):
+            created = instance.get_run_record_by_id(r["run_id"]).create_timestamp.timestamp()
+            passed = [at for at, wm in marks if wm >= end]
+            assert passed and passed[0] <= created, (r, end, marks)
+        # Dagster has one materialization per minute, with the count as metadata.
+        from dagster import AssetKey
+
+        done = instance.fetch_materializations(AssetKey("orders_per_minute"), limit=1000).records
+    by_minute = {}
+    for rec in done:
+        by_minute.setdefault(rec.partition_key, []).append(
+            rec.asset_materialization.metadata["orders"].value
+        )
+    for r in runs:
+        assert by_minute.get(r["minute"]) == [r["orders"]], (r, by_minute)
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ISO_Z = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
+
+
+def show_the_connector_group(browser: Chromium, base: str, sink_key: list[str]) -> None:
+    """The demo connector's group: topic -> files -> dead letters, with their kinds."""
+    # Each location of the workspace `conveyor dev` writes is named after its module.
+    browser.goto(
+        f"{base}/locations/__repository__@conveyor.dagster.definitions/asset-groups/connector_{DEMO}"
+    )
+    browser.wait_js(has_tooltips("orders", sink_key[-1], DEMO), SETTLE_S, "the demo's asset nodes")
+    browser.wait_js("!document.body.innerText.includes('Loading')", SETTLE_S, "node details")
+    text = browser.js("document.body.innerText")
+    for kind in ("Kafka", "File", "Parquet"):
+        assert kind in text, kind
+
+
+def show_orders_per_minute(dev: Dev, browser: Chromium, base: str, tmp_path: Path) -> None:
+    """orders_per_minute's page: its latest materialization is a minute it ran, with the
+    count that run made; its lineage (the README's graph): topic -> files -> orders_per_minute."""
+    browser.goto(f"{base}/assets/orders_per_minute")
+    latest = re.compile(r"Latest materialization\n[^\n]*\n(\d{4}-\d\d-\d\d-\d\d:\d\d)\n")
+    counted = re.compile(r"\norders\n\s*[^\n]+\n\s*(\d+)\n")
+
+    def page() -> str | None:
+        text = browser.js("document.body ? document.body.innerText : ''")
+        return text if latest.search(text) and counted.search(text) else None
+
+    text = wait_for(page, SETTLE_S, "orders_per_minute's latest materialization")
+    shown, n = latest.search(text), counted.search(text)
+    assert shown and n
+    run = {r["minute"]: r for r in dev.downstream_runs()}[shown[1]]
+    assert int(n[1]) == run["orders"], (run, text)
+    assert "demo_orders_per_minute" in text  # the sensor that runs it
+
+    browser.goto(
+        f"{base}/assets/orders_per_minute?view=lineage&lineageScope=upstream&lineageDepth=2"
+    )
+    browser.wait_js(
+        has_tooltips("orders_per_minute", "orders"), SETTLE_S, "orders_per_minute's lineage"
+    )
+    browser.wait_js(
+        "!!document.body && document.body.innerText.includes('Materialized') && "
+        "document.body.innerText.includes('filled') && "
+        "!document.body.innerText.includes('Loading')",
+        SETTLE_S,
+        "the nodes' materializations",
+    )
+    text = browser.js("document.body.innerText")
+    for label in ("connector_demo_orders", "demo_downstream", "Kafka", "File", "Python"):
+        assert label in text, label
+    time.sleep(1)  # layout animation
+    graph = img_dir(tmp_path) / "demo-asset-graph.png"
+    browser.screenshot(graph)
+    assert graph.read_bytes()[:8] == PNG
+
+
+def show_the_watermark(browser: Chromium, base: str, sink_key: list[str], tmp_path: Path) -> None:
+    """The sink's page: the watermark entries in its metadata, and lag_seconds among its plots."""
+    browser.goto(f"{base}/assets/{'/'.join(sink_key)}")
+    browser.wait_js(
+        "!!document.body && document.body.innerText.includes('watermark_by_partition')",
+        SETTLE_S,
+        "the watermark",
+    )
+    text = browser.js("document.body.innerText")
+    for key in ("watermark", "watermark_ts", "lag_seconds"):
+        assert f"\n{key}\n" in text, key
+    watermark = text[text.index("\nwatermark\n") :][:80]
+    assert ISO_Z.search(watermark), watermark
+    row = (
+        "Array.from(document.querySelectorAll('td')).find(td => td.innerText.trim() === "
+        "'watermark_by_partition').parentElement"
+    )
+    browser.js(f"{row}.scrollIntoView({{block: 'center'}})")
+    time.sleep(1)
+    table = img_dir(tmp_path) / "demo-watermark.png"
+    browser.screenshot(table)
+    assert table.read_bytes()[:8] == PNG
+    plots = "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Plots')"
+    browser.wait_js(f"!!{plots}", SETTLE_S, "the metadata Plots toggle")
+    browser.js(f"{plots}.scrollIntoView({{block: 'start'}}); {plots}.click()")
+    browser.wait_js(
+        f"document.querySelectorAll('canvas').length >= {len(PLOTTED) + 1}", SETTLE_S, "the plots"
+    )
+    # Each plot's title is the nearest text above its canvas: the metadata key.
+    titles = browser.js(
+        "Array.from(document.querySelectorAll('canvas')).map(c => {"
+        " let e = c; while (e && !e.innerText.trim()) e = e.parentElement;"
+        " return e ? e.innerText.trim().split('\\n')[0] : null; })"
+    )
+    for key in [*PLOTTED, "lag_seconds"]:
+        assert key in titles, (key, titles)
+    # Two plots a row, sorted by key: the row holding `lag` first, `lag_seconds` below it.
+    first = titles.index("lag") // 2 * 2 if "lag" in titles else titles.index("lag_seconds")
+    browser.js(
+        f"document.querySelectorAll('canvas')[{first}].parentElement.parentElement"
+        ".parentElement.scrollIntoView({block: 'start'})"
+    )
+    time.sleep(1.5)  # chart animations
+    shot = img_dir(tmp_path) / "demo-asset-plots.png"
+    browser.screenshot(shot)
+    assert shot.read_bytes()[:8] == PNG
+
+
+@pytest.mark.timeout(DOWNSTREAM_S + 300)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
-def test_the_ui_shows_the_demo_lineage_and_its_plots(dev: Dev, tmp_path: Path) -> None:
-    # Two materializations to plot: the run's first progress event and its final one
-    # (a stop from the CLI); then the demo is started again for the Ctrl-C test.
+def test_the_ui_shows_the_downstream_asset_and_the_watermark(dev: Dev, tmp_path: Path) -> None:
+    # A stop and a start from the CLI: the run's final progress event, then a new run (the
+    # Ctrl-C test below stops it).
     wait_for(lambda: dev.store.get(DEMO).counters.get("messages_out", 0) > 0, SETTLE_S, "progress")
     assert dev.cli("connector", "stop", DEMO).returncode == 0
     wait_for(
         lambda: dev.store.get(DEMO).status == ConnectorStatus.STOPPED, SETTLE_S, "demo stopped"
     )
     assert dev.cli("connector", "start", DEMO).returncode == 0
+    wait_for(lambda: dev.downstream_runs(), DOWNSTREAM_S, "a run of orders_per_minute")
     sink_key = next(
         n["assetKey"]["path"]
         for n in graphql(dev, "{ assetNodes { assetKey { path } } }")["data"]["assetNodes"]
         if n["assetKey"]["path"][0] == "localfile"
     )
+    assert sink_key == SINK_KEY
     assert graphql(dev, "mutation { setNuxSeen }")["data"]["setNuxSeen"] is True
     base = f"http://127.0.0.1:{dev.ports['ui']}"
     browser = Chromium(CHROMIUM, Path(tempfile.mkdtemp(prefix="chromium-", dir=tmp_path)))
     try:
-        # `dagster dev -m conveyor.dagster.definitions` names the code location after the module.
-        browser.goto(
-            f"{base}/locations/__repository__@conveyor.dagster.definitions/asset-groups/connector_{DEMO}"
-        )
-        browser.wait_js(
-            has_tooltips("orders", sink_key[-1], DEMO), SETTLE_S, "the demo's asset nodes"
-        )
-        browser.wait_js(
-            "!document.body.innerText.includes('Loading')", SETTLE_S, "node details loaded"
-        )
-        time.sleep(1)  # layout animation
-        graph = img_dir(tmp_path) / "demo-asset-graph.png"
-        browser.screenshot(graph)
-        assert graph.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        text = browser.js("document.body.innerText")
-        for kind in ("Kafka", "File", "Parquet"):
-            assert kind in text, kind
-
-        browser.goto(f"{base}/assets/{'/'.join(sink_key)}")
-        plots = "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Plots')"
-        browser.wait_js(f"!!{plots}", SETTLE_S, "the metadata Plots toggle")
-        browser.js(f"{plots}.scrollIntoView({{block: 'start'}}); {plots}.click()")
-        browser.wait_js(
-            f"document.querySelectorAll('canvas').length >= {len(PLOTTED)}", SETTLE_S, "the plots"
-        )
-        time.sleep(1.5)  # chart animations
-        shot = img_dir(tmp_path) / "demo-asset-plots.png"
-        browser.screenshot(shot)
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        show_the_connector_group(browser, base, sink_key)
+        show_orders_per_minute(dev, browser, base, tmp_path)
+        show_the_watermark(browser, base, sink_key, tmp_path)
     finally:
         browser.close()
     wait_for(
