@@ -75,6 +75,7 @@ from conveyor.sinks.sql import (
     concat_text,
     evolution,
     json_values,
+    ledger_denied,
     offsets_statements,
     text_offsets,
     text_scalar,
@@ -159,7 +160,7 @@ class MySQLSinkConfig(SqlSinkConfig):
         description="CA bundle (PEM): connect with TLS and verify the server against it.",
     )
     charset: str = Field(default="utf8mb4", description="Connection character set.")
-    delivery: Delivery = "at_least_once"
+    delivery: Delivery
     offsets_table: OffsetsTableName = "conveyor_offsets"
 
     def database_name(self) -> str | None:
@@ -613,6 +614,10 @@ _INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer"
 _NUMERIC_TYPES = _INTEGER_TYPES | {"decimal", "numeric", "float", "double", "real"}
 
 
+#: Access denied: a command on a table (1142), a database (1044).
+_DENIED = (1142, 1044)
+
+
 class MySQLSink(LedgerSink, Sink):
     """Writes each batch in one transaction; bad rows are isolated by savepoint bisection."""
 
@@ -672,11 +677,15 @@ class MySQLSink(LedgerSink, Sink):
         except (pymysql.err.MySQLError, OSError) as e:
             self._rollback()
             self.cleanup_sink()
+            if error_code(e) in _DENIED:
+                raise ledger_denied(self._ledger.sql.table, error_text(e)) from None
             raise self._error(e, f"claiming the offsets table {self._ledger.sql.table}") from None
 
     def _ledger_error(self, e: Exception, what: str) -> Exception | None:
         import pymysql
 
+        if error_code(e) in _DENIED:
+            return ledger_denied(self._ledger.sql.table, error_text(e))
         return self._error(e, what) if isinstance(e, (pymysql.err.MySQLError, OSError)) else None
 
     # -- config -----------------------------------------------------------------------------
@@ -797,7 +806,8 @@ class MySQLSink(LedgerSink, Sink):
                 self.cleanup_sink()
                 raise PermanentSinkError(
                     f"table {quote_identifier(c.table)} is not transactional: delivery exactly_once "
-                    "needs a transactional engine (InnoDB)"
+                    "(the default with create_table: true) needs a transactional engine (InnoDB); "
+                    "convert the table, or set delivery: at_least_once"
                 )
             self._claim()
 

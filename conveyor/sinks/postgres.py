@@ -58,6 +58,7 @@ from conveyor.sinks.sql import (
     concat_text,
     evolution,
     json_values,
+    ledger_denied,
     offsets_statements,
     text_offsets,
     text_scalar,
@@ -109,7 +110,7 @@ class PostgresSinkConfig(SqlSinkConfig):
     statement_timeout_ms: int = Field(
         default=60_000, ge=0, description="Statement timeout (0 = none)."
     )
-    delivery: Delivery = "at_least_once"
+    delivery: Delivery
     offsets_table: OffsetsTableName = "conveyor_offsets"
 
     def key_namespace(self) -> str:
@@ -138,6 +139,9 @@ _PERMANENT_CONNECT_ERRORS = (
     "invalid dsn",
     "invalid connection option",
 )
+
+
+_INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def _is_row_error(e: Exception) -> bool:
@@ -208,6 +212,8 @@ class PostgresSink(LedgerSink, Sink):
 
         if isinstance(e, psycopg2.OperationalError):
             return TransientSinkError(f"PostgreSQL: {what}: {e}")
+        if getattr(e, "pgcode", None) == _INSUFFICIENT_PRIVILEGE:
+            return ledger_denied(self._ledger.sql.table, e.pgerror or str(e))
         if isinstance(e, psycopg2.Error):
             return PermanentSinkError(f"PostgreSQL: {what}: {e.pgerror or e}")
         return None
@@ -231,6 +237,8 @@ class PostgresSink(LedgerSink, Sink):
             raise TransientSinkError(f"PostgreSQL: claiming the offsets table: {e}") from None
         except psycopg2.Error as e:
             self._rollback()
+            if getattr(e, "pgcode", None) == _INSUFFICIENT_PRIVILEGE:
+                raise ledger_denied(self._ledger.sql.table, e.pgerror or str(e)) from None
             raise PermanentSinkError(
                 f"offsets table {self._ledger.sql.table} (delivery exactly_once): {e.pgerror or e}"
             ) from None

@@ -125,14 +125,25 @@ AutoEvolve = Annotated[
 ]
 
 DeliveryMode = Literal["at_least_once", "exactly_once"]
+
+
+def default_delivery(data: dict[str, Any]) -> DeliveryMode:
+    """``delivery``'s default: exactly once where Conveyor may create tables in the target
+    (``create_table``: the offsets table is one more), at least once where it may not."""
+    return "exactly_once" if data.get("create_table") is True else "at_least_once"
+
+
 Delivery = Annotated[
     DeliveryMode,
     Field(
+        default_factory=default_delivery,
         description="at_least_once: the offsets go to the meta store after the target commits (a crash "
         "between the two writes the batch again; upsert_keys make that harmless). exactly_once: each batch's "
         "rows and its end offsets are committed in one transaction of the target, into offsets_table "
         "(created if missing, so the user needs CREATE on the schema); rows the table's offsets already "
-        "cover are dropped, and a run of an older generation is refused (docs/sinks/postgres.md).",
+        "cover are dropped, and a run of an older generation is refused (docs/sinks/postgres.md). "
+        "Default: exactly_once when create_table is true (Conveyor may create tables in the target), "
+        "at_least_once when it is false.",
     ),
 ]
 OffsetsTableName = Annotated[
@@ -151,7 +162,8 @@ class SqlSinkConfig(UrlSinkConfig):
 
     A subclass declares ``table``, ``columns``, ``upsert_keys``, ``create_table``,
     ``auto_evolve``, ``delete_enabled``, ``connect_timeout_s``, ``delivery`` and ``offsets_table``
-    (the shared ones through the aliases above), and says where its table lives (``key_namespace``)."""
+    (the shared ones through the aliases above; ``delivery`` after ``create_table``, its default
+    depends on it), and says where its table lives (``key_namespace``)."""
 
     if TYPE_CHECKING:  # declared by each subclass, in its own field order
         table: str
@@ -501,6 +513,15 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
         put=insert + put,
         drop=f"DELETE FROM {table} WHERE writer = %s AND topic = %s AND {q} = %s",
         clear=f"DELETE FROM {table} WHERE writer = %s AND {q} <> {CLAIM_PARTITION}",
+    )
+
+
+def ledger_denied(table: str, detail: str) -> PermanentSinkError:
+    """The error when the target user may not create (or write) the offsets table: both fixes."""
+    return PermanentSinkError(
+        f"delivery exactly_once (the default with create_table: true) keeps the offsets in the "
+        f"table {table}, which this user may not create or write: {detail}. Grant the user CREATE "
+        "(and INSERT, UPDATE, SELECT) where the target table is, or set delivery: at_least_once"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from conveyor.core.errors import ConfigError, FencedError, TransientSinkError
+from conveyor.core.errors import ConfigError, FencedError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import TopicPartition
 from conveyor.core.sink import ErrorKind, send_isolating
 from conveyor.sinks import build_sink
@@ -392,3 +392,66 @@ def test_a_failed_row_written_on_a_later_try_is_covered_from_then_on(db: Any) ->
         assert db.offsets("orders_eo") == {("orders", 0): (10, 1)}
     finally:
         sink.cleanup_sink()
+
+
+def test_delivery_defaults_to_exactly_once_where_conveyor_may_create_tables(db: Any) -> None:
+    """The default follows create_table (issue 37): exactly once where Conveyor may create
+    tables in the target, at least once where it may not; an explicit delivery wins."""
+    base = {k: v for k, v in db.config("t").items() if k != "delivery"}
+    assert build_sink(base).config.delivery == "at_least_once"
+    assert build_sink({**base, "create_table": False}).config.delivery == "at_least_once"
+    assert build_sink({**base, "create_table": True}).config.delivery == "exactly_once"
+    explicit = {**base, "create_table": True, "delivery": "at_least_once"}
+    assert build_sink(explicit).config.delivery == "at_least_once"
+    assert not build_sink(explicit).config.offsets_in_target()
+    assert build_sink({**base, "create_table": True}).config.offsets_in_target()
+
+
+@pytest.fixture
+def unprivileged(db: Any) -> Iterator[tuple[dict[str, Any], str]]:
+    """A target table and a user who may write it but not create tables: the sink config
+    (create_table true, delivery left to its default) and the table."""
+    user = f"eo_user_{uuid.uuid4().hex[:8]}"
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    if db.name == "postgres":
+        db.run(f'CREATE ROLE "{user}" LOGIN')
+        db.run(f'GRANT USAGE ON SCHEMA "{db.schema}" TO "{user}"')
+        db.run(f'GRANT SELECT, INSERT ON {db.table(table)} TO "{user}"')
+        url = PG_URL.replace("postgres@", f"{user}@", 1)
+        drop = [f'DROP OWNED BY "{user}"', f'DROP ROLE "{user}"']
+    else:
+        db.run(f"CREATE USER '{user}'@'%'")
+        db.run(f"CREATE USER '{user}'@'localhost'")
+        for host in ("%", "localhost"):
+            db.run(f"GRANT SELECT, INSERT ON test.`{table}` TO '{user}'@'{host}'")
+        url = MYSQL_URL.replace("root@", f"{user}@", 1)
+        drop = [f"DROP USER '{user}'@'%'", f"DROP USER '{user}'@'localhost'"]
+    config = {k: v for k, v in db.config(table).items() if k != "delivery"}
+    try:
+        yield {**config, "url": url, "create_table": True}, table
+    finally:
+        for sql in drop:
+            db.run(sql)
+
+
+def test_an_offsets_table_the_user_may_not_create_names_both_fixes(
+    db: Any, unprivileged: tuple[dict[str, Any], str]
+) -> None:
+    config, table = unprivileged
+    sink = build_sink(config)
+    assert sink.config.delivery == "exactly_once"
+    sink.bind("orders_eo", 1)
+    with pytest.raises(PermanentSinkError) as e:
+        sink.init_sink()
+    sink.cleanup_sink()
+    assert "may not create" in str(e.value) and "Grant the user CREATE" in str(e.value)
+    assert "delivery: at_least_once" in str(e.value)
+    # The second fix works: at least once needs no offsets table.
+    sink = build_sink({**config, "delivery": "at_least_once"})
+    sink.init_sink()
+    try:
+        assert sink.send_batch(make_batch(5)).failed == ()
+    finally:
+        sink.cleanup_sink()
+    assert count(db, table) == (5, 5)
