@@ -1,15 +1,23 @@
-"""Issue 37's chaos test for PostgreSQL, MariaDB and Redis under a real Dagster instance: a connector
-with default settings but ``delivery: exactly_once`` into an append-only target (a table without
-upsert keys; a Redis stream every message is XADDed to) is killed with
+"""Issue 37's chaos test for PostgreSQL, MariaDB, Redis and Kafka under a real Dagster instance: a
+connector with default settings but ``delivery: exactly_once`` into an append-only target (a table
+without upsert keys; a Redis stream every message is XADDed to; a Kafka topic on the source's
+broker, read with read_committed's rule) is killed with
 -9 at random points, at least 20 times (seeded), some of them while the test holds the meta
 store (the harness's SQLite file) in an EXCLUSIVE transaction, so that the target commits a
 batch whose offsets the meta store cannot record; each time the run is relaunched. At the end
 the table holds every message once: count = distinct = produced, and the offsets table's
-offsets add up to what was produced."""
+offsets add up to what was produced.
+
+Kafka: the output topic is read from its raw record batches with read_committed's rule applied
+here (tests/kafka_read_committed.py), since tansu's own read_committed Fetch hands out aborted
+records too; at the end no transaction is left without its marker. The broker is not restarted
+mid-transaction: tansu keeps its log in memory only (this build has no other storage engine), so
+a restart loses the source and the output topics alike."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import sqlite3
@@ -24,6 +32,7 @@ import pytest
 from tests.conftest import PG_URL
 from tests.e2e.conftest import FINISHED, SETTLE_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_lakehouse_e2e import kill_run
+from tests.kafka_read_committed import Committed, read_topic
 from tests.sinks.test_mysql import MYSQL_URL
 from tests.sinks.test_sql_exactly_once import mysql_connect
 
@@ -159,12 +168,61 @@ class Redis:
             self.r.delete(key)
 
 
-TARGETS = {"postgres": Postgres, "mysql": MariaDB, "redis": Redis}
+class KafkaTopic:
+    """An output topic on the embedded broker (the source's cluster, as exactly_once needs),
+    read with read_committed's rule applied to its raw record batches: tansu's own
+    read_committed Fetch also hands out aborted records (tests/kafka_read_committed.py)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        self.bootstrap = bootstrap
+        self.topic = f"chaos_out_{uuid.uuid4().hex[:10]}"
+        self.admin = AdminClient({"bootstrap.servers": bootstrap})
+        self.admin.create_topics([NewTopic(self.topic, PARTITIONS, 1)])[self.topic].result(30)
+
+    def sink(self) -> dict[str, Any]:
+        # delivery_timeout_ms: with the default (120 s) librdkafka refuses the transactional
+        # producer ("message.timeout.ms must be set <= transaction.timeout.ms", 60 s by
+        # default); drop it once the sink sets transaction.timeout.ms to match.
+        return {
+            "type": "kafka",
+            "bootstrap_servers": self.bootstrap,
+            "topic": self.topic,
+            "delivery_timeout_ms": 60_000,
+        }
+
+    def read(self) -> Committed:
+        return read_topic(self.bootstrap, self.topic, PARTITIONS)
+
+    def counts(self) -> tuple[int, int]:
+        ids = [json.loads(v or b"null")["id"] for v in self.read().values()]
+        return len(ids), len(set(ids))
+
+    def ids(self) -> set[int]:
+        return {int(json.loads(v or b"null")["id"]) for v in self.read().values()}
+
+    def offsets(self, writer: str) -> int:
+        from confluent_kafka import ConsumerGroupTopicPartitions
+
+        from conveyor.sinks.kafka_transactions import transactional_id
+
+        group = transactional_id(writer)
+        asked = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])
+        found = asked[group].result(30)
+        return sum(tp.offset for tp in found.topic_partitions if tp.offset >= 0)
+
+    def drop(self) -> None:
+        self.admin.delete_topics([self.topic])[self.topic].result(30)
+
+
+TARGETS = {"postgres": Postgres, "mysql": MariaDB, "redis": Redis, "kafka": KafkaTopic}
 
 
 @pytest.fixture(params=list(TARGETS))
 def target(request: pytest.FixtureRequest) -> Iterator[Any]:
-    made = TARGETS[request.param]()
+    kind = TARGETS[request.param]
+    made = kind(request.getfixturevalue("tansu")) if kind is KafkaTopic else kind()
     try:
         yield made
     finally:
@@ -268,6 +326,10 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
     elapsed = time.monotonic() - started
     assert counts() == (produced, produced), (counts(), produced)
     assert target.ids() == set(range(produced))
+    if isinstance(target, KafkaTopic):  # every transaction of every run ended with a marker
+        log = target.read()
+        assert log.pending == {}
+        print(f"kafka: {len(log.aborted)} records of aborted transactions, {log.markers} markers")
     assert len(runs) == KILLS + 1
     # The meta store missed the commits made while it was locked: a later run took the
     # target's offsets over it (else the test would not have tested the window).
