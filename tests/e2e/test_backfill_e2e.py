@@ -18,6 +18,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +84,9 @@ def dagster_dev(tansu: str, spark_remote: str, spec: dict[str, Any]) -> Iterator
         )
         assert proc.poll() is None, (cwd / "dagster-dev.log").read_text()[-4000:]
         yield home
+    except BaseException:
+        print((cwd / "dagster-dev.log").read_text(errors="replace")[-6000:])
+        raise
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -92,6 +96,7 @@ def dagster_dev(tansu: str, spark_remote: str, spec: dict[str, Any]) -> Iterator
                 os.killpg(proc.pid, signal.SIGKILL)
         kill_processes_of(home)
         log.close()
+        shutil.rmtree(cwd, ignore_errors=True)
 
 
 class Stream:
