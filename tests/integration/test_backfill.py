@@ -47,6 +47,7 @@ def spec(name: str, topic: str, tansu: str, pg_url: str, schema: str) -> dict[st
             "schema": schema,
             "table": name,
             "create_table": True,
+            "delivery": "at_least_once",
         },
     }
 
