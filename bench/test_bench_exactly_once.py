@@ -71,6 +71,7 @@ def side_by_side(
     names: dict[tuple[str, int], str],
     jvm: int | None,
     drain: Callable[[str], tuple[Watch, Callable[[], None]]],
+    sink: str,
 ) -> dict[str, list[Result]]:
     """Each round drains one connector per mode, the order alternating between rounds;
     ``drain(name)`` makes the target and the backlog and returns the watcher and the check."""
@@ -79,7 +80,7 @@ def side_by_side(
         for mode in MODES if r % 2 == 0 else list(reversed(MODES)):
             name = names[(mode, r)]
             watcher, check = drain(name)
-            res = Result(mode, time.monotonic(), N)
+            res = Result(mode, time.monotonic(), N, sink=sink)
             drain_connector(stack, res, name, jvm, watcher, None)
             check()
             results[mode].append(res)
@@ -131,7 +132,7 @@ def test_exactly_once_against_at_least_once_into_postgres(
 
     with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
         wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
-        results = side_by_side(stack, names, jvm, drain)
+        results = side_by_side(stack, names, jvm, drain, "postgres")
     report("PostgreSQL", results)
 
 
@@ -162,5 +163,5 @@ def test_exactly_once_against_at_least_once_into_kafka(
 
     with dev_stack(tmp_path / "home", tansu, warm_spark_remote, specs) as stack:
         wait_for(lambda: len(stack.store.list()) == len(specs), 120, "specs synced")
-        results = side_by_side(stack, names, jvm, drain)
+        results = side_by_side(stack, names, jvm, drain, "kafka")
     report("Kafka", results)
