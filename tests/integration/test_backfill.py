@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import psycopg2
+import pyarrow as pa
 import pytest
 import yaml
 from dagster import DagsterInstance
@@ -22,6 +23,8 @@ from dagster import DagsterInstance
 from conveyor.config.specs import load_source, resolved
 from conveyor.core.model import TopicPartition
 from conveyor.dagster.jobs.backfill import (
+    BackfillResult,
+    TimeBounds,
     backfill_job,
     backfill_range,
     backfill_writer,
@@ -177,3 +180,38 @@ def test_a_time_range_is_found_by_reading_and_its_request_gets_the_counts(
         ), got
         assert ids(pg_url, pg_schema, name) == list(range(50, 150))
     assert store.committed_offsets(name) == {}  # the connector's own offsets: untouched
+
+
+def batch(rows: list[tuple[int, int, int | None]]) -> pa.Table:
+    """(partition, offset, timestamp ms) rows of topic o."""
+    return pa.table(
+        {
+            "__topic": pa.array(["o"] * len(rows)),
+            "__partition": pa.array([r[0] for r in rows], pa.int32()),
+            "__offset": pa.array([r[1] for r in rows], pa.int64()),
+            "__timestamp": pa.array([r[2] for r in rows], pa.timestamp("ms", tz="UTC")),
+        }
+    )
+
+
+def test_a_time_range_starts_and_ends_at_each_partitions_first_record_past_it():
+    """As Kafka's ListOffsets by time: a partition's range starts at its first record stamped
+    at or after the start (an older-stamped record after it is inside) and ends before its
+    first stamped at or after the end; found across batches, partition by partition."""
+    p0, p1 = TopicPartition("o", 0), TopicPartition("o", 1)
+    hi = {p0: 100, p1: 100}
+    result = BackfillResult(ranges={"o/0": [0, 100], "o/1": [0, 100]})
+    b = TimeBounds(start_ms=1000, end_ms=2000)
+    first = b.keep(batch([(0, 0, 900), (0, 1, 1000), (0, 2, 950), (1, 0, 500)]), hi, result)
+    assert first.column("__offset").to_pylist() == [1, 2]
+    assert b.started == {p0}
+    # Partition 1 starts on a null-free later batch; partition 0 ends at its offset 4.
+    second = b.keep(batch([(1, 1, 1500), (0, 3, 1999), (0, 4, 2000), (0, 5, 1500)]), hi, result)
+    assert second.column("__offset").to_pylist() == [1, 3]
+    assert hi == {p0: 4, p1: 100}
+    assert result.ranges == {"o/0": [1, 4], "o/1": [1, 100]}
+    # In the middle of the range every row stays (the batch is taken whole).
+    middle = batch([(1, 2, 1600), (1, 3, 1700)])
+    assert b.keep(middle, hi, result) is middle
+    last = b.keep(batch([(1, 4, 2500), (1, 5, 1800), (0, 6, 1000)]), hi, result)
+    assert last.num_rows == 0 and hi == {p0: 4, p1: 4}

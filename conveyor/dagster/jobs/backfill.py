@@ -103,16 +103,32 @@ class TimeBounds:
     started: set[TopicPartition] = field(default_factory=set)
 
     def keep(self, table: pa.Table, hi: Offsets, result: BackfillResult) -> pa.Table:
-        """The rows of ``table`` inside the range; shortens ``hi`` where the end is found."""
+        """The rows of ``table`` (inside ``hi`` already) inside the range; shortens ``hi``
+        where the end is found."""
+        if table.num_rows == 0:
+            return table
+        stamped = table.column(TIMESTAMP_COL).cast(pa.int64())
         parts = table.column(PARTITION_COL).to_pylist()
         topics = table.column(TOPIC_COL).to_pylist()
+        if self._all_inside(stamped, set(zip(topics, parts, strict=True))):
+            return table  # the common case, in the middle of a range: no row by row
         offs = table.column(OFFSET_COL).to_pylist()
-        stamps = table.column(TIMESTAMP_COL).cast(pa.int64()).to_pylist()
+        stamps = stamped.to_pylist()
         mask = []
         for topic, part, off, ts in zip(topics, parts, offs, stamps, strict=True):
             tp = TopicPartition(topic, part)
             mask.append(self._inside(tp, off, ts, hi, result))
         return table.filter(pa.array(mask, pa.bool_()))
+
+    def _all_inside(self, stamped: pa.ChunkedArray, partitions: set[tuple[str, int]]) -> bool:
+        """Every row stamped, every partition of the batch started, none at or past the end."""
+        if stamped.null_count:
+            return False
+        if self.start_ms is not None and not all(
+            TopicPartition(t, p) in self.started for t, p in partitions
+        ):
+            return False
+        return self.end_ms is None or pc.max(stamped).as_py() < self.end_ms
 
     def _inside(
         self, tp: TopicPartition, off: int, ts: int | None, hi: Offsets, result: BackfillResult
