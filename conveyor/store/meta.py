@@ -1210,40 +1210,6 @@ class MetaStore:
             )
             return bool(res.rowcount)
 
-
-def _with_driver(url: str) -> str:
-    """postgresql:// means psycopg2 (our dependency); SQLAlchemy 2.1 would pick psycopg 3."""
-    u = sa.make_url(url)
-    if u.drivername in ("postgresql", "postgres"):
-        u = u.set(drivername="postgresql+psycopg2")
-    return u.render_as_string(hide_password=False)
-
-
-def _file_gone(source: str) -> bool:
-    """``source`` names a spec file (an absolute path) that no longer exists."""
-    return os.path.isabs(source) and not os.path.exists(source)
-
-
-def _fmt_offsets(offsets: Offsets) -> str:
-    return ", ".join(f"{tp}={off}" for tp, off in sorted(offsets.items()))
-
-
-@contextmanager
-def transient_errors(what: str) -> Iterator[None]:
-    """Turn the meta store's transient failures into TransientStoreError (retried by the run).
-
-    Transient: SQLite "database is locked"/"busy", a PostgreSQL connection dropped, refused
-    or timed out (a failover, a restart), a statement or lock timeout.
-    """
-    try:
-        yield
-    except sa.exc.DBAPIError as e:
-        if is_transient(e):
-            raise TransientStoreError(f"meta store: {what} failed: {e.orig}") from e
-        raise
-
-
-def is_transient(e: sa.exc.DBAPIError) -> bool:
     # -- backfill requests (conveyor/control/backfills.py, dagster/sensors/backfills.py) --
     # Module-level pieces of this block (BackfillRequest, parse_backfill_range) follow the class.
 
