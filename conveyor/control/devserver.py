@@ -139,6 +139,10 @@ def run_dev(
             _install_demo(connectors)
             # The demo's minutes begin when it starts (conveyor/demo/downstream.py).
             env["CONVEYOR_DEMO_START"] = str(int(time.time() // 60 * 60))
+            _say(
+                "demo downstream asset orders_per_minute: each minute from now on runs once "
+                "demo_orders' watermark has passed it (sensor demo_orders_per_minute)"
+            )
             services.children.append(_start_demo_producer(home, bootstrap, producer_rate, env))
         services.children.append(_start_api(home, api_port, dagster_url, env))
         proc = _start_dagster(dagster_port, connectors, workspace, env)

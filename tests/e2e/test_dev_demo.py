@@ -355,17 +355,30 @@ def show_orders_per_minute(dev: Dev, browser: Chromium, base: str, tmp_path: Pat
     assert graph.read_bytes()[:8] == PNG
 
 
+def page_text(browser: Chromium, url: str, *needles: str, what: str) -> str:
+    """The page's text once it holds every needle, loading the page again every 15 s (a
+    progress report comes at most a minute apart)."""
+    loaded = [0.0]
+
+    def ready() -> str | None:
+        if time.monotonic() - loaded[0] > 15:
+            browser.goto(url)
+            loaded[0] = time.monotonic()
+        text = browser.js("document.body ? document.body.innerText : ''")
+        return text if all(n in text for n in needles) else None
+
+    return wait_for(ready, SETTLE_S, what)
+
+
 def show_the_watermark(browser: Chromium, base: str, sink_key: list[str], tmp_path: Path) -> None:
     """The sink's page: the watermark entries in its metadata, and lag_seconds among its plots."""
-    browser.goto(f"{base}/assets/{'/'.join(sink_key)}")
-    browser.wait_js(
-        "!!document.body && document.body.innerText.includes('watermark_by_partition')",
-        SETTLE_S,
-        "the watermark",
+    keys = ("watermark_by_partition", "watermark", "watermark_ts", "lag_seconds")
+    text = page_text(
+        browser,
+        f"{base}/assets/{'/'.join(sink_key)}",
+        *(f"\n{k}\n" for k in keys),
+        what="the watermark in the sink's metadata",
     )
-    text = browser.js("document.body.innerText")
-    for key in ("watermark", "watermark_ts", "lag_seconds"):
-        assert f"\n{key}\n" in text, key
     watermark = text[text.index("\nwatermark\n") :][:80]
     assert ISO_Z.search(watermark), watermark
     row = (
@@ -406,14 +419,6 @@ def show_the_watermark(browser: Chromium, base: str, sink_key: list[str], tmp_pa
 @pytest.mark.timeout(DOWNSTREAM_S + 300)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
 def test_the_ui_shows_the_downstream_asset_and_the_watermark(dev: Dev, tmp_path: Path) -> None:
-    # A stop and a start from the CLI: the run's final progress event, then a new run (the
-    # Ctrl-C test below stops it).
-    wait_for(lambda: dev.store.get(DEMO).counters.get("messages_out", 0) > 0, SETTLE_S, "progress")
-    assert dev.cli("connector", "stop", DEMO).returncode == 0
-    wait_for(
-        lambda: dev.store.get(DEMO).status == ConnectorStatus.STOPPED, SETTLE_S, "demo stopped"
-    )
-    assert dev.cli("connector", "start", DEMO).returncode == 0
     wait_for(lambda: dev.downstream_runs(), DOWNSTREAM_S, "a run of orders_per_minute")
     sink_key = next(
         n["assetKey"]["path"]
@@ -430,6 +435,13 @@ def test_the_ui_shows_the_downstream_asset_and_the_watermark(dev: Dev, tmp_path:
         show_the_watermark(browser, base, sink_key, tmp_path)
     finally:
         browser.close()
+    # A stop and a start from the CLI: the run's final progress event, then a new run (the
+    # Ctrl-C test below stops it).
+    assert dev.cli("connector", "stop", DEMO).returncode == 0
+    wait_for(
+        lambda: dev.store.get(DEMO).status == ConnectorStatus.STOPPED, SETTLE_S, "demo stopped"
+    )
+    assert dev.cli("connector", "start", DEMO).returncode == 0
     wait_for(
         lambda: dev.store.get(DEMO).status == ConnectorStatus.RUNNING, 120, "demo Running again"
     )
