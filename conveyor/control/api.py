@@ -67,7 +67,7 @@ from conveyor.control.operations import (
     NotFoundError,
     Operations,
 )
-from conveyor.core.errors import ConfigError, ConveyorError
+from conveyor.core.errors import ConfigError, ConveyorError, TransientSinkError
 from conveyor.core.home import conveyor_home
 from conveyor.core.secrets import mask_url_passwords
 from conveyor.store.meta import StoreError
@@ -471,6 +471,9 @@ def exception_handlers() -> dict[Any, Callable[..., Any]]:
         ConfigError: lambda r, e: error(400, f"invalid connector config: {e}"),
         BodyTooLargeError: lambda r, e: error(413, str(e)),
         StoreError: lambda r, e: error(503, str(e)),
+        TransientSinkError: lambda r, e: error(
+            503, f"the sink's target did not answer ({e}); nothing was moved: try again"
+        ),
         ConveyorError: lambda r, e: error(500, f"{type(e).__name__}: {e}"),
         Exception: _unexpected,
     }

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -307,6 +309,89 @@ def dagster_webserver(home: Path, tansu: str, spark_remote: str) -> Iterator[Dag
             os.killpg(proc.pid, signal.SIGKILL)
         kill_processes_of(home)
         log.close()
+
+
+class DevStack:
+    """A ``dagster dev`` (webserver, daemon: sensors fire) started by :func:`dagster_dev_workspace`."""
+
+    def __init__(self, cwd: Path, proc: subprocess.Popen[bytes], env: dict[str, str]):
+        self.cwd, self.proc, self.env = cwd, proc, env
+        self.home = cwd / ".conveyor"
+
+    def log(self) -> str:
+        return (self.cwd / "dagster-dev.log").read_text(errors="replace")[-4000:]
+
+    def instance(self) -> Any:
+        from dagster import DagsterInstance
+
+        return DagsterInstance.from_config(str(self.home / "dagster"))
+
+
+@contextlib.contextmanager
+def dagster_dev_workspace(
+    tansu: str,
+    spark_remote: str,
+    spec: dict[str, Any],
+    *,
+    extra_locations: list[dict[str, Any]] | None = None,
+    extra_env: dict[str, str] | None = None,
+    prefix: str = "conveyor-dev-e2e-",
+) -> Iterator[DevStack]:
+    """``dagster dev`` (webserver and daemon: the scheduler and every sensor) over a workspace of
+    Conveyor's code location and ``extra_locations`` (a user's), with a fresh home holding
+    ``spec``; the home and its processes removed afterwards, the log printed on a failure."""
+    from conveyor.control.devserver import dagster_yaml
+
+    cwd = Path(tempfile.mkdtemp(prefix=prefix))
+    home = cwd / ".conveyor"
+    for d in ("connectors", "dagster", "logs"):
+        (home / d).mkdir(parents=True)
+    (home / "dagster" / "dagster.yaml").write_text(dagster_yaml([("local", 8)]))
+    (home / "connectors" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
+    locations = [{"python_module": {"module_name": "conveyor.dagster.definitions"}}]
+    (cwd / "workspace.yaml").write_text(
+        yaml.safe_dump({"load_from": locations + list(extra_locations or [])})
+    )
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "DAGSTER_"))},
+        "CONVEYOR_HOME": str(home),
+        "CONVEYOR_KAFKA_BOOTSTRAP": tansu,
+        "CONVEYOR_SPARK_REMOTE": spark_remote,
+        "DAGSTER_HOME": str(home / "dagster"),
+        "CONVEYOR_DAGSTER_URL": f"http://127.0.0.1:{port}",
+        **(extra_env or {}),
+    }
+    dagster_exe = str(Path(sys.executable).parent / "dagster")
+    log = open(cwd / "dagster-dev.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [dagster_exe, "dev", "-w", str(cwd / "workspace.yaml"), "-p", str(port), "-h", "127.0.0.1"],
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    stack = DevStack(cwd, proc, env)
+    try:
+        wait_for(
+            lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 300, "dagster dev"
+        )
+        assert proc.poll() is None, stack.log()
+        yield stack
+    except BaseException:
+        print((cwd / "dagster-dev.log").read_text(errors="replace")[-6000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        kill_processes_of(home)
+        log.close()
+        shutil.rmtree(cwd, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

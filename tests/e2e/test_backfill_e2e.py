@@ -14,89 +14,26 @@ table) cover exactly what was produced, as if no backfill had run.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg2
 import pytest
-import yaml
 from dagster import DagsterInstance
 
-from conveyor.control.devserver import dagster_yaml
-from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
-from tests.e2e.conftest import SETTLE_S, STOP_S, kill_processes_of, wait_for
+from tests.e2e.conftest import SETTLE_S, STOP_S, dagster_dev_workspace, wait_for
 from tests.integration.api_server import served
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 RANGE = (100, 200)  # seconds after the stream's start: ids 100..199, one message a second
 FIRST = 300  # messages before dagster dev starts
-
-
-@contextlib.contextmanager
-def dagster_dev(tansu: str, spark_remote: str, spec: dict[str, Any]) -> Iterator[Path]:
-    """``dagster dev`` (webserver, daemon: the scheduler and the backfills sensor) over Conveyor's
-    code location and a home holding ``spec``; yields the home."""
-    cwd = Path(tempfile.mkdtemp(prefix="conveyor-backfill-e2e-"))
-    home = cwd / ".conveyor"
-    for d in ("connectors", "dagster", "logs"):
-        (home / d).mkdir(parents=True)
-    (home / "dagster" / "dagster.yaml").write_text(dagster_yaml([("local", 8)]))
-    (home / "connectors" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
-    workspace = {"load_from": [{"python_module": {"module_name": "conveyor.dagster.definitions"}}]}
-    (cwd / "workspace.yaml").write_text(yaml.safe_dump(workspace))
-    port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "DAGSTER_"))},
-        "CONVEYOR_HOME": str(home),
-        "CONVEYOR_KAFKA_BOOTSTRAP": tansu,
-        "CONVEYOR_SPARK_REMOTE": spark_remote,
-        "DAGSTER_HOME": str(home / "dagster"),
-    }
-    dagster = str(Path(sys.executable).parent / "dagster")
-    log = open(cwd / "dagster-dev.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [dagster, "dev", "-w", str(cwd / "workspace.yaml"), "-p", str(port), "-h", "127.0.0.1"],
-        cwd=cwd,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        wait_for(
-            lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 300, "dagster dev"
-        )
-        assert proc.poll() is None, (cwd / "dagster-dev.log").read_text()[-4000:]
-        yield home
-    except BaseException:
-        print((cwd / "dagster-dev.log").read_text(errors="replace")[-6000:])
-        raise
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        kill_processes_of(home)
-        log.close()
-        shutil.rmtree(cwd, ignore_errors=True)
 
 
 class Stream:
@@ -199,7 +136,8 @@ def test_a_backfill_of_a_time_range_re_delivers_exactly_that_range_while_the_con
     stream = Stream(tansu, topic, base)
     stream.send(FIRST)
     producer = threading.Thread(target=stream.run, daemon=True)
-    with dagster_dev(tansu, spark_remote, spec) as home:
+    with dagster_dev_workspace(tansu, spark_remote, spec, prefix="conveyor-backfill-e2e-") as stack:
+        home = stack.home
         store = MetaStore(f"sqlite:///{home / 'meta.db'}")
         wait_for(
             lambda: sum(counts(pg_url, pg_schema).values()) >= FIRST, 300, "the live connector"

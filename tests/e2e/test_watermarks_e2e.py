@@ -17,25 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 import pytest
-import yaml
 
-from conveyor.control.devserver import dagster_yaml
-from conveyor.core.ports import free_port, port_open
 from conveyor.dagster.assets.checks import iso
-from tests.e2e.conftest import SETTLE_S, kill_processes_of, wait_for
+from tests.e2e.conftest import SETTLE_S, DevStack, dagster_dev_workspace, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -46,79 +37,8 @@ SENSOR = "landed_through__postgres__{schema}__orders"
 REPORT_S = 60.0 + SETTLE_S
 
 
-class Stack:
-    def __init__(self, cwd: Path, proc: subprocess.Popen[bytes], env: dict[str, str]):
-        self.cwd, self.proc, self.env = cwd, proc, env
-        self.home = cwd / ".conveyor"
-
-    def log(self) -> str:
-        return (self.cwd / "dagster-dev.log").read_text(errors="replace")[-4000:]
-
-    def instance(self) -> Any:
-        from dagster import DagsterInstance
-
-        return DagsterInstance.from_config(str(self.home / "dagster"))
-
-
 def minute_start(now: float) -> float:
     return float(int(now // 60) * 60)
-
-
-@contextlib.contextmanager
-def dagster_dev(
-    tansu: str, spark_remote: str, spec: dict[str, Any], extra_env: dict[str, str]
-) -> Iterator[Stack]:
-    """``dagster dev`` over a workspace of Conveyor's code location and landed_defs."""
-    cwd = Path(tempfile.mkdtemp(prefix="conveyor-landed-e2e-"))
-    home = cwd / ".conveyor"
-    (home / "connectors").mkdir(parents=True)
-    (home / "dagster").mkdir()
-    (home / "logs").mkdir()
-    (home / "dagster" / "dagster.yaml").write_text(dagster_yaml([("local", 8)]))
-    (home / "connectors" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
-    workspace = {
-        "load_from": [
-            {"python_module": {"module_name": "conveyor.dagster.definitions"}},
-            {"python_file": {"relative_path": str(ROOT / "tests/e2e/landed_defs.py")}},
-        ]
-    }
-    (cwd / "workspace.yaml").write_text(yaml.safe_dump(workspace))
-    port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "DAGSTER_"))},
-        "CONVEYOR_HOME": str(home),
-        "CONVEYOR_KAFKA_BOOTSTRAP": tansu,
-        "CONVEYOR_SPARK_REMOTE": spark_remote,
-        "DAGSTER_HOME": str(home / "dagster"),
-        "CONVEYOR_DAGSTER_URL": f"http://127.0.0.1:{port}",
-        **extra_env,
-    }
-    dagster = str(Path(sys.executable).parent / "dagster")
-    log = open(cwd / "dagster-dev.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [dagster, "dev", "-w", str(cwd / "workspace.yaml"), "-p", str(port), "-h", "127.0.0.1"],
-        cwd=cwd,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    stack = Stack(cwd, proc, env)
-    try:
-        wait_for(
-            lambda: port_open("127.0.0.1", port) or proc.poll() is not None, 300, "dagster dev"
-        )
-        assert proc.poll() is None, stack.log()
-        yield stack
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        kill_processes_of(home)
-        log.close()
 
 
 def produce(bootstrap: str, topic: str, events: list[tuple[int, float]]) -> None:
@@ -160,7 +80,7 @@ def runs_by_minute(pg_url: str, schema: str) -> dict[str, list[int]]:
         return out
 
 
-def sensor_cursor(stack: Stack, name: str) -> dict[str, Any]:
+def sensor_cursor(stack: DevStack, name: str) -> dict[str, Any]:
     from dagster._core.scheduler.instigation import InstigatorType
 
     with stack.instance() as instance:
@@ -170,7 +90,7 @@ def sensor_cursor(stack: Stack, name: str) -> dict[str, Any]:
     return {}
 
 
-def late_reports(stack: Stack, key: list[str]) -> list[list[str]]:
+def late_reports(stack: DevStack, key: list[str]) -> list[list[str]]:
     """Every late event-time range the sink's recent materializations reported."""
     from dagster import AssetKey
 
@@ -183,7 +103,7 @@ def late_reports(stack: Stack, key: list[str]) -> list[list[str]]:
     return out
 
 
-def latest_sink_materialization(stack: Stack, key: list[str]) -> tuple[int, dict[str, Any]]:
+def latest_sink_materialization(stack: DevStack, key: list[str]) -> tuple[int, dict[str, Any]]:
     from dagster import AssetKey
 
     with stack.instance() as instance:
@@ -228,7 +148,16 @@ def test_a_minute_partitioned_asset_runs_once_per_minute_as_the_watermark_passes
         "E2E_LANDED_SCHEMA": pg_schema,
         "E2E_LANDED_START": str(m0),
     }
-    with dagster_dev(tansu, spark_remote, spec, env) as s:
+    with dagster_dev_workspace(
+        tansu,
+        spark_remote,
+        spec,
+        extra_locations=[
+            {"python_file": {"relative_path": str(ROOT / "tests/e2e/landed_defs.py")}}
+        ],
+        extra_env=env,
+        prefix="conveyor-landed-e2e-",
+    ) as s:
         wait_for(lambda: runs_by_minute(pg_url, pg_schema), 240 + REPORT_S, "minute 0's run")
         # The report that let minute 0 run had minute 1 half landed: minute 1 did not run.
         _, meta = latest_sink_materialization(s, sink_key)

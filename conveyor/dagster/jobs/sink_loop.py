@@ -112,7 +112,11 @@ def _target_offsets_win(
     sink.bind(name, gen)
     held = sink.target_offsets() or {}
     if partitions is not None:
-        held = {tp: o for tp, o in held.items() if tp in partitions}
+        # A partition task's row for a partition another task wrote after a handover is stale
+        # (lower than the meta store's mirror of the newer owner's commits): the higher wins. A
+        # reset moves the target and the meta store together, so the target is never below it
+        # for its own latest writes.
+        held = {tp: max(o, committed.get(tp, o)) for tp, o in held.items() if tp in partitions}
     differ = {tp: o for tp, o in held.items() if committed.get(tp) != o}
     if differ:
         context.log.info(

@@ -37,6 +37,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.sink import task_writer
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.core.tasks import TaskSample
 from conveyor.dagster.jobs.progress import progress_logger
@@ -200,7 +201,7 @@ def run_task(
         claim = Claim(name, gen, run.broker_id, committed)
         built = (context, conveyor, store, ls, running_hash, gen, claim, remote, committed)
         loop = build_sink_loop(
-            *built, counters, partitions=mine, writer=f"{name}.task{run.task_id}"
+            *built, counters, partitions=mine, writer=task_writer(name, run.task_id)
         )
         committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
         loop.stop_requested = canceled
