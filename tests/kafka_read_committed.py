@@ -21,6 +21,7 @@ from kafka.record.default_records import DefaultRecordBatch
 FETCH, FETCH_VERSION = 1, 4
 HEADER = struct.Struct(">qi")  # a record batch's base offset and length
 MAX_BYTES = 4 * 1024 * 1024
+TAIL_WAIT_MS = 5  # tansu answers a fetch allowed no wait at all with nothing, data or not
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,11 @@ class Committed:
 
 def read_committed(batches: Iterable[Batch]) -> Committed:
     """Apply the rule to one partition's batches (or several partitions', each in log order)."""
-    out = Committed()
+    return apply(Committed(), batches)
+
+
+def apply(out: Committed, batches: Iterable[Batch]) -> Committed:
+    """Apply the rule to the batches that follow what ``out`` has seen (``out`` updated)."""
     for batch in batches:
         key = (batch.partition, batch.producer_id)
         if batch.control:
@@ -80,6 +85,25 @@ def read_topic(bootstrap: str, topic: str, partitions: int | None = None) -> Com
     return read_committed(b for p in range(count) for b in fetch_batches(bootstrap, topic, p))
 
 
+class Tail:
+    """A topic followed as it grows: each ``poll`` fetches every partition's new batches (the
+    broker waits at most ``TAIL_WAIT_MS`` for more) and applies the rule to them, the state
+    carried over."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        self.bootstrap, self.topic = bootstrap, topic
+        self.next = dict.fromkeys(range(partitions), 0)
+        self.state = Committed()
+
+    def poll(self) -> Committed:
+        for p, start in self.next.items():
+            got = fetch_batches(self.bootstrap, self.topic, p, start, wait_ms=TAIL_WAIT_MS)
+            if got:
+                self.next[p] = got[-1].next_offset
+            apply(self.state, got)
+        return self.state
+
+
 def partition_count(bootstrap: str, topic: str) -> int:
     from confluent_kafka.admin import AdminClient
 
@@ -90,20 +114,23 @@ def partition_count(bootstrap: str, topic: str) -> int:
     return len(found.partitions)
 
 
-def fetch_batches(bootstrap: str, topic: str, partition: int, start: int = 0) -> list[Batch]:
-    """Every record batch of one partition from ``start`` to the high watermark (one broker)."""
+def fetch_batches(
+    bootstrap: str, topic: str, partition: int, start: int = 0, wait_ms: int = 500
+) -> list[Batch]:
+    """Every record batch of one partition from ``start`` to the high watermark (one broker;
+    a fetch at the end waits up to ``wait_ms`` for more)."""
     host, port = bootstrap.rsplit(":", 1)
     batches: list[Batch] = []
     with socket.create_connection((host, int(port)), timeout=30) as conn:
         offset, correlation = start, 0
         while True:
             correlation += 1
-            high, data = _fetch(conn, correlation, topic, partition, offset)
+            high, data = _fetch(conn, correlation, topic, partition, offset, wait_ms)
             got = list(_batches(partition, data))
             batches.extend(got)
             if got:
                 offset = got[-1].next_offset
-            if offset >= high:
+            if high is None or offset >= high:
                 return batches
             if not got:
                 raise RuntimeError(f"{topic}[{partition}]: no batch at {offset} below {high}")
@@ -145,10 +172,10 @@ def _string(text: str) -> bytes:
 
 
 def _fetch(
-    conn: socket.socket, correlation: int, topic: str, partition: int, offset: int
-) -> tuple[int, bytes]:
+    conn: socket.socket, correlation: int, topic: str, partition: int, offset: int, wait_ms: int
+) -> tuple[int | None, bytes]:
     """One Fetch v4 (read_uncommitted: every batch, markers too); (high watermark, records)."""
-    body = struct.pack(">iiiib", -1, 500, 1, MAX_BYTES, 0)
+    body = struct.pack(">iiiib", -1, wait_ms, 1, MAX_BYTES, 0)
     body += struct.pack(">i", 1) + _string(topic)
     body += struct.pack(">i", 1) + struct.pack(">iqi", partition, offset, MAX_BYTES)
     header = struct.pack(">hhi", FETCH, FETCH_VERSION, correlation) + _string("read-committed")
@@ -158,10 +185,12 @@ def _fetch(
     return _parse_fetch(answer, correlation)
 
 
-def _parse_fetch(answer: bytes, correlation: int) -> tuple[int, bytes]:
+def _parse_fetch(answer: bytes, correlation: int) -> tuple[int | None, bytes]:
     got, _throttle, topics = struct.unpack_from(">iii", answer, 0)
-    if got != correlation or topics != 1:
+    if got != correlation or topics > 1:
         raise RuntimeError(f"unexpected Fetch answer: correlation {got}, {topics} topics")
+    if topics == 0:  # tansu: nothing (no topic at all) for a fetch with max_wait_ms 0
+        return None, b""
     pos = 12
     (name_len,) = struct.unpack_from(">h", answer, pos)
     pos += 2 + name_len

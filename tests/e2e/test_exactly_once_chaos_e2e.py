@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sqlite3
 import time
 import uuid
@@ -32,7 +33,7 @@ import pytest
 from tests.conftest import PG_URL
 from tests.e2e.conftest import FINISHED, SETTLE_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_lakehouse_e2e import kill_run
-from tests.kafka_read_committed import Committed, read_topic
+from tests.kafka_read_committed import Committed, Tail
 from tests.sinks.test_mysql import MYSQL_URL
 from tests.sinks.test_sql_exactly_once import mysql_connect
 
@@ -41,6 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 KILLS = int(os.environ.get("CONVEYOR_E2E_CHAOS_KILLS", "20"))
 SEED = int(os.environ.get("CONVEYOR_E2E_CHAOS_SEED", "37"))
 CHUNK = 500  # messages produced before and after each kill's point
+TXN_CHUNK = 20_000  # a backlog the run, stopped meanwhile, then takes in large transactions
 PARTITIONS = 3
 TRANSFORM = {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"}
 WINS = "the target holds other offsets than the meta store, and wins"
@@ -180,6 +182,7 @@ class KafkaTopic:
         self.topic = f"chaos_out_{uuid.uuid4().hex[:10]}"
         self.admin = AdminClient({"bootstrap.servers": bootstrap})
         self.admin.create_topics([NewTopic(self.topic, PARTITIONS, 1)])[self.topic].result(30)
+        self.tail = Tail(bootstrap, self.topic, PARTITIONS)
 
     def sink(self) -> dict[str, Any]:
         # delivery_timeout_ms: with the default (120 s) librdkafka refuses the transactional
@@ -193,7 +196,23 @@ class KafkaTopic:
         }
 
     def read(self) -> Committed:
-        return read_topic(self.bootstrap, self.topic, PARTITIONS)
+        return self.tail.poll()
+
+    def freeze_in_a_transaction(self, pid: int, produced: int, rng: random.Random) -> bool:
+        """Stop the run process (SIGSTOP) at random moments until the topic holds records of
+        a transaction it has not committed (True: left stopped), or until all ``produced``
+        are committed without one caught open (False: left running)."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            os.kill(pid, signal.SIGSTOP)
+            log = self.read()  # the run frozen: no commit can come meanwhile
+            if log.pending:
+                return True
+            os.kill(pid, signal.SIGCONT)
+            if len(log.records) >= produced:
+                return False
+            time.sleep(rng.uniform(0, 0.05))  # the next stop's random point, not a wait
+        raise AssertionError(f"{self.topic}: {produced} messages not committed in {SETTLE_S} s")
 
     def counts(self) -> tuple[int, int]:
         ids = [json.loads(v or b"null")["id"] for v in self.read().values()]
@@ -269,23 +288,27 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
     )
     produced = 0
 
-    def more() -> None:
+    def more(n: int = CHUNK) -> None:
         nonlocal produced
-        produce(tansu, topic, CHUNK, partitions=PARTITIONS, start=produced)
-        produced += CHUNK
+        produce(tansu, topic, n, partitions=PARTITIONS, start=produced)
+        produced += n
 
     more()
     dagster.reload()
     run = dagster.launch(name)
     runs = [run]
     locked_kills: list[int] = []  # the kill's index: the run after it must find the target ahead
+    open_kills: list[int] = []  # Kafka: killed with a transaction's records in the topic
+    points = ["startup", "stream", "stream", "locked"]
+    if isinstance(target, KafkaTopic):
+        points.append("transaction")
     started = time.monotonic()
     try:
         for k in range(KILLS):
             assert dagster.wait_status(run, {"STARTED", *FINISHED}) == "STARTED", dagster.run_log(
                 run
             )
-            point = rng.choice(["startup", "stream", "stream", "locked"])
+            point = rng.choice(points)
             wait_for(
                 lambda run=run: (r := dagster.store.get(name)).run_id == run and bool(r.run_pid),
                 SETTLE_S,
@@ -308,6 +331,16 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
                         time.sleep(rng.uniform(0, 0.5))  # the kill's random point, not a wait
                         kill_run(dagster, name, run)
                     locked_kills.append(k)
+                elif point == "transaction":
+                    pid = dagster.store.get(name).run_pid
+                    os.kill(pid, signal.SIGSTOP)  # a backlog: the next transactions are long
+                    try:
+                        more(TXN_CHUNK)
+                    finally:
+                        os.kill(pid, signal.SIGCONT)
+                    if target.freeze_in_a_transaction(pid, produced, rng):
+                        open_kills.append(k)
+                    kill_run(dagster, name, run)  # SIGKILL ends a stopped process too
                 else:
                     more()
                     time.sleep(rng.uniform(0, 1.5))  # the kill's random point, not a wait
@@ -329,7 +362,14 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
     if isinstance(target, KafkaTopic):  # every transaction of every run ended with a marker
         log = target.read()
         assert log.pending == {}
-        print(f"kafka: {len(log.aborted)} records of aborted transactions, {log.markers} markers")
+        # Runs were killed with a transaction's records in the topic: those records are there,
+        # aborted (librdkafka's read_committed on tansu would deliver them: duplicates).
+        assert open_kills, "the seed drew no kill with a transaction open"
+        assert log.aborted, "no kill left an aborted transaction's records in the topic"
+        print(
+            f"kafka: {len(open_kills)} kills with a transaction open, {len(log.aborted)} records "
+            f"of aborted transactions, {log.markers} markers"
+        )
     assert len(runs) == KILLS + 1
     # The meta store missed the commits made while it was locked: a later run took the
     # target's offsets over it (else the test would not have tested the window).

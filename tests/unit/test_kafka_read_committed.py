@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from tests.kafka_read_committed import Batch, Record, fetch_batches, read_committed, read_topic
+from tests.kafka_read_committed import (
+    Batch,
+    Record,
+    Tail,
+    fetch_batches,
+    read_committed,
+    read_topic,
+)
 
 
 def records(partition: int, first: int, values: list[bytes]) -> tuple[Record, ...]:
@@ -182,3 +189,20 @@ def test_it_agrees_with_librdkafka_read_committed_on_committed_transactions(
     theirs = librdkafka_read_committed(tansu, topic, expected=38)
     assert sorted(mine.values()) == sorted(theirs)
     assert len(theirs) == 38
+
+
+@pytest.mark.integration
+def test_a_tail_sees_an_open_transaction_then_its_commit(tansu: str, topic: str) -> None:
+    p = transactional(tansu)
+    tail = Tail(tansu, topic, 2)
+    assert tail.poll().records == []
+    transaction(p, topic, ["c0", "c1"], commit=True)
+    p.begin_transaction()
+    p.produce(topic, value=b"open", partition=0)
+    p.flush(30)
+    seen = tail.poll()
+    assert sorted(seen.values()) == [b"c0", b"c1"]
+    assert [r.value for held in seen.pending.values() for r in held] == [b"open"]
+    p.commit_transaction(30)
+    seen = tail.poll()
+    assert sorted(seen.values()) == [b"c0", b"c1", b"open"] and seen.pending == {}
