@@ -10,7 +10,11 @@ offsets add up to what was produced.
 
 Kafka: the output topic is read from its raw record batches with read_committed's rule applied
 here (tests/kafka_read_committed.py), since tansu's own read_committed Fetch hands out aborted
-records too; at the end no transaction is left without its marker. The broker is not restarted
+records too; at the end no transaction is left without its marker. Some kills land with a
+transaction open: the run is stopped (SIGSTOP) while a backlog is produced, so that its next
+transactions are large, then stopped at random moments until the topic holds records it has not
+committed, and killed; the next run's producer fences the id and the broker aborts that
+transaction, whose records stay in the log, skipped. The broker is not restarted
 mid-transaction: tansu keeps its log in memory only (this build has no other storage engine), so
 a restart loses the source and the output topics alike."""
 
