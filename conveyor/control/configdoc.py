@@ -254,6 +254,12 @@ def _cli_environment() -> list[tuple[str, str, str]]:
             "spec may read this variable)",
             "unset",
         ),
+        (
+            "CONVEYOR_DEMO_START",
+            "the first minute (Unix seconds) of the demo's downstream asset `orders_per_minute` "
+            "(`conveyor/demo/downstream.py`); `conveyor dev` sets it to the minute it started in",
+            "the minute the demo's code location was loaded in",
+        ),
     ]
 
 

@@ -69,7 +69,7 @@ def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
     return DAGSTER_YAML.format(limits=limits)
 
 
-CONVEYOR_LOCATION = "conveyor.dagster.definitions"
+DEFINITIONS_MODULE = "conveyor.dagster.definitions"
 DEMO_LOCATION = "conveyor.demo.downstream"
 
 
@@ -77,7 +77,7 @@ def workspace_yaml(defs: tuple[str, ...], *, demo: bool, cwd: Path) -> str:
     """The ``dagster dev -w`` workspace: Conveyor's code location, the demo's downstream
     location (with the demo), and each of ``defs``: a ``.py`` file, else a module importable
     from ``cwd``. Each location is named after its module or file."""
-    entries: list[dict[str, object]] = [{"python_module": {"module_name": CONVEYOR_LOCATION}}]
+    entries: list[dict[str, object]] = [{"python_module": {"module_name": DEFINITIONS_MODULE}}]
     if demo:
         entries.append({"python_module": {"module_name": DEMO_LOCATION}})
     for d in defs:

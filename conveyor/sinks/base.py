@@ -70,7 +70,7 @@ class SinkConfig(BaseModel):
     def offsets_in_target(self) -> bool:
         """Whether the target keeps the connector's offsets with the data (exactly once: they
         win over the meta store's on start; ``conveyor.core.sink.OffsetsInTarget``)."""
-        return getattr(self, "delivery", None) == "exactly_once"
+        return getattr(self, "delivery", None) in ("exactly_once", "auto")
 
 
 class Sink(abc.ABC):

@@ -658,6 +658,8 @@ class MySQLSink(LedgerSink, Sink):
                 )
                 return self._ledger.read(cur) if cur.fetchone() else None
         except (pymysql.err.MySQLError, OSError) as e:
+            if error_code(e) in _DENIED and self.config.delivery == "auto":
+                return None  # not this user's to keep: init_sink goes at least once
             raise self._error(e, f"reading {self._ledger.sql.table}") from None
         finally:
             conn.close()
@@ -676,9 +678,13 @@ class MySQLSink(LedgerSink, Sink):
             raise
         except (pymysql.err.MySQLError, OSError) as e:
             self._rollback()
-            self.cleanup_sink()
             if error_code(e) in _DENIED:
+                why = f"this user may not keep {self._ledger.sql.table}: {error_text(e)}"
+                if self._downgrade(why):
+                    return
+                self.cleanup_sink()
                 raise ledger_denied(self._ledger.sql.table, error_text(e)) from None
+            self.cleanup_sink()
             raise self._error(e, f"claiming the offsets table {self._ledger.sql.table}") from None
 
     def _ledger_error(self, e: Exception, what: str) -> Exception | None:
@@ -801,14 +807,19 @@ class MySQLSink(LedgerSink, Sink):
             )
         if self._exists:
             self._check_upsert_keys()
+        not_transactional = f"table {quote_identifier(c.table)} is not transactional"
+        if (
+            self._exactly_once()
+            and self._exists
+            and not self._transactional
+            and not self._downgrade(not_transactional)
+        ):
+            self.cleanup_sink()
+            raise PermanentSinkError(
+                f"{not_transactional}: delivery exactly_once needs a transactional engine (InnoDB); convert the table, or set delivery: "
+                "at_least_once (delivery: auto, the default, does that by itself)"
+            )
         if self._exactly_once():
-            if self._exists and not self._transactional:
-                self.cleanup_sink()
-                raise PermanentSinkError(
-                    f"table {quote_identifier(c.table)} is not transactional: delivery exactly_once "
-                    "(the default with create_table: true) needs a transactional engine (InnoDB); "
-                    "convert the table, or set delivery: at_least_once"
-                )
             self._claim()
 
     def _describe_table(self) -> None:

@@ -189,6 +189,10 @@ class PostgresSink(LedgerSink, Sink):
                 row = cur.fetchone()
                 return self._ledger.read(cur) if row and row[0] else None
         except psycopg2.Error as e:
+            if getattr(e, "pgcode", None) == _INSUFFICIENT_PRIVILEGE:
+                if self.config.delivery == "auto":
+                    return None  # not this user's to keep: init_sink goes at least once
+                raise ledger_denied(self._ledger.sql.table, e.pgerror or str(e)) from None
             raise TransientSinkError(
                 f"PostgreSQL: reading {self._ledger.sql.table}: {e.pgerror or e}"
             ) from None
@@ -238,7 +242,10 @@ class PostgresSink(LedgerSink, Sink):
         except psycopg2.Error as e:
             self._rollback()
             if getattr(e, "pgcode", None) == _INSUFFICIENT_PRIVILEGE:
-                raise ledger_denied(self._ledger.sql.table, e.pgerror or str(e)) from None
+                detail = (e.pgerror or str(e)).strip()
+                if self._downgrade(f"this user may not keep {self._ledger.sql.table}: {detail}"):
+                    return
+                raise ledger_denied(self._ledger.sql.table, detail) from None
             raise PermanentSinkError(
                 f"offsets table {self._ledger.sql.table} (delivery exactly_once): {e.pgerror or e}"
             ) from None

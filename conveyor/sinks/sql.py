@@ -12,6 +12,7 @@ in the target and raise in each batch's transaction (docs/sinks/postgres.md).
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -124,26 +125,20 @@ AutoEvolve = Annotated[
     ),
 ]
 
-DeliveryMode = Literal["at_least_once", "exactly_once"]
-
-
-def default_delivery(data: dict[str, Any]) -> DeliveryMode:
-    """``delivery``'s default: exactly once where Conveyor may create tables in the target
-    (``create_table``: the offsets table is one more), at least once where it may not."""
-    return "exactly_once" if data.get("create_table") is True else "at_least_once"
-
-
+DeliveryMode = Literal["auto", "at_least_once", "exactly_once"]
 Delivery = Annotated[
     DeliveryMode,
     Field(
-        default_factory=default_delivery,
+        default="auto",
         description="at_least_once: the offsets go to the meta store after the target commits (a crash "
         "between the two writes the batch again; upsert_keys make that harmless). exactly_once: each batch's "
         "rows and its end offsets are committed in one transaction of the target, into offsets_table "
         "(created if missing, so the user needs CREATE on the schema); rows the table's offsets already "
-        "cover are dropped, and a run of an older generation is refused (docs/sinks/postgres.md). "
-        "Default: exactly_once when create_table is true (Conveyor may create tables in the target), "
-        "at_least_once when it is false.",
+        "cover are dropped, and a run of an older generation is refused (docs/sinks/postgres.md); a user "
+        "who may not create or write the offsets table stops the run with an error naming the fixes. auto "
+        "(the default): exactly_once where the target allows it (the user may create and write the offsets "
+        "table; for MySQL a transactional table), else at_least_once, said in the run's log and in the "
+        "sink asset's delivery metadata.",
     ),
 ]
 OffsetsTableName = Annotated[
@@ -516,12 +511,17 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
     )
 
 
-def ledger_denied(table: str, detail: str) -> PermanentSinkError:
+class LedgerDeniedError(PermanentSinkError):
+    """The target user may not create (or write) the offsets table."""
+
+
+def ledger_denied(table: str, detail: str) -> LedgerDeniedError:
     """The error when the target user may not create (or write) the offsets table: both fixes."""
-    return PermanentSinkError(
-        f"delivery exactly_once (the default with create_table: true) keeps the offsets in the "
-        f"table {table}, which this user may not create or write: {detail}. Grant the user CREATE "
-        "(and INSERT, UPDATE, SELECT) where the target table is, or set delivery: at_least_once"
+    return LedgerDeniedError(
+        f"delivery exactly_once keeps the offsets in the table {table}, which this user may not "
+        f"create or write: {detail}. Grant the user CREATE (and INSERT, UPDATE, SELECT) where the "
+        "target table is, or set delivery: at_least_once (delivery: auto, the default, does that "
+        "by itself)"
     )
 
 
@@ -744,10 +744,39 @@ class LedgerSink:
     _connect: Callable[[], Any]
     _ledger_error: Callable[[Exception, str], Exception | None]
 
+    # Why ``delivery: auto`` writes at least once in this run (None: it does not).
+    _downgraded: str | None = None
+
     def _exactly_once(self) -> bool:
-        """Whether batches go with their offsets: ``exactly_once`` and bound to a run (a
-        dead-letter replay, unbound, writes at least once)."""
-        return bool(self.config.delivery == "exactly_once" and self._ledger.bound)
+        """Whether batches go with their offsets: ``exactly_once`` (or ``auto`` where the target
+        allows it) and bound to a run (a dead-letter replay, unbound, writes at least once)."""
+        return bool(
+            self.config.delivery != "at_least_once"
+            and self._ledger.bound
+            and self._downgraded is None
+        )
+
+    def _downgrade(self, reason: str) -> bool:
+        """With ``delivery: auto``: at least once from now on in this run, for ``reason``, said
+        in the log and the sink's ``delivery_in_effect``; False with ``exactly_once``."""
+        if self.config.delivery != "auto":
+            return False
+        self._downgraded = reason
+        logging.getLogger("conveyor.sinks.sql").warning(
+            "delivery auto: at least once into %s: %s (set delivery: exactly_once to make this an "
+            "error, or at_least_once to say so)",
+            self.describe(),  # type: ignore[attr-defined]
+            reason,
+        )
+        return True
+
+    def delivery_in_effect(self) -> str:
+        """The delivery this run writes with (the sink asset's ``delivery`` metadata)."""
+        if self._exactly_once():
+            return "exactly_once"
+        if self._downgraded is not None:
+            return f"at_least_once (delivery auto: {self._downgraded})"
+        return "at_least_once"
 
     def bind(self, connector: str, generation: int) -> None:
         """The writer and generation this sink commits offsets for (before ``init_sink``)."""
@@ -779,6 +808,8 @@ class LedgerSink:
             mapped = self._ledger_error(e, f"moving the offsets in {self._ledger.sql.table}")
             if mapped is None:
                 raise
+            if isinstance(mapped, LedgerDeniedError) and self.config.delivery == "auto":
+                return  # no offsets table this user may keep: the target holds no offsets
             raise mapped from None
         finally:
             conn.close()

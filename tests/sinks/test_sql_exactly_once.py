@@ -371,7 +371,9 @@ def test_an_unbound_sink_writes_at_least_once(db: Any) -> None:
 
 
 def test_delivery_is_validated_naming_the_field(db: Any) -> None:
-    with pytest.raises(ConfigError, match="sink.delivery: Input should be 'at_least_once' or"):
+    with pytest.raises(
+        ConfigError, match="sink.delivery: Input should be 'auto', 'at_least_once' or"
+    ):
         build_sink(db.config("t", delivery="twice"))
     with pytest.raises(ConfigError, match="sink.offsets_table"):
         build_sink(db.config("t", offsets_table=""))
@@ -394,17 +396,27 @@ def test_a_failed_row_written_on_a_later_try_is_covered_from_then_on(db: Any) ->
         sink.cleanup_sink()
 
 
-def test_delivery_defaults_to_exactly_once_where_conveyor_may_create_tables(db: Any) -> None:
-    """The default follows create_table (issue 37): exactly once where Conveyor may create
-    tables in the target, at least once where it may not; an explicit delivery wins."""
-    base = {k: v for k, v in db.config("t").items() if k != "delivery"}
-    assert build_sink(base).config.delivery == "at_least_once"
-    assert build_sink({**base, "create_table": False}).config.delivery == "at_least_once"
-    assert build_sink({**base, "create_table": True}).config.delivery == "exactly_once"
-    explicit = {**base, "create_table": True, "delivery": "at_least_once"}
-    assert build_sink(explicit).config.delivery == "at_least_once"
-    assert not build_sink(explicit).config.offsets_in_target()
-    assert build_sink({**base, "create_table": True}).config.offsets_in_target()
+def test_delivery_defaults_to_auto_exactly_once_where_the_target_allows_it(db: Any) -> None:
+    """The default is auto (issue 37): bound to a run on a target whose user may keep the offsets
+    table, it writes exactly once: a replayed batch adds nothing, the offsets table holds the
+    writer's marks; an explicit delivery wins."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    base = {k: v for k, v in db.config(table).items() if k != "delivery"}
+    sink = build_sink(base)
+    assert sink.config.delivery == "auto" and sink.config.offsets_in_target()
+    explicit = build_sink({**base, "delivery": "at_least_once"})
+    assert not explicit.config.offsets_in_target()
+    sink.bind("orders_auto", 1)
+    sink.init_sink()
+    try:
+        assert sink.delivery_in_effect() == "exactly_once"
+        assert sink.send_batch(make_batch(5)).failed == ()
+        assert sink.send_batch(make_batch(5)).failed == ()  # a re-send after a crash
+    finally:
+        sink.cleanup_sink()
+    assert count(db, table) == (5, 5)
+    assert db.offsets("orders_auto") == {("orders", 0): (5, 1)}
 
 
 @pytest.fixture
@@ -439,8 +451,7 @@ def test_an_offsets_table_the_user_may_not_create_names_both_fixes(
     db: Any, unprivileged: tuple[dict[str, Any], str]
 ) -> None:
     config, table = unprivileged
-    sink = build_sink(config)
-    assert sink.config.delivery == "exactly_once"
+    sink = build_sink({**config, "delivery": "exactly_once"})
     sink.bind("orders_eo", 1)
     with pytest.raises(PermanentSinkError) as e:
         sink.init_sink()
@@ -455,3 +466,29 @@ def test_an_offsets_table_the_user_may_not_create_names_both_fixes(
     finally:
         sink.cleanup_sink()
     assert count(db, table) == (5, 5)
+
+
+def test_auto_writes_at_least_once_where_the_user_may_not_keep_the_offsets_table(
+    db: Any, unprivileged: tuple[dict[str, Any], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default (auto) on a target whose user may not create the offsets table: the run
+    writes at least once, says so in its log and in ``delivery_in_effect`` (the sink asset's
+    ``delivery`` metadata), and an offsets change has nothing in the target to move."""
+    config, table = unprivileged
+    sink = build_sink(config)
+    assert sink.config.delivery == "auto"
+    sink.bind("orders_eo", 1)
+    assert sink.target_offsets() is None
+    with caplog.at_level("WARNING", logger="conveyor.sinks.sql"):
+        sink.init_sink()
+    try:
+        assert sink.delivery_in_effect().startswith(
+            "at_least_once (delivery auto: this user may not keep"
+        )
+        assert any("at least once into" in r.getMessage() for r in caplog.records)
+        assert sink.send_batch(make_batch(5)).failed == ()
+        assert sink.send_batch(make_batch(5)).failed == ()  # at least once: a re-send appends
+    finally:
+        sink.cleanup_sink()
+    assert count(db, table) == (10, 5)
+    sink.move_target_offsets("orders_eo", {"orders_eo": 2}, {TopicPartition("orders", 0): 0})

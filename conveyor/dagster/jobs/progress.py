@@ -99,12 +99,17 @@ def watermark_metadata(wm: Watermark) -> dict[str, Any]:
 
 
 def target_commit_metadata(sink: Any) -> dict[str, Any]:
-    """The target's last commit (a lakehouse table's snapshot or version, files and rows
-    added: the sink's ``last_commit``), as metadata; empty for the other sinks."""
+    """As metadata: the delivery a SQL sink writes with in this run (``delivery``: ``auto``
+    resolved), and the target's last commit (a lakehouse table's snapshot or version, files and
+    rows added: the sink's ``last_commit``); empty for the other sinks."""
+    out: dict[str, Any] = {}
+    in_effect = getattr(sink, "delivery_in_effect", None)
+    if callable(in_effect):
+        out["delivery"] = MetadataValue.text(in_effect())
     last = getattr(sink, "last_commit", None)
     if last is None:
-        return {}
-    return {
+        return out
+    return out | {
         f"table_{k}": MetadataValue.int(v) if isinstance(v, int) else MetadataValue.text(str(v))
         for k, v in last.metadata().items()
     }
