@@ -35,6 +35,10 @@ from conveyor.core.model import Offsets, TopicPartition
 log = logging.getLogger("conveyor.sinks.kafka")
 
 
+# librdkafka's default transaction timeout; raised to the record timeout when that is longer.
+TRANSACTION_TIMEOUT_MS = 60_000
+
+
 def transactional_id(writer: str) -> str:
     return f"conveyor-{writer}"
 
@@ -103,7 +107,15 @@ class Transactions:
         self._consumer: Any = None
 
     def producer_conf(self) -> dict[str, Any]:
-        return {"transactional.id": transactional_id(self.writer), "enable.idempotence": True}
+        """The transactional settings: this writer's id, and a transaction timeout no shorter
+        than the records' (librdkafka refuses ``message.timeout.ms`` above
+        ``transaction.timeout.ms``, whose own default, 60 s, is below ``delivery_timeout_ms``'s)."""
+        record_timeout = int(self.conf.get("message.timeout.ms", 0))
+        return {
+            "transactional.id": transactional_id(self.writer),
+            "enable.idempotence": True,
+            "transaction.timeout.ms": max(TRANSACTION_TIMEOUT_MS, record_timeout),
+        }
 
     def start(self, client: Any) -> Offsets:
         """Initialise the producer (fencing older ones of the id), check no newer generation

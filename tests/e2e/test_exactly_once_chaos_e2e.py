@@ -189,15 +189,7 @@ class KafkaTopic:
         self.tail = Tail(bootstrap, self.topic, PARTITIONS)
 
     def sink(self) -> dict[str, Any]:
-        # delivery_timeout_ms: with the default (120 s) librdkafka refuses the transactional
-        # producer ("message.timeout.ms must be set <= transaction.timeout.ms", 60 s by
-        # default); drop it once the sink sets transaction.timeout.ms to match.
-        return {
-            "type": "kafka",
-            "bootstrap_servers": self.bootstrap,
-            "topic": self.topic,
-            "delivery_timeout_ms": 60_000,
-        }
+        return {"type": "kafka", "bootstrap_servers": self.bootstrap, "topic": self.topic}
 
     def read(self) -> Committed:
         return self.tail.poll()

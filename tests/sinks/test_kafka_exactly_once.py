@@ -16,6 +16,7 @@ import pytest
 
 from conveyor.core.errors import TransientSinkError
 from conveyor.core.model import TopicPartition
+from tests.kafka_read_committed import read_topic
 from tests.sinks.test_kafka import _sink, create_topic, delete_topics
 
 pytestmark = pytest.mark.integration
@@ -137,6 +138,37 @@ def test_a_transaction_cut_off_before_its_commit_does_not_move_the_offsets(tansu
 def test_read_committed_skips_the_records_of_a_transaction_cut_off(tansu, topic):
     cut_off_run(tansu, topic, f"w{uuid.uuid4().hex[:6]}")
     assert committed_values(tansu, topic) == [f"v{i}".encode() for i in range(6)]
+
+
+def test_the_cut_off_transaction_is_aborted_in_the_log_and_read_committed_sees_each_row_once(
+    tansu, topic
+):
+    """The same cut-off run, the topic read with read_committed's rule applied to the log's own
+    transaction markers (tests/kafka_read_committed.py: what a Kafka broker's aborted index
+    gives librdkafka): rows 0..5 once, the cut-off copy of 3..5 aborted, nothing pending."""
+    cut_off_run(tansu, topic, f"w{uuid.uuid4().hex[:6]}")
+    seen = read_topic(tansu, topic, 1)
+    assert seen.values() == [f"v{i}".encode() for i in range(6)]
+    assert [r.value for r in seen.aborted] == [b"v3", b"v4", b"v5"]
+    assert not seen.pending and seen.markers >= 3
+
+
+def test_exactly_once_starts_with_the_default_timeouts(tansu, topic):
+    """Default settings plus delivery: exactly_once (delivery_timeout_ms 120 s, above
+    librdkafka's 60 s transaction timeout, which the sink raises to match)."""
+    from conveyor.sinks import build_sink
+
+    s = build_sink(
+        {"type": "kafka", "bootstrap_servers": tansu, "topic": topic, "delivery": "exactly_once"}
+    )
+    s.bind(f"w{uuid.uuid4().hex[:6]}", 1)
+    s.init_sink()
+    try:
+        assert s.send_batch(batch(range(0, 3))).failed == ()
+        assert s.target_offsets() == {TopicPartition(SRC, 0): 3}
+    finally:
+        s.cleanup_sink()
+    assert read_topic(tansu, topic, 1).values() == [f"v{i}".encode() for i in range(3)]
 
 
 def test_a_zombie_and_the_new_run_never_write_a_row_twice(tansu, topic):
