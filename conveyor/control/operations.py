@@ -619,9 +619,9 @@ class Operations:
         except PermanentSinkError as e:
             raise ConflictError(
                 f"connector {row.name!r} keeps its offsets in its target (sink "
-                f"{loaded.sink.type}, exactly once), which win over the meta store's on start, "
-                f"and they could not be moved there: {e} (docs/OPERATIONS.md, 'Exactly once "
-                "and offsets')"
+                f"{loaded.sink.type}, delivery {getattr(loaded.sink, 'delivery', 'exactly_once')}), "
+                f"which win over the meta store's on start, and they could not be moved there: "
+                f"{e} (docs/OPERATIONS.md, 'Exactly once and offsets')"
             ) from None
 
     # -- dead letters ---------------------------------------------------------------------------

@@ -224,8 +224,13 @@ class ConnectorLoop(LoopControl):
         sleep: Callable[[float], None] | None = None,
         rng: random.Random | None = None,
         counters: Counters | None = None,
+        start_offsets: Callable[[], Offsets] | None = None,
     ):
+        """``start_offsets``: where the run starts when its target keeps the offsets (exactly
+        once: ``committed`` merged with the target's), read when the sink is initialised, under
+        the same outage retries (an unreachable target is Degraded, then Error)."""
         self.cfg = config
+        self._start_offsets = start_offsets
         self.source = source
         self.transform = transform
         self.sink = sink
@@ -270,6 +275,8 @@ class ConnectorLoop(LoopControl):
             prepare = getattr(self.transform, "prepare", None)
             if prepare is not None:
                 self._with_outage_retry("prepare transform", prepare)
+            if self._start_offsets is not None:
+                self.committed = dict(self._with_outage_retry("init sink", self._start_offsets))
             self._with_outage_retry("init sink", self.sink.init_sink)
             open_source = getattr(self.source, "open", None)
             if open_source is not None:

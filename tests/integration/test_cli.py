@@ -52,7 +52,7 @@ def cli(meta_url: str, *args: str, input: str | None = None):
 SPEC = """
 name: orders
 source: {topics: [orders]}
-sink: {type: postgres, url: "postgresql://u@127.0.0.1/x?application_name=secret", table: orders}
+sink: {type: postgres, url: "postgresql://u@127.0.0.1/x?application_name=secret", table: orders, delivery: at_least_once}
 """
 
 

@@ -4,6 +4,7 @@ committer and dead-letter store, references resolved in the run. The connector's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 from dagster import OpExecutionContext
@@ -63,10 +64,15 @@ def build_sink_loop(
         )
     try:
         sink = build_sink(live.sink)
-        committed = _target_offsets_win(context, sink, writer or name, gen, committed, partitions)
     except Exception:
         source.close()
         raise
+    start_offsets = None
+    if isinstance(sink, OffsetsInTarget):
+        # Read by the loop as it initialises the sink, under its outage retries.
+        start_offsets = functools.partial(
+            _target_offsets_win, context, sink, writer or name, gen, dict(committed), partitions
+        )
     return ConnectorLoop(
         LoopConfig(
             name=name,
@@ -94,6 +100,7 @@ def build_sink_loop(
         dead_letters=dead_letters,
         on_progress=progress_logger(context, ls, dead_letters, sink=sink),
         counters=counters,
+        start_offsets=start_offsets,
     )
 
 
