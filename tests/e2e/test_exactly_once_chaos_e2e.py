@@ -34,12 +34,11 @@ from typing import Any
 import psycopg2
 import pytest
 
-from tests.conftest import PG_URL
 from tests.e2e.conftest import FINISHED, SETTLE_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_lakehouse_e2e import kill_run
+from tests.integration.pg_cluster import PrivateCluster, private_server
 from tests.kafka_read_committed import Committed, Tail
-from tests.sinks.test_mysql import MYSQL_URL
-from tests.sinks.test_sql_exactly_once import mysql_connect
+from tests.private_servers import PrivateMariaDB, PrivateRedis, private_mariadb, private_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -47,6 +46,8 @@ KILLS = int(os.environ.get("CONVEYOR_E2E_CHAOS_KILLS", "20"))
 SEED = int(os.environ.get("CONVEYOR_E2E_CHAOS_SEED", "37"))
 CHUNK = 500  # messages produced before and after each kill's point
 TXN_CHUNK = 20_000  # a backlog the run, stopped meanwhile, then takes in large transactions
+RESTARTS = int(os.environ.get("CONVEYOR_E2E_CHAOS_RESTARTS", "4"))
+RESTART_CHUNK = 5_000  # the backlog being drained when the target is restarted
 PARTITIONS = 3
 TRANSFORM = {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"}
 WINS = "the target holds other offsets than the meta store, and wins"
@@ -79,9 +80,11 @@ class SqlTarget:
 
 
 class Postgres(SqlTarget):
-    """An append-only table ``orders`` in a fresh schema of the machine's PostgreSQL."""
+    """An append-only table ``orders`` in a fresh schema of a private PostgreSQL cluster
+    (tests/integration/pg_cluster.py), which the test crash-restarts (``pg_ctl -m immediate``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: PrivateCluster) -> None:
+        self.server, self.url = server, server.url
         self.schema = f"chaos_{uuid.uuid4().hex[:10]}"
         self.orders = f'"{self.schema}".orders'
         self.offsets_table = f'"{self.schema}".conveyor_offsets'
@@ -90,10 +93,20 @@ class Postgres(SqlTarget):
         self.sql(f"CREATE TABLE {self.orders} (id bigint, name text, amount double precision)")
 
     def sink(self) -> dict[str, Any]:
-        return {"type": "postgres", "url": PG_URL, "schema": self.schema, "table": "orders"}
+        return {"type": "postgres", "url": self.url, "schema": self.schema, "table": "orders"}
+
+    def open_transactions(self) -> int:
+        """The connector's sessions inside a transaction that has written (the run stopped:
+        none of them can be committing meanwhile), or idle in one."""
+        rows = self.sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'conveyor' "
+            "AND (state = 'idle in transaction' OR (state = 'active' "
+            "AND backend_xid IS NOT NULL AND query NOT ILIKE 'commit%%'))"
+        )
+        return int(rows[0][0])
 
     def sql(self, text: str, *args: Any) -> list[tuple[Any, ...]]:
-        conn = psycopg2.connect(PG_URL)
+        conn = psycopg2.connect(self.url)
         conn.autocommit = True
         try:
             with conn.cursor() as cur:
@@ -107,10 +120,12 @@ class Postgres(SqlTarget):
 
 
 class MariaDB(SqlTarget):
-    """An append-only InnoDB table in the machine's MariaDB (database ``test``), and an
-    offsets table of its own."""
+    """An append-only InnoDB table in a private MariaDB (database ``test``,
+    tests/private_servers.py), which the test SIGKILLs and starts again (InnoDB's crash
+    recovery), and an offsets table of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: PrivateMariaDB) -> None:
+        self.server = server
         tag = uuid.uuid4().hex[:10]
         self.orders, self.offsets_table = f"chaos_{tag}", f"chaos_offsets_{tag}"
         self.partition = "`partition`"
@@ -121,13 +136,23 @@ class MariaDB(SqlTarget):
     def sink(self) -> dict[str, Any]:
         return {
             "type": "mysql",
-            "url": MYSQL_URL,
+            "url": self.server.url,
             "table": self.orders,
             "offsets_table": self.offsets_table,
         }
 
+    def open_transactions(self) -> int:
+        """InnoDB transactions of other sessions that wrote rows and run no statement (idle in
+        the transaction: with the run stopped, none is committing)."""
+        rows = self.sql(
+            "SELECT count(*) FROM information_schema.innodb_trx WHERE "
+            "trx_mysql_thread_id <> CONNECTION_ID() AND trx_rows_modified > 0 "
+            "AND trx_query IS NULL"
+        )
+        return int(rows[0][0])
+
     def sql(self, text: str, *args: Any) -> list[tuple[Any, ...]]:
-        conn = mysql_connect()
+        conn = self.server.connect()
         try:
             with conn.cursor() as cur:
                 cur.execute(text, args or None)
@@ -140,18 +165,29 @@ class MariaDB(SqlTarget):
 
 
 class Redis:
-    """A stream in the machine's Redis that every message is XADDed to (not idempotent: a
-    message written twice is two entries), and the writer's offsets hash."""
+    """A stream in a private Redis (AOF, ``appendfsync always``: tests/private_servers.py)
+    that every message is XADDed to (not idempotent: a message written twice is two entries),
+    and the writer's offsets hash. The test SIGKILLs the server and starts it again (AOF
+    replay)."""
 
-    def __init__(self) -> None:
-        import redis
-
-        self.r = redis.Redis(host="127.0.0.1", port=6379)
+    def __init__(self, server: PrivateRedis) -> None:
+        self.server = server
+        self.r = server.client()
         self.prefix = f"chaos:{uuid.uuid4().hex[:10]}"
         self.stream = f"{self.prefix}:orders"
 
     def sink(self) -> dict[str, Any]:
-        return {"type": "redis", "commands": [f"XADD {self.stream} * id ${{payload.id}}"]}
+        return {
+            "type": "redis",
+            "host": "127.0.0.1",
+            "port": self.server.port,
+            "commands": [f"XADD {self.stream} * id ${{payload.id}}"],
+        }
+
+    def open_transactions(self) -> int:
+        """Clients inside ``MULTI`` (flag ``x``): a transaction the server has begun to
+        queue and not yet executed."""
+        return sum("x" in c["flags"] for c in self.r.client_list())
 
     def counts(self) -> tuple[int, int]:
         ids = [int(f[b"id"]) for _, f in self.r.xrange(self.stream)]
@@ -232,16 +268,54 @@ class KafkaTopic:
 
 
 TARGETS = {"postgres": Postgres, "mysql": MariaDB, "redis": Redis, "kafka": KafkaTopic}
+SERVERS = {"postgres": private_server, "mysql": private_mariadb, "redis": private_redis}
 
 
 @pytest.fixture(params=list(TARGETS))
 def target(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The target, on a private server of its own where the test restarts it (all but Kafka:
+    the source's embedded broker); the server is killed and its files removed after."""
     kind = TARGETS[request.param]
-    made = kind(request.getfixturevalue("tansu")) if kind is KafkaTopic else kind()
-    try:
-        yield made
-    finally:
-        made.drop()
+    with contextlib.ExitStack() as stack:
+        if kind is KafkaTopic:
+            made = kind(request.getfixturevalue("tansu"))
+        else:
+            made = kind(stack.enter_context(SERVERS[request.param]()))
+        try:
+            yield made
+        finally:
+            made.drop()
+
+
+def restart_while_writing(target: Any, pid: int, produced: int, rng: random.Random) -> bool:
+    """Stop the run process (SIGSTOP) at random moments while it drains its backlog until
+    the target holds one of its transactions open, and crash-restart the target then, the run
+    still stopped (True); if all ``produced`` are committed first, restart it anyway (False).
+    The run is continued (SIGCONT) either way."""
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            caught = target.open_transactions() > 0
+            if caught or target.counts()[0] >= produced:
+                target.server.crash_restart()
+                return caught
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(rng.uniform(0, 0.05))  # the next stop's random point, not a wait
+    raise AssertionError(f"{produced} messages not delivered in {SETTLE_S} s")
+
+
+def step_errors(dagster: DagsterHarness, run_id: str) -> str:
+    """The run's errors with their causes and stacks (the run log shows their first line)."""
+    with dagster.instance() as inst:
+        out = []
+        for rec in inst.all_logs(run_id):
+            event = rec.dagster_event
+            err = getattr(event.event_specific_data, "error", None) if event else None
+            if err is not None:
+                out.append(err.to_string())
+        return "\n".join(out)
 
 
 @contextlib.contextmanager
@@ -295,6 +369,15 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
     runs = [run]
     locked_kills: list[int] = []  # the kill's index: the run after it must find the target ahead
     open_kills: list[int] = []  # Kafka: killed with a transaction's records in the topic
+    # The target's restarts (all but Kafka): before the kills drawn here, from their own
+    # generator so that the kill points stay the seed's. (kill index, transaction open?)
+    restarts_rng = random.Random(f"{SEED}:restarts")
+    restart_at = (
+        set()
+        if isinstance(target, KafkaTopic)
+        else set(restarts_rng.sample(range(KILLS), min(RESTARTS, KILLS)))
+    )
+    restarts: list[tuple[int, bool]] = []
     points = ["startup", "stream", "stream", "locked"]
     if isinstance(target, KafkaTopic):
         points.append("transaction")
@@ -310,6 +393,22 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
                 SETTLE_S,
                 f"run {k} claimed the connector",
             )
+            if k in restart_at:
+                pid = dagster.store.get(name).run_pid
+                os.kill(pid, signal.SIGSTOP)  # a backlog: the next transactions are long
+                try:
+                    more(RESTART_CHUNK)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                stops = random.Random(restarts_rng.random())
+                restarts.append((k, restart_while_writing(target, pid, produced, stops)))
+                # The same run rides the restart: it delivers everything, offsets with it.
+                try:
+                    wait_for(lambda: offsets() == produced, SETTLE_S, f"run {k} after restart")
+                except AssertionError as e:
+                    log = dagster.run_log(run, tail=200)
+                    raise AssertionError(f"{e}\n{log}\n{step_errors(dagster, run)}") from None
+                assert dagster.run_status(run) == "STARTED", dagster.run_log(run)
             if point == "startup":
                 # Anywhere in the run's first seconds: building the loop, its first batch.
                 time.sleep(rng.uniform(0, 2))  # the kill's random point, not a wait
@@ -369,6 +468,19 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
             f"of aborted transactions, {log.markers} markers"
         )
     assert len(runs) == KILLS + 1
+    if restart_at:
+        # A restart that cut a transaction off made its run Degraded; the run recovered on
+        # its own (it delivered the rest above, still the same run).
+        assert len(restarts) == len(restart_at) >= 3, restarts
+        history = dagster.store.history(name, limit=10_000)
+        caught = [k for k, hit in restarts if hit]
+        degraded = {h.run_id for h in history if h.to_status == "Degraded"}
+        for k, _ in restarts:
+            print(k, [(h.to_status, h.reason) for h in history if h.run_id == runs[k]])
+        assert {runs[k] for k in caught} <= degraded, (restarts, degraded)
+        if not isinstance(target, Redis):
+            assert caught, "no restart caught the connector's transaction open"
+        print(f"{len(restarts)} target restarts, {len(caught)} with a transaction open")
     # The meta store missed the commits made while it was locked: a later run took the
     # target's offsets over it (else the test would not have tested the window).
     assert locked_kills, "the seed drew no kill with the meta store locked"

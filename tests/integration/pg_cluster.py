@@ -1,4 +1,5 @@
-"""A private PostgreSQL cluster with ``wal_level=logical`` on a free port (CDC tests).
+"""A private PostgreSQL cluster with ``wal_level=logical`` on a free port (CDC tests; the
+exactly-once chaos test crash-restarts one).
 
 The machine's PostgreSQL runs with ``wal_level=replica``; logical decoding needs its
 own cluster: Debian's ``initdb`` and ``pg_ctl`` (as the ``postgres`` user when the
@@ -14,6 +15,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.core.ports import free_port
@@ -27,6 +29,51 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return cmd
 
 
+@dataclass
+class PrivateCluster:
+    """A running private cluster: its URL, and a crash-restart of its server."""
+
+    url: str
+    base: Path
+    data: Path
+    opts: str
+
+    def start(self) -> None:
+        subprocess.run(
+            _as_postgres(
+                [
+                    str(PG_BIN / "pg_ctl"),
+                    "-D",
+                    str(self.data),
+                    "-o",
+                    self.opts,
+                    "-l",
+                    str(self.base / "log"),
+                    "-w",
+                    "start",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        _wait_ready(self.url)
+
+    def stop(self, mode: str = "immediate") -> None:
+        """``pg_ctl stop -m immediate``: the postmaster and its backends quit at once, open
+        transactions are lost and the next start runs crash recovery."""
+        subprocess.run(
+            _as_postgres([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"]),
+            capture_output=True,
+            timeout=60,
+        )
+
+    def crash_restart(self) -> None:
+        """A crash (``-m immediate``) and a start on the same port and data directory."""
+        self.stop("immediate")
+        self.start()
+
+
 @contextlib.contextmanager
 def private_cluster(next_xid: int | None = None) -> Iterator[str]:
     """Yields the URL of a fresh cluster's ``postgres`` database; stops and removes it after.
@@ -34,6 +81,13 @@ def private_cluster(next_xid: int | None = None) -> Iterator[str]:
     ``next_xid``: the cluster starts with this next transaction id (``pg_resetwal -x``, its
     ``pg_xact`` segment created), e.g. just below 2^32 to test xid wraparound.
     """
+    with private_server(next_xid) as cluster:
+        yield cluster.url
+
+
+@contextlib.contextmanager
+def private_server(next_xid: int | None = None) -> Iterator[PrivateCluster]:
+    """``private_cluster``'s cluster as a handle that can also crash-restart it."""
     if not (PG_BIN / "initdb").exists():
         raise RuntimeError(f"no initdb under {PG_BIN} (set CONVEYOR_TEST_PG_BIN)")
     base = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
@@ -42,6 +96,11 @@ def private_cluster(next_xid: int | None = None) -> Iterator[str]:
     if os.geteuid() == 0:
         shutil.chown(base, "postgres", "postgres")
     base.chmod(0o700)
+    opts = (
+        f"-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={base} "
+        "-c wal_level=logical -c max_replication_slots=8 -c max_wal_senders=8 -c fsync=off"
+    )
+    cluster = PrivateCluster(f"postgresql://postgres@127.0.0.1:{port}/postgres", base, data, opts)
     try:
         subprocess.run(
             _as_postgres(
@@ -62,39 +121,10 @@ def private_cluster(next_xid: int | None = None) -> Iterator[str]:
         )
         if next_xid is not None:
             _set_next_xid(data, next_xid)
-        opts = (
-            f"-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={base} "
-            "-c wal_level=logical -c max_replication_slots=8 -c max_wal_senders=8 -c fsync=off"
-        )
-        subprocess.run(
-            _as_postgres(
-                [
-                    str(PG_BIN / "pg_ctl"),
-                    "-D",
-                    str(data),
-                    "-o",
-                    opts,
-                    "-l",
-                    str(base / "log"),
-                    "-w",
-                    "start",
-                ]
-            ),
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-        _wait_ready(url)
-        yield url
+        cluster.start()
+        yield cluster
     finally:
-        subprocess.run(
-            _as_postgres(
-                [str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"]
-            ),
-            capture_output=True,
-            timeout=60,
-        )
+        cluster.stop("immediate")
         shutil.rmtree(base, ignore_errors=True)
 
 
