@@ -517,8 +517,6 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
         history = dagster.store.history(name, limit=10_000)
         caught = [k for k, hit in restarts if hit]
         degraded = {h.run_id for h in history if h.to_status == "Degraded"}
-        for k, _ in restarts:
-            print(k, [(h.to_status, h.reason) for h in history if h.run_id == runs[k]])
         assert {runs[k] for k in caught} <= degraded, (restarts, degraded)
         if not isinstance(target, Redis):
             assert caught, "no restart caught the connector's transaction open"
