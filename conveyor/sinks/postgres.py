@@ -276,8 +276,16 @@ class PostgresSink(LedgerSink, Sink):
         return conn
 
     def init_sink(self) -> None:
+        import psycopg2
+
         self._conn = self._connect()
-        self._describe_table()
+        try:
+            self._describe_table()
+        except psycopg2.OperationalError as e:
+            # The server went away between the connect and the describe (a restart): an
+            # outage the loop retries, not a failed run.
+            self.cleanup_sink()
+            raise TransientSinkError(f"PostgreSQL: reading the table's columns: {e}") from None
         if self._exactly_once():
             self._claim()
 

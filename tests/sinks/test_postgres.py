@@ -391,3 +391,32 @@ def test_upsert_on_a_deferrable_key_is_a_permanent_error_not_an_outage(truncate_
         assert _ids(truncate_table) == []
     finally:
         sink.cleanup_sink()
+
+
+def test_a_server_gone_between_connect_and_describe_is_an_outage_not_a_failed_run(
+    truncate_table: str,
+) -> None:
+    """The server closes the sink's connection right after it connected (a restart, here the
+    backend terminated by the server): init_sink raises a TransientSinkError, which the loop
+    retries (Degraded), not psycopg2's OperationalError, which would fail the run."""
+    from conveyor.core.errors import TransientSinkError
+    from conveyor.sinks import build_sink
+
+    sink = build_sink(
+        {"type": "postgres", "url": PG_URL, "schema": SCHEMA, "table": truncate_table}
+    )
+    connect = sink._connect
+
+    def connect_then_lose_it() -> Any:
+        conn = connect()
+        with psycopg2.connect(PG_URL) as admin, admin.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s)", (conn.get_backend_pid(),))
+        return conn
+
+    sink._connect = connect_then_lose_it
+    with pytest.raises(TransientSinkError, match="reading the table's columns"):
+        sink.init_sink()
+    assert sink._conn is None
+    sink._connect = connect
+    sink.init_sink()  # the retry, the server back
+    sink.cleanup_sink()
