@@ -18,6 +18,7 @@ import itertools
 import logging
 import operator
 import threading
+import uuid
 from typing import Any
 
 import pyarrow as pa
@@ -109,7 +110,9 @@ class ConfluentSource(KafkaSource, client="confluent"):
                 # Every record batch's CRC-32C, as kafka-python checks it (in C here).
                 "check.crcs": True,
                 "isolation.level": self.spec.isolation_level,
-                "auto.offset.reset": "latest" if self.spec.start_from == "latest" else "earliest",
+                # A position outside the log is an error event (``_OutOfRange``), never a
+                # silent jump: source.out_of_range decides (KafkaSource._position_lost).
+                "auto.offset.reset": "error",
                 "fetch.wait.max.ms": 100,
                 "fetch.max.bytes": 64 << 20,
                 # librdkafka fetches ahead while it holds fewer than queued.min.messages
@@ -249,6 +252,7 @@ class ConfluentSource(KafkaSource, client="confluent"):
 
         records = []
         ends: dict[TopicPartition, int] = {}
+        lost: list[TopicPartition] = []
         for m in msgs:
             err = m.error()
             if err is None:
@@ -256,8 +260,12 @@ class ConfluentSource(KafkaSource, client="confluent"):
             elif err.code() == KafkaError._PARTITION_EOF:
                 if m.offset() >= 0:
                     ends[TopicPartition(m.topic(), m.partition())] = m.offset()
+            elif err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                lost.append(TopicPartition(m.topic(), m.partition()))
             else:
                 raise _exception(err)
+        if lost:
+            raise _OutOfRange(lost)
         return records, ends
 
     def _reached(self, ends: dict[TopicPartition, int]) -> None:
@@ -318,6 +326,37 @@ class ConfluentSource(KafkaSource, client="confluent"):
             reader.close()
         return {TopicPartition(f.topic, f.partition): f.offset for f in found}
 
+    def _topic_ids(self, topics: list[str]) -> tuple[str | None, dict[str, str | None]]:
+        from confluent_kafka import TopicCollection
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient(consumer_config(self.spec, client_id=f"{self.client_id}-admin"))
+        cluster = admin.describe_cluster(request_timeout=self._timeout_s).result(self._timeout_s)
+        found = admin.describe_topics(TopicCollection(topics), request_timeout=self._timeout_s)
+        ids: dict[str, str | None] = {}
+        for topic, f in found.items():
+            try:
+                ids[topic] = topic_uuid(f.result(self._timeout_s).topic_id)
+            except Exception as e:  # noqa: BLE001 - a topic gone meanwhile has no id
+                if classify_kafka_error(e) == "transient":
+                    raise
+                ids[topic] = None
+        return cluster.cluster_id, ids
+
+    def _log_ranges(self, parts: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
+        from confluent_kafka import TopicPartition as CTP
+
+        out: dict[TopicPartition, tuple[int, int]] = {}
+        for tp in parts:
+            low, high = self._consumer.get_watermark_offsets(
+                CTP(tp.topic, tp.partition), timeout=self._timeout_s
+            )
+            out[tp] = (int(low), int(high))
+        return out
+
+    def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
+        return list(exc.parts) if isinstance(exc, _OutOfRange) else None
+
     def _close(self) -> None:
         consumers, self._consumer, self._committer = (self._consumer, self._committer), None, None
         for c in consumers:
@@ -326,6 +365,23 @@ class ConfluentSource(KafkaSource, client="confluent"):
                     c.close()
                 except Exception:  # noqa: BLE001 - closing is best effort
                     log.debug("error closing consumer", exc_info=True)
+
+
+def topic_uuid(uid: Any) -> str | None:
+    """A librdkafka ``Uuid`` as the standard UUID text (what kafka-python's reads as too)."""
+    if uid is None:
+        return None
+    mask = (1 << 64) - 1
+    msb, lsb = uid.get_most_significant_bits() & mask, uid.get_least_significant_bits() & mask
+    return str(uuid.UUID(int=(msb << 64) | lsb))
+
+
+class _OutOfRange(Exception):
+    """Partitions librdkafka found out of range (``auto.offset.reset`` error)."""
+
+    def __init__(self, parts: list[TopicPartition]):
+        super().__init__(f"offset out of range: {', '.join(map(str, parts))}")
+        self.parts = parts
 
 
 def _exception(err: Any) -> BaseException:

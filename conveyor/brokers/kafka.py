@@ -124,7 +124,9 @@ class KafkaPythonSource(KafkaSource, client="kafka-python"):
         options = self.consumer_options(
             group_id=None,
             enable_auto_commit=False,
-            auto_offset_reset="latest" if self.spec.start_from == "latest" else "earliest",
+            # A position outside the log raises OffsetOutOfRangeError: source.out_of_range
+            # decides (KafkaSource._position_lost), never a silent jump.
+            auto_offset_reset="none",
             isolation_level=self.spec.isolation_level,
             max_poll_records=100_000,
             fetch_max_bytes=64 << 20,
@@ -286,6 +288,42 @@ class KafkaPythonSource(KafkaSource, client="kafka-python"):
             }
         finally:
             reader.close(autocommit=False)
+
+    def _topic_ids(self, topics: list[str]) -> tuple[str | None, dict[str, str | None]]:
+        client = getattr(self._consumer, "_client", None)  # kafka-python's metadata (KIP-516)
+        cluster = getattr(client, "cluster", None)
+        if cluster is None:
+            return None, {}
+        for t in topics:
+            self._consumer.partitions_for_topic(t)  # metadata for the topic, if not yet
+        ids: dict[str, str | None] = {}
+        for t in topics:
+            uid = cluster.topic_id(t)
+            ids[t] = str(uid) if uid else None
+        return cluster.cluster_id, ids
+
+    def _log_ranges(self, parts: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
+        # seek + position (as _end_offsets: tansu's end_offsets is wrong), on an assignment
+        # that holds the partitions; ``open`` and ``_position_lost`` seek afterwards.
+        from kafka import TopicPartition as KTP
+
+        c = self._consumer
+        assigned = set(c.assignment())
+        wanted = {KTP(tp.topic, tp.partition) for tp in parts}
+        if not wanted <= assigned:
+            c.assign(list(assigned | wanted))
+        lo = self._end_offsets(parts, "earliest")
+        hi = self._end_offsets(parts, "latest")
+        return {tp: (lo[tp], hi[tp]) for tp in parts}
+
+    def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
+        from kafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
+
+        if not isinstance(exc, (OffsetOutOfRangeError, NoOffsetForPartitionError)):
+            return None
+        found = exc.args[0] if exc.args and isinstance(exc.args[0], (dict, set, list)) else {}
+        parts = [TopicPartition(k.topic, k.partition) for k in found]
+        return parts or list(self._partitions)
 
     def _close(self) -> None:
         for c in (self._consumer, self._committer):

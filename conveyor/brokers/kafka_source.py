@@ -39,6 +39,13 @@ from conveyor.core.model import (
     TopicPartition,
     parse_start_timestamp,
 )
+from conveyor.core.positions import (
+    LogFacts,
+    PositionNote,
+    StoredPosition,
+    judge_positions,
+    log_id_of,
+)
 from conveyor.core.sink import ErrorKind
 
 log = logging.getLogger("conveyor.kafka")
@@ -212,6 +219,12 @@ class KafkaSource(abc.ABC):
         # end offsets (bounded by request_timeout_ms); no answer is an outage.
         self.probe_interval_s = probe_interval_s
         self._last_contact = clock()
+        # The log id of each topic found (core/positions.py; None: the broker reports no topic
+        # id): a run's PositionScope holds this dict, so commits name the logs found later too.
+        self.log_ids: dict[str, str | None] = {}
+        # Positions not taken as stored (out of range while reading), for the loop to report.
+        self._notes: list[PositionNote] = []
+        self._notes_lock = threading.Lock()
 
     # -- the client's primitives ---------------------------------------------------------
 
@@ -270,6 +283,21 @@ class KafkaSource(abc.ABC):
         """Close the consumer and the group client."""
 
     @abc.abstractmethod
+    def _topic_ids(self, topics: list[str]) -> tuple[str | None, dict[str, str | None]]:
+        """The cluster id and each topic's id (KIP-516) as standard UUID text; None where the
+        broker reports none."""
+
+    @abc.abstractmethod
+    def _log_ranges(self, parts: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
+        """Each partition's log start and end offsets (a client may move unassigned positions;
+        ``open`` assigns afterwards)."""
+
+    @abc.abstractmethod
+    def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
+        """The partitions a client error says are out of range (their position is not in the
+        log, ``auto.offset.reset`` set to error), or None when it is another error."""
+
+    @abc.abstractmethod
     def _opened(self) -> bool:
         """Whether the consumer is open."""
 
@@ -282,12 +310,7 @@ class KafkaSource(abc.ABC):
         (yet), PermanentSourceError / ConfigError for what no retry fixes (credentials,
         certificates, settings).
         """
-        try:
-            self._connect()
-        except ConveyorError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified
-            raise source_error(e, f"cannot connect to Kafka at {self.bootstrap}") from None
+        self._ensure_connected()
         deadline = time.monotonic() + wait_for_topics_s
         while True:
             parts, missing = self._discover()
@@ -308,6 +331,76 @@ class KafkaSource(abc.ABC):
             self.client,
         )
         return parts
+
+    def _ensure_connected(self) -> None:
+        if self._opened():
+            return
+        try:
+            self._connect()
+        except ConveyorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"cannot connect to Kafka at {self.bootstrap}") from None
+
+    # -- positions: the logs' identities and ranges (core/positions.py) ---------------------
+
+    def describe_logs(self) -> dict[TopicPartition, LogFacts]:
+        """Every partition of the spec's topics now (this source's own, for a task): its log id
+        and the offsets its log holds. Connects if needed (``open`` then reuses the client)."""
+        self._ensure_connected()
+        parts, _missing = self._discover()
+        parts = self._mine(parts)
+        try:
+            self._learn_log_ids(sorted({tp.topic for tp in parts}))
+            ranges = self._log_ranges(parts)
+        except ConveyorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified
+            raise source_error(e, f"reading the logs' offsets from {self.bootstrap}") from None
+        return {tp: LogFacts(self.log_ids.get(tp.topic), lo, hi) for tp, (lo, hi) in ranges.items()}
+
+    def _learn_log_ids(self, topics: list[str]) -> None:
+        """The log ids of ``topics`` not known yet (a broker that reports none: None)."""
+        todo = [t for t in topics if t not in self.log_ids]
+        if not todo:
+            return
+        try:
+            cluster, ids = self._topic_ids(todo)
+        except ConveyorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broker without DescribeTopics: no ids
+            if classify_kafka_error(e) == ErrorKind.TRANSIENT:
+                raise source_error(e, f"reading the topics' ids from {self.bootstrap}") from None
+            log.info("%s: no topic ids from %s (%s)", self.group_id, self.bootstrap, e)
+            cluster, ids = None, {}
+        for t in todo:
+            self.log_ids[t] = log_id_of(cluster, ids.get(t))
+
+    def _position_lost(self, parts: list[TopicPartition]) -> None:
+        """The client found these partitions' positions outside the log: each goes by
+        ``source.out_of_range`` (``PositionLostError`` under ``fail``), noted for the loop."""
+        positions = self._positions()
+        stored = {
+            tp: StoredPosition(int(p)) for tp in parts if (p := positions.get(tp)) is not None
+        }
+        facts = {
+            tp: LogFacts(self.log_ids.get(tp.topic), lo, hi)
+            for tp, (lo, hi) in self._log_ranges(list(stored)).items()
+        }
+        start, notes = judge_positions(stored, facts, None, self.spec.out_of_range)
+        # The loop's offsets stay where they were: the new position is handed out with the
+        # next batch (an empty one if the partition holds nothing more) and so committed.
+        self._seek({tp: start.get(tp, stored[tp].offset) for tp in stored})
+        for n in notes:
+            log.warning("%s: %s", self.group_id, n.message)
+        with self._notes_lock:
+            self._notes.extend(notes)
+
+    def take_position_notes(self) -> list[PositionNote]:
+        """Positions not taken as stored since the last call (the loop reports them)."""
+        with self._notes_lock:
+            notes, self._notes = self._notes, []
+        return notes
 
     def _discover(self) -> tuple[list[TopicPartition], list[str]]:
         """Every partition to read now, and the listed topics that do not exist (yet)."""
@@ -385,6 +478,7 @@ class KafkaSource(abc.ABC):
         parts = self._mine(parts)
         new = [tp for tp in parts if tp not in set(self._partitions)]
         if new:
+            self._learn_log_ids(sorted({tp.topic for tp in new}))
             # Kept partitions stay assigned even if their topic vanished from the metadata.
             keep = [tp for tp in self._partitions if tp not in set(parts)]
             self._assign_parts(sorted({*keep, *parts}), {})
@@ -411,6 +505,18 @@ class KafkaSource(abc.ABC):
             chunks, nbytes = self._fill(policy, poll_deadline)
             positions = self._positions()
         except Exception as e:  # noqa: BLE001 - classified
+            lost = self._out_of_range_error(e)
+            if lost:
+                # Records polled before the error are dropped: read again from the positions
+                # the policy chose (the lost partitions) or where the read started.
+                self._rewind({tp: o for tp, o in start.items() if tp not in lost})
+                try:
+                    self._position_lost(lost)
+                except ConveyorError:
+                    raise
+                except Exception as e2:  # noqa: BLE001 - classified
+                    raise source_error(e2, f"reading the log range from {self.bootstrap}") from None
+                return None
             self._rewind(start)
             raise source_error(e, f"reading from {self.bootstrap} failed") from None
         if chunks:

@@ -41,6 +41,7 @@ from conveyor.config.specs import (
 from conveyor.control.metrics import destinations_json, row_head
 from conveyor.core.errors import ConfigError, ConveyorError
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.scrubbing import scrub
 from conveyor.core.secrets import has_reference
 from conveyor.core.state import StateChange
 from conveyor.store.meta import (
@@ -435,18 +436,48 @@ class Operations:
             assert live.source_config is not None
             release_source(live.source_config, name)
         declared = self._declared_in(name, row)
+        if declared is not None and not self._ours(declared):
+            raise ConflictError(
+                f"connector {name!r} is declared in {declared}; remove it there, then delete it here"
+            )
+        kept += self._retire_target_positions(row, loaded)
         if declared is not None:
-            if not self._ours(declared):
-                raise ConflictError(
-                    f"connector {name!r} is declared in {declared}; remove it there, then delete it here"
-                )
             try:
                 declared.unlink(missing_ok=True)
             except OSError as e:
                 raise ConflictError(f"cannot remove {declared}: {e.strerror}") from None
-        self.store.delete(name)
+        self.store.delete(name, kept=kept)
         self._changed(f"deleted connector {name}")
         return kept
+
+    def _retire_target_positions(self, row: ConnectorRow, loaded: LoadedSpec) -> list[str]:
+        """A deleted connector's positions in its target (exactly once), removed where the
+        target can be reached; what stays is listed (it is unusable all the same: a connector
+        created again under this name is a new incarnation, ``core/positions.py``)."""
+        if not (loaded.ok and loaded.sink is not None and loaded.sink.offsets_in_target()):
+            return []
+        from conveyor.core.positions import writer_id
+        from conveyor.core.sink import OffsetsInTarget
+        from conveyor.sinks import build_sink
+
+        live = resolved(loaded)  # holds secrets: used to connect, never shown
+        assert live.sink is not None
+        try:
+            sink = build_sink(live.sink)
+            left = (
+                sink.retire_target_offsets(writer_id(row.name, row.incarnation))
+                if isinstance(sink, OffsetsInTarget)
+                else None
+            )
+        except Exception as e:  # noqa: BLE001 - reported, the delete goes on
+            left = f"{type(e).__name__}: {e}"
+        if left is None:
+            return []
+        return [
+            f"positions of incarnation {row.incarnation} in {'/'.join(loaded.sink.asset_key_path())}"
+            f" not removed ({scrub(left)}); a connector created again under this name never "
+            "uses them"
+        ]
 
     def _changed(self, reason: str) -> None:
         if self.specs_changed is not None:
@@ -609,10 +640,17 @@ class Operations:
         sink = build_sink(live.sink)
         if not isinstance(sink, OffsetsInTarget):
             raise ConflictError(f"connector {row.name!r}: sink {sink.describe()} keeps no offsets")
-        generations = self.store.fence_writers(row.name, reason=reason)
+        from conveyor.core.positions import writer_id
+
+        fenced = self.store.fence_writers(row.name, reason=reason)
+        generations = {writer_id(w, row.incarnation): g for w, g in fenced.items()}
         try:
             sink.move_target_offsets(
-                row.name, generations, offsets, forget=forget or [], replace=replace
+                writer_id(row.name, row.incarnation),
+                generations,
+                offsets,
+                forget=forget or [],
+                replace=replace,
             )
         except FencedError as e:
             raise ConflictError(f"connector {row.name!r}: {e}") from None

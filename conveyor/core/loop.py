@@ -68,6 +68,7 @@ from conveyor.core.model import (
     TopicPartition,
     WatermarkSpec,
 )
+from conveyor.core.positions import PositionNote, given_up_counts
 from conveyor.core.routing import DestinationGate, DestinationRulesSpec
 from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
 from conveyor.core.stopping import Directive, LoopControl, Stopping
@@ -224,13 +225,18 @@ class ConnectorLoop(LoopControl):
         sleep: Callable[[float], None] | None = None,
         rng: random.Random | None = None,
         counters: Counters | None = None,
-        start_offsets: Callable[[], Offsets] | None = None,
+        start_positions: Callable[[], tuple[Offsets, list[PositionNote]]] | None = None,
+        on_positions: Callable[[list[PositionNote]], None] | None = None,
     ):
-        """``start_offsets``: where the run starts when its target keeps the offsets (exactly
-        once: ``committed`` merged with the target's), read when the sink is initialised, under
-        the same outage retries (an unreachable target is Degraded, then Error)."""
+        """``start_positions``: where the run starts (``committed`` judged against the logs as
+        they are, merged with what a target that keeps offsets holds: ``core/positions.py``),
+        and the positions not taken as stored; read before the sink is initialised, under the
+        outage retries (an unreachable broker or target is Degraded, then Error).
+        ``on_positions``: told every position not taken as stored (at start, and those the
+        source finds out of range while reading); the loop counts their messages given up."""
         self.cfg = config
-        self._start_offsets = start_offsets
+        self._start_positions = start_positions
+        self.on_positions = on_positions
         self.source = source
         self.transform = transform
         self.sink = sink
@@ -275,12 +281,15 @@ class ConnectorLoop(LoopControl):
             prepare = getattr(self.transform, "prepare", None)
             if prepare is not None:
                 self._with_outage_retry("prepare transform", prepare)
-            if self._start_offsets is not None:
-                self.committed = dict(self._with_outage_retry("init sink", self._start_offsets))
+            notes: list[PositionNote] = []
+            if self._start_positions is not None:
+                committed, notes = self._with_outage_retry("init sink", self._start_positions)
+                self.committed = dict(committed)
             self._with_outage_retry("init sink", self.sink.init_sink)
             open_source = getattr(self.source, "open", None)
             if open_source is not None:
                 self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
+            self._note_positions(notes, commit=True)
             self._heartbeat(force=True)
             reader = self._reader()
             while not self._should_stop():
@@ -300,6 +309,7 @@ class ConnectorLoop(LoopControl):
                         )
                     )
                     reader = self._reader()
+                self._note_positions(self._source_notes())
                 if item is None:
                     self._heartbeat()
                     continue
@@ -318,6 +328,26 @@ class ConnectorLoop(LoopControl):
             if reader:
                 reader.stop()
             self._close()
+
+    def _source_notes(self) -> list[PositionNote]:
+        take = getattr(self.source, "take_position_notes", None)
+        return take() if take is not None else []
+
+    def _note_positions(self, notes: list[PositionNote], *, commit: bool = False) -> None:
+        """Positions not taken as stored: their given-up messages counted, the run told
+        (``on_positions``); at start (``commit``) a resumed position is committed at once, so a
+        restart before the partition's next batch does not find it outside the log again."""
+        if not notes:
+            return
+        self.counters = replace(
+            self.counters, given_up=given_up_counts(notes, self.counters.given_up)
+        )
+        resumed = {n.tp: n.resumed_at for n in notes if n.resumed_at is not None}
+        if commit and resumed:
+            self._with_outage_retry("commit", lambda: self.committer.commit(resumed))
+            self.committed.update(resumed)
+        if self.on_positions is not None:
+            self.on_positions(notes)
 
     def _reader(self) -> _Prefetcher | None:
         if not self.cfg.prefetch:

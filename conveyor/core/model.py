@@ -165,6 +165,14 @@ class SourceSpec(KafkaConnection, _Spec):
         description="Where to start on a partition without a committed offset: earliest, latest, or an "
         "ISO 8601 time (e.g. 2026-11-01T00:00:00Z; naive = UTC): the first record stamped at or after it.",
     )
+    out_of_range: Literal["earliest", "latest", "fail"] = Field(
+        default="earliest",
+        description="A stored offset outside the log (Kafka Connect's auto.offset.reset for it): below the log "
+        "start (retention or delete_records removed records never read) or above its end (the log was reset). "
+        "earliest: resume at the log start, reading every record still there; latest: at the log end; fail: the "
+        "connector goes to Error until the offsets are moved. Each case is logged, recorded in the history and "
+        "last error, and its skipped records counted per partition (given_up).",
+    )
     isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
         default="read_committed",
         description="read_committed: records of aborted transactions are skipped and those of open "
@@ -829,6 +837,9 @@ class Counters:
     batch_latency_p99_ms: float | None = None
     # High watermark per partition, keyed ``topic[partition]`` (None until a fetch reported one).
     highwaters: dict[str, int] | None = None
+    # Messages given up per partition (``topic[partition]``): a position below the log start,
+    # or one moved past by ``source.out_of_range`` (core/positions.py).
+    given_up: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -64,6 +64,7 @@ import pyarrow as pa
 
 from conveyor.core.errors import BatchRejected, PermanentSinkError, SinkError, TransientSinkError
 from conveyor.core.model import Offsets, TopicPartition
+from conveyor.core.positions import StoredPositions, TargetBinding, split_writer_id
 
 
 class ErrorKind(str, enum.Enum):
@@ -117,24 +118,43 @@ class OffsetsInTarget(Protocol):
     of an older generation is refused by the target), and the offsets the target holds win
     over the meta store's on start: the meta store keeps a mirror.
 
+    Every position a target keeps names what it belongs to (``core/positions.py``): it is kept
+    under the writer id ``<writer>@<incarnation>`` (a connector deleted and created again, or
+    of the same name in another project, never finds it), with the log id of its topic and the
+    destination it describes. ``bind(binding)`` gives the writer id, the generation and that
+    scope; ``target_offsets`` returns the writer's positions as stored, with their log ids and
+    destination (the run judges them by ``core.positions.judge_positions``). A row the target's
+    positions cover is skipped as written only when the position is usable
+    (``TargetBinding.usable``): a position of another log or destination covers nothing, and
+    the next commit of its partition replaces it (backwards too). A binding with a
+    ``legacy_writer`` takes over, once, the positions its target keeps under that bare name (a
+    connector migrated from the release before incarnations), in the target transaction that
+    claims the writer id.
+
     A writer is the connector, or one of its partition tasks (``task_writer``); a backfill's
-    writers (``<connector>.backfill-<digest>``) are not the connector's and never moved.
+    writers (``<connector>.backfill-<request>``) are not the connector's and never moved.
 
     ``move_target_offsets`` is an operator's offsets change (the connector stopped), made in
     the target before the meta store (a crash between leaves the target's value, which wins
-    on start). In one target transaction where the target has one: for every writer of
-    ``connector`` (those in ``generations`` and those the target holds, a removed task's
-    included) the fence is raised to its generation in ``generations`` (the greatest for a
-    writer not named there), so a run of an older generation cannot commit afterwards;
-    partitions in ``offsets`` are set to that next offset (backwards too) where a writer
-    holds them, in the connector's own writer where none does; partitions in ``forget``
-    (every one, with ``replace``) are dropped, so the meta store's value or
-    ``source.start_from`` applies. ``FencedError`` when a writer's target already holds a
-    newer generation (a run started meanwhile): nothing moved. A sink that cannot move them
-    raises ``PermanentSinkError`` saying why, before touching the target."""
+    on start). ``connector`` is the connector's writer id, ``generations`` keyed by writer ids.
+    In one target transaction where the target has one: for every writer of ``connector``
+    (those in ``generations`` and those the target holds, a removed task's included) the fence
+    is raised to its generation in ``generations`` (the greatest for a writer not named there),
+    so a run of an older generation cannot commit afterwards; partitions in ``offsets`` are set
+    to that next offset (backwards too, naming no log: range-checked on start) where a writer
+    holds them, in the connector's own writer where none does; partitions in ``forget`` (every
+    one, with ``replace``) are dropped, so the meta store's value or ``source.start_from``
+    applies. ``FencedError`` when a writer's target already holds a newer generation (a run
+    started meanwhile): nothing moved. A sink that cannot move them raises
+    ``PermanentSinkError`` saying why, before touching the target.
 
-    def bind(self, connector: str, generation: int) -> None: ...
-    def target_offsets(self) -> Offsets | None: ...
+    ``retire_target_offsets`` forgets every position of the connector's writers (``connector``
+    its writer id) when the connector is deleted; it returns what it could not remove and why
+    (a lakehouse table keeps its commit marks in its history: unusable by a new incarnation,
+    never removed)."""
+
+    def bind(self, binding: TargetBinding) -> None: ...
+    def target_offsets(self) -> StoredPositions | None: ...
     def move_target_offsets(
         self,
         connector: str,
@@ -144,6 +164,7 @@ class OffsetsInTarget(Protocol):
         forget: Collection[TopicPartition] = (),
         replace: bool = False,
     ) -> None: ...
+    def retire_target_offsets(self, connector: str) -> str | None: ...
 
 
 def task_writer(connector: str, task_id: int) -> str:
@@ -153,11 +174,15 @@ def task_writer(connector: str, task_id: int) -> str:
 
 def is_writer_of(connector: str, writer: str) -> bool:
     """Whether ``writer`` is ``connector``'s own writer or one of its partition tasks' (a
-    backfill's writer is not)."""
-    if writer == connector:
+    backfill's writer is not). Writer ids (``<writer>@<incarnation>``) of another incarnation
+    are not."""
+    (c_name, c_inc), (w_name, w_inc) = split_writer_id(connector), split_writer_id(writer)
+    if c_inc != w_inc:
+        return False
+    if w_name == c_name:
         return True
-    head, _, tid = writer.rpartition(".task")
-    return head == connector and tid.isdigit()
+    head, _, tid = w_name.rpartition(".task")
+    return head == c_name and tid.isdigit()
 
 
 def sink_error(

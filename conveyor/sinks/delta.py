@@ -214,7 +214,7 @@ class DeltaSink(LakehouseSink):
     def _newest_mark(self, history: list[dict[str, Any]]) -> CommitMark | None:
         for commit in history:  # newest first
             mark = CommitMark.of(commit)
-            if mark is not None and mark.connector == self.connector:
+            if mark is not None and self.is_mine(mark):
                 return mark
         return None
 

@@ -249,7 +249,7 @@ class IcebergSink(LakehouseSink):
         snap = self._table.current_snapshot()
         while snap is not None:
             mark = CommitMark.of(snap.summary.additional_properties)
-            if mark is not None and mark.connector == self.connector:
+            if mark is not None and self.is_mine(mark):
                 return mark
             parent = snap.parent_snapshot_id
             snap = snapshots.get(parent) if parent is not None else None

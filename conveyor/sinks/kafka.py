@@ -49,6 +49,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.positions import StoredPositions, TargetBinding
 from conveyor.core.sink import ErrorKind, sink_error
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
@@ -210,7 +211,7 @@ class KafkaSink(Sink):
         self._admin: Any = None  # reads the limits (fail_fast), opened on first use
         self._encoder: Encoder | None = None  # value_format avro / json_schema, built on first use
         self._txn: Transactions | None = None  # delivery: exactly_once, once bound to a run
-        self._held: Offsets | None = None  # the offsets the target's group held at the start
+        self._held: StoredPositions | None = None  # what the target's group held at the start
 
     def validate(self) -> None:
         """The compression codec's package is installed here (kafka-python; librdkafka has
@@ -273,7 +274,7 @@ class KafkaSink(Sink):
 
     # -- exactly once (``conveyor.sinks.kafka_transactions``) -----------------------------
 
-    def bind(self, connector: str, generation: int) -> None:
+    def bind(self, binding: TargetBinding) -> None:
         """With delivery exactly_once: this run's transactional producer, started now (older
         producers of the id are fenced before the run reads where to start)."""
         if self.config.delivery != "exactly_once":
@@ -286,7 +287,7 @@ class KafkaSink(Sink):
         except ConfigError as e:
             raise PermanentSinkError(str(e)) from None
         timeout = self.config.request_timeout_ms / 1000
-        self._txn = Transactions(conf, connector, generation, timeout)
+        self._txn = Transactions(conf, binding, timeout)
         self._producer = self._connect()
 
     def move_target_offsets(
@@ -317,9 +318,24 @@ class KafkaSink(Sink):
             timeout_s=self.config.request_timeout_ms / 1000,
         )
 
-    def target_offsets(self) -> Offsets | None:
-        """The source offsets the target's group held when this run's producer started."""
+    def target_offsets(self) -> StoredPositions | None:
+        """The source positions the target's group held when this run's producer started."""
         return self._held if self._txn is not None else None
+
+    def retire_target_offsets(self, connector: str) -> str | None:
+        """Delete the groups of a deleted connector's writers; what failed, or None."""
+        from conveyor.sinks import kafka_confluent as rd
+        from conveyor.sinks.kafka_transactions import retire
+
+        if self.config.delivery != "exactly_once":
+            return None
+        try:
+            retire(
+                rd.producer_config(self.config), connector, self.config.request_timeout_ms / 1000
+            )
+            return None
+        except Exception as e:  # noqa: BLE001 - reported to the operator
+            return f"deleting the groups of {connector} failed: {e}"
 
     def _send_in_transaction(self, batch: pa.Table) -> SendResult:
         """The batch's rows the target's offsets do not cover yet, and the offsets they end at,
@@ -328,7 +344,7 @@ class KafkaSink(Sink):
         assert self._txn is not None
         if self._producer is None:
             self._producer = self._connect()
-        mask = unseen_mask(batch, self._held or {})
+        mask = unseen_mask(batch, self._txn.binding.usable(self._held or {}))
         todo = list(range(batch.num_rows)) if mask is None else pc.indices_nonzero(mask).to_pylist()
         if not todo:
             return SendResult(rows=batch.num_rows)
@@ -347,7 +363,11 @@ class KafkaSink(Sink):
             if fenced is not None:
                 raise fenced from e
             raise
-        self._held = {**(self._held or {}), **offsets}
+        scope = self._txn.binding.scope
+        self._held = {
+            **(self._held or {}),
+            **{tp: scope.position(tp, o) for tp, o in offsets.items()},
+        }
         failures = tuple(replace(f, index=todo[f.index]) for f in result.failed)
         return SendResult(rows=batch.num_rows, failed=failures)
 

@@ -1,12 +1,14 @@
 """Exactly once from Kafka to Kafka (``delivery: exactly_once``): each batch's records and the
 source offsets they end at in one Kafka transaction, as Kafka Streams does it.
 
-The run's producer has the transactional id ``conveyor-<writer>`` (the connector, or a partition
-task's ``<connector>.task<N>``): initialising it fences every older producer of that id, so a
-zombie run cannot commit after the new run has started. The offsets go to the consumer group
-``conveyor-<writer>`` of the target cluster with ``send_offsets_to_transaction``, each carrying the
-run's generation as its metadata; the run reads them on start (``target_offsets``) and they win
-over the meta store's. Rows those offsets already cover are never written again: a zombie that
+The run's producer has the transactional id ``conveyor-<writer id>`` (``<writer>@<incarnation>``:
+the connector, or a partition task's ``<connector>.task<N>``, of this incarnation;
+``core/positions.py``): initialising it fences every older producer of that id, so a zombie run
+cannot commit after the new run has started. The offsets go to the consumer group
+``conveyor-<writer id>`` of the target cluster with ``send_offsets_to_transaction``, each carrying
+``<generation>|<log id>|<destination>`` as its metadata (the release before issue 44 wrote the
+generation alone); the run reads them on start (``target_offsets``) and they win over the meta
+store's where they are positions of the logs it reads and its destination. Rows those offsets already cover are never written again: a zombie that
 reconnects (and so fences the new run's producer) and commits makes the new run, once it has
 reconnected in turn, skip what the zombie wrote. A producer that initialises and finds a greater
 generation recorded is the zombie and stops (``FencedError``; a broker that keeps no offset
@@ -31,6 +33,8 @@ from typing import Any
 
 from conveyor.core.errors import BatchRejected, FencedError, TransientSinkError
 from conveyor.core.model import Offsets, TopicPartition
+from conveyor.core.positions import StoredPosition, StoredPositions, TargetBinding
+from conveyor.core.sink import is_writer_of
 
 log = logging.getLogger("conveyor.sinks.kafka")
 
@@ -41,6 +45,35 @@ TRANSACTION_TIMEOUT_MS = 60_000
 
 def transactional_id(writer: str) -> str:
     return f"conveyor-{writer}"
+
+
+def parse_metadata(metadata: str | None) -> tuple[int, str | None, str | None]:
+    """(generation, log id, destination) of a committed offset's metadata (-1: none)."""
+    gen, _, rest = (metadata or "").partition("|")
+    log_id, _, destination = rest.partition("|")
+    try:
+        generation = int(gen)
+    except ValueError:
+        generation = -1
+    return generation, log_id or None, destination or None
+
+
+def retire(conf: dict[str, Any], connector: str, timeout_s: float = 30.0) -> None:
+    """Delete the group of every writer of ``connector`` (a writer id) on the target cluster
+    (transactional ids cannot be deleted: they expire on the broker)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({k: v for k, v in conf.items() if k in _ADMIN_KEYS})
+    listed = admin.list_consumer_groups(request_timeout=timeout_s).result(timeout_s)
+    head = transactional_id("")
+    groups = [
+        g.group_id
+        for g in listed.valid
+        if g.group_id.startswith(head) and is_writer_of(connector, g.group_id[len(head) :])
+    ]
+    if groups:
+        for f in admin.delete_consumer_groups(groups, request_timeout=timeout_s).values():
+            f.result(timeout_s)
 
 
 def move_offsets(
@@ -61,9 +94,10 @@ def move_offsets(
     fenced: dict[str, tuple[Transactions, Any, Offsets]] = {}
     try:
         for writer, generation in sorted(generations.items()):
-            txn = Transactions(conf, writer, generation, timeout_s)
+            txn = Transactions(conf, TargetBinding(writer, generation), timeout_s)
             fenced[writer] = (txn, txn.fence(), {})
-            held, newest = txn.read_offsets()
+            positions, newest = txn.read_offsets()
+            held = {tp: p.offset for tp, p in positions.items()}
             if newest > generation:
                 raise FencedError(
                     f"{txn.group}: generation {newest} has committed, newer than {generation}: "
@@ -96,14 +130,10 @@ def move_offsets(
 class Transactions:
     """One writer's transactions on a librdkafka producer (``ConfluentProducer.client``)."""
 
-    def __init__(self, conf: dict[str, Any], writer: str, generation: int, timeout_s: float):
-        self.conf, self.writer, self.generation, self.timeout_s = (
-            conf,
-            writer,
-            generation,
-            timeout_s,
-        )
-        self.group = transactional_id(writer)
+    def __init__(self, conf: dict[str, Any], binding: TargetBinding, timeout_s: float):
+        self.conf, self.binding, self.timeout_s = conf, binding, timeout_s
+        self.writer, self.generation = binding.writer, binding.generation
+        self.group = transactional_id(binding.writer)
         self._consumer: Any = None
 
     def producer_conf(self) -> dict[str, Any]:
@@ -117,14 +147,21 @@ class Transactions:
             "transaction.timeout.ms": max(TRANSACTION_TIMEOUT_MS, record_timeout),
         }
 
-    def start(self, client: Any) -> Offsets:
+    def start(self, client: Any) -> StoredPositions:
         """Initialise the producer (fencing older ones of the id), check no newer generation
-        committed, and return the offsets the group holds (the target's)."""
+        committed, and return the positions the group holds (the target's; a migrated
+        connector's in the group of its bare writer name while its own holds none, committed
+        into its own at once)."""
         try:
             client.init_transactions(self.timeout_s)
         except Exception as e:  # noqa: BLE001 - mapped
             raise self.error(e, "initialising the transactional producer") from None
-        held, newest = self.read_offsets()
+        positions, newest = self.read_offsets()
+        legacy = self.binding.legacy_writer
+        if not positions and legacy:
+            positions, _ = self.read_offsets(transactional_id(legacy))
+            positions = {tp: StoredPosition(p.offset) for tp, p in positions.items()}
+        held = {tp: p.offset for tp, p in positions.items()}
         if newest > self.generation:
             raise FencedError(
                 f"{self.writer}: generation {newest} has committed to the target; this run is "
@@ -132,28 +169,33 @@ class Transactions:
             )
         if held and newest < self.generation:
             # Record this generation at once: an older run that reconnects (and so fences this
-            # producer) finds it and stops, instead of taking the id back and forth.
+            # producer) finds it and stops, instead of taking the id back and forth. Each
+            # position keeps what it names (a stale one is judged on start, replaced later).
             self.begin(client)
-            self.commit(client, held)
-        return held
+            self._commit_positions(client, positions)
+        return positions
 
-    def read_offsets(self) -> tuple[Offsets, int]:
-        """The group's committed offsets and the greatest generation recorded with them."""
+    def read_offsets(self, group: str | None = None) -> tuple[StoredPositions, int]:
+        """The group's committed positions and the greatest generation recorded with them."""
         from confluent_kafka import ConsumerGroupTopicPartitions
         from confluent_kafka.admin import AdminClient
 
+        group = group or self.group
         admin = AdminClient({k: v for k, v in self.conf.items() if k in _ADMIN_KEYS})
         try:
-            futures = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(self.group)])
-            found = futures[self.group].result(self.timeout_s)
+            futures = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])
+            found = futures[group].result(self.timeout_s)
         except Exception as e:  # noqa: BLE001 - mapped
-            raise self.error(e, f"reading the offsets of group {self.group!r}") from None
-        held: Offsets = {}
+            raise self.error(e, f"reading the offsets of group {group!r}") from None
+        held: StoredPositions = {}
         newest = -1
         for tp in found.topic_partitions or []:
             if tp.offset is not None and tp.offset >= 0:
-                held[TopicPartition(tp.topic, tp.partition)] = tp.offset
-                newest = max(newest, _generation_of(tp.metadata))
+                generation, log_id, destination = parse_metadata(tp.metadata)
+                held[TopicPartition(tp.topic, tp.partition)] = StoredPosition(
+                    tp.offset, log_id, destination
+                )
+                newest = max(newest, generation)
         return held, newest
 
     def fence(self) -> Any:
@@ -186,14 +228,24 @@ class Transactions:
             raise self.error(e, "beginning a transaction") from None
 
     def commit(self, client: Any, offsets: Offsets) -> None:
-        """Send the offsets to the transaction and commit it (records and offsets, or neither)."""
+        """Send the offsets to the transaction and commit it (records and offsets, or neither),
+        each naming the binding's log and destination."""
+        scope = self.binding.scope
+        self._commit_positions(client, {tp: scope.position(tp, o) for tp, o in offsets.items()})
+
+    def _commit_positions(self, client: Any, positions: StoredPositions) -> None:
         from confluent_kafka import TopicPartition as RdTopicPartition
 
         try:
-            if offsets:
+            if positions:
                 tps = [
-                    RdTopicPartition(tp.topic, tp.partition, off, metadata=str(self.generation))
-                    for tp, off in sorted(offsets.items())
+                    RdTopicPartition(
+                        tp.topic,
+                        tp.partition,
+                        p.offset,
+                        metadata=f"{self.generation}|{p.log_id or ''}|{p.destination or ''}",
+                    )
+                    for tp, p in sorted(positions.items())
                 ]
                 client.send_offsets_to_transaction(tps, self._group_metadata(), self.timeout_s)
             client.commit_transaction(self.timeout_s)
@@ -261,10 +313,3 @@ _ADMIN_KEYS = frozenset(
         "logger",
     ]
 )
-
-
-def _generation_of(metadata: str | None) -> int:
-    try:
-        return int(metadata or "")
-    except ValueError:
-        return -1

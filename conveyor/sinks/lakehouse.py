@@ -3,10 +3,12 @@ commits, buffering to a commit interval or a file size, the warehouse path rule 
 table commit holds.
 
 Every table commit of a sink carries a ``CommitMark`` in its properties (Iceberg: the snapshot
-summary; Delta: the commit info's custom metadata): ``conveyor.connector``,
-``conveyor.generation`` and ``conveyor.offsets``, the next offset per topic-partition of every
-row this connector has in the table (cumulative: a commit holds the offsets of the commits
-before it). Before committing, the sink reads the table's latest mark of its connector: a
+summary; Delta: the commit info's custom metadata): ``conveyor.connector`` (the writer id,
+``<writer>@<incarnation>``, ``core/positions.py``), ``conveyor.generation``,
+``conveyor.offsets``, the next offset per topic-partition of every row this connector has in
+the table (cumulative: a commit holds the offsets of the commits before it), and
+``conveyor.logs``, the log id of each topic those offsets are positions in (a position of
+another log covers nothing and is dropped from the next mark; the table is the destination). Before committing, the sink reads the table's latest mark of its connector: a
 greater generation means this run is a zombie (``FencedError``), and rows whose offsets the
 mark already covers are dropped (a replay after a crash between the table commit and the meta
 store's commit, or a batch sent twice, is written once). A table commit that loses a race
@@ -22,7 +24,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Annotated, Any
 from urllib.parse import unquote, urlparse
@@ -38,6 +40,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.positions import StoredPosition, StoredPositions, TargetBinding
 from conveyor.core.sink import RowFailure, SendResult, first_failure_only, invalid_utf8, utf8_reason
 from conveyor.sinks.base import Sink, SinkConfig, batch_offsets, payload_columns, unseen_rows
 
@@ -46,6 +49,7 @@ log = logging.getLogger("conveyor.sinks.lakehouse")
 CONNECTOR_PROP = "conveyor.connector"
 GENERATION_PROP = "conveyor.generation"
 OFFSETS_PROP = "conveyor.offsets"
+LOGS_PROP = "conveyor.logs"
 
 #: The message columns ``message_columns`` writes next to the payload (``__destination`` is
 #: a routing decision, not data).
@@ -169,6 +173,11 @@ class CommitMark:
     connector: str
     generation: int
     offsets: Offsets
+    log_ids: Mapping[str, str] = field(default_factory=dict)  # topic -> log id (known ones)
+
+    def positions(self) -> StoredPositions:
+        """The mark's offsets as positions of their logs (the table is their destination)."""
+        return {tp: StoredPosition(o, self.log_ids.get(tp.topic)) for tp, o in self.offsets.items()}
 
     def properties(self) -> dict[str, str]:
         """The commit's properties (text values, as Iceberg's snapshot summary holds them)."""
@@ -179,6 +188,7 @@ class CommitMark:
                 {f"{tp.topic}/{tp.partition}": o for tp, o in sorted(self.offsets.items())},
                 separators=(",", ":"),
             ),
+            LOGS_PROP: json.dumps(dict(sorted(self.log_ids.items())), separators=(",", ":")),
         }
 
     @classmethod
@@ -192,7 +202,13 @@ class CommitMark:
             for tp, o in raw.items():
                 topic, partition = str(tp).rsplit("/", 1)
                 offsets[TopicPartition(topic, int(partition))] = int(o)
-            return cls(str(props[CONNECTOR_PROP]), int(props.get(GENERATION_PROP, 0)), offsets)
+            logs = json.loads(str(props.get(LOGS_PROP) or "{}"))
+            return cls(
+                str(props[CONNECTOR_PROP]),
+                int(props.get(GENERATION_PROP, 0)),
+                offsets,
+                {str(t): str(i) for t, i in logs.items() if i},
+            )
         except (ValueError, TypeError, AttributeError):
             log.warning("a table commit's %s is not Conveyor's: ignored", OFFSETS_PROP)
             return None
@@ -288,24 +304,45 @@ class LakehouseSink(Sink):
 
     def __init__(self, config: LakehouseSinkConfig, *, clock: Callable[[], float] | None = None):
         super().__init__(config)
-        self.connector = ""  # unbound: the marks of an unnamed writer
-        self.generation = 0
+        self.binding = TargetBinding("", 0)  # unbound: the marks of an unnamed writer
         self.last_commit: CommitInfo | None = None
         self._clock = clock or time.monotonic
         self._pending: list[pa.Table] = []
         self._pending_bytes = 0
         self._pending_since = 0.0
 
-    def bind(self, connector: str, generation: int) -> None:
-        """The connector and generation this sink writes for (before ``init_sink``): its
+    def bind(self, binding: TargetBinding) -> None:
+        """The writer id and generation this sink writes for (before ``init_sink``): its
         commits carry them, and a table holding a newer generation's commit fences it."""
-        self.connector = connector
-        self.generation = generation
+        self.binding = binding
 
-    def target_offsets(self) -> Offsets | None:
-        """The offsets of the table's latest commit of this connector; None when it has none."""
+    @property
+    def connector(self) -> str:
+        """The writer id the commits carry."""
+        return self.binding.writer
+
+    @property
+    def generation(self) -> int:
+        return self.binding.generation
+
+    def is_mine(self, mark: CommitMark) -> bool:
+        """Whether ``mark`` is this writer's (a migrated connector's under its bare name too,
+        until it commits under its writer id)."""
+        return mark.connector in (self.binding.writer, self.binding.legacy_writer)
+
+    def target_offsets(self) -> StoredPositions | None:
+        """The positions of the table's latest commit of this writer; None when it has none."""
         mark = self._latest_mark()
-        return dict(mark.offsets) if mark is not None else None
+        return mark.positions() if mark is not None else None
+
+    def retire_target_offsets(self, connector: str) -> str | None:
+        """The marks stay in the table's commit history (a commit cannot be taken back); a new
+        incarnation's writer id never matches them."""
+        return (
+            f"{self.describe()}: its commits keep the marks of {connector} in the table's "
+            "history; a connector created again under this name has a new writer id and never "
+            "reads them"
+        )
 
     def move_target_offsets(
         self,
@@ -364,13 +401,15 @@ class LakehouseSink(Sink):
                 f"connector {self.connector!r}: the table holds a commit of generation "
                 f"{mark.generation}, this run is generation {self.generation}; not committing"
             )
-        known = mark.offsets if mark is not None else {}
+        known = self.binding.usable(mark.positions()) if mark is not None else {}
         fresh = unseen_rows(table, known)
         if fresh.num_rows == 0:
             return  # every row is in the table already (a replay)
         offsets = {**known, **batch_offsets(fresh)}
-        new = CommitMark(self.connector, self.generation, offsets)
-        self._write(fresh, new)
+        logs = {**(mark.log_ids if mark is not None else {}), **self.binding.scope.log_ids}
+        kept = {tp.topic for tp in offsets}
+        log_ids = {t: i for t, i in logs.items() if i and t in kept}
+        self._write(fresh, CommitMark(self.connector, self.generation, offsets, log_ids))
 
     def cleanup_sink(self) -> None:
         """Commit what is buffered (best effort), then release the table."""

@@ -42,8 +42,8 @@ from conveyor.core.errors import (
 )
 from conveyor.core.model import (
     HEADERS_COL,
-    Offsets,
 )
+from conveyor.core.positions import StoredPositions
 from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, first_failure_only, isolate_rows, sink_error
 from conveyor.sinks.base import (
@@ -641,8 +641,8 @@ class MySQLSink(LedgerSink, Sink):
 
     # -- exactly once -----------------------------------------------------------------------
 
-    def target_offsets(self) -> Offsets | None:
-        """The offsets the offsets table holds for this writer; None when it holds none (or
+    def target_offsets(self) -> StoredPositions | None:
+        """The positions the offsets table holds for this writer; None when it holds none (or
         with ``at_least_once``)."""
         if not self._exactly_once():
             return None
@@ -651,18 +651,21 @@ class MySQLSink(LedgerSink, Sink):
         conn = self._connect()
         try:
             with conn.cursor() as cur:
-                cur.execute(
-                    "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() "
-                    "AND TABLE_NAME = %s",
-                    (self.config.offsets_table,),
-                )
-                return self._ledger.read(cur) if cur.fetchone() else None
+                return self._ledger.read(cur) if self._ledger_exists(cur) else None
         except (pymysql.err.MySQLError, OSError) as e:
             if error_code(e) in _DENIED and self.config.delivery == "auto":
                 return None  # not this user's to keep: init_sink goes at least once
             raise self._error(e, f"reading {self._ledger.sql.table}") from None
         finally:
             conn.close()
+
+    def _ledger_exists(self, cur: Any) -> bool:
+        cur.execute(
+            "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() "
+            "AND TABLE_NAME = %s",
+            (self.config.offsets_table,),
+        )
+        return cur.fetchone() is not None
 
     def _claim(self) -> None:
         """The offsets table (created if missing) and this generation's claim, committed."""

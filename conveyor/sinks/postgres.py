@@ -29,7 +29,8 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.model import TRUNCATE_COL, Offsets
+from conveyor.core.model import TRUNCATE_COL
+from conveyor.core.positions import StoredPositions
 from conveyor.core.sink import first_failure_only, isolate_rows
 from conveyor.sinks.base import (
     RowFailure,
@@ -175,8 +176,8 @@ class PostgresSink(LedgerSink, Sink):
 
     # -- exactly once -------------------------------------------------------------
 
-    def target_offsets(self) -> Offsets | None:
-        """The offsets the offsets table holds for this writer; None when it holds none (or
+    def target_offsets(self) -> StoredPositions | None:
+        """The positions the offsets table holds for this writer; None when it holds none (or
         with ``at_least_once``)."""
         if not self._exactly_once():
             return None
@@ -185,9 +186,7 @@ class PostgresSink(LedgerSink, Sink):
         conn = self._connect()
         try:
             with conn.cursor() as cur:
-                cur.execute("SELECT to_regclass(%s)", (self._ledger.sql.table,))
-                row = cur.fetchone()
-                return self._ledger.read(cur) if row and row[0] else None
+                return self._ledger.read(cur) if self._ledger_exists(cur) else None
         except psycopg2.Error as e:
             if getattr(e, "pgcode", None) == _INSUFFICIENT_PRIVILEGE:
                 if self.config.delivery == "auto":
@@ -198,6 +197,11 @@ class PostgresSink(LedgerSink, Sink):
             ) from None
         finally:
             conn.close()
+
+    def _ledger_exists(self, cur: Any) -> bool:
+        cur.execute("SELECT to_regclass(%s)", (self._ledger.sql.table,))
+        row = cur.fetchone()
+        return bool(row and row[0])
 
     def _create_ledger(self, cur: Any) -> None:
         """The offsets table, and its schema with ``create_table``, if missing."""

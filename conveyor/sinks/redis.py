@@ -56,6 +56,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.positions import StoredPositions, TargetBinding
 from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
 from conveyor.sinks import templates
@@ -883,8 +884,7 @@ class RedisSink(Sink):
         self._templates: list[CommandTemplate] | None = None
         self._delete_templates: list[CommandTemplate] | None = None
         self._noscript = False  # a template command Redis does not allow in scripts
-        self._writer: str | None = None  # delivery exactly_once, once bound to a run
-        self._generation = 0
+        self._binding: TargetBinding | None = None  # delivery exactly_once, bound to a run
 
     def validate(self) -> None:
         """Parse the command templates once (the config model checked them)."""
@@ -1002,26 +1002,56 @@ class RedisSink(Sink):
 
     # -- exactly once (``conveyor.sinks.redis_transactions``) -------------------------------
 
-    def bind(self, connector: str, generation: int) -> None:
+    def bind(self, binding: TargetBinding) -> None:
         if self.config.delivery == "exactly_once":
-            self._writer, self._generation = connector, generation
+            self._binding = binding
 
-    def target_offsets(self) -> Offsets | None:
-        """The offsets the hash holds (a greater generation recorded: FencedError)."""
+    @property
+    def _writer(self) -> str | None:
+        return self._binding.writer if self._binding is not None else None
+
+    @property
+    def _generation(self) -> int:
+        return self._binding.generation if self._binding is not None else 0
+
+    def target_offsets(self) -> StoredPositions | None:
+        """The positions the hash holds (a greater generation recorded: FencedError); a
+        migrated connector's under its bare name taken over first."""
         from redis import exceptions as rx
 
         from conveyor.sinks import redis_transactions as rt
 
-        if self._writer is None:
+        if self._binding is None:
             return None
         if self._client is None:
             self._client = self._connect()
+        writer = self._binding.writer
         try:
-            held, recorded = rt.parse_offsets(self._client.hgetall(rt.offsets_key(self._writer)))
+            if self._binding.legacy_writer:
+                rt.adopt_legacy(self._client, self._binding.legacy_writer, writer, self._generation)
+            held, recorded = rt.parse_positions(self._client.hgetall(rt.offsets_key(writer)))
         except (rx.RedisError, OSError) as e:
             raise self._error(e, "reading the offsets failed") from None
-        rt.check_generation(self._writer, recorded, self._generation)
+        rt.check_generation(writer, recorded, self._generation)
         return held
+
+    def retire_target_offsets(self, connector: str) -> str | None:
+        """Delete the hashes of a deleted connector's writers; what failed, or None."""
+        from conveyor.sinks import redis_transactions as rt
+
+        if self.config.delivery != "exactly_once":
+            return None
+        try:
+            client = self._connect()
+        except Exception as e:  # noqa: BLE001 - reported to the operator
+            return str(e)
+        try:
+            rt.retire(client, connector)
+            return None
+        except Exception as e:  # noqa: BLE001 - reported to the operator
+            return str(self._error(e, "deleting the offsets failed"))
+        finally:
+            client.close()
 
     def move_target_offsets(
         self,
@@ -1050,13 +1080,13 @@ class RedisSink(Sink):
         at in one MULTI/EXEC, watching the hash."""
         from conveyor.sinks import redis_transactions as rt
 
-        assert self._writer is not None
-        key = rt.offsets_key(self._writer)
+        assert self._binding is not None
+        key = rt.offsets_key(self._binding.writer)
         with self._client.pipeline(transaction=True) as pipe:
             pipe.watch(key)
-            held, recorded = rt.parse_offsets(pipe.hgetall(key))
-            rt.check_generation(self._writer, recorded, self._generation)
-            mask = unseen_mask(batch, held)
+            held, recorded = rt.parse_positions(pipe.hgetall(key))
+            rt.check_generation(self._binding.writer, recorded, self._generation)
+            mask = unseen_mask(batch, self._binding.usable(held))
             todo = range(batch.num_rows) if mask is None else pc.indices_nonzero(mask).to_pylist()
             rows, bad = self._render(batch)
             failures = {i: RowFailure(i, msg) for i, msg in bad.items() if i in set(todo)}
@@ -1070,7 +1100,7 @@ class RedisSink(Sink):
             queued = [cmd for i in good for cmd in rows[i] or []]
             offsets = batch_offsets(batch.take(pa.array(good, pa.int64())))
             replies = rt.run_transaction(
-                pipe, queued, key, rt.offsets_fields(offsets, self._generation)
+                pipe, queued, key, rt.offsets_fields(offsets, self._generation, self._binding.scope)
             )
         pos = 0
         for i in good:

@@ -33,6 +33,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.positions import StoredPosition, StoredPositions, TargetBinding
 from conveyor.core.sink import RowFailure, is_writer_of
 from conveyor.sinks.base import UrlSinkConfig, payload_columns
 
@@ -442,32 +443,42 @@ FAILED_MEMORY = 100_000
 
 @dataclass(frozen=True)
 class OffsetsStatements:
-    """The statements of one database on its offsets table (``%s`` parameters)."""
+    """The statements of one database on its offsets table (``%s`` parameters). Rows are
+    ``(writer, topic, partition, next_offset, generation, log_id, destination)``; the writer is
+    a writer id (``<writer>@<incarnation>``, ``core/positions.py``)."""
 
     table: str  # the quoted, qualified name
     create: str
+    columns: str  # (): no row, the table's columns in the cursor's description
+    add_identity: tuple[str, ...]  # the columns the release before issue 44 did not have
     claim: str  # (writer, generation): the claim row, its generation raised to this one
     ensure: str  # (writer, generation): the claim row, if missing
     lock: str  # (writer,): the writer's rows, locked until the transaction ends
     read: str  # (writer,): the writer's rows
-    advance: str  # (writer, topic, partition, next_offset, generation)
+    advance: str  # (writer, topic, partition, next_offset, generation, log_id, destination)
     writers: str  # (): every writer the table holds
-    put: str  # (writer, topic, partition, next_offset, generation): set, backwards too
+    put: str  # (writer, topic, partition, next_offset, generation, log_id, destination): set
     drop: str  # (writer, topic, partition): one partition's row
     clear: str  # (writer,): every partition row (the claim row stays)
+    retire: str  # (writer,): every row of the writer, its claim row too
 
 
 def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> OffsetsStatements:
-    """The offsets table's statements for PostgreSQL or MySQL/MariaDB; ``table`` is quoted."""
+    """The offsets table's statements for PostgreSQL or MySQL/MariaDB; ``table`` is quoted.
+
+    Rows are read with ``SELECT *`` and taken by column name (``ledger_rows``), so a table of
+    the release before positions named their log and destination reads as rows naming none."""
     q = '"partition"' if flavor == "postgres" else "`partition`"
-    cols = f"(writer, topic, {q}, next_offset, generation)"
-    insert = f"INSERT INTO {table} {cols} VALUES (%s, %s, %s, %s, %s)"
+    cols = f"(writer, topic, {q}, next_offset, generation, log_id, destination)"
+    insert = f"INSERT INTO {table} {cols} VALUES (%s, %s, %s, %s, %s, %s, %s)"
     claim_values = (
-        f"INSERT INTO {table} {cols} VALUES (%s, '{CLAIM_TOPIC}', {CLAIM_PARTITION}, 0, %s)"
+        f"INSERT INTO {table} {cols} "
+        f"VALUES (%s, '{CLAIM_TOPIC}', {CLAIM_PARTITION}, 0, %s, NULL, NULL)"
     )
-    select = f"SELECT topic, {q}, next_offset, generation FROM {table} WHERE writer = %s"
+    select = f"SELECT * FROM {table} WHERE writer = %s"
     if flavor == "postgres":
         text = "text NOT NULL"
+        ident = "text"
         on_key = f" ON CONFLICT (writer, topic, {q}) DO "
         claim = (
             on_key + f"UPDATE SET generation = GREATEST({table}.generation, EXCLUDED.generation)"
@@ -475,30 +486,41 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
         ensure = on_key + "NOTHING"
         advance = on_key + (
             f"UPDATE SET next_offset = GREATEST({table}.next_offset, EXCLUDED.next_offset), "
-            "generation = EXCLUDED.generation"
+            "generation = EXCLUDED.generation, "
+            f"log_id = COALESCE(EXCLUDED.log_id, {table}.log_id), "
+            f"destination = COALESCE(EXCLUDED.destination, {table}.destination)"
         )
-        put = (
-            on_key
-            + "UPDATE SET next_offset = EXCLUDED.next_offset, generation = EXCLUDED.generation"
+        put = on_key + (
+            "UPDATE SET next_offset = EXCLUDED.next_offset, generation = EXCLUDED.generation, "
+            "log_id = EXCLUDED.log_id, destination = EXCLUDED.destination"
         )
         engine = ""
     else:
         text = "VARCHAR(255) NOT NULL"
+        ident = "VARCHAR(255)"
         claim = " ON DUPLICATE KEY UPDATE generation = GREATEST(generation, VALUES(generation))"
         ensure = " ON DUPLICATE KEY UPDATE writer = writer"
         advance = (
             " ON DUPLICATE KEY UPDATE next_offset = GREATEST(next_offset, VALUES(next_offset)), "
-            "generation = VALUES(generation)"
+            "generation = VALUES(generation), log_id = COALESCE(VALUES(log_id), log_id), "
+            "destination = COALESCE(VALUES(destination), destination)"
         )
         put = (
             " ON DUPLICATE KEY UPDATE next_offset = VALUES(next_offset), "
-            "generation = VALUES(generation)"
+            "generation = VALUES(generation), log_id = VALUES(log_id), "
+            "destination = VALUES(destination)"
         )
         engine = " ENGINE=InnoDB"
     return OffsetsStatements(
         table=table,
         create=f"CREATE TABLE IF NOT EXISTS {table} (writer {text}, topic {text}, {q} integer NOT NULL, "
-        f"next_offset bigint NOT NULL, generation bigint NOT NULL, PRIMARY KEY (writer, topic, {q})){engine}",
+        f"next_offset bigint NOT NULL, generation bigint NOT NULL, log_id {ident}, "
+        f"destination {ident}, PRIMARY KEY (writer, topic, {q})){engine}",
+        columns=f"SELECT * FROM {table} WHERE 1 = 0",
+        add_identity=(
+            f"ALTER TABLE {table} ADD COLUMN log_id {ident}",
+            f"ALTER TABLE {table} ADD COLUMN destination {ident}",
+        ),
         claim=claim_values + claim,
         ensure=claim_values + ensure,
         lock=select + " FOR UPDATE",
@@ -508,6 +530,7 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
         put=insert + put,
         drop=f"DELETE FROM {table} WHERE writer = %s AND topic = %s AND {q} = %s",
         clear=f"DELETE FROM {table} WHERE writer = %s AND {q} <> {CLAIM_PARTITION}",
+        retire=f"DELETE FROM {table} WHERE writer = %s",
     )
 
 
@@ -536,11 +559,13 @@ def written_rows(n: int, failures: Sequence[RowFailure], fail_fast: bool) -> lis
 class OffsetsLedger:
     """A SQL sink's offsets table in ``exactly_once`` mode, for the writer the run bound it to.
 
-    One row per (writer, topic, partition): the next offset after the rows the writer committed,
-    and the generation that committed it; a claim row per writer (topic ``''``, partition -1)
+    One row per (writer id, topic, partition): the next offset after the rows the writer
+    committed, the generation that committed it, and the log and destination that offset is a
+    position in (``core/positions.py``); a claim row per writer id (topic ``''``, partition -1)
     holds the newest generation that started. Every batch's transaction first locks the
     writer's rows (the claim row serialises two runs of one writer), refuses to go on when a
-    newer generation is there (``FencedError``), drops the rows the offsets cover, writes the
+    newer generation is there (``FencedError``), drops the rows the usable offsets cover (a
+    position of another log or destination covers nothing, and is replaced), writes the
     others and raises the offsets to the rows it wrote, then the sink commits: rows and
     offsets, or neither.
 
@@ -551,28 +576,55 @@ class OffsetsLedger:
 
     def __init__(self, statements: OffsetsStatements):
         self.sql = statements
-        self.writer: str | None = None  # unbound: at least once (a dead-letter replay)
-        self.generation = 0
+        self.binding: TargetBinding | None = None  # unbound: at least once (a dead-letter replay)
         self._failed: dict[tuple[str, int, int], None] = {}
 
-    def bind(self, writer: str, generation: int) -> None:
-        self.writer = writer
-        self.generation = generation
+    def bind(self, binding: TargetBinding) -> None:
+        self.binding = binding
 
     @property
     def bound(self) -> bool:
-        return self.writer is not None
+        return self.binding is not None
+
+    @property
+    def writer(self) -> str:
+        assert self.binding is not None
+        return self.binding.writer
+
+    @property
+    def generation(self) -> int:
+        return self.binding.generation if self.binding is not None else 0
 
     def create(self, cur: Any) -> None:
-        """The offsets table, if missing."""
+        """The offsets table, if missing; a table of the release before positions named their
+        log and destination gets those columns."""
         cur.execute(self.sql.create)
+        cur.execute(self.sql.columns)
+        have = {str(d[0]).lower() for d in cur.description or ()}
+        for name, ddl in zip(("log_id", "destination"), self.sql.add_identity, strict=True):
+            if name not in have:
+                cur.execute(ddl)
 
     def claim(self, cur: Any) -> None:
         """Raise the writer's claim to this generation (a zombie's next batch is refused);
-        ``FencedError`` when a newer generation has started."""
+        ``FencedError`` when a newer generation has started. A migrated connector's positions
+        kept under its bare name are taken over here, in the same transaction."""
         cur.execute(self.sql.claim, (self.writer, self.generation))
         cur.execute(self.sql.lock, (self.writer,))
-        self._fence(cur.fetchall())
+        mine = self._fence(ledger_rows(cur))
+        legacy = self.binding.legacy_writer if self.binding else None
+        if legacy and not mine:
+            cur.execute(self.sql.lock, (legacy,))
+            taken = _positions_of(ledger_rows(cur))
+            if taken:
+                cur.executemany(
+                    self.sql.put,
+                    [
+                        (self.writer, tp.topic, tp.partition, p.offset, self.generation, None, None)
+                        for tp, p in sorted(taken.items())
+                    ],
+                )
+            cur.execute(self.sql.retire, (legacy,))
 
     def move(
         self,
@@ -584,10 +636,11 @@ class OffsetsLedger:
         forget: Collection[TopicPartition] = (),
         replace: bool = False,
     ) -> None:
-        """An operator's offsets change for every writer of ``connector``, in the caller's
-        open transaction (``OffsetsInTarget.move_target_offsets``): each writer's claim raised
-        to its generation and its rows locked (``FencedError`` when a newer one is there),
-        then the partitions dropped and set. The caller commits."""
+        """An operator's offsets change for every writer of ``connector`` (a writer id), in the
+        caller's open transaction (``OffsetsInTarget.move_target_offsets``): each writer's claim
+        raised to its generation and its rows locked (``FencedError`` when a newer one is
+        there), then the partitions dropped and set (naming no log: range-checked on start).
+        The caller commits."""
         cur.execute(self.sql.writers)
         held = {str(w) for (w,) in cur.fetchall() if is_writer_of(connector, str(w))}
         top = max(generations.values())
@@ -596,14 +649,14 @@ class OffsetsLedger:
             generation = generations.get(writer, top)
             cur.execute(self.sql.claim, (writer, generation))
             cur.execute(self.sql.lock, (writer,))
-            found = cur.fetchall()
-            newest = max((int(r[3]) for r in found), default=0)
+            found = ledger_rows(cur)
+            newest = max((int(r["generation"]) for r in found), default=0)
             if newest > generation:
                 raise FencedError(
                     f"writer {writer!r}: the offsets table {self.sql.table} holds generation "
                     f"{newest}, newer than {generation}: a run started meanwhile; nothing moved"
                 )
-            rows[writer] = _offsets_of(found)
+            rows[writer] = {tp: p.offset for tp, p in _positions_of(found).items()}
         for writer, known in rows.items():
             if replace:
                 cur.execute(self.sql.clear, (writer,))
@@ -611,27 +664,43 @@ class OffsetsLedger:
                 if tp in known:
                     cur.execute(self.sql.drop, (writer, tp.topic, tp.partition))
         puts = [
-            (writer, tp.topic, tp.partition, off, generations.get(writer, top))
+            (writer, tp.topic, tp.partition, off, generations.get(writer, top), None, None)
             for tp, off in sorted(offsets.items())
             for writer in _holders(rows, tp, connector)
         ]
         if puts:
             cur.executemany(self.sql.put, puts)
 
-    def read(self, cur: Any) -> Offsets | None:
-        """The writer's offsets; None when it has none."""
+    def retire(self, cur: Any, connector: str) -> list[str]:
+        """Every row of every writer of ``connector`` (a writer id), claim rows included, in the
+        caller's open transaction (a deleted connector); the writer ids removed."""
+        cur.execute(self.sql.writers)
+        gone = sorted(str(w) for (w,) in cur.fetchall() if is_writer_of(connector, str(w)))
+        for writer in gone:
+            cur.execute(self.sql.retire, (writer,))
+        return gone
+
+    def read(self, cur: Any) -> StoredPositions | None:
+        """The writer's positions as stored (a migrated connector's under its bare name while
+        it has none of its own); None when there are none."""
         cur.execute(self.sql.read, (self.writer,))
-        held = _offsets_of(cur.fetchall())
+        held = _positions_of(ledger_rows(cur))
+        legacy = self.binding.legacy_writer if self.binding else None
+        if not held and legacy:
+            cur.execute(self.sql.read, (legacy,))
+            held = {
+                tp: StoredPosition(p.offset) for tp, p in _positions_of(ledger_rows(cur)).items()
+            }
         return held or None
 
-    def _fence(self, rows: Sequence[Sequence[Any]]) -> Offsets:
-        newest = max((int(r[3]) for r in rows), default=0)
+    def _fence(self, rows: Sequence[Mapping[str, Any]]) -> StoredPositions:
+        newest = max((int(r["generation"]) for r in rows), default=0)
         if newest > self.generation:
             raise FencedError(
                 f"writer {self.writer!r}: the offsets table {self.sql.table} holds generation "
                 f"{newest}, this run is generation {self.generation}; not committing"
             )
-        return _offsets_of(rows)
+        return _positions_of(rows)
 
     def send(
         self,
@@ -641,17 +710,20 @@ class OffsetsLedger:
         *,
         fail_fast: bool,
     ) -> list[RowFailure]:
-        """In the sink's open transaction: lock and fence, ``write`` the rows the offsets do
-        not cover (it returns its failures, indexed in what it was given), raise the offsets.
+        """In the sink's open transaction: lock and fence, ``write`` the rows the usable offsets
+        do not cover (it returns its failures, indexed in what it was given), raise the offsets.
         Returns the failures indexed in ``batch``. The caller commits, or rolls back on error."""
         missing = {TOPIC_COL, PARTITION_COL, OFFSET_COL} - set(batch.schema.names)
         if missing:
             raise PermanentSinkError(
                 f"delivery exactly_once needs the message columns {', '.join(sorted(missing))} in the batch"
             )
+        assert self.binding is not None
         cur.execute(self.sql.ensure, (self.writer, self.generation))
         cur.execute(self.sql.lock, (self.writer,))
-        keep = self._uncovered(batch, self._fence(cur.fetchall()))
+        stored = self._fence(ledger_rows(cur))
+        usable = self.binding.usable(stored)
+        keep = self._uncovered(batch, usable)
         if not keep:
             return []  # every row is in the table already (a replay)
         part = batch if len(keep) == batch.num_rows else batch.take(pa.array(keep, pa.int64()))
@@ -659,20 +731,32 @@ class OffsetsLedger:
         done = written_rows(len(keep), failures, fail_fast) if failures else None
         if done != []:
             written = part if done is None else part.take(pa.array(done, pa.int64()))
-            offsets = next_offsets_of(written)
-            cur.executemany(
-                self.sql.advance,
-                [
-                    (self.writer, tp.topic, tp.partition, o, self.generation)
-                    for tp, o in sorted(offsets.items())
-                ],
-            )
+            self._advance(cur, next_offsets_of(written), stored, usable)
             self._forget(written)
         for f in failures:
             self._failed[_coords(part, f.index)] = None
         while len(self._failed) > FAILED_MEMORY:
             self._failed.pop(next(iter(self._failed)))
         return [RowFailure(keep[f.index], f.message, f.kind) for f in failures]
+
+    def _advance(
+        self, cur: Any, offsets: Offsets, stored: StoredPositions, usable: Offsets
+    ) -> None:
+        """Raise the offsets to the rows written, naming this run's logs and destination; a
+        stored position of another log or destination is replaced, not raised."""
+        assert self.binding is not None
+        scope = self.binding.scope
+        rows = {
+            tp: (self.writer, tp.topic, tp.partition, o, self.generation)
+            + (scope.log_ids.get(tp.topic), scope.destination)
+            for tp, o in sorted(offsets.items())
+        }
+        stale = [rows[tp] for tp in rows if tp in stored and tp not in usable]
+        if stale:
+            cur.executemany(self.sql.put, stale)
+        fresh = [r for tp, r in rows.items() if tp not in stored or tp in usable]
+        if fresh:
+            cur.executemany(self.sql.advance, fresh)
 
     def _uncovered(self, batch: pa.Table, known: Offsets) -> list[int]:
         """The indexes of the rows the offsets do not cover, and of those that failed in this
@@ -724,12 +808,21 @@ def _holders(rows: Mapping[str, Offsets], tp: TopicPartition, connector: str) ->
     return sorted(w for w, known in rows.items() if tp in known) or [connector]
 
 
-def _offsets_of(rows: Sequence[Sequence[Any]]) -> Offsets:
-    """The offsets in rows of (topic, partition, next_offset, generation), the claim row left out."""
+def ledger_rows(cur: Any) -> list[dict[str, Any]]:
+    """The rows of the query just run, by lower-case column name (``SELECT *``: a table of the
+    release before issue 44 has no ``log_id``/``destination``)."""
+    names = [str(d[0]).lower() for d in cur.description or ()]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def _positions_of(rows: Sequence[Mapping[str, Any]]) -> StoredPositions:
+    """The positions in offsets-table rows, the claim row left out."""
     return {
-        TopicPartition(str(t), int(p)): int(o)
-        for t, p, o, _ in rows
-        if not (t == CLAIM_TOPIC and int(p) == CLAIM_PARTITION)
+        TopicPartition(str(r["topic"]), int(r["partition"])): StoredPosition(
+            int(r["next_offset"]), r.get("log_id"), r.get("destination")
+        )
+        for r in rows
+        if not (r["topic"] == CLAIM_TOPIC and int(r["partition"]) == CLAIM_PARTITION)
     }
 
 
@@ -743,6 +836,8 @@ class LedgerSink:
     # exception while doing ``what`` (None: not the client's).
     _connect: Callable[[], Any]
     _ledger_error: Callable[[Exception, str], Exception | None]
+    # Each sink's: whether the offsets table exists (on an open cursor).
+    _ledger_exists: Callable[[Any], bool]
 
     # Why ``delivery: auto`` writes at least once in this run (None: it does not).
     _downgraded: str | None = None
@@ -778,9 +873,30 @@ class LedgerSink:
             return f"at_least_once (delivery auto: {self._downgraded})"
         return "at_least_once"
 
-    def bind(self, connector: str, generation: int) -> None:
-        """The writer and generation this sink commits offsets for (before ``init_sink``)."""
-        self._ledger.bind(connector, generation)
+    def bind(self, binding: TargetBinding) -> None:
+        """The writer id, generation and scope this sink commits offsets for (before
+        ``init_sink``)."""
+        self._ledger.bind(binding)
+
+    def retire_target_offsets(self, connector: str) -> str | None:
+        """A deleted connector's rows, every writer's, in one transaction (``OffsetsLedger.retire``);
+        what could not be removed, or None."""
+        if self.config.delivery == "at_least_once":
+            return None
+        conn = None
+        try:
+            conn = self._connect()
+            with conn.cursor() as cur:
+                if self._ledger_exists(cur):
+                    self._ledger.retire(cur, connector)
+            conn.commit()
+            return None
+        except Exception as e:  # noqa: BLE001 - reported to the operator, never raised
+            mapped = self._ledger_error(e, f"removing its rows from {self._ledger.sql.table}")
+            return str(mapped or e)
+        finally:
+            if conn is not None:
+                conn.close()
 
     def move_target_offsets(
         self,

@@ -36,6 +36,7 @@ from conveyor.core.model import (
     TopicPartition,
     parse_start_timestamp,
 )
+from conveyor.core.positions import PositionScope, StoredPosition, StoredPositions
 from conveyor.core.scrubbing import scrub
 from conveyor.core.sink import task_writer
 from conveyor.core.state import StateChange
@@ -147,6 +148,10 @@ class ConnectorRow:
     last_moved_at: float | None
     created_at: float
     updated_at: float
+    # core/positions.py: the id a target keeps this connector's positions under, and whether
+    # it predates it (its target's positions under the bare name are its own).
+    incarnation: str = ""
+    legacy_positions: bool = False
 
     @property
     def spec(self) -> dict[str, Any] | None:
@@ -175,6 +180,8 @@ class Claim:
     generation: int
     broker_id: str | None
     offsets: Offsets = field(default_factory=dict)
+    incarnation: str = ""
+    legacy_positions: bool = False
 
 
 def _row(r: sa.Row[Any]) -> ConnectorRow:
@@ -201,6 +208,8 @@ def _row(r: sa.Row[Any]) -> ConnectorRow:
         last_moved_at=m["last_moved_at"],
         created_at=m["created_at"],
         updated_at=m["updated_at"],
+        incarnation=m["incarnation"] or "",
+        legacy_positions=bool(m["legacy_positions"]),
     )
 
 
@@ -385,9 +394,18 @@ class MetaStore:
                 "is gone (deleted meanwhile)"
             )
         status = ConnectorStatus.ERROR if error else ConnectorStatus.IDLE
+        # A new incarnation: its generations start above any an earlier connector of this name
+        # reached here, so a zombie run of a deleted one matches none of them.
+        before = c.execute(
+            sa.select(sa.func.max(t.state_history.c.generation)).where(
+                t.state_history.c.connector == name
+            )
+        ).scalar()
         c.execute(
             t.connectors.insert().values(
                 name=name,
+                incarnation=t.new_incarnation(),
+                legacy_positions=False,
                 spec_json=spec_json,
                 spec_hash=spec_hash,
                 spec_source=source,
@@ -395,7 +413,7 @@ class MetaStore:
                 desired=desired.value,
                 status=status.value,
                 status_since=now,
-                generation=0,
+                generation=int(before or 0),
                 last_error=error,
                 restarts=0,
                 created_at=now,
@@ -485,11 +503,13 @@ class MetaStore:
                 _row(r) for r in c.execute(sa.select(t.connectors).order_by(t.connectors.c.name))
             ]
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, kept: Iterable[str] = ()) -> None:
         """Forget a connector in one transaction: its row, offsets, source state and partition
-        tasks. Its runs and tasks are fenced for good (no generation left to match), so a
-        zombie's commit or heartbeat is refused and cannot bring it back; nor can a spec
-        sync that read its file before the delete (``sync_spec``). Idempotent."""
+        tasks. Its runs and tasks are fenced for good (no generation left to match; a connector
+        created again under the name starts above every generation it had), so a zombie's
+        commit or heartbeat is refused and cannot bring it back; nor can a spec sync that read
+        its file before the delete (``sync_spec``). ``kept``: what the delete left elsewhere
+        (positions in an unreachable target), for the history. Idempotent."""
         with self._tx() as c:
             row = self._lock_if_any(c, name)
             drop_tasks(c, name)
@@ -501,7 +521,7 @@ class MetaStore:
                 name,
                 row.status if row else None,
                 ConnectorStatus.STOPPED,
-                "deleted",
+                "deleted" + "".join(f"; left: {k}" for k in kept),
                 None,
                 row.generation if row else None,
             )
@@ -747,7 +767,14 @@ class MetaStore:
                 c, name, row.status, row.status, f"claimed by run {run_id}", run_id, generation
             )
             offs = self._offsets(c, name)
-        return Claim(name=name, generation=generation, broker_id=broker, offsets=offs)
+        return Claim(
+            name=name,
+            generation=generation,
+            broker_id=broker,
+            offsets=offs,
+            incarnation=row.incarnation,
+            legacy_positions=row.legacy_positions,
+        )
 
     def _get_for_update(self, c: sa.Connection, name: str) -> ConnectorRow:
         q = sa.select(t.connectors).where(t.connectors.c.name == name)
@@ -760,12 +787,15 @@ class MetaStore:
 
     # -- the run's fenced writes ------------------------------------------------
 
-    def commit(self, name: str, generation: int, offsets: Offsets) -> None:
-        """Write offsets (next offset to read) for this run's generation, atomically fenced."""
+    def commit(
+        self, name: str, generation: int, offsets: Offsets, scope: PositionScope | None = None
+    ) -> None:
+        """Write offsets (next offset to read) for this run's generation, atomically fenced,
+        with the logs and destination they are positions of (``scope``)."""
         now = self.clock()
         with transient_errors("committing offsets"), self._tx() as c:
             self._fenced_touch(c, name, generation, now, "not committing")
-            self._upsert_offsets(c, name, generation, offsets, now)
+            self._upsert_offsets(c, name, generation, offsets, now, scope)
 
     def _fenced_touch(
         self, c: sa.Connection, name: str, generation: int, now: float, not_done: str
@@ -879,6 +909,55 @@ class MetaStore:
         with self._read() as c:
             return self._offsets(c, name)
 
+    def stored_positions(self, name: str) -> StoredPositions:
+        """The connector's offsets with the log and destination each names (core/positions.py)."""
+        with self._read() as c:
+            q = sa.select(t.offsets).where(t.offsets.c.connector == name)
+            return {
+                TopicPartition(r.topic, r.partition): StoredPosition(
+                    int(r.next_offset), r.log_id, r.destination
+                )
+                for r in c.execute(q)
+            }
+
+    def record_positions(self, name: str, generation: int, messages: list[str]) -> None:
+        """Positions a run did not take as stored (``core.positions.PositionNote``): each in the
+        history, the last as the connector's last error (fenced: a stale run records nothing)."""
+        if not messages:
+            return
+        now = self.clock()
+        with transient_errors("recording positions"), self._tx() as c:
+            row = c.execute(
+                sa.select(t.connectors.c.status, t.connectors.c.run_id).where(
+                    t.connectors.c.name == name, t.connectors.c.generation == generation
+                )
+            ).first()
+            if row is None:
+                return
+            status = ConnectorStatus(row.status)
+            for m in messages:
+                self._history(c, name, status, status, f"position: {m}", row.run_id, generation)
+            last = (
+                messages[-1]
+                if len(messages) == 1
+                else f"{messages[-1]} (and {len(messages) - 1} more: see history)"
+            )
+            c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(last_error=scrub(last), updated_at=now)
+            )
+
+    def positions_adopted(self, name: str, generation: int) -> None:
+        """A migrated connector's run took what its target kept under the bare writer name:
+        later runs look only under its writer id (fenced: a stale run changes nothing)."""
+        with transient_errors("recording adopted positions"), self._tx() as c:
+            c.execute(
+                t.connectors.update()
+                .where(t.connectors.c.name == name, t.connectors.c.generation == generation)
+                .values(legacy_positions=False)
+            )
+
     def _offsets(self, c: sa.Connection, name: str) -> Offsets:
         q = sa.select(t.offsets).where(t.offsets.c.connector == name)
         return {TopicPartition(r.topic, r.partition): int(r.next_offset) for r in c.execute(q)}
@@ -958,8 +1037,17 @@ class MetaStore:
         return writers
 
     def _upsert_offsets(
-        self, c: sa.Connection, name: str, generation: int, offsets: Offsets, now: float
+        self,
+        c: sa.Connection,
+        name: str,
+        generation: int,
+        offsets: Offsets,
+        now: float,
+        scope: PositionScope | None = None,
     ) -> None:
+        """Offsets set (backwards too), with what they are positions of: a run's commit names
+        its logs and destination (``scope``); an operator's offsets name none (NULL: taken for
+        the log that is there, after a range check)."""
         if not offsets:
             return
         rows = [
@@ -970,6 +1058,8 @@ class MetaStore:
                 "next_offset": off,
                 "generation": generation,
                 "committed_at": now,
+                "log_id": scope.log_ids.get(tp.topic) if scope else None,
+                "destination": scope.destination if scope else None,
             }
             for tp, off in offsets.items()
         ]
@@ -984,6 +1074,8 @@ class MetaStore:
                 "next_offset": stmt.excluded.next_offset,
                 "generation": stmt.excluded.generation,
                 "committed_at": stmt.excluded.committed_at,
+                "log_id": stmt.excluded.log_id,
+                "destination": stmt.excluded.destination,
             },
         )
         c.execute(stmt)

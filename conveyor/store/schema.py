@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 metadata = sa.MetaData()
 
@@ -46,6 +46,12 @@ connectors = sa.Table(
     sa.Column("last_moved_at", sa.Float, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    # Minted at create (core/positions.py): a target keeps this connector's positions under
+    # ``<writer>@<incarnation>``; a connector deleted and created again is a new incarnation.
+    sa.Column("incarnation", sa.String(32), nullable=True),
+    # Created before positions named their incarnation (migrated from schema 3): its runs may
+    # take the positions its target keeps under the bare writer name, once.
+    sa.Column("legacy_positions", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 brokers = sa.Table(
@@ -70,6 +76,10 @@ offsets = sa.Table(
     sa.Column("next_offset", sa.BigInteger, nullable=False),  # Kafka convention: last processed + 1
     sa.Column("generation", sa.Integer, nullable=False),
     sa.Column("committed_at", sa.Float, nullable=False),
+    # What the position belongs to (core/positions.py); NULL: unknown (schema 3, or an
+    # operator's offsets, taken for whatever log is there after a range check).
+    sa.Column("log_id", sa.String(255), nullable=True),
+    sa.Column("destination", sa.Text, nullable=True),
 )
 
 state_history = sa.Table(
@@ -160,7 +170,37 @@ def _v2_backfills(c: sa.Connection) -> None:
     backfills.create(c, checkfirst=True)
 
 
-MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {1: _v1_broker_gone, 2: _v2_backfills}
+def _v3_positions(c: sa.Connection) -> None:
+    """Positions name their log, destination and incarnation (issue 44). Every connector
+    of the older store gets an incarnation and may adopt what its target kept under its
+    bare name; its offsets keep NULL identities, range-checked on their next start."""
+    for ddl in (
+        "ALTER TABLE conveyor_connectors ADD COLUMN incarnation VARCHAR(32)",
+        "ALTER TABLE conveyor_connectors ADD COLUMN legacy_positions BOOLEAN NOT NULL DEFAULT false",
+        "ALTER TABLE conveyor_offsets ADD COLUMN log_id VARCHAR(255)",
+        "ALTER TABLE conveyor_offsets ADD COLUMN destination TEXT",
+    ):
+        c.exec_driver_sql(ddl)
+    for (name,) in c.execute(sa.select(connectors.c.name)).all():
+        c.execute(
+            connectors.update()
+            .where(connectors.c.name == name)
+            .values(incarnation=new_incarnation(), legacy_positions=True)
+        )
+
+
+def new_incarnation() -> str:
+    """A connector's incarnation id: 16 hex digits of a random UUID."""
+    import uuid
+
+    return uuid.uuid4().hex[:16]
+
+
+MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {
+    1: _v1_broker_gone,
+    2: _v2_backfills,
+    3: _v3_positions,
+}
 
 # A source connector's position (an id, an LSN, a sequence number), written in the same
 # transaction as the generation check; ``version`` is the source's state format.

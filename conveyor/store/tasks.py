@@ -41,6 +41,7 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import DesiredState, Offsets, TopicPartition
+from conveyor.core.positions import PositionScope
 from conveyor.core.scrubbing import scrub
 from conveyor.core.tasks import (
     TaskChange,
@@ -722,6 +723,7 @@ class TaskStore:
         generation: int,
         offsets: Offsets,
         owned: Mapping[TopicPartition, int],
+        scope: PositionScope | None = None,
     ) -> CommitResult:
         """Write the offsets of the partitions this task still owns at the epochs of its grant.
 
@@ -740,7 +742,7 @@ class TaskStore:
                 for tp, off in offsets.items()
                 if tp in current and owned.get(tp) == current[tp]
             }
-            self.meta._upsert_offsets(c, connector, int(group.epoch), ok, now)
+            self.meta._upsert_offsets(c, connector, int(group.epoch), ok, now, scope)
             return CommitResult(committed=ok, refused=frozenset(offsets) - frozenset(ok))
 
     def release(
@@ -750,6 +752,7 @@ class TaskStore:
         generation: int,
         offsets: Offsets,
         owned: Mapping[TopicPartition, int],
+        scope: PositionScope | None = None,
     ) -> Offsets:
         """The handover: commit the releasing partitions' offsets and give them to their new owner.
 
@@ -771,7 +774,7 @@ class TaskStore:
                 tp: off for tp, off in offsets.items() if tp in mine and owned.get(tp) == mine[tp]
             }
             epoch = self._bump(c, connector)
-            self.meta._upsert_offsets(c, connector, epoch, ok, now)
+            self.meta._upsert_offsets(c, connector, epoch, ok, now, scope)
             moved = self._transfer(c, connector, rows, epoch, now)
             self._drop_finished(c, connector)
             if moved:

@@ -79,6 +79,15 @@ class FakeClient(KafkaSource):
     def _commit_group(self, offsets: Offsets) -> None:
         raise AssertionError("not called")
 
+    def _topic_ids(self, topics: list[str]) -> tuple[str | None, dict[str, str | None]]:
+        raise AssertionError("not called")
+
+    def _log_ranges(self, parts: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
+        raise AssertionError("not called")
+
+    def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
+        return None
+
     def _group_committed(self, group: str) -> dict[TopicPartition, int | None]:
         raise AssertionError("not called")
 

@@ -23,7 +23,7 @@ class FakeTasks:
         self.samples.append(sample)
         return self.grant
 
-    def commit(self, name, task_id, generation, offsets, owned):  # type: ignore[no-untyped-def]
+    def commit(self, name, task_id, generation, offsets, owned, scope=None):  # type: ignore[no-untyped-def]
         self.commits.append((dict(offsets), dict(owned)))
         ok = {tp: o for tp, o in offsets.items() if tp in self.grant.owned}
         return CommitResult(ok, frozenset(offsets) - frozenset(ok))

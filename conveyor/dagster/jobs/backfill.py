@@ -11,8 +11,11 @@ only says where to start reading). The rows go to the sink as the
 connector would send them (a whole-request rejection bisected to the guilty rows); rows that
 fail are counted and named in the log, not dead-lettered. Re-delivered rows are idempotent with
 the sink's upsert keys; with a sink that keeps offsets in its target (exactly once), the backfill
-is its own writer (``<connector>.backfill-<range digest>``), so a backfill retried after a crash
-writes each row of its range once, and never hides a row from the live connector's marks.
+is its own writer (``<connector>.backfill-<request>``: ``r<id>`` for a request of the CLI or the
+API, the root run id for a run launched by hand; with the connector's incarnation), so a
+backfill retried after a crash (the request's run again, or a re-execution of the run) writes
+each row of its range once, a backfill requested again delivers its range again, and neither
+hides a row from the live connector's marks.
 Runs as the Dagster job ``backfill__<connector>``: launched from the UI's launchpad with the
 range as run config, or by the backfills sensor for a request of the CLI or the API (its id in
 the run config: the run reports its state and counts to the request); progress as observations
@@ -20,7 +23,6 @@ of the sink asset.
 """
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.positions import PositionScope, TargetBinding, writer_id
 from conveyor.core.sink import OffsetsInTarget, send_isolating
 from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
@@ -147,12 +150,16 @@ class TimeBounds:
         return True
 
 
-def backfill_writer(name: str, lo: Offsets, hi: Offsets, bounds: str = "") -> str:
-    """The writer name a backfill's commits carry in a target that keeps offsets: the same for
-    the same range (``bounds``: its times, when the range is given in times)."""
-    text = ",".join(f"{tp.topic}/{tp.partition}:{lo.get(tp)}-{hi[tp]}" for tp in sorted(hi))
-    text += bounds
-    return f"{name}.backfill-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+def backfill_writer(name: str, request: str) -> str:
+    """The writer name a backfill's commits carry in a target that keeps offsets: one per
+    request (``r<id>``) or per run launched by hand (its root run id), so the same range
+    requested again is delivered again, and a retry of one request resumes it."""
+    return f"{name}.backfill-{request}"
+
+
+def backfill_request_key(request_id: int | None, root_run_id: str) -> str:
+    """``r<id>`` for a request, else the run's root run id (a re-execution keeps it)."""
+    return f"r{request_id}" if request_id is not None else f"run-{root_run_id[:12]}"
 
 
 def backfill_range(
@@ -163,8 +170,11 @@ def backfill_range(
     end: str,
     bootstrap: str | None = None,
     progress: Callable[[BackfillResult], None] | None = None,
+    request: str = "adhoc",
+    incarnation: str = "",
 ) -> BackfillResult:
-    """Read ``start``..``end`` of the connector's topics again into its sink (``ls`` resolved)."""
+    """Read ``start``..``end`` of the connector's topics again into its sink (``ls`` resolved);
+    ``request`` names its writer (``backfill_writer``), ``incarnation`` the connector's."""
     assert ls.spec is not None and ls.sink is not None
     spec = ls.spec
     lo_at, hi_at = parse_backfill_range(start, end)
@@ -173,6 +183,7 @@ def backfill_range(
     group = f"{ls.name}.backfill"
     probe = KafkaSource(source_spec, group_id=group)
     try:
+        probe.describe_logs()
         probe.open({})
         lo = _resolve(probe, lo_at)
         # An end in time is found by reading, up to where each partition ends now.
@@ -187,10 +198,10 @@ def backfill_range(
         return result
     sink = build_sink(ls.sink)
     if isinstance(sink, OffsetsInTarget):
-        times = f"@{bounds.start_ms}-{bounds.end_ms}" if bounds.start_ms or bounds.end_ms else ""
-        writer_hi = {tp: -1 for tp in hi} if bounds.end_ms is not None else hi
-        sink.bind(backfill_writer(ls.name, lo, writer_hi, times), 1)
-        done = sink.target_offsets() or {}
+        scope = PositionScope("/".join(ls.sink.asset_key_path()), dict(probe.log_ids))
+        binding = TargetBinding(writer_id(backfill_writer(ls.name, request), incarnation), 1, scope)
+        sink.bind(binding)
+        done = binding.usable(sink.target_offsets() or {})
         # A partition this writer has delivered from is past its start already.
         bounds.started |= {tp for tp, o in todo.items() if done.get(tp, o) > o}
         todo = {tp: max(o, done.get(tp, o)) for tp, o in todo.items()}
@@ -352,6 +363,8 @@ def _run(
         end=config.end,
         bootstrap=conveyor.bootstrap(),
         progress=observe,
+        request=backfill_request_key(config.request_id, context.run.root_run_id or context.run_id),
+        incarnation=row.incarnation,
     )
     observe(result)
     return result

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.model import ConnectorStatus, Counters, Offsets
+from conveyor.core.positions import PositionScope
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.store.meta import MetaStore
 
@@ -25,6 +26,8 @@ class StoreCommitter:
         source: KafkaSource,
         spec_hash: str | None = None,
         on_status: Callable[[ConnectorStatus, str | None], None] | None = None,
+        scope: PositionScope | None = None,
+        adopted: Callable[[], bool] | None = None,
     ):
         self.store = store
         self.name = name
@@ -33,10 +36,17 @@ class StoreCommitter:
         self.spec_hash = spec_hash
         self.on_status = on_status  # told each status change (the run's log in the UI)
         self._status: ConnectorStatus | None = None
+        self.scope = scope  # what the offsets are positions of (core/positions.py)
+        # A migrated connector: once its target holds its positions under its writer id, the
+        # meta store stops offering the bare name's (``MetaStore.positions_adopted``).
+        self._adopted = adopted
 
     def commit(self, offsets: Offsets) -> None:
-        self.store.commit(self.name, self.generation, offsets)
+        self.store.commit(self.name, self.generation, offsets, self.scope)
         self.source.mirror_commit(offsets)
+        if self._adopted is not None and self._adopted():
+            self.store.positions_adopted(self.name, self.generation)
+            self._adopted = None
 
     def ensure_current(self) -> None:
         self.store.ensure_current(self.name, self.generation)

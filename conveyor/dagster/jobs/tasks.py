@@ -37,6 +37,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.positions import PositionScope
 from conveyor.core.sink import task_writer
 from conveyor.core.stopping import Directive, directive_for
 from conveyor.core.tasks import TaskSample
@@ -84,9 +85,12 @@ class TaskCommitter:
         self._snapshot: tuple[float, Offsets] = (clock(), dict(committed))
         self.refused: set[TopicPartition] = set()
         self.last_sample: TaskSample | None = None
+        self.scope: PositionScope | None = None  # the loop's (core/positions.py), set on build
 
     def commit(self, offsets: Offsets) -> None:
-        res = self.tasks.commit(self.name, self.task_id, self.generation, offsets, self.grant.owned)
+        res = self.tasks.commit(
+            self.name, self.task_id, self.generation, offsets, self.grant.owned, self.scope
+        )
         self.committed.update(res.committed)
         if res.refused:
             # Moved away under a forced handover: the next heartbeat ends this loop.
@@ -198,7 +202,8 @@ def run_task(
         grant = ready
         mine = frozenset(grant.owned)
         committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
-        claim = Claim(name, gen, run.broker_id, committed)
+        row = store.get(name)
+        claim = Claim(name, gen, run.broker_id, committed, row.incarnation, row.legacy_positions)
         built = (context, conveyor, store, ls, running_hash, gen, claim, remote, committed)
         loop = build_sink_loop(
             *built, counters, partitions=mine, writer=task_writer(name, run.task_id)
@@ -293,11 +298,11 @@ def _read_only_mine(
     running_hash: str | None,
     interval: float,
 ) -> TaskCommitter:
-    """The same loop, but reading only this task's partitions and committing per partition."""
-    spec = loop.source.spec  # type: ignore[attr-defined]  # resolved, with bootstrap
-    loop.source.close()  # type: ignore[attr-defined]  # never opened
-    source = KafkaSource(spec, group_id=run.name, only=frozenset(grant.owned))
-    loop.source = source
+    """The same loop (its source reads only this task's partitions: ``build_sink_loop``),
+    committing per partition."""
+    source = loop.source
+    assert isinstance(source, KafkaSource)
+    scope = getattr(loop.committer, "scope", None)
     committer = TaskCommitter(
         run.tasks,
         run.name,
@@ -310,6 +315,7 @@ def _read_only_mine(
         sample_interval_s=interval,
         committed=committed,
     )
+    committer.scope = scope
     loop.committer = committer
     return committer
 
