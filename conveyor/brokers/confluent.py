@@ -18,6 +18,7 @@ import itertools
 import logging
 import operator
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -352,6 +353,39 @@ class ConfluentSource(KafkaSource, client="confluent"):
                 CTP(tp.topic, tp.partition), timeout=self._timeout_s
             )
             out[tp] = (int(low), int(high))
+        return out
+
+    def _fetched_ends(self, parts: list[TopicPartition]) -> dict[TopicPartition, int]:
+        from confluent_kafka import OFFSET_END, Consumer
+        from confluent_kafka import TopicPartition as CTP
+
+        probe = Consumer(
+            self._config(
+                client_id=f"{self.client_id}-probe",
+                **{
+                    "group.id": f"{self.group_id}-conveyor-probe",  # never joined or committed
+                    "enable.auto.commit": False,
+                    "enable.partition.eof": True,
+                    "isolation.level": self.spec.isolation_level,
+                    "max.partition.fetch.bytes": 1 << 20,
+                    "fetch.max.bytes": 1 << 20,
+                },
+            )
+        )
+        out: dict[TopicPartition, int] = {}
+        try:
+            probe.assign([CTP(tp.topic, tp.partition, OFFSET_END) for tp in parts])
+            deadline = time.monotonic() + self._timeout_s
+            while len(out) < len(parts) and time.monotonic() < deadline:
+                probe.consume(100, 0.2)
+                for tp in parts:
+                    _low, high = probe.get_watermark_offsets(
+                        CTP(tp.topic, tp.partition), cached=True
+                    )
+                    if high is not None and high >= 0:
+                        out[tp] = int(high)
+        finally:
+            probe.close()
         return out
 
     def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:

@@ -316,6 +316,40 @@ class KafkaPythonSource(KafkaSource, client="kafka-python"):
         hi = self._end_offsets(parts, "latest")
         return {tp: (lo[tp], hi[tp]) for tp in parts}
 
+    def _fetched_ends(self, parts: list[TopicPartition]) -> dict[TopicPartition, int]:
+        import time
+
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KTP
+
+        probe = KafkaConsumer(
+            **consumer_options(
+                self.spec,
+                client_id=f"{self.client_id}-probe",
+                group_id=None,
+                enable_auto_commit=False,
+                isolation_level=self.spec.isolation_level,
+                request_timeout_ms=self.request_timeout_ms,
+                fetch_max_bytes=1 << 20,
+                max_partition_fetch_bytes=1 << 20,
+            )
+        )
+        out: dict[TopicPartition, int] = {}
+        try:
+            ktps = {tp: KTP(tp.topic, tp.partition) for tp in parts}
+            probe.assign(list(ktps.values()))
+            probe.seek_to_end(*ktps.values())
+            deadline = time.monotonic() + self.request_timeout_ms / 1000
+            while len(out) < len(parts) and time.monotonic() < deadline:
+                probe.poll(timeout_ms=200)
+                for tp, k in ktps.items():
+                    high = probe.highwater(k)
+                    if high is not None:
+                        out[tp] = int(high)
+        finally:
+            probe.close(autocommit=False)
+        return out
+
     def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
         from kafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 

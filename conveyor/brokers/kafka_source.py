@@ -61,6 +61,10 @@ SOURCE_SCHEMA = MESSAGE_SCHEMA
 # short wait fetched. A source that has caught up closes its batches at max_wait_ms.
 BACKLOG_FILL_S = 1.0
 
+# Empty reads in a row with a position past its partition's fetched end before it counts as
+# out of range (one read may carry a high watermark from before the position was set).
+PAST_END_READS = 3
+
 
 def default_bootstrap() -> str:
     return os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP") or DEFAULT_BOOTSTRAP
@@ -225,6 +229,10 @@ class KafkaSource(abc.ABC):
         # Positions not taken as stored (out of range while reading), for the loop to report.
         self._notes: list[PositionNote] = []
         self._notes_lock = threading.Lock()
+        # Empty reads in a row that found a partition's position past the end its fetches
+        # report (a broker that answers such a fetch with nothing instead of an error, as
+        # tansu: waiting would be silent).
+        self._past_end: dict[TopicPartition, int] = {}
 
     # -- the client's primitives ---------------------------------------------------------
 
@@ -293,6 +301,12 @@ class KafkaSource(abc.ABC):
         ``open`` assigns afterwards)."""
 
     @abc.abstractmethod
+    def _fetched_ends(self, parts: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Each partition's log end as a fetch reports it (its high watermark), read by a
+        short-lived consumer of its own within the request timeout; partitions it did not learn
+        are left out."""
+
+    @abc.abstractmethod
     def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
         """The partitions a client error says are out of range (their position is not in the
         log, ``auto.offset.reset`` set to error), or None when it is another error."""
@@ -344,20 +358,35 @@ class KafkaSource(abc.ABC):
 
     # -- positions: the logs' identities and ranges (core/positions.py) ---------------------
 
-    def describe_logs(self) -> dict[TopicPartition, LogFacts]:
+    def describe_logs(self, stored: Offsets | None = None) -> dict[TopicPartition, LogFacts]:
         """Every partition of the spec's topics now (this source's own, for a task): its log id
-        and the offsets its log holds. Connects if needed (``open`` then reuses the client)."""
+        and the offsets its log holds. Connects if needed (``open`` then reuses the client).
+        A ``stored`` position past the end a ListOffsets answer gives is checked against the
+        end a fetch reports (tansu answers ListOffsets with its last record batch's base offset
+        + 1, not the log end; a fetch's high watermark is right)."""
         self._ensure_connected()
         parts, _missing = self._discover()
         parts = self._mine(parts)
         try:
             self._learn_log_ids(sorted({tp.topic for tp in parts}))
-            ranges = self._log_ranges(parts)
+            ranges = self._ranges(parts)
+            doubtful = [tp for tp in parts if (stored or {}).get(tp, -1) > ranges[tp][1]]
+            if doubtful:
+                for tp, end in self._fetched_ends(doubtful).items():
+                    ranges[tp] = (ranges[tp][0], max(ranges[tp][1], end))
         except ConveyorError:
             raise
         except Exception as e:  # noqa: BLE001 - classified
             raise source_error(e, f"reading the logs' offsets from {self.bootstrap}") from None
         return {tp: LogFacts(self.log_ids.get(tp.topic), lo, hi) for tp, (lo, hi) in ranges.items()}
+
+    def _ranges(self, parts: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
+        """Each partition's log start and end, the end no lower than the last fetch reported."""
+        fetched = self._fetched_highwaters() if self._partitions else {}
+        return {
+            tp: (lo, max(hi, fetched.get(tp, -1)))
+            for tp, (lo, hi) in self._log_ranges(parts).items()
+        }
 
     def _learn_log_ids(self, topics: list[str]) -> None:
         """The log ids of ``topics`` not known yet (a broker that reports none: None)."""
@@ -385,8 +414,9 @@ class KafkaSource(abc.ABC):
         }
         facts = {
             tp: LogFacts(self.log_ids.get(tp.topic), lo, hi)
-            for tp, (lo, hi) in self._log_ranges(list(stored)).items()
+            for tp, (lo, hi) in self._ranges(list(stored)).items()
         }
+        self._past_end.clear()
         start, notes = judge_positions(stored, facts, None, self.spec.out_of_range)
         # The loop's offsets stay where they were: the new position is handed out with the
         # next batch (an empty one if the partition holds nothing more) and so committed.
@@ -395,6 +425,21 @@ class KafkaSource(abc.ABC):
             log.warning("%s: %s", self.group_id, n.message)
         with self._notes_lock:
             self._notes.extend(notes)
+
+    def _check_past_end(self, positions: dict[TopicPartition, int | None]) -> None:
+        """After an empty read: a position past the high watermark its partition's fetches
+        report, ``PAST_END_READS`` empty reads in a row, is out of range (``_position_lost``)."""
+        fetched = self._fetched_highwaters()
+        past = {tp for tp, p in positions.items() if p is not None and p > fetched.get(tp, p)}
+        self._past_end = {tp: self._past_end.get(tp, 0) + 1 for tp in past}
+        lost = [tp for tp, n in self._past_end.items() if n >= PAST_END_READS]
+        if lost:
+            try:
+                self._position_lost(lost)
+            except ConveyorError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified
+                raise source_error(e, f"reading the log range from {self.bootstrap}") from None
 
     def take_position_notes(self) -> list[PositionNote]:
         """Positions not taken as stored since the last call (the loop reports them)."""
@@ -521,8 +566,10 @@ class KafkaSource(abc.ABC):
             raise source_error(e, f"reading from {self.bootstrap} failed") from None
         if chunks:
             self._last_contact = self._clock()
+            self._past_end.clear()
         else:
             self._probe()
+            self._check_past_end(positions)
         self._highwater.update(self._fetched_highwaters())
         return self._batch(chunks, positions, nbytes)
 

@@ -73,12 +73,18 @@ def test_exactly_the_range_arrives_again(tansu, spark_remote, pg_url, pg_schema,
     spark = lambda: spark_session(spark_remote)  # noqa: E731
     # Explicit ends: tansu answers ListOffsets for "latest" with a record batch's base offset
     # (docs/DESIGN.md section 7), so "latest" would stop short here; exact on Kafka.
-    first = backfill_range(live, spark, start="earliest", end=f"{topic}:0:150,{topic}:1:150")
+    first = backfill_range(
+        live, spark, start="earliest", end=f"{topic}:0:150,{topic}:1:150", request="r1"
+    )
     assert first.delivered == 300 and first.failed == 0
     assert ids(pg_url, pg_schema, name) == list(range(300))
     # Offsets 25..74 of both partitions: ids 50..149.
     again = backfill_range(
-        live, spark, start=f"{topic}:0:25,{topic}:1:25", end=f"{topic}:0:75,{topic}:1:75"
+        live,
+        spark,
+        start=f"{topic}:0:25,{topic}:1:25",
+        end=f"{topic}:0:75,{topic}:1:75",
+        request="r2",
     )
     assert again.delivered == 100 and again.read == 100
     assert again.ranges == {f"{topic}/0": [25, 75], f"{topic}/1": [25, 75]}
@@ -97,10 +103,9 @@ def test_a_range_is_given_as_offsets_or_ends():
     }
     with pytest.raises(Exception, match="TOPIC:PARTITION:OFFSET"):
         parse_position("orders:x:5")
-    lo = {TopicPartition("o", 0): 1}
-    hi = {TopicPartition("o", 0): 9}
-    assert backfill_writer("c", lo, hi) == backfill_writer("c", dict(lo), dict(hi))
-    assert backfill_writer("c", lo, hi) != backfill_writer("c", lo, {TopicPartition("o", 0): 10})
+    # A writer per request: the same range requested again is delivered again.
+    assert backfill_writer("c", "r1") != backfill_writer("c", "r2")
+    assert backfill_writer("c", "r1") == "c.backfill-r1"
 
 
 def iso(t: float) -> str:
@@ -132,7 +137,8 @@ def test_a_time_range_is_found_by_reading_and_its_request_gets_the_counts(
 ):
     """Ids 0..199 stamped a second apart (an hour ago), then ids 200..219 in batches of their
     own; the range [50 s, 150 s) is ids 50..149, written once into an exactly-once table; the
-    same range again (its own writer) writes nothing more."""
+    request run again (a retry after a crash: its writer's offsets cover the range) writes
+    nothing more; the same range requested again (a writer of its own) delivers it again."""
     name = f"bft_{uuid.uuid4().hex[:6]}"
     topic = f"t_{name}"
     produce(tansu, topic, 0)  # the topic, two partitions
@@ -154,14 +160,17 @@ def test_a_time_range_is_found_by_reading_and_its_request_gets_the_counts(
         )
     }
     start, end = iso(base + 50), iso(base + 150)
-    for attempt in range(2):
-        req = store.request_backfill(name, start, end, requested_by="test")
+    first = store.request_backfill(name, start, end, requested_by="test")
+    again = store.request_backfill(name, start, end, requested_by="test")
+
+    # (request, rows it delivers, how often each id of the range is in the table after it)
+    def run(request_id: int) -> str:
         with DagsterInstance.ephemeral() as instance:
             result = backfill_job(loaded).execute_in_process(
                 run_config={
                     "ops": {
                         f"backfill_range__{name}": {
-                            "config": {"start": start, "end": end, "request_id": req.id}
+                            "config": {"start": start, "end": end, "request_id": request_id}
                         }
                     }
                 },
@@ -169,16 +178,24 @@ def test_a_time_range_is_found_by_reading_and_its_request_gets_the_counts(
                 instance=instance,
             )
         assert result.success
-        got = store.backfill(req.id)
-        want = 100 if attempt == 0 else 0  # the second: every row of the range is in already
-        assert (got.state, got.run_id, got.read, got.delivered, got.failed) == (
-            "succeeded",
-            result.run_id,
-            want,
-            want,
-            0,
-        ), got
-        assert ids(pg_url, pg_schema, name) == list(range(50, 150))
+        return result.run_id
+
+    def counts(request_id: int) -> tuple[Any, ...]:
+        got = store.backfill(request_id)
+        return (got.state, got.run_id, got.read, got.delivered, got.failed)
+
+    run_id = run(first.id)
+    assert counts(first.id) == ("succeeded", run_id, 100, 100, 0)
+    assert ids(pg_url, pg_schema, name) == list(range(50, 150))
+    # The request's run executed again (a re-execution after a crash): its writer's offsets
+    # cover the range, nothing is written twice; the request keeps its first outcome.
+    run(first.id)
+    assert counts(first.id) == ("succeeded", run_id, 100, 100, 0)
+    assert ids(pg_url, pg_schema, name) == list(range(50, 150))
+    # The same range requested again: a writer of its own, the range delivered again.
+    run_id = run(again.id)
+    assert counts(again.id) == ("succeeded", run_id, 100, 100, 0)
+    assert ids(pg_url, pg_schema, name) == sorted(list(range(50, 150)) * 2)
     assert store.committed_offsets(name) == {}  # the connector's own offsets: untouched
 
 

@@ -17,6 +17,7 @@ import yaml
 from dagster import DagsterInstance
 
 from conveyor.config.specs import load_file
+from conveyor.core.positions import TargetBinding
 from conveyor.dagster.jobs.maintenance import (
     MaintenanceConfig,
     is_lakehouse,
@@ -26,6 +27,7 @@ from conveyor.dagster.jobs.maintenance import (
     maintenance_op_name,
 )
 from conveyor.sinks import build_sink
+from tests.positions import offsets_of
 from tests.sinks.contract import make_batch
 
 pytest.importorskip("pyiceberg")
@@ -43,7 +45,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def started(sink_cfg: dict[str, Any], connector: str, generation: int = 1) -> Any:
     sink = build_sink(sink_cfg)
-    sink.bind(connector, generation)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding(connector, generation))  # type: ignore[attr-defined]
     sink.init_sink()
     return sink
 
@@ -62,9 +64,9 @@ def write_batches(sink_cfg: dict[str, Any], connector: str, batches: int, start:
 
 def target_offsets(sink_cfg: dict[str, Any], connector: str) -> Any:
     sink = build_sink(sink_cfg)
-    sink.bind(connector, 1)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding(connector, 1))  # type: ignore[attr-defined]
     try:
-        return sink.target_offsets()  # type: ignore[attr-defined]
+        return offsets_of(sink.target_offsets())  # type: ignore[attr-defined]
     finally:
         sink.cleanup_sink()
 

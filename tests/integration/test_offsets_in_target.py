@@ -18,11 +18,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from conveyor.brokers.kafka import KafkaSource
 from conveyor.config.specs import load_source, resolved
 from conveyor.control.operations import ConflictError, Operations
 from conveyor.core.errors import FencedError, TransientSinkError
 from conveyor.core.model import TopicPartition
-from conveyor.dagster.jobs.sink_loop import _target_offsets_win
+from conveyor.core.positions import TargetBinding, writer_id
+from conveyor.dagster.jobs.sink_loop import _binding, _start_positions
 from conveyor.sinks import build_sink
 from conveyor.store.meta import MetaStore
 from tests.conftest import PG_URL
@@ -209,7 +211,8 @@ class Kafka:
     def held(self, writer: str) -> dict[TopicPartition, int]:
         from conveyor.sinks.kafka_transactions import Transactions
 
-        return Transactions({"bootstrap.servers": self.bootstrap}, writer, 0, 10).read_offsets()[0]
+        txn = Transactions({"bootstrap.servers": self.bootstrap}, TargetBinding(writer, 0), 10)
+        return {tp: p.offset for tp, p in txn.read_offsets()[0].items()}
 
     def close(self) -> None:
         from tests.sinks.test_kafka import delete_topics
@@ -222,12 +225,21 @@ TARGETS = ["postgres", "mysql", "redis", "kafka"]
 
 @pytest.fixture
 def source(tansu: str) -> Iterator[str]:
-    """The source topic (two partitions): Kafka's group offsets need it to exist, and a reset
-    to earliest reads its partitions."""
+    """The source topic (two partitions of 20 records): Kafka's group offsets need it to exist,
+    and a reset to earliest reads its partitions."""
+    from confluent_kafka import Producer
+
     from tests.sinks.test_kafka import create_topic, delete_topics
 
     topic = f"oit_src_{uuid.uuid4().hex[:8]}"
     create_topic(tansu, topic, partitions=2)
+    # Records at the offsets the tests write and move to: a run judges its positions against
+    # the log (core/positions.py), and a position past the log's end is not taken as stored.
+    producer = Producer({"bootstrap.servers": tansu})
+    for partition in (0, 1):
+        for i in range(20):
+            producer.produce(topic, value=str(i).encode(), partition=partition)
+    assert producer.flush(30) == 0
     yield topic
     delete_topics(tansu, topic)
 
@@ -268,9 +280,15 @@ def create(ops: Operations, target: Any, source: str, tansu: str) -> str:
     return name
 
 
+def wid(ops: Operations, name: str, writer: str | None = None) -> str:
+    """The writer id a target keeps ``writer``'s (default: the connector's) positions under."""
+    return writer_id(writer or name, ops.store.get(name).incarnation)
+
+
 class Run:
     """A run by hand: it claims the connector (a new generation), binds its sink, and takes
-    the target's offsets over the meta store's (``sink_loop._target_offsets_win``)."""
+    the target's positions over the meta store's, judged against the log
+    (``sink_loop._start_positions``)."""
 
     def __init__(self, ops: Operations, name: str, writer: str | None = None) -> None:
         self.store, self.name = ops.store, name
@@ -280,14 +298,19 @@ class Run:
         self.generation = claim.generation
         loaded = load_source(name, ops.store.get(name).spec_source)
         live = resolved(loaded)
+        assert live.spec is not None
         self.sink = build_sink(live.sink)
+        self.source = KafkaSource(live.spec.source, group_id=name)
+        binding = _binding(live, claim, self.generation, writer or name, self.source)
+        self.scope = binding.scope
         log = SimpleNamespace(log=logging.getLogger("test"))
-        self.start = _target_offsets_win(
+        self.start, self.notes = _start_positions(
             log,  # type: ignore[arg-type]
+            ops.store,
+            self.source,
             self.sink,
-            writer or name,
-            self.generation,
-            claim.offsets,
+            live,
+            binding,
             None,
         )
         self.sink.init_sink()
@@ -305,10 +328,11 @@ class Run:
                     strict=True,
                 )
             }
-            self.store.commit(self.name, self.generation, ends)
+            self.store.commit(self.name, self.generation, ends, self.scope)
 
     def close(self) -> None:
         self.sink.cleanup_sink()
+        self.source.close()
 
 
 def messages(topic: str, ranges: dict[int, range]) -> pa.Table:
@@ -339,12 +363,12 @@ def test_a_reset_backwards_moves_the_target_fences_a_zombie_and_the_next_run_rer
     try:
         assert zombie.start == {}
         zombie.send(messages(source, first))
-        assert target.held(name) == {p0: 10, p1: 10}
+        assert target.held(wid(ops, name)) == {p0: 10, p1: 10}
         ops.stop(name)
         new = ops.reset_offsets_to(name, to=f"{source}:0:3")
         assert new == {p0: 3}
         # Both moved: the target (backwards: a reset overwrites) and its mirror.
-        assert target.held(name) == {p0: 3, p1: 10}
+        assert target.held(wid(ops, name)) == {p0: 3, p1: 10}
         assert ops.store.committed_offsets(name) == {p0: 3, p1: 10}
         # The run of the generation before the reset cannot commit any more.
         with pytest.raises((FencedError, TransientSinkError)):
@@ -354,11 +378,11 @@ def test_a_reset_backwards_moves_the_target_fences_a_zombie_and_the_next_run_rer
     assert sorted(target.rows()) == expected([first])
     run = Run(ops, name)
     try:
-        assert run.start == {p0: 3, p1: 10}
+        assert run.start == {p0: 3, p1: 10}, run.notes
         again = {0: range(3, 12), 1: range(10, 12)}  # what the source reads from there
         run.send(messages(source, again))
         run.send(messages(source, again))  # sent twice: written once
-        assert target.held(name) == {p0: 12, p1: 12}
+        assert target.held(wid(ops, name)) == {p0: 12, p1: 12}
     finally:
         run.close()
     assert sorted(target.rows()) == expected([first, again])
@@ -386,13 +410,13 @@ def test_patch_and_delete_move_the_target_and_the_meta_store(
         ]
     }
     ops.alter_offsets(name, body)
-    assert target.held(name) == {p0: 2}
+    assert target.held(wid(ops, name)) == {p0: 2}
     assert ops.store.committed_offsets(name) == {p0: 2}
     ops.reset_offsets(name)
-    assert target.held(name) == {}
+    assert target.held(wid(ops, name)) == {}
     assert ops.store.committed_offsets(name) == {}
     ops.reset_offsets_to(name, to="earliest")
-    assert target.held(name) == {p0: 0, p1: 0}
+    assert target.held(wid(ops, name)) == {p0: 0, p1: 0}
     assert ops.store.committed_offsets(name) == {p0: 0, p1: 0}
     run = Run(ops, name)
     try:
@@ -420,9 +444,9 @@ def test_task_writers_move_and_a_backfill_writer_does_not(
             run.close()
     ops.stop(name)
     ops.reset_offsets_to(name, to=f"{source}:0:1,{source}:1:7")
-    assert target.held(f"{name}.task3") == {p0: 1}
-    assert target.held(f"{name}.backfill-ab12") == {p0: 5}
-    assert target.held(name) == {p1: 7}  # held by no writer: the connector's own
+    assert target.held(wid(ops, name, f"{name}.task3")) == {p0: 1}
+    assert target.held(wid(ops, name, f"{name}.backfill-ab12")) == {p0: 5}
+    assert target.held(wid(ops, name)) == {p1: 7}  # held by no writer: the connector's own
     assert ops.store.committed_offsets(name) == {p0: 1, p1: 7}
 
 

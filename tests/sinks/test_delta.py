@@ -20,8 +20,10 @@ import pytest
 
 from conveyor.core.errors import ConfigError, FencedError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import TopicPartition
+from conveyor.core.positions import TargetBinding
 from conveyor.sinks import build_sink
 from tests.hostile import with_invalid_utf8
+from tests.positions import offsets_of
 from tests.sinks.contract import SinkContract, make_batch, unique
 
 pytest.importorskip("deltalake")
@@ -100,7 +102,7 @@ def cfg(**over: Any) -> dict[str, Any]:
 
 def started(config: dict[str, Any], connector: str = "", generation: int = 0) -> Any:
     sink = build_sink(config)
-    sink.bind(connector, generation)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding(connector, generation))  # type: ignore[attr-defined]
     sink.init_sink()
     return sink
 
@@ -136,7 +138,7 @@ def test_types_partitioned_by_day_in_the_table_metadata(home: Path) -> None:
 def test_offsets_round_trip_through_the_commit_info(home: Path) -> None:
     c = cfg()
     sink = started(c, "orders-to-lake", 3)
-    assert sink.target_offsets() is None
+    assert offsets_of(sink.target_offsets()) is None
     sink.send_batch(make_batch(5, partition=0))
     sink.send_batch(make_batch(7, start=100, partition=1))
     (info,) = table_of(c["path"]).history(limit=1)
@@ -147,15 +149,15 @@ def test_offsets_round_trip_through_the_commit_info(home: Path) -> None:
     sink.cleanup_sink()
     expected = {TopicPartition("orders", 0): 5, TopicPartition("orders", 1): 107}
     fresh = build_sink(c)  # what the run reads before starting the loop: no init_sink yet
-    fresh.bind("orders-to-lake", 4)  # type: ignore[attr-defined]
-    assert fresh.target_offsets() == expected  # type: ignore[attr-defined]
+    fresh.bind(TargetBinding("orders-to-lake", 4))  # type: ignore[attr-defined]
+    assert offsets_of(fresh.target_offsets()) == expected  # type: ignore[attr-defined]
     fresh.cleanup_sink()
     again = started(c, "orders-to-lake", 4)
-    assert again.target_offsets() == expected
+    assert offsets_of(again.target_offsets()) == expected
     other = started(c, "someone-else", 1)
     other.send_batch(make_batch(2, start=50, partition=0))
-    assert other.target_offsets() == {TopicPartition("orders", 0): 52}
-    assert again.target_offsets() == expected
+    assert offsets_of(other.target_offsets()) == {TopicPartition("orders", 0): 52}
+    assert offsets_of(again.target_offsets()) == expected
     again.send_batch(make_batch(8, partition=0))  # a replay from behind the table's offsets
     assert sorted(r["id"] for r in rows_of(c["path"])) == [*range(8), 50, 51, *range(100, 107)]
     for s in (again, other):

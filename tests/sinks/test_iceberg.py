@@ -22,9 +22,11 @@ import pytest
 
 from conveyor.core.errors import ConfigError, FencedError, TransientSinkError
 from conveyor.core.model import TopicPartition
+from conveyor.core.positions import TargetBinding
 from conveyor.sinks import build_sink
 from tests.conftest import PG_URL
 from tests.hostile import with_invalid_utf8
+from tests.positions import offsets_of
 from tests.sinks.contract import SinkContract, closed_port, make_batch, unique
 
 pytest.importorskip("pyiceberg")
@@ -150,7 +152,7 @@ def cfg(**over: Any) -> dict[str, Any]:
 
 def started(config: dict[str, Any], connector: str = "", generation: int = 0) -> Any:
     sink = build_sink(config)
-    sink.bind(connector, generation)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding(connector, generation))  # type: ignore[attr-defined]
     sink.init_sink()
     return sink
 
@@ -197,7 +199,7 @@ def test_types_partitioned_by_day_in_the_table_metadata(home: Path) -> None:
 def test_offsets_round_trip_through_the_snapshot_summary(home: Path) -> None:
     c = cfg()
     sink = started(c, "orders-to-lake", 3)
-    assert sink.target_offsets() is None  # no table yet
+    assert offsets_of(sink.target_offsets()) is None  # no table yet
     sink.send_batch(make_batch(5, partition=0))
     sink.send_batch(make_batch(7, start=100, partition=1))
     summary = load_table(c).current_snapshot().summary.additional_properties
@@ -206,22 +208,22 @@ def test_offsets_round_trip_through_the_snapshot_summary(home: Path) -> None:
     assert summary["conveyor.offsets"] == '{"orders/0":5,"orders/1":107}'
     sink.cleanup_sink()
     fresh = build_sink(c)  # what the run reads before starting the loop: no init_sink yet
-    fresh.bind("orders-to-lake", 4)  # type: ignore[attr-defined]
-    assert fresh.target_offsets() == {  # type: ignore[attr-defined]
+    fresh.bind(TargetBinding("orders-to-lake", 4))  # type: ignore[attr-defined]
+    assert offsets_of(fresh.target_offsets()) == {  # type: ignore[attr-defined]
         TopicPartition("orders", 0): 5,
         TopicPartition("orders", 1): 107,
     }
     fresh.cleanup_sink()
     again = started(c, "orders-to-lake", 4)
-    assert again.target_offsets() == {
+    assert offsets_of(again.target_offsets()) == {
         TopicPartition("orders", 0): 5,
         TopicPartition("orders", 1): 107,
     }
     # another connector's commits neither hide nor move this connector's offsets
     other = started(c, "someone-else", 1)
     other.send_batch(make_batch(2, start=50, partition=0))
-    assert other.target_offsets() == {TopicPartition("orders", 0): 52}
-    assert again.target_offsets() == {
+    assert offsets_of(other.target_offsets()) == {TopicPartition("orders", 0): 52}
+    assert offsets_of(again.target_offsets()) == {
         TopicPartition("orders", 0): 5,
         TopicPartition("orders", 1): 107,
     }

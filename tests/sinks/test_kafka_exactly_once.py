@@ -16,7 +16,9 @@ import pytest
 
 from conveyor.core.errors import TransientSinkError
 from conveyor.core.model import TopicPartition
+from conveyor.core.positions import TargetBinding
 from tests.kafka_read_committed import read_topic
+from tests.positions import offsets_of
 from tests.sinks.test_kafka import _sink, create_topic, delete_topics
 
 pytestmark = pytest.mark.integration
@@ -65,7 +67,7 @@ def committed_values(bootstrap: str, topic: str, settle_s: float = 3.0) -> list[
 
 def eos_sink(tansu: str, topic: str, writer: str, generation: int) -> Any:
     s = _sink(bootstrap_servers=tansu, topic=topic, delivery="exactly_once")
-    s.bind(writer, generation)
+    s.bind(TargetBinding(writer, generation))
     return s
 
 
@@ -87,7 +89,7 @@ def topic(tansu: str, source_topic: str) -> Any:
 def test_records_and_offsets_commit_together_and_a_new_run_starts_where_they_end(tansu, topic):
     writer = f"w{uuid.uuid4().hex[:6]}"
     s = eos_sink(tansu, topic, writer, 1)
-    assert s.target_offsets() == {}
+    assert offsets_of(s.target_offsets()) == {}
     try:
         assert s.send_batch(batch(range(0, 5))).failed == ()
         assert s.send_batch(batch(range(5, 8))).failed == ()
@@ -96,7 +98,7 @@ def test_records_and_offsets_commit_together_and_a_new_run_starts_where_they_end
     assert committed_values(tansu, topic) == [f"v{i}".encode() for i in range(8)]
     nxt = eos_sink(tansu, topic, writer, 2)
     try:
-        assert nxt.target_offsets() == {TopicPartition(SRC, 0): 8}
+        assert offsets_of(nxt.target_offsets()) == {TopicPartition(SRC, 0): 8}
     finally:
         nxt.cleanup_sink()
 
@@ -114,11 +116,11 @@ def cut_off_run(tansu: str, topic: str, writer: str) -> None:
     s._producer = None  # no abort, no commit: the process is gone
     nxt = eos_sink(tansu, topic, writer, 2)  # its start fences the open transaction
     try:
-        assert nxt.target_offsets() == {
+        assert offsets_of(nxt.target_offsets()) == {
             TopicPartition(SRC, 0): 3
         }  # the cut-off offsets never landed
         assert nxt.send_batch(batch(range(3, 6))).failed == ()
-        assert nxt.target_offsets() == {TopicPartition(SRC, 0): 6}
+        assert offsets_of(nxt.target_offsets()) == {TopicPartition(SRC, 0): 6}
     finally:
         nxt.cleanup_sink()
 
@@ -161,11 +163,11 @@ def test_exactly_once_starts_with_the_default_timeouts(tansu, topic):
     s = build_sink(
         {"type": "kafka", "bootstrap_servers": tansu, "topic": topic, "delivery": "exactly_once"}
     )
-    s.bind(f"w{uuid.uuid4().hex[:6]}", 1)
+    s.bind(TargetBinding(f"w{uuid.uuid4().hex[:6]}", 1))
     s.init_sink()
     try:
         assert s.send_batch(batch(range(0, 3))).failed == ()
-        assert s.target_offsets() == {TopicPartition(SRC, 0): 3}
+        assert offsets_of(s.target_offsets()) == {TopicPartition(SRC, 0): 3}
     finally:
         s.cleanup_sink()
     assert read_topic(tansu, topic, 1).values() == [f"v{i}".encode() for i in range(3)]
@@ -187,7 +189,7 @@ def test_a_zombie_and_the_new_run_never_write_a_row_twice(tansu, topic):
         with pytest.raises(TransientSinkError, match="fenced"):
             new.send_batch(batch(range(2, 5)))
         assert new.send_batch(batch(range(2, 5))).failed == ()  # reconnected: writes only 4
-        assert new.target_offsets() == {TopicPartition(SRC, 0): 5}
+        assert offsets_of(new.target_offsets()) == {TopicPartition(SRC, 0): 5}
     finally:
         old.cleanup_sink()
         new.cleanup_sink()

@@ -12,7 +12,9 @@ import pytest
 
 from conveyor.core.errors import FencedError, TransientSinkError
 from conveyor.core.model import TopicPartition
+from conveyor.core.positions import TargetBinding
 from conveyor.sinks import redis_transactions as rt
+from tests.positions import offsets_of
 from tests.sinks.contract import make_batch, unique
 from tests.sinks.test_redis import _sink, client, delete_prefix
 
@@ -32,7 +34,7 @@ def eos(prefix: str, writer: str, generation: int) -> Any:
         f"INCR {prefix}:count",
         delivery="exactly_once",
     )
-    s.bind(writer, generation)
+    s.bind(TargetBinding(writer, generation))
     s.init_sink()
     return s
 
@@ -41,11 +43,11 @@ def test_not_idempotent_commands_apply_once_however_often_a_batch_is_sent(prefix
     writer = f"{prefix}:w"
     s = eos(prefix, writer, 1)
     try:
-        assert s.target_offsets() == {}
+        assert offsets_of(s.target_offsets()) == {}
         for _ in range(3):  # the batch sent again, as after a crash before the meta store's commit
             assert s.send_batch(make_batch(10)).failed == ()
         assert s.send_batch(make_batch(5, start=8)).failed == ()  # overlaps: 8, 9 covered
-        assert s.target_offsets() == {TopicPartition("orders", 0): 13}
+        assert offsets_of(s.target_offsets()) == {TopicPartition("orders", 0): 13}
     finally:
         s.cleanup_sink()
     r = client()
@@ -62,7 +64,7 @@ def test_a_zombie_writes_nothing(prefix):
         with pytest.raises(FencedError, match="generation 2"):
             old.send_batch(make_batch(3, start=3))
         with pytest.raises(FencedError):
-            old.target_offsets()
+            offsets_of(old.target_offsets())
     finally:
         new.cleanup_sink()
         old.cleanup_sink()
@@ -102,12 +104,12 @@ def test_a_command_failing_when_it_runs_fails_its_row_and_the_offsets_move_on(pr
     r = client()
     r.set(f"{prefix}:3", "a string, not a hash")
     s = _sink(f"HSET {prefix}:${{payload.id}} name ${{payload.name}}", delivery="exactly_once")
-    s.bind(writer, 1)
+    s.bind(TargetBinding(writer, 1))
     s.init_sink()
     try:
         res = s.send_batch(make_batch(5))
         assert [f.index for f in res.failed] == [3] and "WRONGTYPE" in res.failed[0].message
-        assert s.target_offsets() == {TopicPartition("orders", 0): 5}
+        assert offsets_of(s.target_offsets()) == {TopicPartition("orders", 0): 5}
     finally:
         s.cleanup_sink()
     assert r.hget(f"{prefix}:4", "name") == b"name 4"

@@ -15,9 +15,11 @@ import pytest
 
 from conveyor.core.errors import ConfigError, FencedError, PermanentSinkError, TransientSinkError
 from conveyor.core.model import TopicPartition
+from conveyor.core.positions import TargetBinding
 from conveyor.core.sink import ErrorKind, send_isolating
 from conveyor.sinks import build_sink
 from tests.conftest import PG_URL
+from tests.positions import offsets_of
 from tests.sinks.contract import make_batch
 from tests.sinks.test_mysql import MYSQL_URL
 
@@ -163,7 +165,7 @@ def db(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 def sink_for(db: Any, table: str, writer: str = "orders_eo", generation: int = 1, **extra: Any):
     sink = build_sink(db.config(table, **extra))
-    sink.bind(writer, generation)
+    sink.bind(TargetBinding(writer, generation))
     sink.init_sink()
     return sink
 
@@ -201,7 +203,7 @@ def test_rows_and_offsets_commit_together_and_a_replay_writes_nothing(db: Any) -
     # A new run of the writer replays from before what the table holds: nothing twice.
     again = sink_for(db, table, generation=2)
     try:
-        assert again.target_offsets() == {
+        assert offsets_of(again.target_offsets()) == {
             TopicPartition("orders", 0): 150,
             TopicPartition("orders", 1): 150,
         }
@@ -270,28 +272,28 @@ def test_target_offsets_round_trip_per_writer(db: Any) -> None:
     table = f"orders_{uuid.uuid4().hex[:8]}"
     db.create(table)
     unbound = build_sink(db.config(table))
-    assert unbound.target_offsets() is None  # not bound: no offsets of its own
+    assert offsets_of(unbound.target_offsets()) is None  # not bound: no offsets of its own
     first = build_sink(db.config(table))
-    first.bind("orders_eo", 1)
-    assert first.target_offsets() is None  # before the table exists
+    first.bind(TargetBinding("orders_eo", 1))
+    assert offsets_of(first.target_offsets()) is None  # before the table exists
     first.init_sink()
     try:
-        assert first.target_offsets() is None  # the writer committed nothing yet
+        assert offsets_of(first.target_offsets()) is None  # the writer committed nothing yet
         first.send_batch(two_partitions(0, 7))
         task = sink_for(db, table, writer="orders_eo.task1")
         task.send_batch(make_batch(3, start=500, topic="other"))
         task.cleanup_sink()
         reader = build_sink(db.config(table))
-        reader.bind("orders_eo", 1)
-        assert reader.target_offsets() == {
+        reader.bind(TargetBinding("orders_eo", 1))
+        assert offsets_of(reader.target_offsets()) == {
             TopicPartition("orders", 0): 7,
             TopicPartition("orders", 1): 7,
         }
-        reader.bind("orders_eo.task1", 1)
-        assert reader.target_offsets() == {TopicPartition("other", 0): 503}
+        reader.bind(TargetBinding("orders_eo.task1", 1))
+        assert offsets_of(reader.target_offsets()) == {TopicPartition("other", 0): 503}
         at_least_once = build_sink(db.config(table, delivery="at_least_once"))
-        at_least_once.bind("orders_eo", 1)
-        assert at_least_once.target_offsets() is None
+        at_least_once.bind(TargetBinding("orders_eo", 1))
+        assert offsets_of(at_least_once.target_offsets()) is None
     finally:
         first.cleanup_sink()
 
@@ -407,7 +409,7 @@ def test_delivery_defaults_to_auto_exactly_once_where_the_target_allows_it(db: A
     assert sink.config.delivery == "auto" and sink.config.offsets_in_target()
     explicit = build_sink({**base, "delivery": "at_least_once"})
     assert not explicit.config.offsets_in_target()
-    sink.bind("orders_auto", 1)
+    sink.bind(TargetBinding("orders_auto", 1))
     sink.init_sink()
     try:
         assert sink.delivery_in_effect() == "exactly_once"
@@ -452,7 +454,7 @@ def test_an_offsets_table_the_user_may_not_create_names_both_fixes(
 ) -> None:
     config, table = unprivileged
     sink = build_sink({**config, "delivery": "exactly_once"})
-    sink.bind("orders_eo", 1)
+    sink.bind(TargetBinding("orders_eo", 1))
     with pytest.raises(PermanentSinkError) as e:
         sink.init_sink()
     sink.cleanup_sink()
@@ -477,8 +479,8 @@ def test_auto_writes_at_least_once_where_the_user_may_not_keep_the_offsets_table
     config, table = unprivileged
     sink = build_sink(config)
     assert sink.config.delivery == "auto"
-    sink.bind("orders_eo", 1)
-    assert sink.target_offsets() is None
+    sink.bind(TargetBinding("orders_eo", 1))
+    assert offsets_of(sink.target_offsets()) is None
     with caplog.at_level("WARNING", logger="conveyor.sinks.sql"):
         sink.init_sink()
     try:

@@ -85,6 +85,9 @@ class FakeClient(KafkaSource):
     def _log_ranges(self, parts: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
         raise AssertionError("not called")
 
+    def _fetched_ends(self, parts: list[TopicPartition]) -> dict[TopicPartition, int]:
+        raise AssertionError("not called")
+
     def _out_of_range_error(self, exc: BaseException) -> list[TopicPartition] | None:
         return None
 

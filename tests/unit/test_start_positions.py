@@ -59,7 +59,7 @@ class Source:
     def __init__(self, facts: dict[TopicPartition, LogFacts]):
         self.facts = facts
 
-    def describe_logs(self) -> dict[TopicPartition, LogFacts]:
+    def describe_logs(self, stored: Offsets | None = None) -> dict[TopicPartition, LogFacts]:
         return self.facts
 
 

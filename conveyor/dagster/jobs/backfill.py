@@ -170,7 +170,7 @@ def backfill_range(
     end: str,
     bootstrap: str | None = None,
     progress: Callable[[BackfillResult], None] | None = None,
-    request: str = "adhoc",
+    request: str,
     incarnation: str = "",
 ) -> BackfillResult:
     """Read ``start``..``end`` of the connector's topics again into its sink (``ls`` resolved);

@@ -147,7 +147,6 @@ def _start_positions(
     target keeps offsets (``OffsetsInTarget``, bound to this run) the target's winning, all
     judged against the logs as the broker describes them now."""
     assert ls.spec is not None
-    facts = source.describe_logs()
     stored = {
         tp: p
         for tp, p in store.stored_positions(ls.name).items()
@@ -170,6 +169,7 @@ def _start_positions(
                 )
             )
         merged.update(held)
+    facts = source.describe_logs({tp: p.offset for tp, p in merged.items()})
     start, notes = judge_positions(
         merged, facts, binding.scope.destination, ls.spec.source.out_of_range
     )
