@@ -210,11 +210,13 @@ def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
 
     A partition's lag is ``highwater - committed`` when the run reported its high
     watermarks (``highwaters`` in the heartbeat counters), else null; ``lag`` at
-    the top is the run's total.
+    the top is the run's total; ``given_up``: the messages the run gave up there (a stored
+    position outside the log, ``source.out_of_range``).
     """
     r = store.get(name)
     offsets = store.committed_offsets(name)
     highwaters = _highwaters(r.counters)
+    given_up = r.counters.get("given_up") or {}
     partitions = []
     for tp, off in sorted(offsets.items()):
         hw = highwaters.get(str(tp))
@@ -225,6 +227,8 @@ def connector_json(store: MetaStore, name: str) -> dict[str, Any]:
                 "committed": off,
                 "highwater": hw,
                 "lag": None if hw is None else max(0, hw - off),
+                # Messages this run gave up (a position outside the log, core/positions.py).
+                "given_up": int(given_up.get(str(tp), 0)),
             }
         )
     return {

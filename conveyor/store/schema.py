@@ -174,13 +174,18 @@ def _v3_positions(c: sa.Connection) -> None:
     """Positions name their log, destination and incarnation (issue 44). Every connector
     of the older store gets an incarnation and may adopt what its target kept under its
     bare name; its offsets keep NULL identities, range-checked on their next start."""
-    for ddl in (
-        "ALTER TABLE conveyor_connectors ADD COLUMN incarnation VARCHAR(32)",
-        "ALTER TABLE conveyor_connectors ADD COLUMN legacy_positions BOOLEAN NOT NULL DEFAULT false",
-        "ALTER TABLE conveyor_offsets ADD COLUMN log_id VARCHAR(255)",
-        "ALTER TABLE conveyor_offsets ADD COLUMN destination TEXT",
+    have = {
+        table: {col["name"] for col in sa.inspect(c).get_columns(table)}
+        for table in ("conveyor_connectors", "conveyor_offsets")
+    }
+    for table, column, ddl in (
+        ("conveyor_connectors", "incarnation", "VARCHAR(32)"),
+        ("conveyor_connectors", "legacy_positions", "BOOLEAN NOT NULL DEFAULT false"),
+        ("conveyor_offsets", "log_id", "VARCHAR(255)"),
+        ("conveyor_offsets", "destination", "TEXT"),
     ):
-        c.exec_driver_sql(ddl)
+        if column not in have[table]:  # a store some columns were added to already
+            c.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
     for (name,) in c.execute(sa.select(connectors.c.name)).all():
         c.execute(
             connectors.update()

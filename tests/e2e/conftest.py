@@ -278,6 +278,8 @@ def dagster_webserver(home: Path, tansu: str, spark_remote: str) -> Iterator[Dag
         # RabbitMQ's default user's password, referred to by the RabbitMQ sink's URL (a literal
         # password in a URL is refused).
         "CONVEYOR_E2E_AMQP_PASSWORD": "guest",
+        # The SCRAM user's password of the Apache Kafka broker (tests/apache_kafka.py).
+        "CONVEYOR_E2E_KAFKA_PASSWORD": "conveyor-secret",
     }
     port = free_port()
     webserver = str(Path(sys.executable).parent / "dagster-webserver")

@@ -57,6 +57,8 @@ def progress_logger(
         }
         if c.lag is not None:
             metadata["lag"] = MetadataValue.int(c.lag)
+        if c.given_up:
+            metadata["given_up"] = MetadataValue.json(c.given_up)
         if c.batch_latency_p50_ms is not None:
             metadata["batch_latency_p50_ms"] = MetadataValue.float(c.batch_latency_p50_ms)
         if c.batch_latency_p99_ms is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection
 
-from dagster import OpExecutionContext
+from dagster import AssetKey, AssetObservation, MetadataValue, OpExecutionContext
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.config.specs import LoadedSpec, resolved
@@ -19,6 +19,7 @@ from conveyor.core.positions import (
     PositionScope,
     StoredPositions,
     TargetBinding,
+    given_up_counts,
     judge_positions,
     writer_id,
 )
@@ -26,6 +27,7 @@ from conveyor.core.sink import OffsetsInTarget
 from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.dagster.jobs.progress import progress_logger
 from conveyor.dagster.resources.conveyor import ConveyorResource
+from conveyor.dagster.tags import TAG_CONNECTOR
 from conveyor.sinks import build_sink
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
@@ -110,7 +112,7 @@ def build_sink_loop(
         on_progress=progress_logger(context, ls, dead_letters, sink=sink),
         counters=counters,
         start_positions=start,
-        on_positions=functools.partial(report_positions, context, store, name, gen),
+        on_positions=functools.partial(report_positions, context, store, ls, gen),
     )
 
 
@@ -199,12 +201,30 @@ def _newer_of(
 
 
 def report_positions(
-    context: OpExecutionContext, store: MetaStore, name: str, gen: int, notes: list[PositionNote]
+    context: OpExecutionContext,
+    store: MetaStore,
+    ls: LoadedSpec,
+    gen: int,
+    notes: list[PositionNote],
 ) -> None:
-    """Positions not taken as stored: in the run's log, the connector's history and last error
-    (fenced; a meta store that fails here costs the record, never the run)."""
+    """Positions not taken as stored: in the run's log, on the sink asset (an observation), in
+    the connector's history and last error (fenced; a meta store that fails here costs the
+    record, never the run)."""
+    name = ls.name
     for n in notes:
         context.log.warning(f"connector {name}: {n.message}")
+    if ls.sink is not None:
+        context.log_event(
+            AssetObservation(
+                asset_key=AssetKey(ls.sink.asset_key_path()),
+                description=f"connector {name}: {len(notes)} stored position(s) not taken as stored",
+                metadata={
+                    "positions": MetadataValue.md("\n".join(f"- {n.message}" for n in notes)),
+                    "given_up_now": MetadataValue.json(given_up_counts(notes, None)),
+                },
+                tags={TAG_CONNECTOR: name},
+            )
+        )
     try:
         store.record_positions(name, gen, [n.message for n in notes])
     except ConveyorError as e:
