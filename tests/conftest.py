@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -50,6 +51,21 @@ def tansu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("tansu") / "tansu.log"
     with start_embedded_broker(log_path=log) as broker:
         yield broker.bootstrap
+
+
+@pytest.fixture(scope="session")
+def apache_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Apache Kafka 3.8 (SASL/SCRAM, its log on disk) for this worker: ``tests/apache_kafka.py``.
+    Skipped without ``../shared/kafka`` (a failure where CI requires it)."""
+    from tests.apache_kafka import ApacheKafka, require_apache_kafka
+
+    require_apache_kafka()
+    broker = ApacheKafka(tmp_path_factory.mktemp("apache-kafka"))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="session")

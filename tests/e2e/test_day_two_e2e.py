@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import pytest
 from conveyor.brokers.embedded import start_embedded_broker
 from conveyor.control.operations import Operations
 from conveyor.core.model import ConnectorStatus
-from tests.apache_kafka import ApacheKafka, require_apache_kafka
+from tests.apache_kafka import ApacheKafka
 from tests.e2e.conftest import FINISHED, DagsterHarness, dagster_webserver, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -131,17 +130,6 @@ class TansuLog(Log):
 
     def source(self, topic: str) -> dict[str, Any]:
         return {"topics": [topic], "bootstrap_servers": self.bootstrap}
-
-
-@pytest.fixture(scope="module")
-def apache_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApacheKafka]:
-    require_apache_kafka()
-    broker = ApacheKafka(tmp_path_factory.mktemp("apache-kafka"))
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 @pytest.fixture(params=["apache-kafka", "tansu"])
