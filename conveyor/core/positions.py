@@ -87,10 +87,16 @@ class TargetBinding:
     generation: int
     scope: PositionScope = field(default_factory=lambda: PositionScope(None))
     legacy_writer: str | None = None
+    # Positions the run judged outside the log at start (``judge_positions``), by partition:
+    # such a stored offset covers nothing, and the partition's next commit replaces it (once
+    # the target holds another offset there, it is the run's own again).
+    void: dict[TopicPartition, int] = field(default_factory=dict, compare=False)
 
     def usable(self, stored: Mapping[TopicPartition, StoredPosition]) -> Offsets:
-        """The offsets of ``stored`` that are positions of this scope's logs and destination."""
-        return usable_offsets(stored, self.scope.log_ids, self.scope.destination)
+        """The offsets of ``stored`` that are positions of this scope's logs and destination,
+        and not positions the run found outside the log."""
+        ok = usable_offsets(stored, self.scope.log_ids, self.scope.destination)
+        return {tp: o for tp, o in ok.items() if self.void.get(tp) != o}
 
 
 @dataclass(frozen=True)

@@ -494,3 +494,100 @@ def test_auto_writes_at_least_once_where_the_user_may_not_keep_the_offsets_table
         sink.cleanup_sink()
     assert count(db, table) == (10, 5)
     sink.move_target_offsets("orders_eo", {"orders_eo": 2}, {TopicPartition("orders", 0): 0})
+
+
+# -- positions name their log, destination and incarnation (issue 44, core/positions.py) ----------
+
+
+def ledger(db: Any) -> str:
+    """The quoted offsets table of ``db``."""
+    return db.table("conveyor_offsets") if db.name == "postgres" else db.table(db.made[0])
+
+
+def identity_rows(db: Any, writer: str) -> dict[tuple[str, int], tuple[int, str | None]]:
+    """(topic, partition) -> (next_offset, log_id) of a writer's rows, the claim row left out."""
+    q = '"partition"' if db.name == "postgres" else "`partition`"
+    rows = db.run(
+        f"SELECT topic, {q}, next_offset, log_id FROM {ledger(db)} WHERE writer = %s AND {q} >= 0",
+        writer,
+    )
+    return {(t, int(p)): (int(o), lid) for t, p, o, lid in rows}
+
+
+def scoped(writer: str, generation: int, log_id: str, **void: int) -> TargetBinding:
+    from conveyor.core.positions import PositionScope
+
+    binding = TargetBinding(writer, generation, PositionScope("dest", {"orders": log_id}))
+    binding.void.update({TopicPartition("orders", int(p[1:])): o for p, o in void.items()})
+    return binding
+
+
+def test_a_position_of_another_log_covers_nothing_and_is_replaced(db: Any) -> None:
+    """The topic was created again (a new log id): the new log's offsets 0..99 are below the
+    old position 150, and every row of them is written, the row replaced, not raised."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    old = build_sink(db.config(table))
+    old.bind(scoped("orders_eo@i1", 1, "c/old"))
+    old.init_sink()
+    try:
+        old.send_batch(two_partitions(0, 150))
+        assert identity_rows(db, "orders_eo@i1")[("orders", 0)] == (150, "c/old")
+    finally:
+        old.cleanup_sink()
+    new = build_sink(db.config(table))
+    new.bind(scoped("orders_eo@i1", 2, "c/new"))
+    new.init_sink()
+    try:
+        assert new.send_batch(two_partitions(0, 100)).failed == ()
+        # 300 rows of the old log, 200 of the new one (its ids 0..99 of each partition again)
+        assert count(db, table) == (500, 300)
+        assert identity_rows(db, "orders_eo@i1")[("orders", 0)] == (100, "c/new")
+        # From then on its own position: a replay writes nothing.
+        new.send_batch(two_partitions(0, 100))
+        assert count(db, table) == (500, 300)
+    finally:
+        new.cleanup_sink()
+
+
+def test_a_position_judged_outside_the_log_covers_nothing_until_replaced(db: Any) -> None:
+    """Same log, but the run found the stored 150 past the log's end (the log was reset): its
+    rows 0..99 are written, the position set back to 100, and is the run's own afterwards."""
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    first = build_sink(db.config(table))
+    first.bind(scoped("orders_eo@i1", 1, "c/one"))
+    first.init_sink()
+    try:
+        first.send_batch(two_partitions(0, 150))
+    finally:
+        first.cleanup_sink()
+    run = build_sink(db.config(table))
+    run.bind(scoped("orders_eo@i1", 2, "c/one", p0=150, p1=150))
+    run.init_sink()
+    try:
+        run.send_batch(two_partitions(0, 100))
+        assert identity_rows(db, "orders_eo@i1")[("orders", 0)] == (100, "c/one")
+        assert count(db, table) == (500, 300)
+        run.send_batch(two_partitions(0, 100))  # a replay of the run's own: nothing
+        assert count(db, table) == (500, 300)
+    finally:
+        run.cleanup_sink()
+
+
+def test_another_incarnation_and_a_retired_connector_find_nothing(db: Any) -> None:
+    table = f"orders_{uuid.uuid4().hex[:8]}"
+    db.create(table)
+    sink = sink_for(db, table, writer="orders_eo@i1")
+    try:
+        sink.send_batch(two_partitions(0, 10))
+    finally:
+        sink.cleanup_sink()
+    task = sink_for(db, table, writer="orders_eo.task2@i1")
+    task.cleanup_sink()
+    other = build_sink(db.config(table))
+    other.bind(TargetBinding("orders_eo@i2", 1))
+    assert other.target_offsets() is None  # a new incarnation of the name
+    assert other.retire_target_offsets("orders_eo@i1") is None
+    assert identity_rows(db, "orders_eo@i1") == {}
+    assert db.run(f"SELECT count(*) FROM {ledger(db)}")[0][0] == 0  # claims too

@@ -111,3 +111,10 @@ def test_usable_offsets_and_bindings() -> None:
 def test_given_up_counts_add_up_per_partition() -> None:
     _, notes = judge_positions({TP: StoredPosition(2, "L")}, {TP: LogFacts("L", 7, 10)}, None)
     assert given_up_counts(notes, {"orders[0]": 3, "x[1]": 1}) == {"orders[0]": 8, "x[1]": 1}
+
+
+def test_a_position_judged_outside_the_log_is_void_until_the_target_holds_another() -> None:
+    b = TargetBinding("w@i", 1, PositionScope("d", {"orders": "L"}))
+    b.void[TP] = 5_000
+    assert b.usable({TP: StoredPosition(5_000, "L", "d")}) == {}
+    assert b.usable({TP: StoredPosition(120, "L", "d")}) == {TP: 120}  # its own commit since

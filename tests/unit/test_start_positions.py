@@ -144,3 +144,16 @@ def test_positions_of_the_release_before_name_no_log_and_are_range_checked() -> 
     assert offsets == {P0: 50} and notes == []
     offsets, notes = start(object(), {P0: pos(500, None, None)}, facts(0, 100))
     assert offsets == {P0: 0} and notes[0].kind == "above_end"
+
+
+def test_a_target_position_outside_the_log_is_void_for_the_sink() -> None:
+    """The target holds 500 on a log that now ends at 100 (reset): the run starts at 0, and the
+    sink must not take 500 as covering the new log's records."""
+    target = Target({P0: pos(500)})
+    b = binding()
+    offsets, notes = _start_positions(
+        LOG, Store({}), Source(facts(0, 100)), target, spec(), b, None
+    )  # type: ignore[arg-type]
+    assert offsets == {P0: 0} and notes[0].kind == "above_end"
+    assert target.bound is b and b.void == {P0: 500}
+    assert b.usable({P0: pos(500)}) == {}

@@ -175,6 +175,8 @@ def _start_positions(
     start, notes = judge_positions(
         merged, facts, binding.scope.destination, ls.spec.source.out_of_range
     )
+    # A target position outside the log covers nothing; its partition's next commit replaces it.
+    binding.void.update({n.tp: n.stored for n in notes if n.resumed_at is not None})
     # Partitions not described (a topic gone): their stored positions stay as they were.
     return start, notes
 
