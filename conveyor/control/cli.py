@@ -487,11 +487,12 @@ def connector_delete(ctx: click.Context, name: str, yes: bool, drop_slot: bool) 
     kept = ops.delete(name, drop_slot=drop_slot)
     click.echo(f"{name}: deleted{' (slot dropped)' if drop_slot else ''}")
     for what in kept:
-        click.echo(
-            f"warning: {what} (`conveyor connector delete NAME --drop-slot` drops it while the "
-            "connector exists)",
-            err=True,
+        hint = (
+            " (`conveyor connector delete NAME --drop-slot` drops it while the connector exists)"
+            if "slot" in what
+            else ""
         )
+        click.echo(f"warning: {what}{hint}", err=True)
 
 
 @connector.command("tasks")

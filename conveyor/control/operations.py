@@ -456,13 +456,15 @@ class Operations:
         created again under this name is a new incarnation, ``core/positions.py``)."""
         if not (loaded.ok and loaded.sink is not None and loaded.sink.offsets_in_target()):
             return []
+        if row.run_id is None and not self.store.committed_offsets(row.name):
+            return []  # never run: its target holds nothing of it
         from conveyor.core.positions import writer_id
         from conveyor.core.sink import OffsetsInTarget
         from conveyor.sinks import build_sink
 
-        live = resolved(loaded)  # holds secrets: used to connect, never shown
-        assert live.sink is not None
         try:
+            live = resolved(loaded)  # holds secrets: used to connect, never shown
+            assert live.sink is not None
             sink = build_sink(live.sink)
             left = (
                 sink.retire_target_offsets(writer_id(row.name, row.incarnation))

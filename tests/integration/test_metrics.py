@@ -199,8 +199,10 @@ def test_connector_endpoint_returns_partitions_with_offsets_and_lag(server: str)
     assert detail["status"] == "Running"
     assert detail["lag"] == 17
     assert detail["partitions"] == [
-        {"topic": "orders", "partition": 0, "committed": 1234, "highwater": 1244, "lag": 10},
-        {"topic": "orders", "partition": 1, "committed": 766, "highwater": 773, "lag": 7},
+        {"topic": "orders", "partition": 0, "committed": 1234, "highwater": 1244, "lag": 10}
+        | {"given_up": 0},
+        {"topic": "orders", "partition": 1, "committed": 766, "highwater": 773, "lag": 7}
+        | {"given_up": 0},
     ]
     assert detail["counters"]["messages_out"] == 2000
 
@@ -209,6 +211,7 @@ def test_connector_endpoint_returns_partitions_with_offsets_and_lag(server: str)
     assert detail["status"] == "Stopped"
     assert detail["partitions"] == [
         {"topic": "done", "partition": 0, "committed": 50, "highwater": None, "lag": None}
+        | {"given_up": 0}
     ]
 
     assert sorted(json.loads(get(f"{server}/connectors")[2])) == [

@@ -96,8 +96,9 @@ def test_launch_assigns_by_least_load_with_run_keys_and_tags(env):
 
 
 def test_a_connector_deleted_and_created_again_gets_a_run_key_dagster_has_not_seen(env):
-    """Issue 33: generation 1 again after a delete and a re-create; the old key 'name:1' made
-    Dagster skip the launch ("already completed with run keys") until the launch timeout."""
+    """Issue 33: the old key 'name:1' made Dagster skip the launch ("already completed with run
+    keys") until the launch timeout. Issue 44: a connector created again is a new incarnation
+    whose generations start above every one the name had (here the first assignment's 1)."""
     instance, store, url = env
     first = tick(instance, url)
     keys = {r.run_key for r in first.run_requests}
@@ -107,7 +108,7 @@ def test_a_connector_deleted_and_created_again_gets_a_run_key_dagster_has_not_se
     )
     again = tick(instance, url)
     [req] = [r for r in again.run_requests if r.tags[TAG_CONNECTOR] == "alpha"]
-    assert req.tags[TAG_GENERATION] == "1" and req.run_key not in keys
+    assert req.tags[TAG_GENERATION] == "2" and req.run_key not in keys
     assert req.run_key == run_key(store.get("alpha"))
 
 
