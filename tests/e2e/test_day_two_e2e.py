@@ -34,7 +34,9 @@ from conveyor.core.model import ConnectorStatus
 from tests.apache_kafka import ApacheKafka
 from tests.e2e.conftest import FINISHED, DagsterHarness, dagster_webserver, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# Each scenario launches two to four runs (Spark, the code location) on a machine other tests
+# load too: minutes each, bounded.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 LANDED_S = 240  # a run's start (Spark, the code location) and its rows, on a loaded machine
 
@@ -74,7 +76,10 @@ class Log:
         wait_for(created, 60, f"topic {topic}", interval=1.0)
 
     def _partitions(self, topic: str) -> int:
-        md = self.admin().list_topics(topic, timeout=10)
+        # Every topic's metadata, not the topic's by name: a request by name creates a topic
+        # that is not there on a broker that creates topics automatically (tansu, and Kafka's
+        # default), and would bring a deleted topic straight back.
+        md = self.admin().list_topics(timeout=10)
         t = md.topics.get(topic)
         return len(t.partitions) if t is not None and t.error is None else 0
 
@@ -365,6 +370,7 @@ def test_the_embedded_broker_started_again_empty_under_the_same_home(
         first.stop()
 
 
+@pytest.mark.timeout(1500)  # two webservers, four runs
 def test_a_name_an_older_project_used_on_the_same_database_starts_fresh(
     tmp_path: Path, tansu: str, spark_remote: str, pg: tuple
 ) -> None:

@@ -46,7 +46,10 @@ class Kafka:
         admin = self.admin()
         admin.delete_topics([topic])[topic].result(60)
         deadline = time.monotonic() + 60
-        while topic in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
+        # Every topic's metadata (a request by name would create the topic again: see
+        # tests/e2e/test_day_two_e2e.py).
+        while topic in admin.list_topics(timeout=10).topics:
+            assert time.monotonic() < deadline, f"topic {topic} still there after 60 s"
             time.sleep(0.5)
 
     def produce(self, topic: str, n: int) -> None:
