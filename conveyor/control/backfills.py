@@ -3,8 +3,9 @@ REST API (``/connectors/{name}/backfills``): one place for each.
 
 A request is a row in the meta store; the backfills sensor (``dagster/sensors/backfills.py``)
 launches its run and the run reports back to it. Nothing here talks to Dagster. The range is
-checked at the door (by the store, with the parser the job uses: ``parse_backfill_range``), so a bad
-range is a 400 or a usage error, never a failed run. Errors are the operations' own
+checked at the door (by the store, with the parser the job uses: ``parse_backfill_range``, offsets
+by ``core.positions``' rule, topics the connector reads only), so a bad range is a 400 or a usage
+error, never a failed run. Errors are the operations' own
 (``NotFoundError`` 404, ``ConflictError`` 409, ``InvalidRequestError`` 400).
 """
 

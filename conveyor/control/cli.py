@@ -607,7 +607,12 @@ def offsets_reset(
 
     The cluster is reached with the connector's source connection (TLS, SASL).
     """
-    new = _ops(ctx).reset_offsets_to(name, to, to_datetime=to_datetime, from_group=from_group)
+    from conveyor.control.operations import InvalidOptionError
+
+    try:  # a bad --to (core.positions' rule) is a usage error naming the item
+        new = _ops(ctx).reset_offsets_to(name, to, to_datetime=to_datetime, from_group=from_group)
+    except InvalidOptionError as e:
+        raise click.BadParameter(str(e), param_hint=f"'{e.option}'") from None
     click.echo(
         f"{name}: offsets reset to " + ", ".join(f"{tp}={o}" for tp, o in sorted(new.items()))
     )

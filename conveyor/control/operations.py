@@ -40,7 +40,8 @@ from conveyor.config.specs import (
 )
 from conveyor.control.metrics import destinations_json, row_head
 from conveyor.core.errors import ConfigError, ConveyorError
-from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
+from conveyor.core.model import ConnectorStatus, DesiredState, SourceSpec, TopicPartition
+from conveyor.core.positions import PositionError, checked_position, parse_positions, topics_read
 from conveyor.core.scrubbing import scrub
 from conveyor.core.secrets import has_reference
 from conveyor.core.state import StateChange
@@ -64,6 +65,14 @@ class ConflictError(ConveyorError):
 
 class InvalidRequestError(ConveyorError):
     """The request itself is malformed; the message says where."""
+
+
+class InvalidOptionError(InvalidRequestError):
+    """A bad value of the CLI option ``option`` (a usage error there)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
 
 
 # Kafka Connect's connector and task states, from Conveyor's statuses.
@@ -531,7 +540,7 @@ class Operations:
     def alter_offsets(self, name: str, body: Any) -> dict[str, str]:
         """PATCH: set (or with ``"offset": null`` forget) the given partitions; stopped only."""
         row = self.row(name)
-        offsets, forget = parse_kip875(body, topics=_topics(row))
+        offsets, forget = parse_kip875(body, reads=topics_read(row.spec))
         self._require_stopped(row)
         reason = f"offsets altered from {self.actor}"
         with _found(name):
@@ -566,13 +575,10 @@ class Operations:
         if len(given) != 1:
             raise InvalidRequestError("give exactly one of --to, --to-datetime and --from-group")
         if to is not None and to not in ("earliest", "latest"):
-            new = {}
-            for item in to.split(","):
-                try:
-                    topic, part, off = item.rsplit(":", 2)
-                    new[TopicPartition(topic, int(part))] = int(off)
-                except ValueError:
-                    raise InvalidRequestError(f"{item!r} is not TOPIC:PARTITION:OFFSET") from None
+            try:
+                new = parse_positions(to, topics_read(row.spec))
+            except PositionError as e:
+                raise InvalidOptionError("--to", str(e)) from None
         else:
             new = self._offsets_from_kafka(row, to or to_datetime, from_group)
         reason = f"offsets reset from {self.actor}"
@@ -724,9 +730,11 @@ class Operations:
 
 
 def parse_kip875(
-    body: Any, *, topics: set[str] | None = None
+    body: Any, *, reads: SourceSpec | None = None
 ) -> tuple[dict[TopicPartition, int], list[TopicPartition]]:
-    """KIP-875's request body for a sink connector -> (offsets to set, partitions to forget)."""
+    """KIP-875's request body for a sink connector -> (offsets to set, partitions to forget);
+    each partition and offset checked by ``core.positions.checked_position`` (``reads``: the
+    topics the connector reads). InvalidRequestError naming the item and the rule."""
     if not isinstance(body, Mapping) or not isinstance(body.get("offsets"), list):
         raise InvalidRequestError(
             'expected {"offsets": [{"partition": {"kafka_topic": ..., "kafka_partition": ...}, '
@@ -743,36 +751,40 @@ def parse_kip875(
         part = item.get("partition")
         if not isinstance(part, Mapping):
             raise InvalidRequestError(f"{where}.partition: expected an object")
-        topic, p = part.get("kafka_topic"), part.get("kafka_partition")
-        if not isinstance(topic, str) or not topic:
-            raise InvalidRequestError(f"{where}.partition.kafka_topic: expected a topic name")
-        if topics is not None and topic not in topics:
-            raise InvalidRequestError(
-                f"{where}.partition.kafka_topic: the connector does not read topic {topic!r} "
-                f"(it reads {', '.join(sorted(topics))})"
-            )
-        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-            raise InvalidRequestError(
-                f"{where}.partition.kafka_partition: expected a partition number >= 0"
-            )
-        tp = TopicPartition(topic, p)
-        if tp in offsets or tp in forget:
-            raise InvalidRequestError(f"{where}: partition {tp} is given twice")
         if "offset" not in item:
             raise InvalidRequestError(f"{where}.offset: missing (an object, or null to reset)")
         off = item["offset"]
-        if off is None:
-            forget.append(tp)
-            continue
-        if not isinstance(off, Mapping):
+        if off is not None and not isinstance(off, Mapping):
             raise InvalidRequestError(f"{where}.offset: expected an object or null")
-        value = off.get("kafka_offset")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if off is not None and off.get("kafka_offset") is None:
             raise InvalidRequestError(
-                f"{where}.offset.kafka_offset: expected the next offset to read, an integer >= 0"
+                f"{where}.offset.kafka_offset: missing (the next offset to read; "
+                '"offset": null resets the partition)'
             )
-        offsets[tp] = value
+        try:
+            tp, value = checked_position(
+                part.get("kafka_topic"),
+                part.get("kafka_partition"),
+                None if off is None else off["kafka_offset"],
+                reads,
+            )
+        except PositionError as e:
+            raise InvalidRequestError(f"{where}.{_KIP875_FIELDS[e.part]}: {e}") from None
+        if tp in offsets or tp in forget:
+            raise InvalidRequestError(f"{where}: partition {tp} is given twice")
+        if value is None:
+            forget.append(tp)
+        else:
+            offsets[tp] = value
     return offsets, forget
+
+
+#: Where each part of a position is in a KIP-875 body.
+_KIP875_FIELDS = {
+    "topic": "partition.kafka_topic",
+    "partition": "partition.kafka_partition",
+    "offset": "offset.kafka_offset",
+}
 
 
 def create_spec_file(path: Path, data: Mapping[str, Any]) -> bool:
@@ -813,11 +825,6 @@ def _found(name: str) -> Iterator[None]:
         raise NotFoundError(f"connector {name!r} not found") from None
     except NotStoppedError as e:
         raise ConflictError(str(e)) from None
-
-
-def _topics(row: ConnectorRow) -> set[str] | None:
-    topics = ((row.spec or {}).get("source") or {}).get("topics")
-    return set(topics) if isinstance(topics, list) and topics else None
 
 
 def _iso(ts: float | None) -> str | None:

@@ -22,16 +22,25 @@ retention deleted what was never read; above its end: the log was reset) goes by
 ``source.out_of_range`` (``earliest``, the default, loses nothing it could still read and says
 what it could not; ``latest``; ``fail``). Every such decision is a ``PositionNote``: logged,
 recorded in the connector's history and last error, counted per partition in ``given_up``.
+
+A position given from outside (the REST API's KIP-875 ``PATCH .../offsets``, the CLI's
+``offsets reset --to``, a backfill's start or end) passes one validator, at the end of this
+module: ``checked_position`` for one (topic, partition, offset), ``parse_positions`` for
+``TOPIC:PARTITION:OFFSET[,...]`` (``PositionError`` naming the item and the rule).
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
 
 from conveyor.core.errors import PermanentSourceError
-from conveyor.core.model import Offsets, TopicPartition
+from conveyor.core.model import Offsets, SourceSpec, TopicPartition
 
 #: Separates a writer's name from its connector's incarnation in a target's writer id.
 INCARNATION_SEP = "@"
@@ -259,4 +268,104 @@ def given_up_counts(notes: list[PositionNote], into: Mapping[str, int] | None) -
     for n in notes:
         if n.given_up:
             out[str(n.tp)] = out.get(str(n.tp), 0) + n.given_up
+    return out
+
+
+# -- positions given from outside (KIP-875 PATCH, offsets reset --to, backfill ranges) ---------
+
+#: Kafka's bounds: a partition number is an int32, an offset an int64 (both >= 0 here).
+MAX_PARTITION = 2**31 - 1
+MAX_OFFSET = 2**63 - 1
+
+
+class PositionError(ValueError):
+    """A position given from outside that breaks a rule. ``part``: ``topic``, ``partition``,
+    ``offset`` (the message names the value and the rule), or ``item`` (the text of one
+    ``TOPIC:PARTITION:OFFSET``, named at the front of the message)."""
+
+    def __init__(self, part: str, message: str):
+        super().__init__(message)
+        self.part = part
+
+
+def topics_read(spec: Mapping[str, Any] | None) -> SourceSpec | None:
+    """What a connector reads, from its stored spec: ``source.topics`` and ``source.topics_regex``
+    (``SourceSpec.matches``). None when the spec names neither (a source connector, a spec file
+    removed): nothing to check a topic against."""
+    source = (spec or {}).get("source")
+    if not isinstance(source, Mapping) or not (source.get("topics") or source.get("topics_regex")):
+        return None
+    try:
+        return SourceSpec.model_validate(
+            {"topics": source.get("topics") or [], "topics_regex": source.get("topics_regex")}
+        )
+    except ValidationError:
+        return None
+
+
+def _bounded(value: object, part: str, top: int, what: str) -> int:
+    """``value`` (an integer, or its decimal digits as KIP-875 takes them) within 0..``top``."""
+    shown = _shown(value)
+    number: object = value
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value):
+        # More digits than any number in range: not read (int() refuses over 4,300 digits).
+        digits = value.lstrip("-")
+        number = int(value) if len(digits) <= 30 else (-1 if value.startswith("-") else top + 1)
+    if not isinstance(number, int) or isinstance(number, bool):
+        raise PositionError(part, f"{shown} is not {what}: an integer from 0 to {top}")
+    if not 0 <= number <= top:
+        raise PositionError(part, f"{shown} is out of range: {what} is from 0 to {top}")
+    return number
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message quotes it: short, whatever its size."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value) if value.bit_length() <= 128 else f"a {value.bit_length()}-bit number"
+    if not isinstance(value, str):
+        return repr(value)[:40]
+    text = value[:40] + ("..." if len(value) > 40 else "")
+    return text if re.fullmatch(r"-?[0-9.]+", text) else repr(text)
+
+
+def checked_position(
+    topic: object, partition: object, offset: object, reads: SourceSpec | None
+) -> tuple[TopicPartition, int | None]:
+    """The one rule of a position given from outside (KIP-875's: the topic a name, the
+    partition Kafka's int32 and the offset its int64, both >= 0, given as integers or their
+    decimal digits) and, with ``reads``, a topic the connector reads (listed, or matching
+    ``topics_regex``). ``offset`` None: none given (a partition to forget). PositionError
+    naming the part that breaks it."""
+    if not isinstance(topic, str) or not topic:
+        raise PositionError("topic", "expected a topic name")
+    if reads is not None and not reads.matches(topic):
+        raise PositionError(
+            "topic",
+            f"the connector does not read topic {topic[:80]!r} (it reads "
+            f"{reads.describe_topics()})",
+        )
+    p = _bounded(partition, "partition", MAX_PARTITION, "a partition number (int32)")
+    off = None if offset is None else _bounded(offset, "offset", MAX_OFFSET, "an offset (int64)")
+    return TopicPartition(topic, p), off
+
+
+def parse_positions(text: str, reads: SourceSpec | None) -> Offsets:
+    """``TOPIC:PARTITION:OFFSET[,...]`` (spaces around items allowed), each item checked by
+    ``checked_position``, none given twice. PositionError naming the item and the rule."""
+    out: Offsets = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        shown = repr(item[:80])
+        topic, sep, rest = item.rpartition(":")
+        topic, sep2, part = topic.rpartition(":")
+        if not (sep and sep2):
+            raise PositionError("item", f"{shown} is not TOPIC:PARTITION:OFFSET")
+        try:
+            tp, offset = checked_position(topic, part, rest, reads)
+        except PositionError as e:
+            raise PositionError("item", f"{shown}: {e.part}: {e}") from None
+        if tp in out:
+            raise PositionError("item", f"{shown}: partition {tp} is given twice")
+        assert offset is not None
+        out[tp] = offset
     return out

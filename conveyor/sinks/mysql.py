@@ -77,6 +77,7 @@ from conveyor.sinks.sql import (
     json_values,
     ledger_denied,
     offsets_statements,
+    percent_escaped,
     text_offsets,
     text_scalar,
 )
@@ -257,7 +258,7 @@ def quote_identifier(name: str) -> str:
 
 def _q(name: str) -> str:
     """A quoted identifier inside a statement that pymysql %-formats: '%' doubled."""
-    return quote_identifier(name).replace("%", "%%")
+    return percent_escaped(quote_identifier(name))
 
 
 def insert_parts(
@@ -283,7 +284,7 @@ def insert_statement(table: str, columns: Sequence[str], upsert_keys: Sequence[s
     identifiers' '%' doubled (pymysql %-formats the statement)."""
     prefix, postfix = insert_parts(table, columns, upsert_keys)
     values = f"({', '.join(['%s'] * len(columns))})"
-    return prefix.replace("%", "%%") + values + postfix.replace("%", "%%")
+    return percent_escaped(prefix) + values + percent_escaped(postfix)
 
 
 def add_column_statement(table: str, column: str, sql_type: str) -> str:
@@ -637,7 +638,9 @@ class MySQLSink(LedgerSink, Sink):
         self._stmt: str | None = None
         self._insert: tuple[str, str] | None = None  # the INSERT's text around its values
         self._max_packet = 16 << 20  # the server's max_allowed_packet, read at start
-        self._ledger = OffsetsLedger(offsets_statements(_q(config.offsets_table), "mysql"))
+        self._ledger = OffsetsLedger(
+            offsets_statements(quote_identifier(config.offsets_table), "mysql")
+        )
 
     # -- exactly once -----------------------------------------------------------------------
 

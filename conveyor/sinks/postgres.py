@@ -61,6 +61,7 @@ from conveyor.sinks.sql import (
     json_values,
     ledger_denied,
     offsets_statements,
+    percent_escaped,
     text_offsets,
     text_scalar,
 )
@@ -641,11 +642,11 @@ class PostgresSink(LedgerSink, Sink):
         from psycopg2 import sql
         from psycopg2.extras import execute_batch
 
-        where = sql.SQL(" AND ").join(
-            sql.SQL("{} = %s").format(sql.Identifier(k)) for k in self.config.upsert_keys
+        head = _formatted(cur, sql.SQL("DELETE FROM {} WHERE ").format(self._fq()))
+        where = " AND ".join(
+            _formatted(cur, sql.Identifier(k)) + " = %s" for k in self.config.upsert_keys
         )
-        stmt = sql.SQL("DELETE FROM {} WHERE ").format(self._fq()) + where
-        execute_batch(cur, stmt.as_string(cur), [tuple(k) for k in keys], page_size=500)
+        execute_batch(cur, head + where, [tuple(k) for k in keys], page_size=500)
 
     def _write(self, cur: Any, rows: list[tuple[Any, ...]]) -> None:
         from psycopg2 import sql
@@ -683,16 +684,13 @@ class PostgresSink(LedgerSink, Sink):
             last: dict[tuple[Any, ...], tuple[Any, ...]] = {}
             for r in rows:
                 last[tuple(r[p] for p in key_pos)] = r
-            stmt = (
-                sql.SQL("INSERT INTO {} ({}) VALUES %s ON CONFLICT ({}) ").format(
-                    self._fq(), cols, keys
-                )
-                + action
-            )
-            execute_values(cur, stmt.as_string(cur), list(last.values()), page_size=len(last) or 1)
+            head = sql.SQL("INSERT INTO {} ({}) VALUES ").format(self._fq(), cols)
+            tail = sql.SQL(" ON CONFLICT ({}) ").format(keys) + action
+            stmt = _formatted(cur, head) + "%s" + _formatted(cur, tail)
+            execute_values(cur, stmt, list(last.values()), page_size=len(last) or 1)
         elif self.config.write_method == "values":
-            stmt = sql.SQL("INSERT INTO {} ({}) VALUES %s").format(self._fq(), cols)
-            execute_values(cur, stmt.as_string(cur), rows, page_size=len(rows))
+            head = sql.SQL("INSERT INTO {} ({}) VALUES ").format(self._fq(), cols)
+            execute_values(cur, _formatted(cur, head) + "%s", rows, page_size=len(rows))
         else:
             if isinstance(rows, CopyText):
                 data: io.IOBase = rows.reader()
@@ -861,6 +859,12 @@ def _pg_type(t: pa.DataType) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "text"
     return "jsonb"
+
+
+def _formatted(cur: Any, part: Any) -> str:
+    """A ``psycopg2.sql`` part (identifiers, keywords; no placeholder) as text for a statement
+    psycopg2 %-formats (``execute_values``, ``execute_batch``): its ``%`` doubled."""
+    return percent_escaped(part.as_string(cur))
 
 
 def pg_name(schema: str, table: str) -> str:

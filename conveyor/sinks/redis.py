@@ -59,7 +59,7 @@ from conveyor.core.model import (
 from conveyor.core.positions import StoredPositions, TargetBinding
 from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
-from conveyor.sinks import templates
+from conveyor.sinks import redis_keys, templates
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -75,6 +75,8 @@ from conveyor.sinks.templates import Placeholder, TemplateError, TemplateSyntaxE
 from conveyor.sinks.tombstones import has_tombstones, tombstone_flags  # noqa: E402
 
 log = logging.getLogger("conveyor.sinks.redis")
+
+RESERVED = redis_keys.RESERVED_PREFIX.decode()
 
 
 class RedisSinkConfig(SinkConfig):
@@ -267,6 +269,13 @@ class CommandTemplate:
 
     source: str
     args: tuple[tuple[Part, ...], ...]
+    # The arguments that are keys (``redis_keys.key_positions``, from COMMAND INFO at start);
+    # None: not known, every argument is checked against the reserved prefix.
+    keys: frozenset[int] | None = None
+
+    def is_key(self, i: int) -> bool:
+        """Whether argument ``i`` (0: the command name) may be a key."""
+        return self.keys is None or i in self.keys
 
     @property
     def name(self) -> str:
@@ -307,7 +316,19 @@ def parse_command(spec: str | Sequence[str]) -> CommandTemplate:
         )
     if words[0].upper() in FORBIDDEN_COMMANDS:
         raise TemplateSyntaxError(f"{words[0].upper()} cannot be used in a sink template")
+    if words[0].upper() in redis_keys.UNCHECKABLE_COMMANDS:
+        raise TemplateSyntaxError(
+            f"{words[0].upper()} cannot be used in a sink template: it reaches keys its "
+            f"arguments do not name, so the reserved prefix {RESERVED!r} could not be kept"
+        )
     args = (words[0].encode(),), *(parse_argument(w) for w in words[1:])
+    reserved = redis_keys.reserved_literal(args)
+    if reserved is not None:
+        raise TemplateSyntaxError(
+            f"argument {reserved} ({words[reserved][:80]!r}) starts with {RESERVED!r}, the "
+            "prefix of the keys Conveyor keeps in Redis (the exactly-once offsets); a template "
+            "may not name them"
+        )
     return CommandTemplate(source=source, args=tuple(args))
 
 
@@ -553,15 +574,17 @@ def render_batch(
                 args.append(
                     ("join", [p if isinstance(p, bytes) else values.values(p) for p in arg])
                 )
-        compiled.append((t.name, args))
+        compiled.append((t, args))
     # Column by column: each argument becomes one list over the rows, then rows are zipped.
     per_template: list[list[list[bytes | str]]] = []
-    for name, args in compiled:
+    for t, args in compiled:
+        name = t.name
         columns: list[Any] = []
-        for kind, spec in args:
+        for j, (kind, spec) in enumerate(args, 1):
             if kind == "const":
                 columns.append(itertools.repeat(spec, n))
-            elif kind == "value":
+                continue
+            if kind == "value":
                 _note_errors(spec, failures)
                 columns.append(spec)
             else:
@@ -581,6 +604,8 @@ def render_batch(
                     )
                 else:
                     columns.append([b"".join(ps) for ps in zip(*parts, strict=False)])
+            if t.is_key(j):
+                _note_reserved(columns[-1], failures, name)
         if columns:
             per_template.append([[name, *a] for a in zip(*columns, strict=False)])
         else:
@@ -616,7 +641,7 @@ def encode_commands(
         words = len(t.args)
         pieces.append(_bulk(b"%d" % words) if argv else b"*%d\r\n" % words)
         pieces.append(_bulk(t.name.encode()))
-        for arg in t.args[1:]:
+        for j, arg in enumerate(t.args[1:], 1):
             if all(isinstance(p, bytes) for p in arg):
                 pieces.append(_bulk(b"".join(arg)))  # type: ignore[arg-type]
                 continue
@@ -630,6 +655,8 @@ def encode_commands(
                         errors.setdefault(i, msg)
                     parts.append(arr)
             joined = parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, _EMPTY)
+            if t.is_key(j):
+                _reserved_in(joined, errors, t.name)
             length = pc.cast(
                 pc.cast(pc.binary_length(joined), pa.large_string()), pa.large_binary()
             )
@@ -646,6 +673,14 @@ def encode_commands(
     args = [pa.scalar(p, pa.large_binary()) if isinstance(p, bytes) else p for p in merged]
     out = args[0] if len(args) == 1 else pc.binary_join_element_wise(*args, _EMPTY)
     return out, errors
+
+
+def _reserved_in(column: pa.Array, errors: dict[int, str], command: str) -> None:
+    """``_note_reserved`` over an Arrow binary column (a row without a value is null)."""
+    hits = pc.starts_with(column, pattern=RESERVED)
+    if pc.any(hits).as_py():
+        for i in pc.indices_nonzero(hits).to_pylist():
+            errors.setdefault(i, redis_keys.reserved_key_error(command, column[i].as_py()))
 
 
 def tombstone_rows(
@@ -704,6 +739,14 @@ class EncodedBatch:
             o = self._offsets
             return self._data.slice(o[first], o[last + 1] - o[first]).to_pybytes()
         return b"".join(self.body([i]) for i in idx)
+
+
+def _note_reserved(values: Sequence[Any], failures: dict[int, str], command: str) -> None:
+    """Record the rows whose key argument was filled with a key under the reserved prefix."""
+    prefix = redis_keys.RESERVED_PREFIX
+    for i, v in enumerate(values):
+        if isinstance(v, bytes) and v.startswith(prefix) and i not in failures:
+            failures[i] = redis_keys.reserved_key_error(command, v)
 
 
 def _note_errors(values: list[Any], failures: dict[int, str]) -> None:
@@ -945,7 +988,8 @@ class RedisSink(Sink):
             )
 
     def _check_commands(self) -> None:
-        """Every template's command exists and takes its number of arguments (COMMAND INFO)."""
+        """Every template's command exists and takes its number of arguments (COMMAND INFO);
+        the templates learn which of their arguments are keys (``redis_keys.key_positions``)."""
         from redis import exceptions as rx
 
         # One node answers for the cluster; a bytes command name skips redis-py's reply
@@ -959,9 +1003,10 @@ class RedisSink(Sink):
         checked += [
             (f"delete_commands[{i}]", t) for i, t in enumerate(self.delete_templates() or [])
         ]
+        infos: dict[str, Any] = {}
         for i, t in checked:
             try:
-                info = node.execute_command(b"COMMAND", b"INFO", t.name)
+                info = infos[t.name] = node.execute_command(b"COMMAND", b"INFO", t.name)
             except rx.ResponseError as e:
                 # A proxy or managed service without COMMAND, or an ACL user without it:
                 # skip the check (a wrong template then fails on the first batch instead).
@@ -991,6 +1036,9 @@ class RedisSink(Sink):
                 raise PermanentSinkError(
                     f"sink.{i}: {t.name} takes {want} words with its name, the template has {n} ({t.source})"
                 )
+        self._templates = [_with_keys(t, infos) for t in self.templates()]
+        if self._delete_templates is not None:
+            self._delete_templates = [_with_keys(t, infos) for t in self._delete_templates]
 
     def cleanup_sink(self) -> None:
         if self._client is not None:
@@ -1384,6 +1432,11 @@ def default_delete_commands(commands: Sequence[CommandTemplate]) -> list[Command
         seen.add(t.args[1])
         out.append(CommandTemplate(source=f"DEL <key of {t.source}>", args=((b"DEL",), t.args[1])))
     return out
+
+
+def _with_keys(t: CommandTemplate, infos: Mapping[str, Any]) -> CommandTemplate:
+    """``t`` knowing its key arguments from its command's COMMAND INFO reply."""
+    return dataclasses.replace(t, keys=redis_keys.key_positions(infos.get(t.name), t.args))
 
 
 def _flags(info: Any) -> set[str]:

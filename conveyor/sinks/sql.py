@@ -445,29 +445,39 @@ FAILED_MEMORY = 100_000
 class OffsetsStatements:
     """The statements of one database on its offsets table (``%s`` parameters). Rows are
     ``(writer, topic, partition, next_offset, generation, log_id, destination)``; the writer is
-    a writer id (``<writer>@<incarnation>``, ``core/positions.py``)."""
+    a writer id (``<writer>@<incarnation>``, ``core/positions.py``). Those marked "no
+    parameters" must be executed without any (not even ``()``): their ``%`` is not doubled."""
 
     table: str  # the quoted, qualified name
-    create: str
-    columns: str  # (): no row, the table's columns in the cursor's description
-    add_identity: tuple[str, ...]  # the columns the release before issue 44 did not have
+    create: str  # no parameters
+    columns: str  # no parameters: no row, the table's columns in the cursor's description
+    add_identity: tuple[str, ...]  # no parameters: the columns issue 44 added
     claim: str  # (writer, generation): the claim row, its generation raised to this one
     ensure: str  # (writer, generation): the claim row, if missing
     lock: str  # (writer,): the writer's rows, locked until the transaction ends
     read: str  # (writer,): the writer's rows
     advance: str  # (writer, topic, partition, next_offset, generation, log_id, destination)
-    writers: str  # (): every writer the table holds
+    writers: str  # no parameters: every writer the table holds
     put: str  # (writer, topic, partition, next_offset, generation, log_id, destination): set
     drop: str  # (writer, topic, partition): one partition's row
     clear: str  # (writer,): every partition row (the claim row stays)
     retire: str  # (writer,): every row of the writer, its claim row too
 
 
+def percent_escaped(text: str) -> str:
+    """SQL text (quoted identifiers) for a statement the driver %-formats: psycopg2 and pymysql
+    read ``%`` as the start of a placeholder in any statement executed with parameters (an
+    empty tuple included), so a literal ``%`` is written ``%%`` there, and only there."""
+    return text.replace("%", "%%")
+
+
 def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> OffsetsStatements:
-    """The offsets table's statements for PostgreSQL or MySQL/MariaDB; ``table`` is quoted.
+    """The offsets table's statements for PostgreSQL or MySQL/MariaDB; ``table`` is quoted
+    (not %-escaped: each statement executed with parameters gets it ``percent_escaped``).
 
     Rows are read with ``SELECT *`` and taken by column name (``ledger_rows``), so a table of
     the release before positions named their log and destination reads as rows naming none."""
+    plain, table = table, percent_escaped(table)  # ``table`` below: in statements with parameters
     q = '"partition"' if flavor == "postgres" else "`partition`"
     cols = f"(writer, topic, {q}, next_offset, generation, log_id, destination)"
     insert = f"INSERT INTO {table} {cols} VALUES (%s, %s, %s, %s, %s, %s, %s)"
@@ -512,21 +522,21 @@ def offsets_statements(table: str, flavor: Literal["postgres", "mysql"]) -> Offs
         )
         engine = " ENGINE=InnoDB"
     return OffsetsStatements(
-        table=table,
-        create=f"CREATE TABLE IF NOT EXISTS {table} (writer {text}, topic {text}, {q} integer NOT NULL, "
+        table=plain,
+        create=f"CREATE TABLE IF NOT EXISTS {plain} (writer {text}, topic {text}, {q} integer NOT NULL, "
         f"next_offset bigint NOT NULL, generation bigint NOT NULL, log_id {ident}, "
         f"destination {ident}, PRIMARY KEY (writer, topic, {q})){engine}",
-        columns=f"SELECT * FROM {table} WHERE 1 = 0",
+        columns=f"SELECT * FROM {plain} WHERE 1 = 0",
         add_identity=(
-            f"ALTER TABLE {table} ADD COLUMN log_id {ident}",
-            f"ALTER TABLE {table} ADD COLUMN destination {ident}",
+            f"ALTER TABLE {plain} ADD COLUMN log_id {ident}",
+            f"ALTER TABLE {plain} ADD COLUMN destination {ident}",
         ),
         claim=claim_values + claim,
         ensure=claim_values + ensure,
         lock=select + " FOR UPDATE",
         read=select,
         advance=insert + advance,
-        writers=f"SELECT DISTINCT writer FROM {table}",
+        writers=f"SELECT DISTINCT writer FROM {plain}",
         put=insert + put,
         drop=f"DELETE FROM {table} WHERE writer = %s AND topic = %s AND {q} = %s",
         clear=f"DELETE FROM {table} WHERE writer = %s AND {q} <> {CLAIM_PARTITION}",

@@ -33,10 +33,18 @@ from conveyor.core.model import (
     DesiredState,
     HeartbeatReply,
     Offsets,
+    SourceSpec,
     TopicPartition,
     parse_start_timestamp,
 )
-from conveyor.core.positions import PositionScope, StoredPosition, StoredPositions
+from conveyor.core.positions import (
+    PositionError,
+    PositionScope,
+    StoredPosition,
+    StoredPositions,
+    parse_positions,
+    topics_read,
+)
 from conveyor.core.scrubbing import scrub
 from conveyor.core.sink import task_writer
 from conveyor.core.state import StateChange
@@ -1309,11 +1317,12 @@ class MetaStore:
         self, connector: str, start: str, end: str, *, requested_by: str
     ) -> BackfillRequest:
         """Store a backfill request (state ``requested``) for the backfills sensor to launch.
-        The range is checked here (``parse_backfill_range``): a bad one never becomes a run."""
-        parse_backfill_range(start, end)
+        The range is checked here (``parse_backfill_range``, against the topics the connector
+        reads): a bad one never becomes a run."""
         now = self.clock()
         with self._tx() as c:
             row = self._get_for_update(c, connector)
+            parse_backfill_range(start, end, topics_read(row.spec))
             new_id = c.execute(
                 t.backfills.insert()
                 .values(
@@ -1473,10 +1482,11 @@ def _backfill(r: sa.Row[Any]) -> BackfillRequest:
 Position = str | Offsets  # earliest, latest, an ISO 8601 time (as text), or offsets
 
 
-def parse_position(text: str, what: str = "backfill") -> Position:
+def parse_position(text: str, what: str = "backfill", reads: SourceSpec | None = None) -> Position:
     """A backfill's start or end: ``earliest``, ``latest``, an ISO 8601 time (naive = UTC;
-    kept as text) or ``TOPIC:PARTITION:OFFSET[,...]``. ConfigError naming ``what`` otherwise.
-    The one parser of a range: the store, the CLI, the API and the job read it alike."""
+    kept as text) or ``TOPIC:PARTITION:OFFSET[,...]`` (``core.positions.parse_positions``, with
+    ``reads`` the topics the connector reads). ConfigError naming ``what`` otherwise. The one
+    parser of a range: the store, the CLI, the API and the job read it alike."""
     text = text.strip()
     if not text:
         raise ConfigError(
@@ -1486,28 +1496,20 @@ def parse_position(text: str, what: str = "backfill") -> Position:
         raise ConfigError(f"longer than {MAX_POSITION_CHARS} characters", field=what)
     if text in ("earliest", "latest"):
         return text
-    if ":" in text and not text[:4].isdigit():
-        out: Offsets = {}
-        for item in text.split(","):
-            try:
-                topic, part, off = item.strip().rsplit(":", 2)
-                tp, offset = TopicPartition(topic, int(part)), int(off)
-            except ValueError:
-                raise ConfigError(
-                    f"{item[:80]!r} is not TOPIC:PARTITION:OFFSET", field=what
-                ) from None
-            if not topic or tp.partition < 0 or offset < 0:
-                raise ConfigError(f"{item[:80]!r} is not TOPIC:PARTITION:OFFSET", field=what)
-            out[tp] = offset
-        return out
     try:
         parse_start_timestamp(text)
+        return text
     except ValueError:
+        pass
+    if ":" not in text:
         raise ConfigError(
             f"{text[:80]!r} is not earliest, latest, an ISO 8601 time or TOPIC:PARTITION:OFFSET",
             field=what,
-        ) from None
-    return text
+        )
+    try:
+        return parse_positions(text, reads)
+    except PositionError as e:
+        raise ConfigError(str(e), field=what) from None
 
 
 def position_ms(position: Position) -> int | None:
@@ -1517,10 +1519,13 @@ def position_ms(position: Position) -> int | None:
     return int(parse_start_timestamp(position).timestamp() * 1000)
 
 
-def parse_backfill_range(start: str, end: str) -> tuple[Position, Position]:
-    """``start`` .. ``end`` (end excluded), each checked by ``parse_position``, and a range
-    that can hold something: not from latest, not to earliest, not backwards."""
-    lo, hi = parse_position(start, "start"), parse_position(end, "end")
+def parse_backfill_range(
+    start: str, end: str, reads: SourceSpec | None = None
+) -> tuple[Position, Position]:
+    """``start`` .. ``end`` (end excluded), each checked by ``parse_position`` (``reads``: the
+    topics the connector reads), and a range that can hold something: not from latest, not to
+    earliest, not backwards."""
+    lo, hi = parse_position(start, "start", reads), parse_position(end, "end", reads)
     if lo == "latest":
         raise ConfigError("latest is the end of the log: the range would be empty", field="start")
     if hi == "earliest":

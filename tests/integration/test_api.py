@@ -582,3 +582,67 @@ def test_offsets_a_target_keeps_are_not_changed_behind_its_back(api: Api) -> Non
     assert api.call("PUT", f"/connectors/{name}/stop").status_code == 204
     assert api.call("PATCH", f"/connectors/{name}/offsets", json=body).status_code == 200
     assert api.store.committed_offsets(name) == {TopicPartition("orders", 0): 7}
+
+
+def kip875(topic: object, partition: object, offset: object) -> dict:
+    return {
+        "offsets": [
+            {
+                "partition": {"kafka_topic": topic, "kafka_partition": partition},
+                "offset": offset if offset is None else {"kafka_offset": offset},
+            }
+        ]
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            kip875("orders", 0, 2**70),
+            f"offsets[0].offset.kafka_offset: {2**70} is out of range: an offset (int64) is "
+            f"from 0 to {2**63 - 1}",
+        ),
+        (kip875("orders", 0, 2**63), "offsets[0].offset.kafka_offset: 9223372036854775808 is out"),
+        (kip875("orders", 0, -5), "offsets[0].offset.kafka_offset: -5 is out of range"),
+        (kip875("orders", -1, 3), "offsets[0].partition.kafka_partition: -1 is out of range"),
+        (kip875("orders", 2**31, 3), "offsets[0].partition.kafka_partition: 2147483648 is out"),
+        (kip875("orders", 0, "x"), "offsets[0].offset.kafka_offset: 'x' is not an offset"),
+        (kip875("orders", 0.5, 3), "offsets[0].partition.kafka_partition: 0.5 is not a partition"),
+        (
+            kip875("clicks", 0, 1),
+            "offsets[0].partition.kafka_topic: the connector does not read topic 'clicks' "
+            "(it reads orders, /ord[0-9]+/)",
+        ),
+        (kip875("clicks", 0, None), "offsets[0].partition.kafka_topic: the connector does not"),
+        (
+            {
+                "offsets": [
+                    {**kip875("orders", 0, 1)["offsets"][0], "offset": {"kafka_offset": None}}
+                ]
+            },
+            "offsets[0].offset.kafka_offset: missing",
+        ),
+    ],
+)
+def test_offsets_patch_refuses_what_kafka_cannot_hold_or_the_connector_does_not_read(
+    api: Api, body: dict, message: str
+) -> None:
+    """KIP-875's rules through the shared validator (core.positions): a 400 naming the item
+    and the rule, never a 500 from the store; nothing changed."""
+    name = "patch_bounds"
+    if api.call("GET", f"/connectors/{name}").status_code == 404:
+        cfg = spec(name, source={"topics": ["orders"], "topics_regex": "ord[0-9]+"})
+        assert api.call("POST", "/connectors", json={"name": name, "config": cfg}).ok
+        assert api.call("PUT", f"/connectors/{name}/stop").status_code == 204
+        ok = {"offsets": [*kip875("orders", 0, 7)["offsets"], *kip875("ord1", "2", "9")["offsets"]]}
+        r = api.call("PATCH", f"/connectors/{name}/offsets", json=ok)  # "2": as Kafka Connect
+        assert r.status_code == 200, r.text
+    r = api.call("PATCH", f"/connectors/{name}/offsets", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error_code": 400, "message": r.json()["message"]}
+    assert r.json()["message"].startswith(message), r.json()["message"]
+    assert api.store.committed_offsets(name) == {
+        TopicPartition("orders", 0): 7,
+        TopicPartition("ord1", 2): 9,
+    }

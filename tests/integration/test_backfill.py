@@ -101,11 +101,29 @@ def test_a_range_is_given_as_offsets_or_ends():
         TopicPartition("orders", 0): 5,
         TopicPartition("orders", 1): 7,
     }
-    with pytest.raises(Exception, match="TOPIC:PARTITION:OFFSET"):
+    with pytest.raises(Exception, match="'orders:x:5': partition: 'x' is not a partition number"):
         parse_position("orders:x:5")
     # A writer per request: the same range requested again is delivered again.
     assert backfill_writer("c", "r1") != backfill_writer("c", "r2")
     assert backfill_writer("c", "r1") == "c.backfill-r1"
+
+
+def test_the_job_refuses_a_range_of_a_topic_the_connector_does_not_read() -> None:
+    """Launched by hand (the launchpad: no request checked at the door), the job checks the
+    range against the topics the connector reads before it connects to anything."""
+    from conveyor.config.specs import LoadedSpec, parse_spec
+    from conveyor.core.errors import ConfigError
+
+    data = spec("bf_other", "orders", "127.0.0.1:9", "postgresql://u@127.0.0.1:9/x", "s")
+    connector, sink = parse_spec(data)
+    ls = LoadedSpec("bf_other", "test", spec=connector, sink=sink)
+    for start, end, message in [
+        ("other_topic:0:5", "latest", "start: 'other_topic:0:5': topic: the connector does not"),
+        ("earliest", f"orders:0:{2**63}", f"end: 'orders:0:{2**63}': offset: {2**63} is out"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            backfill_range(ls, lambda: None, start=start, end=end, request="r1")
+        assert str(e.value).startswith(message), str(e.value)
 
 
 def iso(t: float) -> str:

@@ -86,6 +86,15 @@ def test_requests_are_stored_listed_newest_first_and_a_finished_one_stays_finish
         store.request_backfill("nope", T0, T1, requested_by="x")
     with pytest.raises(ConfigError, match="end: .* is not after the start"):
         store.request_backfill("orders", T1, T0, requested_by="x")
+    add(store, "reads", {"name": "reads", "source": {"topics": ["orders"], "topics_regex": "c.*"}})
+    with pytest.raises(
+        ConfigError, match="start: 'other_topic:0:5': topic: the connector does not"
+    ):
+        store.request_backfill("reads", "other_topic:0:5", "latest", requested_by="x")
+    with pytest.raises(ConfigError, match="end: 'other:0:9': topic: the connector does not read"):
+        store.request_backfill("reads", "orders:0:5", "orders:0:9,other:0:9", requested_by="x")
+    assert store.backfills("reads") == []
+    assert store.request_backfill("reads", "clicks:0:5", "orders:1:2", requested_by="x").id
     assert len(store.backfills("orders")) == 2  # the refused ones left nothing
 
 
@@ -96,8 +105,12 @@ def test_requests_are_stored_listed_newest_first_and_a_finished_one_stays_finish
         ("latest", "latest", "start: latest is the end of the log"),
         ("earliest", "earliest", "end: earliest is the start of the log"),
         ("yesterday", "latest", "start: 'yesterday' is not earliest, latest, an ISO 8601 time"),
-        ("orders:x:5", "latest", "start: 'orders:x:5' is not TOPIC:PARTITION:OFFSET"),
-        ("orders:0:-1", "latest", "start: 'orders:0:-1' is not TOPIC:PARTITION:OFFSET"),
+        ("orders:x:5", "latest", "start: 'orders:x:5': partition: 'x' is not a partition number"),
+        ("orders:0:-1", "latest", "start: 'orders:0:-1': offset: -1 is out of range"),
+        (f"orders:0:{2**70}", "latest", f"start: 'orders:0:{2**70}': offset: {2**70} is out"),
+        ("orders:-1:0", "latest", "start: 'orders:-1:0': partition: -1 is out of range"),
+        ("earliest", "orders:0:5,orders:0:6", "end: 'orders:0:6': partition orders[0] is given"),
+        ("orders:0", "latest", "start: 'orders:0' is not TOPIC:PARTITION:OFFSET"),
         ("orders:0:9", "orders:0:5", "end: before the start on orders"),
         (T1, T0, "end: 2026-11-27T10:00:00Z is not after the start"),
         ("x" * 20_000, "latest", "start: longer than"),
@@ -227,6 +240,17 @@ def test_a_backfill_is_requested_listed_and_followed_through_the_api(api: Api) -
         ({"start": "yesterday"}, 400, "invalid backfill range: start: 'yesterday' is not"),
         ({"start": T1, "end": T0}, 400, "invalid backfill range: end: 2026-11-27T10:00:00Z"),
         ({"start": "latest"}, 400, "invalid backfill range: start: latest is the end"),
+        (
+            {"start": "other_topic:0:5"},
+            400,
+            "invalid backfill range: start: 'other_topic:0:5': topic: the connector does not "
+            "read topic 'other_topic' (it reads orders)",
+        ),
+        (
+            {"start": "earliest", "end": f"orders:0:{2**70}"},
+            400,
+            f"invalid backfill range: end: 'orders:0:{2**70}': offset: {2**70} is out of range",
+        ),
     ],
 )
 def test_hostile_bodies_get_400_json_errors_and_store_nothing(api: Api, body, status, message):
@@ -264,7 +288,7 @@ def cli(meta_url: str, *args: str):
 def test_the_cli_requests_lists_and_shows_a_backfill(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'meta.db'}"
     s = MetaStore(url)
-    add(s, "orders")
+    add(s, "orders", {"name": "orders", "source": {"topics": ["orders"]}})
     r = cli(url, "backfill", "orders", "--start", T0, "--end", T1)
     assert r.exit_code == 0, r.output
     made = s.backfills("orders")[0]
@@ -282,6 +306,8 @@ def test_the_cli_requests_lists_and_shows_a_backfill(tmp_path: Path) -> None:
     assert one.exit_code == 0 and json.loads(one.output) == made.as_json()
     bad = cli(url, "backfill", "orders", "--start", T1, "--end", T0)
     assert bad.exit_code == 2 and "is not after the start" in bad.output
+    other = cli(url, "backfill", "orders", "--start", "other_topic:0:5")
+    assert other.exit_code == 2 and "does not read topic 'other_topic'" in other.output
     gone = cli(url, "backfill", "nope", "--start", T0)
     assert gone.exit_code == 1 and "connector 'nope' not found" in gone.output
     assert len(s.backfills()) == 1

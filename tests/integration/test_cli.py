@@ -136,6 +136,35 @@ def test_offsets_show_and_reset_refused_while_running(meta_url, tmp_path):
     assert store.committed_offsets("orders") == {TopicPartition("orders", 0): 7}
 
 
+@pytest.mark.parametrize(
+    ("to", "message"),
+    [
+        ("orders:0:-5", "'orders:0:-5': offset: -5 is out of range: an offset (int64) is from 0"),
+        ("orders:-1:3", "'orders:-1:3': partition: -1 is out of range: a partition number"),
+        ("clicks:0:3", "'clicks:0:3': topic: the connector does not read topic 'clicks'"),
+        (f"orders:0:{2**70}", f"'orders:0:{2**70}': offset: {2**70} is out of range"),
+        (f"orders:{2**31}:1", f"'orders:{2**31}:1': partition: {2**31} is out of range"),
+        ("orders:0:1,orders:0:2", "'orders:0:2': partition orders[0] is given twice"),
+        ("orders:0", "'orders:0' is not TOPIC:PARTITION:OFFSET"),
+    ],
+)
+def test_offsets_reset_to_takes_only_what_the_rest_api_takes(meta_url, tmp_path, to, message):
+    """``--to`` passes the validator PATCH uses (core.positions): a usage error naming the item
+    and the rule, nothing stored; never an OverflowError from the store."""
+    spec = tmp_path / "orders.yaml"
+    spec.write_text(SPEC)
+    cli(meta_url, "connector", "apply", "-f", str(spec))
+    assert cli(meta_url, "connector", "stop", "orders").exit_code == 0
+    store = MetaStore(meta_url)
+    assert cli(meta_url, "offsets", "reset", "orders", "--to", "orders:0:7").exit_code == 0
+    r = cli(meta_url, "offsets", "reset", "orders", "--to", to)
+    assert r.exit_code == 2, r.output
+    assert "Usage:" in r.output
+    assert f"Error: Invalid value for '--to': {message}" in " ".join(r.output.split())
+    assert "Traceback" not in r.output
+    assert store.committed_offsets("orders") == {TopicPartition("orders", 0): 7}
+
+
 def test_broker_list_drain_undrain(meta_url):
     from conveyor.core.model import Broker
 

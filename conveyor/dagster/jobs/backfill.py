@@ -177,7 +177,7 @@ def backfill_range(
     ``request`` names its writer (``backfill_writer``), ``incarnation`` the connector's."""
     assert ls.spec is not None and ls.sink is not None
     spec = ls.spec
-    lo_at, hi_at = parse_backfill_range(start, end)
+    lo_at, hi_at = parse_backfill_range(start, end, spec.source)
     bounds = TimeBounds(position_ms(lo_at), position_ms(hi_at))
     source_spec = spec.source.with_default_bootstrap(bootstrap)
     group = f"{ls.name}.backfill"
