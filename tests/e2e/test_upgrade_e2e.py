@@ -291,9 +291,8 @@ def test_state_of_the_previous_release_resumes_under_this_one(
     store.close()
 
 
-def connectors(home: Path, pg_url: str, schema: str, client: redis.Redis) -> dict[str, Connector]:
-    """The connectors (their names and Redis keys unique to this test)."""
-    tag = uuid.uuid4().hex[:6]
+def connectors(home: Path, pg_url: str, schema: str, tag: str) -> dict[str, Connector]:
+    """The connectors (their names and Redis keys unique to this test: ``tag``)."""
     prefix = f"upg_{tag}"
 
     def pg(table: str, delivery: str) -> dict[str, Any]:
