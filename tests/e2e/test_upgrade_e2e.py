@@ -465,13 +465,14 @@ def run_this_release(
     task_tags = {TAG_TASK: "0", TAG_TASK_GENERATION: str(task0.generation)}
     runs["tasks"] = JobThread(str(conns["tasks"].path), cfg, tags=task_tags)
     try:
-        check_taken_over(store, schema, client, conns, incarnations, killed_at)
+        check_taken_over(store, schema, client, conns, incarnations, killed_at, runs)
         for k, c in conns.items():
             wait_for(
                 f"{k}: {c.total} committed by this release",
                 lambda k=k, c=c: (
                     committed(store, c.name) >= c.total and (k == "tasks" or live(store, c.name))
                 ),
+                runs=runs.values(),
             )
     finally:
         for c in conns.values():
@@ -487,13 +488,18 @@ def check_taken_over(
     conns: dict[str, Connector],
     incarnations: dict[str, str],
     killed_at: dict[str, int],
+    runs: dict[str, JobThread],
 ) -> None:
     """After its first commit under this checkout, a connector's positions kept under its bare
     name in the target are under ``<name>@<incarnation>`` only."""
     floors = {"pg": FIRST, "redis": FIRST, "killed": killed_at["target"]}
     for k, floor in floors.items():
         name = conns[k].name
-        wait_for(f"{k}: a commit of this release", lambda n=name, f=floor: committed(store, n) > f)
+        wait_for(
+            f"{k}: a commit of this release",
+            lambda n=name, f=floor: committed(store, n) > f,
+            runs=runs.values(),
+        )
         if k == "redis":
             assert not client.exists(f"conveyor:offsets:{name}")
             assert redis_offsets(client, f"{name}@{incarnations[k]}")

@@ -25,6 +25,7 @@ import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,22 @@ def say(event: str, **data: Any) -> None:
     print(json.dumps({"event": event, **data}), flush=True)
 
 
-def wait_for(what: str, predicate: Any, timeout: float = DEADLINE_S) -> Any:
+def wait_for(
+    what: str, predicate: Any, timeout: float = DEADLINE_S, runs: Iterable[JobThread] = ()
+) -> Any:
+    """``predicate()``'s first true value; an AssertionError when ``timeout`` passes first, or
+    when one of ``runs`` has ended (each is stopped only after its wait)."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         last = predicate()
         if last:
             return last
+        ended = [f"{r.path}: {r.outcome}" for r in runs if not r.thread.is_alive()]
+        if ended:
+            raise AssertionError(f"waiting for {what}, a run ended: {ended}")
         time.sleep(0.05)
-    raise AssertionError(f"previous release: timed out waiting for {what} (last: {last!r})")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def check_release(worktree: str) -> None:
@@ -60,6 +68,11 @@ class JobThread:
     """One connector's run (its job executed in process) on a thread of its own."""
 
     def __init__(self, path: str, cfg: dict[str, Any], tags: dict[str, str] | None = None):
+        # Imported before any run's thread starts: its import sets logging's logger class to
+        # PySparkLogger for a moment, and a run creating its Dagster logger on another thread
+        # then would get one (``TypeError: ... unexpected keyword argument 'level'``).
+        import pyspark.sql.connect.logging  # noqa: F401
+
         self.path, self.cfg, self.tags = path, cfg, tags or {}
         self.outcome: dict[str, Any] = {}
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -119,6 +132,7 @@ def run_and_stop(cfg: dict[str, Any]) -> None:
         wait_for(
             f"{name}: {produced} committed, running",
             lambda n=name, p=produced: committed(store, n) >= p and live(store, n),
+            runs=runs.values(),
         )
         store.stop(name, reason="the previous release stops")
     report = {}
@@ -171,8 +185,12 @@ def run_and_get_killed(cfg: dict[str, Any]) -> None:
     c = cfg["connector"]
     name, pg = c["name"], cfg["postgres"]
     store = MetaStore(cfg["meta_url"])
-    JobThread(c["path"], cfg)
-    wait_for(f"{name}: a batch committed", lambda: committed(store, name) > 0 and live(store, name))
+    run = JobThread(c["path"], cfg)
+    wait_for(
+        f"{name}: a batch committed",
+        lambda: committed(store, name) > 0 and live(store, name),
+        runs=[run],
+    )
     lock = sqlite3.connect(cfg["meta_db"], timeout=60, isolation_level=None)
     lock.execute("BEGIN IMMEDIATE")  # every writer of the meta store waits from now on
     (mirror,) = lock.execute(
@@ -193,7 +211,9 @@ def run_and_get_killed(cfg: dict[str, Any]) -> None:
             )
             return int(cur.fetchone()[0])
 
-    ahead = wait_for(f"{name}: a batch in the target only", lambda: target() > mirror and target())
+    ahead = wait_for(
+        f"{name}: a batch in the target only", lambda: target() > mirror and target(), runs=[run]
+    )
     say("blocked", target=ahead, meta_store=mirror)
     time.sleep(DEADLINE_S)  # the SIGKILL comes here
     raise SystemExit("previous release: not killed")
