@@ -56,6 +56,8 @@ FIRST = 200  # produced per topic before the upgrade (killed: KILLED_FIRST)
 KILLED_FIRST = 400
 MORE = 200  # produced per topic after it
 TASK_OFFSET = 50  # the previous release's task 0 committed this in each partition
+RAN = ("pg", "redis", "alo")  # stopped by the previous release, each after FIRST
+EXACTLY_ONCE_PG = ("pg", "killed")
 
 
 @dataclass
@@ -351,10 +353,6 @@ def previous_release_runs(
         got = stopped["connectors"][conns[k].name]
         assert got == {"success": True, "status": "Stopped", "committed": FIRST}, (k, got)
     return task_group
-
-
-RAN = ("pg", "redis", "alo")  # stopped by the previous release, each after FIRST
-EXACTLY_ONCE_PG = ("pg", "killed")
 
 
 def previous_release_killed(
