@@ -475,11 +475,12 @@ class Operations:
             live = resolved(loaded)  # holds secrets: used to connect, never shown
             assert live.sink is not None
             sink = build_sink(live.sink)
-            left = (
-                sink.retire_target_offsets(writer_id(row.name, row.incarnation))
-                if isinstance(sink, OffsetsInTarget)
-                else None
-            )
+            left = None
+            if isinstance(sink, OffsetsInTarget):
+                left = sink.retire_target_offsets(writer_id(row.name, row.incarnation))
+                if left is None and row.legacy_positions:
+                    # Migrated and not run since: what it kept under its bare name goes too.
+                    left = sink.retire_target_offsets(row.name)
         except Exception as e:  # noqa: BLE001 - reported, the delete goes on
             left = f"{type(e).__name__}: {e}"
         if left is None:
