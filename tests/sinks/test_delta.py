@@ -59,8 +59,10 @@ class TestDeltaContract(SinkContract):
     def make_target(self) -> Iterator[str]:
         yield f"delta/{unique('orders')}"
 
+    cadence: dict[str, Any] = {}  # the default: buffered, committed by commit_held
+
     def config(self, target: str) -> dict[str, Any]:
-        return {"type": "delta", "path": target, "message_columns": True}
+        return {"type": "delta", "path": target, "message_columns": True, **self.cadence}
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         return [
@@ -91,11 +93,17 @@ class TestDeltaContract(SinkContract):
     ]
 
 
+class TestDeltaContractEachBatchCommitted(TestDeltaContract):
+    cadence = {"commit_interval_s": 0}
+
+
 # -- beyond the contract --------------------------------------------------------------------------
 
 
 def cfg(**over: Any) -> dict[str, Any]:
-    return {"type": "delta", "path": f"lake/{unique('t')}", **over}
+    """Each batch its own table commit (``commit_interval_s: 0``): the marks' tests; the
+    default cadence has tests of its own."""
+    return {"type": "delta", "path": f"lake/{unique('t')}", "commit_interval_s": 0, **over}
 
 
 def started(config: dict[str, Any], connector: str = "", generation: int = 0) -> Any:
@@ -200,7 +208,7 @@ def test_a_commit_that_loses_a_race_is_an_outage_and_the_retry_writes_once(
     with pytest.raises(TransientSinkError, match="changed under the commit|unavailable"):
         sink.send_batch(make_batch(3, start=3))
     monkeypatch.setattr(delta.DeltaSink, "_latest_mark", real)
-    sink.flush()  # the loop's retry: the buffer is kept
+    sink.commit_held()  # the loop's retry: the buffer is kept
     sink.cleanup_sink()
     assert sorted(r["id"] for r in rows_of(c["path"])) == [0, 1, 2, 3, 4, 5, 900]
 

@@ -52,7 +52,7 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
-from conveyor.core.sink import OffsetsInTarget, send_isolating
+from conveyor.core.sink import OffsetsInTarget, commit_held, send_isolating
 from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_BACKFILL, backfill_job_name
@@ -201,6 +201,7 @@ def backfill_range(
         source.open(todo)
         timed = bounds if bounds.start_ms is not None or bounds.end_ms is not None else None
         _drain(source, transform, sink, spec, todo, hi, result, progress, timed)
+        commit_held(sink)  # a lakehouse table's last buffer: the range is in it, or this fails
     finally:
         sink.cleanup_sink()
         source.close()
