@@ -255,6 +255,13 @@ def _cli_environment() -> list[tuple[str, str, str]]:
             "unset",
         ),
         (
+            "CONVEYOR_DEMO_LAKE",
+            "`1`: `conveyor dev` also installs the Delta Lake demo connector (`demo_orders_lake`, "
+            "the table `$CONVEYOR_HOME/lake/demo_orders`; needs the `lakehouse` extra) and its "
+            "downstream asset `orders_per_minute_lake`",
+            "unset",
+        ),
+        (
             "CONVEYOR_DEMO_START",
             "the first minute (Unix seconds) of the demo's downstream asset `orders_per_minute` "
             "(`conveyor/demo/downstream.py`); `conveyor dev` sets it to the minute it started in",
