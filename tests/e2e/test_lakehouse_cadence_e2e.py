@@ -1,8 +1,8 @@
 """Lakehouse tables a query engine likes, under a real Dagster instance: 150,000 JSON orders
-produced live at 1,500/s into an Iceberg table (its SQL catalog on the machine's PostgreSQL) and a
-Delta table, both partitioned by day (three days), by connectors whose sinks keep their default
-cadence (a table commit a minute). Each run is killed with -9 once mid-stream, after the table's
-first commit, and relaunched.
+(1,500 before, then the rest produced live at 1,500/s) into an Iceberg table (its SQL catalog on
+the machine's PostgreSQL) and a Delta table, both partitioned by day (three days), by connectors
+whose sinks keep their default cadence (a table commit a minute). Each run is killed with -9 once
+mid-stream, with rows buffered after a commit of the stream's, and relaunched.
 
 At the end each table holds every order exactly once (pyiceberg / deltalake, and DuckDB's
 Parquet reader over the files the table lists), in at most a few dozen data files (one a day
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import FINISHED, DagsterHarness, wait_for
+from tests.e2e.conftest import FINISHED, DagsterHarness, produce, wait_for
 from tests.e2e.test_lakehouse_e2e import (
     PG_CATALOG,
     TRANSFORM,
@@ -34,19 +34,20 @@ from tests.e2e.test_lakehouse_e2e import (
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 N = 150_000
+WARM = 1_500  # produced before: the first table commit holds them (the runs are up)
 RATE = 1_500.0
 MAX_FILES = 36  # "a few dozen"
 
 
 def produce_live(bootstrap: str, topic: str, done: threading.Event, errors: list[Any]) -> None:
-    """``N`` orders at ``RATE`` a second over three partitions (sent in 0.1 s slices)."""
+    """Orders ``WARM`` to ``N`` at ``RATE`` a second over three partitions (0.1 s slices)."""
     from kafka import KafkaProducer
 
     try:
         p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
-        began, i = time.monotonic(), 0
+        began, i = time.monotonic(), WARM
         while i < N:
-            due = min(N, int((time.monotonic() - began) * RATE) + 150)
+            due = min(N, WARM + int((time.monotonic() - began) * RATE) + 150)
             for j in range(i, due):
                 p.send(topic, key=str(j).encode(), value=order(j), partition=j % 3)
             i = due
@@ -79,6 +80,7 @@ def test_150000_rows_at_1500_a_second_make_a_few_dozen_files_once_each_through_k
     admin = KafkaAdminClient(bootstrap_servers=tansu)
     admin.create_topics([NewTopic(topic, 3, 1)])
     admin.close()
+    produce(tansu, topic, WARM, partitions=3, payload=order)
     specs = {
         f"ice_{tag}": {
             "type": "iceberg",
@@ -101,18 +103,23 @@ def test_150000_rows_at_1500_a_second_make_a_few_dozen_files_once_each_through_k
     }
     runs = {name: dagster.launch(name) for name in specs}
     done, errors = threading.Event(), []
-    began = time.monotonic()
+    began = float("nan")
     producer = threading.Thread(target=produce_live, args=(tansu, topic, done, errors))
+    at_kill: dict[str, int] = {}
     try:
-        for run in runs.values():
-            dagster.wait_status(run, {"STARTED", *FINISHED})
+        for name in specs:  # the runs are up: their first commit holds the orders produced before
+            wait_for(lambda n=name: len(ids[n]()) >= WARM, 420, f"{name}: a first table commit")
+        began = time.monotonic()
         producer.start()
-        # kill -9 of each run once its table has had a commit (a minute into the stream)
+        # kill -9 of each run once its table has had a commit of the stream's (about a minute
+        # into it), while later rows are buffered
         for name in specs:
-            wait_for(lambda n=name: ids[n](), 300, f"{name}: a first table commit")
+            wait_for(lambda n=name: len(ids[n]()) > WARM, 300, f"{name}: a commit of the stream")
+            at_kill[name] = len(ids[name]())
             kill_run(dagster, name, runs[name])
             runs[name] = dagster.launch(name)
             dagster.wait_status(runs[name], {"STARTED", *FINISHED})
+        assert all(n < N for n in at_kill.values()), at_kill  # killed mid-stream
         done.wait(600)
         assert not errors, errors
         for name in specs:
@@ -130,7 +137,10 @@ def test_150000_rows_at_1500_a_second_make_a_few_dozen_files_once_each_through_k
         for run in runs.values():
             dagster.wait_status(run, FINISHED)
     figures = check_files(dagster, namespace, delta_path)
-    print(f"\nlakehouse cadence: {N} rows at {RATE:g}/s, every order landed after {landed_s:.0f} s")
+    print(
+        f"\nlakehouse cadence: {N} rows ({WARM} before, then {RATE:g}/s), killed at {at_kill}, "
+        f"every order landed {landed_s:.0f} s after the stream began"
+    )
     print(json.dumps(figures, indent=1))
 
 

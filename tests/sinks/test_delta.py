@@ -294,3 +294,46 @@ def test_storage_credentials_take_a_reference_in_a_spec(
         build_sink({**spec["sink"], "storage_credentials": "A=1\nnot a pair"})
     sink = build_sink({**spec["sink"], "storage_credentials": '{"AWS_ACCESS_KEY_ID": "id1"}'})
     assert sink._options() == {"AWS_REGION": "eu-north-1", "AWS_ACCESS_KEY_ID": "id1"}  # type: ignore[attr-defined]
+
+
+def test_the_loop_commits_offsets_only_with_the_tables_commit(home: Path) -> None:
+    """The default cadence under the real loop: batches are held (no offsets in the meta store)
+    until the table's commit a minute after the first; then all at once; the stop commits the
+    rest. The table and the committed offsets agree at every step."""
+    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.model import BatchPolicy, FailureSpec
+    from conveyor.sinks.delta import DeltaSink
+    from tests.unit.test_loop import Events, FakeCommitter, FakeSource, json_transform, source_batch
+
+    now = [1000.0]
+    c = {"type": "delta", "path": f"lake/{unique('t')}", "message_columns": True}  # defaults
+    sink = DeltaSink(build_sink(c).config, clock=lambda: now[0])  # type: ignore[arg-type]
+    events = Events()
+    source = FakeSource([source_batch(10 * i, 10) for i in range(5)], events)
+    committer = FakeCommitter(events)
+    seen: list[tuple[int, dict]] = []
+
+    def stop() -> bool:
+        seen.append((len(rows_of(c["path"])), dict(committer.offsets)))
+        now[0] += 25  # a batch every 25 s
+        return not source.batches
+
+    loop = ConnectorLoop(
+        LoopConfig(
+            name="c", batch=BatchPolicy(max_wait_ms=10), failure=FailureSpec(), prefetch=False
+        ),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        stop_requested=stop,
+        clock=lambda: now[0],
+    )
+    sink.bind("c", 1)
+    run_loop(loop)
+    tp = TopicPartition("t", 0)
+    # Batches at 0, 25, 50 s held; the one at 75 s makes the commit (due since 60 s): 40 rows.
+    assert [(n, o.get(tp)) for n, o in seen] == [(0, None)] * 4 + [(40, 40)] * 2
+    assert committer.offsets == {tp: 50} and len(rows_of(c["path"])) == 50  # the stop's commit
+    assert sink.uncommitted_rows() == 0
