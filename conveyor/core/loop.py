@@ -252,7 +252,8 @@ class ConnectorLoop(LoopControl):
         self.clock = clock
         self._init_control(config.name, stop_requested, sleep, counters, config.paused_poll_s)
         self.committed: Offsets = dict(committed)
-        self._sink_commits_on_its_own = isinstance(sink, AcknowledgesAtCommit)
+        # A sink that acknowledges at its own commit (None: at each send_batch).
+        self._buffering = sink if isinstance(sink, AcknowledgesAtCommit) else None
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._limiter = DeadLetterLimiter(config.failure.dead_letter)
@@ -553,10 +554,10 @@ class ConnectorLoop(LoopControl):
         with outage retries, then acknowledge the batches held for it."""
         if not self._held and not self._held_rows:
             return
-        if self._sink_uncommitted():
-            if due_only and not self.sink.commit_due():  # type: ignore[attr-defined]
+        if self._buffering is not None and self._buffering.uncommitted_rows():
+            if due_only and not self._buffering.commit_due():
                 return
-            self._with_outage_retry("commit held", self.sink.commit_held)  # type: ignore[attr-defined]
+            self._with_outage_retry("commit held", self._buffering.commit_held)
         if not self._sink_uncommitted():
             self._release_held()
 
@@ -568,9 +569,9 @@ class ConnectorLoop(LoopControl):
             self._held.update(self._acked)
             self._acked = None
         try:
-            if self._sink_uncommitted():
+            if self._buffering is not None and self._buffering.uncommitted_rows():
                 with self.stages.stage(Stage.SEND):
-                    self.sink.commit_held()  # type: ignore[attr-defined]
+                    self._buffering.commit_held()
         except Exception as e:  # noqa: BLE001 - the error that ends the loop is the one raised
             log.warning(
                 "%s: the sink's buffer was not committed on the way out: %s", self.cfg.name, e
@@ -585,7 +586,7 @@ class ConnectorLoop(LoopControl):
     def _sink_uncommitted(self) -> int:
         """Rows the sink accepted and has not committed (0 for a sink that acknowledges each
         ``send_batch``)."""
-        return self.sink.uncommitted_rows() if self._sink_commits_on_its_own else 0  # type: ignore[attr-defined]
+        return self._buffering.uncommitted_rows() if self._buffering is not None else 0
 
     def _event_rows(self, rows: pa.Table) -> pa.Table:
         """What the watermark reads of delivered rows (kept while they are held)."""

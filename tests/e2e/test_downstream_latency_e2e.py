@@ -10,8 +10,9 @@ Checked against what was produced and what Dagster recorded:
 
 - each minute's first run is requested (the run's creation) within 15 s of the first report
   whose watermark passed the minute's end, and never before it;
-- that run counts exactly the minute's on-time events (so it ran after all of them had
-  landed), and the minute's last run counts exactly the table's rows of that minute (the very
+- that run counts every on-time event of the minute (so it ran after all of them had landed),
+  and no more than those and the very late ones (a run launched late on a loaded machine may
+  see them); the minute's last run counts exactly the table's rows of that minute (the very
   late events made their minute run again);
 - the minute the stream stopped in runs too, once the quiet stream is idle (idle means complete).
 
@@ -259,29 +260,33 @@ def check(
     passed = first_report_past(s, key)
     runs = downstream_runs(pg_url, schema)
     on_time = clicks.per_minute(on_time_only=True)
+    every = clicks.per_minute(on_time_only=False)
     table = table_per_minute(pg_url, schema)
-    assert table == clicks.per_minute(on_time_only=False), "the table holds every event once"
+    assert table == every, "the table holds every event once"
     # It began with the partition holding the first watermark it saw (the newest of its first
     # tick), never from the definition's start in 2023.
     assert min(requests) >= key_of(min(passed)), (min(requests), min(passed))
-    delays, end_to_request = [], []
+    delays, end_to_request = {}, {}
     for minute, reqs in sorted(requests.items()):
         end = calendar.timegm(time.strptime(minute, "%Y-%m-%d-%H:%M")) + 60
+        delays[minute] = round(reqs[0][0] - passed[end], 1)
+        end_to_request[minute] = round(reqs[0][0] - end, 1)
+    print(
+        f"\nminutes {len(delays)}: requested after the report passing the minute's end "
+        f"median {statistics.median(delays.values()):.1f} s, max {max(delays.values()):.1f} s; "
+        f"after the minute's end median {statistics.median(end_to_request.values()):.1f} s, "
+        f"max {max(end_to_request.values()):.1f} s\n{delays}\n{end_to_request}"
+    )
+    for minute, reqs in sorted(requests.items()):
         created, why, run_id = reqs[0]
         assert why == "watermark", (minute, reqs)
-        assert created >= passed[end], f"{minute}: requested before the watermark passed it"
-        delays.append(created - passed[end])
-        end_to_request.append(created - end)
+        assert delays[minute] >= 0, f"{minute}: requested before the watermark passed it"
         counted = dict((r, n) for n, r in runs[minute])
-        assert counted[run_id] == on_time.get(minute, 0), f"{minute}: its first run counted"
+        first = counted[run_id]
+        assert on_time.get(minute, 0) <= first <= every.get(minute, 0), (minute, first)
         assert runs[minute][-1][0] == table.get(minute, 0), f"{minute}: its last run counted"
         if minute in late_minutes:
             assert [w for _, w, _ in reqs] == ["watermark", "late data"], reqs
     assert last_minute in requests and requests[last_minute][0][0] > stopped_at
     assert set(on_time) <= set(requests), "a minute with events did not run"
-    print(
-        f"\nminutes {len(delays)}: requested after the report passing the minute's end "
-        f"median {statistics.median(delays):.1f} s, max {max(delays):.1f} s; after the minute's "
-        f"end median {statistics.median(end_to_request):.1f} s, max {max(end_to_request):.1f} s"
-    )
-    assert max(delays) <= WITHIN_S, delays
+    assert max(delays.values()) <= WITHIN_S, delays
