@@ -14,9 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from conveyor.control.cli import main
-from conveyor.core.sink import commit_held
-from conveyor.sinks import build_sink
-from tests.sinks.contract import make_batch
+from tests.integration.test_lakehouse_maintenance import ROWS, target_offsets, write_batches
 
 pytest.importorskip("pyiceberg")
 pytest.importorskip("deltalake")
@@ -43,21 +41,6 @@ def apply(home: Path, name: str, sink: dict[str, Any]) -> None:
     assert r.exit_code == 0, r.output
 
 
-def small_commits(sink_cfg: dict[str, Any], name: str, commits: int) -> Any:
-    """``commits`` table commits of 20 rows (as the loop makes with commit_held); returns the
-    connector's offsets in the table."""
-    sink = build_sink(sink_cfg)
-    sink.bind(name, 1)  # type: ignore[attr-defined]
-    sink.init_sink()
-    try:
-        for b in range(commits):
-            assert sink.send_batch(make_batch(20, start=20 * b)).failed == ()
-            commit_held(sink)
-        return sink.target_offsets()  # type: ignore[attr-defined]
-    finally:
-        sink.cleanup_sink()
-
-
 @pytest.mark.parametrize("kind", ["iceberg", "delta"])
 def test_maintain_table_compacts_and_keeps_rows_and_offsets(home: Path, kind: str) -> None:
     name = f"{kind}_{uuid.uuid4().hex[:6]}"
@@ -67,19 +50,15 @@ def test_maintain_table_compacts_and_keeps_rows_and_offsets(home: Path, kind: st
         else {"type": "delta", "path": f"lake/{name}", "message_columns": True}
     )
     apply(home, name, sink)
-    offsets = small_commits(sink, name, 12)
+    write_batches(sink, name, 12)  # 12 table commits, as the loop makes them
+    offsets = target_offsets(sink, name)
     r = cli(home, "maintain-table", name, "--retention-hours", "0")
     assert r.exit_code == 0, r.output
-    assert f"{name}: data files 12 -> 1, 240 rows, compacted" in r.output
-    again = build_sink(sink)
-    again.bind(name, 2)  # type: ignore[attr-defined]
-    try:
-        assert again.target_offsets() == offsets  # type: ignore[attr-defined]
-    finally:
-        again.cleanup_sink()
+    assert f"{name}: data files 12 -> 1, {12 * ROWS} rows, compacted" in r.output
+    assert target_offsets(sink, name) == offsets
     # Nothing left to compact: it says so.
     r = cli(home, "maintain-table", name, "--no-compact")
-    assert r.exit_code == 0 and "data files 1 -> 1, 240 rows, not compacted" in r.output
+    assert r.exit_code == 0 and f"data files 1 -> 1, {12 * ROWS} rows, not compacted" in r.output
 
 
 def test_maintain_table_refuses_what_has_no_table_in_one_line(home: Path) -> None:

@@ -302,12 +302,12 @@ def test_the_loop_commits_offsets_only_with_the_tables_commit(home: Path) -> Non
     rest. The table and the committed offsets agree at every step."""
     from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
     from conveyor.core.model import BatchPolicy, FailureSpec
-    from conveyor.sinks.delta import DeltaSink
     from tests.unit.test_loop import Events, FakeCommitter, FakeSource, json_transform, source_batch
 
     now = [1000.0]
     c = {"type": "delta", "path": f"lake/{unique('t')}", "message_columns": True}  # defaults
-    sink = DeltaSink(build_sink(c).config, clock=lambda: now[0])  # type: ignore[arg-type]
+    sink = started(c, "c", 1)  # bound as the run binds it
+    sink._clock = lambda: now[0]  # the buffer's clock
     events = Events()
     source = FakeSource([source_batch(10 * i, 10) for i in range(5)], events)
     committer = FakeCommitter(events)
@@ -330,7 +330,6 @@ def test_the_loop_commits_offsets_only_with_the_tables_commit(home: Path) -> Non
         stop_requested=stop,
         clock=lambda: now[0],
     )
-    sink.bind("c", 1)
     run_loop(loop)
     tp = TopicPartition("t", 0)
     # Batches at 0, 25, 50 s held; the one at 75 s makes the commit (due since 60 s): 40 rows.

@@ -296,14 +296,12 @@ def test_by_default_batches_are_buffered_into_one_snapshot_a_minute(home: Path) 
     send that finds it due, or by ``commit_held``); a batch sent again while buffered is
     buffered once; closing never commits."""
     from conveyor.core.sink import AcknowledgesAtCommit
-    from conveyor.sinks.iceberg import IcebergSink
 
     now = [0.0]
     c = {"type": "iceberg", "namespace": "lake", "table": unique("t")}  # the defaults
-    sink = IcebergSink(build_sink(c).config, clock=lambda: now[0])  # type: ignore[arg-type]
+    sink = started(c, "c", 1)
+    sink._clock = lambda: now[0]  # the buffer's clock
     assert isinstance(sink, AcknowledgesAtCommit) and sink.config.commit_interval_s == 60
-    sink.bind("c", 1)
-    sink.init_sink()
     for i in range(3):
         assert sink.send_batch(make_batch(10, start=10 * i)).failed == ()
         now[0] += 25
