@@ -881,5 +881,80 @@ def backfills(
     console.print(table)
 
 
+# -- lakehouse tables ------------------------------------------------------------------
+
+
+@main.command("maintain-table")
+@click.argument("name")
+@click.option(
+    "--retention-hours",
+    default=168,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Iceberg: expire snapshots older than this; Delta: vacuum files removed longer ago.",
+)
+@click.option("--compact/--no-compact", default=True, show_default=True, help="Compact first.")
+@click.option(
+    "--compact-min-files",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Iceberg: compact only a table holding more data files than this.",
+)
+@click.option(
+    "--compact-max-rows",
+    default=20_000_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Iceberg: skip compaction of a larger table (it is rewritten in memory).",
+)
+@click.option(
+    "--delete-files/--keep-files",
+    default=True,
+    show_default=True,
+    help="Iceberg: delete the files only expired snapshots referenced.",
+)
+@click.pass_context
+@handles_errors
+def maintain_table_command(
+    ctx: click.Context,
+    name: str,
+    retention_hours: int,
+    compact: bool,
+    compact_min_files: int,
+    compact_max_rows: int,
+    delete_files: bool,
+) -> None:
+    """Compact an Iceberg or Delta connector's table, then expire old snapshots / vacuum: the
+    Dagster job maintain_table__NAME, run in this process (safe beside the running connector)."""
+    from conveyor.config.specs import load_source, resolved
+    from conveyor.core.scrubbing import exception_text, scrub
+    from conveyor.dagster.jobs.maintenance import MaintenanceConfig, is_lakehouse, maintain_table
+
+    loaded = load_source(name, _ops(ctx).row(name).spec_source)
+    if not is_lakehouse(loaded):
+        why = loaded.error or f"its sink is {getattr(loaded.sink, 'type', '?')}"
+        raise ConveyorError(f"{name}: no table to maintain ({why}; only iceberg and delta)")
+    settings = MaintenanceConfig(
+        retention_hours=retention_hours,
+        compact=compact,
+        compact_min_files=compact_min_files,
+        compact_max_rows=compact_max_rows,
+        delete_files=delete_files,
+    )
+    live = resolved(loaded)  # secrets resolved here, never shown
+    assert live.sink is not None
+    try:
+        r = maintain_table(live.sink, settings)
+    except Exception as e:  # noqa: BLE001 - one line, never a secret the spec resolved
+        error = "; ".join(scrub(exception_text(e)).splitlines())
+        raise ConveyorError(f"{name}: table maintenance failed: {error}") from None
+    click.echo(
+        f"{name}: data files {r.files_before} -> {r.files_after}, {r.rows} rows, "
+        f"{'compacted' if r.compacted else 'not compacted'}, {r.snapshots_expired} snapshot(s) "
+        f"expired, {r.files_deleted} file(s) deleted"
+    )
+
+
 if __name__ == "__main__":
     main()

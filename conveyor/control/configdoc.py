@@ -255,6 +255,13 @@ def _cli_environment() -> list[tuple[str, str, str]]:
             "unset",
         ),
         (
+            "CONVEYOR_DEMO_LAKE",
+            "`1`: `conveyor dev` also installs the Delta Lake demo connector (`demo_orders_lake`, "
+            "the table `$CONVEYOR_HOME/lake/demo_orders`; needs the `lakehouse` extra) and its "
+            "downstream asset `orders_per_minute_lake`",
+            "unset",
+        ),
+        (
             "CONVEYOR_DEMO_START",
             "the first minute (Unix seconds) of the demo's downstream asset `orders_per_minute` "
             "(`conveyor/demo/downstream.py`); `conveyor dev` sets it to the minute it started in",
@@ -456,8 +463,31 @@ def sink_sections() -> list[str]:
                 f"### sink `{name}`\n\n> Not documented: this sink could not be imported ({_cell(reason)}).\n"
             )
             continue
+        nested = nested_models(cls, f"sink.{name}")
         out.append(f"### sink `{name}`\n\n{_cell(cls.__doc__ or '')}\n\n{model_table(cls)}\n")
+        for title, model in nested:
+            out.append(f"#### `{title}`\n\n{_cell(model.__doc__ or '')}\n\n{model_table(model)}\n")
     return out
+
+
+def nested_models(model: type[BaseModel], prefix: str) -> list[tuple[str, type[BaseModel]]]:
+    """The sub-models of ``model``'s fields (a mapping, or a list of them) that no section
+    documents yet, titled ``<prefix>.<field>`` (and registered so, for their type names)."""
+    out = []
+    for name, field in model.model_fields.items():
+        for inner in _models_in(field.annotation):
+            if _section_title(inner) is None:
+                title = f"{prefix}.{field.alias or name}"
+                _SECTION_OF[inner] = title
+                out.append((title, inner))
+    return out
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (through Optional, list, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in get_args(annotation) for m in _models_in(a)]
 
 
 def _source_sections() -> list[tuple[str, type[BaseModel]]]:

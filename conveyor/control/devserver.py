@@ -413,3 +413,6 @@ def _install_demo(connectors: Path) -> None:
         secret.write_text(url)
         text = files.joinpath("orders_postgres.yaml").read_text()
         pg.write_text(text.replace("url_env: CONVEYOR_DEMO_PG_URL", f"url: ${{file:{secret}}}"))
+    lake = connectors / "demo_orders_lake.yaml"
+    if os.environ.get("CONVEYOR_DEMO_LAKE") == "1" and not lake.exists():
+        lake.write_text(files.joinpath("orders_delta.yaml").read_text())

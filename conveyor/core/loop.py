@@ -57,6 +57,7 @@ from conveyor.core.model import (
     DESTINATION_COL,
     OFFSET_COL,
     PARTITION_COL,
+    TIMESTAMP_COL,
     TOPIC_COL,
     BatchPolicy,
     ConnectorStatus,
@@ -70,9 +71,15 @@ from conveyor.core.model import (
 )
 from conveyor.core.positions import PositionNote, given_up_counts
 from conveyor.core.routing import DestinationGate, DestinationRulesSpec
-from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
+from conveyor.core.sink import (
+    AcknowledgesAtCommit,
+    ErrorKind,
+    RowFailure,
+    SinkProtocol,
+    send_isolating,
+)
 from conveyor.core.stopping import Directive, LoopControl, Stopping
-from conveyor.core.watermarks import Watermark, WatermarkTracker
+from conveyor.core.watermarks import Watermark, WatermarkTracker, report_due
 
 log = logging.getLogger("conveyor.loop")
 
@@ -195,6 +202,9 @@ class LoopConfig:
     destinations: DestinationRulesSpec | None = None
     # The event-time watermark's rule (core/watermarks.py), reported with each progress.
     watermark: WatermarkSpec = field(default_factory=WatermarkSpec)
+    # Between progress reports, a watermark report when it is due (``report_due``), at most
+    # this often.
+    watermark_report_min_s: float = 1.0
 
 
 @dataclass
@@ -204,6 +214,8 @@ class Progress:
     final: bool = False
     # The watermark at this report, with the late event times since the previous report.
     watermark: Watermark | None = None
+    # A report made because the watermark moved (``report_due``), between progress reports.
+    watermark_only: bool = False
 
 
 class ConnectorLoop(LoopControl):
@@ -246,6 +258,8 @@ class ConnectorLoop(LoopControl):
         self.clock = clock
         self._init_control(config.name, stop_requested, sleep, counters, config.paused_poll_s)
         self.committed: Offsets = dict(committed)
+        # A sink that acknowledges at its own commit (None: at each send_batch).
+        self._buffering = sink if isinstance(sink, AcknowledgesAtCommit) else None
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._limiter = DeadLetterLimiter(config.failure.dead_letter)
@@ -256,6 +270,17 @@ class ConnectorLoop(LoopControl):
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._first_failure: dict[tuple[str, int, int], float] = {}
         self.watermarks = WatermarkTracker(config.watermark, self.clock())
+        self._reported_low: float | None = None  # the low watermark of the last report
+        self._last_watermark_report = 0.0
+        # A sink that acknowledges at its own commit (AcknowledgesAtCommit): the offsets and
+        # event-time rows of the batches it accepted and has not committed yet, in order.
+        self._held: Offsets = {}
+        self._held_rows: list[pa.Table] = []
+        # Reads that brought a batch, batches processed, and the latest read that found
+        # nothing: (its start, reads with a batch before it). The source was caught up then.
+        self._reads = 0
+        self._processed = 0
+        self._quiet: tuple[float, int] | None = None
         self._closed = False
         # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
         # heartbeats for a supervised loop, which then only queues its status changes.
@@ -296,31 +321,24 @@ class ConnectorLoop(LoopControl):
                 if self._pause_event.is_set():
                     self._paused()
                     continue
-                try:
-                    item = reader.next() if reader else _Ahead.of(self._read())
-                except OUTAGES as e:
-                    # A read failed (on the read-ahead thread, which then ended): read
-                    # again here under the retry policy, then read ahead again.
-                    if reader:
-                        reader.stop()
-                    item = _Ahead.of(
-                        self._with_outage_retry(
-                            "read", lambda: self.source.read(self.cfg.batch), failed_first=e
-                        )
-                    )
-                    reader = self._reader()
+                item, reader = self._next_item(reader)
                 self._note_positions(self._source_notes())
                 if item is None:
+                    # The source is quiet: a sink's buffer whose time has come is committed.
+                    self._commit_held(due_only=True)
                     self._heartbeat()
                     continue
                 self._process(item)
             if self._fenced is not None:
                 raise self._fenced
+            self._commit_held(due_only=False)  # a clean stop: what the sink holds goes in
             return self.counters
         except FencedError:
             self._acked = None  # never commit after losing the assignment
+            self._drop_held()
             raise
         except BaseException:
+            self._commit_held_once()
             self._commit_acknowledged(retry=False)
             raise
         finally:
@@ -349,6 +367,20 @@ class ConnectorLoop(LoopControl):
         if self.on_positions is not None:
             self.on_positions(notes)
 
+    def _next_item(self, reader: _Prefetcher | None) -> tuple[_Ahead | None, _Prefetcher | None]:
+        """The next batch (None: nothing came), and the read-ahead to go on with."""
+        try:
+            return (reader.next() if reader else _Ahead.of(self._read())), reader
+        except OUTAGES as e:
+            # A read failed (on the read-ahead thread, which then ended): read again here
+            # under the retry policy, then read ahead again.
+            if reader:
+                reader.stop()
+            item = _Ahead.of(
+                self._with_outage_retry("read", lambda: self._noted_read(), failed_first=e)
+            )
+            return item, self._reader()
+
     def _reader(self) -> _Prefetcher | None:
         if not self.cfg.prefetch:
             return None
@@ -360,11 +392,23 @@ class ConnectorLoop(LoopControl):
             self._pause_event,
             self.stages,
             depth=self.cfg.transform_depth,
+            read=self._noted_read,
         )
 
     def _read(self) -> SourceBatch | None:
         with self.stages.stage(Stage.READ):
-            return self.source.read(self.cfg.batch)
+            return self._noted_read()
+
+    def _noted_read(self) -> SourceBatch | None:
+        """One read of the source (on whichever thread reads), noting whether it found
+        nothing: the source was caught up when such a read began (``_quiet_at``)."""
+        started = self.clock()
+        batch = self.source.read(self.cfg.batch)
+        if batch is None:
+            self._quiet = (started, self._reads)
+        else:
+            self._reads += 1
+        return batch
 
     def fence(self, error: FencedError) -> None:
         """This run lost the connector (seen by a heartbeat on any thread): stop, commit nothing."""
@@ -390,7 +434,7 @@ class ConnectorLoop(LoopControl):
             # Positions moved without records (over transaction markers): nothing to send,
             # the offsets are committed so that the partition shows no lag.
             self._acked = sb.next_offsets
-            self._commit_acknowledged()
+            self._settle(None)
             self._heartbeat()
             return
         tr = item.transformed
@@ -495,16 +539,97 @@ class ConnectorLoop(LoopControl):
     def _batch_done(
         self, started: float, *, messages_out: int, delivered: pa.Table, **counts: int
     ) -> None:
-        """A batch is over and ``_acked`` holds what it acknowledged: commit it; the outage
-        (if any) is over; the watermark moves with the ``delivered`` rows' event times; the
-        batch's latency and rate are recorded and its counts added."""
-        self._commit_acknowledged()
+        """A batch is over and ``_acked`` holds what it acknowledged: commit it and move the
+        watermark with the ``delivered`` rows' event times (``_settle``); the outage (if any)
+        is over; the batch's latency and rate are recorded and its counts added."""
+        self._settle(delivered)
         self._outage.recovered()
         now = self.clock()
-        self.watermarks.observe(delivered, now, self._partition_lags())
         self._latencies.append(now - started)
         self._rate_window.append((now, messages_out))
         self._count(messages_out=messages_out, batches=1, **counts)
+
+    # -- batches a sink holds until its own commit (AcknowledgesAtCommit) -------------------
+
+    def _settle(self, delivered: pa.Table | None) -> None:
+        """A batch is over and ``_acked`` holds its offsets: they are committed, and the
+        watermark moves with its ``delivered`` rows, together with the batches held before
+        it; unless the sink still holds rows it has not committed: then this batch is held
+        too, until the sink's commit (the contract in ``core/sink.py``)."""
+        self._processed += 1
+        if delivered is not None and delivered.num_rows:
+            self._held_rows.append(self._event_rows(delivered))
+        if self._acked is not None:
+            self._held.update(self._acked)
+            self._acked = None
+        if not self._sink_uncommitted():
+            self._release_held()
+
+    def _release_held(self, retry: bool = True) -> None:
+        """The sink has nothing uncommitted: commit the held offsets, move the watermark
+        (judging lateness by the watermark as it stood with these rows still held)."""
+        lags = self._partition_lags()
+        if self._held:
+            self._acked, self._held = self._held, {}
+        rows, self._held_rows = self._held_rows, []
+        self._commit_acknowledged(retry=retry)
+        if rows:
+            table = (
+                rows[0] if len(rows) == 1 else pa.concat_tables(rows, promote_options="permissive")
+            )
+            self.watermarks.observe(table, self.clock(), lags)
+
+    def _commit_held(self, *, due_only: bool) -> None:
+        """Commit what the sink holds (``due_only``: once its interval or size is reached),
+        with outage retries, then acknowledge the batches held for it."""
+        if not self._held and not self._held_rows:
+            return
+        if self._buffering is not None and self._buffering.uncommitted_rows():
+            if due_only and not self._buffering.commit_due():
+                return
+            self._with_outage_retry("commit held", self._buffering.commit_held)
+        if not self._sink_uncommitted():
+            self._release_held()
+
+    def _commit_held_once(self) -> None:
+        """On the way out after an error or an interrupt (not a fence): the sink's buffer
+        committed once, no retry, then what was held and acknowledged is committed. A buffer
+        that cannot be committed is dropped: its offsets never moved, it is read again."""
+        if self._acked is not None:
+            self._held.update(self._acked)
+            self._acked = None
+        try:
+            if self._buffering is not None and self._buffering.uncommitted_rows():
+                with self.stages.stage(Stage.SEND):
+                    self._buffering.commit_held()
+        except Exception as e:  # noqa: BLE001 - the error that ends the loop is the one raised
+            log.warning(
+                "%s: the sink's buffer was not committed on the way out: %s", self.cfg.name, e
+            )
+            self._drop_held()
+            return
+        self._release_held(retry=False)
+
+    def _drop_held(self) -> None:
+        self._held, self._held_rows = {}, []
+
+    def _sink_uncommitted(self) -> int:
+        """Rows the sink accepted and has not committed (0 for a sink that acknowledges each
+        ``send_batch``)."""
+        return self._buffering.uncommitted_rows() if self._buffering is not None else 0
+
+    def _event_rows(self, rows: pa.Table) -> pa.Table:
+        """What the watermark reads of delivered rows (kept while they are held)."""
+        keep = [TOPIC_COL, PARTITION_COL, self.cfg.watermark.column or TIMESTAMP_COL]
+        return rows.select(keep) if set(keep) <= set(rows.schema.names) else rows
+
+    def _quiet_at(self) -> float | None:
+        """When the source was last seen caught up (a read that found nothing began), if
+        every batch read before then is committed (none in flight, none held); else None."""
+        if self._quiet is None or self._held or self._held_rows:
+            return None
+        at, reads_before = self._quiet
+        return at if self._processed >= reads_before else None
 
     def _delivered_rows(self, source: pa.Table, out: pa.Table, cut: int | None = None) -> pa.Table:
         """The rows whose event times a committed batch delivered: the source rows (the record
@@ -520,15 +645,47 @@ class ConnectorLoop(LoopControl):
         """Per partition (``topic[partition]``) the last fetch reported: messages behind its
         high watermark, None when nothing was committed there yet."""
         committed = {str(tp): off for tp, off in self.committed.items()}
-        return {
+        lags: dict[str, int | None] = {
             name: (max(0, hw - committed[name]) if name in committed else None)
             for name, hw in (self.counters.highwaters or {}).items()
         }
+        for tp in self._held:  # rows a sink holds uncommitted: not caught up
+            lags[str(tp)] = max(lags.get(str(tp)) or 0, 1)
+        return lags
 
-    def _watermark(self) -> Watermark:
-        """The watermark now, for a progress report: the late ranges are reported once."""
-        wm = self.watermarks.current(self.clock(), self._partition_lags())
+    def _watermark(self, now: float | None = None) -> Watermark:
+        """The watermark now (late ranges included; ``take_late`` once reported)."""
+        at = self.clock() if now is None else now
+        return self.watermarks.current(at, self._partition_lags(), self._quiet_at())
+
+    def _report(self, now: float) -> None:
+        """A progress report every ``progress_interval_s``; between them a watermark report
+        when one is due (``report_due``), at most every ``watermark_report_min_s``."""
+        assert self.on_progress is not None
+        last = self._last_progress
+        if last is None or now - last >= self.cfg.progress_interval_s:
+            self._last_progress = now
+            wm = self._reported(self._watermark(now))
+            self.on_progress(Progress(self.counters, dict(self.committed), watermark=wm))
+            return
+        if now - self._last_watermark_report < self.cfg.watermark_report_min_s:
+            return
+        wm = self._watermark(now)
+        if report_due(self._reported_low, wm):
+            self._last_watermark_report = now
+            self.on_progress(
+                Progress(
+                    self.counters,
+                    dict(self.committed),
+                    watermark=self._reported(wm),
+                    watermark_only=True,
+                )
+            )
+
+    def _reported(self, wm: Watermark) -> Watermark:
+        """``wm`` as it goes out: its late ranges are taken (reported once)."""
         self.watermarks.take_late()
+        self._reported_low = wm.low
         return wm
 
     def _screen_destinations(self, source: pa.Table, tr: Transformed) -> Transformed:
@@ -742,13 +899,8 @@ class ConnectorLoop(LoopControl):
                 self.beat_requested.set()  # a status change: the supervisor beats at once
         else:
             self.beat()
-        if self.on_progress and (
-            self._last_progress is None or now - self._last_progress >= self.cfg.progress_interval_s
-        ):
-            self._last_progress = now
-            self.on_progress(
-                Progress(self.counters, dict(self.committed), watermark=self._watermark())
-            )
+        if self.on_progress:
+            self._report(now)
 
     def beat(self, override: ConnectorStatus | None = None) -> None:
         """Heartbeat once (any thread): each queued status change in order, else the current
@@ -813,7 +965,7 @@ class ConnectorLoop(LoopControl):
                             self.counters,
                             dict(self.committed),
                             final=True,
-                            watermark=self._watermark(),
+                            watermark=self._reported(self._watermark()),
                         )
                     )
                 except Exception:  # noqa: BLE001 - never hides the error that ended the loop
@@ -867,10 +1019,13 @@ class _Prefetcher:
         paused: threading.Event | None = None,
         stages: StageClock | None = None,
         depth: int = 1,
+        read: Callable[[], SourceBatch | None] | None = None,
     ):
         self._stages = stages or StageClock(time.monotonic)
         self._source = source
         self._policy = policy
+        # One read (the loop's, which notes quiet reads); default the source's own.
+        self._read_once = read or (lambda: source.read(policy))
         self._transform = transform
         self._paused = paused or threading.Event()  # set: no new read starts
         self._stop = threading.Event()
@@ -912,7 +1067,7 @@ class _Prefetcher:
                 continue
             try:
                 with self._stages.stage(Stage.READ):
-                    batch = self._source.read(self._policy)
+                    batch = self._read_once()
                 item: tuple[str, Any] = ("batch", _Ahead.of(batch))
             except BaseException as e:  # handed to the consumer thread
                 item = ("error", e)

@@ -688,15 +688,19 @@ class WatermarkSpec(_Spec):
         default=0.0,
         ge=0,
         le=30 * 86_400,
-        description="Seconds the low watermark stays behind the oldest partition's newest event "
-        "time, for events that arrive out of order.",
+        description="The one lateness: how long after its event time an event may arrive and still "
+        "be on time. The watermark stays this far behind the oldest partition's newest event time "
+        "(and, all partitions idle, behind the moment the source was last seen caught up); an event "
+        "below it is late (reported: landed_through runs its partition again). Cover out-of-order "
+        "events and producers' clock skew with it.",
     )
     idle_after_s: float = Field(
         default=60.0,
         gt=0,
         le=30 * 86_400,
         description="A partition with no lag that delivered nothing for this long is idle: it no "
-        "longer holds the watermark back.",
+        "longer holds the watermark back. All partitions idle means complete: the watermark follows "
+        "the clock (minus allowed_lateness_s), so the minute a stream stopped in runs too.",
     )
 
 

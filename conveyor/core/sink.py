@@ -48,6 +48,22 @@ Contract of ``send_batch(batch) -> SendResult``:
 - ``send_batch`` may block for as long as the target takes, bounded by the sink's
   own timeouts.
 
+A sink that **acknowledges at its own commit** (:class:`AcknowledgesAtCommit`: the lakehouse
+sinks, which buffer batches into one table commit per interval or size) changes one word of
+the above: returning from ``send_batch`` means the rows not listed as failed are *accepted*
+(checked and buffered), not yet durable. The runtime then asks ``uncommitted_rows()`` after
+each batch: while it is above zero, that batch's offsets and event times are *held* by the
+runtime (never committed to the meta store, never in the watermark); once it is zero (a
+``send_batch`` made the sink's commit: the buffer and that batch in one), every held batch is
+acknowledged at once, in order. While the source is quiet the runtime calls ``commit_held()``
+when ``commit_due()`` says so, and once more when it stops (a clean stop, an error, an
+interrupt; never after losing its assignment: a fenced run commits nothing). A failed commit
+raises as ``send_batch`` would and keeps the buffer; a batch sent again while buffered
+(after such a failure) is buffered once. ``cleanup_sink`` never commits: rows still held are
+dropped, and as their offsets were never committed they are read again by the next run.
+Other callers of a sink (replays, backfills) call :func:`commit_held` before they count rows
+as delivered.
+
 Every sink maps its client's exceptions to one :class:`ErrorKind` (its ``classify_*``
 function) and turns a kind into the error to raise with :func:`sink_error`: one path
 from a client exception to what the loop does.
@@ -165,6 +181,29 @@ class OffsetsInTarget(Protocol):
         replace: bool = False,
     ) -> None: ...
     def retire_target_offsets(self, connector: str) -> str | None: ...
+
+
+@runtime_checkable
+class AcknowledgesAtCommit(Protocol):
+    """A sink whose ``send_batch`` accepts rows into a buffer and acknowledges them only at its
+    own commit (the module docstring says what the runtime does with it).
+
+    ``uncommitted_rows()``: rows accepted and not yet committed (0: everything accepted so far
+    is durable in the target). ``commit_due()``: the buffer's interval or size is reached (the
+    runtime asks while the source is quiet; ``send_batch`` checks it itself). ``commit_held()``:
+    commit the buffer now (nothing to do when empty); raises like ``send_batch``, and a commit
+    that failed keeps the buffer for the next attempt."""
+
+    def uncommitted_rows(self) -> int: ...
+    def commit_due(self) -> bool: ...
+    def commit_held(self) -> None: ...
+
+
+def commit_held(sink: object) -> None:
+    """Commit what a sink that acknowledges at its own commit holds (nothing for other sinks):
+    what a caller does before it counts the rows it sent as delivered."""
+    if isinstance(sink, AcknowledgesAtCommit):
+        sink.commit_held()
 
 
 def task_writer(connector: str, task_id: int) -> str:

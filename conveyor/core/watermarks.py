@@ -1,17 +1,29 @@
 """Event-time watermarks: how far a connector's sink is complete, per partition and as a whole.
 
-The rule (it mirrors Flink's watermarks with idleness):
+The rule (Flink's watermarks with idleness; the idle case is Beam's KafkaIO
+``CustomTimestampPolicyWithLimitedDelay``):
 
 - per (topic, partition), the **high mark** is the greatest event time delivered and
   committed: the record timestamp ``__timestamp``, or the transform output column named by
-  ``watermark.column``. It only moves forward, and only once a batch is committed;
+  ``watermark.column``. It only moves forward, and only once a batch is committed (for a sink
+  that acknowledges at its own commit, a lakehouse table: once that commit is made);
 - a partition is **idle** when it is caught up (no lag; when its lag is unknown, this part is
   not asked) and has delivered nothing for ``watermark.idle_after_s``. An idle partition does
   not hold the watermark back; it is active again as soon as it delivers;
+- ``watermark.allowed_lateness_s`` is the one lateness: how long after its event time an
+  event may arrive and still count as on time. The watermark always stays that far behind
+  what is known;
 - the connector's **low watermark** is the smallest high mark of the active partitions, minus
-  ``watermark.allowed_lateness_s``. When every partition is idle it is the greatest high mark
-  (everything in the log was delivered; Flink's valve does the same). An active partition that
-  has delivered nothing yet (a backlog not reached, a new partition) leaves it unknown;
+  the lateness. An active partition that has delivered nothing yet (a backlog not reached, a
+  new partition) holds it where it is;
+- **idle means complete**: when every partition is idle, everything the log held when the
+  source was last seen caught up (``quiet_at``: the start of the latest read that found
+  nothing) has been delivered, so the low watermark is that moment (or the greatest high mark,
+  if later) minus the lateness: an event still to come arrives after it, and if its time is
+  further behind than the lateness it is late by definition. Without a quiet read it is the
+  greatest high mark minus the lateness. So a stream that stops completes its last minute;
+- the low watermark never goes back within a run (a partition turning active again with older
+  events makes those events late, it does not undo what was reported);
 - **lag in time** is ``now - low watermark``;
 - an event is **late** when its time is below the low watermark as it stood before its batch
   was committed. While the watermark is unknown (a new run rebuilds it from the batches it
@@ -20,12 +32,17 @@ The rule (it mirrors Flink's watermarks with idleness):
   partitions it already ran). Late event times are kept as ranges, per partition and batch,
   until reported.
 
+A report is worth making (:func:`report_due`) when late ranges wait, or when the low
+watermark became known or crossed a whole minute (every Dagster time partition ends on one):
+the loop reports then, at most once a second, besides its periodic progress.
+
 Times are Unix seconds (floats). Computed per committed batch with Arrow (grouped by
 partition), never per row. Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -43,6 +60,8 @@ from conveyor.core.model import (
 
 # Late ranges kept between two reports; beyond it the closest ones are merged.
 MAX_LATE_RANGES = 64
+# Every Dagster time partition ends on a whole minute: a report when the watermark crosses one.
+REPORT_GRID_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -65,20 +84,29 @@ class _Partition:
 
 @dataclass
 class WatermarkTracker:
-    """The high marks of one run, fed with each committed batch (see the module's rule)."""
+    """The high marks of one run, fed with each committed batch (see the module's rule).
+    ``floor``: the greatest low watermark computed so far (it never goes back)."""
 
     rule: WatermarkSpec
     started: float
     partitions: dict[str, _Partition] = field(default_factory=dict)
     late: list[tuple[float, float]] = field(default_factory=list)
+    floor: float | None = None
 
-    def observe(self, rows: pa.Table, now: float, lags: Mapping[str, int | None]) -> None:
+    def observe(
+        self,
+        rows: pa.Table,
+        now: float,
+        lags: Mapping[str, int | None],
+        quiet_at: float | None = None,
+    ) -> None:
         """A committed batch's delivered rows (with ``__topic``, ``__partition`` and the event
         time column): move the high marks, record late ranges. ``lags``: per partition
-        (``topic[partition]``), messages behind its high watermark, None when unknown."""
+        (``topic[partition]``), messages behind its high watermark, None when unknown;
+        ``quiet_at``: when the source last found nothing to read (None: not yet)."""
         if rows.num_rows == 0:
             return
-        before = self.current(now, lags).low
+        before = self.current(now, lags, quiet_at).low
         times = event_seconds(rows, self.rule.column)
         keyed = pa.table(
             {
@@ -108,8 +136,11 @@ class WatermarkTracker:
             )
             self.late = merge_ranges(self.late, MAX_LATE_RANGES)
 
-    def current(self, now: float, lags: Mapping[str, int | None]) -> Watermark:
-        """The watermark now; ``lags`` also names partitions that delivered nothing yet."""
+    def current(
+        self, now: float, lags: Mapping[str, int | None], quiet_at: float | None = None
+    ) -> Watermark:
+        """The watermark now; ``lags`` also names partitions that delivered nothing yet;
+        ``quiet_at`` as for :meth:`observe`."""
         for name in lags:
             self.partitions.setdefault(name, _Partition(last_delivered=self.started))
         idle = tuple(
@@ -120,7 +151,10 @@ class WatermarkTracker:
             )
         )
         highs = {n: m.high for n, m in self.partitions.items() if m.high is not None}
-        low = low_watermark(self.partitions, idle, self.rule.allowed_lateness_s)
+        low = low_watermark(self.partitions, idle, self.rule.allowed_lateness_s, quiet_at)
+        if low is None or (self.floor is not None and low < self.floor):
+            low = self.floor
+        self.floor = low
         return Watermark(
             low=low,
             by_partition=dict(sorted(highs.items())),
@@ -136,22 +170,37 @@ class WatermarkTracker:
 
 
 def low_watermark(
-    partitions: Mapping[str, _Partition], idle: tuple[str, ...], allowed_lateness_s: float
+    partitions: Mapping[str, _Partition],
+    idle: tuple[str, ...],
+    allowed_lateness_s: float,
+    quiet_at: float | None = None,
 ) -> float | None:
-    """The rule's low watermark over ``partitions`` (see the module docstring)."""
+    """The rule's low watermark over ``partitions`` before the floor (module docstring)."""
     if not partitions:
         return None
     active = [m.high for n, m in partitions.items() if n not in idle]
     if active:
         if any(h is None for h in active):
             return None
-        low = min(h for h in active if h is not None)
-    else:
-        highs = [m.high for m in partitions.values() if m.high is not None]
-        if not highs:
-            return None
-        low = max(highs)
-    return low - allowed_lateness_s
+        return min(h for h in active if h is not None) - allowed_lateness_s
+    # Idle means complete: through the moment the source was last seen caught up.
+    known = [m.high for m in partitions.values() if m.high is not None]
+    if quiet_at is not None:
+        known.append(quiet_at)
+    return max(known) - allowed_lateness_s if known else None
+
+
+def report_due(reported: float | None, wm: Watermark) -> bool:
+    """Whether ``wm`` is worth a report now, the last report having said ``reported`` (the low
+    watermark then): late ranges wait, or the low watermark became known or crossed a whole
+    minute (``REPORT_GRID_S``), where a time partition may end."""
+    if wm.late:
+        return True
+    if wm.low is None:
+        return False
+    if reported is None:
+        return True
+    return math.floor(wm.low / REPORT_GRID_S) > math.floor(reported / REPORT_GRID_S)
 
 
 def event_seconds(rows: pa.Table, column: str | None) -> pa.Array:

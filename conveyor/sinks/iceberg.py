@@ -65,7 +65,9 @@ class IcebergCatalogSpec(BaseModel):
     )
     name: str = Field(
         default="conveyor",
-        description="The catalog's name (the SQL catalog's rows are keyed by it).",
+        description="The catalog's name. A SQL catalog keeps the tables of each name apart (its rows "
+        "are keyed by it): a reader sees them under the same name (pyiceberg's load_catalog(name, "
+        "uri=..., warehouse=...), Spark's spark.sql.catalog.<name>).",
     )
     token: SecretStr | None = Field(
         default=None, description="rest: a bearer token for the catalog (secret)."

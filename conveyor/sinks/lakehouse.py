@@ -2,6 +2,16 @@
 commits, buffering to a commit interval or a file size, the warehouse path rule and the rows a
 table commit holds.
 
+Cadence: batches are buffered in memory and committed as one table commit once
+``commit_interval_s`` (default 60 s) has passed since the first buffered batch, or the buffer
+holds ``target_file_size_mb`` MiB of Arrow data; one commit writes one data file per table
+partition (more only past the target file size), so the defaults make a file a minute per
+partition instead of one per batch. The sinks acknowledge at that commit
+(``core.sink.AcknowledgesAtCommit``): the loop holds the buffered batches' offsets and event
+times until it is made, so the meta store never gets ahead of the table and the watermark
+never claims a row the table does not hold. ``commit_interval_s: 0`` commits every batch
+before ``send_batch`` returns.
+
 Every table commit of a sink carries a ``CommitMark`` in its properties (Iceberg: the snapshot
 summary; Delta: the commit info's custom metadata): ``conveyor.connector`` (the writer id,
 ``<writer>@<incarnation>``, ``core/positions.py``), ``conveyor.generation``,
@@ -60,14 +70,18 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 # -- config shared by both sinks -----------------------------------------------------------------
 
+DEFAULT_COMMIT_INTERVAL_S = 60.0
+
 CommitIntervalS = Annotated[
     float,
     Field(
-        default=0.0,
+        default=DEFAULT_COMMIT_INTERVAL_S,
         ge=0,
-        description="Seconds to buffer batches in memory before one table commit (fewer, larger files). "
-        "0: one commit per batch, acknowledged when committed. Above 0 a batch is acknowledged when "
-        "buffered: exactly once then needs the table's offsets to win on start (docs/sinks/iceberg.md).",
+        le=86_400,
+        description="Seconds to buffer batches in memory before one table commit: at most one data file per "
+        "table partition per interval (Kafka Connect's Iceberg sink: 300). The offsets reach the meta store and "
+        "the watermark moves only at that commit, so this is also how far behind the table (and the "
+        "downstream runs) may be. 0: one commit per batch (small files; run the maintenance job).",
     ),
 ]
 TargetFileSizeMb = Annotated[
@@ -75,8 +89,9 @@ TargetFileSizeMb = Annotated[
     Field(
         default=128,
         ge=1,
-        description="Commit the buffer once it holds this many MiB of Arrow data (with commit_interval_s), "
-        "and the writer's target data file size.",
+        le=4096,
+        description="Commit the buffer early once it holds this many MiB of Arrow data; also the writer's "
+        "target data file size (Iceberg's write.target-file-size-bytes, delta-rs's target_file_size).",
     ),
 ]
 AutoEvolveTable = Annotated[
@@ -108,7 +123,7 @@ MessageColumnsFlag = Annotated[
 class LakehouseSinkConfig(SinkConfig):
     """The fields both lakehouse sinks share (their rules are ``lakehouse_rules``)."""
 
-    commit_interval_s: CommitIntervalS = 0.0
+    commit_interval_s: CommitIntervalS = DEFAULT_COMMIT_INTERVAL_S
     target_file_size_mb: TargetFileSizeMb = 128
     auto_evolve: AutoEvolveTable = False
     upsert_keys: UpsertKeys
@@ -294,7 +309,8 @@ class CommitInfo:
 
 
 class LakehouseSink(Sink):
-    """Buffers batches and commits them to a table, each commit carrying its ``CommitMark``.
+    """Buffers batches and commits them to a table, each commit carrying its ``CommitMark``;
+    acknowledges at that commit (``core.sink.AcknowledgesAtCommit``).
 
     A subclass reads the table's marks (``_latest_mark``) and writes one commit
     (``_write``); ``_mapped`` turns its client's exceptions into sink errors.
@@ -310,6 +326,7 @@ class LakehouseSink(Sink):
         self._pending: list[pa.Table] = []
         self._pending_bytes = 0
         self._pending_since = 0.0
+        self._pending_offsets: Offsets = {}  # next offset per partition of what is buffered
 
     def bind(self, binding: TargetBinding) -> None:
         """The writer id and generation this sink writes for (before ``init_sink``): its
@@ -366,17 +383,26 @@ class LakehouseSink(Sink):
         )
 
     def send_batch(self, batch: pa.Table) -> SendResult:
+        """Buffer the batch's writable rows (a row already buffered, by its offset, is not
+        buffered again); commit the buffer when due. A failed commit raises and keeps it."""
         failed, rows = writable_rows(batch, self.fail_fast)
+        rows = unseen_rows(rows, self._pending_offsets)
         if rows.num_rows:
             if not self._pending:
                 self._pending_since = self._clock()
             self._pending.append(rows)
             self._pending_bytes += rows.nbytes
-        if self._due():
-            self.flush()
+            self._pending_offsets.update(batch_offsets(rows))
+        if self.commit_due():
+            self.commit_held()
         return SendResult(rows=batch.num_rows, failed=tuple(failed))
 
-    def _due(self) -> bool:
+    def uncommitted_rows(self) -> int:
+        """Rows buffered and not yet in a table commit."""
+        return sum(t.num_rows for t in self._pending)
+
+    def commit_due(self) -> bool:
+        """The buffer's interval has passed, or it holds the target file size."""
         if not self._pending:
             return False
         if self.config.commit_interval_s <= 0:
@@ -384,15 +410,19 @@ class LakehouseSink(Sink):
         full = self._pending_bytes >= self.config.target_file_size_mb << 20
         return full or self._clock() - self._pending_since >= self.config.commit_interval_s
 
-    def flush(self) -> None:
+    def commit_held(self) -> None:
         """Commit what is buffered (one table commit); a failed commit keeps the buffer."""
         if not self._pending:
             return
         table = pa.concat_tables(self._pending, promote_options="permissive")
         with self._mapped():
             self._commit(table)
+        self._drop_buffer()
+
+    def _drop_buffer(self) -> None:
         self._pending.clear()
         self._pending_bytes = 0
+        self._pending_offsets = {}
 
     def _commit(self, table: pa.Table) -> None:
         mark = self._latest_mark()
@@ -412,18 +442,15 @@ class LakehouseSink(Sink):
         self._write(fresh, CommitMark(self.connector, self.generation, offsets, log_ids))
 
     def cleanup_sink(self) -> None:
-        """Commit what is buffered (best effort), then release the table."""
-        try:
-            self.flush()
-        except Exception as e:  # noqa: BLE001 - the table's offsets win on start: re-read
-            log.warning(
-                "%s: %d buffered rows not committed on close: %s",
+        """Release the table. Never commits: rows still buffered were not acknowledged (the
+        runtime commits what it means to with ``commit_held``); they are read again."""
+        if self._pending:
+            log.info(
+                "%s: %d buffered rows dropped on close, not committed (read again on start)",
                 self.describe(),
-                sum(t.num_rows for t in self._pending),
-                e,
+                self.uncommitted_rows(),
             )
-        self._pending.clear()
-        self._pending_bytes = 0
+        self._drop_buffer()
         self._close()
 
     @abc.abstractmethod

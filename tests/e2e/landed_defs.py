@@ -4,7 +4,8 @@ connector's sink table, run by ``landed_through`` as the connector's watermark p
 
 Configured by the environment the test gives ``dagster dev``: ``E2E_LANDED_SINK_KEY`` (the
 sink asset key, JSON), ``E2E_LANDED_PG_URL``, ``E2E_LANDED_SCHEMA``, ``E2E_LANDED_START``
-(the first minute, Unix seconds).
+(the partitions definition's first minute, Unix seconds), ``E2E_LANDED_DECLARED_START``
+(``1``: the sensor begins there; else at the first watermark it sees, the default).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dagster import (
     Definitions,
     TimeWindowPartitionsDefinition,
     asset,
+    in_process_executor,
 )
 
 from conveyor.dagster.landed import landed_through
@@ -56,7 +58,14 @@ def orders_per_minute(context) -> None:  # bare: dagster reads an annotation at 
     context.log.info(f"{context.partition_key}: {n} orders")
 
 
+DECLARED = os.environ.get("E2E_LANDED_DECLARED_START") == "1"
+
 defs = Definitions(
     assets=[orders_per_minute],
-    sensors=[landed_through(SINK, MINUTES, target=orders_per_minute, minimum_interval_seconds=5)],
+    sensors=[
+        landed_through(
+            SINK, MINUTES, target=orders_per_minute, start=MINUTES.start if DECLARED else None
+        )
+    ],
+    executor=in_process_executor,
 )

@@ -32,8 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SENSOR = "landed_through__postgres__{schema}__orders"
-# A progress report (the sink materialization carrying the watermark) comes at most once a
-# minute; then a sensor tick (5 s) and a run launched by the daemon.
+# A watermark report (an observation of the sink asset) comes as soon as the watermark crosses
+# a minute, a progress report (a materialization) once a minute; then a sensor tick (5 s) and
+# a run launched by the daemon.
 REPORT_S = 60.0 + SETTLE_S
 
 
@@ -91,27 +92,32 @@ def sensor_cursor(stack: DevStack, name: str) -> dict[str, Any]:
 
 
 def late_reports(stack: DevStack, key: list[str]) -> list[list[str]]:
-    """Every late event-time range the sink's recent materializations reported."""
+    """Every late event-time range the sink's recent reports (materializations and watermark
+    observations) carried."""
     from dagster import AssetKey
 
+    from conveyor.dagster.assets.checks import watermark_events
+
     with stack.instance() as instance:
-        records = instance.fetch_materializations(AssetKey(key), limit=20).records
+        events = watermark_events(instance, AssetKey(key), limit=50, ascending=False)
     out: list[list[str]] = []
-    for r in records:
-        entry = r.asset_materialization.metadata.get("late_event_times")
+    for e in events:
+        entry = e.metadata.get("late_event_times")
         out += entry.value if entry is not None else []
     return out
 
 
 def latest_sink_materialization(stack: DevStack, key: list[str]) -> tuple[int, dict[str, Any]]:
+    """The newest report carrying a watermark (a materialization or an observation)."""
     from dagster import AssetKey
 
+    from conveyor.dagster.assets.checks import watermark_events
+
     with stack.instance() as instance:
-        records = instance.fetch_materializations(AssetKey(key), limit=1).records
-        if not records:
-            return 0, {}
-        m = records[0].asset_materialization
-        return records[0].storage_id, {k: v.value for k, v in m.metadata.items()}
+        for e in watermark_events(instance, AssetKey(key), limit=50, ascending=False):
+            if "watermark_ts" in e.metadata:
+                return e.storage_id, {k: v.value for k, v in e.metadata.items()}
+    return 0, {}
 
 
 def test_a_minute_partitioned_asset_runs_once_per_minute_as_the_watermark_passes(
@@ -137,6 +143,10 @@ def test_a_minute_partitioned_asset_runs_once_per_minute_as_the_watermark_passes
             "table": "orders",
             "create_table": True,
         },
+        # Its events are ten minutes old: quiet partitions would be complete through now (idle
+        # means complete), and the minute half landed would run before its other half, late.
+        # This test is about the event-time rule while the stream is live: never idle here.
+        "watermark": {"idle_after_s": 3600},
     }
     sink_key = ["postgres", pg_schema, "orders"]
     # Wave 1: minute 0 whole (20 orders), minute 1's first half (10): only minute 0 is complete.
@@ -147,6 +157,7 @@ def test_a_minute_partitioned_asset_runs_once_per_minute_as_the_watermark_passes
         "E2E_LANDED_PG_URL": pg_url,
         "E2E_LANDED_SCHEMA": pg_schema,
         "E2E_LANDED_START": str(m0),
+        "E2E_LANDED_DECLARED_START": "1",  # its events are ten minutes old: begin at minute 0
     }
     with dagster_dev_workspace(
         tansu,

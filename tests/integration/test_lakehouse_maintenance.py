@@ -18,6 +18,7 @@ from dagster import DagsterInstance
 
 from conveyor.config.specs import load_file
 from conveyor.core.positions import TargetBinding
+from conveyor.core.sink import commit_held
 from conveyor.dagster.jobs.maintenance import (
     MaintenanceConfig,
     is_lakehouse,
@@ -51,13 +52,14 @@ def started(sink_cfg: dict[str, Any], connector: str, generation: int = 1) -> An
 
 
 def write_batches(sink_cfg: dict[str, Any], connector: str, batches: int, start: int = 0) -> None:
-    """``batches`` commits of ``ROWS`` rows each (commit_interval_s 0: one commit a batch),
-    over 2 partitions of topic ``orders``."""
+    """``batches`` commits of ``ROWS`` rows each (each batch committed as the loop would,
+    ``commit_held``), over 2 partitions of topic ``orders``."""
     sink = started(sink_cfg, connector)
     try:
         for b in range(start, start + batches):
             batch = make_batch(ROWS, start=b * ROWS, partition=b % 2)
             assert sink.send_batch(batch).failed == ()
+            commit_held(sink)
     finally:
         sink.cleanup_sink()
 
@@ -171,6 +173,33 @@ def test_iceberg_compaction_and_expiry_keep_the_rows_and_the_offsets(home: Path)
     write_batches(cfg, name, 1, start=BATCHES)
     assert len(iceberg_rows(cfg)) == len(rows) + ROWS
     assert target_offsets(cfg, name) != offsets
+
+
+def test_iceberg_compaction_marks_only_its_append_snapshot(home: Path) -> None:
+    """pyiceberg's overwrite is two snapshots: a delete (no rows) and an append (the rows).
+    Only the append carries the connector's offsets; the delete is marked as maintenance."""
+    from conveyor.dagster.jobs.maintenance import COMPACTION_PROP
+    from conveyor.sinks.lakehouse import CommitMark
+
+    cfg, name = iceberg_cfg(), f"ice_{uuid.uuid4().hex[:6]}"
+    write_batches(cfg, name, 5)
+    offsets = target_offsets(cfg, name)
+    sink = build_sink(cfg)
+    try:
+        result = maintain_table(sink.config, MaintenanceConfig(compact_min_files=2))
+    finally:
+        sink.cleanup_sink()
+    assert result.compacted and result.snapshots_expired == 0
+    table = iceberg_table(cfg)
+    append = table.current_snapshot()
+    delete = table.snapshot_by_id(append.parent_snapshot_id)
+    props = [s.summary.additional_properties for s in (delete, append)]
+    assert [p.get(COMPACTION_PROP) for p in props] == ["compaction", "compaction"]
+    assert [s.summary.operation.value for s in (delete, append)] == ["delete", "append"]
+    assert CommitMark.of(props[0]) is None
+    mark = CommitMark.of(props[1])
+    assert mark is not None and mark.connector == name and mark.offsets == offsets
+    assert target_offsets(cfg, name) == offsets
 
 
 def test_iceberg_expiry_keeps_every_connectors_newest_mark(home: Path) -> None:

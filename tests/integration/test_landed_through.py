@@ -1,17 +1,20 @@
 """``landed_through`` and the ``complete_through`` check on a real Dagster instance: the sink
-asset's materializations carry the metadata the connector's progress reports write
+asset's materializations and observations carry the metadata the connector's reports write
 (``jobs.progress.watermark_metadata``), and the sensor is evaluated tick by tick."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from dagster import (
     AssetCheckKey,
     AssetKey,
     AssetMaterialization,
+    AssetObservation,
     AssetSelection,
     AssetSpec,
     DagsterInstance,
@@ -64,22 +67,23 @@ def report(
     *,
     late: tuple[tuple[float, float], ...] = (),
     connector: str = "orders_pg",
+    observation: bool = False,
 ) -> None:
-    """A sink materialization as the connector's progress report writes it."""
+    """A sink materialization as the connector's progress report writes it (``observation``:
+    the observation its watermark report writes between them)."""
     wm = Watermark(low=low, by_partition={"orders[0]": low} if low else {}, late=late)
+    kind = AssetObservation if observation else AssetMaterialization
     instance.report_runless_asset_event(
-        AssetMaterialization(
-            asset_key=SINK, metadata=watermark_metadata(wm), tags={TAG_CONNECTOR: connector}
-        )
+        kind(asset_key=SINK, metadata=watermark_metadata(wm), tags={TAG_CONNECTOR: connector})
     )
 
 
 class Ticks:
     """Evaluates one sensor tick after another, carrying its cursor as the daemon does."""
 
-    def __init__(self, instance: DagsterInstance, **kw: float) -> None:
+    def __init__(self, instance: DagsterInstance, **kw: Any) -> None:
         self.instance = instance
-        self.sensor = landed_through(SINK, MINUTES, target=orders_per_minute, **kw)  # type: ignore[arg-type]
+        self.sensor = landed_through(SINK, MINUTES, target=orders_per_minute, **kw)
         self.cursor: str | None = None
         self.run_keys: list[str] = []
 
@@ -95,7 +99,7 @@ class Ticks:
 
 
 def test_each_partition_runs_once_after_the_watermark_passes_its_end(instance):
-    t = Ticks(instance)
+    t = Ticks(instance, start=START)
     assert t.tick() == []  # nothing reported yet
     report(instance, None)  # a report before the watermark is known
     assert t.tick() == []
@@ -113,7 +117,7 @@ def test_each_partition_runs_once_after_the_watermark_passes_its_end(instance):
 
 
 def test_late_data_re_runs_only_the_partitions_already_run_that_it_falls_in(instance):
-    t = Ticks(instance)
+    t = Ticks(instance, start=START)
     report(instance, at(3, 10))
     assert t.tick() == [(key(0), "watermark"), (key(1), "watermark"), (key(2), "watermark")]
     # Late events at 01:20 and 01:40, and 02:59..03:05 (minute 3 has not run: it will see them).
@@ -128,16 +132,15 @@ def test_late_data_re_runs_only_the_partitions_already_run_that_it_falls_in(inst
     assert t.tick() == [(key(1), "late data")]
 
 
-def test_lateness_holds_each_partition_back_that_long(instance):
-    t = Ticks(instance, lateness_s=30)
-    report(instance, at(1, 29))
-    assert t.tick() == []
-    report(instance, at(1, 30))
-    assert t.tick() == [(key(0), "watermark")]
+def test_lateness_is_the_connectors_alone(instance):
+    """One lateness: the connector's watermark already waits out allowed_lateness_s; the
+    sensor's own setting is refused with the way to set it."""
+    with pytest.raises(ValueError, match=r"watermark\.allowed_lateness_s .*30"):
+        landed_through(SINK, MINUTES, target=orders_per_minute, lateness_s=30)
 
 
 def test_several_connectors_on_one_sink_the_slowest_decides(instance):
-    t = Ticks(instance)
+    t = Ticks(instance, start=START)
     report(instance, at(3, 0), connector="a")
     report(instance, at(1, 0), connector="b")
     assert t.tick() == [(key(0), "watermark")]
@@ -146,12 +149,84 @@ def test_several_connectors_on_one_sink_the_slowest_decides(instance):
 
 
 def test_a_long_way_behind_it_catches_up_a_bounded_number_per_tick(instance):
-    t = Ticks(instance, max_partitions_per_tick=4)
+    t = Ticks(instance, start=START, max_partitions_per_tick=4)
     report(instance, at(10, 0))
     assert [k for k, _ in t.tick()] == [key(m) for m in range(4)]
     assert [k for k, _ in t.tick()] == [key(m) for m in range(4, 8)]
     assert [k for k, _ in t.tick()] == [key(8), key(9)]
     assert t.tick() == []
+
+
+def test_first_use_begins_at_the_first_watermark_it_sees_not_the_definitions_start(instance):
+    """No flood: a definition that starts long ago, a first watermark at minute 600 (ten hours
+    of minutes complete): the sensor begins with the partition holding that watermark."""
+    t = Ticks(instance)
+    assert t.tick() == []  # nothing reported: nothing decided
+    report(instance, at(600, 30))
+    assert t.tick() == []  # minute 600 is not complete; nothing before it is requested
+    report(instance, at(601, 0))
+    assert t.tick() == [(key(600), "watermark")]
+    # Late data before where it began: not its partitions (they never ran under it).
+    report(instance, at(601, 5), late=((at(10, 0), at(10, 5)), (at(600, 1), at(600, 2))))
+    assert t.tick() == [(key(600), "late data")]
+
+
+def test_a_declared_start_catches_up_at_a_bounded_rate_oldest_first_late_runs_first(instance):
+    t = Ticks(instance, start=(START + timedelta(minutes=10)).isoformat())
+    report(instance, at(23, 0))  # 13 minutes complete since the declared start
+    assert [k for k, _ in t.tick()] == [key(m) for m in range(10, 15)]  # 5 a tick (default)
+    report(instance, at(23, 1), late=((at(11, 0), at(12, 30)),))
+    assert t.tick() == [
+        (key(11), "late data"),
+        (key(12), "late data"),
+        *((key(m), "watermark") for m in range(15, 18)),
+    ]
+    assert [k for k, _ in t.tick()] == [key(m) for m in range(18, 23)]
+    assert t.tick() == []
+
+
+def test_late_runs_held_back_by_the_bound_wait_in_the_cursor(instance):
+    t = Ticks(instance, start=START, max_partitions_per_tick=2)
+    report(instance, at(4, 0))
+    assert [k for k, _ in t.tick()] == [key(0), key(1)]
+    report(instance, at(4, 1), late=((at(0, 10), at(1, 50)),))
+    assert t.tick() == [(key(0), "late data"), (key(1), "late data")]
+    report(instance, at(4, 2), late=((at(0, 5), at(1, 5)), (at(1, 30), at(1, 31))))
+    assert t.tick() == [(key(0), "late data"), (key(1), "late data")]
+    assert [k for k, _ in t.tick()] == [key(2), key(3)]
+    assert t.tick() == []
+
+
+def test_the_watermark_observations_between_materializations_count(instance):
+    """A run reports its watermark as an observation as soon as it crosses a minute: the
+    sensor reads those as it reads the materializations."""
+    t = Ticks(instance, start=START)
+    report(instance, at(0, 30))  # a materialization (progress)
+    assert t.tick() == []
+    report(instance, at(1, 0), observation=True)
+    report(instance, at(2, 0), observation=True, late=((at(0, 40), at(0, 41)),))
+    assert t.tick() == [(key(0), "watermark"), (key(1), "watermark")]
+    report(instance, at(2, 5), observation=True, late=((at(0, 40), at(0, 41)),))
+    assert t.tick() == [(key(0), "late data")]
+
+
+def test_a_cursor_of_the_previous_release_goes_on_where_it_was(instance):
+    """A cursor without ``begin`` (the previous release's): it goes on from its end, and late
+    data re-runs any partition it requested, as before."""
+    from conveyor.dagster.landed import LandedCursor
+
+    t = Ticks(instance)
+    report(instance, at(0, 0))
+    t.tick()
+    old = json.loads(t.cursor or "{}")
+    t.cursor = json.dumps({"after": old["after"], "marks": {}, "end": at(3, 0)})
+    report(instance, at(5, 0), late=((at(1, 10), at(1, 20)),))
+    assert t.tick() == [
+        (key(1), "late data"),
+        (key(3), "watermark"),
+        (key(4), "watermark"),
+    ]
+    assert LandedCursor.parse(t.cursor).begin == float("-inf")
 
 
 def run_check(instance: DagsterInstance, **kw: float) -> tuple[bool, str, dict]:

@@ -61,8 +61,10 @@ class TestDeltaContract(SinkContract):
     def make_target(self) -> Iterator[str]:
         yield f"delta/{unique('orders')}"
 
+    cadence: dict[str, Any] = {}  # the default: buffered, committed by commit_held
+
     def config(self, target: str) -> dict[str, Any]:
-        return {"type": "delta", "path": target, "message_columns": True}
+        return {"type": "delta", "path": target, "message_columns": True, **self.cadence}
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
         return [
@@ -93,11 +95,17 @@ class TestDeltaContract(SinkContract):
     ]
 
 
+class TestDeltaContractEachBatchCommitted(TestDeltaContract):
+    cadence = {"commit_interval_s": 0}
+
+
 # -- beyond the contract --------------------------------------------------------------------------
 
 
 def cfg(**over: Any) -> dict[str, Any]:
-    return {"type": "delta", "path": f"lake/{unique('t')}", **over}
+    """Each batch its own table commit (``commit_interval_s: 0``): the marks' tests; the
+    default cadence has tests of its own."""
+    return {"type": "delta", "path": f"lake/{unique('t')}", "commit_interval_s": 0, **over}
 
 
 def started(config: dict[str, Any], connector: str = "", generation: int = 0) -> Any:
@@ -202,7 +210,7 @@ def test_a_commit_that_loses_a_race_is_an_outage_and_the_retry_writes_once(
     with pytest.raises(TransientSinkError, match="changed under the commit|unavailable"):
         sink.send_batch(make_batch(3, start=3))
     monkeypatch.setattr(delta.DeltaSink, "_latest_mark", real)
-    sink.flush()  # the loop's retry: the buffer is kept
+    sink.commit_held()  # the loop's retry: the buffer is kept
     sink.cleanup_sink()
     assert sorted(r["id"] for r in rows_of(c["path"])) == [0, 1, 2, 3, 4, 5, 900]
 
@@ -288,3 +296,45 @@ def test_storage_credentials_take_a_reference_in_a_spec(
         build_sink({**spec["sink"], "storage_credentials": "A=1\nnot a pair"})
     sink = build_sink({**spec["sink"], "storage_credentials": '{"AWS_ACCESS_KEY_ID": "id1"}'})
     assert sink._options() == {"AWS_REGION": "eu-north-1", "AWS_ACCESS_KEY_ID": "id1"}  # type: ignore[attr-defined]
+
+
+def test_the_loop_commits_offsets_only_with_the_tables_commit(home: Path) -> None:
+    """The default cadence under the real loop: batches are held (no offsets in the meta store)
+    until the table's commit a minute after the first; then all at once; the stop commits the
+    rest. The table and the committed offsets agree at every step."""
+    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.model import BatchPolicy, FailureSpec
+    from tests.unit.test_loop import Events, FakeCommitter, FakeSource, json_transform, source_batch
+
+    now = [1000.0]
+    c = {"type": "delta", "path": f"lake/{unique('t')}", "message_columns": True}  # defaults
+    sink = started(c, "c", 1)  # bound as the run binds it
+    sink._clock = lambda: now[0]  # the buffer's clock
+    events = Events()
+    source = FakeSource([source_batch(10 * i, 10) for i in range(5)], events)
+    committer = FakeCommitter(events)
+    seen: list[tuple[int, dict]] = []
+
+    def stop() -> bool:
+        seen.append((len(rows_of(c["path"])), dict(committer.offsets)))
+        now[0] += 25  # a batch every 25 s
+        return not source.batches
+
+    loop = ConnectorLoop(
+        LoopConfig(
+            name="c", batch=BatchPolicy(max_wait_ms=10), failure=FailureSpec(), prefetch=False
+        ),
+        source=source,
+        transform=json_transform,
+        sink=sink,
+        committer=committer,
+        committed={},
+        stop_requested=stop,
+        clock=lambda: now[0],
+    )
+    run_loop(loop)
+    tp = TopicPartition("t", 0)
+    # Batches at 0, 25, 50 s held; the one at 75 s makes the commit (due since 60 s): 40 rows.
+    assert [(n, o.get(tp)) for n, o in seen] == [(0, None)] * 4 + [(40, 40)] * 2
+    assert committer.offsets == {tp: 50} and len(rows_of(c["path"])) == 50  # the stop's commit
+    assert sink.uncommitted_rows() == 0

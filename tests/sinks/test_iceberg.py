@@ -66,6 +66,7 @@ class IcebergContract(SinkContract):
     keeps_keys = keeps_headers = keeps_timestamps = True
     outage_skip_reason = "the SQLite catalog has no server to lose"
     catalog: dict[str, Any] = {}
+    cadence: dict[str, Any] = {}  # the default: buffered, committed by commit_held
 
     def make_target(self) -> Iterator[str]:
         yield unique("orders")
@@ -77,6 +78,7 @@ class IcebergContract(SinkContract):
             "namespace": "contract",
             "table": target,
             "message_columns": True,
+            **self.cadence,
         }
 
     def read_back(self, target: str) -> list[dict[str, Any]]:
@@ -115,6 +117,7 @@ class TestIcebergOnSQLite(IcebergContract):
 @pytest.mark.integration
 class TestIcebergOnPostgres(IcebergContract):
     catalog = {"type": "sql", "uri": PG_CATALOG, "name": "conveyor_contract"}
+    cadence = {"commit_interval_s": 0}  # each batch its own commit
     outage_skip_reason = ""
 
     def outage_config(self, target: str) -> dict[str, Any]:
@@ -147,7 +150,15 @@ class TestIcebergOnRestCatalog(IcebergContract):
 
 
 def cfg(**over: Any) -> dict[str, Any]:
-    return {"type": "iceberg", "namespace": "lake", "table": unique("t"), **over}
+    """Each batch its own table commit (``commit_interval_s: 0``): the marks' tests; the
+    default cadence has tests of its own."""
+    return {
+        "type": "iceberg",
+        "namespace": "lake",
+        "table": unique("t"),
+        "commit_interval_s": 0,
+        **over,
+    }
 
 
 def started(config: dict[str, Any], connector: str = "", generation: int = 0) -> Any:
@@ -281,26 +292,56 @@ def test_auto_evolve_adds_a_nullable_column_and_without_it_the_batch_is_refused(
     strict.cleanup_sink()
 
 
-def test_commit_interval_buffers_batches_into_one_snapshot(home: Path) -> None:
-    now = [0.0]
-    from conveyor.sinks.iceberg import IcebergSink
+def test_by_default_batches_are_buffered_into_one_snapshot_a_minute(home: Path) -> None:
+    """The default cadence (commit_interval_s 60): batches are accepted into a buffer, counted
+    by ``uncommitted_rows``, and committed together once 60 s passed since the first (in the
+    send that finds it due, or by ``commit_held``); a batch sent again while buffered is
+    buffered once; closing never commits."""
+    from conveyor.core.sink import AcknowledgesAtCommit
 
-    config = build_sink(cfg(commit_interval_s=10)).config
-    sink = IcebergSink(config, clock=lambda: now[0])  # type: ignore[arg-type]
-    sink.init_sink()
+    now = [0.0]
+    c = {"type": "iceberg", "namespace": "lake", "table": unique("t")}  # the defaults
+    sink = started(c, "c", 1)
+    sink._clock = lambda: now[0]  # the buffer's clock
+    assert isinstance(sink, AcknowledgesAtCommit) and sink.config.commit_interval_s == 60
     for i in range(3):
-        sink.send_batch(make_batch(10, start=10 * i))
-        now[0] += 4
-    # 0 s, 4 s: buffered; the third send (8 s) still within 10 s
-    assert sink.last_commit is None
-    now[0] += 4
-    sink.send_batch(make_batch(10, start=30))  # 16 s after the first: one commit of all four
-    assert sink.last_commit is not None and sink.last_commit.rows_added == 40
-    sink.send_batch(make_batch(5, start=40))
-    sink.cleanup_sink()  # commits what is buffered
-    table = load_table({**cfg(), "table": config.table})  # type: ignore[attr-defined]
+        assert sink.send_batch(make_batch(10, start=10 * i)).failed == ()
+        now[0] += 25
+    assert sink.last_commit is None and sink.uncommitted_rows() == 30  # at 0, 25, 50 s
+    assert not rows_of(c)
+    sink.send_batch(make_batch(10, start=20))  # 75 s: sent again (a retry), then due
+    assert sink.uncommitted_rows() == 0 and sink.last_commit is not None
+    assert sink.last_commit.rows_added == 30
+    sink.send_batch(make_batch(5, start=30))
+    assert not sink.commit_due() and sink.uncommitted_rows() == 5
+    sink.commit_held()  # what the loop calls on a stop
+    sink.send_batch(make_batch(5, start=35))
+    sink.cleanup_sink()  # never commits: these 5 were not acknowledged
+    table = load_table(c)
     assert len(table.metadata.snapshots) == 2
-    assert sorted(r["id"] for r in table.scan().to_arrow().to_pylist()) == list(range(45))
+    assert sorted(r["id"] for r in table.scan().to_arrow().to_pylist()) == list(range(35))
+    assert table.properties["write.target-file-size-bytes"] == str(128 << 20)
+
+
+def test_a_failed_commit_keeps_the_buffer_and_the_batch_sent_again_is_written_once(
+    home: Path,
+) -> None:
+    c = cfg()  # each send commits
+    sink = started(c, "c", 1)
+    real = sink._write
+
+    def unreachable(*args: Any) -> None:
+        raise OSError("warehouse unreachable")
+
+    sink._write = unreachable
+    with pytest.raises(TransientSinkError, match="unavailable"):
+        sink.send_batch(make_batch(10))
+    assert sink.uncommitted_rows() == 10 and not rows_of(c)
+    sink._write = real
+    sink.send_batch(make_batch(10))  # the loop sends the batch again after the outage
+    assert sink.uncommitted_rows() == 0
+    assert sorted(r["id"] for r in rows_of(c)) == list(range(10))
+    sink.cleanup_sink()
 
 
 def test_the_warehouse_is_bounded_under_conveyor_home(home: Path) -> None:

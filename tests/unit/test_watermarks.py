@@ -65,19 +65,60 @@ def test_an_idle_caught_up_partition_stops_holding_the_watermark_back():
     w.observe(rows((0, 170)), T0 + 170, {"t[0]": 0, "t[1]": 0})
     later = w.current(T0 + 170, {"t[0]": 0, "t[1]": 0})
     assert later.idle == ("t[1]",) and later.low == T0 + 170
-    # With lag it is not idle, however long it has been quiet: its backlog may be older.
+    # With lag it is not idle, however long it has been quiet: its backlog may be older. It
+    # holds the watermark where it is (reported already: it never goes back).
     behind = w.current(T0 + 170, {"t[0]": 0, "t[1]": 7})
-    assert behind.idle == () and behind.low == T0 + 5
-    # It delivers again: active again, and it holds the watermark where its events are.
+    assert behind.idle == () and behind.low == T0 + 170
+    # It delivers again, older events: they are late (below what was reported), and the
+    # partition holds the watermark until its events pass it.
+    w.take_late()
     w.observe(rows((1, 120)), T0 + 171, {"t[0]": 0, "t[1]": 0})
-    assert w.current(T0 + 171, {"t[0]": 0, "t[1]": 0}).low == T0 + 120
+    assert w.current(T0 + 171, {"t[0]": 0, "t[1]": 0}).low == T0 + 170
+    assert w.take_late() == ((T0 + 120, T0 + 120),)
+    w.observe(rows((1, 180), (0, 185)), T0 + 185, {"t[0]": 0, "t[1]": 0})
+    assert w.current(T0 + 185, {"t[0]": 0, "t[1]": 0}).low == T0 + 180
 
 
-def test_all_partitions_idle_the_watermark_is_the_greatest_high_mark():
+def test_all_partitions_idle_without_a_quiet_read_the_greatest_high_mark_minus_lateness():
     w = tracker(idle_after_s=10, allowed_lateness_s=2)
     w.observe(rows((0, 50), (1, 40)), T0 + 50, {"t[0]": 0, "t[1]": 0})
     wm = w.current(T0 + 61, {"t[0]": 0, "t[1]": 0})
     assert set(wm.idle) == {"t[0]", "t[1]"} and wm.low == T0 + 50 - 2
+
+
+def test_a_stream_that_stops_is_complete_through_the_last_quiet_read_minus_lateness():
+    """Idle means complete: everything in the log when a read last found nothing has been
+    delivered, so the watermark follows those reads (minus the lateness) past the minute the
+    stream stopped in, and on."""
+    w = tracker(idle_after_s=10, allowed_lateness_s=2)
+    lags = {"t[0]": 0, "t[1]": 0}
+    w.observe(rows((0, 95), (1, 97)), T0 + 98, lags)  # the stream's last events, minute 1
+    # Quiet reads, but not idle yet: the smallest high mark minus the lateness.
+    assert w.current(T0 + 100, lags, quiet_at=T0 + 99.5).low == T0 + 95 - 2
+    # Idle (10 s without a delivery): through the last quiet read, minus the lateness.
+    wm = w.current(T0 + 108, lags, quiet_at=T0 + 107.5)
+    assert set(wm.idle) == {"t[0]", "t[1]"} and wm.low == T0 + 105.5
+    assert w.current(T0 + 125, lags, quiet_at=T0 + 124.9).low == pytest.approx(T0 + 122.9)
+    # A partition with lag is not idle: the clock no longer counts, the watermark stays.
+    assert w.current(T0 + 130, {"t[0]": 3, "t[1]": 0}, quiet_at=T0 + 129).low == pytest.approx(
+        T0 + 122.9
+    )
+    # New events arrive: they are on time (after the watermark), active again.
+    w.observe(rows((0, 131), (1, 131)), T0 + 131, lags, quiet_at=T0 + 130)
+    # (the first batch came with no watermark before it: possibly late, one range a partition)
+    assert w.take_late() == ((T0 + 95, T0 + 95), (T0 + 97, T0 + 97))
+    assert w.current(T0 + 131, lags).low == T0 + 129
+
+
+def test_report_due_when_late_ranges_wait_or_the_watermark_crosses_a_minute():
+    from conveyor.core.watermarks import Watermark, report_due
+
+    minute = 60 * 28_333_333.0  # a whole minute
+    assert report_due(None, Watermark(low=minute + 5, by_partition={}))  # known the first time
+    assert not report_due(None, Watermark(low=None, by_partition={}))
+    assert not report_due(minute + 5, Watermark(low=minute + 59.9, by_partition={}))
+    assert report_due(minute + 5, Watermark(low=minute + 60, by_partition={}))
+    assert report_due(minute + 5, Watermark(low=minute + 6, by_partition={}, late=((1.0, 2.0),)))
 
 
 def test_a_partition_that_delivered_nothing_leaves_the_watermark_unknown_until_idle():
@@ -87,8 +128,8 @@ def test_a_partition_that_delivered_nothing_leaves_the_watermark_unknown_until_i
     assert w.current(T0 + 30, {"t[0]": 0, "t[1]": 0}).lag_seconds is None
     # Empty since the run started 60 s ago (and caught up): idle.
     assert w.current(T0 + 60, {"t[0]": 0, "t[1]": 0}).low == T0 + 10
-    # A partition with a backlog the run has not reached holds it back.
-    assert w.current(T0 + 600, {"t[0]": 0, "t[1]": 4}).low is None
+    # A partition with a backlog the run has not reached holds it back (where it was).
+    assert w.current(T0 + 600, {"t[0]": 0, "t[1]": 4}).low == T0 + 10
 
 
 def test_events_below_the_watermark_before_their_batch_are_late_ranges_reported_once():

@@ -9,8 +9,10 @@ their own asset job ``lag_checks`` on a schedule that is running by default.
 
 The same materializations carry the connector's event-time watermark (``watermark``,
 ``watermark_ts``, ``watermark_by_partition``, ``lag_seconds``, ``late_event_times``; rule in
-``core/watermarks.py``): :func:`watermark_of` and :func:`late_ranges_of` read them back for
-the ``complete_through`` check (:func:`complete_through_check`, which users add to their own
+``core/watermarks.py``), and so do the observations a run logs between them as soon as the
+watermark crosses a minute (or late data arrives): :func:`watermark_events` reads both kinds in
+storage order, :func:`watermark_of` and :func:`late_ranges_of` their metadata, for the
+``complete_through`` check (:func:`complete_through_check`, which users add to their own
 definitions) and for ``conveyor.dagster.landed``.
 """
 
@@ -284,18 +286,62 @@ def late_ranges_of(metadata: Mapping[str, Any]) -> list[tuple[float, float]]:
     return out
 
 
+@dataclass(frozen=True)
+class WatermarkEvent:
+    """A sink asset event that may carry a watermark: a run's materialization (its progress) or
+    observation (a watermark report), with its storage id, time and connector."""
+
+    storage_id: int
+    timestamp: float
+    connector: str
+    metadata: Mapping[str, Any]
+
+
+def watermark_events(
+    instance: DagsterInstance,
+    key: AssetKey,
+    *,
+    after: int | None = None,
+    limit: int = WATERMARK_FETCH_LIMIT,
+    ascending: bool = True,
+) -> list[WatermarkEvent]:
+    """The sink asset's materializations and observations after storage id ``after``, merged in
+    storage order (``ascending``, else newest first). At most ``limit`` of each kind are read:
+    where one kind filled its limit, the list stops at its last one, so that a reader going on
+    from the last id returned skips nothing."""
+    kinds = [
+        (instance.fetch_materializations, "asset_materialization"),
+        (instance.fetch_observations, "asset_observation"),
+    ]
+    events: list[WatermarkEvent] = []
+    bounds: list[int] = []
+    for fetch, attr in kinds:
+        records = fetch(
+            AssetRecordsFilter(asset_key=key, after_storage_id=after),
+            limit=limit,
+            ascending=ascending,
+        ).records
+        if len(records) >= limit:
+            bounds.append(records[-1].storage_id)
+        for r in records:
+            event = getattr(r, attr, None)
+            if event is not None:
+                connector = (event.tags or {}).get(TAG_CONNECTOR, "")
+                events.append(WatermarkEvent(r.storage_id, r.timestamp, connector, event.metadata))
+    events.sort(key=lambda e: e.storage_id, reverse=not ascending)
+    if bounds:
+        cut = min(bounds) if ascending else max(bounds)
+        events = [e for e in events if (e.storage_id <= cut if ascending else e.storage_id >= cut)]
+    return events
+
+
 def latest_watermarks(instance: DagsterInstance, key: AssetKey) -> dict[str, float]:
     """The newest watermark each connector reported on sink asset ``key`` (by connector tag)."""
-    records = instance.fetch_materializations(key, limit=WATERMARK_FETCH_LIMIT).records
     out: dict[str, float] = {}
-    for r in records:  # newest first
-        m = r.asset_materialization
-        if m is None:
-            continue
-        connector = (m.tags or {}).get(TAG_CONNECTOR, "")
-        wm = watermark_of(m.metadata)
-        if wm is not None and connector not in out:
-            out[connector] = wm
+    for e in watermark_events(instance, key, ascending=False):  # newest first
+        wm = watermark_of(e.metadata)
+        if wm is not None and e.connector not in out:
+            out[e.connector] = wm
     return out
 
 

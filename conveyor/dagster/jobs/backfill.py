@@ -55,7 +55,7 @@ from conveyor.core.model import (
     TopicPartition,
 )
 from conveyor.core.positions import PositionScope, TargetBinding, writer_id
-from conveyor.core.sink import OffsetsInTarget, send_isolating
+from conveyor.core.sink import OffsetsInTarget, commit_held, send_isolating
 from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_BACKFILL, backfill_job_name
@@ -212,6 +212,7 @@ def backfill_range(
         source.open(todo)
         timed = bounds if bounds.start_ms is not None or bounds.end_ms is not None else None
         _drain(source, transform, sink, spec, todo, hi, result, progress, timed)
+        commit_held(sink)  # a lakehouse table's last buffer: the range is in it, or this fails
     finally:
         sink.cleanup_sink()
         source.close()

@@ -231,13 +231,17 @@ def compact_iceberg(table: Any, settings: MaintenanceConfig) -> bool:
             settings.compact_max_rows,
         )
         return False
+    from pyiceberg.expressions import AlwaysTrue
+
     data = table.scan().to_arrow()  # the current snapshot: the transaction's base
-    # The newest mark rides on (its rows are exactly the ones rewritten), so that expiry may
-    # drop the snapshots holding the small files.
+    # Two snapshots (pyiceberg's overwrite is a delete, then an append): the newest mark rides
+    # on the append only, the one holding the rows it covers (so that expiry may drop the
+    # snapshots of the small files); the delete, a table without those rows, carries none.
     mark = newest_mark(table)
     props = {**(mark.properties() if mark is not None else {}), COMPACTION_PROP: "compaction"}
     with table.transaction() as tx:
-        tx.overwrite(data, snapshot_properties=props)
+        tx.delete(AlwaysTrue(), snapshot_properties={COMPACTION_PROP: "compaction"})
+        tx.append(data, snapshot_properties=props)
     table.refresh()
     after_files, after_rows = _totals(table)
     if after_rows != rows:  # the transaction's base is the snapshot read: this cannot happen

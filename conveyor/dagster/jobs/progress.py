@@ -1,13 +1,21 @@
 """A sink connector run's progress in the Dagster UI: materializations of the sink asset and
 of the dead-letter asset, with the loop's counters, offsets, event-time watermark and the stuck
-stage."""
+stage; between them, an observation of the sink asset each time the watermark crosses a minute
+or late data arrives (``core.watermarks.report_due``, at most one a second), which
+``dagster/landed.py``'s sensor reacts to."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from dagster import AssetKey, AssetMaterialization, MetadataValue, OpExecutionContext
+from dagster import (
+    AssetKey,
+    AssetMaterialization,
+    AssetObservation,
+    MetadataValue,
+    OpExecutionContext,
+)
 
 from conveyor.config.specs import LoadedSpec
 from conveyor.core.loop import Progress
@@ -33,13 +41,17 @@ def progress_logger(
     sink: Any = None,
 ) -> Callable[[Progress], None]:
     """Each progress report of the loop as a materialization of the sink asset (and of the
-    dead-letter asset when new dead letters were written)."""
+    dead-letter asset when new dead letters were written); a watermark report as an
+    observation of the sink asset."""
     assert loaded.sink is not None
     sink_key = AssetKey(loaded.sink.asset_key_path())
     dead_letters_seen = 0
 
     def on_progress(p: Progress) -> None:
         nonlocal dead_letters_seen
+        if p.watermark_only and p.watermark is not None:
+            log_watermark(context, sink_key, loaded.name, p.watermark)
+            return
         c = p.counters
         if c.dead_lettered > dead_letters_seen:
             dead_letters_seen = c.dead_lettered
@@ -79,6 +91,19 @@ def progress_logger(
         )
 
     return on_progress
+
+
+def log_watermark(context: OpExecutionContext, key: AssetKey, name: str, wm: Watermark) -> None:
+    """The watermark as an observation of the sink asset (tagged with the connector)."""
+    through = "unknown" if wm.low is None else iso(wm.low)
+    context.log_event(
+        AssetObservation(
+            asset_key=key,
+            description=f"connector {name}: complete through {through}",
+            metadata=watermark_metadata(wm),
+            tags={TAG_CONNECTOR: name},
+        )
+    )
 
 
 def watermark_metadata(wm: Watermark) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec
-from conveyor.core.sink import send_isolating
+from conveyor.core.sink import commit_held, send_isolating
 from conveyor.dagster.assets.lineage import dead_letter_key
 from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
@@ -81,6 +81,7 @@ def replay_dead_letters(
             for f in send_isolating(sink, transformed.table) if transformed.table.num_rows else []:
                 row = transformed.table.slice(f.index, 1).to_pylist()[0]
                 failures[letter_id(row["__topic"], row["__partition"], row["__offset"])] = f.message
+            commit_held(sink)  # a lakehouse table: the letters are in it before marked replayed
             ids = letters.column("id").to_pylist()
             ok_ids = [i for i in ids if i not in failures]
             # Filtered out on replay counts as done: the current transform does not want it.
