@@ -30,6 +30,7 @@ from conveyor.core.connection import check_readable
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.schema_registry import SR_SSL_FIELDS, SchemaRegistrySpec
 from conveyor.core.secrets import resolve
+from conveyor.formats.limits import SchemaName
 
 SCHEMA_NOT_FOUND = 40403
 SUBJECT_NOT_FOUND = 40401
@@ -157,6 +158,16 @@ class Registry:
         except Exception as e:
             raise self._fail(e, f"subject {subject!r} version {version}") from None
         return found
+
+    def schema_name(self, schema_id: int) -> SchemaName:
+        """How errors name a writer schema: its id and the subject versions it is (asked of
+        the registry, ``GET /schemas/ids/{id}/versions``; the id alone if it cannot say)."""
+        try:
+            found = self.client.get_schema_versions(schema_id)
+        except Exception:  # noqa: BLE001 - a name for an error message, best effort
+            return SchemaName(schema_id)
+        pairs = tuple((str(v.subject), int(v.version)) for v in found if v.subject and v.version)
+        return SchemaName(schema_id, pairs)
 
     def latest(self, subject: str, fmt: str | None = None) -> RegisteredSchema:
         """The subject's newest version, asked of the registry again (not the client's cache)."""
