@@ -835,6 +835,8 @@ class Counters:
     batch_latency_p99_ms: float | None = None
     # High watermark per partition, keyed ``topic[partition]`` (None until a fetch reported one).
     highwaters: dict[str, int] | None = None
+    # Schema registry lookups of the decoders (``Registry.metrics``; None without a registry).
+    schema_registry: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

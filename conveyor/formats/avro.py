@@ -32,6 +32,7 @@ from fastavro.read import SchemaResolutionError
 from conveyor.core.errors import ConfigError
 from conveyor.core.home import conveyor_home
 from conveyor.formats.avro_arrow import AvroTypeError, record_type
+from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import Convert, Decoded, converted, payloads, table_of_records
 from conveyor.formats.frame import FrameError, read_frame
 from conveyor.formats.limits import (
@@ -144,7 +145,8 @@ class AvroDecoder:
         self.latest = reader_schema == LATEST
         self._fixed = reader_schema is not None and not self.latest  # a reader schema given
         self._checked_id = -1  # the newest writer id the latest version was asked for
-        self._writers: dict[int, ParsedSchema] = {}
+        capacity = registry.spec.cache_capacity if registry is not None else 1
+        self._writers: LruCache[int, ParsedSchema] = LruCache(capacity)  # parsed, by id
         self._reader: ParsedSchema | None = None
         self._reader_id = -1
         self._file: ParsedSchema | None = None
@@ -171,8 +173,8 @@ class AvroDecoder:
             except FrameError as e:
                 frames.append(None)
                 failed[i] = str(e)
-        problems = self._load_writers({f[0] for f in frames if f is not None})
-        reader = self._choose_reader()
+        writers, problems = self._load_writers({f[0] for f in frames if f is not None})
+        reader = self._choose_reader(writers)
         records: list[dict[str, Any] | None] = []
         for i, entry in enumerate(frames):
             record = None
@@ -181,9 +183,9 @@ class AvroDecoder:
                 if sid in problems:
                     failed[i] = problems[sid]
                 else:
-                    record = self._read(i, payload, self._writers[sid], reader, failed)
+                    record = self._read(i, payload, writers[sid], reader, failed)
             records.append(record)
-        assert reader is not None or not self._writers
+        assert reader is not None or not writers
         row_type = reader.row_type if reader is not None else _EMPTY.row_type
         return Decoded(table_of_records(records, row_type, failed), failed)
 
@@ -224,12 +226,17 @@ class AvroDecoder:
             return None
         return _convert_record(i, value, reader.convert, failed)
 
-    def _load_writers(self, ids: set[int]) -> dict[int, str]:
-        """Fetch and parse the writer schemas not cached yet; the ids that failed -> why.
-        A writer schema beyond the limits is a ConfigError naming it."""
+    def _load_writers(self, ids: set[int]) -> tuple[dict[int, ParsedSchema], dict[int, str]]:
+        """The batch's writer schemas (cached, else fetched and parsed) by id, and the ids
+        that failed -> why. A writer schema beyond the limits is a ConfigError naming it."""
         assert self.registry is not None
         problems: dict[int, str] = {}
-        for sid in sorted(ids - set(self._writers)):
+        writers: dict[int, ParsedSchema] = {}
+        for sid in sorted(ids):
+            cached = self._writers.get(sid)
+            if cached is not None:
+                writers[sid] = cached
+                continue
             try:
                 schema = self.registry.schema(sid)
             except UnknownSchema as e:
@@ -239,13 +246,15 @@ class AvroDecoder:
                 problems[sid] = f"schema id {sid} is a {schema.schema_type} schema, not Avro"
                 continue
             try:
-                self._writers[sid] = self._parse_registered(schema, what=f"schema id {sid}")
+                writers[sid] = self._parse_registered(schema, what=f"schema id {sid}")
             except ValueError as e:
                 problems[sid] = str(e)
+                continue
             except (SchemaLimit, RecursionError) as e:
                 name = self.registry.schema_name(sid)
                 raise schema_error(name, e, field=self.registry.prefix) from None
-        return problems
+            self._writers.put(sid, writers[sid])
+        return writers, problems
 
     def _parse_registered(self, schema: Any, *, what: str) -> ParsedSchema:
         """A registered schema with the named types of its references, within the limits."""
@@ -269,17 +278,19 @@ class AvroDecoder:
                 fastavro.parse_schema(json.loads(text), named_schemas=named)
         return named
 
-    def _choose_reader(self) -> ParsedSchema | None:
+    def _choose_reader(self, writers: dict[int, ParsedSchema]) -> ParsedSchema | None:
+        """The reader of a batch with these writers (by id): the one given, the subject's
+        latest, or the newest writer seen so far (it only grows)."""
         if self._fixed:
             return self._reader
-        newest = max(self._writers, default=-1)
+        newest = max(writers, default=-1)
         if newest > self._reader_id:
             if self.latest:
                 if newest > self._checked_id:
                     self._refresh_latest()
                     self._checked_id = newest
             else:
-                self._reader, self._reader_id = self._writers[newest], newest
+                self._reader, self._reader_id = writers[newest], newest
         return self._reader
 
     def _refresh_latest(self) -> None:

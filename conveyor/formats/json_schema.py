@@ -32,6 +32,7 @@ from referencing import Resource
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT7
 
+from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import (
     Convert,
     Decoded,
@@ -167,7 +168,7 @@ class JsonSchemaDecoder:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._writers: dict[int, _Writer] = {}
+        self._writers: LruCache[int, _Writer] = LruCache(registry.spec.cache_capacity)
 
     def decode(self, values: Any) -> Decoded:
         problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
@@ -200,8 +201,11 @@ class JsonSchemaDecoder:
             return f"nested deeper than schema id {frame.schema_id} can be validated"
 
     def _writer(self, sid: int, problems: dict[int, str]) -> _Writer | None:
-        if sid in self._writers or sid in problems:
-            return self._writers.get(sid)
+        if sid in problems:
+            return None
+        cached = self._writers.get(sid)
+        if cached is not None:
+            return cached
         try:
             schema = self.registry.schema(sid)
             if schema.schema_type != "JSON":
@@ -209,7 +213,7 @@ class JsonSchemaDecoder:
             refs = self._references(schema.references or [], RefRegistry(), ReferenceWalk())
             text = schema.schema_str or ""
             check_schema_text(text, json_text=True)
-            self._writers[sid] = _Writer(json.loads(text), refs)
+            writer = _Writer(json.loads(text), refs)
         except UnknownSchema as e:
             problems[sid] = str(e)
         except (ValueError, TypeError, Unresolvable, jsonschema.SchemaError) as e:
@@ -217,7 +221,10 @@ class JsonSchemaDecoder:
         except (SchemaLimit, RecursionError) as e:
             name = self.registry.schema_name(sid)
             raise schema_error(name, e, field=self.registry.prefix) from None
-        return self._writers.get(sid)
+        else:
+            self._writers.put(sid, writer)
+            return writer
+        return None
 
     def _references(self, refs: list[Any], known: RefRegistry, walk: ReferenceWalk) -> RefRegistry:
         for ref in refs:

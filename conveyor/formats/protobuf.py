@@ -39,6 +39,7 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
+from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import Decoded, decode_each
 from conveyor.formats.frame import FrameError, read_frame
 from conveyor.formats.limits import (
@@ -205,7 +206,7 @@ class ProtobufDecoder:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._writers: dict[int, ProtobufWriter] = {}
+        self._writers: LruCache[int, ProtobufWriter] = LruCache(registry.spec.cache_capacity)
 
     def decode(self, values: Any) -> Decoded:
         problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
@@ -232,20 +233,22 @@ class ProtobufDecoder:
         return shape.read(msg), shape.row_type
 
     def _writer(self, sid: int, problems: dict[int, str]) -> ProtobufWriter | None:
-        if sid in self._writers:
-            return self._writers[sid]
+        cached = self._writers.get(sid)
+        if cached is not None:
+            return cached
         if sid in problems:
             return None
         try:
             schema = self.registry.schema(sid, SERIALIZED)
-            self._writers[sid] = writer_of(self.registry, schema, f"schema id {sid}")
+            writer = writer_of(self.registry, schema, f"schema id {sid}")
         except (UnknownSchema, ValueError, TypeError) as e:
             problems[sid] = str(e)
             return None
         except (SchemaLimit, RecursionError) as e:
             name = self.registry.schema_name(sid)
             raise schema_error(name, e, field=self.registry.prefix) from None
-        return self._writers[sid]
+        self._writers.put(sid, writer)
+        return writer
 
 
 def writer_of(registry: Registry, schema: Any, what: str) -> ProtobufWriter:

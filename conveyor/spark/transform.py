@@ -41,7 +41,7 @@ from conveyor.core.model import (
     NullValues,
     TransformSpec,
 )
-from conveyor.formats import PayloadDecoder, payload_decoder
+from conveyor.formats import PayloadDecoder, payload_decoder, registry_metrics
 from conveyor.spark.envelopes import (
     OP_COL,
     debezium_json_columns,
@@ -404,6 +404,12 @@ class SparkTransformer:
         row's ``schema``)."""
         ddl = self._sql.schema or ""
         return debezium_json_schema(ddl) if self.spec.envelope == "debezium" else ddl
+
+    def registry_metrics(self) -> dict[str, int] | None:
+        """The schema registry lookups of the topics' decoders (None: no registry read)."""
+        # Not under the decode lock: the heartbeat must not wait for a batch's decoding
+        # (list() of a dict's values is one step under the GIL).
+        return registry_metrics(list(self._decoders.values()))
 
     def prepare(self) -> None:
         from conveyor.brokers.kafka import SOURCE_SCHEMA
