@@ -19,6 +19,7 @@ every function it calls. Tests check both against Spark's own parser
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +70,8 @@ BINARY_LEVELS: dict[str, int] = {
     **dict.fromkeys(("+", "-", "||"), 6),
     **dict.fromkeys(("*", "/", "%", "DIV"), 7),
 }
+# An interval's value: digits, with a fraction or not (no exponent, no type suffix).
+_PLAIN_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 MAX_NESTING = 40  # parentheses, calls, CASE, subscripts and types, one inside another
 
 
@@ -232,7 +235,10 @@ class _Parser:
 
     def negation(self) -> str:
         if self.accept_word("NOT"):
-            return f"(NOT {self.negation()})"
+            self.nest()
+            operand = self.negation()
+            self.depth -= 1
+            return f"(NOT {operand})"
         if self.word_at(0, "EXISTS") and self.op_at(1, "(") and self.word_at(2, *QUERY_STARTS):
             raise _subquery()
         return self.predicated()
@@ -364,7 +370,10 @@ class _Parser:
     def primary(self) -> str:
         params = self.lambda_params()  # Spark's grammar has lambdas among its primaries
         if params is not None:
-            return f"{params} -> {self.expression()}"
+            self.nest()
+            body = self.expression()
+            self.depth -= 1
+            return f"{params} -> {body}"
         tok = self.take()
         if tok.kind == "number":
             return tok.text
@@ -470,11 +479,13 @@ class _Parser:
     def interval_value(self) -> str:
         sign = self.take().text if self.op_at(0, "+", "-") else ""
         tok = self.take()
-        if tok.kind == "number":
+        if tok.kind == "number" and _PLAIN_NUMBER.fullmatch(tok.text):
             return f"{sign}{tok.text}"
         if tok.kind == "string":
             return f"{sign}{single_quoted(tok.raw)}"
-        raise SqlSyntaxError(f"INTERVAL: expected a number or a string, found {tok.raw!r}")
+        raise SqlSyntaxError(
+            f"INTERVAL: expected a whole or decimal number or a string, found {tok.raw!r}"
+        )
 
     # -- calls ------------------------------------------------------------------------------
 
@@ -491,42 +502,64 @@ class _Parser:
             )
         if upper == "EXISTS" and self.word_at(1, *QUERY_STARTS):
             raise _subquery()
-        forms: dict[str, Callable[[str], str | None]] = {
-            "CAST": self.cast,
-            "TRY_CAST": self.cast,
-            "STRUCT": self.struct,
+        form = self.keyword_form(upper)
+        if form is not None:
+            self.nest()
+            out = form(tok.text)
+            self.depth -= 1
+            return out
+        if upper in RESERVED and upper != "EXISTS":
+            raise SqlSyntaxError(
+                f"{tok.text}(...): a keyword; a function spelled so is called as `{tok.text}`(...)"
+            )
+        return self.call(tok.text, quoted_name(tok.text))
+
+    def keyword_form(self, upper: str) -> Callable[[str], str] | None:
+        """The reader of the keyword form ``upper(...)`` starts here, or None for a plain
+        call: decided on the tokens ahead, as Spark's grammar tells them apart (a FROM,
+        IN or PLACING inside the parentheses, a unit first), never by trying one reading
+        and then the other (whose cost would double at each nested call)."""
+        if upper in ("CAST", "TRY_CAST"):
+            return self.cast
+        if upper == "STRUCT":
+            return self.struct
+        if upper in UNIT_FORMS:
+            unit = self.word_at(1, *DATETIME_UNITS) and self.op_at(2, ",")
+            return self.unit_form if unit else None
+        marker = {
+            "EXTRACT": "FROM",
+            "POSITION": "IN",
+            "SUBSTR": "FROM",
+            "SUBSTRING": "FROM",
+            "TRIM": "FROM",
+            "OVERLAY": "PLACING",
+        }.get(upper)
+        if marker is None or not self.in_call(marker):
+            return None
+        forms: dict[str, Callable[[str], str]] = {
             "EXTRACT": self.extract,
             "POSITION": self.position,
             "SUBSTR": self.substring,
             "SUBSTRING": self.substring,
             "TRIM": self.trim,
             "OVERLAY": self.overlay,
-            **dict.fromkeys(UNIT_FORMS, self.unit_form),
         }
-        form = forms.get(upper)
-        if form is not None:
-            start, ncalls, depth = self.i, len(self.calls), self.depth
-            self.nest()
-            found = self._attempt(form, tok.text)
-            if found is not None:
-                self.depth -= 1
-                return found
-            # Not the keyword form: a plain call.
-            self.i, self.calls[ncalls:], self.depth, self.pending_gt = start, [], depth, 0
-        elif upper in RESERVED and upper not in ("EXISTS",):
-            raise SqlSyntaxError(
-                f"{tok.text}(...): a keyword; a function spelled so is called as `{tok.text}`(...)"
-            )
-        return self.call(tok.text, quoted_name(tok.text))
+        return forms[upper]
 
-    def _attempt(self, form: Callable[[str], str | None], written: str) -> str | None:
-        """A keyword form, or None (nothing kept) when the tokens are not that form."""
-        try:
-            return form(written)
-        except SqlSyntaxError as e:
-            if getattr(e, "committed", False):
-                raise
-            return None
+    def in_call(self, word: str) -> bool:
+        """Whether the bare ``word`` stands inside the parentheses opening here, outside any
+        nested ones (``trim(BOTH 'x' FROM s)``; not ``trim(f(a FROM b))``)."""
+        depth = 0
+        for tok in self.toks[self.i :]:
+            if tok.is_op("(", "["):
+                depth += 1
+            elif tok.is_op(")", "]"):
+                depth -= 1
+                if depth == 0:
+                    return False
+            elif depth == 1 and tok.is_word(word):
+                return True
+        return False
 
     def cast(self, written: str) -> str:
         self.expect_op("(")
@@ -548,7 +581,7 @@ class _Parser:
 
     def named_member(self) -> str:
         if self.op_at(0, "*") or (self.is_name() and self.op_at(1, ".") and self.op_at(2, "*")):
-            raise _committed("'*' is allowed only as a whole select item")
+            raise SqlSyntaxError("'*' is allowed only as a whole select item")
         return self.named()
 
     def extract(self, written: str) -> str:
@@ -764,14 +797,7 @@ class _Parser:
 
 
 def _subquery() -> SqlSyntaxError:
-    return _committed(
+    return SqlSyntaxError(
         "a subquery is not allowed: an expression reads only its message (a column named "
         "like a keyword is written in backticks)"
     )
-
-
-def _committed(message: str) -> SqlSyntaxError:
-    """An error no other reading of the tokens can avoid (a keyword form's attempt keeps it)."""
-    error = SqlSyntaxError(message)
-    error.committed = True  # type: ignore[attr-defined]
-    return error

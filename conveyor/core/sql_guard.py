@@ -80,6 +80,8 @@ def _checked(text: str | None, parse: Callable[[str], Parsed], field: str) -> st
         parsed = parse(text)
     except SqlSyntaxError as e:
         raise SqlGuardError(str(e), field=field) from None
+    except RecursionError:  # the parser bounds its nesting; this is the backstop
+        raise SqlGuardError("nested too deeply to read", field=field) from None
     for name in parsed.calls:
         problem = function_problem(name)
         if problem is not None:

@@ -62,6 +62,8 @@ CORPUS = [
     "datediff(HOUR, a, b)",
     "timestampdiff(MINUTE, a, b)",
     "date_add(a, 1)",
+    "dateadd(DAY, -1, a)",
+    "date_add(day, 1, x -> x)",
     "-1",
     "- 1",
     "-(1)",
@@ -291,6 +293,66 @@ def test_comments_and_literals_where_they_are_legal_read_as_the_guard_said(
     problem = expression_problem(text)
     assert problem is None or "keyword" in problem, (text, problem)
     if problem is None:
+        assert_spark_reads_as_the_guard(spark_parser, text)
+
+
+# Pieces of syntax to drop into the corpus's texts: each mutant is refused, or Spark reads it
+# as the guard does (found this way: `current_date(x)`, a unit form with a lambda, '*/').
+PIECES = [
+    *FRAGMENTS,
+    *"abx.[]=<>+",
+    "::",
+    "int",
+    "CASE",
+    "WHEN",
+    "THEN",
+    "END",
+    "NOT",
+    "IS",
+    "NULL",
+    "IN",
+    ">>",
+    "<>",
+    "||",
+    "'x'",
+    '"y"',
+    "`z`",
+    "->",
+    "struct(",
+    "cast(",
+    "interval",
+    "day",
+    "1e5",
+    ".5",
+    "-1",
+    "date",
+    "user",
+    "current_date",
+    "trim(",
+    "FROM",
+    "BOTH",
+    "order",
+    "between",
+    "like",
+    "escape",
+]
+
+
+@st.composite
+def _mutant(draw: st.DrawFn) -> str:
+    text = draw(st.sampled_from(CORPUS))
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.sampled_from(PIECES)) + text[at:]
+    return text
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_mutant())
+def test_the_corpus_with_syntax_dropped_in_is_refused_or_read_as_the_guard_said(
+    spark_parser: SparkParser, text: str
+) -> None:
+    if expression_problem(text) is None:
         assert_spark_reads_as_the_guard(spark_parser, text)
 
 
