@@ -103,9 +103,8 @@ def quoted_name(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-class _Parser:
-    """Recursive descent over the tokens; each method returns the canonical text of what it
-    read and leaves ``i`` after it."""
+class _Cursor:
+    """The tokens and a position in them; names as Spark reads them."""
 
     def __init__(self, text: str):
         self.toks = tokenize(text)
@@ -115,14 +114,6 @@ class _Parser:
         self.pending_gt = 0  # '>' still owed by a '>>' or '>>>' that closed a type
 
     # -- tokens ---------------------------------------------------------------------------
-
-    def whole(self, rule: Callable[[_Parser], str]) -> Parsed:
-        if not self.toks:
-            raise SqlSyntaxError("empty expression")
-        out = rule(self)
-        if self.i < len(self.toks):
-            raise SqlSyntaxError(f"unexpected {self._shown(self.peek())}")
-        return Parsed(out, tuple(self.calls))
 
     def peek(self, k: int = 0) -> Token | None:
         j = self.i + k
@@ -191,303 +182,124 @@ class _Parser:
             )
         raise SqlSyntaxError(f"expected a name, found {tok.raw!r}")
 
-    # -- select items and expressions -------------------------------------------------------
-
-    def named(self) -> str:
-        star = self.star()
-        if star is not None:
-            return star
-        expr = self.expression()
-        if self.accept_word("AS"):
-            if self.accept_op("("):
-                names = [self.name()]
-                while self.accept_op(","):
-                    names.append(self.name())
-                self.expect_op(")")
-                return f"{expr} AS ({', '.join(names)})"
-            return f"{expr} AS {self.name()}"
-        if self.is_name():
-            return f"{expr} AS {self.name()}"
-        return expr
-
-    def star(self) -> str | None:
-        """``*`` or ``a.b.*`` (a whole select item), else None with nothing read."""
-        j, parts = 0, []
-        while self.is_name(j) and self.op_at(j + 1, "."):
-            parts.append(self.peek(j))
-            j += 2
-        if not self.op_at(j, "*") or self.peek(j + 1) is not None:
-            return None
-        self.i += j + 1
-        return ".".join([*(quoted_name(t.text) for t in parts if t), "*"])
-
-    def expression(self) -> str:
-        left = self.conjunction()
-        while self.accept_word("OR"):
-            left = f"({left} OR {self.conjunction()})"
-        return left
-
-    def conjunction(self) -> str:
-        left = self.negation()
-        while self.accept_word("AND"):
-            left = f"({left} AND {self.negation()})"
-        return left
-
-    def negation(self) -> str:
-        if self.accept_word("NOT"):
-            self.nest()
-            operand = self.negation()
-            self.depth -= 1
-            return f"(NOT {operand})"
-        if self.word_at(0, "EXISTS") and self.op_at(1, "(") and self.word_at(2, *QUERY_STARTS):
-            raise _subquery()
-        return self.predicated()
-
-    def predicated(self) -> str:
-        value = self.value()
-        negated = self.word_at(0, "NOT") and self.word_at(
-            1, "BETWEEN", "IN", "LIKE", "ILIKE", "RLIKE", "REGEXP"
-        )
-        not_ = "NOT " if negated and self.take() else ""
-        if self.accept_word("BETWEEN"):
-            low = self.value()
-            self.expect_word("AND")
-            return f"({value} {not_}BETWEEN {low} AND {self.value()})"
-        if self.accept_word("IN"):
-            return f"({value} {not_}IN ({self.expressions_in_parens()}))"
-        kind = self.accept_word("RLIKE", "REGEXP", "LIKE", "ILIKE")
-        if kind is not None:
-            return f"({value} {not_}{self.like(kind)})"
-        if self.accept_word("IS"):
-            return f"({value} IS {self.is_predicate()})"
-        return value
-
-    def like(self, kind: Token) -> str:
-        op = kind.text.upper()
-        if op in ("LIKE", "ILIKE"):
-            quantifier = self.accept_word("ANY", "SOME", "ALL")
-            if quantifier is not None:
-                items = self.expressions_in_parens()
-                return f"{op} {quantifier.text.upper()} ({items})"
-            pattern = self.value()
-            if self.accept_word("ESCAPE"):
-                return f"{op} {pattern} ESCAPE {self.string_literal()}"
-            return f"{op} {pattern}"
-        return f"{op} {self.value()}"
-
-    def is_predicate(self) -> str:
-        not_ = "NOT " if self.accept_word("NOT") else ""
-        if self.accept_word("DISTINCT"):
-            self.expect_word("FROM")
-            return f"{not_}DISTINCT FROM {self.value()}"
-        kind = self.expect_word("NULL", "TRUE", "FALSE", "UNKNOWN")
-        return f"{not_}{kind.text.upper()}"
-
-    def expressions_in_parens(self) -> str:
-        self.expect_op("(")
-        if self.word_at(0, *QUERY_STARTS):
-            raise _subquery()
-        self.nest()
-        items = [self.expression()]
-        while self.accept_op(","):
-            items.append(self.expression())
-        self.expect_op(")")
-        self.depth -= 1
-        return ", ".join(items)
-
     def string_literal(self) -> str:
         tok = self.take()
         if tok.kind != "string":
             raise SqlSyntaxError(f"expected a string literal, found {tok.raw!r}")
         return single_quoted(tok.raw)
 
-    # -- value expressions: operators by precedence -----------------------------------------
 
-    def binary_level(self) -> int:
+class _Types(_Cursor):
+    """Data types (CAST, ``::``) and DDL schemas, written back canonically."""
+
+    def schema(self) -> str:
+        fields = [self.column()]
+        while self.accept_op(","):
+            fields.append(self.column())
+        return ", ".join(fields)
+
+    def column(self) -> str:
+        name = self.name()
+        return f"{name} {self.full_type()}{self.column_options()}"
+
+    def column_options(self) -> str:
+        out = ""
+        if self.accept_word("NOT"):
+            self.expect_word("NULL")
+            out += " NOT NULL"
+        if self.accept_word("COMMENT"):
+            out += f" COMMENT {self.string_literal()}"
+        return out
+
+    def full_type(self) -> str:
+        """A data type that ends where it should (no '>' of a '>>' left over)."""
+        out = self.data_type()
+        if self.pending_gt:
+            raise SqlSyntaxError(f"unexpected '>' after {out}")
+        return out
+
+    def data_type(self) -> str:
+        tok = self.take()
+        upper = tok.text.upper() if tok.kind == "word" else ""
+        self.nest()
+        if upper in ("ARRAY", "MAP") and self.accept_op("<"):
+            inner = [self.data_type()]
+            if upper == "MAP":
+                self.expect_op(",")
+                inner.append(self.data_type())
+            self.close_angle()
+            out = f"{upper}<{', '.join(inner)}>"
+        elif upper == "STRUCT" and (self.op_at(0, "<") or self.op_at(0, "<>")):
+            out = self.struct_type()
+        elif upper == "INTERVAL":
+            start = self.expect_word(*INTERVAL_TO_UNITS).text.upper()
+            out = f"INTERVAL {start}"
+            if self.accept_word("TO"):
+                out += f" TO {self.expect_word(*INTERVAL_TO_UNITS).text.upper()}"
+        elif upper in PRIMITIVE_TYPES:
+            out = upper + self.type_parameters()
+        else:
+            raise SqlSyntaxError(f"{tok.raw!r} is not a Spark data type")
+        self.depth -= 1
+        return out
+
+    def struct_type(self) -> str:
+        if self.accept_op("<>"):
+            return "STRUCT<>"
+        self.expect_op("<")
+        fields: list[str] = []
+        if not self.accept_close_angle():
+            while True:
+                name = self.name()
+                self.accept_op(":")
+                fields.append(f"{name}: {self.data_type()}{self.column_options()}")
+                if not self.accept_op(","):
+                    break
+            self.close_angle()
+        return f"STRUCT<{', '.join(fields)}>"
+
+    def type_parameters(self) -> str:
+        if not self.accept_op("("):
+            return ""
+        params = []
+        while True:
+            tok = self.take()
+            if tok.kind != "number" or not tok.text.isdigit():
+                raise SqlSyntaxError(f"a type's parameters are whole numbers, not {tok.raw!r}")
+            params.append(tok.text)
+            if not self.accept_op(","):
+                break
+        self.expect_op(")")
+        return f"({','.join(params)})"
+
+    def accept_close_angle(self) -> bool:
+        if self.pending_gt:
+            self.pending_gt -= 1
+            return True
         tok = self.peek()
-        if tok is None:
-            return 0
-        if tok.kind == "op":
-            return BINARY_LEVELS.get(tok.text, 0)
-        return BINARY_LEVELS["DIV"] if tok.is_word("DIV") else 0
+        if tok is not None and tok.is_op(">", ">>", ">>>"):
+            self.take()
+            self.pending_gt = len(tok.text) - 1
+            return True
+        return False
+
+    def close_angle(self) -> None:
+        if not self.accept_close_angle():
+            raise SqlSyntaxError(f"expected '>', found {self._shown(self.peek())}")
+
+
+class _Calls(_Types):
+    """Calls of a function by its plain name, lambdas among their arguments, and the keyword
+    forms of a few functions (``trim(BOTH ... FROM ...)``), written back canonically."""
+
+    def expression(self) -> str:
+        raise NotImplementedError  # _Parser's
 
     def value(self, min_level: int = 1) -> str:
-        """Precedence climbing over ``BINARY_LEVELS``; every operator is left-associative."""
-        left = self.unary()
-        while (level := self.binary_level()) >= min_level:
-            tok = self.take()
-            op = tok.text.upper()
-            if op in ("!<", "!>"):
-                raise SqlSyntaxError(f"{op}: write >= or <=")
-            right = self.value(level + 1)
-            left = f"({left} {op} {right})"
-        return left
+        raise NotImplementedError  # _Parser's
 
-    def unary(self) -> str:
-        tok = self.peek()
-        if tok is not None and tok.is_op("-", "+", "~"):
-            self.take()
-            nxt = self.peek()
-            if tok.text == "-" and nxt is not None and nxt.kind == "number":
-                self.take()  # Spark reads -1 as a literal, not as -(1)
-                return self.postfix(f"-{nxt.text}")
-            self.nest()
-            operand = self.unary()
-            self.depth -= 1
-            return f"({tok.text}({operand}))"
-        if tok is not None and tok.is_op("!"):
-            raise SqlSyntaxError("'!': write NOT")
-        return self.postfix(self.primary())
-
-    def postfix(self, base: str) -> str:
-        while True:
-            if self.op_at(0, "[", ".") and not base.endswith(("`", ")", "]")):
-                base = f"({base})"  # a literal's text could run into what follows (1. is 1.0)
-            if self.accept_op("["):
-                self.nest()
-                index = self.expression()
-                self.expect_op("]")
-                self.depth -= 1
-                base = f"{base}[{index}]"
-            elif self.op_at(0, ".") and self.peek(1) is not None:
-                self.take()
-                base = f"{base}.{self.name()}"
-            elif self.accept_op("::"):
-                base = f"({base})::{self.full_type()}"
-            elif self.op_at(0, "("):
-                raise SqlSyntaxError(
-                    "only a function's plain name may be called (not a qualified name)"
-                )
-            elif self.op_at(0, ":"):
-                raise SqlSyntaxError("':' (a variant path) is not allowed: use variant_get")
-            elif self.word_at(0, "COLLATE"):
-                raise SqlSyntaxError("COLLATE is not allowed in an expression: use collate()")
-            else:
-                return base
-
-    # -- primary expressions ----------------------------------------------------------------
-
-    def primary(self) -> str:
-        params = self.lambda_params()  # Spark's grammar has lambdas among its primaries
-        if params is not None:
-            self.nest()
-            body = self.expression()
-            self.depth -= 1
-            return f"{params} -> {body}"
-        tok = self.take()
-        if tok.kind == "number":
-            return tok.text
-        if tok.kind == "string":
-            parts = [single_quoted(tok.raw)]
-            while self.peek() is not None and self.peek().kind == "string":  # type: ignore[union-attr]
-                parts.append(single_quoted(self.take().raw))
-            return " ".join(parts)
-        if tok.kind == "name":
-            if self.op_at(0, "("):
-                return self.call(tok.text, quoted_name(tok.text))
-            return quoted_name(tok.text)
-        if tok.is_op("("):
-            return self.parenthesized()
-        if tok.kind == "word":
-            return self.word(tok)
-        if tok.is_op("?", ":"):
-            raise SqlSyntaxError("parameters (? or :name) are not allowed")
-        if tok.is_op("*"):
-            raise SqlSyntaxError("'*' is allowed only as a whole select item")
-        raise SqlSyntaxError(f"unexpected {tok.raw!r}")
-
-    def parenthesized(self) -> str:
-        if self.word_at(0, *QUERY_STARTS):
-            raise _subquery()
-        self.nest()
-        inner = self.expression()
-        if self.op_at(0, ","):
-            raise SqlSyntaxError("a row (a, b) is not allowed: use struct(a, b)")
-        self.expect_op(")")
-        self.depth -= 1
-        return inner
-
-    def word(self, tok: Token) -> str:
-        upper = tok.text.upper()
-        nxt = self.peek()
-        if upper in ("NULL", "TRUE", "FALSE"):
-            return upper
-        if upper == "CASE":
-            return self.case()
-        if upper == "INTERVAL":
-            return self.interval()
-        if nxt is not None and nxt.kind == "string":
-            if upper not in TYPED_LITERALS:
-                raise SqlSyntaxError(f"{tok.text} {nxt.raw}: not a typed literal Spark knows")
-            return f"{upper} {single_quoted(self.take().raw)}"
-        if upper in CURRENT_LIKE and not (nxt is not None and nxt.is_op("(")):
-            return tok.text
-        if upper in CURRENT_LIKE and not self.op_at(1, ")"):
-            # Spark reads current_date(x) as current_date AS (x), a column and its aliases
-            raise SqlSyntaxError(f"{tok.text}(...): arguments are written `{tok.text}`(...)")
-        if nxt is not None and nxt.is_op("("):
-            return self.special_call(tok)
-        if upper in RESERVED:
-            self.i -= 1
-            return self.name()  # raises, naming the keyword
-        return quoted_name(tok.text)
-
-    def case(self) -> str:
-        self.nest()
-        subject = "" if self.word_at(0, "WHEN") else f" {self.expression()}"
-        whens = []
-        while self.accept_word("WHEN"):
-            cond = self.expression()
-            self.expect_word("THEN")
-            whens.append(f" WHEN {cond} THEN {self.expression()}")
-        if not whens:
-            raise SqlSyntaxError("CASE needs a WHEN")
-        other = f" ELSE {self.expression()}" if self.accept_word("ELSE") else ""
-        self.expect_word("END")
-        self.depth -= 1
-        return f"CASE{subject}{''.join(whens)}{other} END"
-
-    def interval(self) -> str:
-        """INTERVAL 'text', INTERVAL <value> <unit>..., or INTERVAL <value> <unit> TO <unit>."""
-        nxt, after = self.peek(), self.peek(1)
-        if (
-            nxt is not None
-            and nxt.kind == "string"
-            and not (after is not None and after.is_word(*INTERVAL_UNITS))
-        ):
-            return f"INTERVAL {single_quoted(self.take().raw)}"
-        parts: list[str] = []
-        while parts == [] or self.interval_value_ahead():
-            value = self.interval_value()
-            unit = self.expect_word(*INTERVAL_UNITS).text.upper()
-            parts.append(f"{value} {unit}")
-            if len(parts) == 1 and self.accept_word("TO"):
-                if unit not in INTERVAL_TO_UNITS:
-                    raise SqlSyntaxError(f"INTERVAL ... {unit} TO: not a unit range")
-                return f"INTERVAL {parts[0]} TO {self.expect_word(*INTERVAL_TO_UNITS).text.upper()}"
-        return "INTERVAL " + " ".join(parts)
-
-    def interval_value_ahead(self) -> bool:
-        k = 1 if self.op_at(0, "+", "-") else 0
-        tok = self.peek(k)
-        return (
-            tok is not None
-            and tok.kind in ("number", "string")
-            and self.word_at(k + 1, *INTERVAL_UNITS)
-        )
-
-    def interval_value(self) -> str:
-        sign = self.take().text if self.op_at(0, "+", "-") else ""
-        tok = self.take()
-        if tok.kind == "number" and _PLAIN_NUMBER.fullmatch(tok.text):
-            return f"{sign}{tok.text}"
-        if tok.kind == "string":
-            return f"{sign}{single_quoted(tok.raw)}"
-        raise SqlSyntaxError(
-            f"INTERVAL: expected a whole or decimal number or a string, found {tok.raw!r}"
-        )
-
-    # -- calls ------------------------------------------------------------------------------
+    def named(self) -> str:
+        raise NotImplementedError  # _Parser's
 
     def special_call(self, tok: Token) -> str:
         """A bare word followed by '(': a keyword form Spark parses its own way, or a call."""
@@ -698,102 +510,308 @@ class _Parser:
         self.i += j + 3
         return "(" + ", ".join(quoted_name(t.text) for t in names if t) + ")"
 
-    # -- types ------------------------------------------------------------------------------
 
-    def schema(self) -> str:
-        fields = [self.column()]
-        while self.accept_op(","):
-            fields.append(self.column())
-        return ", ".join(fields)
+class _Parser(_Calls):
+    """Recursive descent over the tokens; each method returns the canonical text of what it
+    read and leaves ``i`` after it."""
 
-    def column(self) -> str:
-        name = self.name()
-        return f"{name} {self.full_type()}{self.column_options()}"
+    def whole(self, rule: Callable[[_Parser], str]) -> Parsed:
+        if not self.toks:
+            raise SqlSyntaxError("empty expression")
+        out = rule(self)
+        if self.i < len(self.toks):
+            raise SqlSyntaxError(f"unexpected {self._shown(self.peek())}")
+        return Parsed(out, tuple(self.calls))
 
-    def column_options(self) -> str:
-        out = ""
+    # -- select items and expressions -------------------------------------------------------
+
+    def named(self) -> str:
+        star = self.star()
+        if star is not None:
+            return star
+        expr = self.expression()
+        if self.accept_word("AS"):
+            if self.accept_op("("):
+                names = [self.name()]
+                while self.accept_op(","):
+                    names.append(self.name())
+                self.expect_op(")")
+                return f"{expr} AS ({', '.join(names)})"
+            return f"{expr} AS {self.name()}"
+        if self.is_name():
+            return f"{expr} AS {self.name()}"
+        return expr
+
+    def star(self) -> str | None:
+        """``*`` or ``a.b.*`` (a whole select item), else None with nothing read."""
+        j, parts = 0, []
+        while self.is_name(j) and self.op_at(j + 1, "."):
+            parts.append(self.peek(j))
+            j += 2
+        if not self.op_at(j, "*") or self.peek(j + 1) is not None:
+            return None
+        self.i += j + 1
+        return ".".join([*(quoted_name(t.text) for t in parts if t), "*"])
+
+    def expression(self) -> str:
+        left = self.conjunction()
+        while self.accept_word("OR"):
+            left = f"({left} OR {self.conjunction()})"
+        return left
+
+    def conjunction(self) -> str:
+        left = self.negation()
+        while self.accept_word("AND"):
+            left = f"({left} AND {self.negation()})"
+        return left
+
+    def negation(self) -> str:
         if self.accept_word("NOT"):
-            self.expect_word("NULL")
-            out += " NOT NULL"
-        if self.accept_word("COMMENT"):
-            out += f" COMMENT {self.string_literal()}"
-        return out
+            self.nest()
+            operand = self.negation()
+            self.depth -= 1
+            return f"(NOT {operand})"
+        if self.word_at(0, "EXISTS") and self.op_at(1, "(") and self.word_at(2, *QUERY_STARTS):
+            raise _subquery()
+        return self.predicated()
 
-    def full_type(self) -> str:
-        """A data type that ends where it should (no '>' of a '>>' left over)."""
-        out = self.data_type()
-        if self.pending_gt:
-            raise SqlSyntaxError(f"unexpected '>' after {out}")
-        return out
+    def predicated(self) -> str:
+        value = self.value()
+        negated = self.word_at(0, "NOT") and self.word_at(
+            1, "BETWEEN", "IN", "LIKE", "ILIKE", "RLIKE", "REGEXP"
+        )
+        not_ = "NOT " if negated and self.take() else ""
+        if self.accept_word("BETWEEN"):
+            low = self.value()
+            self.expect_word("AND")
+            return f"({value} {not_}BETWEEN {low} AND {self.value()})"
+        if self.accept_word("IN"):
+            return f"({value} {not_}IN ({self.expressions_in_parens()}))"
+        kind = self.accept_word("RLIKE", "REGEXP", "LIKE", "ILIKE")
+        if kind is not None:
+            return f"({value} {not_}{self.like(kind)})"
+        if self.accept_word("IS"):
+            return f"({value} IS {self.is_predicate()})"
+        return value
 
-    def data_type(self) -> str:
-        tok = self.take()
-        upper = tok.text.upper() if tok.kind == "word" else ""
+    def like(self, kind: Token) -> str:
+        op = kind.text.upper()
+        if op in ("LIKE", "ILIKE"):
+            quantifier = self.accept_word("ANY", "SOME", "ALL")
+            if quantifier is not None:
+                items = self.expressions_in_parens()
+                return f"{op} {quantifier.text.upper()} ({items})"
+            pattern = self.value()
+            if self.accept_word("ESCAPE"):
+                return f"{op} {pattern} ESCAPE {self.string_literal()}"
+            return f"{op} {pattern}"
+        return f"{op} {self.value()}"
+
+    def is_predicate(self) -> str:
+        not_ = "NOT " if self.accept_word("NOT") else ""
+        if self.accept_word("DISTINCT"):
+            self.expect_word("FROM")
+            return f"{not_}DISTINCT FROM {self.value()}"
+        kind = self.expect_word("NULL", "TRUE", "FALSE", "UNKNOWN")
+        return f"{not_}{kind.text.upper()}"
+
+    def expressions_in_parens(self) -> str:
+        self.expect_op("(")
+        if self.word_at(0, *QUERY_STARTS):
+            raise _subquery()
         self.nest()
-        if upper in ("ARRAY", "MAP") and self.accept_op("<"):
-            inner = [self.data_type()]
-            if upper == "MAP":
-                self.expect_op(",")
-                inner.append(self.data_type())
-            self.close_angle()
-            out = f"{upper}<{', '.join(inner)}>"
-        elif upper == "STRUCT" and (self.op_at(0, "<") or self.op_at(0, "<>")):
-            out = self.struct_type()
-        elif upper == "INTERVAL":
-            start = self.expect_word(*INTERVAL_TO_UNITS).text.upper()
-            out = f"INTERVAL {start}"
-            if self.accept_word("TO"):
-                out += f" TO {self.expect_word(*INTERVAL_TO_UNITS).text.upper()}"
-        elif upper in PRIMITIVE_TYPES:
-            out = upper + self.type_parameters()
-        else:
-            raise SqlSyntaxError(f"{tok.raw!r} is not a Spark data type")
-        self.depth -= 1
-        return out
-
-    def struct_type(self) -> str:
-        if self.accept_op("<>"):
-            return "STRUCT<>"
-        self.expect_op("<")
-        fields: list[str] = []
-        if not self.accept_close_angle():
-            while True:
-                name = self.name()
-                self.accept_op(":")
-                fields.append(f"{name}: {self.data_type()}{self.column_options()}")
-                if not self.accept_op(","):
-                    break
-            self.close_angle()
-        return f"STRUCT<{', '.join(fields)}>"
-
-    def type_parameters(self) -> str:
-        if not self.accept_op("("):
-            return ""
-        params = []
-        while True:
-            tok = self.take()
-            if tok.kind != "number" or not tok.text.isdigit():
-                raise SqlSyntaxError(f"a type's parameters are whole numbers, not {tok.raw!r}")
-            params.append(tok.text)
-            if not self.accept_op(","):
-                break
+        items = [self.expression()]
+        while self.accept_op(","):
+            items.append(self.expression())
         self.expect_op(")")
-        return f"({','.join(params)})"
+        self.depth -= 1
+        return ", ".join(items)
 
-    def accept_close_angle(self) -> bool:
-        if self.pending_gt:
-            self.pending_gt -= 1
-            return True
+    # -- value expressions: operators by precedence -----------------------------------------
+
+    def binary_level(self) -> int:
         tok = self.peek()
-        if tok is not None and tok.is_op(">", ">>", ">>>"):
-            self.take()
-            self.pending_gt = len(tok.text) - 1
-            return True
-        return False
+        if tok is None:
+            return 0
+        if tok.kind == "op":
+            return BINARY_LEVELS.get(tok.text, 0)
+        return BINARY_LEVELS["DIV"] if tok.is_word("DIV") else 0
 
-    def close_angle(self) -> None:
-        if not self.accept_close_angle():
-            raise SqlSyntaxError(f"expected '>', found {self._shown(self.peek())}")
+    def value(self, min_level: int = 1) -> str:
+        """Precedence climbing over ``BINARY_LEVELS``; every operator is left-associative."""
+        left = self.unary()
+        while (level := self.binary_level()) >= min_level:
+            tok = self.take()
+            op = tok.text.upper()
+            if op in ("!<", "!>"):
+                raise SqlSyntaxError(f"{op}: write >= or <=")
+            right = self.value(level + 1)
+            left = f"({left} {op} {right})"
+        return left
+
+    def unary(self) -> str:
+        tok = self.peek()
+        if tok is not None and tok.is_op("-", "+", "~"):
+            self.take()
+            nxt = self.peek()
+            if tok.text == "-" and nxt is not None and nxt.kind == "number":
+                self.take()  # Spark reads -1 as a literal, not as -(1)
+                return self.postfix(f"-{nxt.text}")
+            self.nest()
+            operand = self.unary()
+            self.depth -= 1
+            return f"({tok.text}({operand}))"
+        if tok is not None and tok.is_op("!"):
+            raise SqlSyntaxError("'!': write NOT")
+        return self.postfix(self.primary())
+
+    def postfix(self, base: str) -> str:
+        while True:
+            if self.op_at(0, "[", ".") and not base.endswith(("`", ")", "]")):
+                base = f"({base})"  # a literal's text could run into what follows (1. is 1.0)
+            if self.accept_op("["):
+                self.nest()
+                index = self.expression()
+                self.expect_op("]")
+                self.depth -= 1
+                base = f"{base}[{index}]"
+            elif self.op_at(0, ".") and self.peek(1) is not None:
+                self.take()
+                base = f"{base}.{self.name()}"
+            elif self.accept_op("::"):
+                base = f"({base})::{self.full_type()}"
+            elif self.op_at(0, "("):
+                raise SqlSyntaxError(
+                    "only a function's plain name may be called (not a qualified name)"
+                )
+            elif self.op_at(0, ":"):
+                raise SqlSyntaxError("':' (a variant path) is not allowed: use variant_get")
+            elif self.word_at(0, "COLLATE"):
+                raise SqlSyntaxError("COLLATE is not allowed in an expression: use collate()")
+            else:
+                return base
+
+    # -- primary expressions ----------------------------------------------------------------
+
+    def primary(self) -> str:
+        params = self.lambda_params()  # Spark's grammar has lambdas among its primaries
+        if params is not None:
+            self.nest()
+            body = self.expression()
+            self.depth -= 1
+            return f"{params} -> {body}"
+        tok = self.take()
+        if tok.kind == "number":
+            return tok.text
+        if tok.kind == "string":
+            parts = [single_quoted(tok.raw)]
+            while (nxt := self.peek()) is not None and nxt.kind == "string":
+                parts.append(single_quoted(self.take().raw))
+            return " ".join(parts)
+        if tok.kind == "name":
+            if self.op_at(0, "("):
+                return self.call(tok.text, quoted_name(tok.text))
+            return quoted_name(tok.text)
+        if tok.is_op("("):
+            return self.parenthesized()
+        if tok.kind == "word":
+            return self.word(tok)
+        if tok.is_op("?", ":"):
+            raise SqlSyntaxError("parameters (? or :name) are not allowed")
+        if tok.is_op("*"):
+            raise SqlSyntaxError("'*' is allowed only as a whole select item")
+        raise SqlSyntaxError(f"unexpected {tok.raw!r}")
+
+    def parenthesized(self) -> str:
+        if self.word_at(0, *QUERY_STARTS):
+            raise _subquery()
+        self.nest()
+        inner = self.expression()
+        if self.op_at(0, ","):
+            raise SqlSyntaxError("a row (a, b) is not allowed: use struct(a, b)")
+        self.expect_op(")")
+        self.depth -= 1
+        return inner
+
+    def word(self, tok: Token) -> str:
+        upper = tok.text.upper()
+        nxt = self.peek()
+        if upper in ("NULL", "TRUE", "FALSE"):
+            return upper
+        if upper == "CASE":
+            return self.case()
+        if upper == "INTERVAL":
+            return self.interval()
+        if nxt is not None and nxt.kind == "string":
+            if upper not in TYPED_LITERALS:
+                raise SqlSyntaxError(f"{tok.text} {nxt.raw}: not a typed literal Spark knows")
+            return f"{upper} {single_quoted(self.take().raw)}"
+        if upper in CURRENT_LIKE and not (nxt is not None and nxt.is_op("(")):
+            return tok.text
+        if upper in CURRENT_LIKE and not self.op_at(1, ")"):
+            # Spark reads current_date(x) as current_date AS (x), a column and its aliases
+            raise SqlSyntaxError(f"{tok.text}(...): arguments are written `{tok.text}`(...)")
+        if nxt is not None and nxt.is_op("("):
+            return self.special_call(tok)
+        if upper in RESERVED:
+            self.i -= 1
+            return self.name()  # raises, naming the keyword
+        return quoted_name(tok.text)
+
+    def case(self) -> str:
+        self.nest()
+        subject = "" if self.word_at(0, "WHEN") else f" {self.expression()}"
+        whens = []
+        while self.accept_word("WHEN"):
+            cond = self.expression()
+            self.expect_word("THEN")
+            whens.append(f" WHEN {cond} THEN {self.expression()}")
+        if not whens:
+            raise SqlSyntaxError("CASE needs a WHEN")
+        other = f" ELSE {self.expression()}" if self.accept_word("ELSE") else ""
+        self.expect_word("END")
+        self.depth -= 1
+        return f"CASE{subject}{''.join(whens)}{other} END"
+
+    def interval(self) -> str:
+        """INTERVAL 'text', INTERVAL <value> <unit>..., or INTERVAL <value> <unit> TO <unit>."""
+        nxt, after = self.peek(), self.peek(1)
+        if (
+            nxt is not None
+            and nxt.kind == "string"
+            and not (after is not None and after.is_word(*INTERVAL_UNITS))
+        ):
+            return f"INTERVAL {single_quoted(self.take().raw)}"
+        parts: list[str] = []
+        while parts == [] or self.interval_value_ahead():
+            value = self.interval_value()
+            unit = self.expect_word(*INTERVAL_UNITS).text.upper()
+            parts.append(f"{value} {unit}")
+            if len(parts) == 1 and self.accept_word("TO"):
+                if unit not in INTERVAL_TO_UNITS:
+                    raise SqlSyntaxError(f"INTERVAL ... {unit} TO: not a unit range")
+                return f"INTERVAL {parts[0]} TO {self.expect_word(*INTERVAL_TO_UNITS).text.upper()}"
+        return "INTERVAL " + " ".join(parts)
+
+    def interval_value_ahead(self) -> bool:
+        k = 1 if self.op_at(0, "+", "-") else 0
+        tok = self.peek(k)
+        return (
+            tok is not None
+            and tok.kind in ("number", "string")
+            and self.word_at(k + 1, *INTERVAL_UNITS)
+        )
+
+    def interval_value(self) -> str:
+        sign = self.take().text if self.op_at(0, "+", "-") else ""
+        tok = self.take()
+        if tok.kind == "number" and _PLAIN_NUMBER.fullmatch(tok.text):
+            return f"{sign}{tok.text}"
+        if tok.kind == "string":
+            return f"{sign}{single_quoted(tok.raw)}"
+        raise SqlSyntaxError(
+            f"INTERVAL: expected a whole or decimal number or a string, found {tok.raw!r}"
+        )
 
 
 def _subquery() -> SqlSyntaxError:

@@ -256,15 +256,6 @@ def test_the_bypasses_are_refused_though_spark_reads_a_call_in_each(
     assert expression_problem(text) is not None
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join))
-def test_fuzzed_comment_hint_quote_mixes_are_refused_or_read_by_spark_as_the_guard_said(
-    spark_parser: SparkParser, text: str
-) -> None:
-    if expression_problem(text) is None:
-        assert_spark_reads_as_the_guard(spark_parser, text)
-
-
 # Texts the guard accepts, with comments, quotes and keywords mixed in where they are legal.
 _SPACE = st.sampled_from(
     [" ", "\n", "\t", "/**/", "/* ' */", '/* " */', "/* ` */", "/* -- */", "-- ' \n", "--\\\n\n"]
@@ -283,17 +274,6 @@ def _accepted(draw: st.DrawFn) -> str:
     call = draw(st.sampled_from(["upper", "concat", "coalesce", "md5"]))
     alias = draw(_NAME)
     return f"{sp[0]}{call}{sp[1]}({sp[2]}{operand}{sp[3]}){sp[4]}AS{sp[5]}{alias}"
-
-
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(_accepted())
-def test_comments_and_literals_where_they_are_legal_read_as_the_guard_said(
-    spark_parser: SparkParser, text: str
-) -> None:
-    problem = expression_problem(text)
-    assert problem is None or "keyword" in problem, (text, problem)
-    if problem is None:
-        assert_spark_reads_as_the_guard(spark_parser, text)
 
 
 # Pieces of syntax to drop into the corpus's texts: each mutant is refused, or Spark reads it
@@ -347,13 +327,45 @@ def _mutant(draw: st.DrawFn) -> str:
     return text
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(_mutant())
-def test_the_corpus_with_syntax_dropped_in_is_refused_or_read_as_the_guard_said(
-    spark_parser: SparkParser, text: str
+# Fuzzed texts, three ways: comment/hint/quote fragments strung together; comments and
+# literals where they are legal around a call (mostly accepted); the corpus with syntax
+# dropped in. Each text is refused, or Spark reads it as the guard said. The default run
+# draws the profile's cases (60); CI's slow run draws 3,000 of each.
+FUZZ = {
+    "mixes": st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join),
+    "legal": _accepted(),
+    "mutants": _mutant(),
+}
+
+
+def fuzz(parser: SparkParser, kind: str, examples: int | None) -> None:
+    extra = {} if examples is None else {"max_examples": examples}
+
+    @settings(suppress_health_check=[HealthCheck.too_slow], database=None, **extra)
+    @given(FUZZ[kind])
+    def check(text: str) -> None:
+        problem = expression_problem(text)
+        if kind == "legal":
+            assert problem is None or "keyword" in problem, (text, problem)
+        if problem is None:
+            assert_spark_reads_as_the_guard(parser, text)
+
+    check()
+
+
+@pytest.mark.parametrize("kind", sorted(FUZZ))
+def test_fuzzed_texts_are_refused_or_read_by_spark_as_the_guard_said(
+    spark_parser: SparkParser, kind: str
 ) -> None:
-    if expression_problem(text) is None:
-        assert_spark_reads_as_the_guard(spark_parser, text)
+    fuzz(spark_parser, kind, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(FUZZ))
+def test_thousands_of_fuzzed_texts_are_refused_or_read_by_spark_as_the_guard_said(
+    spark_parser: SparkParser, kind: str
+) -> None:
+    fuzz(spark_parser, kind, 3_000)
 
 
 def test_schemas_read_by_spark_as_the_guard_gives_them(spark_parser: SparkParser) -> None:
