@@ -10,6 +10,7 @@ which implements only the documented Confluent Schema Registry REST routes those
 - ``GET /schemas/ids/{id}`` (``format=serialized`` for PROTOBUF: the stand-in keeps a Protobuf
   schema as registered, which for confluent-kafka's Python serializer is already the base64
   FileDescriptorProto; it translates nothing to or from ``.proto`` text)
+- ``GET /schemas/ids/{id}/versions``: the subject-version pairs of a schema id
 - ``GET /schemas/guids/{guid}``
 - ``GET /subjects``, ``GET /subjects/{subject}/versions``,
   ``GET /subjects/{subject}/versions/{version|latest}``
@@ -148,6 +149,16 @@ class _Routes:
             raise _Error(404, 40403, f"Schema {schema_id} not found")
         return st.body()
 
+    def id_versions(self, q: dict[str, str], body: Any, schema_id: str) -> Any:
+        sid = int(schema_id)
+        if sid not in self.s.schemas:
+            raise _Error(404, 40403, f"Schema {schema_id} not found")
+        return [
+            {"subject": subject, "version": ids.index(sid) + 1}
+            for subject, ids in sorted(self.s.subjects.items())
+            if sid in ids
+        ]
+
     def by_guid(self, q: dict[str, str], body: Any, guid: str) -> Any:
         for st in self.s.schemas.values():
             if st.guid == guid:
@@ -190,6 +201,12 @@ ROUTES: list[tuple[str, str, re.Pattern[str], str]] = [
     ("POST", "POST /subjects/{s}/versions", re.compile(rf"/subjects/{_SEG}/versions"), "register"),
     ("POST", "POST /subjects/{s}", re.compile(rf"/subjects/{_SEG}"), "lookup"),
     ("GET", "GET /schemas/ids/{id}", re.compile(r"/schemas/ids/(\d+)"), "by_id"),
+    (
+        "GET",
+        "GET /schemas/ids/{id}/versions",
+        re.compile(r"/schemas/ids/(\d+)/versions"),
+        "id_versions",
+    ),
     ("GET", "GET /schemas/guids/{guid}", re.compile(rf"/schemas/guids/{_SEG}"), "by_guid"),
     ("GET", "GET /subjects", re.compile(r"/subjects"), "subjects"),
     ("GET", "GET /subjects/{s}/versions", re.compile(rf"/subjects/{_SEG}/versions"), "versions"),

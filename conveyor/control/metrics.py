@@ -93,9 +93,11 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
         for k, doc in SOURCE_GAUGES.items()
     }
     routing = RoutingFamilies()
+    registry = RegistryFamilies()
     for r in rows:
         counters = r.counters
         routing.add(r.name, counters, now)
+        registry.add(r.name, counters)
         for key, fam in families.items():
             fam.add_metric([r.name], float(counters.get(key, 0) or 0))
         if counters.get("lag") is not None:
@@ -115,6 +117,53 @@ def collect(store: MetaStore, now: float | None = None) -> Iterator[Any]:
     yield from (lag, rate, up, state, heartbeat)
     yield from gauges.values()
     yield from routing.families()
+    yield from registry.families()
+
+
+class RegistryFamilies:
+    """A connector's schema registry lookups (decode avro, protobuf, json_schema): how each
+    was answered, what the bounded caches dropped and hold (``formats.registry.Registry``)."""
+
+    LOOKUPS = {
+        "cached": "lookups_cached",
+        "unknown_cached": "lookups_unknown_cached",
+        "requested": "requests",
+    }
+
+    def __init__(self) -> None:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.lookups = CounterMetricFamily(
+            "conveyor_connector_schema_lookups",
+            "Schema lookups by how they were answered: cached (a schema in memory), "
+            "unknown_cached (an id the registry did not know, remembered), requested (asked "
+            "of the registry) (current run).",
+            labels=["connector", "result"],
+        )
+        self.evictions = CounterMetricFamily(
+            "conveyor_connector_schema_cache_evictions",
+            "Entries dropped from the bounded caches: schemas, unknown ids (current run).",
+            labels=["connector", "cache"],
+        )
+        self.entries = GaugeMetricFamily(
+            "conveyor_connector_schema_cache_entries",
+            "Entries in the bounded caches: schemas, unknown ids.",
+            labels=["connector", "cache"],
+        )
+
+    def add(self, name: str, counters: dict[str, Any]) -> None:
+        r = counters.get("schema_registry")
+        if not isinstance(r, dict):
+            return
+        for result, key in self.LOOKUPS.items():
+            self.lookups.add_metric([name, result], float(r.get(key, 0) or 0))
+        self.evictions.add_metric([name, "schemas"], float(r.get("evictions", 0) or 0))
+        self.evictions.add_metric([name, "unknown"], float(r.get("unknown_evictions", 0) or 0))
+        self.entries.add_metric([name, "schemas"], float(r.get("schemas_cached", 0) or 0))
+        self.entries.add_metric([name, "unknown"], float(r.get("unknown_cached", 0) or 0))
+
+    def families(self) -> Iterator[Any]:
+        yield from (self.lookups, self.evictions, self.entries)
 
 
 class RoutingFamilies:

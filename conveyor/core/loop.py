@@ -139,7 +139,8 @@ class Transformer(Protocol):
         """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage.
 
         A transformer may also define ``prepare()``, called once before the first batch,
-        to check its expressions (raising ConfigError). It is called from one thread at a
+        to check its expressions (raising ConfigError), and ``registry_metrics()``, its schema
+        registry lookups as counters (reported with the heartbeat; None without a registry). It is called from one thread at a
         time, but not always the same one (see ``LoopConfig.transform_ahead``).
         """
 
@@ -890,6 +891,7 @@ class ConnectorLoop(LoopControl):
             self.counters,
             lag=self.source.lag(self.committed),
             highwaters=_highwaters(self.source),
+            schema_registry=_transform_metrics(self.transform),
             msgs_per_s=self._rate(now),
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
@@ -1154,6 +1156,12 @@ def _all_coords(table: pa.Table) -> list[tuple[str, int, int]]:
             strict=True,
         )
     )
+
+
+def _transform_metrics(transform: Transformer) -> dict[str, int] | None:
+    """The transform's schema registry lookups (its optional ``registry_metrics()``)."""
+    get = getattr(transform, "registry_metrics", None)
+    return None if get is None else get()
 
 
 def _highwaters(source: Source) -> dict[str, int] | None:

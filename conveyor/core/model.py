@@ -19,7 +19,7 @@ from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import FieldRuleError
 from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.schema_registry import SchemaRegistrySpec
-from conveyor.core.sql_guard import expression_problem
+from conveyor.core.sql_guard import GuardedSql, SqlGuardError, guard_transform
 
 # Matched whole (``fullmatch``): with ``match`` and ``$`` a trailing newline would pass.
 NAME_PATTERN = r"[a-z][a-z0-9_]{0,62}"
@@ -372,9 +372,11 @@ class TransformSpec(_Spec):
         "an expression named __destination routes the row (sinks with use_destination or ${destination}); "
         "one named __truncate (boolean) makes the row a truncate of the target table (the postgres sink "
         "with truncate_enabled). "
-        "Refused: reflect, java_method, try_reflect, IDENTIFIER(...)(...), protobuf and Avro functions, "
-        "subqueries (SELECT, or FROM/TABLE/VALUES/WITH after '(') and USING (script transforms); write a "
-        "column named like one of these words in backticks.",
+        "Each is parsed and Spark runs the parse's canonical text: only Spark's built-in functions on "
+        "Conveyor's allowlist may be called (not reflect, java_method, the XML, Avro and Protobuf functions, "
+        "aggregates or window functions); no subquery, IDENTIFIER(...), hint, parameter or qualified "
+        "function name. A column named like a keyword (select, from, order...) is written in backticks; "
+        "\"...\" is a string, as '...' (docs/OPERATIONS.md, 'Spark SQL in a spec').",
     )
     rename: dict[str, str] = Field(
         default_factory=dict, description="Output column renames, old -> new."
@@ -394,13 +396,17 @@ class TransformSpec(_Spec):
     def _expressions_safe(self) -> TransformSpec:
         """Expressions that could reach beyond the batch on the Spark host are refused
         (``core.sql_guard``), each naming its field: transform.select[2]."""
-        fields = [("filter", self.filter), ("schema", self.json_schema)]
-        fields += [(f"select[{i}]", e) for i, e in enumerate(self.select or [])]
-        for name, text in fields:
-            problem = None if text is None else expression_problem(text)
-            if problem:
-                raise FieldRuleError(problem, field=name)
+        self.guarded_sql()
         return self
+
+    def guarded_sql(self) -> GuardedSql:
+        """The filter, select and schema as Spark is given them (``core.sql_guard``: the
+        parse's canonical text, never the text as written); FieldRuleError naming the
+        field the rule refuses."""
+        try:
+            return guard_transform(self.filter, self.select, self.json_schema)
+        except SqlGuardError as e:
+            raise FieldRuleError(str(e), field=e.field) from None
 
     @model_validator(mode="after")
     def _schema_settings_fit_decode(self) -> TransformSpec:
@@ -844,6 +850,8 @@ class Counters:
     # Messages given up per partition (``topic[partition]``): a position below the log start,
     # or one moved past by ``source.out_of_range`` (core/positions.py).
     given_up: dict[str, int] | None = None
+    # Schema registry lookups of the decoders (``Registry.metrics``; None without a registry).
+    schema_registry: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -64,7 +64,17 @@ class SchemaRegistrySpec(BaseModel):
     cache_capacity: int = Field(
         default=1000,
         ge=1,
-        description="How many schemas the client keeps in memory (looked up by id once each).",
+        description="How many schemas (by id, and subject versions) and how many unknown ids "
+        "are kept in memory, the least recently used dropped first; also how many parsed "
+        "writer schemas each topic's decoder keeps.",
+    )
+    unknown_id_ttl_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86_400,
+        description="How long a schema id the registry answered 'not found' is remembered: "
+        "records naming it fail without a request until then (a topic of random ids costs "
+        "one request per id per period, not one per record). 0: ask every time.",
     )
 
     @field_validator("basic_auth_password", "bearer_token")

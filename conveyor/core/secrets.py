@@ -303,11 +303,14 @@ def keep_stored_secrets(
     config: Mapping[str, Any], stored: Mapping[str, Any] | None, secret_paths: Collection[str]
 ) -> dict[str, Any]:
     """``config`` with each secret field sent back as exactly ``MASK`` replaced by the stored
-    value (the usual GET, edit, PUT round trip). Refused: a mask where nothing is stored, and
-    a mask in a section whose destination changed (``is_destination_field``: the stored
-    secret would be sent to a server the caller chose)."""
+    value (the usual GET, edit, PUT round trip; a secret field that is also a destination,
+    a connection ``url``, included: its mask keeps the stored URL). Refused: a mask where
+    nothing is stored, and a mask in a section whose destination changed
+    (``is_destination_field``: the stored secret would be sent to a server the caller
+    chose)."""
     out: dict[str, Any] = _copy_dicts(config)
-    for path in secret_paths:
+    kept: list[str] = []
+    for path in sorted(secret_paths):
         keys = path.split(".")
         parent = _lookup(out, keys[:-1])
         if not isinstance(parent, dict) or parent.get(keys[-1]) != MASK:
@@ -319,14 +322,19 @@ def keep_stored_secrets(
                 "send the secret as a reference, ${env:NAME} or ${file:/path}",
                 field=path,
             )
-        changed = _changed_destination(parent, _lookup(stored, keys[:-1]))
+        parent[keys[-1]] = old
+        kept.append(path)
+    # Compared once every mask stands for what it keeps: a secret that is also a destination
+    # (a connection URL) sent back as the mask is the stored one, so it changed nothing.
+    for path in kept:
+        keys = path.split(".")
+        changed = _changed_destination(_lookup(out, keys[:-1]), _lookup(stored, keys[:-1]))
         if changed:
             raise ConfigError(
                 f"re-enter {path}: the destination changed ({changed}), so the stored secret "
                 f"is not kept for it; send the secret (a reference) in place of {MASK!r}",
                 field=path,
             )
-        parent[keys[-1]] = old
     return out
 
 

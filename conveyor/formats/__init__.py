@@ -11,6 +11,7 @@ their libraries when a decoder is built, never when this package is.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from conveyor.core.errors import ConfigError
@@ -61,3 +62,17 @@ def payload_decoder(
     raise ConfigError(
         f"unknown format {fmt!r}: avro, protobuf or json_schema", field=f"{prefix}.decode"
     )
+
+
+def registry_metrics(decoders: Iterable[PayloadDecoder]) -> dict[str, int] | None:
+    """The schema registry lookups of these decoders, summed (``Registry.metrics``); None
+    when none of them reads a registry."""
+    total: dict[str, int] | None = None
+    for d in decoders:
+        registry = getattr(d, "registry", None)
+        if registry is None:
+            continue
+        total = total or {}
+        for k, v in registry.metrics().items():
+            total[k] = total.get(k, 0) + v
+    return total

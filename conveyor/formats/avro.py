@@ -32,8 +32,18 @@ from fastavro.read import SchemaResolutionError
 from conveyor.core.errors import ConfigError
 from conveyor.core.home import conveyor_home
 from conveyor.formats.avro_arrow import AvroTypeError, record_type
+from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import Convert, Decoded, converted, payloads, table_of_records
 from conveyor.formats.frame import FrameError, read_frame
+from conveyor.formats.limits import (
+    MAX_TYPE_DEPTH,
+    ReferenceWalk,
+    SchemaLimit,
+    SchemaName,
+    check_schema_text,
+    schema_error,
+    type_depth_limit,
+)
 from conveyor.formats.registry import Registry, UnknownSchema
 
 LATEST = "latest"
@@ -45,11 +55,53 @@ class ParsedSchema:
     def __init__(self, raw: Any, named: dict[str, Any] | None = None):
         self.named: dict[str, Any] = dict(named or {})
         self.parsed = fastavro.parse_schema(raw, named_schemas=self.named)
+        check_type_depth(self.parsed, self.named)  # before record_type recurses through it
         self.row_type, self.convert = record_type(self.parsed, self.named)
 
 
+def check_type_depth(schema: Any, named: dict[str, Any]) -> None:
+    """SchemaLimit when records, arrays and maps nest deeper than ``MAX_TYPE_DEPTH``, named
+    types (from references too) followed; each named type is measured once. A type that
+    contains itself is left to ``record_type``, which refuses it."""
+    memo: dict[str, int] = {}
+
+    def depth(node: Any, level: int, path: frozenset[str]) -> int:
+        if level > MAX_TYPE_DEPTH:
+            raise type_depth_limit(level)
+        if isinstance(node, list):  # a union
+            return max((depth(m, level, path) for m in node), default=0)
+        if isinstance(node, str):
+            if node not in named or node in path:
+                return 0
+            if node not in memo:
+                memo[node] = depth(named[node], level, path | {node})
+            if level + memo[node] > MAX_TYPE_DEPTH:
+                raise type_depth_limit(level + memo[node])
+            return memo[node]
+        if not isinstance(node, dict):
+            return 0
+        kind = node.get("type")
+        if isinstance(kind, (dict, list)):
+            return depth(kind, level, path)
+        name = node.get("name")
+        inner = {"array": [node.get("items")], "map": [node.get("values")]}.get(str(kind))
+        if kind in ("record", "error"):
+            inner = [f.get("type") for f in node.get("fields") or []]
+            path = path | {name} if isinstance(name, str) else path
+        if inner is None:
+            return 0
+        below = 1 + max((depth(t, level + 1, path) for t in inner), default=0)
+        if kind in ("record", "error") and isinstance(name, str):
+            memo[name] = below
+        return below
+
+    depth(schema, 1, frozenset())
+
+
 def parse_avro(text: str, *, what: str, named: dict[str, Any] | None = None) -> ParsedSchema:
-    """``text`` (Avro schema JSON) parsed; ValueError naming ``what`` when it is not one."""
+    """``text`` (Avro schema JSON) parsed; ValueError naming ``what`` when it is not one
+    (SchemaLimit when it is beyond the limits, ``conveyor.formats.limits``)."""
+    check_schema_text(text, json_text=True)
     try:
         return ParsedSchema(json.loads(text), named)
     except AvroTypeError as e:
@@ -93,7 +145,8 @@ class AvroDecoder:
         self.latest = reader_schema == LATEST
         self._fixed = reader_schema is not None and not self.latest  # a reader schema given
         self._checked_id = -1  # the newest writer id the latest version was asked for
-        self._writers: dict[int, ParsedSchema] = {}
+        capacity = registry.spec.cache_capacity if registry is not None else 1
+        self._writers: LruCache[int, ParsedSchema] = LruCache(capacity)  # parsed, by id
         self._reader: ParsedSchema | None = None
         self._reader_id = -1
         self._file: ParsedSchema | None = None
@@ -120,8 +173,8 @@ class AvroDecoder:
             except FrameError as e:
                 frames.append(None)
                 failed[i] = str(e)
-        problems = self._load_writers({f[0] for f in frames if f is not None})
-        reader = self._choose_reader()
+        writers, problems = self._load_writers({f[0] for f in frames if f is not None})
+        reader = self._choose_reader(writers)
         records: list[dict[str, Any] | None] = []
         for i, entry in enumerate(frames):
             record = None
@@ -130,9 +183,9 @@ class AvroDecoder:
                 if sid in problems:
                     failed[i] = problems[sid]
                 else:
-                    record = self._read(i, payload, self._writers[sid], reader, failed)
+                    record = self._read(i, payload, writers[sid], reader, failed)
             records.append(record)
-        assert reader is not None or not self._writers
+        assert reader is not None or not writers
         row_type = reader.row_type if reader is not None else _EMPTY.row_type
         return Decoded(table_of_records(records, row_type, failed), failed)
 
@@ -173,11 +226,17 @@ class AvroDecoder:
             return None
         return _convert_record(i, value, reader.convert, failed)
 
-    def _load_writers(self, ids: set[int]) -> dict[int, str]:
-        """Fetch and parse the writer schemas not cached yet; the ids that failed -> why."""
+    def _load_writers(self, ids: set[int]) -> tuple[dict[int, ParsedSchema], dict[int, str]]:
+        """The batch's writer schemas (cached, else fetched and parsed) by id, and the ids
+        that failed -> why. A writer schema beyond the limits is a ConfigError naming it."""
         assert self.registry is not None
         problems: dict[int, str] = {}
-        for sid in sorted(ids - set(self._writers)):
+        writers: dict[int, ParsedSchema] = {}
+        for sid in sorted(ids):
+            cached = self._writers.get(sid)
+            if cached is not None:
+                writers[sid] = cached
+                continue
             try:
                 schema = self.registry.schema(sid)
             except UnknownSchema as e:
@@ -187,35 +246,51 @@ class AvroDecoder:
                 problems[sid] = f"schema id {sid} is a {schema.schema_type} schema, not Avro"
                 continue
             try:
-                named = self._references(schema.references or [])
-                self._writers[sid] = parse_avro(
-                    schema.schema_str or "", what=f"schema id {sid}", named=named
-                )
+                writers[sid] = self._parse_registered(schema, what=f"schema id {sid}")
             except ValueError as e:
                 problems[sid] = str(e)
-        return problems
+                continue
+            except (SchemaLimit, RecursionError) as e:
+                name = self.registry.schema_name(sid)
+                raise schema_error(name, e, field=self.registry.prefix) from None
+            self._writers.put(sid, writers[sid])
+        return writers, problems
 
-    def _references(self, refs: list[Any], named: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Named types of a schema's references (recursively), for fastavro's parser."""
+    def _parse_registered(self, schema: Any, *, what: str) -> ParsedSchema:
+        """A registered schema with the named types of its references, within the limits."""
+        named = self._references(schema.references or [], ReferenceWalk(), {})
+        return parse_avro(schema.schema_str or "", what=what, named=named)
+
+    def _references(
+        self, refs: list[Any], walk: ReferenceWalk, named: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Named types of a schema's references (recursively, each once), for fastavro's
+        parser."""
         assert self.registry is not None
-        named = {} if named is None else named
         for ref in refs:
-            found = self.registry.version(ref.subject, ref.version)
-            self._references(found.schema.references or [], named)
-            fastavro.parse_schema(json.loads(found.schema.schema_str or ""), named_schemas=named)
+            with walk.enter(ref.subject, ref.version) as new:
+                if not new:
+                    continue
+                found = self.registry.version(ref.subject, ref.version)
+                text = found.schema.schema_str or ""
+                check_schema_text(text, json_text=True)
+                self._references(found.schema.references or [], walk, named)
+                fastavro.parse_schema(json.loads(text), named_schemas=named)
         return named
 
-    def _choose_reader(self) -> ParsedSchema | None:
+    def _choose_reader(self, writers: dict[int, ParsedSchema]) -> ParsedSchema | None:
+        """The reader of a batch with these writers (by id): the one given, the subject's
+        latest, or the newest writer seen so far (it only grows)."""
         if self._fixed:
             return self._reader
-        newest = max(self._writers, default=-1)
+        newest = max(writers, default=-1)
         if newest > self._reader_id:
             if self.latest:
                 if newest > self._checked_id:
                     self._refresh_latest()
                     self._checked_id = newest
             else:
-                self._reader, self._reader_id = self._writers[newest], newest
+                self._reader, self._reader_id = writers[newest], newest
         return self._reader
 
     def _refresh_latest(self) -> None:
@@ -224,13 +299,14 @@ class AvroDecoder:
         sid = int(latest.schema_id or -1)
         if sid == self._reader_id:
             return
+        field = f"{self.prefix}.reader_schema"
         try:
-            named = self._references(latest.schema.references or [])
-            self._reader = parse_avro(
-                latest.schema.schema_str or "", what=f"subject {self.subject!r}", named=named
-            )
+            self._reader = self._parse_registered(latest.schema, what=f"subject {self.subject!r}")
         except ValueError as e:
-            raise ConfigError(str(e), field=f"{self.prefix}.reader_schema") from None
+            raise ConfigError(str(e), field=field) from None
+        except (SchemaLimit, RecursionError) as e:
+            name = SchemaName(sid, ((self.subject, int(latest.version or 0)),))
+            raise schema_error(name, e, field=field) from None
         self._reader_id = sid
 
 
@@ -250,6 +326,8 @@ def _config_schema(text: str, *, field: str) -> ParsedSchema:
         return parse_avro(text, what="the schema")
     except ValueError as e:
         raise ConfigError(str(e), field=field) from None
+    except (SchemaLimit, RecursionError) as e:
+        raise schema_error("the schema", e, field=field) from None
 
 
 _EMPTY = ParsedSchema({"type": "record", "name": "Empty", "fields": []})

@@ -4,9 +4,12 @@ The contract (``PayloadDecoder``): ``decode`` takes a batch's payloads (binary, 
 returns one row per payload, the payload's fields as columns; a payload that cannot be decoded
 (an unknown schema id, a corrupt frame, content its schema does not allow, a record the
 reader schema cannot read) is an all-null row and an entry of ``failed`` saying why, for the
-connector's failure policy. ``decode`` raises only for what is not a record's fault: a
-registry outage (``TransientSinkError``: the batch is retried) or refused credentials
-(``ConfigError``). Decoders keep state between batches (schemas by id, the reader shape), so
+connector's failure policy; so is a record nested deeper than ``limits.MAX_RECORD_NESTING``.
+``decode`` raises only for what is not a record's fault: a registry outage
+(``TransientSinkError``: the batch is retried), refused credentials or a schema beyond the
+limits of ``conveyor.formats.limits`` (``ConfigError``, naming the schema's subject and
+version). Nothing a record or a schema holds makes it raise anything else (no
+``RecursionError``). Decoders keep state between batches (schemas by id, the reader shape), so
 one decoder serves one topic's stream.
 """
 

@@ -45,6 +45,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from conveyor.core.errors import ConfigError
 from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.formats.avro_arrow import AvroTypeError, avro_schema_of
+from conveyor.formats.limits import SchemaLimit, SchemaName, schema_error
 from conveyor.formats.registry import Registry, UnknownSchema, registry_error
 
 SubjectStrategy = Literal["topic", "record", "topic_record"]
@@ -212,6 +213,9 @@ class ProtobufEncoder:
                     f"no usable Protobuf schema for topic {topic!r}: {e}",
                     field="sink.value_message",
                 ) from None
+            except (SchemaLimit, RecursionError) as e:
+                name = SchemaName(None, ((subject, int(latest.version or 0)),))
+                raise schema_error(name, e, field="sink.value_message") from None
             conf = {**self.conf, "use.deprecated.format": False}
             found = self._serializers[topic] = (
                 ProtobufSerializer(cls, self.registry.client, conf),

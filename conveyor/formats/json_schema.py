@@ -32,6 +32,7 @@ from referencing import Resource
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT7
 
+from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import (
     Convert,
     Decoded,
@@ -39,6 +40,13 @@ from conveyor.formats.decoded import (
     decode_each,
 )
 from conveyor.formats.frame import FrameError, read_frame
+from conveyor.formats.limits import (
+    ReferenceWalk,
+    SchemaLimit,
+    check_schema_text,
+    record_nesting_problem,
+    schema_error,
+)
 from conveyor.formats.registry import Registry, UnknownSchema
 
 MAX_DEPTH = 32
@@ -160,7 +168,7 @@ class JsonSchemaDecoder:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._writers: dict[int, _Writer] = {}
+        self._writers: LruCache[int, _Writer] = LruCache(registry.spec.cache_capacity)
 
     def decode(self, values: Any) -> Decoded:
         problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
@@ -175,38 +183,58 @@ class JsonSchemaDecoder:
         writer = self._writer(frame.schema_id, problems)
         if writer is None:
             return problems[frame.schema_id]
+        too_deep = record_nesting_problem(frame.payload)
+        if too_deep is not None:
+            return too_deep
         try:
             doc = json.loads(frame.payload)
         except (ValueError, UnicodeDecodeError) as e:
             return f"not JSON: {e}"
-        error = jsonschema.exceptions.best_match(writer.validator.iter_errors(doc))
-        if error is not None:
-            return f"does not validate against schema id {frame.schema_id}: {error_path(error)}"
         try:
+            error = jsonschema.exceptions.best_match(writer.validator.iter_errors(doc))
+            if error is not None:
+                return f"does not validate against schema id {frame.schema_id}: {error_path(error)}"
             return writer.convert(doc), writer.row_type
         except (ValueError, TypeError) as e:
             return f"not convertible to Arrow: {e}"
+        except RecursionError:  # a schema's $ref chain deeper than jsonschema recurses
+            return f"nested deeper than schema id {frame.schema_id} can be validated"
 
     def _writer(self, sid: int, problems: dict[int, str]) -> _Writer | None:
-        if sid in self._writers or sid in problems:
-            return self._writers.get(sid)
+        if sid in problems:
+            return None
+        cached = self._writers.get(sid)
+        if cached is not None:
+            return cached
         try:
             schema = self.registry.schema(sid)
             if schema.schema_type != "JSON":
                 raise ValueError(f"schema id {sid} is a {schema.schema_type} schema, not JSON")
-            refs = self._references(schema.references or [], RefRegistry())
-            self._writers[sid] = _Writer(json.loads(schema.schema_str or ""), refs)
+            refs = self._references(schema.references or [], RefRegistry(), ReferenceWalk())
+            text = schema.schema_str or ""
+            check_schema_text(text, json_text=True)
+            writer = _Writer(json.loads(text), refs)
         except UnknownSchema as e:
             problems[sid] = str(e)
         except (ValueError, TypeError, Unresolvable, jsonschema.SchemaError) as e:
             problems[sid] = f"schema id {sid} is not a usable JSON Schema: {e}"
-        return self._writers.get(sid)
+        except (SchemaLimit, RecursionError) as e:
+            name = self.registry.schema_name(sid)
+            raise schema_error(name, e, field=self.registry.prefix) from None
+        else:
+            self._writers.put(sid, writer)
+            return writer
+        return None
 
-    def _references(self, refs: list[Any], known: RefRegistry) -> RefRegistry:
+    def _references(self, refs: list[Any], known: RefRegistry, walk: ReferenceWalk) -> RefRegistry:
         for ref in refs:
-            found = self.registry.version(ref.subject, ref.version)
-            known = self._references(found.schema.references or [], known)
-            contents = json.loads(found.schema.schema_str or "")
-            resource = Resource.from_contents(contents, default_specification=DRAFT7)
-            known = known.with_resource(ref.name, resource)
+            with walk.enter(ref.subject, ref.version) as new:
+                if not new:
+                    continue
+                found = self.registry.version(ref.subject, ref.version)
+                text = found.schema.schema_str or ""
+                check_schema_text(text, json_text=True)
+                known = self._references(found.schema.references or [], known, walk)
+                resource = Resource.from_contents(json.loads(text), default_specification=DRAFT7)
+                known = known.with_resource(ref.name, resource)
         return known

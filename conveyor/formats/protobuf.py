@@ -39,8 +39,16 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
+from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import Decoded, decode_each
 from conveyor.formats.frame import FrameError, read_frame
+from conveyor.formats.limits import (
+    MAX_TYPE_DEPTH,
+    ReferenceWalk,
+    SchemaLimit,
+    schema_error,
+    type_depth_limit,
+)
 from conveyor.formats.registry import Registry, UnknownSchema
 
 SERIALIZED = "serialized"
@@ -198,7 +206,7 @@ class ProtobufDecoder:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._writers: dict[int, ProtobufWriter] = {}
+        self._writers: LruCache[int, ProtobufWriter] = LruCache(registry.spec.cache_capacity)
 
     def decode(self, values: Any) -> Decoded:
         problems: dict[int, str] = {}  # schema id -> why its records fail (this batch)
@@ -225,17 +233,22 @@ class ProtobufDecoder:
         return shape.read(msg), shape.row_type
 
     def _writer(self, sid: int, problems: dict[int, str]) -> ProtobufWriter | None:
-        if sid in self._writers:
-            return self._writers[sid]
+        cached = self._writers.get(sid)
+        if cached is not None:
+            return cached
         if sid in problems:
             return None
         try:
             schema = self.registry.schema(sid, SERIALIZED)
-            self._writers[sid] = writer_of(self.registry, schema, f"schema id {sid}")
+            writer = writer_of(self.registry, schema, f"schema id {sid}")
         except (UnknownSchema, ValueError, TypeError) as e:
             problems[sid] = str(e)
             return None
-        return self._writers[sid]
+        except (SchemaLimit, RecursionError) as e:
+            name = self.registry.schema_name(sid)
+            raise schema_error(name, e, field=self.registry.prefix) from None
+        self._writers.put(sid, writer)
+        return writer
 
 
 def writer_of(registry: Registry, schema: Any, what: str) -> ProtobufWriter:
@@ -244,24 +257,60 @@ def writer_of(registry: Registry, schema: Any, what: str) -> ProtobufWriter:
     if schema.schema_type != "PROTOBUF":
         raise ValueError(f"{what} is a {schema.schema_type} schema, not Protobuf")
     pool = _base_pool()
-    _add_references(registry, pool, schema.references or [])
+    _add_references(registry, pool, schema.references or [], ReferenceWalk())
     fd_proto = _file_proto(schema.schema_str or "", what)
     pool.Add(fd_proto)
+    check_message_depth(pool, fd_proto)
     return ProtobufWriter(pool, fd_proto)
 
 
-def _add_references(registry: Registry, pool: DescriptorPool, refs: list[Any]) -> None:
+def _add_references(
+    registry: Registry, pool: DescriptorPool, refs: list[Any], walk: ReferenceWalk
+) -> None:
     for ref in refs:
         try:
             pool.FindFileByName(ref.name)
             continue  # a well-known type, or added through another reference
         except KeyError:
             pass
-        found = registry.version(ref.subject, ref.version, SERIALIZED)
-        _add_references(registry, pool, found.schema.references or [])
-        fd = _file_proto(found.schema.schema_str or "", f"reference {ref.name}")
-        fd.name = ref.name
-        pool.Add(fd)
+        with walk.enter(ref.subject, ref.version) as new:
+            if not new:
+                continue
+            found = registry.version(ref.subject, ref.version, SERIALIZED)
+            _add_references(registry, pool, found.schema.references or [], walk)
+            fd = _file_proto(found.schema.schema_str or "", f"reference {ref.name}")
+            fd.name = ref.name
+            pool.Add(fd)
+
+
+def check_message_depth(pool: DescriptorPool, fd: descriptor_pb2.FileDescriptorProto) -> None:
+    """SchemaLimit when a message of the file holds messages (field types, references'
+    included) nested deeper than ``MAX_TYPE_DEPTH``; each type is measured once. A message
+    that contains itself is left to ``MessageShape``, which refuses it per record."""
+    memo: dict[str, int] = {}
+
+    def depth(desc: Descriptor, level: int, path: frozenset[str]) -> int:
+        if level > MAX_TYPE_DEPTH:
+            raise type_depth_limit(level)
+        below = 0
+        for f in desc.fields:
+            inner = f.message_type
+            if inner is None or inner.full_name in path:
+                continue
+            if inner.full_name not in memo:
+                memo[inner.full_name] = depth(inner, level + 1, path | {inner.full_name})
+            if level + memo[inner.full_name] > MAX_TYPE_DEPTH:
+                raise type_depth_limit(level + memo[inner.full_name])
+            below = max(below, memo[inner.full_name])
+        return 1 + below
+
+    todo = [(fd.package, m) for m in fd.message_type]
+    while todo:
+        prefix, proto = todo.pop()
+        full = f"{prefix}.{proto.name}" if prefix else proto.name
+        todo.extend((full, n) for n in proto.nested_type)
+        if full not in memo:
+            memo[full] = depth(pool.FindMessageTypeByName(full), 1, frozenset({full}))
 
 
 def _file_proto(text: str, what: str) -> descriptor_pb2.FileDescriptorProto:

@@ -30,6 +30,8 @@ from conveyor.core.connection import check_readable
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.schema_registry import SR_SSL_FIELDS, SchemaRegistrySpec
 from conveyor.core.secrets import resolve
+from conveyor.formats.caches import LruCache, UnknownIds
+from conveyor.formats.limits import SchemaName
 
 SCHEMA_NOT_FOUND = 40403
 SUBJECT_NOT_FOUND = 40401
@@ -132,31 +134,94 @@ def registry_error(
 
 
 class Registry:
-    """A registry client for one section; every call's failure classified (see the module)."""
+    """A registry client for one section; every call's failure classified (see the module).
+
+    Lookups are cached here, bounded (``conveyor.formats.caches``): schemas by id and subject
+    versions in LRU caches of ``cache_capacity`` entries, and ids the registry does not know
+    for ``unknown_id_ttl_s`` seconds, so a topic of random ids costs one request per id and
+    period, not one per record. The client's own cache, which nothing bounds, is emptied
+    whenever these drop an entry: it never holds more than what was fetched since."""
 
     def __init__(self, spec: SchemaRegistrySpec, *, prefix: str = "schema_registry"):
         self.spec, self.prefix = spec, prefix
         self.client = SchemaRegistryClient(client_config(spec, prefix=prefix))
         self._latest_lock = threading.Lock()
+        self._schemas: LruCache[tuple[int, str | None], Schema] = LruCache(spec.cache_capacity)
+        self._versions: LruCache[tuple[str, int, str | None], RegisteredSchema] = LruCache(
+            spec.cache_capacity
+        )
+        self._unknown: UnknownIds[tuple[int, str | None]] = UnknownIds(
+            spec.cache_capacity, spec.unknown_id_ttl_s
+        )
+        self.requests = 0  # lookups sent to the registry (by id and by subject version)
 
     def _fail(self, error: Exception, what: str) -> Exception:
         return registry_error(error, self.spec, prefix=self.prefix, what=what)
 
     def schema(self, schema_id: int, fmt: str | None = None) -> Schema:
-        """The schema with this id (cached by the client); UnknownSchema when there is none."""
+        """The schema with this id (cached); UnknownSchema when there is none (remembered for
+        ``unknown_id_ttl_s``)."""
+        key = (schema_id, fmt)
+        found = self._schemas.get(key)
+        if found is not None:
+            return found
+        what = f"schema id {schema_id}"
+        if self._unknown.known_unknown(key):
+            raise UnknownSchema(
+                f"unknown schema id: {what} is not in the schema registry {self.spec.url}"
+            )
+        self.requests += 1
         try:
-            found: Schema = self.client.get_schema(schema_id, fmt=fmt)
+            found = self.client.get_schema(schema_id, fmt=fmt)
         except Exception as e:
-            raise self._fail(e, f"schema id {schema_id}") from None
+            error = self._fail(e, what)
+            if isinstance(error, UnknownSchema):
+                self._unknown.add(key)
+            raise error from None
+        self._kept(self._schemas, key, found)
         return found
 
     def version(self, subject: str, version: int, fmt: str | None = None) -> RegisteredSchema:
-        """A subject's version (a schema's reference)."""
+        """A subject's version (a schema's reference; cached)."""
+        key = (subject, int(version), fmt)
+        found = self._versions.get(key)
+        if found is not None:
+            return found
+        self.requests += 1
         try:
-            found: RegisteredSchema = self.client.get_version(subject, version, True, fmt)
+            found = self.client.get_version(subject, version, True, fmt)
         except Exception as e:
             raise self._fail(e, f"subject {subject!r} version {version}") from None
+        self._kept(self._versions, key, found)
         return found
+
+    def _kept(self, cache: LruCache[Any, Any], key: Any, value: Any) -> None:
+        evicted = cache.evictions
+        cache.put(key, value)
+        if cache.evictions != evicted:
+            self.client.clear_caches()  # the client's cache is not bounded: keep it small
+
+    def metrics(self) -> dict[str, int]:
+        """What the lookups cost (counters) and what the caches hold (gauges)."""
+        return {
+            "lookups_cached": self._schemas.hits + self._versions.hits,
+            "lookups_unknown_cached": self._unknown.hits,
+            "requests": self.requests,
+            "evictions": self._schemas.evictions + self._versions.evictions,
+            "unknown_evictions": self._unknown.evictions,
+            "schemas_cached": len(self._schemas) + len(self._versions),
+            "unknown_cached": len(self._unknown),
+        }
+
+    def schema_name(self, schema_id: int) -> SchemaName:
+        """How errors name a writer schema: its id and the subject versions it is (asked of
+        the registry, ``GET /schemas/ids/{id}/versions``; the id alone if it cannot say)."""
+        try:
+            found = self.client.get_schema_versions(schema_id)
+        except Exception:  # noqa: BLE001 - a name for an error message, best effort
+            return SchemaName(schema_id)
+        pairs = tuple((str(v.subject), int(v.version)) for v in found if v.subject and v.version)
+        return SchemaName(schema_id, pairs)
 
     def latest(self, subject: str, fmt: str | None = None) -> RegisteredSchema:
         """The subject's newest version, asked of the registry again (not the client's cache)."""

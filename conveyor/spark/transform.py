@@ -41,7 +41,7 @@ from conveyor.core.model import (
     NullValues,
     TransformSpec,
 )
-from conveyor.formats import PayloadDecoder, payload_decoder
+from conveyor.formats import PayloadDecoder, payload_decoder, registry_metrics
 from conveyor.spark.envelopes import (
     OP_COL,
     debezium_json_columns,
@@ -84,6 +84,13 @@ class SparkTransformer:
 
     def __init__(self, spec: TransformSpec, session: Any | Callable[[], Any]):
         self.spec = spec
+        # What Spark is given: the guard's canonical text of the filter, select and schema,
+        # never the spec's text (core.sql_guard). Guarded here too: a spec copied without
+        # validation (model_copy) reaches Spark only through this.
+        try:
+            self._sql = spec.guarded_sql()
+        except ValueError as e:
+            raise ConfigError(f"transform: {e}", field="transform") from None
         self._session_or_factory = session
         self._session: Any = None
         self._session_lock = threading.Lock()  # batches may be transformed on several threads
@@ -144,7 +151,7 @@ class SparkTransformer:
             )
         else:
             invalid = f"(NOT {tomb} AND try_parse_json({value_str}) IS NULL)"
-            if spec.json_schema:
+            if self._sql.schema:
                 df = self._decode_json_with_schema(df, used, value_str, tomb)
             else:
                 df = df.selectExpr(
@@ -153,10 +160,10 @@ class SparkTransformer:
                     f"CASE WHEN {invalid} THEN '{NOT_JSON}' END AS {BAD_COL}",
                     f"CASE WHEN {tomb} THEN NULL ELSE {value_str} END AS value",
                 )
-        if spec.filter:
-            df = df.where(f"{BAD_COL} IS NOT NULL OR coalesce(({spec.filter}), false)")
-        if spec.select:
-            df = df.selectExpr(ROW_COL, BAD_COL, *spec.select)
+        if self._sql.filter:
+            df = df.where(f"{BAD_COL} IS NOT NULL OR coalesce(({self._sql.filter}), false)")
+        if self._sql.select:
+            df = df.selectExpr(ROW_COL, BAD_COL, *self._sql.select)
         elif used or spec.envelope == "debezium":
             # The envelope's __op is for the filter and select, never a column of the target.
             df = df.drop(*used, *([OP_COL] if spec.envelope == "debezium" else []))
@@ -360,7 +367,7 @@ class SparkTransformer:
             [{f.name: _sample_value(f.type) for f in source_schema}], schema=source_schema
         )
         try:
-            if self.spec.decode == Decode.JSON and self.spec.json_schema:
+            if self.spec.decode == Decode.JSON and self._sql.schema:
                 # Before the pipeline: envelope: debezium selects the row's fields by name.
                 self._json_fields = self._decoded_fields(self._shipped(sample))
             df = self._pipeline(self.session.createDataFrame(self._shipped(sample)))
@@ -395,8 +402,14 @@ class SparkTransformer:
     def _json_ddl(self) -> str:
         """decode json: the DDL from_json reads (envelope: debezium: the event's, around the
         row's ``schema``)."""
-        ddl = self.spec.json_schema or ""
+        ddl = self._sql.schema or ""
         return debezium_json_schema(ddl) if self.spec.envelope == "debezium" else ddl
+
+    def registry_metrics(self) -> dict[str, int] | None:
+        """The schema registry lookups of the topics' decoders (None: no registry read)."""
+        # Not under the decode lock: the heartbeat must not wait for a batch's decoding
+        # (list() of a dict's values is one step under the GIL).
+        return registry_metrics(list(self._decoders.values()))
 
     def prepare(self) -> None:
         from conveyor.brokers.kafka import SOURCE_SCHEMA

@@ -129,3 +129,66 @@ def test_a_literal_mysql_password_with_a_space_is_refused(api: Api) -> None:
     assert r.status_code == 400, r.text
     assert "written literally" in r.json()["message"]
     assert not (api.connectors / "my_literal.yaml").exists()
+
+
+# Issue 45: secret fields that are also the destination. Each is shown as the mask, so a GET
+# then PUT sent it back as the mask, which was refused as "destination changed (url)".
+MASKED_DESTINATIONS = {
+    "postgres": ({"url": "postgresql://app@127.0.0.1:5432/test", "table": "t"}, "table", "t2"),
+    "mysql": ({"url": "mysql://root@127.0.0.1:3306/test", "table": "t"}, "table", "t2"),
+    "mongodb": (
+        {"url": "mongodb://127.0.0.1:27017/", "database": "d", "collection": "c"},
+        "collection",
+        "c2",
+    ),
+    "rabbitmq": ({"url": "amqp://guest@127.0.0.1:5672/%2F", "exchange": "x"}, "exchange", "x2"),
+}
+
+
+@pytest.mark.parametrize("sink_type", sorted(MASKED_DESTINATIONS))
+def test_get_then_put_of_a_masked_url_keeps_the_stored_url(api: Api, sink_type: str) -> None:
+    sink, field, other = MASKED_DESTINATIONS[sink_type]
+    name = f"masked_{sink_type}"
+    cfg = {"source": {"topics": ["orders"]}, "sink": {"type": sink_type, **sink}}
+    r = api.call("PUT", f"/connectors/{name}/config", json={**cfg, "desired": "stopped"})
+    assert r.status_code == 201, r.text
+    path = api.connectors / f"{name}.yaml"
+    try:
+        shown = api.call("GET", f"/connectors/{name}/config").json()
+        assert shown["sink"]["url"] == MASK
+        # The round trip as it is, then with another field edited: the stored URL stays.
+        r = api.call("PUT", f"/connectors/{name}/config", json=shown)
+        assert r.status_code == 200, r.text
+        shown["sink"][field] = other
+        r = api.call("PUT", f"/connectors/{name}/config", json=shown)
+        assert r.status_code == 200, r.text
+        on_disk = yaml.safe_load(path.read_text())
+        assert (on_disk["sink"]["url"], on_disk["sink"][field]) == (sink["url"], other)
+        assert MASK not in path.read_text()
+        assert api.call("GET", f"/connectors/{name}/config").json()["sink"][field] == other
+    finally:
+        api.call("DELETE", f"/connectors/{name}")
+
+
+def test_a_masked_url_with_another_destination_changed_is_still_refused(api: Api) -> None:
+    name = "masked_moved"
+    sink = {"type": "mongodb", "url": "mongodb://127.0.0.1:27017/", "database": "d"}
+    cfg = {"source": {"topics": ["o"]}, "sink": {**sink, "collection": "c"}, "desired": "stopped"}
+    assert api.call("PUT", f"/connectors/{name}/config", json=cfg).status_code == 201
+    path = api.connectors / f"{name}.yaml"
+    try:
+        shown = api.call("GET", f"/connectors/{name}/config").json()
+        shown["sink"]["database"] = "elsewhere"
+        r = api.call("PUT", f"/connectors/{name}/config", json=shown)
+        assert r.status_code == 400, r.text
+        assert "re-enter sink.url: the destination changed (database)" in r.json()["message"]
+        assert yaml.safe_load(path.read_text())["sink"]["database"] == "d"
+        # The URL entered again (here the same one, as a reference) with the new database: ok.
+        shown["sink"]["url"] = "${env:CONVEYOR_MONGO_URL}"
+        r = api.call("PUT", f"/connectors/{name}/config", json=shown)
+        assert r.status_code == 200, r.text
+        on_disk = yaml.safe_load(path.read_text())
+        assert on_disk["sink"]["url"] == "${env:CONVEYOR_MONGO_URL}"
+        assert on_disk["sink"]["database"] == "elsewhere"
+    finally:
+        api.call("DELETE", f"/connectors/{name}")

@@ -31,6 +31,23 @@ ORDERS_COUNTERS = {
     "lag": 17,
     "msgs_per_s": 99.5,
     "highwaters": {"orders[0]": 1244, "orders[1]": 773},
+    # Schema registry lookups (issue 45): as formats.registry.Registry.metrics reports them.
+    "schema_registry": {
+        "lookups_cached": 9000,
+        "lookups_unknown_cached": 800,
+        "requests": 41,
+        "evictions": 12,
+        "unknown_evictions": 3,
+        "schemas_cached": 29,
+        "unknown_cached": 17,
+    },
+}
+# Families with one more label than the connector, each from a fixed set of values.
+BOUNDED_LABELS = {
+    "conveyor_connector_state": "state",
+    "conveyor_connector_schema_lookups_total": "result",
+    "conveyor_connector_schema_cache_evictions_total": "cache",
+    "conveyor_connector_schema_cache_entries": "cache",
 }
 
 
@@ -177,13 +194,31 @@ def test_metrics_reflect_the_meta_store(server: str):
     assert value(samples, "conveyor_connector_messages_sent_total", "fresh") == 0
     assert value(samples, "conveyor_connector_heartbeat_age_seconds", "fresh") is None
 
-    # Low cardinality: the connector label only (plus state on the state gauge), one prefix.
+    # The schema registry's lookups, by how they were answered, and its bounded caches.
+    lookups = {
+        r: value(samples, "conveyor_connector_schema_lookups_total", "orders", result=r)
+        for r in ("cached", "unknown_cached", "requested")
+    }
+    assert lookups == {"cached": 9000, "unknown_cached": 800, "requested": 41}
+    assert (
+        value(samples, "conveyor_connector_schema_cache_evictions_total", "orders", cache="unknown")
+        == 3
+    )
+    assert (
+        value(samples, "conveyor_connector_schema_cache_entries", "orders", cache="schemas") == 29
+    )
+    assert types["conveyor_connector_schema_lookups"] == "counter"
+    assert (
+        value(samples, "conveyor_connector_schema_lookups_total", "done", result="cached") is None
+    )
+
+    # Low cardinality: the connector label only (plus one label of a fixed set: the state
+    # gauge's state, the registry's result and cache), one prefix.
     for (name, labels), _ in samples.items():
         assert name.startswith("conveyor_connector_"), name
         keys = {k for k, _ in labels}
-        assert keys == (
-            {"connector", "state"} if name == "conveyor_connector_state" else {"connector"}
-        ), (name, keys)
+        extra = BOUNDED_LABELS.get(name)
+        assert keys == ({"connector", extra} if extra else {"connector"}), (name, keys)
     assert types["conveyor_connector_messages_sent"] == "counter"
     assert types["conveyor_connector_lag"] == "gauge"
     assert sum(

@@ -8,6 +8,7 @@ guard (core.sql_guard follows Spark's lexer)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ def hostile(marker: Path, secret: Path) -> list[str]:
         f"(FROM (SELECT 1 AS a) t MAP a USING 'touch {marker}' AS (b STRING)) AS b",
         "java_method('java.lang.System', 'getProperty', 'user.dir') AS d",
         f"(SELECT first(value) FROM text.`{secret}`) AS s",
+        # issue 45: Spark opens no nested comment at /*+, so this is a call of reflect
+        "/* /*+ */ concat(reflect('java.lang.System', 'getProperty', 'java.version'), '*/') "
+        "AS leaked /* ' */",
     ]
 
 
@@ -59,6 +63,7 @@ def test_hostile_expressions_run_unguarded_but_a_spec_never_lets_them_reach_spar
     # The control: each one does what it says on a session nothing restricts.
     row = unguarded.range(1).selectExpr(*exprs).collect()[0]
     assert marker.exists() and row["d"] and row["s"] == "HOST-SECRET-3f1c"
+    assert re.fullmatch(r"\d+[.\d]*.*\*/", row["leaked"])  # the JVM's version: a Java call
     marker.unlink()
     for expr in exprs:
         with pytest.raises(pydantic.ValidationError) as e:
@@ -67,6 +72,24 @@ def test_hostile_expressions_run_unguarded_but_a_spec_never_lets_them_reach_spar
         with pytest.raises(pydantic.ValidationError):
             TransformSpec.model_validate({"filter": f"{expr.rsplit(' AS ', 1)[0]} IS NOT NULL"})
     assert not marker.exists()
+
+
+def test_xml_functions_that_open_host_files_are_refused_and_xpath_expands_no_entity(
+    unguarded: Any, tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret.xsd"
+    secret.write_text("HOST-SECRET-3f1c\n")
+    opened = f"from_xml('<a>1</a>', 'a INT', map('rowValidationXSDPath', '{secret}')) AS x"
+    # The control: Spark opens the file the option names (its content is no XSD).
+    with pytest.raises(Exception, match="secret.xsd"):
+        unguarded.range(1).selectExpr(opened).collect()
+    with pytest.raises(pydantic.ValidationError, match="from_xml"):
+        TransformSpec.model_validate({"select": [opened]})
+    # xpath stays allowed: an external entity naming the file is not expanded.
+    doc = f'<?xml version="1.0"?><!DOCTYPE a [<!ENTITY e SYSTEM "file://{secret}">]><a>&e;</a>'
+    expr = f"xpath_string('{doc}', 'a') AS s"
+    TransformSpec.model_validate({"select": [expr]})
+    assert unguarded.range(1).selectExpr(expr).collect()[0]["s"] == ""
 
 
 def test_a_transforms_session_reads_no_file_through_sql(spark_remote: str, tmp_path: Path) -> None:

@@ -16,11 +16,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
+import pydantic
 import pytest
 
 from conveyor.brokers.kafka import SOURCE_SCHEMA
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import TransformSpec
+from conveyor.core.registry import format_validation_error
 from conveyor.spark import transform as transform_module
 from conveyor.spark.session import spark_session
 from conveyor.spark.transform import SparkTransformer
@@ -215,8 +217,7 @@ def test_every_row_undecodable(spark):
     "spec, words",
     [
         ({"schema": "id BIGINT", "filter": "no_such_column > 1"}, "no_such_column"),
-        ({"schema": "id BIGINT", "select": ["id +"]}, "Spark rejected the transform"),
-        ({"schema": "id NOT_A_TYPE"}, "Spark rejected the transform"),
+        ({"schema": "id BIGINT", "select": ["upper(id, id)"]}, "Spark rejected the transform"),
     ],
 )
 def test_a_bad_expression_is_a_config_error_naming_the_transform(spark, spec, words):
@@ -225,6 +226,19 @@ def test_a_bad_expression_is_a_config_error_naming_the_transform(spark, spec, wo
         t.prepare()
     assert e.value.field == "transform"
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"schema": "id BIGINT", "select": ["id +"]}, "select[0]: the expression ends too early"),
+        ({"schema": "id NOT_A_TYPE"}, "schema: 'NOT_A_TYPE' is not a Spark data type"),
+    ],
+)
+def test_an_expression_that_does_not_parse_is_refused_by_the_spec(spec, words):
+    with pytest.raises(pydantic.ValidationError) as e:
+        TransformSpec.model_validate({"decode": "json", **spec})
+    assert words in format_validation_error(e.value)
 
 
 @pytest.mark.parametrize("decode", ["json", "text", "raw"])

@@ -84,3 +84,25 @@ def test_a_spec_file_holding_them_is_refused_at_load(tmp_path: Path) -> None:
     loaded = load_file(path)
     assert loaded.spec is None and loaded.error is not None
     assert "transform.select[0]: function java_method() is not allowed" in loaded.error
+
+
+# Issue 45: texts the earlier lexer passed (PUT answered 201) that Spark reads as calls.
+BYPASSES_45 = [
+    "/* /*+ */ concat(reflect('java.lang.System','getenv','HOME'), '*/') AS leaked /* ' */",
+    "\"reflect\"('java.lang.System', 'getenv', 'HOME')",
+    "from_xml('<a>1</a>', 'a INT', map('rowValidationXSDPath', '/etc/passwd')) AS x",
+]
+
+
+@pytest.mark.parametrize("expr", BYPASSES_45)
+def test_the_issue_45_bypasses_are_refused_with_400(api: Api, expr: str) -> None:
+    config = spec(transform={"schema": "id BIGINT", "select": ["id", expr]})
+    r = api.call("PUT", "/connectors/bypass45/config", json=config)
+    assert r.status_code == 400, r.text
+    assert "transform.select[1]: " in r.json()["message"], r.text
+    assert api.call("GET", "/connectors/bypass45").status_code == 404
+    # The same connector with a legit select is created: the guard refuses what it must only.
+    config["transform"]["select"] = ["id", "upper(CAST(id AS STRING)) /* c */ AS s"]
+    r = api.call("PUT", "/connectors/bypass45/config", json=config)
+    assert r.status_code == 201, r.text
+    assert api.call("DELETE", "/connectors/bypass45").status_code in (200, 204)

@@ -745,6 +745,16 @@ def test_heartbeat_reports_high_watermarks_per_partition_when_the_source_knows_t
 def test_heartbeat_has_no_high_watermarks_when_the_source_has_none():
     loop, _, _, _, _, _ = make_loop([source_batch(0, 10)])
     assert run_loop(loop).highwaters is None
+    assert loop.counters.schema_registry is None  # no registry_metrics on the transform
+
+
+def test_heartbeat_reports_the_transforms_schema_registry_lookups():
+    loop, _, _, committer, _, _ = make_loop([source_batch(0, 100)])
+    lookups = {"requests": 3, "lookups_cached": 97}
+    loop.transform.registry_metrics = lambda: dict(lookups)  # type: ignore[attr-defined]
+    counters = run_loop(loop)
+    assert counters.schema_registry == lookups
+    assert committer.heartbeats[-1][2].schema_registry == lookups
 
 
 class EndlessSource:

@@ -266,6 +266,27 @@ def test_a_mask_sent_back_with_a_changed_destination_is_refused() -> None:
         keep_stored_secrets(added, stored, {"sink.password"})
 
 
+def test_a_masked_secret_that_is_also_the_destination_round_trips() -> None:
+    """Issue 45: a connection URL is a secret field and a destination; its mask sent back
+    unchanged is the stored URL (it was refused as 'destination changed (url)')."""
+    stored = {
+        "sink": {"type": "mongodb", "url": "mongodb://app@db:27017", "database": "shop"},
+        "catalog": {"uri": "sqlite:///c.db", "token": "t0k"},
+    }
+    paths = {"sink.url", "catalog.uri", "catalog.token"}
+    sent = {"sink": {**stored["sink"], "url": MASK}, "catalog": {"uri": MASK, "token": MASK}}
+    kept = keep_stored_secrets(sent, stored, paths)
+    assert kept == stored
+    moved = {**sent, "sink": {**sent["sink"], "database": "other"}}
+    with pytest.raises(
+        ConfigError, match=r"re-enter sink.url: the destination changed \(database\)"
+    ):
+        keep_stored_secrets(moved, stored, paths)
+    pointed = {**sent, "catalog": {"uri": "sqlite:///elsewhere.db", "token": MASK}}
+    with pytest.raises(ConfigError, match=r"re-enter catalog.token: .*changed \(uri\)"):
+        keep_stored_secrets(pointed, stored, paths)
+
+
 def test_every_config_field_naming_a_place_is_a_destination() -> None:
     """The one list (``secrets.DESTINATION_FIELDS`` and its name rule) covers the models."""
     import re

@@ -1,14 +1,22 @@
-"""The rule that keeps a transform's Spark SQL to its batch (conveyor.core.sql_guard), on a
-hostile corpus, and the spec validation that applies it (issue 34, C1)."""
+"""The rule that keeps a transform's Spark SQL to its batch (conveyor.core.sql_guard) on a
+hostile corpus, the canonical text Spark is given, and the spec validation that applies it
+(issues 34 and 45). That Spark's own parser reads each accepted text as the guard did is
+tests/integration/test_spark_sql_parse.py's."""
 
 from __future__ import annotations
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from conveyor.core.errors import ConfigError
 from conveyor.core.model import TransformSpec
 from conveyor.core.registry import format_validation_error
-from conveyor.core.sql_guard import expression_problem, tokenize
+from conveyor.core.spark_functions import ALLOWED_FUNCTIONS
+from conveyor.core.spark_sql_lexer import SqlSyntaxError, tokenize
+from conveyor.core.spark_sql_parser import parse_named
+from conveyor.core.sql_guard import expression_problem, guard_transform
 
 # Expressions the existing tests and docs use, and words inside literals or names.
 ALLOWED = [
@@ -32,6 +40,12 @@ ALLOWED = [
     "a IS DISTINCT FROM b",
     "id IN (1, 2, 3)",
     "CASE WHEN id > 1 THEN 'big' ELSE 'small' END",
+    "CASE WHEN amount % 2 = 0 THEN 'o.even' ELSE 'o.odd' END AS __destination",
+    "coalesce(op = 't', false) AS __truncate",
+    "CAST(amount AS DECIMAL(10,2)) AS amount",
+    "to_date(CAST(ordered_at AS TIMESTAMP)) AS day",
+    "unbase64(after.by) AS by",
+    "address.city AS city",
     "'reflect(' AS s",
     "'java_method(x)' AS s",
     '"SELECT * FROM t" AS s',
@@ -47,15 +61,18 @@ ALLOWED = [
     "x'41' AS b",
     "id -- reflect(\n + 1",
     "id /* reflect( */ + 1",
-    "id /* /* nested */ reflect( */ + 1",
-    "value:a.b",
     "current_catalog()",
     "input_file_name()",
     "url_decode(name)",
     "xpath_string(name, '/a')",
-    "count(*) OVER (PARTITION BY id)",
     "id\u00a0+\u30001",
-    "percentile_cont(0.5) WITHIN GROUP (ORDER BY id)",
+    "*",
+    "after.*",
+    "interval 1 day + __timestamp",
+    "dateadd(DAY, 1, __timestamp)",
+    "a::int + 1",
+    "variant_get(parse_json(value), '$.a', 'int')",
+    "explode(array(1, 2)) AS (v)",
 ]
 
 REFUSED = [
@@ -85,6 +102,26 @@ REFUSED = [
     "identifier('reflect')('java.lang.System', 'getenv', 'X')",
     "from_protobuf(__value, 'M', '/etc/passwd')",
     "from_avro(__value, '{}', map('avroSchemaUrl', 'file:///etc/passwd'))",
+    # issue 45: Spark's lexer opens no nested comment at /*+; a double-quoted name; XML options
+    "/* /*+ */ concat(reflect('java.lang.System','getenv','HOME'), '*/') AS leaked /* ' */",
+    "\"reflect\"('java.lang.System', 'getenv', 'HOME')",
+    "from_xml('<a>1</a>', 'a INT', map('rowValidationXSDPath', '/etc/passwd'))",
+    "schema_of_xml('<a>1</a>', map('rowValidationXSDPath', '/etc/passwd'))",
+    "id /* /* nested */ reflect( */ + 1",
+    "/*+ hint */ id",
+    # whatever is not on the allowlist, and aggregate and window forms
+    "my_udf(id)",
+    "count(*) OVER (PARTITION BY id)",
+    "sum(id)",
+    "row_number()",
+    "upper(id) OVER ()",
+    "count(DISTINCT id)",
+    "percentile_cont(0.5) WITHIN GROUP (ORDER BY id)",
+    "first(id)",
+    "value:a.b",
+    "?",
+    ":name",
+    "mask(str => name)",
     # subqueries: any relation but the batch
     "(SELECT first(value) FROM text.`/etc/passwd`) AS passwd",
     "(select concat_ws('|', collect_list(value)) from text.`/etc/passwd`)",
@@ -103,6 +140,7 @@ REFUSED = [
     "(FROM (VALUES 1) t MAP a USING 'cat /etc/passwd' AS (b STRING))",
     "(SELECT TRANSFORM(1) USING 'id' AS (b STRING))",
     "x USING 'id'",
+    "select",
     # lexer desynchronisation
     "r'\\' || reflect('java.lang.System', 'getenv', 'X') || '\\'",
     "/* /* */ ' */ reflect('java.lang.System', 'getenv', 'X') /* ' */",
@@ -118,6 +156,13 @@ REFUSED = [
     "reflect\u200b('java.lang.System', 'getenv', 'X')",
     "id\u0000",
     "ｒeflect('java.lang.System', 'getenv', 'X')",
+    "1a + 1",
+    "(" * 5000 + "1" + ")" * 5000,
+    "-" * 5000 + "1",
+    "NOT " * 5000 + "a",
+    "transform(a, " + "x -> " * 3000 + "x)",
+    "CASE WHEN " * 3000 + "a",
+    "cast(" * 3000 + "a",
 ]
 
 
@@ -131,14 +176,37 @@ def test_refused_expressions(expr: str) -> None:
     assert expression_problem(expr) is not None
 
 
-def test_tokens_match_sparks_lexer() -> None:
-    kinds = [(t.kind, t.text) for t in tokenize("R'a\\' `b``c` 'd''e' \"f\\\"g\" -- x\nH")]
-    assert kinds == [
-        ("string", "a\\"),
+@pytest.mark.parametrize("expr", ALLOWED)
+def test_the_canonical_text_reads_back_as_itself(expr: str) -> None:
+    text = parse_named(expr).text
+    assert parse_named(text).text == text
+
+
+def test_spark_is_given_the_canonical_text_not_the_text_as_written() -> None:
+    sql = guard_transform(
+        'id /* c */ > 1 AND name <> "x"',
+        ["upper(name) -- c\n AS name", "'it''s' s", "CAST(a AS array<array<int>>)"],
+        'id BIGINT, `values` ARRAY<INT> NOT NULL COMMENT "it\'s"',
+    )
+    assert sql.filter == "((`id` > 1) AND (`name` <> 'x'))"
+    assert sql.select == (
+        "`upper`(`name`) AS `name`",
+        "'it''s' AS `s`",
+        "CAST(`a` AS ARRAY<ARRAY<INT>>)",
+    )
+    assert sql.schema == "`id` BIGINT, `values` ARRAY<INT> NOT NULL COMMENT 'it\\'s'"
+
+
+def test_tokens_as_sparks_lexer_cuts_them() -> None:
+    toks = tokenize("R'a\\' `b``c` 'd''e' \"f\\\"g\" -- x\nH >>> 1.5e3BD")
+    assert [(t.kind, t.text) for t in toks] == [
+        ("string", "R'a\\'"),
         ("name", "b`c"),
-        ("string", "d'e"),
-        ("string", 'f\\"g'),
-        ("word", "h"),
+        ("string", "'d''e'"),
+        ("string", '"f\\"g"'),
+        ("word", "H"),
+        ("op", ">>>"),
+        ("number", "1.5e3BD"),
     ]
 
 
@@ -146,6 +214,13 @@ def test_problem_says_why() -> None:
     assert "Java" in (expression_problem("reflect('a', 'b')") or "")
     assert "subquery" in (expression_problem("(SELECT 1)") or "")
     assert "unterminated" in (expression_problem("'a") or "")
+    assert "hint" in (expression_problem("/*+ x */ 1") or "")
+    assert "aggregate" in (expression_problem("sum(id)") or "")
+    assert "reviewed" in (expression_problem("my_udf(id)") or "")
+    assert "backticks" in (expression_problem("select + 1") or "")
+    assert "opens a file" in (expression_problem("from_xml(a, 'a INT')") or "").replace(
+        "open a file", "opens a file"
+    )
 
 
 def _error(**transform: object) -> str:
@@ -159,6 +234,8 @@ def test_spec_names_the_field() -> None:
     assert msg.startswith("transform.select[2]: function java_method() is not allowed")
     assert _error(filter="(SELECT 1) = 1").startswith("transform.filter: a subquery")
     assert _error(schema="id BIGINT, x STRING) USING 'id").startswith("transform.schema: ")
+    assert _error(schema="id BIGINT DEFAULT reflect('a', 'b')").startswith("transform.schema: ")
+    assert _error(filter="id > 1 AS b").startswith("transform.filter: ")
 
 
 def test_spec_keeps_legit_transforms() -> None:
@@ -171,3 +248,61 @@ def test_spec_keeps_legit_transforms() -> None:
         }
     )
     assert spec.select and len(spec.select) == 4
+
+
+def test_a_spec_copied_past_validation_is_still_guarded_by_the_transformer() -> None:
+    from conveyor.spark.transform import SparkTransformer
+
+    spec = TransformSpec().model_copy(update={"select": ["reflect('a', 'b')"]})
+    with pytest.raises(ConfigError, match="reflect"):
+        SparkTransformer(spec, lambda: None)
+
+
+# Fragments that desynchronise a lexer that is not Spark's: comment, hint and quote openers
+# and closers, escapes, and a call that must never pass.
+FRAGMENTS = [
+    "/*",
+    "*/",
+    "/*+",
+    "--",
+    "\n",
+    "\\\n",
+    "'",
+    '"',
+    "`",
+    "\\",
+    "r'",
+    "x'",
+    "''",
+    "``",
+    " ",
+    "(",
+    ")",
+    ",",
+    "id",
+    "1",
+    " AS ",
+    "upper(",
+    "reflect('java.lang.System', 'getenv', 'HOME')",
+    "concat(",
+    "'*/'",
+    "'/*'",
+    "*",
+    "-",
+    ";",
+]
+
+
+@settings(max_examples=400)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join))
+def test_fuzzed_mixes_are_refused_or_canonical_and_never_call_a_refused_function(
+    text: str,
+) -> None:
+    try:
+        parsed = parse_named(text)
+    except SqlSyntaxError:
+        return
+    assert parse_named(parsed.text) == parsed  # the text Spark is given reads as judged
+    problem = expression_problem(text)
+    assert (problem is None) == (set(parsed.calls) <= ALLOWED_FUNCTIONS)
+    assert problem is not None or "reflect" not in parsed.calls

@@ -1,0 +1,98 @@
+"""Spark's own SQL parser, for tests: ``SparkSqlParser`` from the pyspark wheel's jars, in a
+JVM of its own (pyspark's ``launch_gateway``: the same jars the Spark Connect server runs).
+
+``SparkParser.expression`` returns Spark's parse of an expression as the list of its tree's
+nodes (``TreeNode.toJSON``, pre-order), with the per-parse ids of aliases taken out, so two
+parses compare equal exactly when Spark built the same tree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_EXPR_ID = re.compile(r'"exprId":\{[^{}]*\},?')
+_TREE_ID = re.compile(r"#\d+")
+_JAVA_REF = re.compile(r"\[B@[0-9a-f]+")  # a byte array's toJSON is its identity
+
+
+@dataclass(frozen=True)
+class SparkParse:
+    """Spark's tree of one expression: ``nodes`` (toJSON, ids out) and ``tree`` (treeString,
+    which shows binary literals that toJSON does not)."""
+
+    nodes: tuple[dict[str, Any], ...]
+    tree: str
+
+    @property
+    def functions(self) -> list[str]:
+        """The names of the functions the tree calls (``UnresolvedFunction.nameParts``)."""
+        return [
+            n["nameParts"].strip("[]")
+            for n in self.nodes
+            if n["class"].endswith(".UnresolvedFunction")
+        ]
+
+    @property
+    def classes(self) -> set[str]:
+        return {n["class"].rsplit(".", 1)[-1] for n in self.nodes}
+
+
+class SparkParser:
+    """A JVM with Spark's parser; ``close`` ends it."""
+
+    def __init__(self) -> None:
+        from pyspark.java_gateway import launch_gateway
+
+        self.gateway = launch_gateway()
+        jvm = self.gateway.jvm
+        self.jvm = jvm
+        self.parser = jvm.org.apache.spark.sql.execution.SparkSqlParser()
+        self.conf = jvm.org.apache.spark.sql.internal.SQLConf.get()
+
+    def close(self) -> None:
+        proc = self.gateway.proc
+        self.gateway.shutdown()
+        proc.stdin.close()  # the gateway JVM exits when its stdin closes
+        proc.wait(timeout=30)
+
+    def set_conf(self, key: str, value: str) -> None:
+        self.conf.setConfString(key, value)
+
+    def expression(self, text: str) -> SparkParse | None:
+        """Spark's parse of ``text`` as a select item, or None when Spark refuses it."""
+        from py4j.protocol import Py4JJavaError
+
+        try:
+            expr = self.parser.parseExpression(text)
+        except Py4JJavaError:
+            return None
+        raw = _JAVA_REF.sub("", _EXPR_ID.sub("", expr.toJSON()))
+        return SparkParse(tuple(json.loads(raw)), _TREE_ID.sub("", expr.treeString()))
+
+    def table_schema(self, ddl: str) -> str | None:
+        """Spark's reading of a DDL schema as ``from_json`` reads one (its JSON), or None."""
+        from py4j.protocol import Py4JJavaError
+
+        try:
+            schema: str = self.jvm.org.apache.spark.sql.types.DataType.fromDDL(ddl).json()
+        except Py4JJavaError:
+            return None
+        return schema
+
+    def builtin_functions(self) -> list[tuple[str, str, str]]:
+        """Spark's built-in functions: (name, group, implementing class)."""
+        registry = self.jvm.org.apache.spark.sql.catalyst.analysis.FunctionRegistry.builtin()
+        out = []
+        it = registry.listFunction().iterator()
+        while it.hasNext():
+            fid = it.next()
+            info = registry.lookupFunction(fid).get()
+            out.append((fid.funcName(), info.getGroup(), info.getClassName()))
+        return out
+
+    def is_subclass(self, class_name: str, of: str) -> bool:
+        cls = self.jvm.java.lang.Class
+        return bool(cls.forName(of).isAssignableFrom(cls.forName(class_name)))
