@@ -68,9 +68,9 @@ source:
   topics: ["plant/+/temperature"]
   client_id: conveyor-plant
   tls: true
-  tls_ca_file: /etc/conveyor/mqtt-ca.pem
-  tls_cert_file: /etc/conveyor/mqtt-client.pem
-  tls_key_file: /etc/conveyor/mqtt-client.key
+  tls_ca_file: tls/mqtt-ca.pem
+  tls_cert_file: tls/mqtt-client.pem
+  tls_key_file: tls/mqtt-client.key
   username: conveyor
   password: ${file:/run/secrets/mqtt}
 ```
