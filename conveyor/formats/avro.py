@@ -61,36 +61,39 @@ def parse_avro(text: str, *, what: str, named: dict[str, Any] | None = None) -> 
 def schema_file_text(path: str, *, field: str) -> str:
     """The text of an Avro schema file, resolved under a root as it is opened
     (``core.paths``: a spec may not make the run read any file of its host, nor a secret);
-    ConfigError naming ``field``."""
+    ConfigError naming ``field``, raised outside any handler so that no exception holding
+    the file's bytes rides along as its context."""
     real = paths.resolve(path, field=field)
     try:
-        return Path(real).read_text()
+        data = Path(real).read_bytes()
     except OSError as e:
         raise ConfigError(f"{path!r} cannot be read: {e.strerror}", field=field) from None
+    try:
+        return data.decode()
     except UnicodeDecodeError:
-        raise ConfigError(f"{path!r} is not UTF-8 text", field=field) from None
+        pass
+    raise ConfigError(f"{path!r} is not UTF-8 text", field=field)
 
 
 def load_schema_file(path: str, *, field: str) -> ParsedSchema:
     """The Avro schema in the file ``path`` (``schema_file_text``). A file that is not one is
     a ConfigError saying where and what kind of problem, never quoting the file: it may be
-    any file a root holds, and the error reaches the connector's status."""
+    any file a root holds, and the error reaches the connector's status. Raised outside the
+    handlers: the parser's exception (which holds the document) is not its context."""
     text = schema_file_text(path, field=field)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:  # its msg is fixed text, never the document's
-        raise ConfigError(
-            f"{path!r} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}", field=field
-        ) from None
-    try:
-        return ParsedSchema(raw)
-    except (ValueError, TypeError, KeyError, AttributeError, SchemaParseException) as e:
-        kind = type(e).__name__  # AvroTypeError (no Arrow shape) is a ValueError
-    raise ConfigError(
-        f"{path!r} is JSON but not an Avro schema with an Arrow shape ({kind}; the file's "
-        "content is not shown: check it with fastavro.schema.load_schema)",
-        field=field,
-    )
+        problem = f"is not JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+    else:
+        try:
+            return ParsedSchema(raw)
+        except (ValueError, TypeError, KeyError, AttributeError, SchemaParseException) as e:
+            problem = (  # AvroTypeError (no Arrow shape) is a ValueError
+                f"is JSON but not an Avro schema with an Arrow shape ({type(e).__name__}; the "
+                "file's content is not shown: check it with fastavro.schema.load_schema)"
+            )
+    raise ConfigError(f"{path!r} {problem}", field=field)
 
 
 class AvroDecoder:

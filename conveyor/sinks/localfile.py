@@ -237,7 +237,8 @@ class LocalFileSink(Sink):
                 os.close(fd)
 
     def _os_error(self, e: OSError) -> Exception:
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        # ELOOP: a link where the sink's own file should be (never followed): not an outage.
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP):
             return PermanentSinkError(f"{self._dir}: {e.strerror}")
         return TransientSinkError(f"{self._dir}: {e.strerror}")  # ENOSPC, EIO, ...: may clear up
 
