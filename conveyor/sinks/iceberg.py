@@ -376,6 +376,11 @@ class IcebergSink(LakehouseSink):
                     f"(columns: {', '.join(schema.names)})"
                 )
         ident = self._identifier()
+        for i, part in enumerate(ident):  # each a directory name of the table's default place
+            problem = paths.component_problem(part)
+            if problem:
+                field = "sink.table" if i == len(ident) - 1 else "sink.namespace"
+                raise ConfigError(problem, field=field)
         self._catalog.create_namespace_if_not_exists(ident[:-1])
         self._namespace_confined(ident[:-1])
         props = {"write.target-file-size-bytes": str(self.config.target_file_size_mb << 20)}
