@@ -75,6 +75,17 @@ def file_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def temp_root(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The system's temporary directory declared a root of a spec's paths, for tests whose
+    sinks write into directories made there (``tempfile``, ``tmp_path``) by the test itself."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir()).resolve()
+    monkeypatch.setenv("CONVEYOR_FILE_ROOTS", str(root))
+    return root
+
+
+@pytest.fixture
 def topic_name() -> str:
     return f"t_{uuid.uuid4().hex[:10]}"
 
