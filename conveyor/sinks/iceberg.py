@@ -224,6 +224,21 @@ def sqlite_resolved(uri: str) -> str:
     return str(url.set(database=real).render_as_string(hide_password=False))
 
 
+def confined_table(tbl: Any, ident: tuple[str, ...]) -> Any:
+    """``tbl``, once its location and file paths are a root's (``core.paths``): a catalog (a
+    REST one, a shared database) may hold a table whose files are anywhere. ConfigError
+    naming ``sink.table`` otherwise, before anything is written there."""
+    places = [("location", tbl.location()), ("metadata location", tbl.metadata_location)]
+    places += [(p, tbl.properties.get(p)) for p in LOCATION_PROPERTIES]
+    for what, where in places:
+        problem = paths.location_problem(where) if where else None
+        if problem:
+            raise ConfigError(
+                f"Iceberg table {'.'.join(ident)}: its {what} {problem}", field="sink.table"
+            )
+    return tbl
+
+
 def classify_iceberg(e: BaseException) -> SinkError | None:
     """A pyiceberg, SQLAlchemy or transport exception as a sink error (None: not theirs)."""
     if isinstance(e, ConveyorError):
@@ -304,18 +319,7 @@ class IcebergSink(LakehouseSink):
             return None
 
     def _confined(self, tbl: Any) -> Any:
-        """``tbl``, once its location and file paths are a root's (``core.paths``): a catalog
-        (a REST one, a shared database) may hold a table whose files are anywhere."""
-        places = [("location", tbl.location()), ("metadata location", tbl.metadata_location)]
-        places += [(p, tbl.properties.get(p)) for p in LOCATION_PROPERTIES]
-        for what, where in places:
-            problem = paths.location_problem(where) if where else None
-            if problem:
-                raise ConfigError(
-                    f"Iceberg table {'.'.join(self._identifier())}: its {what} {problem}",
-                    field="sink.table",
-                )
-        return tbl
+        return confined_table(tbl, self._identifier())
 
     def _namespace_confined(self, namespace: tuple[str, ...]) -> None:
         """A namespace's ``location`` (where the catalog puts its new tables) is a root's."""
