@@ -213,7 +213,10 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
             "owners": ["team:data"],
             "source": {"topics": [topic_name]},
             "batch": {"max_records": 500, "max_wait_ms": 200},
-            "failure": {"policy": "dead_letter", "dead_letter": {"path": str(dagster.home / "dl" / name)}},
+            "failure": {
+                "policy": "dead_letter",
+                "dead_letter": {"path": str(dagster.home / "dl" / name)},
+            },
             "sink": {"type": "localfile", "path": str(sink_dir)},
         }
     )
