@@ -1,7 +1,8 @@
 """The domain model: connector specs, states, brokers, offsets, batches.
 
 Specs are pydantic models (validated, frozen, every field described); runtime
-values are frozen dataclasses. Nothing here performs I/O.
+values are frozen dataclasses. Nothing here performs I/O but resolving the paths a spec
+names (``core.paths``: symbolic links are followed, no file is opened).
 """
 
 from __future__ import annotations
