@@ -82,6 +82,26 @@ def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
+def file_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``tmp_path`` declared a root of the paths a spec names (``$CONVEYOR_FILE_ROOTS``,
+    conveyor/core/paths.py), for a test that writes or reads files there. Only this test's
+    roots grow: the default (``$CONVEYOR_HOME`` alone) stays the strict one everywhere else."""
+    monkeypatch.setenv("CONVEYOR_FILE_ROOTS", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def temp_root(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The system's temporary directory declared a root of a spec's paths, for tests whose
+    sinks write into directories made there (``tempfile``, ``tmp_path``) by the test itself."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir()).resolve()
+    monkeypatch.setenv("CONVEYOR_FILE_ROOTS", str(root))
+    return root
+
+
+@pytest.fixture
 def topic_name() -> str:
     return f"t_{uuid.uuid4().hex[:10]}"
 

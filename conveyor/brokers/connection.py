@@ -61,9 +61,11 @@ def resolve_secret(ref: str, *, field: str) -> str:
     return value
 
 
-def check_files(c: KafkaConnection, *, prefix: str) -> None:
-    """Every certificate / key file of the connection is readable (ConfigError naming the field)."""
-    check_readable(c, ("ssl_cafile", "ssl_certfile", "ssl_keyfile"), prefix=prefix)
+def check_files(c: KafkaConnection, *, prefix: str) -> dict[str, str]:
+    """The real path of every certificate / key file of the connection, resolved under a root
+    now and readable (``core.connection.check_readable``; ConfigError naming the field): the
+    client is given these paths."""
+    return check_readable(c, ("ssl_cafile", "ssl_certfile", "ssl_keyfile"), prefix=prefix)
 
 
 def _kafka_python_known(role: ClientRole) -> set[str]:
@@ -131,7 +133,7 @@ def kafka_python_options(
     bootstrap = c.bootstrap_servers or (default_bootstrap() if default_bootstrap else None)
     if not bootstrap:
         raise ConfigError("required", field=f"{prefix}.bootstrap_servers")
-    check_files(c, prefix=prefix)
+    files = check_files(c, prefix=prefix)
     check_client_options(c, role, prefix=prefix)
     kw: dict[str, Any] = {
         "bootstrap_servers": [s.strip() for s in bootstrap.split(",") if s.strip()],
@@ -164,10 +166,8 @@ def kafka_python_options(
             )
     if c.security_protocol.endswith("SSL"):
         kw["ssl_check_hostname"] = c.ssl_check_hostname
-        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-            value = getattr(c, name)
-            if value:
-                kw[OPTION_NAMES[name][0]] = value
+        for name, real in files.items():
+            kw[OPTION_NAMES[name][0]] = real
         if c.ssl_key_password:
             kw["ssl_password"] = resolve_secret(
                 c.ssl_key_password, field=f"{prefix}.ssl_key_password"
@@ -233,7 +233,7 @@ def librdkafka_config(
     bootstrap = c.bootstrap_servers or (default_bootstrap() if default_bootstrap else None)
     if not bootstrap:
         raise ConfigError("required", field=f"{prefix}.bootstrap_servers")
-    check_files(c, prefix=prefix)
+    files = check_files(c, prefix=prefix)
     name = {k: rd for k, (_, rd) in OPTION_NAMES.items()}
     conf: dict[str, Any] = {
         name["bootstrap_servers"]: bootstrap,
@@ -266,10 +266,8 @@ def librdkafka_config(
             )
     if c.security_protocol.endswith("SSL"):
         conf[name["ssl_check_hostname"]] = "https" if c.ssl_check_hostname else "none"
-        for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-            value = getattr(c, field)
-            if value:
-                conf[name[field]] = value
+        for field, real in files.items():
+            conf[name[field]] = real
         if c.ssl_key_password:
             conf[name["ssl_key_password"]] = resolve_secret(
                 c.ssl_key_password, field=f"{prefix}.ssl_key_password"

@@ -34,7 +34,7 @@ from typing import Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from conveyor.core import scrubbing
+from conveyor.core import paths, scrubbing
 from conveyor.core.connection import SECRET_FIELD, SECRET_FIELDS
 from conveyor.core.errors import ConfigError
 from conveyor.core.home import conveyor_home
@@ -469,7 +469,8 @@ def dedupe(
             seen.setdefault(loaded.name, loaded.source)
         out.append(loaded)
     owners = resource_owners(out, created)
-    return [_owner_checked(loaded, owners) for loaded in out]
+    places = dead_letter_conflicts(out, created)
+    return [_owner_checked(loaded, owners, places) for loaded in out]
 
 
 def claims_of(loaded: LoadedSpec) -> tuple[str, ...]:
@@ -498,16 +499,61 @@ def resource_owners(
     return {claim: name for claim, (_rank, name) in ranked.items()}
 
 
-def _owner_checked(loaded: LoadedSpec, owners: Mapping[str, str]) -> LoadedSpec:
-    """An error when another connector owns a resource this one claims (a slot)."""
+def _owner_checked(
+    loaded: LoadedSpec, owners: Mapping[str, str], places: Mapping[str, str] | None = None
+) -> LoadedSpec:
+    """An error when another connector owns a resource this one claims (a slot), or a
+    dead-letter place this one's overlaps (``dead_letter_conflicts``)."""
+    problem = None
     for claim in claims_of(loaded):
         if owners.get(claim, loaded.name) != loaded.name:
-            return LoadedSpec(
-                loaded.name,
-                loaded.source,
-                error=f"{loaded.source}: {claim} is already used by connector {owners[claim]!r}",
-            )
-    return loaded
+            problem = f"{claim} is already used by connector {owners[claim]!r}"
+            break
+    problem = problem or (places or {}).get(loaded.name)
+    if problem is None:
+        return loaded
+    return LoadedSpec(loaded.name, loaded.source, error=f"{loaded.source}: {problem}")
+
+
+def dead_letter_place(loaded: LoadedSpec) -> str | None:
+    """The real local directory of a valid sink connector's Parquet dead letters, else None."""
+    spec = loaded.spec if loaded.ok else None
+    if spec is None or spec.failure.dead_letter.store != "parquet":
+        return None
+    try:
+        return spec.dead_letter_place()
+    except ConfigError:
+        return None  # refused by the spec's own validation, which reports it
+
+
+def dead_letter_conflicts(
+    specs: Iterable[LoadedSpec], created: Mapping[str, float] | None = None
+) -> dict[str, str]:
+    """Connector -> why its dead letters may not go where it says: another connector's
+    place is the same directory, or one holds the other (a store's datasets would mix). The
+    place's owner is ranked as ``resource_owners`` ranks a claim: the connector whose
+    default place it is (``dead_letters/<name>``), else the one created first, else the
+    first in order."""
+    created = created or {}
+    ranked = []
+    for index, loaded in enumerate(specs):
+        place = dead_letter_place(loaded)
+        if place is not None:
+            default = os.path.join(paths.roots().home, paths.DEAD_LETTERS_DIR, loaded.name)
+            own = place == default
+            rank = (0 if own else 1, created.get(loaded.name, float("inf")), index)
+            ranked.append((rank, loaded.name, place))
+    ranked.sort()
+    out: dict[str, str] = {}
+    for i, (_rank, name, place) in enumerate(ranked):
+        for _r, owner, theirs in ranked[:i]:
+            if owner != name and os.path.commonpath([place, theirs]) in (place, theirs):
+                out[name] = (
+                    f"failure.dead_letter.path: the dead-letter place {place} overlaps connector "
+                    f"{owner!r}'s ({theirs}): each connector's dead letters need their own directory"
+                )
+                break
+    return out
 
 
 def load_source(name: str, source: str | None) -> LoadedSpec:

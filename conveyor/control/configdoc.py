@@ -231,6 +231,13 @@ def _secret_environment() -> list[tuple[str, str, str]]:
             "`$CONVEYOR_HOME/secrets`",
         ),
         (
+            "CONVEYOR_FILE_ROOTS",
+            "comma-separated absolute directories that the paths a spec names (schema and TLS files, "
+            "LocalFile directories, lakehouse warehouses and tables, the Iceberg SQLite catalog, dead "
+            "letters) may lie under, besides `$CONVEYOR_HOME` (see 'Files a spec names')",
+            "none: `$CONVEYOR_HOME` only",
+        ),
+        (
             "CONVEYOR_SECRET_ENV",
             "comma-separated name patterns (`*`, `?`) of the variables `${env:...}` references may "
             "read; never `CONVEYOR_META_URL`, `CONVEYOR_API`* or the two secret settings",
@@ -556,6 +563,7 @@ def render() -> str:
     brokers file, sinks, source connectors."""
     parts = _intro_section()
     parts += _secrets_section()
+    parts += _paths_section()
     parts += _live_changes_section()
     parts += _environment_section()
     parts += _spec_sections()
@@ -629,6 +637,31 @@ def _secrets_section() -> list[str]:
         "MySQL, MongoDB) is an alias of `url: ${env:NAME}`. A changed secret behind a reference is",
         "picked up when the connector restarts (`conveyor connector restart`,",
         "`POST /connectors/<name>/restart`).",
+        "",
+    ]
+
+
+def _paths_section() -> list[str]:
+    """Files a spec names: the one rule of ``conveyor/core/paths.py``."""
+    return [
+        "## Files a spec names",
+        "",
+        "Every path a spec names (`transform.schema_file`; TLS certificates and keys: a Kafka",
+        "connection's and a schema registry's `ssl_cafile`/`ssl_certfile`/`ssl_keyfile`, the sinks'",
+        "`ca_certs`, `tls_ca_file`, `ssl_cafile`, `tls_trust_certs_file_path`, MQTT's `tls_*_file`;",
+        "LocalFile's `path`; Delta's `path`; Iceberg's `warehouse`, `namespace` and `table` and a",
+        "SQLite `catalog.uri`; `failure.dead_letter.path`) lies under a root: `$CONVEYOR_HOME`, or a",
+        "directory of `$CONVEYOR_FILE_ROOTS` (comma-separated absolute directories). A relative path is",
+        "taken from `$CONVEYOR_HOME`; `..` is refused; symlinks are resolved first, so a link that",
+        "points out of a root is refused; a root itself is refused. Never the secrets directories",
+        "(`$CONVEYOR_SECRET_FILES`) nor Conveyor's own files (the meta store, the API tokens, the",
+        "connectors directory, the brokers file, `dagster/`, `logs/`, `spark/`, `active-topics/` of",
+        "the home). `$CONVEYOR_HOME/dead_letters/<name>` is connector `<name>`'s dead-letter place:",
+        "only its own `failure.dead_letter.path` may name it, and two connectors' dead-letter places",
+        "may not be the same or one inside the other. Iceberg names become directory names: no `/`,",
+        "`\\`, `.` or `..`. A URL of another scheme (`s3://`, `gs://`, `hdfs://`) is passed as",
+        "written. The rule is checked when a spec is loaded (an error naming the field and the roots)",
+        "and again when the run opens the file; an error never quotes a file's content.",
         "",
     ]
 

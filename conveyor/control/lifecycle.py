@@ -19,6 +19,7 @@ from typing import Any
 from conveyor.config.specs import (
     LoadedSpec,
     claims_of,
+    dead_letter_conflicts,
     from_mapping,
     load_path,
     load_source,
@@ -111,8 +112,9 @@ class ConnectorLifecycle(OperationsPart):
         return ConnectorReads(self.context).info(name), created
 
     def _check_owned(self, loaded: LoadedSpec, row: ConnectorRow | None) -> None:
-        """ConflictError when the spec claims a resource (a replication slot) that another
-        existing connector holds: the rule the file scan applies (``resource_owners``)."""
+        """ConflictError when the spec claims a resource (a replication slot) or a dead-letter
+        place that another existing connector holds: the rules the file scan applies
+        (``resource_owners``, ``dead_letter_conflicts``)."""
         rows = [r for r in self.store.list() if r.name != loaded.name]
         others = [load_source(r.name, r.spec_source) for r in rows]
         created = {r.name: r.created_at for r in rows}
@@ -122,6 +124,9 @@ class ConnectorLifecycle(OperationsPart):
         for claim in claims_of(loaded):
             if owners[claim] != loaded.name:
                 raise ConflictError(f"{claim} is used by connector {owners[claim]!r}")
+        problem = dead_letter_conflicts([*others, loaded], created).get(loaded.name)
+        if problem is not None:
+            raise ConflictError(problem)
 
     def _write(self, path: Path, raw: Mapping[str, Any], *, new: bool, create_only: bool) -> bool:
         """Write the spec file; True when this call created it."""

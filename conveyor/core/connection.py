@@ -24,6 +24,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
+from conveyor.core import paths
 from conveyor.core.errors import ConfigError
 from conveyor.core.references import whole_reference_problem
 
@@ -65,18 +66,28 @@ SASL_FIELDS = (
 _SECRET_WORDS = ("password", "secret", "token", "jaas", "credential", "private_key", "key_pem")
 
 
-def check_readable(model: BaseModel, names: Iterable[str], *, prefix: str) -> None:
-    """Each certificate / key file named by ``model``'s fields ``names`` is readable here
-    (a ConfigError naming ``<prefix>.<field>`` otherwise): checked when a client is built."""
+def check_readable(model: BaseModel, names: Iterable[str], *, prefix: str) -> dict[str, str]:
+    """The real path of each certificate / key file named by ``model``'s fields ``names``,
+    resolved under a root (``core.paths``) and readable here when a client is built (a
+    ConfigError naming ``<prefix>.<field>`` otherwise): the client opens these paths."""
+    out: dict[str, str] = {}
     for name in names:
         path = getattr(model, name)
         if path:
+            real = paths.resolve(path, field=f"{prefix}.{name}")
             try:
-                open(path, "rb").close()  # noqa: SIM115 - only checks it is readable
+                open(real, "rb").close()  # noqa: SIM115 - only checks it is readable
             except OSError as e:
                 raise ConfigError(
                     f"{path!r} cannot be read: {e.strerror}", field=f"{prefix}.{name}"
                 ) from None
+            out[name] = real
+    return out
+
+
+def host_file_problem(value: str | None) -> str | None:
+    """Why a certificate or key file a model names is refused (``core.paths``), or None."""
+    return None if value is None else paths.problem(value)
 
 
 def secret_ref_problem(value: str) -> str | None:
@@ -180,13 +191,15 @@ class KafkaConnection(BaseModel):
     ssl_cafile: str | None = Field(
         default=None,
         description="CA bundle (PEM) the brokers' certificates are verified against (with SSL / SASL_SSL). "
-        "Default: the system's CAs.",
+        "Default: the system's CAs. Like every file below, under a root ($CONVEYOR_HOME, relative: from "
+        "there; section Files a spec names).",
     )
     ssl_certfile: str | None = Field(
-        default=None, description="Client certificate (PEM) for mutual TLS (with ssl_keyfile)."
+        default=None,
+        description="Client certificate (PEM) for mutual TLS (with ssl_keyfile), under a root.",
     )
     ssl_keyfile: str | None = Field(
-        default=None, description="Client private key (PEM) for mutual TLS."
+        default=None, description="Client private key (PEM) for mutual TLS, under a root."
     )
     ssl_key_password: str | None = Field(
         default=None,
@@ -213,6 +226,14 @@ class KafkaConnection(BaseModel):
             problem = secret_ref_problem(v)
             if problem:
                 raise ValueError(problem)
+        return v
+
+    @field_validator("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _host_file(cls, v: str | None) -> str | None:
+        problem = host_file_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("bootstrap_servers")

@@ -1,7 +1,8 @@
 """The domain model: connector specs, states, brokers, offsets, batches.
 
 Specs are pydantic models (validated, frozen, every field described); runtime
-values are frozen dataclasses. Nothing here performs I/O.
+values are frozen dataclasses. Nothing here performs I/O but resolving the paths a spec
+names (``core.paths``: symbolic links are followed, no file is opened).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from conveyor.core import paths
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import FieldRuleError
 from conveyor.core.routing import DestinationRulesSpec
@@ -328,8 +330,9 @@ class TransformSpec(_Spec):
     )
     schema_file: str | None = Field(
         default=None,
-        description="decode avro without a registry: an Avro schema file (.avsc) under "
-        "$CONVEYOR_HOME; each payload is plain Avro binary, without the 5-byte frame.",
+        description="decode avro without a registry: an Avro schema file (.avsc) under a root "
+        "($CONVEYOR_HOME, relative: from there; section Files a spec names); each payload is plain "
+        "Avro binary, without the 5-byte frame.",
     )
     envelope: Literal["none", "debezium"] = Field(
         default="none",
@@ -407,6 +410,14 @@ class TransformSpec(_Spec):
             return guard_transform(self.filter, self.select, self.json_schema)
         except SqlGuardError as e:
             raise FieldRuleError(str(e), field=e.field) from None
+
+    @model_validator(mode="after")
+    def _schema_file_confined(self) -> TransformSpec:
+        """The schema file lies under a root, outside the secrets (``core.paths``)."""
+        problem = None if self.schema_file is None else paths.problem(self.schema_file)
+        if problem:
+            raise FieldRuleError(problem, field="schema_file")
+        return self
 
     @model_validator(mode="after")
     def _schema_settings_fit_decode(self) -> TransformSpec:
@@ -521,7 +532,8 @@ class DeadLetterSpec(_Spec):
     path: str | None = Field(
         default=None,
         description="Where Spark writes the Parquet dead letters: a URL Spark resolves (s3a://, "
-        "hdfs://, file://) or a path (a relative one is under $CONVEYOR_HOME); default "
+        "hdfs://) or a path or file:// URL under a root ($CONVEYOR_HOME, relative: from there; "
+        "section Files a spec names), not another connector's; default "
         "$CONVEYOR_HOME/dead_letters/<connector>. Listing, counting and replay read it through Spark.",
     )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
@@ -749,6 +761,27 @@ class ConnectorSpec(ConnectorRunSpec):
         default_factory=WatermarkSpec,
         description="Event-time watermark reported on the sink asset (section `watermark`).",
     )
+
+    @model_validator(mode="after")
+    def _dead_letters_confined(self) -> ConnectorSpec:
+        """A local dead-letter place lies under a root and is not another connector's
+        (``core.paths``: ``$CONVEYOR_HOME/dead_letters/<name>`` is only ``<name>``'s)."""
+        dl = self.failure.dead_letter
+        if dl.store == "parquet" and dl.path is not None:
+            problem = paths.location_problem(dl.path, owner=self.name)
+            if problem:
+                raise FieldRuleError(problem, field="failure.dead_letter.path")
+        return self
+
+    def dead_letter_place(self) -> str | None:
+        """The real local directory of the Parquet dead letters (default
+        ``$CONVEYOR_HOME/dead_letters/<name>``); None for another scheme's URL (``s3a://``).
+        Resolved now (``core.paths``): ConfigError naming the field when refused."""
+        path = self.failure.dead_letter.path
+        if path is not None and paths.is_url(path):
+            return None
+        where = path if path is not None else f"{paths.DEAD_LETTERS_DIR}/{self.name}"
+        return paths.resolve_location(where, field="failure.dead_letter.path", owner=self.name)
 
 
 @dataclass(frozen=True, order=True)

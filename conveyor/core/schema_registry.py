@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from conveyor.core.connection import SECRET_FIELD, secret_ref_problem
+from conveyor.core.connection import SECRET_FIELD, host_file_problem, secret_ref_problem
 from conveyor.core.errors import FieldRuleError
 
 SR_SECRET_FIELDS = ("basic_auth_password", "bearer_token")
@@ -50,7 +50,8 @@ class SchemaRegistrySpec(BaseModel):
     ssl_cafile: str | None = Field(
         default=None,
         description="CA bundle (PEM) the registry's certificate is verified against (https:// "
-        "URLs). Default: the system's CAs.",
+        "URLs). Default: the system's CAs. Like the two below, under a root ($CONVEYOR_HOME, "
+        "relative: from there; section Files a spec names).",
     )
     ssl_certfile: str | None = Field(
         default=None, description="Client certificate (PEM) for mutual TLS (with ssl_keyfile)."
@@ -84,6 +85,14 @@ class SchemaRegistrySpec(BaseModel):
             problem = secret_ref_problem(v)
             if problem:
                 raise ValueError(problem)
+        return v
+
+    @field_validator(*SR_SSL_FIELDS)
+    @classmethod
+    def _host_file(cls, v: str | None) -> str | None:
+        problem = host_file_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("url")

@@ -60,7 +60,7 @@ class ConnectorScaffolder(Scaffolder):
                     topics: [{name}]
                   sink:
                     type: localfile
-                    path: /tmp/conveyor/{name}
+                    path: out/{name}  # under $CONVEYOR_HOME
                   # secrets: write references, resolved only inside the run, e.g.
                   # sink: {{type: postgres, url: "${{env:PG_URL}}", table: {name}}}
                 """

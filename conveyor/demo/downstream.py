@@ -40,13 +40,15 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec, connectors_dir, load_file, resolved
+from conveyor.core.home import conveyor_home
 from conveyor.dagster.landed import TAG_LANDED, landed_through
 
 DEMO_CONNECTOR = "demo_orders"
 PG_CONNECTOR = "demo_orders_pg"
 LAKE_CONNECTOR = "demo_orders_lake"
-# The demo spec's sink (conveyor/demo/orders_localfile.yaml), when its file cannot be read.
-DEFAULT_SINK_DIR = Path(".conveyor/out/orders")
+# The demo spec's sink (conveyor/demo/orders_localfile.yaml), when its file cannot be read
+# (under $CONVEYOR_HOME).
+DEFAULT_SINK_DIR = Path("out/orders")
 DEFAULT_SINK_KEY = ["localfile", "orders"]
 START_ENV = "CONVEYOR_DEMO_START"
 COUNTS_FILE = "counts.jsonl"
@@ -56,9 +58,9 @@ def demo_sink() -> tuple[Path, AssetKey]:
     """The demo connector's sink directory and asset key, from its spec file."""
     loaded = load_file(connectors_dir() / f"{DEMO_CONNECTOR}.yaml")
     sink = loaded.sink
-    if loaded.error or sink is None or not hasattr(sink, "path"):
-        return DEFAULT_SINK_DIR.resolve(), AssetKey(DEFAULT_SINK_KEY)
-    return Path(sink.path).resolve(), AssetKey(sink.asset_key_path())
+    if loaded.error or sink is None or not hasattr(sink, "directory"):
+        return conveyor_home() / DEFAULT_SINK_DIR, AssetKey(DEFAULT_SINK_KEY)
+    return sink.directory(), AssetKey(sink.asset_key_path())
 
 
 def demo_start() -> datetime:

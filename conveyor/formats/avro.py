@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import fastavro
 from fastavro.read import SchemaResolutionError
+from fastavro.schema import SchemaParseException
 
+from conveyor.core import paths
 from conveyor.core.errors import ConfigError
-from conveyor.core.home import conveyor_home
 from conveyor.formats.avro_arrow import AvroTypeError, record_type
 from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import Convert, Decoded, converted, payloads, table_of_records
@@ -111,22 +111,41 @@ def parse_avro(text: str, *, what: str, named: dict[str, Any] | None = None) -> 
 
 
 def schema_file_text(path: str, *, field: str) -> str:
-    """The text of an Avro schema file, which must lie under ``$CONVEYOR_HOME`` (a spec may
-    not make the run read any file of its host); ConfigError naming ``field``."""
-    home = str(conveyor_home())
-    if ".." in PurePosixPath(path).parts:
-        raise ConfigError(f"{path!r}: '..' is not allowed", field=field)
-    full = path if os.path.isabs(path) else os.path.join(home, path)
-    real = os.path.realpath(full)
-    if os.path.commonpath([real, home]) != home or real == home:
-        raise ConfigError(
-            f"{path!r} is outside $CONVEYOR_HOME ({home}); put the schema file there",
-            field=field,
-        )
+    """The text of an Avro schema file, resolved under a root as it is opened
+    (``core.paths``: a spec may not make the run read any file of its host, nor a secret);
+    ConfigError naming ``field``, raised outside any handler so that no exception holding
+    the file's bytes rides along as its context."""
+    real = paths.resolve(path, field=field)
     try:
-        return Path(real).read_text()
+        data = Path(real).read_bytes()
     except OSError as e:
         raise ConfigError(f"{path!r} cannot be read: {e.strerror}", field=field) from None
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        pass
+    raise ConfigError(f"{path!r} is not UTF-8 text", field=field)
+
+
+def load_schema_file(path: str, *, field: str) -> ParsedSchema:
+    """The Avro schema in the file ``path`` (``schema_file_text``). A file that is not one is
+    a ConfigError saying where and what kind of problem, never quoting the file: it may be
+    any file a root holds, and the error reaches the connector's status. Raised outside the
+    handlers: the parser's exception (which holds the document) is not its context."""
+    text = schema_file_text(path, field=field)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:  # its msg is fixed text, never the document's
+        problem = f"is not JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+    else:
+        try:
+            return ParsedSchema(raw)
+        except (ValueError, TypeError, KeyError, AttributeError, SchemaParseException) as e:
+            problem = (  # AvroTypeError (no Arrow shape) is a ValueError
+                f"is JSON but not an Avro schema with an Arrow shape ({type(e).__name__}; the "
+                "file's content is not shown: check it with fastavro.schema.load_schema)"
+            )
+    raise ConfigError(f"{path!r} {problem}", field=field)
 
 
 class AvroDecoder:
@@ -153,8 +172,7 @@ class AvroDecoder:
         if reader_schema is not None and not self.latest:
             self._reader = _config_schema(reader_schema, field=f"{prefix}.reader_schema")
         if schema_file is not None:
-            field = f"{prefix}.schema_file"
-            self._file = _config_schema(schema_file_text(schema_file, field=field), field=field)
+            self._file = load_schema_file(schema_file, field=f"{prefix}.schema_file")
         elif registry is None:
             raise ConfigError("decode avro needs schema_registry or schema_file", field=prefix)
         if self.latest and not subject:

@@ -60,25 +60,26 @@ class UnknownSchema(LookupError):
     """The registry has no schema with this id: the record's fault (a failed row)."""
 
 
-def check_files(spec: SchemaRegistrySpec, *, prefix: str) -> None:
-    """Every certificate / key file of the section is readable (ConfigError naming the field)."""
-    check_readable(spec, SR_SSL_FIELDS, prefix=prefix)
+def check_files(spec: SchemaRegistrySpec, *, prefix: str) -> dict[str, str]:
+    """The real path of every certificate / key file of the section, resolved under a root
+    now and readable (ConfigError naming the field): the client is given these paths."""
+    return check_readable(spec, SR_SSL_FIELDS, prefix=prefix)
 
 
 def client_config(spec: SchemaRegistrySpec, *, prefix: str) -> dict[str, Any]:
     """confluent-kafka's registry client configuration (secrets resolved: never log it)."""
-    check_files(spec, prefix=prefix)
+    files = check_files(spec, prefix=prefix)
     conf: dict[str, Any] = {
         "url": spec.url,
         "timeout": spec.timeout_s,
         "cache.capacity": spec.cache_capacity,
         **CLIENT_RETRIES,
     }
-    if spec.ssl_cafile:
-        conf["ssl.ca.location"] = spec.ssl_cafile
-    if spec.ssl_certfile:
-        conf["ssl.certificate.location"] = spec.ssl_certfile
-        conf["ssl.key.location"] = spec.ssl_keyfile
+    if "ssl_cafile" in files:
+        conf["ssl.ca.location"] = files["ssl_cafile"]
+    if "ssl_certfile" in files:
+        conf["ssl.certificate.location"] = files["ssl_certfile"]
+        conf["ssl.key.location"] = files["ssl_keyfile"]
     if spec.basic_auth_user is not None and spec.basic_auth_password is not None:
         password = resolve(spec.basic_auth_password, field=f"{prefix}.basic_auth_password")
         conf["basic.auth.user.info"] = f"{spec.basic_auth_user}:{password}"

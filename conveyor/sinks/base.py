@@ -21,9 +21,11 @@ from typing import Any, ClassVar, TypeVar
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from conveyor.core import paths
 from conveyor.core.errors import (  # noqa: F401 - re-exported
     BatchRejected,
     ConfigError,
+    FieldRuleError,
     SinkError,
     rule,
 )
@@ -71,6 +73,14 @@ class SinkConfig(BaseModel):
         """Whether the target keeps the connector's offsets with the data (exactly once: they
         win over the meta store's on start; ``conveyor.core.sink.OffsetsInTarget``)."""
         return getattr(self, "delivery", None) in ("exactly_once", "auto")
+
+    @model_validator(mode="after")
+    def _certificates_confined(self) -> SinkConfig:
+        """Certificate and key files lie under a root, outside the secrets (``core.paths``)."""
+        found = paths.certificate_problem(self)
+        if found is not None:
+            raise FieldRuleError(found[1], field=found[0])
+        return self
 
 
 class Sink(abc.ABC):

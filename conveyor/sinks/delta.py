@@ -55,8 +55,9 @@ class DeltaSinkConfig(LakehouseSinkConfig):
 
     type: Literal["delta"] = "delta"
     path: str = Field(
-        description="The table: a path under $CONVEYOR_HOME (relative: from there) or file:// URL under it; "
-        "an object storage URL (s3://, gs://, abfss://, az://) is passed as written."
+        description="The table: a path or file:// URL under a root ($CONVEYOR_HOME, relative: from there; "
+        "section Files a spec names); an object storage URL (s3://, gs://, abfss://, az://) is passed as "
+        "written."
     )
     storage_options: dict[str, str] = Field(
         default_factory=dict,
@@ -177,6 +178,7 @@ class DeltaSink(LakehouseSink):
         return opts or None
 
     def init_sink(self) -> None:
+        self._location = local_location(self.config.path)  # resolved again as it is opened
         if is_local(self._location):
             try:
                 os.makedirs(self._location, exist_ok=True)

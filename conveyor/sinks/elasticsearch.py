@@ -38,6 +38,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
@@ -535,7 +536,7 @@ class ElasticsearchSink(Sink):
         if c.api_key is not None:
             kwargs["api_key"] = secret(c.api_key)
         if c.ca_certs:
-            kwargs["ca_certs"] = c.ca_certs
+            kwargs["ca_certs"] = paths.resolve(c.ca_certs, field="sink.ca_certs")
         if not c.verify_certs:
             kwargs["verify_certs"] = False
             kwargs["ssl_show_warn"] = False

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
@@ -574,7 +575,10 @@ class GreptimeDBSink(Sink):
         self._session: Any = None
 
     def _verify(self) -> bool | str:
-        return self.config.tls_ca_file or self.config.verify_tls
+        """requests' ``verify``: the CA file's real path (``core.paths``, resolved at each
+        request), else whether to verify."""
+        ca = paths.resolve_file(self.config.tls_ca_file, field="sink.tls_ca_file")
+        return ca or self.config.verify_tls
 
     def init_sink(self) -> None:
         import requests

@@ -20,14 +20,16 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from conveyor.core import paths
 from conveyor.core.errors import (
+    ConfigError,
     ConveyorError,
     PermanentSinkError,
     SinkError,
     TransientSinkError,
     rule,
 )
-from conveyor.core.home import conveyor_home
+from conveyor.core.references import known_now
 from conveyor.sinks.base import mapped_errors, secret
 from conveyor.sinks.lakehouse import (
     CommitInfo,
@@ -43,6 +45,10 @@ from conveyor.sinks.lakehouse import (
 )
 
 log = logging.getLogger("conveyor.sinks.iceberg")
+
+DEFAULT_CATALOG = "iceberg/catalog.db"  # under $CONVEYOR_HOME
+# Table properties that move a table's files away from its location.
+LOCATION_PROPERTIES = ("write.data.path", "write.metadata.path")
 
 TRANSFORM_PATTERN = (
     r"^(identity|year|month|day|hour|void|bucket\[[1-9][0-9]*\]|truncate\[[1-9][0-9]*\])$"
@@ -60,8 +66,10 @@ class IcebergCatalogSpec(BaseModel):
     )
     uri: SecretStr | None = Field(
         default=None,
-        description="sql: a SQLAlchemy URL, e.g. postgresql+psycopg2://app:${file:/run/secrets/pg}@db/lake "
-        "(default: SQLite $CONVEYOR_HOME/iceberg/catalog.db); rest: the catalog's URL (required). Secret.",
+        description="sql: a SQLAlchemy URL, e.g. postgresql+psycopg2://app:${file:/run/secrets/pg}@db/lake, "
+        "or sqlite:///<path> with the file under a root (relative: from $CONVEYOR_HOME; section Files a "
+        "spec names) (default: SQLite $CONVEYOR_HOME/iceberg/catalog.db); rest: the catalog's URL "
+        "(required). Secret.",
     )
     name: str = Field(
         default="conveyor",
@@ -102,11 +110,17 @@ class IcebergSinkConfig(LakehouseSinkConfig):
     )
     warehouse: str = Field(
         default="iceberg/warehouse",
-        description="Where new tables' files go: a path under $CONVEYOR_HOME (relative: from there) or file:// "
-        "URL under it; an object storage URL (s3://, gs://, abfss://) is passed as written.",
+        description="Where new tables' files go: a path or file:// URL under a root ($CONVEYOR_HOME, "
+        "relative: from there; section Files a spec names); an object storage URL (s3://, gs://, "
+        "abfss://) is passed as written.",
     )
-    namespace: str = Field(description="The table's namespace (dotted for nested ones).")
-    table: str = Field(description="The table's name.")
+    namespace: str = Field(
+        description="The table's namespace (dotted for nested ones; each part becomes a directory "
+        "name: no '/', '\\', '.' or '..')."
+    )
+    table: str = Field(
+        description="The table's name (a directory name: no '/', '\\', '.' or '..')."
+    )
     create_table: bool = Field(
         default=True,
         description="Create the namespace and the table from the first batch's Arrow schema when missing.",
@@ -125,10 +139,17 @@ class IcebergSinkConfig(LakehouseSinkConfig):
     @model_validator(mode="after")
     def _rules(self) -> IcebergSinkConfig:
         """Cross-field rules (no I/O): each error names its field."""
-        rule(bool(self.namespace.strip()), "must not be empty", field="namespace")
-        rule(bool(self.table.strip()), "must not be empty", field="table")
+        for part in self.namespace.split("."):
+            problem = paths.component_problem(part)
+            rule(problem is None, problem or "", field="namespace")
+        problem = paths.component_problem(self.table)
+        rule(problem is None, problem or "", field="table")
         problem = location_problem(self.warehouse)
         rule(problem is None, problem or "", field="warehouse")
+        uri = secret(self.catalog.uri)
+        if self.catalog.type == "sql" and uri is not None and known_now(uri):
+            problem = sqlite_problem(uri)
+            rule(problem is None, problem or "", field="catalog.uri")
         rule(
             self.catalog.type == "sql" or self.catalog.uri is not None,
             "a REST catalog needs its uri",
@@ -143,22 +164,81 @@ class IcebergSinkConfig(LakehouseSinkConfig):
 
 
 def catalog_properties(config: IcebergSinkConfig) -> dict[str, str]:
-    """pyiceberg's ``load_catalog`` properties for the config (secrets resolved already)."""
-    warehouse = local_location(config.warehouse)
+    """pyiceberg's ``load_catalog`` properties for the config (secrets resolved already), its
+    places resolved now (``core.paths``): ConfigError naming the field when one is refused."""
+    warehouse = local_location(config.warehouse, field="sink.warehouse")
     if os.path.isabs(warehouse):
         os.makedirs(warehouse, exist_ok=True)
         warehouse = "file://" + warehouse
     props = {"type": config.catalog.type, "warehouse": warehouse}
     uri = secret(config.catalog.uri)
     if uri is None:
-        path = conveyor_home() / "iceberg" / "catalog.db"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = paths.resolve(DEFAULT_CATALOG, field="sink.catalog.uri")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         uri = f"sqlite:///{path}"
+    elif config.catalog.type == "sql":
+        uri = sqlite_resolved(uri)
     props["uri"] = uri
     token = secret(config.catalog.token)
     if token is not None:
         props["token"] = token
     return props
+
+
+def _sqlite_url(uri: str) -> Any:
+    """The parsed URL when ``uri`` names a SQLite database; None for another database, a text
+    saying why when it is refused. Never quotes ``uri`` (a secret field)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(uri)
+    except ArgumentError:
+        return "is not a SQLAlchemy URL" if uri.strip().lower().startswith("sqlite") else None
+    if url.get_backend_name() != "sqlite":
+        return None
+    db = url.database or ""
+    if str(url.query.get("uri", "")).lower() in ("true", "1") or db.startswith("file:"):
+        return "a SQLite URI filename (file:..., ?uri=true) is not allowed: write the file's path"
+    return url
+
+
+def sqlite_problem(uri: str) -> str | None:
+    """Why a SQL catalog URL is refused, or None: a SQLite file lies under a root
+    (``core.paths``; a relative one from ``$CONVEYOR_HOME``); other databases pass."""
+    url = _sqlite_url(uri)
+    if url is None or isinstance(url, str):
+        return url
+    if url.database in (None, "", ":memory:"):
+        return None
+    return paths.problem(url.database)
+
+
+def sqlite_resolved(uri: str) -> str:
+    """The SQL catalog URL to connect with: a SQLite file's real path (``core.paths``, resolved
+    now), other databases as written; ConfigError naming ``sink.catalog.uri`` when refused."""
+    url = _sqlite_url(uri)
+    if isinstance(url, str):
+        raise ConfigError(url, field="sink.catalog.uri")
+    if url is None or url.database in (None, "", ":memory:"):
+        return uri
+    real = paths.resolve(url.database, field="sink.catalog.uri")
+    return str(url.set(database=real).render_as_string(hide_password=False))
+
+
+def confined_table(tbl: Any, ident: tuple[str, ...]) -> Any:
+    """``tbl``, once its location and file paths are a root's (``core.paths``): a catalog (a
+    REST one, a shared database) may hold a table whose files are anywhere. ConfigError
+    naming ``sink.table`` otherwise, before anything is written there."""
+    places = [("location", tbl.location()), ("metadata location", tbl.metadata_location)]
+    places += [(p, tbl.properties.get(p)) for p in LOCATION_PROPERTIES]
+    for what, where in places:
+        problem = paths.location_problem(where) if where else None
+        if problem:
+            raise ConfigError(
+                f"Iceberg table {'.'.join(ident)}: its {what} {problem}", field="sink.table"
+            )
+    return tbl
 
 
 def classify_iceberg(e: BaseException) -> SinkError | None:
@@ -234,11 +314,24 @@ class IcebergSink(LakehouseSink):
         from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
         if self._table is not None:
-            return self._table.refresh()
+            return self._confined(self._table.refresh())
         try:
-            return self._catalog.load_table(self._identifier())
+            return self._confined(self._catalog.load_table(self._identifier()))
         except (NoSuchTableError, NoSuchNamespaceError):
             return None
+
+    def _confined(self, tbl: Any) -> Any:
+        return confined_table(tbl, self._identifier())
+
+    def _namespace_confined(self, namespace: tuple[str, ...]) -> None:
+        """A namespace's ``location`` (where the catalog puts its new tables) is a root's."""
+        where = self._catalog.load_namespace_properties(namespace).get("location")
+        problem = paths.location_problem(where) if where else None
+        if problem:
+            raise ConfigError(
+                f"Iceberg namespace {'.'.join(namespace)}: its location {problem}",
+                field="sink.namespace",
+            )
 
     def _latest_mark(self) -> CommitMark | None:
         if self._catalog is None:
@@ -289,7 +382,13 @@ class IcebergSink(LakehouseSink):
                     f"(columns: {', '.join(schema.names)})"
                 )
         ident = self._identifier()
+        for i, part in enumerate(ident):  # each a directory name of the table's default place
+            problem = paths.component_problem(part)
+            if problem:
+                field = "sink.table" if i == len(ident) - 1 else "sink.namespace"
+                raise ConfigError(problem, field=field)
         self._catalog.create_namespace_if_not_exists(ident[:-1])
+        self._namespace_confined(ident[:-1])
         props = {"write.target-file-size-bytes": str(self.config.target_file_size_mb << 20)}
         try:
             with self._catalog.create_table_transaction(
@@ -302,7 +401,7 @@ class IcebergSink(LakehouseSink):
         except TableAlreadyExistsError:
             pass  # another writer created it first: use theirs
         log.info("created Iceberg table %s", ".".join(ident))
-        return self._catalog.load_table(ident)
+        return self._confined(self._catalog.load_table(ident))
 
     def _evolved(self, tbl: Any, schema: pa.Schema) -> Any:
         """The table with the batch's new columns added (``auto_evolve``), else as it is."""

@@ -30,20 +30,17 @@ from __future__ import annotations
 import abc
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Annotated, Any
-from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 from pydantic import Field
 
+from conveyor.core import paths
 from conveyor.core.errors import FencedError, rule
-from conveyor.core.home import conveyor_home
 from conveyor.core.model import (
     DESTINATION_COL,
     META_COLUMNS,
@@ -147,31 +144,18 @@ class LakehouseSinkConfig(SinkConfig):
 
 
 def location_problem(value: str) -> str | None:
-    """Why a table location is refused, or None. A URL with another scheme (s3://, gs://,
-    abfss://) is passed through as written; a path or a ``file://`` URL must lie under
-    ``$CONVEYOR_HOME`` (a relative path is taken from there), so a spec cannot make a run
-    write anywhere on its host (the rule of ``formats.avro.schema_file_text``)."""
-    if not value.strip():
-        return "must not be empty"
-    if _SCHEME.match(value) and not value.lower().startswith("file://"):
-        return None
-    path = unquote(urlparse(value).path) if value.lower().startswith("file://") else value
-    if ".." in PurePosixPath(path).parts:
-        return f"{value!r}: '..' is not allowed"
-    home = str(conveyor_home())
-    real = os.path.realpath(path if os.path.isabs(path) else os.path.join(home, path))
-    if os.path.commonpath([real, home]) != home or real == home:
-        return f"{value!r} is outside $CONVEYOR_HOME ({home}); put the table there"
-    return None
+    """Why a table location is refused, or None: another scheme's URL (s3://, gs://, abfss://)
+    passes as written; a path or a ``file://`` URL lies under a root (``core.paths``: a
+    relative one from ``$CONVEYOR_HOME``), so a spec cannot make a run write anywhere on its
+    host."""
+    return paths.location_problem(value)
 
 
-def local_location(value: str) -> str:
-    """A location ``location_problem`` accepted, as the writers take it: an absolute local path
-    (a relative one under ``$CONVEYOR_HOME``), or the URL as written."""
-    if _SCHEME.match(value) and not value.lower().startswith("file://"):
-        return value
-    path = unquote(urlparse(value).path) if value.lower().startswith("file://") else value
-    return os.path.realpath(path if os.path.isabs(path) else os.path.join(conveyor_home(), path))
+def local_location(value: str, *, field: str = "sink.path") -> str:
+    """A location ``location_problem`` accepted, as the writers take it, resolved now (at
+    use): an absolute real local path, or the URL as written; ConfigError naming ``field``
+    when it is refused."""
+    return paths.resolve_location(value, field=field)
 
 
 def is_local(location: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, model_validator
 
+from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, TransientSinkError, rule
 from conveyor.core.references import known_now
@@ -44,7 +45,10 @@ class LocalFileSinkConfig(SinkConfig):
     """JSONL files in a directory; one line per message."""
 
     type: Literal["localfile"] = "localfile"
-    path: str = Field(description="Directory of the files (created if missing).")
+    path: str = Field(
+        description="Directory of the files (created if missing), under a root ($CONVEYOR_HOME, "
+        "relative: from there; section Files a spec names)."
+    )
     prefix: str = Field(
         default="data", description="File name prefix: <prefix>-YYYYMMDD[-HH][-NNNN].jsonl."
     )
@@ -70,10 +74,16 @@ class LocalFileSinkConfig(SinkConfig):
     def kind(self) -> str:
         return "file"
 
+    def directory(self) -> Path:
+        """The real directory the files go to, resolved now (``core.paths``); ConfigError
+        naming ``sink.path`` when it is refused."""
+        return Path(paths.resolve(self.path, field="sink.path"))
+
     @model_validator(mode="after")
     def _rules(self) -> LocalFileSinkConfig:
         """Cross-field rules (no I/O): each error names its field."""
-        rule(bool(self.path.strip()), "must not be empty", field="path")
+        problem = paths.problem(self.path)
+        rule(problem is None, problem or "", field="path")
         rule(
             not known_now(self.prefix) or bool(re.fullmatch(r"[A-Za-z0-9._-]+", self.prefix)),
             "letters, digits, '.', '_' and '-' only",
@@ -107,6 +117,7 @@ class LocalFileSink(Sink):
         self._dir = Path(config.path)
 
     def init_sink(self) -> None:
+        self._dir = self.config.directory()  # resolved as it is opened, not only when validated
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
         except PermissionError as e:
@@ -127,7 +138,7 @@ class LocalFileSink(Sink):
         if existing:
             newest = max(existing, key=lambda f: f.stat().st_mtime)
             try:
-                fd = os.open(newest, os.O_RDWR)
+                fd = os.open(newest, os.O_RDWR | os.O_NOFOLLOW)
             except OSError as e:
                 raise self._os_error(e) from e
             try:
@@ -202,7 +213,8 @@ class LocalFileSink(Sink):
         is cut back to the file's previous size, so no partial line stays and the retry of
         the batch does not append it twice."""
         new = not path.exists()
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        # A link in the directory is not followed: the files are this sink's own.
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             before = cut_partial_line(fd, path)
             try:
@@ -225,7 +237,8 @@ class LocalFileSink(Sink):
                 os.close(fd)
 
     def _os_error(self, e: OSError) -> Exception:
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        # ELOOP: a link where the sink's own file should be (never followed): not an outage.
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP):
             return PermanentSinkError(f"{self._dir}: {e.strerror}")
         return TransientSinkError(f"{self._dir}: {e.strerror}")  # ENOSPC, EIO, ...: may clear up
 

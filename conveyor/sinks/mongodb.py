@@ -45,6 +45,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
@@ -581,7 +582,7 @@ class MongoDBSink(Sink):
             "socketTimeoutMS": c.socket_timeout_ms,
         }
         if c.tls_ca_file:
-            kwargs["tlsCAFile"] = c.tls_ca_file
+            kwargs["tlsCAFile"] = paths.resolve(c.tls_ca_file, field="sink.tls_ca_file")
         return kwargs
 
     def write_concern(self) -> Any:
@@ -595,7 +596,8 @@ class MongoDBSink(Sink):
         from pymongo.errors import ConfigurationError
 
         c = self.config
-        if c.tls_ca_file and not os.path.isfile(c.tls_ca_file):
+        ca = paths.resolve_file(c.tls_ca_file, field="sink.tls_ca_file")
+        if ca is not None and not os.path.isfile(ca):
             raise PermanentSinkError(f"tls_ca_file {c.tls_ca_file!r} does not exist")
         try:
             client = pymongo.MongoClient(self._url(), **self.client_options())

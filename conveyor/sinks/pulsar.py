@@ -33,6 +33,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     ConfigError,
@@ -262,7 +263,9 @@ def client_options(config: PulsarSinkConfig) -> dict[str, Any]:
     if c.token is not None:
         opts["authentication"] = pulsar.AuthenticationToken(secret(c.token))
     if c.tls_trust_certs_file_path:
-        opts["tls_trust_certs_file_path"] = c.tls_trust_certs_file_path
+        opts["tls_trust_certs_file_path"] = paths.resolve(
+            c.tls_trust_certs_file_path, field="sink.tls_trust_certs_file_path"
+        )
     return opts
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, model_validator
 
+from conveyor.core import paths
 from conveyor.core import sink as sink_contract
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
@@ -255,7 +256,7 @@ def connection_settings(c: RabbitMQSinkConfig) -> dict[str, Any]:
             password=secret(c.password) or "guest",
         )
     out["tls"] = c.tls or (c.url is not None and (secret(c.url) or "").startswith("amqps://"))
-    out["ssl_cafile"] = c.ssl_cafile
+    out["ssl_cafile"] = paths.resolve_file(c.ssl_cafile, field="sink.ssl_cafile")
     return out
 
 

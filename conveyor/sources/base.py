@@ -48,9 +48,13 @@ import abc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from conveyor.core.errors import ConfigError  # noqa: F401 - re-exported for sources
+from conveyor.core import paths
+from conveyor.core.errors import (
+    ConfigError,  # noqa: F401 - re-exported for sources
+    FieldRuleError,
+)
 from conveyor.core.routing import SourceMode
 
 State = dict[str, Any]
@@ -87,6 +91,14 @@ class SourceConfig(BaseModel):
     def asset_key_path(self) -> list[str]:
         """The Dagster asset key of the system this source reads (lineage upstream of topics)."""
         return [self.type, "source"]
+
+    @model_validator(mode="after")
+    def _certificates_confined(self) -> SourceConfig:
+        """Certificate and key files lie under a root, outside the secrets (``core.paths``)."""
+        found = paths.certificate_problem(self)
+        if found is not None:
+            raise FieldRuleError(found[1], field=found[0])
+        return self
 
     def kind(self) -> str:
         return self.type

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from conveyor.core import paths
 from conveyor.core.errors import PermanentSourceError, TransientSourceError, rule
 from conveyor.core.routing import SourceMode
 from conveyor.sources import strict_json
@@ -67,9 +68,9 @@ source:
   topics: ["plant/+/temperature"]
   client_id: conveyor-plant
   tls: true
-  tls_ca_file: /etc/conveyor/mqtt-ca.pem
-  tls_cert_file: /etc/conveyor/mqtt-client.pem
-  tls_key_file: /etc/conveyor/mqtt-client.key
+  tls_ca_file: tls/mqtt-ca.pem
+  tls_cert_file: tls/mqtt-client.pem
+  tls_key_file: tls/mqtt-client.key
   username: conveyor
   password: ${file:/run/secrets/mqtt}
 ```
@@ -305,11 +306,15 @@ class MQTTSource(Source):
         import ssl
 
         c = self.config
+        files = {
+            name: paths.resolve_file(getattr(c, name), field=f"source.{name}")
+            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file")
+        }
         try:
             client.tls_set(
-                ca_certs=c.tls_ca_file,
-                certfile=c.tls_cert_file,
-                keyfile=c.tls_key_file,
+                ca_certs=files["tls_ca_file"],
+                certfile=files["tls_cert_file"],
+                keyfile=files["tls_key_file"],
                 cert_reqs=ssl.CERT_REQUIRED,
                 tls_version=ssl.PROTOCOL_TLS_CLIENT,
                 keyfile_password=(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ import pyarrow as pa
 
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import ConveyorError, PermanentSinkError, TransientSinkError
-from conveyor.core.home import conveyor_home
 from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.sink import ErrorKind
@@ -73,25 +71,21 @@ def letter_id(topic: str, partition: int, offset: int) -> str:
     return f"{topic}-{partition}-{offset}"
 
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def dead_letter_location(spec: ConnectorSpec) -> str:
     """The Parquet store's absolute URL, resolved here once for every reader and writer.
 
-    A URL (``s3a://bucket/dl``, ``file:///srv/dl``) is kept as written. A path becomes a
-    ``file://`` URL: an absolute one as is, a relative one under ``$CONVEYOR_HOME`` (the
-    same for the run, the CLI and the sensors, whatever their working directories; the
-    Spark server's own working directory never matters). Default:
-    ``$CONVEYOR_HOME/dead_letters/<connector>``.
+    A URL of another scheme than ``file`` (``s3a://bucket/dl``) is kept as written. A path or
+    ``file://`` URL becomes the ``file://`` URL of its real path under a root
+    (``ConnectorSpec.dead_letter_place``, ``core.paths``: a relative one under
+    ``$CONVEYOR_HOME``, the same for the run, the CLI and the sensors, whatever their working
+    directories; the Spark server's own working directory never matters), resolved again at
+    each use. Default: ``$CONVEYOR_HOME/dead_letters/<connector>``. ConfigError naming
+    ``failure.dead_letter.path`` when the place is refused.
     """
-    p = spec.failure.dead_letter.path
-    if p and _SCHEME.match(p):
-        return p.rstrip("/")
-    if p and Path(p).is_absolute():
-        return Path(p).as_uri()
-    base = conveyor_home()
-    return (base / p).as_uri() if p else (base / "dead_letters" / spec.name).as_uri()
+    place = spec.dead_letter_place()
+    if place is None:
+        return str(spec.failure.dead_letter.path).rstrip("/")
+    return Path(place).as_uri()
 
 
 def dlq_topic(connector: str) -> str:

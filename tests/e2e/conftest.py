@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -91,7 +92,9 @@ class DagsterHarness:
 
         info = self.client.reload_repository_location(LOCATION)
         assert info.status == ReloadRepositoryLocationStatus.SUCCESS, info.message
-        sync_files(self.store, SpecSources(self.connectors).scan())
+        # Validated as the sensor would: against this home (spec paths resolve under it).
+        with mock.patch.dict(os.environ, {"CONVEYOR_HOME": str(self.home)}):
+            sync_files(self.store, SpecSources(self.connectors).scan())
 
     def launch(self, connector: str, tags: dict[str, str] | None = None) -> str:
         return self.client.submit_job_execution(

@@ -324,7 +324,7 @@ def test_a_new_connector_file_runs_with_no_reload_by_hand(stack, tansu):
     s = stack
     name = f"file_{uuid.uuid4().hex[:6]}"
     topic = f"t_{name}"
-    out = s.cwd / f"{name}_out"
+    out = s.home / f"{name}_out"  # spec paths lie under $CONVEYOR_HOME
     produce(tansu, topic, 250)
     t0 = time.monotonic()
     (s.connectors / f"{name}.yaml").write_text(

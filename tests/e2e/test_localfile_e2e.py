@@ -25,7 +25,7 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
     n = 5_000
     produce(tansu, topic_name, n)
     name = f"lf_{uuid.uuid4().hex[:8]}"
-    out = tmp_path / "out"
+    out = dagster.home / f"{name}_out"  # spec paths lie under $CONVEYOR_HOME
     dagster.write_spec(
         {
             "name": name,
@@ -69,7 +69,7 @@ def test_localfile_connector_through_dagster(dagster: DagsterHarness, tansu, top
     inst = dagster.instance()
     from dagster import AssetKey
 
-    ev = inst.get_latest_materialization_event(AssetKey(["localfile", "out"]))
+    ev = inst.get_latest_materialization_event(AssetKey(["localfile", out.name]))
     assert ev is not None, dagster.run_log(run_id)
     assert ev.asset_materialization.metadata["messages_out"].value == n // 2, dagster.run_log(
         run_id

@@ -68,7 +68,7 @@ def test_connector_runs_on_the_executors_of_a_standalone_cluster(
 ) -> None:
     assert cluster.status()["aliveworkers"] == 2
     name = f"cluster_{uuid.uuid4().hex[:8]}"
-    dlq = tmp_path / "dead_letters"
+    dlq = on_cluster.home / "dl" / name  # spec paths lie under $CONVEYOR_HOME
     produce(tansu, topic_name, N, payload=payload)
     on_cluster.write_spec(
         pg_spec(

@@ -203,7 +203,7 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
     dagster: DagsterHarness, chromium: Chromium, tansu, topic_name, tmp_path
 ):
     name = f"ui_{uuid.uuid4().hex[:6]}"
-    sink_dir = tmp_path / f"{name}_out"
+    sink_dir = dagster.home / f"{name}_out"  # spec paths lie under $CONVEYOR_HOME
     sink_path = ["localfile", f"{name}_out"]
     produce(tansu, topic_name, 1_000)
     dagster.write_spec(
@@ -213,7 +213,10 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
             "owners": ["team:data"],
             "source": {"topics": [topic_name]},
             "batch": {"max_records": 500, "max_wait_ms": 200},
-            "failure": {"policy": "dead_letter", "dead_letter": {"path": str(tmp_path / "dl")}},
+            "failure": {
+                "policy": "dead_letter",
+                "dead_letter": {"path": str(dagster.home / "dl" / name)},
+            },
             "sink": {"type": "localfile", "path": str(sink_dir)},
         }
     )
@@ -355,7 +358,7 @@ def test_a_connector_created_over_the_api_is_launched_from_the_ui_and_managed_ov
     dagster: DagsterHarness, chromium: Chromium, rest_api, tansu, topic_name, tmp_path
 ):
     name = f"ui_api_{uuid.uuid4().hex[:6]}"
-    out = tmp_path / f"{name}_out"
+    out = dagster.home / f"{name}_out"  # spec paths lie under $CONVEYOR_HOME
     produce(tansu, topic_name, 400)
     r = rest_api(
         "POST",

@@ -29,7 +29,7 @@ def spec(name: str) -> dict:
         "name": name,
         "config": {
             "source": {"topics": ["orders"]},
-            "sink": {"type": "localfile", "path": "/tmp/conveyor-browser-test"},
+            "sink": {"type": "localfile", "path": "conveyor-browser-test"},
         },
     }
 

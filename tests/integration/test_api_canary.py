@@ -44,7 +44,7 @@ SINKS: dict[str, dict[str, Any]] = {
     "mysql": {"url": "mysql://root@127.0.0.1:3306/test", "table": "t"},
     "redis": {"commands": ["SET a b"]},
     "rabbitmq": {"url": "amqp://127.0.0.1/%2F", "exchange": "x"},
-    "localfile": {"path": "/tmp/conveyor-canary-out"},
+    "localfile": {"path": "conveyor-canary-out"},
     "kafka": {"bootstrap_servers": "127.0.0.1:9092", "topic": "t"},
     "mongodb": {"url": "mongodb://127.0.0.1/", "database": "d", "collection": "c"},
     "elasticsearch": {"hosts": ["http://127.0.0.1:9200"], "index": "i"},

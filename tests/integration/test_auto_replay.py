@@ -12,7 +12,7 @@ def spec(name: str, auto: bool) -> str:
         {
             "name": name,
             "source": {"topics": ["t"]},
-            "sink": {"type": "localfile", "path": "/tmp/x"},
+            "sink": {"type": "localfile", "path": "x"},
             "failure": {
                 "policy": "dead_letter",
                 "dead_letter": {"auto_replay": auto, "replay_after_s": 60},

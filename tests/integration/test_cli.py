@@ -216,8 +216,8 @@ def write_letters(directory, spark_remote: str, payloads: list[bytes]) -> None:
 
 
 @pytest.fixture
-def dl_connector(meta_url, tmp_path, spark_remote, monkeypatch):
-    monkeypatch.setenv("CONVEYOR_SPARK_REMOTE", spark_remote)
+def dl_connector(meta_url, tmp_path, file_root, spark_remote, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_SPARK_REMOTE", spark_remote)  # file_root: out/ and dl/ in it
     spec = tmp_path / "orders_dl.yaml"
     spec.write_text(DL_SPEC.format(out=tmp_path / "out", dl=tmp_path / "dl"))
     r = cli(meta_url, "connector", "apply", "-f", str(spec))
@@ -287,7 +287,7 @@ def test_offsets_reset_to_the_end_or_from_another_consumer_group(tmp_path, tansu
     spec = tmp_path / "orders.yaml"
     spec.write_text(
         f"name: orders\nsource: {{topics: [{topic}], bootstrap_servers: '{tansu}'}}\n"
-        "sink: {type: localfile, path: /tmp/unused}\ndesired: stopped\n"
+        "sink: {type: localfile, path: unused}\ndesired: stopped\n"
     )
     assert cli(meta_url, "connector", "apply", "-f", str(spec)).exit_code == 0
     cli(meta_url, "connector", "stop", "orders")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from conveyor.core.failure import FailedMessage
 from conveyor.core.loop import DeadLetter
@@ -43,7 +44,7 @@ def spec(path: str | None) -> ConnectorSpec:
         {
             "name": "orders_dl",
             "source": {"topics": ["orders"]},
-            "sink": {"type": "localfile", "path": "/tmp/x"},
+            "sink": {"type": "localfile", "path": "x"},
             "failure": failure,
         }
     )
@@ -51,34 +52,41 @@ def spec(path: str | None) -> ConnectorSpec:
 
 @pytest.fixture
 def elsewhere(tmp_path, monkeypatch) -> Path:
-    """CONVEYOR_HOME under tmp_path; this process's working directory somewhere else."""
+    """CONVEYOR_HOME under tmp_path; this process's working directory somewhere else;
+    tmp_path/srv a root of spec paths besides the home (CONVEYOR_FILE_ROOTS)."""
     home = tmp_path / "home"
     home.mkdir()
     cwd = tmp_path / "cwd"
     cwd.mkdir()
+    (tmp_path / "srv").mkdir()
     monkeypatch.setenv("CONVEYOR_HOME", str(home))
+    monkeypatch.setenv("CONVEYOR_FILE_ROOTS", str(tmp_path / "srv"))
     monkeypatch.chdir(cwd)
     return home
 
 
-def test_locations_are_resolved_once_to_absolute_urls(elsewhere):
+def test_locations_are_resolved_once_to_absolute_urls(elsewhere, tmp_path):
     assert dead_letter_location(spec(None)) == (elsewhere / "dead_letters" / "orders_dl").as_uri()
     assert dead_letter_location(spec("dl/orders")) == (elsewhere / "dl" / "orders").as_uri()
-    assert dead_letter_location(spec("/srv/dl")) == "file:///srv/dl"
+    srv = tmp_path / "srv" / "dl"
+    assert dead_letter_location(spec(str(srv))) == srv.as_uri()
     assert dead_letter_location(spec("s3a://bucket/dl/")) == "s3a://bucket/dl"
-    assert dead_letter_location(spec("file:///srv/dl")) == "file:///srv/dl"
+    assert dead_letter_location(spec(srv.as_uri())) == srv.as_uri()
+    for outside in ("/srv/dl", "file:///srv/dl", str(tmp_path / "cwd" / "dl")):  # no root's
+        with pytest.raises(ValidationError, match="outside the roots"):
+            spec(outside)
 
 
 @pytest.mark.parametrize("kind", ["relative", "url"])
 def test_write_count_list_and_mark_through_spark(elsewhere, tmp_path, spark_remote, kind):
-    path = "dl/orders" if kind == "relative" else (tmp_path / "by_url").as_uri()
+    path = "dl/orders" if kind == "relative" else (tmp_path / "srv" / "by_url").as_uri()
     location = dead_letter_location(spec(path))
     store = SparkParquetDeadLetters(
         location, lambda: spark_session(spark_remote), connector="orders_dl"
     )
     assert store.count() == 0  # nothing written yet: no error, no local check
     store.write(letters(5))
-    on_disk = (elsewhere / "dl" / "orders") if kind == "relative" else (tmp_path / "by_url")
+    on_disk = (elsewhere / "dl" / "orders") if kind == "relative" else (tmp_path / "srv" / "by_url")
     assert any((on_disk / "letters").rglob("*.parquet"))  # where the URL says, not Spark's cwd
     assert not (tmp_path / "cwd" / "dl").exists()
     assert store.count() == 5

@@ -42,7 +42,7 @@ def test_code_location_loads_with_broken_specs_and_reports_them(env: Path, tmp_p
     )
     (env / "broken_yaml.yaml").write_text("name: broken_yaml\nsource: {topics: [x]\n")
     (env / "missing_field.yaml").write_text(
-        "name: missing_field\nsink: {type: localfile, path: /tmp/x}\n"
+        "name: missing_field\nsink: {type: localfile, path: x}\n"
     )
     (env / "unknown_sink.yaml").write_text(
         "name: unknown_sink\nsource: {topics: [x]}\nsink: {type: postgress, table: t}\n"

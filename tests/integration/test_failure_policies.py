@@ -125,7 +125,7 @@ def test_poison_message_is_discarded_the_rest_delivered_offsets_advance(
 
 
 def test_dead_letter_limit_stops_before_draining_the_topic(
-    tmp_path, tansu, spark_remote, pg_url, orders, topic_name
+    tmp_path, file_root, tansu, spark_remote, pg_url, orders, topic_name
 ):
     produce(
         tansu,

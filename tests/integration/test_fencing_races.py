@@ -287,7 +287,7 @@ def test_deleted_stays_deleted_against_zombie_runs_and_tasks(handles) -> None:
 
 
 def test_a_spec_sync_that_read_the_file_before_the_delete_does_not_bring_it_back(
-    handles, tmp_path: Path
+    handles, tmp_path: Path, file_root: Path
 ) -> None:
     """The scheduler's scan read the file, the delete removed file and row, then the scan
     syncs what it read: the connector stays deleted (raced 20 times, then once in order)."""

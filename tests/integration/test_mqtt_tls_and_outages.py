@@ -189,16 +189,16 @@ def _cfg(port: int, tag: str, **extra: Any) -> dict[str, Any]:
 def test_tls_fields_are_checked_naming_the_field():
     base = {"type": "mqtt", "topics": ["a/#"], "client_id": "c"}
     with pytest.raises(ConfigError, match=r"source\.tls_ca_file: only with tls: true"):
-        build_source({**base, "tls_ca_file": "/ca.pem"})
+        build_source({**base, "tls_ca_file": "ca.pem"})
     with pytest.raises(ConfigError, match=r"source\.tls_key_file: tls_cert_file and tls_key"):
-        build_source({**base, "tls": True, "tls_cert_file": "/c.pem"})
+        build_source({**base, "tls": True, "tls_cert_file": "c.pem"})
     with pytest.raises(ConfigError, match=r"source\.password: needs username"):
         build_source({**base, "password": "${env:MQTT_PW}"})
     with pytest.raises(ConfigError, match=r"source\.max_pending"):
         build_source({**base, "max_pending": 70_000})
 
 
-def test_tls_with_a_client_certificate_and_a_password(tls_broker):
+def test_tls_with_a_client_certificate_and_a_password(tls_broker, file_root):
     broker, cert, key = tls_broker
     certs = broker.tls
     assert certs is not None

@@ -27,7 +27,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
 def spec(**over: object) -> dict:
     return {
         "source": {"topics": ["rv_in"]},
-        "sink": {"type": "localfile", "path": "/tmp/never-written", "rotation": "none"},
+        "sink": {"type": "localfile", "path": "never-written", "rotation": "none"},
         "desired": "stopped",
         **over,
     }

@@ -98,7 +98,7 @@ def test_a_connector_an_older_conveyor_kept_only_in_the_store_gets_a_file(env):
     spec = {
         "name": "legacy",
         "source": {"topics": ["t"]},
-        "sink": {"type": "localfile", "path": "/tmp/x"},
+        "sink": {"type": "localfile", "path": "x"},
     }
     store.sync_spec("legacy", spec_json=json.dumps(spec), spec_hash="old", source="cli", error=None)
     notes = tick(d, store)

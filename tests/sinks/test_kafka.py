@@ -152,7 +152,7 @@ class TestKafkaContract(SinkContract):
         ({"delivery_timeout_ms": 1_000}, "delivery_timeout_ms"),
         ({"security_protocol": "SASL_SSL"}, "sasl_mechanism"),
         ({"sasl_username": "u"}, "sasl_username"),
-        ({"ssl_cafile": "/tmp/ca.pem"}, "ssl_cafile"),
+        ({"ssl_cafile": "tls/ca.pem"}, "ssl_cafile"),
         ({"timestamp": "broker"}, "timestamp"),
         ({"client": "librdkafka"}, "client"),
     ]
@@ -485,7 +485,7 @@ def test_missing_ssl_file_is_permanent(client: str, tansu: str) -> None:
             "bootstrap_servers": tansu,
             "topic": "t",
             "security_protocol": "SSL",
-            "ssl_cafile": "/nonexistent/ca.pem",
+            "ssl_cafile": "nonexistent/ca.pem",  # under $CONVEYOR_HOME, missing
         }
     )
     with pytest.raises(PermanentSinkError, match="ssl_cafile"):

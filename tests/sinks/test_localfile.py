@@ -17,6 +17,9 @@ from conveyor.sinks import build_sink
 from tests.hostile import HOSTILE_BYTES, hostile_bytes_batch, with_invalid_utf8
 from tests.sinks.contract import SinkContract, make_batch
 
+# The sink writes into directories the tests make under the system's temporary directory.
+pytestmark = pytest.mark.usefixtures("temp_root")
+
 
 class TestLocalFileContract(SinkContract):
     sink_type = "localfile"

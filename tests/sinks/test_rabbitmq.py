@@ -142,7 +142,7 @@ class TestRabbitMQContract(SinkContract):
         ({"confirm_mode": "none"}, "confirm_mode"),
         ({"confirm_timeout_s": 0}, "confirm_timeout_s"),
         ({"port": 70_000}, "port"),
-        ({"ssl_cafile": "/tmp/ca.pem"}, "ssl_cafile"),
+        ({"ssl_cafile": "tls/ca.pem"}, "ssl_cafile"),
         ({"exchange": "", "declare_exchange": True}, "declare_exchange"),
     ]
 

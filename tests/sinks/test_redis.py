@@ -442,7 +442,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         _stop(proc)
 
 
-def test_tls_with_client_certificate(tls_redis: dict[str, Any]) -> None:
+def test_tls_with_client_certificate(tls_redis: dict[str, Any], temp_root: Path) -> None:
     d, port = tls_redis["dir"], tls_redis["port"]
     prefix = unique("tls")
     cfg = {

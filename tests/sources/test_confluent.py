@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,6 +110,8 @@ def test_client_options_take_librdkafka_names(tansu: str) -> None:
 
 @pytest.fixture(scope="module")
 def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsBroker]:
+    """socat's TLS in front of tansu; its certificates under the system's temporary
+    directory, which the tests using it declare a root of spec paths (``temp_root``)."""
     if not socat_available():
         pytest.skip("needs Debian's socat and openssl (.ci/run installs socat)")
     with tls_tansu(tmp_path_factory.mktemp("tls")) as broker:
@@ -125,7 +128,9 @@ def _tls(broker: TlsBroker, **kw: object) -> dict[str, object]:
     }
 
 
-def test_tls_right_ca_messages_flow_and_offsets_mirror(tls_broker: TlsBroker) -> None:
+def test_tls_right_ca_messages_flow_and_offsets_mirror(
+    tls_broker: TlsBroker, temp_root: Path
+) -> None:
     t = f"tls_{uuid.uuid4().hex[:8]}"
     spec = SourceSpec(topics=[t], **_tls(tls_broker))  # type: ignore[arg-type]
     conf = {
@@ -157,7 +162,7 @@ def test_tls_right_ca_messages_flow_and_offsets_mirror(tls_broker: TlsBroker) ->
     ],
 )
 def test_tls_wrong_ca_or_host_is_a_permanent_error_naming_the_problem(
-    tls_broker: TlsBroker, override: str, problem: str
+    tls_broker: TlsBroker, temp_root: Path, override: str, problem: str
 ) -> None:
     kw = _tls(tls_broker)
     if override == "wrong_ca":

@@ -29,7 +29,8 @@ from tests.sources.contract import read_until, rows
 from tests.sources.producers import Msg, create_topic, produce
 from tests.sources.tls import TlsBroker, socat_available, tls_tansu
 
-pytestmark = pytest.mark.integration
+# The certificates are made under the system's temporary directory: a root of spec paths here.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("temp_root")]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -339,14 +340,15 @@ def test_not_elasticsearch_is_permanent_and_foreign_errors_are_not_mapped() -> N
 # -- client options, params, config ---------------------------------------------------------------
 
 
-def test_client_options_with_basic_auth_and_tls() -> None:
+def test_client_options_with_basic_auth_and_tls(file_root: Path) -> None:
+    ca = str(file_root / "es-ca.pem")
     sink = build_sink(
         {
             **BASE,
             "hosts": ["https://es-1:9200", "https://es-2:9200"],
             "username": "writer",
             "password": "s3cret",
-            "ca_certs": "/etc/ssl/es-ca.pem",
+            "ca_certs": ca,
             "request_timeout_s": 5,
         }
     )
@@ -356,7 +358,7 @@ def test_client_options_with_basic_auth_and_tls() -> None:
         "max_retries": 2,
         "retry_on_timeout": False,
         "basic_auth": ("writer", "s3cret"),
-        "ca_certs": "/etc/ssl/es-ca.pem",
+        "ca_certs": ca,
     }
     assert "s3cret" not in json.dumps(sink.config.redacted())
 

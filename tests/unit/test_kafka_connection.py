@@ -26,11 +26,13 @@ from conveyor.core.model import ConnectorSpec, SourceSpec
 
 
 @pytest.fixture(autouse=True)
-def _secrets_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+def _secrets_readable(file_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the clients' options, not the secrets policy (tests/unit/
-    test_secrets.py): the operator lets references read any variable and file."""
+    test_secrets.py): the operator lets references read any variable and the files of
+    ``tmp_path/secrets``; certificates are files of ``tmp_path``, a root of spec paths."""
     monkeypatch.setenv("CONVEYOR_SECRET_ENV", "*")
-    monkeypatch.setenv("CONVEYOR_SECRET_FILES", "/")
+    monkeypatch.setenv("CONVEYOR_SECRET_FILES", str(file_root / "secrets"))
+    (file_root / "secrets").mkdir()
 
 
 def conn(**kw: Any) -> KafkaConnection:
@@ -72,8 +74,8 @@ def scram(**kw: Any) -> KafkaConnection:
             "sasl_oauthbearer_token: required",
         ),
         ({"sasl_mechanism": "PLAIN"}, "only with security_protocol SASL"),
-        ({"ssl_cafile": "/ca.pem"}, "ssl_cafile: only with security_protocol SSL"),
-        ({"security_protocol": "SSL", "ssl_certfile": "/c.pem"}, "ssl_keyfile: give both"),
+        ({"ssl_cafile": "ca.pem"}, "ssl_cafile: only with security_protocol SSL"),
+        ({"security_protocol": "SSL", "ssl_certfile": "c.pem"}, "ssl_keyfile: give both"),
         ({"security_protocol": "SSL", "ssl_key_password": "${env:X}"}, "only with ssl_keyfile"),
         ({"sasl_password": "${env:not a name}"}, "not an environment variable name"),
         ({"client_options": {"sasl_plain_password": "x"}}, "looks like a secret"),
@@ -97,7 +99,7 @@ def test_the_spec_stores_references_never_passwords() -> None:
                 "sasl_username": "svc",
                 "sasl_password": "${file:/run/secrets/kafka}",
             },
-            "sink": {"type": "localfile", "path": "/tmp/x"},
+            "sink": {"type": "localfile", "path": "x"},
         }
     )
     assert '"sasl_password":"${file:/run/secrets/kafka}"' in spec.model_dump_json()
@@ -116,7 +118,7 @@ def test_secrets_come_from_the_environment_or_a_file_read_at_each_use(
 ) -> None:
     monkeypatch.setenv("KAFKA_PW", "from-env")
     assert resolve_secret("${env:KAFKA_PW}", field="f") == "from-env"
-    f = tmp_path / "pw"
+    f = tmp_path / "secrets" / "pw"
     f.write_text("v1\n")
     assert resolve_secret(f"${{file:{f}}}", field="f") == "v1"  # the trailing newline goes
     f.write_text("v2")
@@ -128,7 +130,7 @@ def test_secrets_come_from_the_environment_or_a_file_read_at_each_use(
     ):
         resolve_secret("${env:KAFKA_PW}", field="source.sasl_password")
     with pytest.raises(ConfigError, match="cannot read"):
-        resolve_secret(f"${{file:{tmp_path / 'missing'}}}", field="f")
+        resolve_secret(f"${{file:{tmp_path / 'secrets' / 'missing'}}}", field="f")
 
 
 # -- kafka-python ------------------------------------------------------------------------
@@ -164,7 +166,7 @@ def test_kafka_python_options_for_scram_over_tls(
 def test_kafka_python_oauthbearer_token_is_read_at_each_connection(tmp_path: Path) -> None:
     from kafka.net.sasl.oauth import AbstractTokenProvider
 
-    token = tmp_path / "token"
+    token = tmp_path / "secrets" / "token"
     token.write_text("t1\n")
     c = conn(
         security_protocol="SASL_SSL",

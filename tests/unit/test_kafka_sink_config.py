@@ -37,9 +37,8 @@ BASE = {"type": "kafka", "bootstrap_servers": "127.0.0.1:9092", "topic": "orders
 @pytest.fixture(autouse=True)
 def _secrets_readable(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the clients' options, not the secrets policy (tests/unit/
-    test_secrets.py): the operator lets references read any variable and file."""
+    test_secrets.py): the operator lets references read any variable."""
     monkeypatch.setenv("CONVEYOR_SECRET_ENV", "*")
-    monkeypatch.setenv("CONVEYOR_SECRET_FILES", "/")
 
 
 def sink(**over: Any) -> KafkaSink:
@@ -95,7 +94,7 @@ def test_defaults_and_producer_kwargs() -> None:
 
 
 def test_producer_kwargs_are_all_known_to_kafka_python(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, file_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kafka import KafkaProducer
 
@@ -189,7 +188,7 @@ def test_passwords_are_references_never_values(monkeypatch: pytest.MonkeyPatch) 
         ({"sasl_mechanism": "GSSAPI"}, "sasl_mechanism"),
         ({"sasl_password": "x"}, "sasl_password"),
         ({"ssl_certfile": "/c.pem"}, "ssl_certfile"),
-        ({"security_protocol": "SSL", "ssl_certfile": "/c.pem"}, "ssl_keyfile"),
+        ({"security_protocol": "SSL", "ssl_certfile": "c.pem"}, "ssl_keyfile"),
         ({"no_such_option": 1}, "no_such_option"),
     ],
 )
@@ -553,7 +552,9 @@ def test_fail_fast_produces_nothing_after_a_record_the_producer_refuses() -> Non
 # -- the librdkafka client (sink.client: confluent) ----------------------------------------------
 
 
-def test_librdkafka_producer_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_librdkafka_producer_config(
+    tmp_path: Path, file_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from confluent_kafka import Producer
 
     from conveyor.sinks.kafka_confluent import producer_config

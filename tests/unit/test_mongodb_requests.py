@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -337,14 +338,14 @@ def test_write_concern_is_built_from_config() -> None:
     assert numeric.write_concern().document == {"w": 2}  # type: ignore[attr-defined]
 
 
-def test_client_options_bound_every_wait() -> None:
+def test_client_options_bound_every_wait(file_root: Path) -> None:
     sink = build_sink(
         {
             "type": "mongodb",
             "url": URL,
             "database": "db",
             "collection": "c",
-            "tls_ca_file": "/etc/ssl/ca.pem",
+            "tls_ca_file": str(file_root / "ca.pem"),
         }
     )
     assert sink.client_options() == {  # type: ignore[attr-defined]
@@ -352,7 +353,7 @@ def test_client_options_bound_every_wait() -> None:
         "serverSelectionTimeoutMS": 10_000,
         "connectTimeoutMS": 10_000,
         "socketTimeoutMS": 60_000,
-        "tlsCAFile": "/etc/ssl/ca.pem",
+        "tlsCAFile": str(file_root / "ca.pem"),
     }
 
 

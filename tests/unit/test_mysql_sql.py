@@ -7,6 +7,7 @@ import decimal
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -41,9 +42,8 @@ BASE = {"type": "mysql", "url": "mysql://root@127.0.0.1:3306/test", "table": "or
 @pytest.fixture(autouse=True)
 def _secrets_readable(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the clients' options, not the secrets policy (tests/unit/
-    test_secrets.py): the operator lets references read any variable and file."""
+    test_secrets.py): the operator lets references read any variable."""
     monkeypatch.setenv("CONVEYOR_SECRET_ENV", "*")
-    monkeypatch.setenv("CONVEYOR_SECRET_FILES", "/")
 
 
 def sink(**over: Any) -> MySQLSink:
@@ -264,11 +264,12 @@ def test_defaults_alias_and_asset_key() -> None:
     ).asset_key_path() == ["mysql", "shop", "a_b"]
 
 
-def test_url_is_secret_and_parsed() -> None:
+def test_url_is_secret_and_parsed(file_root: Path) -> None:
+    ca = str(file_root / "ca.pem")
     s = sink(
         url="mysql://us%40er:p%3Ass@db.example:3307/sh%2Fop",
         lock_wait_timeout_s=5,
-        tls_ca_file="/ca.pem",
+        tls_ca_file=ca,
     )
     assert "p:ss" not in repr(s.config) and "p%3Ass" not in json.dumps(s.config.redacted())
     assert "p%3Ass" not in s.describe() and "p:ss" not in s.describe()
@@ -286,7 +287,7 @@ def test_url_is_secret_and_parsed() -> None:
         "STRICT_ALL_TABLES" in kw["init_command"] and "time_zone = '+00:00'" in kw["init_command"]
     )
     assert "innodb_lock_wait_timeout = 5" in kw["init_command"]
-    assert kw["ssl"] == {"ca": "/ca.pem"}
+    assert kw["ssl"] == {"ca": ca}
     assert s.endpoint() == "db.example:3307/sh/op"
 
 

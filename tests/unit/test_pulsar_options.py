@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pulsar
@@ -111,12 +112,12 @@ def test_chunking_without_batching() -> None:
     assert opts["batching_enabled"] is False and opts["chunking_enabled"] is True
 
 
-def test_client_options_with_token_and_tls() -> None:
+def test_client_options_with_token_and_tls(file_root: Path) -> None:
     opts = client_options(
         cfg(
             service_url="pulsar+ssl://broker:6651",
             token="eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJjb252ZXlvciJ9.sig",
-            tls_trust_certs_file_path="/etc/pulsar/ca.pem",
+            tls_trust_certs_file_path=str(file_root / "ca.pem"),
             operation_timeout_s=10,
         )
     )
@@ -127,7 +128,7 @@ def test_client_options_with_token_and_tls() -> None:
         "connection_timeout_ms": 10_000,
         "tls_allow_insecure_connection": False,
         "tls_validate_hostname": True,
-        "tls_trust_certs_file_path": "/etc/pulsar/ca.pem",
+        "tls_trust_certs_file_path": str(file_root / "ca.pem"),
     }
 
 

@@ -94,7 +94,7 @@ def test_alias_and_defaults() -> None:
         ({"confirm_timeout_s": -1}, "confirm_timeout_s"),
         ({"max_message_bytes": 0}, "max_message_bytes"),
         ({"connect_timeout_s": 0}, "connect_timeout_s"),
-        ({"ssl_cafile": "/ca.pem"}, "ssl_cafile"),
+        ({"ssl_cafile": "tls/ca.pem"}, "ssl_cafile"),
         ({"tls": True}, "tls"),
         ({"no_such_option": 1}, "no_such_option"),
     ],
@@ -181,13 +181,13 @@ def test_tls_parameters() -> None:
     with pytest.raises(FileNotFoundError):
         connection_parameters(
             parse_sink_config(
-                {**BASE, "url": "amqps://u:p@mq/", "ssl_cafile": "/nonexistent/ca.pem"}
+                {**BASE, "url": "amqps://u:p@mq/", "ssl_cafile": "nonexistent/ca.pem"}
             )
         )
 
 
 def test_unreadable_ca_file_is_permanent_at_start() -> None:
-    s = sink(url="amqps://u:p@127.0.0.1/", ssl_cafile="/nonexistent/ca.pem")
+    s = sink(url="amqps://u:p@127.0.0.1/", ssl_cafile="nonexistent/ca.pem")
     with pytest.raises(PermanentSinkError, match="connection settings"):
         s.init_sink()
     s.cleanup_sink()

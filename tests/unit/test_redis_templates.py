@@ -8,6 +8,7 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -403,12 +404,13 @@ def test_standalone_client_kwargs_and_no_retries() -> None:
     client.close()
 
 
-def test_tls_kwargs() -> None:
+def test_tls_kwargs(file_root: Path) -> None:
+    ca, cert, key = (str(file_root / n) for n in ("ca.pem", "c.pem", "k.pem"))
     cfg = sink(
         tls=True,
-        tls_ca_file="/ca.pem",
-        tls_cert_file="/c.pem",
-        tls_key_file="/k.pem",
+        tls_ca_file=ca,
+        tls_cert_file=cert,
+        tls_key_file=key,
         tls_check_hostname=False,
     ).config
     kw = client_kwargs(cfg)
@@ -419,7 +421,7 @@ def test_tls_kwargs() -> None:
         kw["ssl_certfile"],
         kw["ssl_keyfile"],
         kw["ssl_check_hostname"],
-    ) == (True, "required", "/ca.pem", "/c.pem", "/k.pem", False)
+    ) == (True, "required", ca, cert, key, False)
     client = make_client(cfg)
     from redis.connection import SSLConnection
 
@@ -437,7 +439,7 @@ def test_cluster_kwargs_are_all_accepted_by_redis_cluster() -> None:
         port=7000,
         startup_nodes=["n2:7001", "[::1]:7002"],
         tls=True,
-        tls_ca_file="/ca.pem",
+        tls_ca_file="tls/ca.pem",
         username="u",
         password="p",
     ).config

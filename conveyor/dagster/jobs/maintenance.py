@@ -127,10 +127,11 @@ def open_iceberg(config: Any) -> Any:
     """The sink's table, through a catalog of the sink's properties (secrets resolved)."""
     from pyiceberg.catalog import load_catalog
 
-    from conveyor.sinks.iceberg import catalog_properties
+    from conveyor.sinks.iceberg import catalog_properties, confined_table
 
     catalog = load_catalog(config.catalog.name, **catalog_properties(config))
-    return catalog.load_table((*config.namespace.split("."), config.table))
+    ident = (*config.namespace.split("."), config.table)
+    return confined_table(catalog.load_table(ident), ident)  # its files under a root
 
 
 def _totals(table: Any) -> tuple[int, int]:
