@@ -157,11 +157,10 @@ def codec(t: ColumnType, modes: Modes) -> Codec:
     maker = _CODECS.get(t.oid)
     if maker is not None:
         return maker(t, modes)
-    name = {"citext": None, "ltree": "io.debezium.data.Ltree"}.get(t.name, "")
-    if name is None or t.oid in STRINGS or t.oid in RANGES:
+    if t.name == "ltree":
+        return Codec(_named("string", "io.debezium.data.Ltree"), str, modes.placeholder)
+    if t.oid in STRINGS or t.oid in RANGES or t.name == "citext":
         return Codec({"type": "string"}, str, modes.placeholder)
-    if name:
-        return Codec(_named("string", name), str, modes.placeholder)
     # Types Debezium leaves out (box, polygon, pg_lsn, interval[] ...): their text.
     return Codec({"type": "string"}, _as_text, modes.placeholder)
 

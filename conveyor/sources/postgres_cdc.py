@@ -130,7 +130,7 @@ differs, and why:
 | box, polygon, line, lseg, path, circle, pg_lsn, tsquery, int2vector, arrays of money/interval/xml/point/name/varbit, arrays of domains | left out of the event (its `include.unknown.datatypes` off) | the text PostgreSQL prints, schema `string` (an array: its JSON list as text), so no column is dropped |
 | hstore, PostGIS geometry, pgvector | JSON text / `{wkb, srid}` / vectors | the text PostgreSQL prints |
 | a column's `default` in the schema | converted by its own parser | constants only (numbers, quoted literals, true/false), converted as the column's values; an expression (now(), nextval) gives none, as in Debezium |
-| `provide.transaction.metadata`, heartbeats, logical decoding messages, `time.precision.mode` microseconds/nanoseconds, `hstore.handling.mode`, `money.fraction.digits` | optional | not offered: `transaction` is always null (Debezium's default), no `<prefix>.transaction`, `.message` or heartbeat topics |
+| `provide.transaction.metadata`, heartbeats, logical decoding messages, `time.precision.mode` microseconds/nanoseconds, `hstore.handling.mode`, `money.fraction.digits` | optional, off by default | not offered: `transaction` is always null (Debezium's default); the transaction's BEGIN/END events (`<prefix>.transaction`) would need positions of their own in the stored state (an END after a transaction's last change), and no `.message` or heartbeat topics |
 | topics | `<topic.prefix>.<schema>.<table>` | routing's (`destinations`, `routing.default_destination`) |
 | JSON text | Jackson's (`1.0E300`, non-ASCII as is) | Python's (`1e+300`, non-ASCII escaped): equal as JSON |
 
@@ -385,6 +385,16 @@ class PostgresCDCConfig(SourceConfig):
     def _name_ok(cls, v: str | None) -> str | None:
         if v is not None and not _NAME_RE.match(v):
             raise ValueError("a slot or publication name is 1-63 of a-z, 0-9 and _")
+        return v
+
+    @field_validator("unavailable_value_placeholder")
+    @classmethod
+    def _placeholder_ok(cls, v: str) -> str:
+        if v.startswith("hex:"):
+            try:
+                bytes.fromhex(v[4:])
+            except ValueError:
+                raise ValueError("'hex:' is followed by hex digits (pairs)") from None
         return v
 
     @field_validator("tables")

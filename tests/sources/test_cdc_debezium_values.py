@@ -284,6 +284,7 @@ def test_defaults_per_format():
         ),
         ({"format": "debezium", "decimal_handling_mode": "exact"}, "decimal_handling_mode"),
         ({"format": "debezium", "skipped_operations": ["x"]}, "skipped_operations"),
+        ({"format": "debezium", "unavailable_value_placeholder": "hex:zz"}, "hex digits"),
     ],
 )
 def test_a_setting_that_does_not_fit_is_refused_naming_it(fields, named):
