@@ -207,8 +207,10 @@ debezium` reads the values back by the schema part (`conveyor/spark/envelopes.py
 Debezium itself wrote replicates into PostgreSQL equal column by column
 (tests/sources/test_cdc_debezium_parity.py; timetz compared at UTC, as Debezium keeps the
 instant, not the offset), except what Debezium's encodings lose: NaN and infinite numerics in
-precise mode, interval months in numeric mode (use `interval_handling_mode: string`), varbit's
-leading zeros, the untouched TOASTed values of the default identity (the placeholder). A
+precise mode, the trailing zeros of a numeric without a scale (`1.50` arrives as `1.5`), a
+timetz's offset (the instant stays), interval months in numeric mode (use
+`interval_handling_mode: string`), varbit's leading zeros, the untouched TOASTed values of the
+default identity (the placeholder). A
 truncate's message has no key: on a topic of several partitions it is ordered with the changes
 of its own partition only (a change just before or after it in another partition may be applied
 on the other side of it); a one-partition topic keeps the order. Spark's JSON reader writes a
