@@ -9,7 +9,11 @@ from the slot and skips what the state covers. ``commit`` confirms (standby feed
 ``pg_replication_slot_advance`` when no stream is open) the end of the last transaction the
 state covers completely. While no change of ours is pending, keepalives move the state to the
 server's WAL end (at most every ``heartbeat_interval_s``), so an idle table on a busy database
-does not hold WAL. Values are decoded by ``conveyor.sources.pgoutput``.
+does not hold WAL. Values are decoded by ``conveyor.sources.pgoutput``; ``format: debezium``
+messages are put together by ``conveyor.sources.debezium`` (Debezium's encodings, the schema
+part, the ``source`` block: its ``sequence`` needs the end of the last transaction read, kept
+in the state as ``last_commit_lsn``; its snapshot markers need a snapshot's progress, kept as
+``snapshot.done``, the tables finished).
 Needs ``wal_level = logical`` and a role with REPLICATION (or superuser).
 """
 
@@ -1392,15 +1396,10 @@ class PostgresCDCSource(Source):
             info = self._table(c.table)
             cols, key = [(n, oid, mod) for n, oid, _, mod in info.columns], info.key
         facts = {r[0]: (bool(r[1]), r[2]) for r in self._run(dbz.COLUMNS_QUERY, _parts(c.table))}
-        columns = [
-            dbz.Column(
-                n,
-                self._column_type(oid, mod),
-                not facts.get(n, (False, None))[0],
-                facts.get(n, (False, None))[1],
-            )
-            for n, oid, mod in cols
-        ]
+        columns = []
+        for name, oid, mod in cols:
+            not_null, default = facts.get(name, (False, None))
+            columns.append(dbz.Column(name, self._column_type(oid, mod), not not_null, default))
         modes = dbz.Modes(
             decimal=self.config.decimal_handling_mode,
             time=self.config.time_precision_mode,
