@@ -29,7 +29,9 @@ values by that schema (``plain_payloads``, in the run process, before the trip: 
 bytes and scale become ``"12.500"``, days a date, microseconds a timestamp ...; the table
 in ``conveyor.formats.debezium``), so the row's DDL names the column's own type (DECIMAL,
 DATE, TIMESTAMP) or STRING. Without the schema part a Decimal's bytes cannot be read (their
-scale is in the schema): use Debezium's string modes then.
+scale is in the schema): use Debezium's string modes then. Records decoded in the run process
+(Avro ...) keep the values their decoder gives: Kafka Connect's Decimal as a decimal, Debezium's
+``io.debezium.time`` types as their numbers (days, µs), to be cast in the select.
 """
 
 from __future__ import annotations
