@@ -1339,6 +1339,29 @@ class PostgresCDCSource(Source):
             return out
         return [SourceMessage(_json(_conveyor(c)), dest, key, timestamp_ms=ts)]
 
+    def _debezium(self, c: _Change) -> dict[str, Any]:
+        """format debezium, value_encoding conveyor: the envelope, Conveyor's values."""
+        schema, _, table = c.table.partition(".")
+        return {
+            "before": c.before,
+            "after": c.after,
+            "op": c.op,
+            "source": {
+                "version": __version__,
+                "connector": "postgresql",
+                "name": self.config.server_name or self.config.slot,
+                "ts_ms": c.ts_ms,
+                "snapshot": "true" if c.op == "r" else "false",
+                "db": self._database(),
+                "schema": schema,
+                "table": table,
+                "txId": c.xid,
+                "lsn": c.lsn,
+                **({"unchanged_toast": list(c.unchanged)} if c.unchanged else {}),
+            },
+            "ts_ms": int(time.time() * 1000),
+        }
+
     def _debezium_messages(self, c: _Change, dest: str | None) -> list[SourceMessage]:
         """Debezium's event (and tombstone), the key-change headers on both as Debezium's."""
         from conveyor.sources import debezium as dbz

@@ -254,6 +254,37 @@ def test_debezium_envelope_tombstones_key_change_and_truncate(cdc_url):
     assert int(json.loads(t["source"]["sequence"])[0]) > c["source"]["lsn"]
 
 
+def test_debezium_envelope_with_conveyors_exact_values(cdc_url):
+    """value_encoding: conveyor: Debezium's envelope without a schema part, Conveyor's values
+    (numeric as written, NaN kept, json parsed, dates as printed), truncates skipped as with
+    Debezium's encodings."""
+    tag = uuid.uuid4().hex[:6]
+    table = f"exact_{tag}"
+    execute(cdc_url, f"CREATE TABLE {table} (id int PRIMARY KEY, n numeric, d date, j jsonb)")
+    src = source_for(
+        cdc_url,
+        f"exact_{tag}",
+        tables=[f"public.{table}"],
+        format="debezium",
+        value_encoding="conveyor",
+        snapshot="never",
+    )
+    try:
+        src.init(None)
+        execute(
+            cdc_url, f"INSERT INTO {table} VALUES (1, 'NaN', '0044-03-15 BC', '{{\"a\": 1.10}}')"
+        )
+        execute(cdc_url, f"TRUNCATE {table}", f"INSERT INTO {table} VALUES (2, 1.50, NULL, NULL)")
+        got, _, _ = drain(src, None, until=lambda g: len(g) >= 2)
+    finally:
+        src.close()
+    first, second = values(got)
+    assert "schema" not in first and first["op"] == "c" and got[0].key == b'{"id":1}'
+    assert first["after"] == {"id": 1, "n": "NaN", "d": "0044-03-15 BC", "j": {"a": 1.1}}
+    assert b'"j":{"a":1.10}' in got[0].payload  # the JSON numbers as written
+    assert second["op"] == "c" and second["after"]["n"] == "1.50"  # the truncate: skipped
+
+
 def test_unchanged_toast_absent_by_default_and_filled_with_replica_identity_full(cdc_url):
     tag = uuid.uuid4().hex[:6]
     plain, full = f"toast_{tag}", f"toastfull_{tag}"
