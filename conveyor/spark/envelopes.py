@@ -20,10 +20,23 @@ JSON is unwrapped by Spark SQL over ``from_json`` with one schema that reads bot
 (``debezium_json_schema``, ``debezium_json_columns``); records decoded in the run process
 (Avro, Protobuf, JSON Schema) are unwrapped in Arrow, column by column
 (``unwrap_debezium``).
+
+Both encodings are read: Conveyor's plain values (``format: conveyor``'s, and
+``postgres_cdc``'s ``value_encoding: conveyor``) go through as they are; a JSON event in
+Debezium's encodings with JsonConverter's schema part (Debezium's default; Conveyor's
+``format: debezium`` default) first has its ``before`` and ``after`` turned into plain
+values by that schema (``plain_payloads``, in the run process, before the trip: a Decimal's
+bytes and scale become ``"12.500"``, days a date, microseconds a timestamp ...; the table
+in ``conveyor.formats.debezium``), so the row's DDL names the column's own type (DECIMAL,
+DATE, TIMESTAMP) or STRING. Without the schema part a Decimal's bytes cannot be read (their
+scale is in the schema): use Debezium's string modes then. Records decoded in the run process
+(Avro ...) keep the values their decoder gives: Kafka Connect's Decimal as a decimal, Debezium's
+``io.debezium.time`` types as their numbers (days, µs), to be cast in the select.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from conveyor.core.model import TOMBSTONE_COL, TRUNCATE_COL
+from conveyor.formats.debezium import needs_plain, plain_event
 
 OP_COL = "__op"  # the event's op; the filter and select may use it
 UPSERT_OPS = ("c", "r", "u")
@@ -200,3 +214,33 @@ def _failures(op: pa.Array, masks: dict[str, pa.Array]) -> dict[int, str]:
 def _ident(name: str) -> str:
     """A column or field name quoted for Spark SQL."""
     return "`" + name.replace("`", "``") + "`"
+
+
+def plain_payloads(values: pa.Array) -> tuple[pa.Array, dict[int, str]]:
+    """JSON payloads (binary) of Debezium events in Debezium's encodings, with their schema
+    part, as the bare events in plain values (the module's docstring); other payloads as
+    they are. Returns the payloads and, by index, why one could not be read (a value that
+    does not fit its schema). A payload that is not JSON is left for the decoding to flag."""
+    rows = values.to_pylist()
+    changed: dict[int, bytes] = {}
+    failed: dict[int, str] = {}
+    for i, raw in enumerate(rows):
+        if raw is None or not needs_plain(raw):
+            continue
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        try:
+            event = plain_event(doc)
+        except ValueError as e:
+            failed[i] = f"{_WHY}{str(e)[:300]}"
+            continue
+        except RecursionError:
+            failed[i] = f"{_WHY}nested too deep"
+            continue
+        if event is not doc:
+            changed[i] = json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
+    if not changed:
+        return values, failed
+    return pa.array([changed.get(i, raw) for i, raw in enumerate(rows)], values.type), failed

@@ -47,6 +47,7 @@ from conveyor.spark.envelopes import (
     debezium_json_columns,
     debezium_json_schema,
     debezium_row_fields,
+    plain_payloads,
     unwrap_debezium,
 )
 from conveyor.spark.session import (
@@ -431,6 +432,9 @@ class SparkTransformer:
         shipped, held, skipped = self._hold_payloadless(
             batch, self._shipped(batch, tombstones), tombstones
         )
+        if self.spec.envelope == "debezium" and self.spec.decode == Decode.JSON:
+            shipped, unreadable = self._plain_debezium(shipped)
+            held += unreadable
         if self.spec.decode in SCHEMA_FORMATS and shipped.num_rows:
             shipped, failed = self._decode_locally(batch, shipped)
             held += failed
@@ -475,6 +479,20 @@ class SparkTransformer:
         )
         filtered = skipped + shipped.num_rows - out.num_rows
         return Transformed(table=table, rejected=rejected, filtered=filtered)
+
+    def _plain_debezium(self, shipped: pa.Table) -> tuple[pa.Table, list[Rejected]]:
+        """envelope: debezium, decode: json: Debezium's encodings as plain values
+        (``envelopes.plain_payloads``); an event whose values do not fit its schema is a
+        failed message."""
+
+        values, failed = plain_payloads(shipped.column(VALUE_COL).combine_chunks())
+        shipped = shipped.set_column(shipped.schema.get_field_index(VALUE_COL), VALUE_COL, values)
+        if not failed:
+            return shipped, []
+        rows = shipped.column(ROW_COL).to_pylist()
+        held = [Rejected(rows[i], why) for i, why in sorted(failed.items())]
+        keep = pa.array([i not in failed for i in range(shipped.num_rows)], pa.bool_())
+        return shipped.filter(keep), held
 
     def _hold_payloadless(
         self, batch: pa.Table, shipped: pa.Table, tombstones: pa.Array

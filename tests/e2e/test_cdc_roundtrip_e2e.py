@@ -354,6 +354,10 @@ def specs(
             "url": cdc_url,
             "tables": [table],
             "format": "debezium",
+            # Conveyor's exact values (Debezium's encodings lose NaN numerics, numeric
+            # infinities, interval months, bit lengths), truncates written.
+            "value_encoding": "conveyor",
+            "skipped_operations": [],
         },
         "kafka": {"partitions": 3},
         "routing": {"default_destination": topic},

@@ -130,3 +130,33 @@ def read_topic(bootstrap: str, topic: str, timeout_ms: int = 3_000) -> list[Any]
 
 def topic_values(bootstrap: str, topic: str) -> list[dict[str, Any]]:
     return [json.loads(m.value) for m in read_topic(bootstrap, topic)]
+
+
+def run_sink(tmp_path: Path, spec: Any, spark_remote: str, total: int) -> Any:
+    """A sink connector's loop (``spec``: a ConnectorSpec) in this thread, against a meta store
+    of its own, until it has committed ``total`` messages; its counters."""
+    from conveyor.brokers.kafka import KafkaSource
+    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.dagster.jobs.committer import StoreCommitter
+    from conveyor.sinks import build_sink
+    from conveyor.spark.session import spark_session
+
+    store = MetaStore(f"sqlite:///{tmp_path / 'sink.db'}")
+    store.sync_spec(
+        spec.name, spec_json=spec.model_dump_json(), spec_hash="x", source="t", error=None
+    )
+    claim = store.claim(
+        spec.name, run_id="t", expected_generation=None, holder_alive=lambda r: False
+    )
+    spark = spark_session(spark_remote)
+    source = KafkaSource(spec.source, group_id=spec.name)
+    loop = ConnectorLoop(
+        LoopConfig(name=spec.name, batch=spec.batch, retry=spec.retry, failure=spec.failure),
+        source=source,
+        transform=SparkTransformer(spec.transform, lambda: spark),
+        sink=build_sink(spec.sink.model_dump()),
+        committer=StoreCommitter(store, spec.name, claim.generation, source),
+        committed={},
+        stop_requested=lambda: sum(loop.committed.values()) >= total,
+    )
+    return run_loop(loop)

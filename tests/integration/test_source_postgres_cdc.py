@@ -198,7 +198,12 @@ def test_debezium_envelope_tombstones_key_change_and_truncate(cdc_url):
     execute(cdc_url, f"CREATE TABLE {table} (id int PRIMARY KEY, v jsonb, at timestamptz)")
     execute(cdc_url, f"ALTER TABLE {table} REPLICA IDENTITY FULL")
     src = source_for(
-        cdc_url, f"dbz_{tag}", tables=[f"public.{table}"], format="debezium", snapshot="never"
+        cdc_url,
+        f"dbz_{tag}",
+        tables=[f"public.{table}"],
+        format="debezium",
+        snapshot="never",
+        skipped_operations=[],  # truncates too (Debezium's default skips them)
     )
     try:
         src.init(None)
@@ -216,23 +221,68 @@ def test_debezium_envelope_tombstones_key_change_and_truncate(cdc_url):
     finally:
         src.close()
     assert len(got) == 8 and max(sizes) <= 3
-    c, u, moved_d, moved_tomb, moved_c, d, tomb, t = values(got)
+    docs = values(got)  # JsonConverter's {schema, payload}, as Debezium's default
+    assert all(d is None or set(d) == {"schema", "payload"} for d in docs)
+    c, u, moved_d, moved_tomb, moved_c, d, tomb, t = (x and x["payload"] for x in docs)
     assert [x["op"] for x in (c, u, moved_d, moved_c, d, t)] == ["c", "u", "d", "c", "d", "t"]
     assert c["before"] is None and c["after"]["id"] == 1
-    assert c["after"]["at"] == "2024-01-31T10:00:00Z"
-    assert b'"n":1.10' in got[0].payload  # exact JSON numbers
-    assert u["before"]["v"] == {"n": 1.1} and u["after"]["v"] == []  # FULL: the before image
-    # The key changed: a delete (and tombstone) under the old key, a create under the new.
-    assert [m.key for m in got[2:5]] == [b'{"id":1}', b'{"id":1}', b'{"id":2}']
+    assert c["after"]["at"] == "2024-01-31T10:00:00.000000Z"  # io.debezium.time.ZonedTimestamp
+    assert c["after"]["v"] == '{"n": 1.10}'  # io.debezium.data.Json: the text, numbers exact
+    assert u["before"]["v"] == '{"n": 1.10}' and u["after"]["v"] == "[]"  # FULL: before image
+    # The key changed: a delete (and tombstone) under the old key, a create under the new,
+    # each naming the other key in Debezium's headers.
+    keys = [json.loads(m.key)["payload"] for m in got[2:5]]
+    assert keys == [{"id": 1}, {"id": 1}, {"id": 2}]
+    assert [[(h, json.loads(v)["payload"]) for h, v in m.headers] for m in got[2:5]] == [
+        [("__debezium.newkey", {"id": 2})],
+        [("__debezium.newkey", {"id": 2})],
+        [("__debezium.oldkey", {"id": 1})],
+    ]
     assert moved_tomb is None and moved_d["before"]["id"] == 1 and moved_c["after"]["id"] == 2
     assert d["before"]["id"] == 2 and d["after"] is None
-    assert tomb is None and got[6].key == got[5].key == b'{"id":2}'
+    assert tomb is None and got[6].key == got[5].key
     assert t["before"] is None and t["after"] is None and got[7].key is None
     source = c["source"]
     assert source["connector"] == "postgresql" and source["name"] == f"dbz_{tag}"
     assert (source["db"], source["schema"], source["table"]) == ("postgres", "public", table)
     assert source["snapshot"] == "false" and isinstance(source["txId"], int)
+    assert source["sequence"] == json.dumps([None, str(source["lsn"])]).replace(" ", "")
     assert isinstance(source["lsn"], int) and isinstance(c["ts_ms"], int)
+    # The first transaction streamed follows no commit seen; the truncate's (the next one)
+    # follows the end of its commit, as Debezium's sequence.
+    assert json.loads(u["source"]["sequence"])[0] is None
+    assert int(json.loads(t["source"]["sequence"])[0]) > c["source"]["lsn"]
+
+
+def test_debezium_envelope_with_conveyors_exact_values(cdc_url):
+    """value_encoding: conveyor: Debezium's envelope without a schema part, Conveyor's values
+    (numeric as written, NaN kept, json parsed, dates as printed), truncates skipped as with
+    Debezium's encodings."""
+    tag = uuid.uuid4().hex[:6]
+    table = f"exact_{tag}"
+    execute(cdc_url, f"CREATE TABLE {table} (id int PRIMARY KEY, n numeric, d date, j jsonb)")
+    src = source_for(
+        cdc_url,
+        f"exact_{tag}",
+        tables=[f"public.{table}"],
+        format="debezium",
+        value_encoding="conveyor",
+        snapshot="never",
+    )
+    try:
+        src.init(None)
+        execute(
+            cdc_url, f"INSERT INTO {table} VALUES (1, 'NaN', '0044-03-15 BC', '{{\"a\": 1.10}}')"
+        )
+        execute(cdc_url, f"TRUNCATE {table}", f"INSERT INTO {table} VALUES (2, 1.50, NULL, NULL)")
+        got, _, _ = drain(src, None, until=lambda g: len(g) >= 2)
+    finally:
+        src.close()
+    first, second = values(got)
+    assert "schema" not in first and first["op"] == "c" and got[0].key == b'{"id":1}'
+    assert first["after"] == {"id": 1, "n": "NaN", "d": "0044-03-15 BC", "j": {"a": 1.1}}
+    assert b'"j":{"a":1.10}' in got[0].payload  # the JSON numbers as written
+    assert second["op"] == "c" and second["after"]["n"] == "1.50"  # the truncate: skipped
 
 
 def test_unchanged_toast_absent_by_default_and_filled_with_replica_identity_full(cdc_url):
