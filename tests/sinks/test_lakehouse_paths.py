@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.positions import TargetBinding
 from conveyor.sinks import build_sink
 from tests.sinks.contract import make_batch
 
@@ -58,12 +59,12 @@ def test_an_iceberg_table_the_catalog_holds_outside_the_roots_is_refused(home: P
                        location=f"file://{elsewhere}")  # fmt: skip
     written = outside_files(home)  # the other writer's metadata file
     sink = build_sink(iceberg())
-    sink.bind("orders", 1)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding("orders", 1))  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="sink.table: Iceberg table lake.orders: its location"):
         sink.init_sink()
     with pytest.raises(ConfigError, match="outside the roots"):
         sink.send_batch(make_batch(3))
-        sink.flush()  # type: ignore[attr-defined]
+        sink.commit_held()  # type: ignore[attr-defined]
     assert outside_files(home) == written  # no data file, no new metadata
 
 
@@ -71,10 +72,11 @@ def test_an_iceberg_namespace_whose_location_is_outside_gets_no_table(home: Path
     other = catalog()
     other.create_namespace("lake", {"location": f"file://{home.parent / 'outside'}"})
     sink = build_sink(iceberg())
-    sink.bind("orders", 1)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding("orders", 1))  # type: ignore[attr-defined]
     sink.init_sink()  # no table yet
     with pytest.raises(ConfigError, match="sink.namespace: Iceberg namespace lake: its location"):
         sink.send_batch(make_batch(3))
+        sink.commit_held()  # the write happens at the commit (issue 48)
     assert outside_files(home) == []
 
 
@@ -102,8 +104,9 @@ def test_the_review_spec_writes_nothing_outside_even_when_built_by_hand(home: Pa
     valid = IcebergSinkConfig.model_validate(iceberg())
     config = valid.model_copy(update={"table": "../../../../escaped"})
     sink = build_sink(config)
-    sink.bind("orders", 1)  # type: ignore[attr-defined]
+    sink.bind(TargetBinding("orders", 1))  # type: ignore[attr-defined]
     with pytest.raises(Exception):  # noqa: B017, PT011 - pyiceberg or the path rule, not a write
         sink.send_batch(make_batch(3))
+        sink.commit_held()  # the write happens at the commit (issue 48)
     assert outside_files(home) == []
     assert not (home.parent.parent / "escaped").exists()
