@@ -257,7 +257,13 @@ POISON = 31
 
 
 def test_a_poison_record_goes_to_the_dead_letters_and_the_others_land(
-    schema_registry: Any, file_root: Path, tmp_path: Path, tansu: str, spark_remote: str, pg_url: str, pg_schema: str
+    schema_registry: Any,
+    file_root: Path,
+    tmp_path: Path,
+    tansu: str,
+    spark_remote: str,
+    pg_url: str,
+    pg_schema: str,
 ) -> None:
     topic = f"t_{uuid.uuid4().hex[:8]}"
     ser = JSONSerializer(
