@@ -184,8 +184,6 @@ CLASSES_BEING_SPLIT = {
     "consumer-group mirror and a stopped connector's offsets in one class",
     "conveyor/spark/transform.py:SparkTransformer": "the session, payload decoding (JSON "
     "schema, local decoders) and the SQL pipeline in one class",
-    "conveyor/sources/postgres_cdc.py:PostgresCDCSource": "snapshot, slot and publication "
-    "management beside the stream (CDC's snapshot and slot apart from the stream)",
     "conveyor/sinks/postgres.py:PostgresSink": "the SQL sink's send, write, deletes and "
     "offsets ledger beside the dialect (a SQL sink base over a dialect)",
     "conveyor/sinks/mysql.py:MySQLSink": "the same SQL sink body as PostgresSink beside the "
