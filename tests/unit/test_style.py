@@ -188,8 +188,6 @@ CLASSES_BEING_SPLIT = {
     "offsets ledger beside the dialect (a SQL sink base over a dialect)",
     "conveyor/sinks/mysql.py:MySQLSink": "the same SQL sink body as PostgresSink beside the "
     "dialect (a SQL sink base over a dialect)",
-    "conveyor/sinks/kafka.py:KafkaSink": "connections, exactly-once target offsets, size "
-    "limits and record encoding in one class",
 }
 
 
