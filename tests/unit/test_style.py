@@ -180,8 +180,6 @@ MAX_CLASS_LINES = 400
 CLASSES_BEING_SPLIT = {
     "conveyor/core/loop.py:ConnectorLoop": "failure policy, destination gate, watermarks and "
     "dead letters in one class (one run template, core/ in sub-packages)",
-    "conveyor/brokers/kafka_source.py:KafkaSource": "discovery, positions, reading, the "
-    "consumer-group mirror and a stopped connector's offsets in one class",
     "conveyor/spark/transform.py:SparkTransformer": "the session, payload decoding (JSON "
     "schema, local decoders) and the SQL pipeline in one class",
     "conveyor/sinks/postgres.py:PostgresSink": "the SQL sink's send, write, deletes and "
