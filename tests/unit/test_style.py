@@ -180,8 +180,6 @@ MAX_CLASS_LINES = 400
 CLASSES_BEING_SPLIT = {
     "conveyor/core/loop.py:ConnectorLoop": "failure policy, destination gate, watermarks and "
     "dead letters in one class (one run template, core/ in sub-packages)",
-    "conveyor/spark/transform.py:SparkTransformer": "the session, payload decoding (JSON "
-    "schema, local decoders) and the SQL pipeline in one class",
     "conveyor/sinks/postgres.py:PostgresSink": "the SQL sink's send, write, deletes and "
     "offsets ledger beside the dialect (a SQL sink base over a dialect)",
     "conveyor/sinks/mysql.py:MySQLSink": "the same SQL sink body as PostgresSink beside the "
