@@ -73,7 +73,7 @@ def admin_config(c: KafkaSinkConfig) -> dict[str, Any]:
 
 class Records(Protocol):
     """A batch's records column by column, as ``send_rows`` reads them (the sink's
-    ``conveyor.sinks.kafka.Outgoing``): row ``i`` goes to ``topics[i]``."""
+    ``conveyor.sinks.kafka_records.Outgoing``): row ``i`` goes to ``topics[i]``."""
 
     @property
     def topics(self) -> Sequence[Any]: ...

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,30 +40,29 @@ from conveyor.core.model import (
     NullValues,
     TransformSpec,
 )
-from conveyor.formats import PayloadDecoder, payload_decoder, registry_metrics
 from conveyor.spark.envelopes import (
     OP_COL,
     debezium_json_columns,
     debezium_json_schema,
     debezium_row_fields,
-    plain_payloads,
-    unwrap_debezium,
 )
 from conveyor.spark.session import (
-    discard_session,
     fetch_arrow,
     is_connect_outage,
-    is_session_lost,
-    no_sql_on_files,
-    one_stream_per_query,
 )
+from conveyor.spark.transform_payloads import (
+    BAD_COL,
+    ROW_COL,
+    LocalDecoding,
+    hold_payloadless,
+    plain_debezium,
+)
+from conveyor.spark.transform_session import LazySession
 
 log = logging.getLogger("conveyor.spark")
 # pyspark logs every failed analysis as a multi-kilobyte JSON error; we report it ourselves.
 logging.getLogger("SQLQueryContextLogger").setLevel(logging.CRITICAL)
 
-BAD_COL = "__bad"  # null, or why the row cannot be decoded
-ROW_COL = "__row"
 CORRUPT_COL = "__corrupt"
 BATCH_COL = "__batch"
 # From this many rows a batch crosses to Spark as one row (``as_one_row``): measured,
@@ -92,9 +90,7 @@ class SparkTransformer:
             self._sql = spec.guarded_sql()
         except ValueError as e:
             raise ConfigError(f"transform: {e}", field="transform") from None
-        self._session_or_factory = session
-        self._session: Any = None
-        self._session_lock = threading.Lock()  # batches may be transformed on several threads
+        self._spark = LazySession(session)
         self._out_schema: pa.Schema | None = (
             None  # the pipeline's Arrow output, known after one batch
         )
@@ -103,29 +99,11 @@ class SparkTransformer:
         # (about 8% of its CPU per row, bench/test_bench_transform.py).
         self._json_fields: list[str] | None = None
         self._rows: pa.Array | None = None  # the last batch's row numbers (_row_numbers)
-        # decode avro/protobuf/json_schema: a decoder per topic (its subject is the topic's),
-        # used by one thread at a time (batches ahead are transformed on several).
-        self._decoders: dict[str, PayloadDecoder] = {}
-        self._decode_lock = threading.Lock()
-        self._decoded_schema: pa.Schema | None = None  # the last batch's payload shape
+        self._payloads = LocalDecoding(spec)  # decode avro/protobuf/json_schema
 
     @property
     def session(self) -> Any:
-        with self._session_lock:
-            if self._session is None:
-                s = self._session_or_factory
-                self._session = s() if callable(s) and not hasattr(s, "createDataFrame") else s
-                one_stream_per_query(self._session)
-                no_sql_on_files(self._session)
-            return self._session
-
-    def _lost(self, e: BaseException) -> None:
-        """After a server restart, the next attempt runs on a new session."""
-        with self._session_lock:
-            lost = self._session
-            if is_session_lost(e) and lost is not None and callable(self._session_or_factory):
-                discard_session(lost)
-                self._session = None
+        return self._spark.session
 
     def _pipeline(self, df: Any) -> Any:
         """The Spark SQL plan. Its input holds ``__value``, ``__row`` and the message columns
@@ -139,7 +117,7 @@ class SparkTransformer:
         # No DataFrame property that needs the schema (``df.columns``) may be read here: on
         # Spark Connect each is an analysis round trip that uploads the whole batch again.
         if spec.decode in SCHEMA_FORMATS:
-            # Decoded here before the trip (``_decode_locally``): the shipped columns are the
+            # Decoded here before the trip (``LocalDecoding``): the shipped columns are the
             # payload's fields already, and rows that failed to decode never left.
             df = df.selectExpr("*", f"CAST(NULL AS STRING) AS {BAD_COL}")
         elif spec.decode == Decode.RAW:
@@ -266,84 +244,6 @@ class SparkTransformer:
             rows = self._rows = pa.array(range(n), pa.int64())
         return rows
 
-    def _decode_locally(
-        self, batch: pa.Table, shipped: pa.Table
-    ) -> tuple[pa.Table, list[Rejected]]:
-        """decode avro/protobuf/json_schema: the shipped payloads become their fields' typed
-        columns here (``conveyor.formats``), per topic; rows that cannot be decoded become
-        failed messages and do not make the trip. A registry outage raises
-        TransientSinkError (retried, Degraded)."""
-        import pyarrow.compute as pc
-
-        # Under null_values: pass, messages without a payload go on with null payload columns.
-        empty = pc.fill_null(pc.equal(pc.binary_length(shipped.column(VALUE_COL)), 0), True)
-        payloadless = shipped.filter(empty).drop_columns([VALUE_COL])
-        if self.spec.envelope == "debezium":
-            # Payload columns replace message columns: these rows must say they are tombstones.
-            n = payloadless.num_rows
-            payloadless = payloadless.append_column(
-                TOMBSTONE_COL, pa.array([True] * n, pa.bool_())
-            ).append_column(TRUNCATE_COL, pa.array([False] * n, pa.bool_()))
-        shipped = shipped.filter(pc.invert(empty))
-        rows = shipped.column(ROW_COL)
-        topics = batch.column("__topic").take(rows) if "__topic" in batch.column_names else None
-        parts: list[pa.Table] = [payloadless] if payloadless.num_rows else []
-        failed: list[Rejected] = []
-        for topic in _distinct(topics) if shipped.num_rows else []:
-            mask = pc.equal(topics, topic) if topics is not None else None
-            part = shipped if mask is None else shipped.filter(mask)
-            with self._decode_lock:
-                decoded = self._decoder(topic).decode(part.column(VALUE_COL).combine_chunks())
-            table, whys = decoded.table, decoded.failed
-            if self.spec.envelope == "debezium":
-                table, unwrapped = unwrap_debezium(table)
-                whys = {**unwrapped, **whys}  # a record that did not decode says so
-            part_rows = part.column(ROW_COL).to_pylist()
-            failed += [Rejected(part_rows[i], why) for i, why in sorted(whys.items())]
-            keep = pa.array([i not in whys for i in range(part.num_rows)], pa.bool_())
-            payload = table.filter(keep)
-            payload = payload.cast(_all_nullable(payload.schema))
-            clash = set(payload.column_names) & {ROW_COL, BAD_COL, *self._meta_used}
-            if clash:
-                raise ConfigError(
-                    f"payload field {sorted(clash)[0]!r} has the name of a message column; "
-                    "rename it in the writer schema",
-                    field="transform.decode",
-                )
-            carried = part.drop_columns([VALUE_COL]).filter(keep)
-            parts.append(
-                pa.Table.from_arrays(
-                    [*carried.columns, *payload.columns],
-                    schema=pa.schema([*carried.schema, *payload.schema]),
-                )
-            )
-        if not parts:
-            return shipped.drop_columns([VALUE_COL]), failed
-        out = parts[0]
-        if len(parts) > 1:
-            out = pa.concat_tables(parts, promote_options="permissive")
-            out = out.take(pc.sort_indices(out.column(ROW_COL)))  # source order
-        if self._decoded_schema is None or not out.schema.equals(self._decoded_schema):
-            # A new writer (or reader) shape: the output schema is learnt again.
-            self._decoded_schema = out.schema
-            self._out_schema = None
-        return out, failed
-
-    def _decoder(self, topic: str | None) -> PayloadDecoder:
-        key = topic or ""
-        decoder = self._decoders.get(key)
-        if decoder is None:
-            spec = self.spec
-            subject = spec.subject or (f"{topic}-value" if topic else None)
-            decoder = self._decoders[key] = payload_decoder(
-                spec.decode.value,
-                spec.schema_registry,
-                reader_schema=spec.reader_schema,
-                subject=subject,
-                schema_file=spec.schema_file,
-            )
-        return decoder
-
     def _collect(self, df: Any) -> pa.Table:
         """The result as Arrow. ``toArrow()`` asks the server for the schema first (an
         analysis RPC that uploads the batch a second time); the output schema never
@@ -377,7 +277,7 @@ class SparkTransformer:
             cols = df.limit(0).toArrow().schema.names
         except Exception as e:
             if is_connect_outage(e):
-                self._lost(e)
+                self._spark.lost(e)
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
             raise ConfigError(
                 f"Spark rejected the transform: {_short(e)}", field="transform"
@@ -408,9 +308,7 @@ class SparkTransformer:
 
     def registry_metrics(self) -> dict[str, int] | None:
         """The schema registry lookups of the topics' decoders (None: no registry read)."""
-        # Not under the decode lock: the heartbeat must not wait for a batch's decoding
-        # (list() of a dict's values is one step under the GIL).
-        return registry_metrics(list(self._decoders.values()))
+        return self._payloads.registry_metrics()
 
     def prepare(self) -> None:
         from conveyor.brokers.kafka import SOURCE_SCHEMA
@@ -429,15 +327,17 @@ class SparkTransformer:
         import pyarrow.compute as pc
 
         tombstones = without_payload(batch)
-        shipped, held, skipped = self._hold_payloadless(
-            batch, self._shipped(batch, tombstones), tombstones
+        shipped, held, skipped = hold_payloadless(
+            self.spec.null_values, batch, self._shipped(batch, tombstones), tombstones
         )
         if self.spec.envelope == "debezium" and self.spec.decode == Decode.JSON:
-            shipped, unreadable = self._plain_debezium(shipped)
+            shipped, unreadable = plain_debezium(shipped)
             held += unreadable
         if self.spec.decode in SCHEMA_FORMATS and shipped.num_rows:
-            shipped, failed = self._decode_locally(batch, shipped)
+            shipped, failed, reshaped = self._payloads.decode(batch, shipped, self._meta_used)
             held += failed
+            if reshaped:  # a new writer (or reader) shape: the output schema is learnt again
+                self._out_schema = None
         meta = [c for c in META_COLUMNS if c in batch.column_names]
         if shipped.num_rows == 0:
             return Transformed(
@@ -447,7 +347,7 @@ class SparkTransformer:
             out = self._collect(self._pipeline(self._input(shipped)))
         except Exception as e:
             if is_connect_outage(e):
-                self._lost(e)
+                self._spark.lost(e)
                 raise TransientSinkError(f"Spark Connect unreachable: {_short(e)}") from e
             if self.spec.decode in SCHEMA_FORMATS and _is_analysis_error(e):
                 # The first batch of a writer shape is where its expressions are analysed.
@@ -480,79 +380,11 @@ class SparkTransformer:
         filtered = skipped + shipped.num_rows - out.num_rows
         return Transformed(table=table, rejected=rejected, filtered=filtered)
 
-    def _plain_debezium(self, shipped: pa.Table) -> tuple[pa.Table, list[Rejected]]:
-        """envelope: debezium, decode: json: Debezium's encodings as plain values
-        (``envelopes.plain_payloads``); an event whose values do not fit its schema is a
-        failed message."""
-
-        values, failed = plain_payloads(shipped.column(VALUE_COL).combine_chunks())
-        shipped = shipped.set_column(shipped.schema.get_field_index(VALUE_COL), VALUE_COL, values)
-        if not failed:
-            return shipped, []
-        rows = shipped.column(ROW_COL).to_pylist()
-        held = [Rejected(rows[i], why) for i, why in sorted(failed.items())]
-        keep = pa.array([i not in failed for i in range(shipped.num_rows)], pa.bool_())
-        return shipped.filter(keep), held
-
-    def _hold_payloadless(
-        self, batch: pa.Table, shipped: pa.Table, tombstones: pa.Array
-    ) -> tuple[pa.Table, list[Rejected], int]:
-        """Messages without a payload never reach Spark unless null_values is pass: skipped
-        (their count returned), or failed messages (returned). The rest of ``shipped``."""
-        import pyarrow.compute as pc
-
-        if self.spec.null_values == NullValues.PASS or not pc.any(tombstones).as_py():
-            return shipped, [], 0
-        rows = pc.indices_nonzero(tombstones).to_pylist()
-        shipped = shipped.filter(pc.invert(tombstones))
-        if self.spec.null_values == NullValues.SKIP:
-            return shipped, [], len(rows)
-        values = batch.column(VALUE_COL)
-        held = [
-            Rejected(
-                i,
-                ("null payload (a tombstone)" if values[i].as_py() is None else "empty payload")
-                + "; transform.null_values is 'fail'",
-            )
-            for i in rows
-        ]
-        return shipped, held, 0
-
 
 def _is_analysis_error(e: BaseException) -> bool:
     from pyspark.errors import AnalysisException, ParseException
 
     return isinstance(e, (AnalysisException, ParseException))
-
-
-def _all_nullable(schema: pa.Schema) -> pa.Schema:
-    """``schema`` with every field nullable, nested ones too: a decoder's required nested
-    field (an Avro record's) may sit under a null parent, which Spark's crossing refuses."""
-
-    def relax(t: pa.DataType) -> pa.DataType:
-        if pa.types.is_struct(t):
-            return pa.struct(
-                [
-                    t.field(i).with_type(relax(t.field(i).type)).with_nullable(True)
-                    for i in range(t.num_fields)
-                ]
-            )
-        if pa.types.is_map(t):
-            return pa.map_(t.key_type, relax(t.item_type))
-        if pa.types.is_large_list(t):
-            return pa.large_list(relax(t.value_type))
-        if pa.types.is_list(t):
-            return pa.list_(relax(t.value_type))
-        return t
-
-    return pa.schema([f.with_type(relax(f.type)).with_nullable(True) for f in schema])
-
-
-def _distinct(values: pa.Array | pa.ChunkedArray | None) -> list[Any]:
-    """The distinct values in order of first appearance ([None] without a column)."""
-    if values is None:
-        return [None]
-    return list(dict.fromkeys(values.to_pylist()))
 
 
 def as_one_row(table: pa.Table) -> pa.Table:

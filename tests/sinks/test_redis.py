@@ -642,7 +642,9 @@ def test_pipeline_replies_are_redis_pys_pipeline_replies(prefix: str) -> None:
     try:
 
         def ours_of(cmds: list[list[bytes | str]]) -> list[Any]:
-            return s._pipeline_packed(lambda conn: conn.pack_commands(cmds), len(cmds))
+            return redis_sink.pipeline_packed(
+                s._client, lambda conn: conn.pack_commands(cmds), len(cmds)
+            )
 
         ours = ours_of(commands(f"{prefix}:ours"))
         pipe = r.pipeline(transaction=False)

@@ -430,6 +430,44 @@ def test_tls_kwargs(file_root: Path) -> None:
     assert "ssl" not in client_kwargs(sink().config)
 
 
+@pytest.mark.parametrize("field", ["tls_ca_file", "tls_cert_file", "tls_key_file"])
+def test_a_tls_file_outside_the_roots_is_refused_naming_its_field(
+    field: str, file_root: Path
+) -> None:
+    """The one path rule (``core.paths``): a TLS file outside ``$CONVEYOR_HOME`` and
+    ``$CONVEYOR_FILE_ROOTS`` is refused when the config is validated."""
+    files = {n: str(file_root / f"{n}.pem") for n in ("tls_cert_file", "tls_key_file")}
+    with pytest.raises(ConfigError) as err:
+        build_sink({**BASE, "tls": True, **files, field: "/etc/ssl/outside.pem"})
+    assert f"sink.{field}" in str(err.value) and "CONVEYOR_FILE_ROOTS" in str(err.value)
+
+
+@pytest.mark.parametrize("field", ["tls_ca_file", "tls_cert_file", "tls_key_file"])
+def test_tls_files_are_resolved_again_when_the_client_is_built(
+    field: str, file_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The client opens the real path under a root; a link swapped to point out of the roots
+    after validation is refused then (the check at the time of use), naming the field."""
+    real = file_root / "real"
+    real.mkdir()
+    names = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+    for n in names:
+        (real / f"{n}.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+        (file_root / f"{n}.pem").symlink_to(real / f"{n}.pem")
+    cfg = sink(tls=True, **{n: str(file_root / f"{n}.pem") for n in names}).config
+    kw = client_kwargs(cfg)
+    want = {"tls_ca_file": "ssl_ca_certs", "tls_cert_file": "ssl_certfile"}
+    want["tls_key_file"] = "ssl_keyfile"
+    assert {kw[k] for k in want.values()} == {str(real / f"{n}.pem") for n in names}
+    outside = tmp_path_factory.mktemp("outside") / "evil.pem"
+    outside.write_text("x")
+    (file_root / f"{field}.pem").unlink()
+    (file_root / f"{field}.pem").symlink_to(outside)
+    with pytest.raises(ConfigError) as err:
+        client_kwargs(cfg)
+    assert f"sink.{field}" in str(err.value) and "symbolic link" in str(err.value)
+
+
 def test_cluster_kwargs_are_all_accepted_by_redis_cluster() -> None:
     from redis.cluster import KWARGS_DISABLED_KEYS, REDIS_ALLOWED_KEYS, RedisCluster
 

@@ -180,20 +180,10 @@ MAX_CLASS_LINES = 400
 CLASSES_BEING_SPLIT = {
     "conveyor/core/loop.py:ConnectorLoop": "failure policy, destination gate, watermarks and "
     "dead letters in one class (one run template, core/ in sub-packages)",
-    "conveyor/brokers/kafka_source.py:KafkaSource": "discovery, positions, reading, the "
-    "consumer-group mirror and a stopped connector's offsets in one class",
-    "conveyor/spark/transform.py:SparkTransformer": "the session, payload decoding (JSON "
-    "schema, local decoders) and the SQL pipeline in one class",
-    "conveyor/sources/postgres_cdc.py:PostgresCDCSource": "snapshot, slot and publication "
-    "management beside the stream (CDC's snapshot and slot apart from the stream)",
     "conveyor/sinks/postgres.py:PostgresSink": "the SQL sink's send, write, deletes and "
     "offsets ledger beside the dialect (a SQL sink base over a dialect)",
     "conveyor/sinks/mysql.py:MySQLSink": "the same SQL sink body as PostgresSink beside the "
     "dialect (a SQL sink base over a dialect)",
-    "conveyor/sinks/redis.py:RedisSink": "the command-template engine beside the sink (the "
-    "template engine into its own module)",
-    "conveyor/sinks/kafka.py:KafkaSink": "connections, exactly-once target offsets, size "
-    "limits and record encoding in one class",
 }
 
 
