@@ -27,6 +27,7 @@ import yaml
 from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
 from conveyor.core.errors import ConveyorError
 from conveyor.core.ports import port_open
+from conveyor.dagster.run_queue import run_queue_config
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
 
@@ -37,8 +38,7 @@ run_coordinator:
   class: QueuedRunCoordinator
   config:
     dequeue_interval_seconds: 1
-    tag_concurrency_limits:
-{limits}
+{queue}
 run_monitoring:
   enabled: true
   poll_interval_seconds: 10
@@ -59,14 +59,10 @@ telemetry:
 
 
 def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
-    limits = (
-        "\n".join(
-            f"      - key: conveyor/broker\n        value: {bid}\n        limit: {cap}"
-            for bid, cap in brokers
-        )
-        or "      []"
-    )
-    return DAGSTER_YAML.format(limits=limits)
+    """The instance ``conveyor dev`` writes, its run queue sized for ``brokers`` (id, capacity)
+    plus room for one-off jobs (``conveyor.dagster.run_queue``)."""
+    queue = yaml.safe_dump(run_queue_config(brokers), sort_keys=False, default_flow_style=None)
+    return DAGSTER_YAML.format(queue="\n".join("    " + line for line in queue.splitlines()))
 
 
 DEFINITIONS_MODULE = "conveyor.dagster.definitions"
