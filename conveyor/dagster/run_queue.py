@@ -18,7 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dagster import DagsterRunStatus
+
 from conveyor.dagster.tags import TAG_BACKFILL, TAG_BROKER, TAG_MAINTENANCE, TAG_REPLAY
+
+# The runs the queue counts against its limits (Dagster's daemon counts these).
+IN_PROGRESS = [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,47 @@ def test_the_deployed_instance_is_sized_for_the_deployed_brokers() -> None:
     config = yaml.safe_load((deploy / "dagster.yaml").read_text())["run_coordinator"]["config"]
     assert config["max_concurrent_runs"] == expected["max_concurrent_runs"]
     assert config["tag_concurrency_limits"] == expected["tag_concurrency_limits"]
+
+
+# -- the has_run asset check -------------------------------------------------------------------
+
+
+def row(name: str, status: str = "Idle", last_error: str | None = None, desired: str = "running"):  # type: ignore[no-untyped-def]
+    from conveyor.core.model import ConnectorStatus, DesiredState
+    from conveyor.store.meta import ConnectorRow
+
+    return ConnectorRow(
+        name=name, spec_json=None, spec_hash=None, spec_source=None, spec_error=None,
+        desired=DesiredState(desired), status=ConnectorStatus(status), status_since=0.0,
+        broker_id="b1", generation=1, run_id=None, run_pid=None, run_host=None,
+        heartbeat_at=None, counters={}, last_error=last_error, restarts=0,
+        next_restart_at=None, last_moved_at=None, created_at=0.0, updated_at=0.0,
+    )  # fmt: skip
+
+
+def test_has_run_fails_while_a_connector_waits_and_passes_once_it_runs() -> None:
+    from dagster import AssetCheckSeverity, AssetKey
+
+    from conveyor.dagster.assets.checks import RUN_CHECK_NAME, run_check_events, run_verdict
+
+    why = "waiting for a run on b1: run q queued for more than 30s: the run queue is full"
+    assert run_verdict([row("a", last_error=why), row("b", "Running")]) == (False, f"a: {why}")
+    assert run_verdict([row("a", "Running"), row("b", last_error="boom")]) == (
+        True,
+        "a: Running, b: Idle",
+    )
+    assets = {"a": AssetKey(["pg", "t"]), "b": AssetKey(["pg", "u"])}
+    # The tick that finds "a" waiting reports it failed and remembers it.
+    events, still = run_check_events(assets, {"a": why}, [], set())
+    [e] = events
+    assert (e.asset_key, e.check_name, e.passed) == (assets["a"], RUN_CHECK_NAME, False)
+    assert e.severity == AssetCheckSeverity.WARN and e.description == f"a: {why}"
+    assert still == {"a"}
+    # Still waiting: nothing new; running: passed, forgotten.
+    assert run_check_events(assets, {}, [row("a", last_error=why)], {"a"}) == ([], {"a"})
+    events, still = run_check_events(assets, {}, [row("a", "Running")], {"a"})
+    assert [(e.passed, e.description) for e in events] == [(True, "a: Running")]
+    assert still == set()
+    # Deleted meanwhile: passed too (nothing waits any more).
+    events, still = run_check_events(assets, {}, [], {"a"})
+    assert [(e.passed, e.description) for e in events] == [(True, "a: deleted")]
