@@ -764,10 +764,10 @@ def _run_waits(x: _Connector, t: _Tick) -> list[Decision] | None:
         return None
     r = waiting[0]
     if r.status == "QUEUED":
-        why = r.blocker or "the daemon has not dequeued it (is dagster-daemon running?)"
-        how = f"run {r.run_id} queued for more than {t.cfg.run_wait_s:.0f}s: {why}"
+        why = r.blocker or "not dequeued (is dagster-daemon running?)"
+        how = f"run {r.run_id[:8]} queued over {t.cfg.run_wait_s:.0f}s, {why}"
     else:
-        how = f"run {r.run_id} launched but not started after {t.cfg.run_wait_s:.0f}s"
+        how = f"run {r.run_id[:8]} launched, not started after {t.cfg.run_wait_s:.0f}s"
     reason = f"{WAITING_FOR_A_RUN} on {c.broker_id}: {how}"
     if c.last_error == reason:
         return []  # said already

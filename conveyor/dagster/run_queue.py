@@ -88,10 +88,7 @@ def queue_blocker(
     down). A per-unique-value limit (``applyLimitPerUniqueValue``) counts the run's own value."""
     running = list(in_progress)
     if 0 <= max_concurrent_runs <= len(running):
-        return (
-            f"the run queue is full: {len(running)} runs in progress, max_concurrent_runs "
-            f"{max_concurrent_runs}"
-        )
+        return f"run queue full: {len(running)} of max_concurrent_runs {max_concurrent_runs} in progress"
     for limit in tag_limits:
         value = limit.get("value")
         per_value = isinstance(value, Mapping) and value.get("applyLimitPerUniqueValue")
@@ -105,7 +102,7 @@ def queue_blocker(
             n = sum(1 for t in running if _matches(limit, t))
             what = f"{key}={value}" if isinstance(value, str) else key
         if n >= limit["limit"]:
-            return f"tag limit {what}: {n} of {limit['limit']} runs in progress"
+            return f"tag limit {what}: {n} of {limit['limit']} in progress"
     return None
 
 

@@ -444,7 +444,8 @@ def test_a_connector_whose_run_waits_in_the_run_queue_says_why(env, monkeypatch,
             )
         time.sleep(0.01)  # the runs' queued time must be past the bound of 0 s
         second = run(instance)
-        full = "the run queue is full: 2 runs in progress, max_concurrent_runs 2"
+        full = "run queue full: 2 of max_concurrent_runs 2 in progress"
+        assert len(f"waiting for a run on b1: run 12345678 queued over 30s, {full}") <= 120
         for n in ("alpha", "beta", "gamma"):
             row = store.get(n)
             assert row.status == ConnectorStatus.IDLE and row.broker_id

@@ -62,16 +62,16 @@ def test_the_blocker_names_the_limit_that_holds_a_run() -> None:
     max_runs, limits = cfg["max_concurrent_runs"], cfg["tag_concurrency_limits"]
     assert queue_blocker(max_runs, limits, connector("a"), []) is None
     held = queue_blocker(max_runs, limits, connector("a"), [connector("a"), connector("a")])
-    assert held == f"tag limit {TAG_BROKER}=a: 2 of 2 runs in progress"
+    assert held == f"tag limit {TAG_BROKER}=a: 2 of 2 in progress"
     assert queue_blocker(max_runs, limits, connector("b"), [connector("a")] * 2) is None
     # A one-off kind's limit counts every connector's runs of that kind.
     backfills = [{TAG_BACKFILL: "x"}]
     assert queue_blocker(max_runs, limits, {TAG_BACKFILL: "y"}, backfills) == (
-        f"tag limit {TAG_BACKFILL}: 1 of 1 runs in progress"
+        f"tag limit {TAG_BACKFILL}: 1 of 1 in progress"
     )
     # Dagster's default of 10 with more connectors than that: the total holds them.
     assert queue_blocker(10, [], connector("a"), [{}] * 10) == (
-        "the run queue is full: 10 runs in progress, max_concurrent_runs 10"
+        "run queue full: 10 of max_concurrent_runs 10 in progress"
     )
     assert queue_blocker(-1, [], connector("a"), [{}] * 100) is None  # -1: no limit
 
@@ -80,7 +80,7 @@ def test_a_per_value_limit_counts_the_runs_own_value() -> None:
     limits = [{"key": "team", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}]
     assert queue_blocker(10, limits, {"team": "x"}, [{"team": "y"}]) is None
     assert queue_blocker(10, limits, {"team": "x"}, [{"team": "x"}]) == (
-        "tag limit team=x: 1 of 1 runs in progress"
+        "tag limit team=x: 1 of 1 in progress"
     )
 
 
@@ -116,7 +116,7 @@ def test_has_run_fails_while_a_connector_waits_and_passes_once_it_runs() -> None
 
     from conveyor.dagster.assets.checks import RUN_CHECK_NAME, run_check_events, run_verdict
 
-    why = "waiting for a run on b1: run q queued for more than 30s: the run queue is full"
+    why = "waiting for a run on b1: run q queued over 30s, run queue full"
     assert run_verdict([row("a", last_error=why), row("b", "Running")]) == (False, f"a: {why}")
     assert run_verdict([row("a", "Running"), row("b", last_error="boom")]) == (
         True,
