@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +148,12 @@ def test_ctrl_c_with_runs_queued_leaves_no_process_of_its_home() -> None:
         run_pid = store.get(DEMO).run_pid
         assert run_pid and left_of(home), "conveyor dev's processes should hold its home"
 
+        began = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(300) == 0, log_path.read_text()[-6000:]
         text = log_path.read_text(errors="replace")
+        stop_log = [line for line in text.splitlines() if line.startswith("conveyor dev:")]
+        print(f"stopped in {time.monotonic() - began:.1f} s:", *stop_log[-30:], sep="\n")
         assert "all processes stopped" in text
         # The daemon was paused before any run was stopped.
         assert text.index("paused: no queued run starts") < text.index(
