@@ -474,3 +474,13 @@ def test_a_connector_whose_run_waits_in_the_run_queue_says_why(env, monkeypatch,
             ("alpha", True)
         ]
         assert json.loads(fourth.cursor) == ["beta", "gamma"]
+        # The others stop: their checks pass and the cursor empties (not left as it was).
+        for n in ("beta", "gamma"):
+            store.stop(n, reason="test")
+        fifth = run(instance, fourth.cursor)
+        assert sorted((e.metadata["connector"].value, e.passed) for e in fifth.asset_events) == [
+            ("beta", True),
+            ("gamma", True),
+        ]
+        assert fifth.cursor == "[]"
+        assert run(instance, fifth.cursor).asset_events == []

@@ -308,13 +308,14 @@ def waiting_reports(
     cursor: str | None, plan: core.Plan, store: MetaStore, assets: dict[str, AssetKey]
 ) -> tuple[list[AssetCheckEvaluation], str | None]:
     """The ``has_run`` evaluations of a tick (``checks.run_check_events``) and the cursor that
-    remembers who was reported waiting (a JSON list of names; None: nobody)."""
+    remembers who was reported waiting (a JSON list of names; None, which keeps the cursor as
+    it is, only when nobody waits nor waited)."""
     waiting = {d.name: d.reason for d in plan.of(core.Waiting)}
     was = set(json.loads(cursor)) if cursor else set()
     if not waiting and not was:
         return [], None
     events, still = run_check_events(assets, waiting, store.list() if was else [], was)
-    return events, json.dumps(sorted(still)) if still else None
+    return events, json.dumps(sorted(still))
 
 
 def scheduler_sensor(
