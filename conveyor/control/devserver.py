@@ -30,6 +30,7 @@ from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
 from conveyor.control import devstop
 from conveyor.core.errors import ConveyorError
 from conveyor.core.ports import port_open
+from conveyor.dagster.resources.conveyor import load_brokers
 from conveyor.dagster.run_queue import run_queue_config
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
@@ -69,6 +70,14 @@ def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
 
 
 T = TypeVar("T")
+
+
+def write_instance(dagster_home: Path) -> None:
+    """``dagster.yaml`` in ``dagster_home``, its run queue sized for the brokers file's executors,
+    else for ``local`` of ``$CONVEYOR_BROKER_CAPACITY`` (default 8)."""
+    brokers = [(b.id, b.capacity) for b in load_brokers()]
+    (dagster_home / "dagster.yaml").write_text(dagster_yaml(brokers))
+
 
 DEFINITIONS_MODULE = "conveyor.dagster.definitions"
 DEMO_LOCATION = "conveyor.demo.downstream"
@@ -134,8 +143,7 @@ def run_dev(
         services.spark, remote = _start_spark(home, spark_port, spark_workers)
         dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = _dev_env(home, dagster_home, bootstrap, remote, dagster_url)
-        capacity = int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8"))
-        (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
+        write_instance(dagster_home)
         if demo:
             _install_demo(connectors)
             # The demo's minutes begin when it starts (conveyor/demo/downstream.py).

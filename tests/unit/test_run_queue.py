@@ -137,3 +137,36 @@ def test_has_run_fails_while_a_connector_waits_and_passes_once_it_runs() -> None
     # Deleted meanwhile: passed too (nothing waits any more).
     events, still = run_check_events(assets, {}, [], {"a"})
     assert [(e.passed, e.description) for e in events] == [(True, "a: deleted")]
+
+
+def test_conveyor_dev_sizes_its_instance_from_the_capacity_or_the_brokers_file(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from conveyor.control.devserver import write_instance
+
+    monkeypatch.setenv("CONVEYOR_HOME", str(tmp_path))
+    monkeypatch.delenv("CONVEYOR_BROKERS_FILE", raising=False)
+    monkeypatch.setenv("CONVEYOR_BROKER_CAPACITY", "20")  # the 20 connectors
+
+    def queue() -> dict:  # type: ignore[type-arg]
+        write_instance(tmp_path)
+        return yaml.safe_load((tmp_path / "dagster.yaml").read_text())["run_coordinator"]["config"]
+
+    assert queue()["max_concurrent_runs"] == 20 + OneOffRoom().total
+    brokers = tmp_path / "brokers.yaml"
+    brokers.write_text(
+        yaml.safe_dump(
+            {
+                "brokers": [
+                    {"id": "a", "capacity": 10, "spark_remote": "sc://a:15002"},
+                    {"id": "b", "capacity": 5, "spark_remote": "sc://b:15002"},
+                ]
+            }
+        )
+    )
+    config = queue()
+    assert config["max_concurrent_runs"] == 15 + OneOffRoom().total
+    assert config["tag_concurrency_limits"][:2] == [
+        {"key": TAG_BROKER, "value": "a", "limit": 10},
+        {"key": TAG_BROKER, "value": "b", "limit": 5},
+    ]
