@@ -263,6 +263,7 @@ def waiting_for_a_run(row: ConnectorRow) -> bool:
     """Assigned, meant to run, and its last error says its run waits (``core.scheduler``)."""
     return (
         row.status == ConnectorStatus.IDLE
+        and row.broker_id is not None
         and row.desired.wants_run
         and (row.last_error or "").startswith(WAITING_FOR_A_RUN)
     )
