@@ -17,16 +17,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TypeVar
 
 import click
 import yaml
 
 from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
+from conveyor.control import devstop
 from conveyor.core.errors import ConveyorError
 from conveyor.core.ports import port_open
+from conveyor.dagster.resources.conveyor import load_brokers
+from conveyor.dagster.run_queue import run_queue_config
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster
 from conveyor.spark.server import SparkConnectServer, start_spark_connect
 
@@ -37,8 +42,7 @@ run_coordinator:
   class: QueuedRunCoordinator
   config:
     dequeue_interval_seconds: 1
-    tag_concurrency_limits:
-{limits}
+{queue}
 run_monitoring:
   enabled: true
   poll_interval_seconds: 10
@@ -59,14 +63,20 @@ telemetry:
 
 
 def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
-    limits = (
-        "\n".join(
-            f"      - key: conveyor/broker\n        value: {bid}\n        limit: {cap}"
-            for bid, cap in brokers
-        )
-        or "      []"
-    )
-    return DAGSTER_YAML.format(limits=limits)
+    """The instance ``conveyor dev`` writes, its run queue sized for ``brokers`` (id, capacity)
+    plus room for one-off jobs (``conveyor.dagster.run_queue``)."""
+    queue = yaml.safe_dump(run_queue_config(brokers), sort_keys=False, default_flow_style=None)
+    return DAGSTER_YAML.format(queue="\n".join("    " + line for line in queue.splitlines()))
+
+
+T = TypeVar("T")
+
+
+def write_instance(dagster_home: Path) -> None:
+    """``dagster.yaml`` in ``dagster_home``, its run queue sized for the brokers file's executors,
+    else for ``local`` of ``$CONVEYOR_BROKER_CAPACITY`` (default 8)."""
+    brokers = [(b.id, b.capacity) for b in load_brokers()]
+    (dagster_home / "dagster.yaml").write_text(dagster_yaml(brokers))
 
 
 DEFINITIONS_MODULE = "conveyor.dagster.definitions"
@@ -126,15 +136,14 @@ def run_dev(
     connectors, dagster_home = _prepare_home(home)
     workspace = home / "workspace.yaml"
     workspace.write_text(workspace_yaml(defs, demo=demo, cwd=Path.cwd()))
-    services = _DevServices()
+    services = _DevServices(home)
     _install_signal_handlers()
     try:
         services.broker, bootstrap = _start_kafka(home, kafka_port)
         services.spark, remote = _start_spark(home, spark_port, spark_workers)
         dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = _dev_env(home, dagster_home, bootstrap, remote, dagster_url)
-        capacity = int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8"))
-        (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
+        write_instance(dagster_home)
         if demo:
             _install_demo(connectors)
             # The demo's minutes begin when it starts (conveyor/demo/downstream.py).
@@ -147,6 +156,7 @@ def run_dev(
         services.children.append(_start_api(home, api_port, dagster_url, env))
         proc = _start_dagster(dagster_port, connectors, workspace, env)
         services.children.append(proc)
+        services.dagster = proc
         return proc.wait()
     except KeyboardInterrupt:
         _say("stopping")
@@ -186,16 +196,21 @@ def _install_signal_handlers() -> None:
 class _DevServices:
     """What ``run_dev`` started, in the order it started them, to stop in reverse."""
 
+    home: Path
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     broker: EmbeddedBroker | None = None
     spark: SparkConnectServer | SparkCluster | None = None
+    dagster: subprocess.Popen[bytes] | None = None
 
     def stop(self) -> None:
-        """Stop the connector runs, then the child processes (SIGINT, SIGKILL after 20 s),
-        then Spark, then the broker."""
+        """Stop the daemon's queue, the runs, then the child processes (SIGINT, SIGKILL after
+        20 s), Spark and the broker; last, whatever still holds the home (``control/devstop``)."""
         # Connector runs are grandchildren of `dagster dev` (its code server starts them)
-        # and outlive it: stop them first, the way Dagster's terminate does.
-        _stop_connector_runs()
+        # and outlive it: stop them first, the way Dagster's terminate does, once the daemon
+        # can launch no more.
+        daemon = devstop.pause_daemon(self.dagster.pid if self.dagster else None, _say)
+        _stop_runs(self.home / "dagster")
+        devstop.kill_daemon(daemon)
         for p in reversed(self.children):
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -209,7 +224,42 @@ class _DevServices:
             self.spark.stop()
         if self.broker:
             self.broker.stop()
-        _say("all processes stopped")
+        left = devstop.sweep(self.home, _say)
+        _say("all processes stopped" + (f" ({len(left)} stopped by the sweep)" if left else ""))
+
+
+def _stop_runs(dagster_home: Path) -> None:
+    """The queued runs canceled, the connector runs interrupted, every other active run
+    terminated; each step reported and passed over when it fails (the sweep follows)."""
+    from conveyor.store.meta import MetaStore
+
+    queue = _opened("the run queue", lambda: devstop.RunQueue(dagster_home, _say))
+    store = _opened("the meta store", MetaStore)
+    steps: list[tuple[str, Callable[[], object]]] = []
+    if queue is not None:
+        steps.append(("cancel the queued runs", queue.cancel_queued))
+    if store is not None:
+        steps.append(
+            ("unassign the connectors not started", lambda: devstop.reset_unstarted(store, _say))
+        )
+        steps.append(("stop the connector runs", lambda: devstop.stop_connector_runs(store, _say)))
+    if queue is not None:
+        steps.append(("terminate the other runs", queue.terminate_active))
+    for what, step in steps:
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+            _say(f"could not {what}: {type(e).__name__}: {e}")
+    if queue is not None:
+        queue.close()
+
+
+def _opened(what: str, open_: Callable[[], T]) -> T | None:
+    try:
+        return open_()
+    except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+        _say(f"could not open {what} to stop the runs: {type(e).__name__}: {e}")
+        return None
 
 
 def _start_kafka(home: Path, kafka_port: int) -> tuple[EmbeddedBroker | None, str]:
@@ -351,50 +401,6 @@ def _kill_tree(p: subprocess.Popen[bytes]) -> None:
             os.killpg(p.pid, signal.SIGKILL)
             return
     p.kill()
-
-
-def _stop_connector_runs(timeout_s: float = 30.0) -> None:
-    """Interrupt the connector runs of this machine; they commit, clean up and exit.
-
-    A run that stops this way records its connector as Stopped (as a terminate from
-    the UI does); the ones that were meant to run are set back to desired running, so
-    the next ``conveyor dev`` resumes them from their last commit.
-    """
-    import socket
-
-    from conveyor.core.processes import pid_alive
-    from conveyor.store.meta import MetaStore
-
-    try:
-        store = MetaStore()
-        rows = store.list()
-    except Exception as e:  # noqa: BLE001 - shutting down: report and go on
-        _say(f"could not read the meta store to stop connector runs: {e}")
-        return
-    host = socket.gethostname()
-    live = [r for r in rows if r.run_pid and (r.run_host in (None, host)) and pid_alive(r.run_pid)]
-    for r in live:
-        _say(f"stopping connector {r.name} (run {r.run_id}, pid {r.run_pid})")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(r.run_pid, signal.SIGINT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(pid_alive(r.run_pid) for r in live if r.run_pid):
-        time.sleep(0.2)
-    for r in live:
-        if r.run_pid and pid_alive(r.run_pid):
-            _say(
-                f"connector {r.name}: run did not stop in {timeout_s:g} s; killing pid {r.run_pid}"
-            )
-            os.kill(r.run_pid, signal.SIGKILL)
-        if r.desired.wants_run:
-            try:
-                store.set_desired(
-                    r.name,
-                    r.desired,
-                    reason="conveyor dev stopped; resumes at the next start",
-                )
-            except Exception as e:  # noqa: BLE001
-                _say(f"connector {r.name}: could not keep it desired running: {e}")
 
 
 def _install_demo(connectors: Path) -> None:

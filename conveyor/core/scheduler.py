@@ -35,11 +35,15 @@ decision and never stops the others):
 5. **drain / down brokers**: connectors on a draining broker, a broker that no
    longer exists or is gone (removed from the brokers file, see ``gone_brokers``), or (when another healthy broker has room) a broker whose Spark
    endpoint refuses connections are moved: reset to Idle with a bumped generation.
-6. **assignment**: Idle, unassigned connectors that should run go, in name order,
+6. **waiting**: an assigned connector whose run has sat in Dagster's run queue (or was
+   launched and has not started) longer than ``run_wait_s`` says why it has no run: a
+   ``Waiting`` decision records the reason (the queue limit that holds the run, found by
+   the glue) as its last error and in its history, once per reason.
+7. **assignment**: Idle, unassigned connectors that should run go, in name order,
    to the healthy broker with the lowest load (sum of connector weights, a weight
    being ``1 + msgs_per_s / rate_unit``), ties broken by connector count then id,
    never beyond capacity.
-7. **rebalance**: when the most loaded healthy broker exceeds the least loaded by
+8. **rebalance**: when the most loaded healthy broker exceeds the least loaded by
    more than ``rebalance_threshold`` and nothing moved in the last
    ``rebalance_cooldown_s``, one connector whose weight is smaller than the gap is
    moved (so the move strictly narrows the gap: no flapping).
@@ -60,6 +64,10 @@ from conveyor.core.model import ConnectorStatus, DesiredState
 from conveyor.core.state import StateChange
 
 ACTIVE_RUN_STATUSES = frozenset({"QUEUED", "NOT_STARTED", "STARTING", "STARTED", "CANCELING"})
+# A run not yet running the connector's op: in the run queue, or launched and starting.
+WAITING_RUN_STATUSES = frozenset({"QUEUED", "NOT_STARTED", "STARTING"})
+# How a connector's last error begins while it waits for its run (``Waiting``).
+WAITING_FOR_A_RUN = "waiting for a run"
 # A run holds the connector and heartbeats (a paused one too: it keeps its assignment).
 LIVE = (ConnectorStatus.RUNNING, ConnectorStatus.DEGRADED, ConnectorStatus.PAUSED)
 
@@ -122,6 +130,8 @@ class RunView:
     local: bool = False  # the process runs on this host under the default run launcher
     canceling_since: float | None = None
     process_alive: bool | None = None  # known only for local runs with a recorded pid
+    status_since: float | None = None  # when the run entered its status (queued: enqueued)
+    blocker: str | None = None  # a queued run: the run queue's limit that holds it, if known
 
     @property
     def active(self) -> bool:
@@ -142,6 +152,8 @@ class SchedulerConfig:
     rebalance_cooldown_s: float = 120.0
     rate_unit: float = 10_000.0
     """msgs/s that weigh as much as one more connector."""
+    run_wait_s: float = 30.0
+    """An assigned connector whose run is queued (or not started) longer than this says why."""
 
     def restart_backoff(self, restarts: int) -> float:
         return float(
@@ -276,6 +288,20 @@ class Relaunch(_Decision):
 
 
 @dataclass(frozen=True)
+class Waiting(_Decision):
+    """Assigned, its run still queued or not started: the reason becomes its last error and a
+    line of its history (no change of state, owner or generation)."""
+
+    name: str
+    run_id: str
+    reason: str
+
+    @property
+    def change(self) -> StateChange:
+        return StateChange.note(self.reason)
+
+
+@dataclass(frozen=True)
 class ClearRestarts(_Decision):
     name: str
     reason: str
@@ -335,6 +361,7 @@ Decision = (
     | MarkError
     | Restart
     | Relaunch
+    | Waiting
     | ClearRestarts
     | Move
     | Assign
@@ -417,7 +444,7 @@ def plan(
         except Exception as e:  # noqa: BLE001 - one connector never fails the tick
             out.decisions.append(Failed(r.connector, f"{type(e).__name__}: {e}"))
 
-    # 2-5. per connector
+    # 2-6. per connector
     settled: dict[str, ConnectorView] = {}  # connector state after this tick's decisions
     healthy = {b.id for b in brokers if not b.draining and b.id not in down}
     room = _room(connectors, brokers, healthy)
@@ -431,11 +458,11 @@ def plan(
         out.decisions.extend(decisions)
         settled[c.name] = _after(c, decisions)
 
-    # 6. assignment
+    # 7. assignment
     assigned = _assign(list(settled.values()), brokers, healthy, runs_of, cfg)
     out.decisions.extend(assigned)
 
-    # 7. rebalance (only when nothing else moved this tick)
+    # 8. rebalance (only when nothing else moved this tick)
     if not assigned and not any(isinstance(d, (Move, Reset)) for d in out.decisions):
         move = _rebalance(list(settled.values()), brokers, healthy, now, cfg)
         if move is not None:
@@ -719,6 +746,34 @@ def _off_a_bad_broker(x: _Connector, t: _Tick) -> list[Decision] | None:
     return [Move(c.name, c.broker_id, run_id, why, at=t.now)]
 
 
+def _run_waits(x: _Connector, t: _Tick) -> list[Decision] | None:
+    """Assigned, and the run launched for it is still in the run queue (or launched and not
+    started) after ``run_wait_s``: the connector says why, once per reason."""
+    c = x.c
+    if c.status != ConnectorStatus.IDLE or c.broker_id is None or not c.desired.wants_run:
+        return None
+    waiting = [
+        r
+        for r in x.runs
+        if r.status in WAITING_RUN_STATUSES
+        and r.generation == c.generation
+        and r.status_since is not None
+        and t.now - r.status_since > t.cfg.run_wait_s
+    ]
+    if not waiting:
+        return None
+    r = waiting[0]
+    if r.status == "QUEUED":
+        why = r.blocker or "not dequeued (is dagster-daemon running?)"
+        how = f"run {r.run_id[:8]} queued over {t.cfg.run_wait_s:.0f}s, {why}"
+    else:
+        how = f"run {r.run_id[:8]} launched, not started after {t.cfg.run_wait_s:.0f}s"
+    reason = f"{WAITING_FOR_A_RUN} on {c.broker_id}: {how}"
+    if c.last_error == reason:
+        return []  # said already
+    return [Waiting(c.name, r.run_id, reason)]
+
+
 STEPS: tuple[Step, ...] = (
     _invalid_spec,
     _zombie,
@@ -730,6 +785,7 @@ STEPS: tuple[Step, ...] = (
     _restart_after_error,
     _healthy_again,
     _off_a_bad_broker,
+    _run_waits,
 )
 
 

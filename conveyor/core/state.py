@@ -42,6 +42,8 @@ class StateChange:
     """When the scheduler moved the connector off its broker (rebalance cool-down)."""
     counters: dict[str, Any] | None = None
     """The run's final counters."""
+    noted: bool = False
+    """A line in the history even without a change of status, generation or budget."""
 
     # -- the named transitions --------------------------------------------------------
 
@@ -73,6 +75,12 @@ class StateChange:
         return cls(broker_id=broker_id, bump_generation=True, clear_run=True)
 
     @classmethod
+    def note(cls, reason: str) -> StateChange:
+        """Nothing changes but the reason shown (the last error) and a line in the history:
+        why a connector is not running, while it waits for something outside it."""
+        return cls(error=reason, noted=True)
+
+    @classmethod
     def mark_error(cls, message: str) -> StateChange:
         return cls(status=ConnectorStatus.ERROR, error=message)
 
@@ -102,6 +110,7 @@ class StateChange:
             (self.status is not None and self.status != old_status)
             or self.bump_generation
             or self.restarts is not None
+            or self.noted
         )
 
     def applied_to(self, view: V) -> V:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dagster import Definitions
 
 from conveyor.config.specs import LoadedSpec, connectors_dir
-from conveyor.dagster.assets.checks import lag_check_schedules, lag_checks
+from conveyor.dagster.assets.checks import lag_check_schedules, lag_checks, run_checks
 from conveyor.dagster.assets.lineage import lineage_specs
 from conveyor.dagster.jobs.backfill import backfill_job
 from conveyor.dagster.jobs.connector import connector_job
@@ -46,7 +46,7 @@ def conveyor_defs(specs: Sequence[LoadedSpec], sources: SpecSources) -> Definiti
             backfill_requests_sensor(backfill_jobs),
         ],
         resources={"conveyor": conveyor_resource()},
-        asset_checks=lag_checks(specs),
+        asset_checks=lag_checks(specs) + run_checks(specs),
         schedules=lag_check_schedules(specs),
     )
 

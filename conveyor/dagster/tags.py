@@ -14,6 +14,9 @@ TAG_REPLAY = "conveyor/replay"
 TAG_BACKFILL = "conveyor/backfill"
 TAG_BACKFILL_REQUEST = "conveyor/backfill_request"  # the id of the request a backfill run serves
 TAG_KIND = "conveyor/kind"
+# A lakehouse table's maintenance run: not ``conveyor/connector``, which the scheduler takes for
+# a connector run (it would fence or count it).
+TAG_MAINTENANCE = "conveyor/maintenance"
 
 # A run in one of these statuses holds (or will hold) its connector or task.
 ACTIVE = [

@@ -383,3 +383,104 @@ def test_a_hung_zombie_holding_the_store_lock_is_killed_and_stopped_in_one_tick(
         if hung.poll() is None:
             hung.kill()
             hung.wait()
+
+
+def test_a_connector_whose_run_waits_in_the_run_queue_says_why(env, monkeypatch, tmp_path):
+    """Issue 47: more connectors than the run queue lets start sat Idle with no reason. Here a
+    QueuedRunCoordinator of 2 runs, both taken by a user's runs: each connector's queued run
+    is reported with the limit that holds it (last error, history, the tick's log, the has_run
+    check), once; the check passes again when the run heartbeats."""
+    from dagster import AssetCheckEvaluation
+    from dagster._core.remote_origin import (
+        RegisteredCodeLocationOrigin,
+        RemoteJobOrigin,
+        RemoteRepositoryOrigin,
+    )
+
+    from conveyor.config.specs import from_mapping
+    from conveyor.control.reads import status_of
+    from conveyor.dagster.assets.checks import RUN_CHECK_NAME
+
+    _, store, url = env
+    monkeypatch.setenv("CONVEYOR_SCHEDULER_RUN_WAIT_S", "0")
+    specs = [
+        from_mapping(
+            {"name": n, "source": {"topics": ["t"]}, "sink": {"type": "localfile", "path": n}},
+            source="test",
+            fallback_name=n,
+        )
+        for n in ("alpha", "beta", "gamma")
+    ]
+    assert all(ls.ok for ls in specs), [ls.error for ls in specs]
+    sensor = scheduler_sensor(None, specs)
+    queue = {
+        "module": "dagster.core.run_coordinator",
+        "class": "QueuedRunCoordinator",
+        "config": {"max_concurrent_runs": 2},
+    }
+
+    def run(instance, cursor=None):
+        ctx = build_sensor_context(
+            instance=instance,
+            cursor=cursor,
+            resources={"conveyor": ConveyorResource(meta_url=url)},
+        )
+        return sensor(ctx)
+
+    with instance_for_test(overrides={"run_coordinator": queue}) as instance:
+        for _ in range(2):  # a user's jobs hold both slots
+            create_run_for_test(instance, job_name="my_job", status=DagsterRunStatus.STARTED)
+        first = run(instance)
+        location = RemoteRepositoryOrigin(
+            RegisteredCodeLocationOrigin("conveyor"), "__repository__"
+        )
+        for r in first.run_requests:
+            create_run_for_test(
+                instance,
+                job_name=r.job_name,
+                tags=r.tags,
+                status=DagsterRunStatus.QUEUED,
+                remote_job_origin=RemoteJobOrigin(location, r.job_name),
+            )
+        time.sleep(0.01)  # the runs' queued time must be past the bound of 0 s
+        second = run(instance)
+        full = "run queue full: 2 of max_concurrent_runs 2 in progress"
+        assert len(f"waiting for a run on b1: run 12345678 queued over 30s, {full}") <= 120
+        for n in ("alpha", "beta", "gamma"):
+            row = store.get(n)
+            assert row.status == ConnectorStatus.IDLE and row.broker_id
+            assert row.last_error.startswith(f"waiting for a run on {row.broker_id}: run ")
+            assert row.last_error.endswith(full)
+            assert status_of(row)["tasks"][0]["trace"] == row.last_error  # connector status
+            assert any(h.reason == f"scheduler: {row.last_error}" for h in store.history(n))
+        checks = [e for e in second.asset_events if isinstance(e, AssetCheckEvaluation)]
+        assert sorted((e.check_name, e.passed, e.metadata["connector"].value) for e in checks) == [
+            (RUN_CHECK_NAME, False, n) for n in ("alpha", "beta", "gamma")
+        ]
+        assert json.loads(second.cursor) == ["alpha", "beta", "gamma"]
+        # Said once: the next tick adds no history line and no evaluation.
+        lines = len(store.history("alpha"))
+        third = run(instance, second.cursor)
+        assert len(store.history("alpha")) == lines and not third.asset_events
+        # alpha's run starts and heartbeats: its check passes, the others still wait.
+        gen = store.get("alpha").generation
+        store.claim(
+            "alpha", run_id="r-alpha", expected_generation=gen, holder_alive=lambda _: False
+        )
+        store.heartbeat("alpha", gen, {})
+        assert store.get("alpha").last_error is None
+        fourth = run(instance, third.cursor)
+        assert [(e.metadata["connector"].value, e.passed) for e in fourth.asset_events] == [
+            ("alpha", True)
+        ]
+        assert json.loads(fourth.cursor) == ["beta", "gamma"]
+        # The others stop: their checks pass and the cursor empties (not left as it was).
+        for n in ("beta", "gamma"):
+            store.stop(n, reason="test")
+        fifth = run(instance, fourth.cursor)
+        assert sorted((e.metadata["connector"].value, e.passed) for e in fifth.asset_events) == [
+            ("beta", True),
+            ("gamma", True),
+        ]
+        assert fifth.cursor == "[]"
+        assert run(instance, fifth.cursor).asset_events == []

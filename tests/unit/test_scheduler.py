@@ -628,3 +628,48 @@ def test_lost_run_whose_process_is_gone_is_reported_canceled_not_terminated():
 def test_connector_without_a_job_in_the_code_location_waits_for_a_reload():
     p = s.plan([conn("new", launchable=False), conn("old")], brokers("b1"), [], NOW)
     assert [a.name for a in p.of(s.Assign)] == ["old"]
+
+
+# -- a connector whose run waits in the run queue ------------------------------------------
+
+
+def test_an_assigned_connector_whose_run_stays_queued_says_which_limit_holds_it():
+    c = conn("a", broker_id="b1", generation=2, updated_at=NOW - 200)
+    fresh = s.RunView("q", "a", generation=2, status="QUEUED", status_since=NOW - 5)
+    assert s.plan([c], brokers("b1"), [fresh], NOW).decisions == []  # queued 5 s: not yet
+    held = replace(
+        fresh, status_since=NOW - 45, blocker="tag limit conveyor/broker=b1: 8 of 8 in progress"
+    )
+    [d] = s.plan([c], brokers("b1"), [held], NOW).decisions
+    assert isinstance(d, s.Waiting) and d.run_id == "q"
+    assert d.reason == (
+        "waiting for a run on b1: run q queued over 30s, "
+        "tag limit conveyor/broker=b1: 8 of 8 in progress"
+    )
+    assert d.reason.startswith(s.WAITING_FOR_A_RUN)
+    # The reason is a note: status, broker and generation stay; the store keeps it as the
+    # connector's last error and writes it once.
+    assert d.change.error == d.reason and d.change.is_recorded(IDLE)
+    assert d.change.applied_to(c) == c
+    said = replace(c, last_error=d.reason)
+    assert s.plan([said], brokers("b1"), [held], NOW).decisions == []
+    # Without a blocker (the daemon is not dequeuing), the reason says so.
+    [d] = s.plan([c], brokers("b1"), [replace(held, blocker=None)], NOW).decisions
+    assert "not dequeued (is dagster-daemon running?)" in d.reason
+
+
+def test_a_run_launched_but_not_started_is_reported_and_an_old_generation_is_not():
+    c = conn("a", broker_id="b1", generation=2, updated_at=NOW - 200)
+    starting = s.RunView("r", "a", generation=2, status="STARTING", status_since=NOW - 100)
+    [d] = s.plan([c], brokers("b1"), [starting], NOW).decisions
+    assert d.reason == "waiting for a run on b1: run r launched, not started after 30s"
+    # A configurable bound.
+    cfg = s.SchedulerConfig(run_wait_s=120)
+    assert s.plan([c], brokers("b1"), [starting], NOW, cfg).decisions == []
+    # A running connector's run, or a stopped connector, never waits.
+    live = running("a", "b1", gen=2)
+    assert not s.plan([live], brokers("b1"), [replace(starting, run_id=live.run_id)], NOW).of(
+        s.Waiting
+    )
+    stopped = replace(c, desired=DesiredState.STOPPED)
+    assert not s.plan([stopped], brokers("b1"), [starting], NOW).of(s.Waiting)

@@ -64,6 +64,7 @@ LAYERS = {
     "conveyor.sources": 4,
     "conveyor.config": 5,
     "conveyor.dagster.tags": 6,
+    "conveyor.dagster.run_queue": 6,  # the run queue's limits, beside the tags they count
     "conveyor.dagster.resources": 7,
     "conveyor.dagster.assets": 8,
     "conveyor.dagster.jobs": 9,

@@ -1,4 +1,5 @@
-"""Asset checks on sink assets: fail when a connector's lag keeps growing; complete through T.
+"""Asset checks on sink assets: fail when a connector's lag keeps growing, or when it waits for
+a run; complete through T.
 
 Connector runs record a materialization on their sink asset at most once a
 minute with ``lag`` in its metadata (see ``jobs.progress.progress_logger``).
@@ -14,10 +15,16 @@ watermark crosses a minute (or late data arrives): :func:`watermark_events` read
 storage order, :func:`watermark_of` and :func:`late_ranges_of` their metadata, for the
 ``complete_through`` check (:func:`complete_through_check`, which users add to their own
 definitions) and for ``conveyor.dagster.landed``.
+
+``has_run`` (:func:`run_checks`) fails, severity WARN, while a connector of the asset is assigned
+and its run waits in Dagster's run queue (``core.scheduler``'s ``Waiting``): the scheduler sensor
+reports it as the wait is found and again once the run heartbeats (:func:`run_check_events`), and
+running it by hand reads the meta store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -28,9 +35,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from dagster import (
+    AssetCheckEvaluation,
     AssetCheckExecutionContext,
     AssetCheckResult,
     AssetChecksDefinition,
+    AssetCheckSeverity,
     AssetKey,
     AssetRecordsFilter,
     AssetSelection,
@@ -44,7 +53,11 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec
+from conveyor.core.model import ConnectorStatus
+from conveyor.core.scheduler import LIVE, WAITING_FOR_A_RUN
+from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_CONNECTOR
+from conveyor.store.meta import ConnectorRow, UnknownConnectorError
 
 DEFAULT_LAG_CHECK_MINUTES = 10.0
 LAG_CHECK_MINUTES_ENV = "CONVEYOR_LAG_CHECK_MINUTES"
@@ -230,6 +243,106 @@ def lag_check_schedules(specs: Sequence[LoadedSpec]) -> list[ScheduleDefinition]
             description="Evaluates the sink assets' lag checks every five minutes.",
         )
     ]
+
+
+# -- a connector that waits for its run -------------------------------------------------------
+
+RUN_CHECK_NAME = "has_run"
+
+
+def sink_assets(specs: Sequence[LoadedSpec]) -> dict[str, AssetKey]:
+    """Each valid sink connector's sink asset, by connector name."""
+    return {
+        ls.name: AssetKey(list(ls.sink.asset_key_path()))
+        for ls in specs
+        if ls.ok and ls.sink is not None and not ls.is_source
+    }
+
+
+def waiting_for_a_run(row: ConnectorRow) -> bool:
+    """Assigned, meant to run, and its last error says its run waits (``core.scheduler``)."""
+    return (
+        row.status == ConnectorStatus.IDLE
+        and row.broker_id is not None
+        and row.desired.wants_run
+        and (row.last_error or "").startswith(WAITING_FOR_A_RUN)
+    )
+
+
+def run_verdict(rows: Sequence[ConnectorRow]) -> tuple[bool, str]:
+    """``has_run`` over the connectors of one asset: failed while any of them waits for its run."""
+    waiting = [r for r in rows if waiting_for_a_run(r)]
+    if waiting:
+        return False, "; ".join(f"{r.name}: {r.last_error}" for r in waiting)
+    return True, ", ".join(f"{r.name}: {r.status.value}" for r in rows) or "no connector"
+
+
+def _run_check(key: AssetKey, connectors: Sequence[str]) -> AssetChecksDefinition:
+    @asset_check(
+        asset=key,
+        name=RUN_CHECK_NAME,
+        description=(
+            f"Fails (WARN) while {', '.join(connectors)} is assigned but its run waits in "
+            "Dagster's run queue; the reason names the limit that holds it."
+        ),
+        metadata={"connectors": ", ".join(connectors)},
+    )
+    def check(context, conveyor: ConveyorResource) -> AssetCheckResult:  # type: ignore[no-untyped-def]  # dagster reads the annotation at runtime
+        store = conveyor.store()
+        rows = []
+        for name in connectors:
+            with contextlib.suppress(UnknownConnectorError):
+                rows.append(store.get(name))
+        passed, why = run_verdict(rows)
+        return AssetCheckResult(passed=passed, description=why, severity=AssetCheckSeverity.WARN)
+
+    return check
+
+
+def run_checks(specs: Sequence[LoadedSpec]) -> list[AssetChecksDefinition]:
+    """One ``has_run`` check per sink asset of the valid sink connectors."""
+    by_asset: dict[AssetKey, list[str]] = defaultdict(list)
+    for name, key in sink_assets(specs).items():
+        by_asset[key].append(name)
+    return [_run_check(key, names) for key, names in by_asset.items()]
+
+
+def run_check_events(
+    assets: Mapping[str, AssetKey],
+    waiting: Mapping[str, str],
+    rows: Sequence[ConnectorRow],
+    was: set[str],
+) -> tuple[list[AssetCheckEvaluation], set[str]]:
+    """The ``has_run`` evaluations a scheduler tick reports, and who waits after it.
+
+    ``waiting``: the connectors the tick found waiting, with the reason; ``was``: those
+    reported waiting before (the sensor's cursor). A connector reported waiting passes again
+    once it is live, no longer meant to run, or gone."""
+    by_name = {r.name: r for r in rows}
+    events = []
+    for name, reason in sorted(waiting.items()):
+        if name in assets:
+            events.append(_evaluation(assets[name], name, False, reason))
+    still = set(waiting)
+    for name in sorted(was - set(waiting)):
+        row = by_name.get(name)
+        if row is not None and row.desired.wants_run and row.status not in LIVE:
+            still.add(name)  # not running yet: its failed evaluation stands
+        elif name in assets:
+            status = row.status.value if row is not None else "deleted"
+            events.append(_evaluation(assets[name], name, True, f"{name}: {status}"))
+    return events, still
+
+
+def _evaluation(key: AssetKey, name: str, passed: bool, why: str) -> AssetCheckEvaluation:
+    return AssetCheckEvaluation(
+        asset_key=key,
+        check_name=RUN_CHECK_NAME,
+        passed=passed,
+        severity=AssetCheckSeverity.WARN,
+        description=why if passed else f"{name}: {why}",
+        metadata={"connector": name},
+    )
 
 
 # -- the watermark on the sink asset -------------------------------------------------------

@@ -41,15 +41,13 @@ from pydantic import Field
 
 from conveyor.config.specs import LoadedSpec
 from conveyor.dagster.jobs.runs import current_spec_resolved, scrubbed_errors
+from conveyor.dagster.tags import TAG_MAINTENANCE
 from conveyor.sinks.base import SinkConfig
 from conveyor.sinks.lakehouse import CommitMark
 
 log = logging.getLogger("conveyor.dagster.jobs.maintenance")
 
 LAKEHOUSE_SINKS = ("iceberg", "delta")
-#: The maintenance run's tag: not ``conveyor/connector``, which the scheduler takes for a
-#: connector run (it would fence or count it).
-TAG_MAINTENANCE = "conveyor/maintenance"
 COMPACTION_PROP = "conveyor.maintenance"
 
 

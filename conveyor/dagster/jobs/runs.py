@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -34,6 +35,7 @@ from conveyor.store.meta import Claim, ConnectorRow, MetaStore
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+ORPHANED = "run {}: its parent process is gone; it stopped itself (fenced)"
 
 
 def scrubbed_errors(op_fn: F) -> F:
@@ -142,38 +144,59 @@ def hold_interrupts() -> None:
         signal.signal(signo, held)
 
 
-def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> Callable[[], bool]:
-    """True once this run is CANCELING or CANCELED (checked at most every ``every_s``).
+class CancelWatch:
+    """Whether this run should stop as a terminate does (call it): its status is CANCELING or
+    CANCELED (read at most every ``every_s``), or its parent process is gone (``orphaned``).
 
     Dagster delivers a terminate as an exception raised by its signal handler in the
     op's thread. If that handler runs inside a garbage-collection callback (a weakref
     finalizer, say), the interpreter prints "Exception ignored in ..." and swallows it:
     the run would go on until a second terminate. Polling the run's own status makes
     a terminate stop the loop within a batch either way.
-    """
-    state = {"checked": 0.0, "seen": False}
 
-    def check() -> bool:
-        if state["seen"]:
+    A run's parent is the process that launched it (the code server, with the default run
+    launcher). When it is gone (``conveyor dev`` stopped, the code server killed) nobody is
+    left to terminate the run, and it would hold its connector and its home forever: the run
+    sees its parent change and stops itself (``run_until_stopped`` then fences it).
+    """
+
+    def __init__(self, context: OpExecutionContext, every_s: float = 2.0):
+        self.context, self.every_s = context, every_s
+        self.parent = os.getppid()
+        self.checked = 0.0
+        self.seen = False
+        self.orphaned = False
+
+    def __call__(self) -> bool:
+        if self.seen:
             return True
-        now = time.monotonic()
-        if now - state["checked"] < every_s:
-            return False
-        state["checked"] = now
+        if os.getppid() != self.parent:
+            self.context.log.warning(
+                f"this run's parent process {self.parent} is gone; stopping the run"
+            )
+            self.orphaned = self.seen = True
+        elif time.monotonic() - self.checked >= self.every_s:
+            self.checked = time.monotonic()
+            self.seen = self._canceling()
+        if self.seen:
+            hold_interrupts()
+        return self.seen
+
+    def _canceling(self) -> bool:
         try:
-            run = context.instance.get_run_by_id(context.run_id)
+            run = self.context.instance.get_run_by_id(self.context.run_id)
         except Exception as e:  # noqa: BLE001 - the instance may be briefly unreachable
-            context.log.debug(f"reading this run's status failed: {e}")
+            self.context.log.debug(f"reading this run's status failed: {e}")
             return False
-        state["seen"] = run is not None and run.status in (
+        return run is not None and run.status in (
             DagsterRunStatus.CANCELING,
             DagsterRunStatus.CANCELED,
         )
-        if state["seen"]:
-            hold_interrupts()
-        return bool(state["seen"])
 
-    return check
+
+def cancel_requested(context: OpExecutionContext, every_s: float = 2.0) -> CancelWatch:
+    """True once this run is CANCELING or CANCELED, or its parent is gone (``CancelWatch``)."""
+    return CancelWatch(context, every_s)
 
 
 def next_spec(
@@ -306,10 +329,15 @@ def run_until_stopped(
     try:
         loop = run_loops(ls, canceled, run_one=run_one, reconfigure=reconfigure)
     except DagsterExecutionInterruptedError:
-        store.release(
-            name, generation, ConnectorStatus.STOPPED, f"run {context.run_id} terminated",
-            counters=final(),
-        )  # fmt: skip
+        if canceled.orphaned:
+            # Nobody stopped it: the connector stays meant to run; fenced, so that nothing of
+            # this run commits from now on, and assigned again by the scheduler.
+            store.apply(name, generation, StateChange.reset(), ORPHANED.format(context.run_id))
+        else:
+            store.release(
+                name, generation, ConnectorStatus.STOPPED, f"run {context.run_id} terminated",
+                counters=final(),
+            )  # fmt: skip
         context.log.info(f"{label} {name} stopped by terminate; {terminated}")
         raise
     except Exception as e:

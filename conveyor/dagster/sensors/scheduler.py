@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from dagster import (
+    AssetCheckEvaluation,
+    AssetKey,
     DagsterRunStatus,
     DefaultSensorStatus,
     JobDefinition,
@@ -36,7 +39,9 @@ from conveyor.config.reload import ReloadRequests
 from conveyor.config.specs import LoadedSpec, scan, sync_files
 from conveyor.core import scheduler as core
 from conveyor.core.processes import pid_alive
+from conveyor.dagster.assets.checks import run_check_events, sink_assets
 from conveyor.dagster.resources.conveyor import ConveyorResource, broker_views
+from conveyor.dagster.run_queue import IN_PROGRESS, instance_queue_limits, queue_blocker
 from conveyor.dagster.tags import ACTIVE, TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
 from conveyor.store.meta import ConnectorRow, MetaStore
 
@@ -66,27 +71,28 @@ def connector_view(row: ConnectorRow, launchable: set[str] | None = None) -> cor
 
 
 def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.RunView]:
-    """Active connector runs, plus each connector's current run whatever its status."""
+    """Active connector runs, plus each connector's current run whatever its status; a queued
+    run names the run queue's limit that holds it (``run_queue.queue_blocker``)."""
     host = socket.gethostname()
     seen: dict[str, Any] = {}
-    for run in instance.get_runs(filters=RunsFilter(statuses=ACTIVE)):
+    since: dict[str, float] = {}
+    for rec in instance.get_run_records(filters=RunsFilter(statuses=ACTIVE)):
+        run = rec.dagster_run
         if TAG_CONNECTOR in run.tags:
             seen[run.run_id] = run
+            stamp = rec.update_timestamp or rec.create_timestamp
+            since[run.run_id] = stamp.timestamp() if stamp else now
     for row in rows:
         if row.run_id and row.run_id not in seen:
             run = instance.get_run_by_id(row.run_id)
             if run is not None:
                 seen[run.run_id] = run
     pids = {r.run_id: r.run_pid for r in rows if r.run_id and r.run_host == host}
+    blocker = _queue_blockers(instance, [r for r in seen.values() if r.status.value == "QUEUED"])
     out = []
     for run in seen.values():
         gen = run.tags.get(TAG_GENERATION)
-        canceling_since = None
-        if run.status == DagsterRunStatus.CANCELING:
-            rec = instance.get_run_record_by_id(run.run_id)
-            canceling_since = (
-                rec.update_timestamp.timestamp() if rec and rec.update_timestamp else now
-            )
+        canceling = run.status == DagsterRunStatus.CANCELING
         out.append(
             core.RunView(
                 run_id=run.run_id,
@@ -95,12 +101,24 @@ def run_views(instance: Any, rows: list[ConnectorRow], now: float) -> list[core.
                 broker_id=run.tags.get(TAG_BROKER),
                 status=run.status.value,
                 pid=pids.get(run.run_id),
-                canceling_since=canceling_since,
+                canceling_since=since.get(run.run_id, now) if canceling else None,
                 local=run.run_id in pids,
                 process_alive=pid_alive(pids[run.run_id]) if pids.get(run.run_id) else None,
+                status_since=since.get(run.run_id),
+                blocker=blocker(run),
             )
         )
     return out
+
+
+def _queue_blockers(instance: Any, queued: list[Any]) -> Callable[[Any], str | None]:
+    """For the queued connector runs: which limit of the instance's run queue holds each."""
+    limits = instance_queue_limits(instance) if queued else None
+    if limits is None:
+        return lambda _run: None
+    in_progress = [r.tags for r in instance.get_runs(filters=RunsFilter(statuses=IN_PROGRESS))]
+    held = {r.run_id: queue_blocker(*limits, r.tags, in_progress) for r in queued}
+    return lambda run: held.get(run.run_id)
 
 
 def apply_plan(
@@ -286,6 +304,20 @@ def sync_and_reload(
         context.log.info(f"connector specs changed: reloading code location {location or ''}")
 
 
+def waiting_reports(
+    cursor: str | None, plan: core.Plan, store: MetaStore, assets: dict[str, AssetKey]
+) -> tuple[list[AssetCheckEvaluation], str | None]:
+    """The ``has_run`` evaluations of a tick (``checks.run_check_events``) and the cursor that
+    remembers who was reported waiting (a JSON list of names; None, which keeps the cursor as
+    it is, only when nobody waits nor waited)."""
+    waiting = {d.name: d.reason for d in plan.of(core.Waiting)}
+    was = set(json.loads(cursor)) if cursor else set()
+    if not waiting and not was:
+        return [], None
+    events, still = run_check_events(assets, waiting, store.list() if was else [], was)
+    return events, json.dumps(sorted(still))
+
+
 def scheduler_sensor(
     jobs: Sequence[JobDefinition] | None,
     specs: Sequence[LoadedSpec] | None = None,
@@ -301,6 +333,7 @@ def scheduler_sensor(
     """
     launchable = None if jobs is None else {j.name for j in jobs}
     loaded_fp = location_fingerprint(specs) if specs is not None else None
+    assets = sink_assets(specs or [])
 
     @sensor(
         name="conveyor_scheduler",
@@ -328,7 +361,13 @@ def scheduler_sensor(
             except Exception as e:  # noqa: BLE001 - scheduling goes on with what the store holds
                 context.log.error(f"syncing connector specs failed: {type(e).__name__}: {e}")
         plan, requests = tick(context, store, launchable=launchable)
-        skip = None if plan.decisions else "nothing to do"
-        return SensorResult(run_requests=requests, skip_reason=skip if not requests else None)
+        events, cursor = waiting_reports(context.cursor, plan, store, assets)
+        skip = None if plan.decisions or events else "nothing to do"
+        return SensorResult(
+            run_requests=requests,
+            skip_reason=skip if not requests else None,
+            asset_events=events,
+            cursor=cursor,
+        )
 
     return conveyor_scheduler
