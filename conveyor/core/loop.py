@@ -44,12 +44,11 @@ import pyarrow as pa
 
 from conveyor.core.errors import (
     DATA_ERROR_PREFIX,
+    OUTAGES,
     ConveyorError,
     DataPolicyError,
     FencedError,
     TransientSinkError,
-    TransientSourceError,
-    TransientStoreError,
 )
 from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
 from conveyor.core.liveness import Stage, StageClock, stage_of
@@ -82,9 +81,6 @@ from conveyor.core.stopping import Directive, LoopControl, Stopping
 from conveyor.core.watermarks import Watermark, WatermarkTracker, report_due
 
 log = logging.getLogger("conveyor.loop")
-
-# Errors retried as outages: the target, the log or the meta store is briefly unavailable.
-OUTAGES = (TransientSinkError, TransientSourceError, TransientStoreError)
 
 
 @dataclass(frozen=True)
@@ -283,16 +279,6 @@ class ConnectorLoop(LoopControl):
         self._processed = 0
         self._quiet: tuple[float, int] | None = None
         self._closed = False
-        # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
-        # heartbeats for a supervised loop, which then only queues its status changes.
-        self.stages = StageClock(time.monotonic)
-        self.supervised = False
-        self.beat_requested = threading.Event()
-        self._beat_lock = threading.Lock()
-        self._transitions: deque[tuple[ConnectorStatus, str | None]] = deque(
-            [(ConnectorStatus.RUNNING, "first heartbeat")]
-        )
-        self._fenced: FencedError | None = None
         if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
             raise ConveyorError("failure policy dead_letter needs a dead-letter store")
 
@@ -410,12 +396,6 @@ class ConnectorLoop(LoopControl):
         else:
             self._reads += 1
         return batch
-
-    def fence(self, error: FencedError) -> None:
-        """This run lost the connector (seen by a heartbeat on any thread): stop, commit nothing."""
-        if self._fenced is None:
-            self._fenced = error
-        self._stop_event.set()
 
     def _ensure_current(self) -> None:
         """Before a batch is sent: stop if this run's generation is no longer current."""
@@ -896,48 +876,14 @@ class ConnectorLoop(LoopControl):
             batch_latency_p50_ms=_pct(self._latencies, 0.5),
             batch_latency_p99_ms=_pct(self._latencies, 0.99),
         )
-        if self.supervised:
-            if force:
-                self.beat_requested.set()  # a status change: the supervisor beats at once
-        else:
-            self.beat()
+        self._beat_now(force)
         if self.on_progress:
             self._report(now)
 
-    def beat(self, override: ConnectorStatus | None = None) -> None:
-        """Heartbeat once (any thread): each queued status change in order, else the current
-        status; ``override`` (the supervisor's verdict, whose reason was queued once with
-        ``report``) replaces a Running status.
-
-        FencedError stops the loop (``fence``) and is re-raised; other errors leave the
-        queued changes for the next beat.
-        """
-        with self._beat_lock:
-            try:
-                if not self._transitions:
-                    status, reason = self.status, None
-                    if override is not None and status == ConnectorStatus.RUNNING:
-                        status = override
-                    self._transitions.append((status, reason))
-                while self._transitions:
-                    status, reason = self._transitions[0]
-                    answer = self.committer.heartbeat(self.counters, status, reason)
-                    self._transitions.popleft()
-                    self.apply(answer)
-            except FencedError as e:
-                self.fence(e)
-                raise
-
-    def report(self, status: ConnectorStatus, reason: str) -> None:
-        """Queue a status for the next heartbeat (the supervisor's verdicts, store trouble)."""
-        with self._beat_lock:
-            self._transitions.append((status, reason))
-
-    def _set_status(self, status: ConnectorStatus, reason: str) -> None:
-        if status != self.status:
-            self.status = status
-            with self._beat_lock:
-                self._transitions.append((status, reason))
+    def _send_heartbeat(
+        self, status: ConnectorStatus, reason: str | None
+    ) -> Directive | bool | None:
+        return self.committer.heartbeat(self.counters, status, reason)
 
     def _rate(self, now: float) -> float:
         window = [(t, n) for t, n in self._rate_window if now - t <= 60]
@@ -945,9 +891,6 @@ class ConnectorLoop(LoopControl):
             return 0.0
         span = max(now - window[0][0], 1e-3)
         return sum(n for _, n in window) / span if len(window) > 1 else 0.0
-
-    def _should_stop(self) -> bool:
-        return super()._should_stop() or self._fenced is not None
 
     def _close(self) -> None:
         if self._closed:
