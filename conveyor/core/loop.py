@@ -919,8 +919,8 @@ class ConnectorLoop(LoopControl):
                     )
 
 
-def run_loop(loop: ConnectorLoop) -> Counters:
-    """Run and treat a stop during an outage wait as a clean stop."""
+def run_loop(loop: LoopControl) -> Counters:
+    """Run a loop (sink or source) and treat a stop during an outage wait as a clean stop."""
     try:
         return loop.run()
     except Stopping:

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from conveyor.core.errors import FencedError, OutageBudgetExceeded
 from conveyor.core.failure import OutageTracker
@@ -84,10 +85,15 @@ class LoopControl(abc.ABC):
     ``_send_heartbeat`` (one heartbeat to the meta store), and may widen ``_should_stop``."""
 
     name: str
+    cfg: Any  # the loop's config: its ``heartbeat_interval_s`` paces a supervisor's beats
     status: ConnectorStatus
     counters: Counters
     clock: Callable[[], float]
     _outage: OutageTracker
+
+    @abc.abstractmethod
+    def run(self) -> Counters:
+        """Run until stopped (once). Returns the final counters; raises on a connector error."""
 
     def _init_control(
         self,
