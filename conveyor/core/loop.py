@@ -37,23 +37,31 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, Protocol
 
 import pyarrow as pa
 
+from conveyor.core.batches import (
+    DeadLetter,
+    DeadLetterWriter,
+    Rejected,
+    SourceBatch,
+    Transformed,
+    all_coords,
+    coords,
+    offsets_before,
+)
+from conveyor.core.delivery import Delivery
+from conveyor.core.destination_screen import DestinationScreen
 from conveyor.core.errors import (
-    DATA_ERROR_PREFIX,
     OUTAGES,
     ConveyorError,
     DataPolicyError,
     FencedError,
-    TransientSinkError,
 )
-from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
+from conveyor.core.failure import FailedMessage, OutageTracker
 from conveyor.core.liveness import Stage, StageClock, stage_of
 from conveyor.core.model import (
-    DESTINATION_COL,
     OFFSET_COL,
     PARTITION_COL,
     TIMESTAMP_COL,
@@ -69,43 +77,31 @@ from conveyor.core.model import (
     WatermarkSpec,
 )
 from conveyor.core.positions import PositionNote, given_up_counts
-from conveyor.core.routing import DestinationGate, DestinationRulesSpec
+from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.sink import (
     AcknowledgesAtCommit,
-    ErrorKind,
-    RowFailure,
     SinkProtocol,
-    send_isolating,
 )
 from conveyor.core.stopping import Directive, LoopControl, Stopping
 from conveyor.core.watermarks import Watermark, WatermarkTracker, report_due
 
 log = logging.getLogger("conveyor.loop")
 
-
-@dataclass(frozen=True)
-class SourceBatch:
-    """Messages read from the log: the source table and the positions after it."""
-
-    table: pa.Table  # META_COLUMNS (without __destination) + __value
-    next_offsets: Offsets  # per partition read in this batch: last offset + 1
-    nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A source row the transform could not decode, or whose destination was refused."""
-
-    index: int  # row index in the source batch
-    message: str
-    error_class: str = "decode"
-
-
-@dataclass(frozen=True)
-class Transformed:
-    table: pa.Table  # rows to send, META_COLUMNS + payload columns
-    rejected: tuple[Rejected, ...] = ()
-    filtered: int = 0
+# Names other modules import from here (defined in ``core.batches``).
+__all__ = [
+    "ConnectorLoop",
+    "DataPolicyError",
+    "DeadLetter",
+    "DeadLetterWriter",
+    "LoopConfig",
+    "Progress",
+    "Rejected",
+    "SourceBatch",
+    "Transformed",
+    "next_offsets_of",
+    "offsets_before",
+    "run_loop",
+]
 
 
 class Source(Protocol):
@@ -160,24 +156,6 @@ class Committer(Protocol):
     # longer current; called before each batch is sent, so that a fenced run sends at most
     # the batch it was sending when it was fenced. TransientStoreError from any of these
     # methods is an outage of the meta store (retried, Degraded).
-
-
-class DeadLetterWriter(Protocol):
-    def write(self, letters: list[DeadLetter]) -> None:
-        """Durably store dead letters; returns only once they are safe."""
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A failed message with everything needed to inspect and replay it."""
-
-    failed: FailedMessage
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    timestamp_ms: int | None
-    first_failure_at: float
-    last_failure_at: float
 
 
 @dataclass
@@ -259,13 +237,15 @@ class ConnectorLoop(LoopControl):
         self._buffering = sink if isinstance(sink, AcknowledgesAtCommit) else None
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
-        self._limiter = DeadLetterLimiter(config.failure.dead_letter)
-        self._gate = DestinationGate(config.destinations) if config.destinations else None
+        self.delivery = Delivery(
+            config.name, config.failure, sink, dead_letters,
+            retry=self._with_outage_retry, count=self._count, clock=self.clock,
+        )  # fmt: skip
+        self.destinations = DestinationScreen(config.destinations, self.clock)
         self._last_heartbeat = 0.0
         self._last_progress: float | None = None
         self._latencies: deque[float] = deque(maxlen=256)
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
-        self._first_failure: dict[tuple[str, int, int], float] = {}
         self.watermarks = WatermarkTracker(config.watermark, self.clock())
         self._reported_low: float | None = None  # the low watermark of the last report
         self._last_watermark_report = 0.0
@@ -423,19 +403,19 @@ class ConnectorLoop(LoopControl):
             tr = self._with_outage_retry(
                 "transform", lambda: self.transform(sb.table), failed_first=item.outage
             )
-        tr = self._screen_destinations(sb.table, tr)
+        tr = self.destinations.screen(sb.table, tr)
         failures = [
-            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class=r.error_class)
+            FailedMessage(*coords(sb.table, r.index), error=r.message, error_class=r.error_class)
             for r in tr.rejected
         ]
         self._ensure_current()
         if self.cfg.failure.policy == FailurePolicyName.FAIL:
             self._process_fail_fast(sb, tr, failures, started)
             return
-        sent, data_failed = self._deliver(tr.table)
-        self._record_destinations(tr.table, data_failed)
+        sent, data_failed = self.delivery.deliver(tr.table)
+        self.destinations.record(tr.table, data_failed)
         failures.extend(data_failed)
-        discarded, dead = self._apply_policy(sb.table, failures)
+        discarded, dead = self.delivery.apply_policy(sb.table, failures)
         # Dead letters are flushed, the sink acknowledged: only now may offsets move.
         self._acked = sb.next_offsets
         self._batch_done(
@@ -457,62 +437,19 @@ class ConnectorLoop(LoopControl):
     ) -> None:
         """The ``fail`` policy: deliver and commit the rows before the first failed message,
         send nothing after it, then stop with its coordinates."""
-        # Each message's index in the source batch, built only once a message failed (a
-        # Python tuple per message: 6% of the run process's busy time otherwise).
-        positions: dict[tuple[str, int, int], int] = {}
-
-        def position() -> dict[tuple[str, int, int], int]:
-            if not positions:
-                positions.update((c, i) for i, c in enumerate(_all_coords(sb.table)))
-            return positions
-
-        cut: int | None = None  # source index of the first failed message
-        first: FailedMessage | None = None
-        for f in decode_failed:
-            i = position()[(f.topic, f.partition, f.offset)]
-            if cut is None or i < cut:
-                cut, first = i, f
-        table = tr.table
-        if cut is not None and table.num_rows:
-            at = position()
-            keep = [at[c] < cut for c in _all_coords(table)]
-            table = table.filter(pa.array(keep, pa.bool_()))
-        sent, data_failed = self._deliver(table)
-        self._record_destinations(table, data_failed)
-        for f in data_failed:
-            i = position()[(f.topic, f.partition, f.offset)]
-            if cut is None or i < cut:
-                cut, first = i, f
-        if first is None or cut is None:
-            done, sent_before = sb.table.num_rows, sent
-            self._acked = sb.next_offsets
-        else:
-            # Only the rows before the failed message count (a sink without fail_fast may
-            # have written rows after it: they are not committed and are sent again later).
-            done = cut
-            at = position()
-            sent_before = sum(1 for c in _all_coords(table) if at[c] < cut)
-            self._acked = offsets_before(sb.table, cut, sb.next_offsets)
+        ff = self.delivery.before_first_failure(sb, tr, decode_failed, self.destinations.record)
+        self._acked = ff.acked
         self._batch_done(
             started,
-            delivered=self._delivered_rows(sb.table, table, None if first is None else cut),
-            messages_in=done,
-            messages_out=sent_before,
-            filtered=tr.filtered if first is None else 0,
-            failed=1 if first is not None else 0,
+            delivered=self._delivered_rows(sb.table, ff.table, ff.cut),
+            messages_in=ff.done,
+            messages_out=ff.sent_before,
+            filtered=tr.filtered if ff.first is None else 0,
+            failed=1 if ff.first is not None else 0,
         )
-        if first is not None:
+        if ff.first is not None:
             self._heartbeat(force=True)
-            raise DataPolicyError(
-                f"{DATA_ERROR_PREFIX}message {first.where()} failed ({first.error_class}): "
-                f"{first.error}; failure policy is 'fail': the connector stops at it "
-                "(the messages before it are delivered and committed, nothing after it is "
-                "written); fix the target or choose discard, discard_after_retry or "
-                "dead_letter, then start the connector",
-                topic=first.topic,
-                partition=first.partition,
-                offset=first.offset,
-            )
+            raise ff.error()
         if self.status == ConnectorStatus.DEGRADED:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
@@ -619,8 +556,8 @@ class ConnectorLoop(LoopControl):
             return source if cut is None else source.slice(0, cut)
         if cut is None or out.num_rows == 0:
             return out
-        at = {c: i for i, c in enumerate(_all_coords(source))}
-        return out.filter(pa.array([at[c] < cut for c in _all_coords(out)], pa.bool_()))
+        at = {c: i for i, c in enumerate(all_coords(source))}
+        return out.filter(pa.array([at[c] < cut for c in all_coords(out)], pa.bool_()))
 
     def _partition_lags(self) -> dict[str, int | None]:
         """Per partition (``topic[partition]``) the last fetch reported: messages behind its
@@ -668,159 +605,6 @@ class ConnectorLoop(LoopControl):
         self.watermarks.take_late()
         self._reported_low = wm.low
         return wm
-
-    def _screen_destinations(self, source: pa.Table, tr: Transformed) -> Transformed:
-        """Rows whose destination the connector's rules refuse leave the batch as failed
-        messages (reason cap, denylist, unknown or circuit_open), for the failure policy."""
-        if (
-            self._gate is None
-            or tr.table.num_rows == 0
-            or DESTINATION_COL not in tr.table.schema.names
-        ):
-            return tr
-        reasons = self._gate.screen(tr.table.column(DESTINATION_COL).to_pylist(), self.clock())
-        if not any(reasons):
-            return tr
-        position = {c: i for i, c in enumerate(_all_coords(source))}
-        dests = tr.table.column(DESTINATION_COL).to_pylist()
-        refused = [
-            Rejected(
-                position[c],
-                f"destination {d!r} refused ({r.value}) by the connector's destinations rules",
-                "destination",
-            )
-            for c, d, r in zip(_all_coords(tr.table), dests, reasons, strict=True)
-            if r is not None
-        ]
-        keep = pa.array([r is None for r in reasons], pa.bool_())
-        return replace(tr, table=tr.table.filter(keep), rejected=(*tr.rejected, *refused))
-
-    def _record_destinations(self, table: pa.Table, failed: list[FailedMessage]) -> None:
-        """Each destination's outcome in this batch, for its breaker."""
-        if self._gate is None or table.num_rows == 0 or DESTINATION_COL not in table.schema.names:
-            return
-        errors = {(f.topic, f.partition, f.offset): f.error for f in failed}
-        results: dict[str, str | None] = {}
-        for c, d in zip(_all_coords(table), table.column(DESTINATION_COL).to_pylist(), strict=True):
-            if not d:
-                continue
-            error = errors.get(c)
-            if error is None:
-                results[d] = None  # one delivered row: the destination answers
-            elif d not in results:
-                results[d] = error
-        self._gate.record(results, self.clock())
-
-    def _deliver(self, table: pa.Table) -> tuple[int, list[FailedMessage]]:
-        """Send with outage retries and data-error isolation; re-send failed rows per policy."""
-        if table.num_rows == 0:
-            return 0, []
-        failed = self._send_until_acknowledged(table)
-        sent = table.num_rows - len(failed)
-        attempts = 1
-        budget = resend_attempts(self.cfg.failure.policy, self.cfg.failure.retries)
-        while failed and attempts <= budget:
-            subset = table.take(pa.array([f.index for f in failed], pa.int64()))
-            attempts += 1
-            self._count(retries=len(failed))
-            again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
-            by_index = {f.index: f for f in again}
-            sent += subset.num_rows - len(again)
-            failed = [RowFailure(failed[i].index, by_index[i].message) for i in sorted(by_index)]
-        return sent, [
-            FailedMessage(
-                *_coords(table, f.index), error=f.message, error_class="data", attempts=attempts
-            )
-            for f in failed
-        ]
-
-    def _send_until_acknowledged(self, table: pa.Table) -> list[RowFailure]:
-        """Send with outage retries. Rows a sink reports as not acknowledged because of an
-        outage (``RowFailure`` of kind ``transient``: a partial acknowledgement) are the only
-        ones sent again; the rows it acknowledged are not. Returns the data failures."""
-        data: list[RowFailure] = []
-        remaining: list[int] | None = None  # indexes of ``table`` still to send; None: all
-
-        def attempt() -> None:
-            nonlocal remaining
-            part = table if remaining is None else table.take(pa.array(remaining, pa.int64()))
-            back = remaining if remaining is not None else list(range(table.num_rows))
-            failed = self._send_isolating(part)
-            data.extend(
-                RowFailure(back[f.index], f.message, f.kind)
-                for f in failed
-                if f.kind is not ErrorKind.TRANSIENT
-            )
-            unacked = [f for f in failed if f.kind is ErrorKind.TRANSIENT]
-            if unacked:
-                remaining = [back[f.index] for f in unacked]
-                raise TransientSinkError(
-                    f"{len(unacked)} of {part.num_rows} row(s) not acknowledged: {unacked[0].message}"
-                )
-
-        self._with_outage_retry("send", attempt)
-        return sorted(data, key=lambda f: f.index)
-
-    def _send_isolating(self, table: pa.Table) -> list[RowFailure]:
-        return send_isolating(
-            self.sink, table, fail_fast=self.cfg.failure.policy == FailurePolicyName.FAIL
-        )
-
-    def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
-        """Returns (discarded, dead_lettered). Raises when the policy says stop."""
-        if not failures:
-            self._limiter.consecutive = 0
-            return 0, 0
-        policy = self.cfg.failure.policy
-        bad = {(f.topic, f.partition, f.offset) for f in failures}
-        flags = [c in bad for c in _all_coords(source)]
-        self._limiter.check(source.num_rows, flags)
-        if policy in (FailurePolicyName.DISCARD, FailurePolicyName.DISCARD_AFTER_RETRY):
-            for f in failures:
-                log.warning(
-                    "%s: discarded %s after %d attempt(s): %s",
-                    self.cfg.name,
-                    f.where(),
-                    f.attempts,
-                    f.error,
-                )
-            return len(failures), 0
-        letters = self._dead_letters(source, failures)
-        assert self.dead_letters is not None
-        self._with_outage_retry("dead-letter store", lambda: self.dead_letters.write(letters))  # type: ignore[union-attr]
-        for f in failures:
-            log.warning(
-                "%s: dead-lettered %s after %d attempt(s): %s",
-                self.cfg.name,
-                f.where(),
-                f.attempts,
-                f.error,
-            )
-        return 0, len(failures)
-
-    def _dead_letters(self, source: pa.Table, failures: list[FailedMessage]) -> list[DeadLetter]:
-        now = self.clock()
-        index = {c: i for i, c in enumerate(_all_coords(source))}
-        cols = source.to_pydict()
-        out = []
-        for f in failures:
-            i = index[(f.topic, f.partition, f.offset)]
-            ts = cols.get("__timestamp", [None] * (i + 1))[i]
-            out.append(
-                DeadLetter(
-                    failed=f,
-                    key=cols.get("__key", [None] * (i + 1))[i],
-                    value=cols.get("__value", [None] * (i + 1))[i],
-                    headers=[
-                        (h["key"], h["value"])
-                        for h in (cols.get("__headers", [None] * (i + 1))[i] or [])
-                    ],
-                    timestamp_ms=int(ts.timestamp() * 1000) if ts is not None else None,
-                    first_failure_at=self._first_failure.pop((f.topic, f.partition, f.offset), now),
-                    last_failure_at=now,
-                )
-            )
-        return out
 
     # -- outages ------------------------------------------------------------------
 
@@ -1082,25 +866,6 @@ class _Prefetcher:
             t.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
-def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
-    return (
-        table.column(TOPIC_COL)[index].as_py(),
-        table.column(PARTITION_COL)[index].as_py(),
-        table.column(OFFSET_COL)[index].as_py(),
-    )
-
-
-def _all_coords(table: pa.Table) -> list[tuple[str, int, int]]:
-    return list(
-        zip(
-            table.column(TOPIC_COL).to_pylist(),
-            table.column(PARTITION_COL).to_pylist(),
-            table.column(OFFSET_COL).to_pylist(),
-            strict=True,
-        )
-    )
-
-
 def _transform_metrics(transform: Transformer) -> dict[str, int] | None:
     """The transform's schema registry lookups (its optional ``registry_metrics()``)."""
     get = getattr(transform, "registry_metrics", None)
@@ -1120,19 +885,6 @@ def _pct(values: deque[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
-
-
-def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
-    """What a commit of the rows before source index ``cut`` stores: per partition, the
-    offset of its first row at or after ``cut``, else the batch's next offset."""
-    out = dict(next_offsets)
-    seen: set[TopicPartition] = set()
-    for i, (topic, part, off) in enumerate(_all_coords(table)):
-        tp = TopicPartition(topic, part)
-        if i >= cut and tp not in seen:
-            seen.add(tp)
-            out[tp] = off
-    return out
 
 
 def next_offsets_of(table: pa.Table) -> Offsets:
