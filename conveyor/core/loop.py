@@ -47,7 +47,6 @@ from conveyor.core.batches import (
     Rejected,
     SourceBatch,
     Transformed,
-    all_coords,
     coords,
     offsets_before,
 )
@@ -59,12 +58,12 @@ from conveyor.core.errors import (
     DataPolicyError,
     FencedError,
 )
+from conveyor.core.event_time import EventTime, Progress
 from conveyor.core.failure import FailedMessage, OutageTracker
 from conveyor.core.liveness import Stage, StageClock, stage_of
 from conveyor.core.model import (
     OFFSET_COL,
     PARTITION_COL,
-    TIMESTAMP_COL,
     TOPIC_COL,
     BatchPolicy,
     ConnectorStatus,
@@ -83,7 +82,6 @@ from conveyor.core.sink import (
     SinkProtocol,
 )
 from conveyor.core.stopping import Directive, LoopControl, Stopping
-from conveyor.core.watermarks import Watermark, WatermarkTracker, report_due
 
 log = logging.getLogger("conveyor.loop")
 
@@ -182,17 +180,6 @@ class LoopConfig:
     watermark_report_min_s: float = 1.0
 
 
-@dataclass
-class Progress:
-    counters: Counters
-    offsets: Offsets
-    final: bool = False
-    # The watermark at this report, with the late event times since the previous report.
-    watermark: Watermark | None = None
-    # A report made because the watermark moved (``report_due``), between progress reports.
-    watermark_only: bool = False
-
-
 class ConnectorLoop(LoopControl):
     """Runs one connector until ``stop_requested()`` or an error. Call ``run()`` once."""
 
@@ -243,21 +230,16 @@ class ConnectorLoop(LoopControl):
         )  # fmt: skip
         self.destinations = DestinationScreen(config.destinations, self.clock)
         self._last_heartbeat = 0.0
-        self._last_progress: float | None = None
         self._latencies: deque[float] = deque(maxlen=256)
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
-        self.watermarks = WatermarkTracker(config.watermark, self.clock())
-        self._reported_low: float | None = None  # the low watermark of the last report
-        self._last_watermark_report = 0.0
-        # A sink that acknowledges at its own commit (AcknowledgesAtCommit): the offsets and
-        # event-time rows of the batches it accepted and has not committed yet, in order.
+        # A sink that acknowledges at its own commit (AcknowledgesAtCommit): the offsets of
+        # the batches it accepted and has not committed yet (their rows: ``event_time.rows``).
         self._held: Offsets = {}
-        self._held_rows: list[pa.Table] = []
-        # Reads that brought a batch, batches processed, and the latest read that found
-        # nothing: (its start, reads with a batch before it). The source was caught up then.
-        self._reads = 0
-        self._processed = 0
-        self._quiet: tuple[float, int] | None = None
+        self.event_time = EventTime(
+            config, self.clock,
+            committed=lambda: self.committed, counters=lambda: self.counters,
+            held=lambda: self._held,
+        )  # fmt: skip
         self._closed = False
         if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
             raise ConveyorError("failure policy dead_letter needs a dead-letter store")
@@ -368,13 +350,10 @@ class ConnectorLoop(LoopControl):
 
     def _noted_read(self) -> SourceBatch | None:
         """One read of the source (on whichever thread reads), noting whether it found
-        nothing: the source was caught up when such a read began (``_quiet_at``)."""
+        nothing: the source was caught up when such a read began (``EventTime.quiet_at``)."""
         started = self.clock()
         batch = self.source.read(self.cfg.batch)
-        if batch is None:
-            self._quiet = (started, self._reads)
-        else:
-            self._reads += 1
+        self.event_time.read(started, found=batch is not None)
         return batch
 
     def _ensure_current(self) -> None:
@@ -420,7 +399,7 @@ class ConnectorLoop(LoopControl):
         self._acked = sb.next_offsets
         self._batch_done(
             started,
-            delivered=self._delivered_rows(sb.table, tr.table),
+            delivered=self.event_time.delivered_rows(sb.table, tr.table),
             messages_in=n_in,
             messages_out=sent,
             filtered=tr.filtered,
@@ -441,7 +420,7 @@ class ConnectorLoop(LoopControl):
         self._acked = ff.acked
         self._batch_done(
             started,
-            delivered=self._delivered_rows(sb.table, ff.table, ff.cut),
+            delivered=self.event_time.delivered_rows(sb.table, ff.table, ff.cut),
             messages_in=ff.done,
             messages_out=ff.sent_before,
             filtered=tr.filtered if ff.first is None else 0,
@@ -474,9 +453,7 @@ class ConnectorLoop(LoopControl):
         watermark moves with its ``delivered`` rows, together with the batches held before
         it; unless the sink still holds rows it has not committed: then this batch is held
         too, until the sink's commit (the contract in ``core/sink.py``)."""
-        self._processed += 1
-        if delivered is not None and delivered.num_rows:
-            self._held_rows.append(self._event_rows(delivered))
+        self.event_time.processed(delivered)
         if self._acked is not None:
             self._held.update(self._acked)
             self._acked = None
@@ -486,21 +463,17 @@ class ConnectorLoop(LoopControl):
     def _release_held(self, retry: bool = True) -> None:
         """The sink has nothing uncommitted: commit the held offsets, move the watermark
         (judging lateness by the watermark as it stood with these rows still held)."""
-        lags = self._partition_lags()
+        lags = self.event_time.partition_lags()
         if self._held:
             self._acked, self._held = self._held, {}
-        rows, self._held_rows = self._held_rows, []
+        rows, self.event_time.rows = self.event_time.rows, []
         self._commit_acknowledged(retry=retry)
-        if rows:
-            table = (
-                rows[0] if len(rows) == 1 else pa.concat_tables(rows, promote_options="permissive")
-            )
-            self.watermarks.observe(table, self.clock(), lags)
+        self.event_time.observe(rows, lags)
 
     def _commit_held(self, *, due_only: bool) -> None:
         """Commit what the sink holds (``due_only``: once its interval or size is reached),
         with outage retries, then acknowledge the batches held for it."""
-        if not self._held and not self._held_rows:
+        if not self._held and not self.event_time.rows:
             return
         if self._buffering is not None and self._buffering.uncommitted_rows():
             if due_only and not self._buffering.commit_due():
@@ -529,82 +502,12 @@ class ConnectorLoop(LoopControl):
         self._release_held(retry=False)
 
     def _drop_held(self) -> None:
-        self._held, self._held_rows = {}, []
+        self._held, self.event_time.rows = {}, []
 
     def _sink_uncommitted(self) -> int:
         """Rows the sink accepted and has not committed (0 for a sink that acknowledges each
         ``send_batch``)."""
         return self._buffering.uncommitted_rows() if self._buffering is not None else 0
-
-    def _event_rows(self, rows: pa.Table) -> pa.Table:
-        """What the watermark reads of delivered rows (kept while they are held)."""
-        keep = [TOPIC_COL, PARTITION_COL, self.cfg.watermark.column or TIMESTAMP_COL]
-        return rows.select(keep) if set(keep) <= set(rows.schema.names) else rows
-
-    def _quiet_at(self) -> float | None:
-        """When the source was last seen caught up (a read that found nothing began), if
-        every batch read before then is committed (none in flight, none held); else None."""
-        if self._quiet is None or self._held or self._held_rows:
-            return None
-        at, reads_before = self._quiet
-        return at if self._processed >= reads_before else None
-
-    def _delivered_rows(self, source: pa.Table, out: pa.Table, cut: int | None = None) -> pa.Table:
-        """The rows whose event times a committed batch delivered: the source rows (the record
-        timestamp) or the transform's output (``watermark.column``), those before ``cut`` only."""
-        if self.cfg.watermark.column is None:
-            return source if cut is None else source.slice(0, cut)
-        if cut is None or out.num_rows == 0:
-            return out
-        at = {c: i for i, c in enumerate(all_coords(source))}
-        return out.filter(pa.array([at[c] < cut for c in all_coords(out)], pa.bool_()))
-
-    def _partition_lags(self) -> dict[str, int | None]:
-        """Per partition (``topic[partition]``) the last fetch reported: messages behind its
-        high watermark, None when nothing was committed there yet."""
-        committed = {str(tp): off for tp, off in self.committed.items()}
-        lags: dict[str, int | None] = {
-            name: (max(0, hw - committed[name]) if name in committed else None)
-            for name, hw in (self.counters.highwaters or {}).items()
-        }
-        for tp in self._held:  # rows a sink holds uncommitted: not caught up
-            lags[str(tp)] = max(lags.get(str(tp)) or 0, 1)
-        return lags
-
-    def _watermark(self, now: float | None = None) -> Watermark:
-        """The watermark now (late ranges included; ``take_late`` once reported)."""
-        at = self.clock() if now is None else now
-        return self.watermarks.current(at, self._partition_lags(), self._quiet_at())
-
-    def _report(self, now: float) -> None:
-        """A progress report every ``progress_interval_s``; between them a watermark report
-        when one is due (``report_due``), at most every ``watermark_report_min_s``."""
-        assert self.on_progress is not None
-        last = self._last_progress
-        if last is None or now - last >= self.cfg.progress_interval_s:
-            self._last_progress = now
-            wm = self._reported(self._watermark(now))
-            self.on_progress(Progress(self.counters, dict(self.committed), watermark=wm))
-            return
-        if now - self._last_watermark_report < self.cfg.watermark_report_min_s:
-            return
-        wm = self._watermark(now)
-        if report_due(self._reported_low, wm):
-            self._last_watermark_report = now
-            self.on_progress(
-                Progress(
-                    self.counters,
-                    dict(self.committed),
-                    watermark=self._reported(wm),
-                    watermark_only=True,
-                )
-            )
-
-    def _reported(self, wm: Watermark) -> Watermark:
-        """``wm`` as it goes out: its late ranges are taken (reported once)."""
-        self.watermarks.take_late()
-        self._reported_low = wm.low
-        return wm
 
     # -- outages ------------------------------------------------------------------
 
@@ -662,7 +565,9 @@ class ConnectorLoop(LoopControl):
         )
         self._beat_now(force)
         if self.on_progress:
-            self._report(now)
+            report = self.event_time.progress(now)
+            if report is not None:
+                self.on_progress(report)
 
     def _send_heartbeat(
         self, status: ConnectorStatus, reason: str | None
@@ -694,7 +599,7 @@ class ConnectorLoop(LoopControl):
                             self.counters,
                             dict(self.committed),
                             final=True,
-                            watermark=self._reported(self._watermark()),
+                            watermark=self.event_time.reported(self.event_time.watermark()),
                         )
                     )
                 except Exception:  # noqa: BLE001 - never hides the error that ended the loop
