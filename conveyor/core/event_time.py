@@ -152,6 +152,11 @@ class EventTime:
             watermark_only=True,
         )
 
+    def final(self) -> Progress:
+        """The run's last report (the loop closed)."""
+        wm = self.reported(self.watermark())
+        return Progress(self.counters(), dict(self.committed()), final=True, watermark=wm)
+
     def reported(self, wm: Watermark) -> Watermark:
         """``wm`` as it goes out: its late ranges are taken (reported once)."""
         self.tracker.take_late()

@@ -28,14 +28,9 @@ whole module is tested with in-memory fakes and a fake clock.
 from __future__ import annotations
 
 import logging
-import queue
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -60,7 +55,7 @@ from conveyor.core.errors import (
 )
 from conveyor.core.event_time import EventTime, Progress
 from conveyor.core.failure import FailedMessage, OutageTracker
-from conveyor.core.liveness import Stage, StageClock, stage_of
+from conveyor.core.liveness import Stage, stage_of
 from conveyor.core.model import (
     OFFSET_COL,
     PARTITION_COL,
@@ -76,12 +71,14 @@ from conveyor.core.model import (
     WatermarkSpec,
 )
 from conveyor.core.positions import PositionNote, given_up_counts
+from conveyor.core.read_ahead import Ahead, Reader, Source, Transformer
 from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.sink import (
     AcknowledgesAtCommit,
     SinkProtocol,
 )
 from conveyor.core.stopping import Directive, LoopControl, Stopping
+from conveyor.core.throughput import Throughput
 
 log = logging.getLogger("conveyor.loop")
 
@@ -95,44 +92,13 @@ __all__ = [
     "Progress",
     "Rejected",
     "SourceBatch",
+    "Source",
     "Transformed",
+    "Transformer",
     "next_offsets_of",
     "offsets_before",
     "run_loop",
 ]
-
-
-class Source(Protocol):
-    """Reads the log from the committed offsets. Used from one thread at a time."""
-
-    def read(self, policy: BatchPolicy) -> SourceBatch | None:
-        """Block up to ``policy.max_wait_ms`` (long poll); None when nothing arrived.
-
-        A batch without rows only moves offsets (past transaction markers): the loop
-        commits it without transforming or sending anything. TransientSourceError is an
-        outage (retried); PermanentSourceError stops the connector.
-
-        A source may also define ``open(committed: Offsets)``, called once (with outage
-        retries) before the first read, to assign partitions and seek.
-        """
-
-    def lag(self, committed: Offsets) -> int | None:
-        """Messages behind the log's high watermark, from the last fetch's metadata."""
-
-    # Optional: ``highwaters() -> Offsets``, the high watermark per partition (per-partition lag).
-
-    def close(self) -> None: ...
-
-
-class Transformer(Protocol):
-    def __call__(self, batch: pa.Table) -> Transformed:
-        """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage.
-
-        A transformer may also define ``prepare()``, called once before the first batch,
-        to check its expressions (raising ConfigError), and ``registry_metrics()``, its schema
-        registry lookups as counters (reported with the heartbeat; None without a registry). It is called from one thread at a
-        time, but not always the same one (see ``LoopConfig.transform_ahead``).
-        """
 
 
 class Committer(Protocol):
@@ -230,8 +196,7 @@ class ConnectorLoop(LoopControl):
         )  # fmt: skip
         self.destinations = DestinationScreen(config.destinations, self.clock)
         self._last_heartbeat = 0.0
-        self._latencies: deque[float] = deque(maxlen=256)
-        self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self.throughput = Throughput()
         # A sink that acknowledges at its own commit (AcknowledgesAtCommit): the offsets of
         # the batches it accepted and has not committed yet (their rows: ``event_time.rows``).
         self._held: Offsets = {}
@@ -239,6 +204,10 @@ class ConnectorLoop(LoopControl):
             config, self.clock,
             committed=lambda: self.committed, counters=lambda: self.counters,
             held=lambda: self._held,
+        )  # fmt: skip
+        self.reading = Reader(
+            config, lambda: self.source, transform, paused=self._pause_event, stages=self.stages,
+            noted=self.event_time.read, retry=self._with_outage_retry, clock=self.clock,
         )  # fmt: skip
         self._closed = False
         if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
@@ -248,7 +217,6 @@ class ConnectorLoop(LoopControl):
 
     def run(self) -> Counters:
         """Run until stopped. Returns the final counters; raises on a connector error."""
-        reader: _Prefetcher | None = None
         try:
             with self.stages.stage(Stage.INIT):
                 self.sink.validate()
@@ -265,12 +233,12 @@ class ConnectorLoop(LoopControl):
                 self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
             self._note_positions(notes, commit=True)
             self._heartbeat(force=True)
-            reader = self._reader()
+            self.reading.start()
             while not self._should_stop():
                 if self._pause_event.is_set():
                     self._paused()
                     continue
-                item, reader = self._next_item(reader)
+                item = self.reading.next()
                 self._note_positions(self._source_notes())
                 if item is None:
                     # The source is quiet: a sink's buffer whose time has come is committed.
@@ -292,8 +260,7 @@ class ConnectorLoop(LoopControl):
             raise
         finally:
             self._stop_event.set()
-            if reader:
-                reader.stop()
+            self.reading.stop()
             self._close()
 
     def _source_notes(self) -> list[PositionNote]:
@@ -316,46 +283,6 @@ class ConnectorLoop(LoopControl):
         if self.on_positions is not None:
             self.on_positions(notes)
 
-    def _next_item(self, reader: _Prefetcher | None) -> tuple[_Ahead | None, _Prefetcher | None]:
-        """The next batch (None: nothing came), and the read-ahead to go on with."""
-        try:
-            return (reader.next() if reader else _Ahead.of(self._read())), reader
-        except OUTAGES as e:
-            # A read failed (on the read-ahead thread, which then ended): read again here
-            # under the retry policy, then read ahead again.
-            if reader:
-                reader.stop()
-            item = _Ahead.of(
-                self._with_outage_retry("read", lambda: self._noted_read(), failed_first=e)
-            )
-            return item, self._reader()
-
-    def _reader(self) -> _Prefetcher | None:
-        if not self.cfg.prefetch:
-            return None
-        ahead = self.transform if self.cfg.transform_ahead else None
-        return _Prefetcher(
-            self.source,
-            self.cfg.batch,
-            ahead,
-            self._pause_event,
-            self.stages,
-            depth=self.cfg.transform_depth,
-            read=self._noted_read,
-        )
-
-    def _read(self) -> SourceBatch | None:
-        with self.stages.stage(Stage.READ):
-            return self._noted_read()
-
-    def _noted_read(self) -> SourceBatch | None:
-        """One read of the source (on whichever thread reads), noting whether it found
-        nothing: the source was caught up when such a read began (``EventTime.quiet_at``)."""
-        started = self.clock()
-        batch = self.source.read(self.cfg.batch)
-        self.event_time.read(started, found=batch is not None)
-        return batch
-
     def _ensure_current(self) -> None:
         """Before a batch is sent: stop if this run's generation is no longer current."""
         if self._fenced is not None:
@@ -366,7 +293,7 @@ class ConnectorLoop(LoopControl):
 
     # -- one batch --------------------------------------------------------------
 
-    def _process(self, item: _Ahead) -> None:
+    def _process(self, item: Ahead) -> None:
         started = self.clock()
         sb = item.batch
         n_in = sb.table.num_rows
@@ -442,8 +369,7 @@ class ConnectorLoop(LoopControl):
         self._settle(delivered)
         self._outage.recovered()
         now = self.clock()
-        self._latencies.append(now - started)
-        self._rate_window.append((now, messages_out))
+        self.throughput.batch(now, now - started, messages_out)
         self._count(messages_out=messages_out, batches=1, **counts)
 
     # -- batches a sink holds until its own commit (AcknowledgesAtCommit) -------------------
@@ -559,9 +485,9 @@ class ConnectorLoop(LoopControl):
             lag=self.source.lag(self.committed),
             highwaters=_highwaters(self.source),
             schema_registry=_transform_metrics(self.transform),
-            msgs_per_s=self._rate(now),
-            batch_latency_p50_ms=_pct(self._latencies, 0.5),
-            batch_latency_p99_ms=_pct(self._latencies, 0.99),
+            msgs_per_s=self.throughput.rate(now),
+            batch_latency_p50_ms=self.throughput.latency_ms(0.5),
+            batch_latency_p99_ms=self.throughput.latency_ms(0.99),
         )
         self._beat_now(force)
         if self.on_progress:
@@ -573,13 +499,6 @@ class ConnectorLoop(LoopControl):
         self, status: ConnectorStatus, reason: str | None
     ) -> Directive | bool | None:
         return self.committer.heartbeat(self.counters, status, reason)
-
-    def _rate(self, now: float) -> float:
-        window = [(t, n) for t, n in self._rate_window if now - t <= 60]
-        if not window:
-            return 0.0
-        span = max(now - window[0][0], 1e-3)
-        return sum(n for _, n in window) / span if len(window) > 1 else 0.0
 
     def _close(self) -> None:
         if self._closed:
@@ -594,14 +513,7 @@ class ConnectorLoop(LoopControl):
             # The run's last word in the UI, even when closing a client failed.
             if self.on_progress:
                 try:
-                    self.on_progress(
-                        Progress(
-                            self.counters,
-                            dict(self.committed),
-                            final=True,
-                            watermark=self.event_time.reported(self.event_time.watermark()),
-                        )
-                    )
+                    self.on_progress(self.event_time.final())
                 except Exception:  # noqa: BLE001 - never hides the error that ended the loop
                     log.warning(
                         "%s: could not report the final progress", self.cfg.name, exc_info=True
@@ -616,161 +528,6 @@ def run_loop(loop: LoopControl) -> Counters:
         return loop.counters
 
 
-@dataclass(frozen=True)
-class _Ahead:
-    """A batch handed to the loop's thread, transformed ahead when that succeeded."""
-
-    batch: SourceBatch
-    transformed: Transformed | None = None  # None: the loop's thread transforms it
-    outage: Exception | None = None  # the transform ahead hit an outage: the first attempt
-
-    @staticmethod
-    def of(batch: SourceBatch | None) -> _Ahead | None:
-        return None if batch is None else _Ahead(batch)
-
-
-class _Prefetcher:
-    """Reads ahead on one thread and, given a transform, transforms ahead on others.
-
-    Up to ``depth`` batches are in the transform at once (each on its own worker thread;
-    Spark runs their queries side by side), and the loop's thread takes them in the
-    order they were read, whatever order their transforms end in: sends and commits stay
-    in source order. Besides those, one batch waits in the reader and up to ``depth``
-    transformed ones wait for the loop's thread. Reading errors are handed to the loop's
-    thread (and end the reading). A transform that fails ahead is not reported from
-    here: the batch goes on untransformed, in its place, and the loop's thread runs the
-    transform again under its retry policy, where every error is handled as usual (an
-    error there ends the run after the batches before it, and nothing past it, were
-    committed). An outage met ahead counts there as the first failed attempt, so that
-    detecting one does not take twice as long.
-    """
-
-    def __init__(
-        self,
-        source: Source,
-        policy: BatchPolicy,
-        transform: Callable[[pa.Table], Transformed] | None = None,
-        paused: threading.Event | None = None,
-        stages: StageClock | None = None,
-        depth: int = 1,
-        read: Callable[[], SourceBatch | None] | None = None,
-    ):
-        self._stages = stages or StageClock(time.monotonic)
-        self._source = source
-        self._policy = policy
-        # One read (the loop's, which notes quiet reads); default the source's own.
-        self._read_once = read or (lambda: source.read(policy))
-        self._transform = transform
-        self._paused = paused or threading.Event()  # set: no new read starts
-        self._stop = threading.Event()
-        self._depth = max(1, depth)
-        # In source order: ("batch", _Ahead | Future[_Ahead]) or ("error", exception).
-        self._out: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self._depth)
-        self._head: Future[_Ahead] | None = None  # taken from _out, its transform not ended
-        self._threads = [threading.Thread(target=self._read, name="conveyor-prefetch", daemon=True)]
-        self._read_q = self._out
-        if transform is not None:
-            self._read_q = queue.Queue(maxsize=1)
-            self._slots = threading.Semaphore(self._depth)  # batches in the transform
-            self._work: queue.Queue[tuple[_Ahead, Future[_Ahead]]] = queue.Queue()
-            self._threads.append(
-                threading.Thread(target=self._dispatch, name="conveyor-dispatch", daemon=True)
-            )
-            self._threads.extend(
-                threading.Thread(
-                    target=self._transform_worker, name="conveyor-transform", daemon=True
-                )
-                for _ in range(self._depth)
-            )
-        for t in self._threads:
-            t.start()
-
-    def _put(self, q: queue.Queue[tuple[str, Any]], item: tuple[str, Any]) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            if self._paused.is_set():
-                self._stop.wait(0.05)
-                continue
-            try:
-                with self._stages.stage(Stage.READ):
-                    batch = self._read_once()
-                item: tuple[str, Any] = ("batch", _Ahead.of(batch))
-            except BaseException as e:  # handed to the consumer thread
-                item = ("error", e)
-            if not self._put(self._read_q, item) or item[0] == "error":
-                return
-
-    def _dispatch(self) -> None:
-        """Hands each batch to a transform worker, in order, when fewer than ``depth``
-        are in the transform; its future takes the batch's place in ``_out``."""
-        while not self._stop.is_set():
-            try:
-                kind, value = self._read_q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if kind == "batch" and value is not None and value.batch.table.num_rows:
-                while not self._slots.acquire(timeout=0.2):
-                    if self._stop.is_set():
-                        return
-                future: Future[_Ahead] = Future()
-                self._work.put((value, future))
-                value = future
-            if not self._put(self._out, (kind, value)) or kind == "error":
-                return
-
-    def _transform_worker(self) -> None:
-        assert self._transform is not None
-        while not self._stop.is_set():
-            try:
-                ahead, future = self._work.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            try:
-                with self._stages.stage(Stage.TRANSFORM):
-                    ahead = _Ahead(ahead.batch, self._transform(ahead.batch.table))
-            except OUTAGES as e:
-                ahead = _Ahead(ahead.batch, outage=e)
-            except Exception as e:  # noqa: BLE001 - run again on the loop's thread
-                log.debug("transform ahead failed (the loop runs it again): %s", e)
-            finally:
-                self._slots.release()
-                future.set_result(ahead)
-
-    def next(self) -> _Ahead | None:
-        wait = max(self._policy.max_wait_ms / 1000 * 2, 1.0)
-        if self._head is None:
-            try:
-                kind, value = self._out.get(timeout=wait)
-            except queue.Empty:
-                return None
-            if kind == "error":
-                raise value
-            if not isinstance(value, Future):
-                return value
-            self._head = value
-        try:
-            ahead = self._head.result(timeout=wait)
-        except FutureTimeout:
-            return None  # still in the transform: the loop heartbeats and asks again
-        self._head = None
-        return ahead
-
-    def stop(self) -> None:
-        self._stop.set()
-        # One bound for all the threads (the reader first), however deep the pipeline.
-        deadline = time.monotonic() + max(self._policy.max_wait_ms / 1000 * 2, 5.0)
-        for t in self._threads:
-            t.join(timeout=max(deadline - time.monotonic(), 0.0))
-
-
 def _transform_metrics(transform: Transformer) -> dict[str, int] | None:
     """The transform's schema registry lookups (its optional ``registry_metrics()``)."""
     get = getattr(transform, "registry_metrics", None)
@@ -783,13 +540,6 @@ def _highwaters(source: Source) -> dict[str, int] | None:
         return None
     hw = get()
     return {str(tp): int(v) for tp, v in sorted(hw.items(), key=lambda kv: str(kv[0]))} or None
-
-
-def _pct(values: deque[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
 
 
 def next_offsets_of(table: pa.Table) -> Offsets:
