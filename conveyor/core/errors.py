@@ -92,6 +92,15 @@ class TransientStoreError(ConveyorError):
     """The meta store is briefly unavailable (locked, connection dropped); retry later."""
 
 
+# The errors every loop, sink or source, retries as outages (with backoff, under the outage
+# budget, reported Degraded): the target, the log or the meta store is briefly unavailable.
+OUTAGES: tuple[type[ConveyorError], ...] = (
+    TransientSinkError,
+    TransientSourceError,
+    TransientStoreError,
+)
+
+
 class FencedError(ConveyorError):
     """This run's generation is stale: another run owns the connector now."""
 

@@ -47,12 +47,16 @@ _STAGE_OF = {
     "prepare transform": Stage.INIT,
     "init sink": Stage.INIT,
     "open source": Stage.INIT,
+    "connect producer": Stage.INIT,  # a source loop's (core/source_loop.py)
+    "init source": Stage.INIT,
     "read": Stage.READ,
+    "poll": Stage.READ,
     "transform": Stage.TRANSFORM,
     "send": Stage.SEND,
     "resend": Stage.SEND,
     "dead-letter store": Stage.DEAD_LETTER,
     "commit": Stage.COMMIT,
+    "store state": Stage.COMMIT,
 }
 
 
@@ -136,7 +140,8 @@ def verdict(
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of a loop (``core.loop.ConnectorLoop``)."""
+    """What the supervisor needs of a loop (``core.stopping.LoopControl``: the sink loop, the
+    source loop)."""
 
     stages: StageClock
     status: ConnectorStatus

@@ -28,36 +28,37 @@ whole module is tested with in-memory fakes and a fake clock.
 from __future__ import annotations
 
 import logging
-import queue
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, Protocol
 
 import pyarrow as pa
 
+from conveyor.core.batches import (
+    DeadLetter,
+    DeadLetterWriter,
+    Rejected,
+    SourceBatch,
+    Transformed,
+    coords,
+    offsets_before,
+)
+from conveyor.core.delivery import Delivery
+from conveyor.core.destination_screen import DestinationScreen
 from conveyor.core.errors import (
-    DATA_ERROR_PREFIX,
+    OUTAGES,
     ConveyorError,
     DataPolicyError,
     FencedError,
-    TransientSinkError,
-    TransientSourceError,
-    TransientStoreError,
 )
-from conveyor.core.failure import DeadLetterLimiter, FailedMessage, OutageTracker, resend_attempts
-from conveyor.core.liveness import Stage, StageClock, stage_of
+from conveyor.core.event_time import EventTime, Progress
+from conveyor.core.failure import FailedMessage, OutageTracker
+from conveyor.core.liveness import Stage, stage_of
 from conveyor.core.model import (
-    DESTINATION_COL,
     OFFSET_COL,
     PARTITION_COL,
-    TIMESTAMP_COL,
     TOPIC_COL,
     BatchPolicy,
     ConnectorStatus,
@@ -70,79 +71,34 @@ from conveyor.core.model import (
     WatermarkSpec,
 )
 from conveyor.core.positions import PositionNote, given_up_counts
-from conveyor.core.routing import DestinationGate, DestinationRulesSpec
+from conveyor.core.read_ahead import Ahead, Reader, Source, Transformer
+from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.sink import (
     AcknowledgesAtCommit,
-    ErrorKind,
-    RowFailure,
     SinkProtocol,
-    send_isolating,
 )
 from conveyor.core.stopping import Directive, LoopControl, Stopping
-from conveyor.core.watermarks import Watermark, WatermarkTracker, report_due
+from conveyor.core.throughput import Throughput
 
 log = logging.getLogger("conveyor.loop")
 
-# Errors retried as outages: the target, the log or the meta store is briefly unavailable.
-OUTAGES = (TransientSinkError, TransientSourceError, TransientStoreError)
-
-
-@dataclass(frozen=True)
-class SourceBatch:
-    """Messages read from the log: the source table and the positions after it."""
-
-    table: pa.Table  # META_COLUMNS (without __destination) + __value
-    next_offsets: Offsets  # per partition read in this batch: last offset + 1
-    nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A source row the transform could not decode, or whose destination was refused."""
-
-    index: int  # row index in the source batch
-    message: str
-    error_class: str = "decode"
-
-
-@dataclass(frozen=True)
-class Transformed:
-    table: pa.Table  # rows to send, META_COLUMNS + payload columns
-    rejected: tuple[Rejected, ...] = ()
-    filtered: int = 0
-
-
-class Source(Protocol):
-    """Reads the log from the committed offsets. Used from one thread at a time."""
-
-    def read(self, policy: BatchPolicy) -> SourceBatch | None:
-        """Block up to ``policy.max_wait_ms`` (long poll); None when nothing arrived.
-
-        A batch without rows only moves offsets (past transaction markers): the loop
-        commits it without transforming or sending anything. TransientSourceError is an
-        outage (retried); PermanentSourceError stops the connector.
-
-        A source may also define ``open(committed: Offsets)``, called once (with outage
-        retries) before the first read, to assign partitions and seek.
-        """
-
-    def lag(self, committed: Offsets) -> int | None:
-        """Messages behind the log's high watermark, from the last fetch's metadata."""
-
-    # Optional: ``highwaters() -> Offsets``, the high watermark per partition (per-partition lag).
-
-    def close(self) -> None: ...
-
-
-class Transformer(Protocol):
-    def __call__(self, batch: pa.Table) -> Transformed:
-        """Decode, filter and project a source batch (Spark). Raises TransientSinkError on outage.
-
-        A transformer may also define ``prepare()``, called once before the first batch,
-        to check its expressions (raising ConfigError), and ``registry_metrics()``, its schema
-        registry lookups as counters (reported with the heartbeat; None without a registry). It is called from one thread at a
-        time, but not always the same one (see ``LoopConfig.transform_ahead``).
-        """
+# Names other modules import from here (defined in ``core.batches``).
+__all__ = [
+    "ConnectorLoop",
+    "DataPolicyError",
+    "DeadLetter",
+    "DeadLetterWriter",
+    "LoopConfig",
+    "Progress",
+    "Rejected",
+    "SourceBatch",
+    "Source",
+    "Transformed",
+    "Transformer",
+    "next_offsets_of",
+    "offsets_before",
+    "run_loop",
+]
 
 
 class Committer(Protocol):
@@ -164,24 +120,6 @@ class Committer(Protocol):
     # longer current; called before each batch is sent, so that a fenced run sends at most
     # the batch it was sending when it was fenced. TransientStoreError from any of these
     # methods is an outage of the meta store (retried, Degraded).
-
-
-class DeadLetterWriter(Protocol):
-    def write(self, letters: list[DeadLetter]) -> None:
-        """Durably store dead letters; returns only once they are safe."""
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A failed message with everything needed to inspect and replay it."""
-
-    failed: FailedMessage
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    timestamp_ms: int | None
-    first_failure_at: float
-    last_failure_at: float
 
 
 @dataclass
@@ -206,17 +144,6 @@ class LoopConfig:
     # Between progress reports, a watermark report when it is due (``report_due``), at most
     # this often.
     watermark_report_min_s: float = 1.0
-
-
-@dataclass
-class Progress:
-    counters: Counters
-    offsets: Offsets
-    final: bool = False
-    # The watermark at this report, with the late event times since the previous report.
-    watermark: Watermark | None = None
-    # A report made because the watermark moved (``report_due``), between progress reports.
-    watermark_only: bool = False
 
 
 class ConnectorLoop(LoopControl):
@@ -263,36 +190,26 @@ class ConnectorLoop(LoopControl):
         self._buffering = sink if isinstance(sink, AcknowledgesAtCommit) else None
         self._acked: Offsets | None = None  # acknowledged by the sink, not yet committed
         self._outage = OutageTracker(config.retry, rng or random.Random())
-        self._limiter = DeadLetterLimiter(config.failure.dead_letter)
-        self._gate = DestinationGate(config.destinations) if config.destinations else None
+        self.delivery = Delivery(
+            config.name, config.failure, sink, dead_letters,
+            retry=self._with_outage_retry, count=self._count, clock=self.clock,
+        )  # fmt: skip
+        self.destinations = DestinationScreen(config.destinations, self.clock)
         self._last_heartbeat = 0.0
-        self._last_progress: float | None = None
-        self._latencies: deque[float] = deque(maxlen=256)
-        self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
-        self._first_failure: dict[tuple[str, int, int], float] = {}
-        self.watermarks = WatermarkTracker(config.watermark, self.clock())
-        self._reported_low: float | None = None  # the low watermark of the last report
-        self._last_watermark_report = 0.0
-        # A sink that acknowledges at its own commit (AcknowledgesAtCommit): the offsets and
-        # event-time rows of the batches it accepted and has not committed yet, in order.
+        self.throughput = Throughput()
+        # A sink that acknowledges at its own commit (AcknowledgesAtCommit): the offsets of
+        # the batches it accepted and has not committed yet (their rows: ``event_time.rows``).
         self._held: Offsets = {}
-        self._held_rows: list[pa.Table] = []
-        # Reads that brought a batch, batches processed, and the latest read that found
-        # nothing: (its start, reads with a batch before it). The source was caught up then.
-        self._reads = 0
-        self._processed = 0
-        self._quiet: tuple[float, int] | None = None
+        self.event_time = EventTime(
+            config, self.clock,
+            committed=lambda: self.committed, counters=lambda: self.counters,
+            held=lambda: self._held,
+        )  # fmt: skip
+        self.reading = Reader(
+            config, lambda: self.source, transform, paused=self._pause_event, stages=self.stages,
+            noted=self.event_time.read, retry=self._with_outage_retry, clock=self.clock,
+        )  # fmt: skip
         self._closed = False
-        # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
-        # heartbeats for a supervised loop, which then only queues its status changes.
-        self.stages = StageClock(time.monotonic)
-        self.supervised = False
-        self.beat_requested = threading.Event()
-        self._beat_lock = threading.Lock()
-        self._transitions: deque[tuple[ConnectorStatus, str | None]] = deque(
-            [(ConnectorStatus.RUNNING, "first heartbeat")]
-        )
-        self._fenced: FencedError | None = None
         if config.failure.policy == FailurePolicyName.DEAD_LETTER and dead_letters is None:
             raise ConveyorError("failure policy dead_letter needs a dead-letter store")
 
@@ -300,7 +217,6 @@ class ConnectorLoop(LoopControl):
 
     def run(self) -> Counters:
         """Run until stopped. Returns the final counters; raises on a connector error."""
-        reader: _Prefetcher | None = None
         try:
             with self.stages.stage(Stage.INIT):
                 self.sink.validate()
@@ -317,12 +233,12 @@ class ConnectorLoop(LoopControl):
                 self._with_outage_retry("open source", lambda: open_source(dict(self.committed)))
             self._note_positions(notes, commit=True)
             self._heartbeat(force=True)
-            reader = self._reader()
+            self.reading.start()
             while not self._should_stop():
                 if self._pause_event.is_set():
                     self._paused()
                     continue
-                item, reader = self._next_item(reader)
+                item = self.reading.next()
                 self._note_positions(self._source_notes())
                 if item is None:
                     # The source is quiet: a sink's buffer whose time has come is committed.
@@ -344,8 +260,7 @@ class ConnectorLoop(LoopControl):
             raise
         finally:
             self._stop_event.set()
-            if reader:
-                reader.stop()
+            self.reading.stop()
             self._close()
 
     def _source_notes(self) -> list[PositionNote]:
@@ -368,55 +283,6 @@ class ConnectorLoop(LoopControl):
         if self.on_positions is not None:
             self.on_positions(notes)
 
-    def _next_item(self, reader: _Prefetcher | None) -> tuple[_Ahead | None, _Prefetcher | None]:
-        """The next batch (None: nothing came), and the read-ahead to go on with."""
-        try:
-            return (reader.next() if reader else _Ahead.of(self._read())), reader
-        except OUTAGES as e:
-            # A read failed (on the read-ahead thread, which then ended): read again here
-            # under the retry policy, then read ahead again.
-            if reader:
-                reader.stop()
-            item = _Ahead.of(
-                self._with_outage_retry("read", lambda: self._noted_read(), failed_first=e)
-            )
-            return item, self._reader()
-
-    def _reader(self) -> _Prefetcher | None:
-        if not self.cfg.prefetch:
-            return None
-        ahead = self.transform if self.cfg.transform_ahead else None
-        return _Prefetcher(
-            self.source,
-            self.cfg.batch,
-            ahead,
-            self._pause_event,
-            self.stages,
-            depth=self.cfg.transform_depth,
-            read=self._noted_read,
-        )
-
-    def _read(self) -> SourceBatch | None:
-        with self.stages.stage(Stage.READ):
-            return self._noted_read()
-
-    def _noted_read(self) -> SourceBatch | None:
-        """One read of the source (on whichever thread reads), noting whether it found
-        nothing: the source was caught up when such a read began (``_quiet_at``)."""
-        started = self.clock()
-        batch = self.source.read(self.cfg.batch)
-        if batch is None:
-            self._quiet = (started, self._reads)
-        else:
-            self._reads += 1
-        return batch
-
-    def fence(self, error: FencedError) -> None:
-        """This run lost the connector (seen by a heartbeat on any thread): stop, commit nothing."""
-        if self._fenced is None:
-            self._fenced = error
-        self._stop_event.set()
-
     def _ensure_current(self) -> None:
         """Before a batch is sent: stop if this run's generation is no longer current."""
         if self._fenced is not None:
@@ -427,7 +293,7 @@ class ConnectorLoop(LoopControl):
 
     # -- one batch --------------------------------------------------------------
 
-    def _process(self, item: _Ahead) -> None:
+    def _process(self, item: Ahead) -> None:
         started = self.clock()
         sb = item.batch
         n_in = sb.table.num_rows
@@ -443,24 +309,24 @@ class ConnectorLoop(LoopControl):
             tr = self._with_outage_retry(
                 "transform", lambda: self.transform(sb.table), failed_first=item.outage
             )
-        tr = self._screen_destinations(sb.table, tr)
+        tr = self.destinations.screen(sb.table, tr)
         failures = [
-            FailedMessage(*_coords(sb.table, r.index), error=r.message, error_class=r.error_class)
+            FailedMessage(*coords(sb.table, r.index), error=r.message, error_class=r.error_class)
             for r in tr.rejected
         ]
         self._ensure_current()
         if self.cfg.failure.policy == FailurePolicyName.FAIL:
             self._process_fail_fast(sb, tr, failures, started)
             return
-        sent, data_failed = self._deliver(tr.table)
-        self._record_destinations(tr.table, data_failed)
+        sent, data_failed = self.delivery.deliver(tr.table)
+        self.destinations.record(tr.table, data_failed)
         failures.extend(data_failed)
-        discarded, dead = self._apply_policy(sb.table, failures)
+        discarded, dead = self.delivery.apply_policy(sb.table, failures)
         # Dead letters are flushed, the sink acknowledged: only now may offsets move.
         self._acked = sb.next_offsets
         self._batch_done(
             started,
-            delivered=self._delivered_rows(sb.table, tr.table),
+            delivered=self.event_time.delivered_rows(sb.table, tr.table),
             messages_in=n_in,
             messages_out=sent,
             filtered=tr.filtered,
@@ -477,62 +343,19 @@ class ConnectorLoop(LoopControl):
     ) -> None:
         """The ``fail`` policy: deliver and commit the rows before the first failed message,
         send nothing after it, then stop with its coordinates."""
-        # Each message's index in the source batch, built only once a message failed (a
-        # Python tuple per message: 6% of the run process's busy time otherwise).
-        positions: dict[tuple[str, int, int], int] = {}
-
-        def position() -> dict[tuple[str, int, int], int]:
-            if not positions:
-                positions.update((c, i) for i, c in enumerate(_all_coords(sb.table)))
-            return positions
-
-        cut: int | None = None  # source index of the first failed message
-        first: FailedMessage | None = None
-        for f in decode_failed:
-            i = position()[(f.topic, f.partition, f.offset)]
-            if cut is None or i < cut:
-                cut, first = i, f
-        table = tr.table
-        if cut is not None and table.num_rows:
-            at = position()
-            keep = [at[c] < cut for c in _all_coords(table)]
-            table = table.filter(pa.array(keep, pa.bool_()))
-        sent, data_failed = self._deliver(table)
-        self._record_destinations(table, data_failed)
-        for f in data_failed:
-            i = position()[(f.topic, f.partition, f.offset)]
-            if cut is None or i < cut:
-                cut, first = i, f
-        if first is None or cut is None:
-            done, sent_before = sb.table.num_rows, sent
-            self._acked = sb.next_offsets
-        else:
-            # Only the rows before the failed message count (a sink without fail_fast may
-            # have written rows after it: they are not committed and are sent again later).
-            done = cut
-            at = position()
-            sent_before = sum(1 for c in _all_coords(table) if at[c] < cut)
-            self._acked = offsets_before(sb.table, cut, sb.next_offsets)
+        ff = self.delivery.before_first_failure(sb, tr, decode_failed, self.destinations.record)
+        self._acked = ff.acked
         self._batch_done(
             started,
-            delivered=self._delivered_rows(sb.table, table, None if first is None else cut),
-            messages_in=done,
-            messages_out=sent_before,
-            filtered=tr.filtered if first is None else 0,
-            failed=1 if first is not None else 0,
+            delivered=self.event_time.delivered_rows(sb.table, ff.table, ff.cut),
+            messages_in=ff.done,
+            messages_out=ff.sent_before,
+            filtered=tr.filtered if ff.first is None else 0,
+            failed=1 if ff.first is not None else 0,
         )
-        if first is not None:
+        if ff.first is not None:
             self._heartbeat(force=True)
-            raise DataPolicyError(
-                f"{DATA_ERROR_PREFIX}message {first.where()} failed ({first.error_class}): "
-                f"{first.error}; failure policy is 'fail': the connector stops at it "
-                "(the messages before it are delivered and committed, nothing after it is "
-                "written); fix the target or choose discard, discard_after_retry or "
-                "dead_letter, then start the connector",
-                topic=first.topic,
-                partition=first.partition,
-                offset=first.offset,
-            )
+            raise ff.error()
         if self.status == ConnectorStatus.DEGRADED:
             self._set_status(ConnectorStatus.RUNNING, "recovered: batch delivered")
         self._heartbeat()
@@ -546,8 +369,7 @@ class ConnectorLoop(LoopControl):
         self._settle(delivered)
         self._outage.recovered()
         now = self.clock()
-        self._latencies.append(now - started)
-        self._rate_window.append((now, messages_out))
+        self.throughput.batch(now, now - started, messages_out)
         self._count(messages_out=messages_out, batches=1, **counts)
 
     # -- batches a sink holds until its own commit (AcknowledgesAtCommit) -------------------
@@ -557,9 +379,7 @@ class ConnectorLoop(LoopControl):
         watermark moves with its ``delivered`` rows, together with the batches held before
         it; unless the sink still holds rows it has not committed: then this batch is held
         too, until the sink's commit (the contract in ``core/sink.py``)."""
-        self._processed += 1
-        if delivered is not None and delivered.num_rows:
-            self._held_rows.append(self._event_rows(delivered))
+        self.event_time.processed(delivered)
         if self._acked is not None:
             self._held.update(self._acked)
             self._acked = None
@@ -569,21 +389,17 @@ class ConnectorLoop(LoopControl):
     def _release_held(self, retry: bool = True) -> None:
         """The sink has nothing uncommitted: commit the held offsets, move the watermark
         (judging lateness by the watermark as it stood with these rows still held)."""
-        lags = self._partition_lags()
+        lags = self.event_time.partition_lags()
         if self._held:
             self._acked, self._held = self._held, {}
-        rows, self._held_rows = self._held_rows, []
+        rows, self.event_time.rows = self.event_time.rows, []
         self._commit_acknowledged(retry=retry)
-        if rows:
-            table = (
-                rows[0] if len(rows) == 1 else pa.concat_tables(rows, promote_options="permissive")
-            )
-            self.watermarks.observe(table, self.clock(), lags)
+        self.event_time.observe(rows, lags)
 
     def _commit_held(self, *, due_only: bool) -> None:
         """Commit what the sink holds (``due_only``: once its interval or size is reached),
         with outage retries, then acknowledge the batches held for it."""
-        if not self._held and not self._held_rows:
+        if not self._held and not self.event_time.rows:
             return
         if self._buffering is not None and self._buffering.uncommitted_rows():
             if due_only and not self._buffering.commit_due():
@@ -612,235 +428,12 @@ class ConnectorLoop(LoopControl):
         self._release_held(retry=False)
 
     def _drop_held(self) -> None:
-        self._held, self._held_rows = {}, []
+        self._held, self.event_time.rows = {}, []
 
     def _sink_uncommitted(self) -> int:
         """Rows the sink accepted and has not committed (0 for a sink that acknowledges each
         ``send_batch``)."""
         return self._buffering.uncommitted_rows() if self._buffering is not None else 0
-
-    def _event_rows(self, rows: pa.Table) -> pa.Table:
-        """What the watermark reads of delivered rows (kept while they are held)."""
-        keep = [TOPIC_COL, PARTITION_COL, self.cfg.watermark.column or TIMESTAMP_COL]
-        return rows.select(keep) if set(keep) <= set(rows.schema.names) else rows
-
-    def _quiet_at(self) -> float | None:
-        """When the source was last seen caught up (a read that found nothing began), if
-        every batch read before then is committed (none in flight, none held); else None."""
-        if self._quiet is None or self._held or self._held_rows:
-            return None
-        at, reads_before = self._quiet
-        return at if self._processed >= reads_before else None
-
-    def _delivered_rows(self, source: pa.Table, out: pa.Table, cut: int | None = None) -> pa.Table:
-        """The rows whose event times a committed batch delivered: the source rows (the record
-        timestamp) or the transform's output (``watermark.column``), those before ``cut`` only."""
-        if self.cfg.watermark.column is None:
-            return source if cut is None else source.slice(0, cut)
-        if cut is None or out.num_rows == 0:
-            return out
-        at = {c: i for i, c in enumerate(_all_coords(source))}
-        return out.filter(pa.array([at[c] < cut for c in _all_coords(out)], pa.bool_()))
-
-    def _partition_lags(self) -> dict[str, int | None]:
-        """Per partition (``topic[partition]``) the last fetch reported: messages behind its
-        high watermark, None when nothing was committed there yet."""
-        committed = {str(tp): off for tp, off in self.committed.items()}
-        lags: dict[str, int | None] = {
-            name: (max(0, hw - committed[name]) if name in committed else None)
-            for name, hw in (self.counters.highwaters or {}).items()
-        }
-        for tp in self._held:  # rows a sink holds uncommitted: not caught up
-            lags[str(tp)] = max(lags.get(str(tp)) or 0, 1)
-        return lags
-
-    def _watermark(self, now: float | None = None) -> Watermark:
-        """The watermark now (late ranges included; ``take_late`` once reported)."""
-        at = self.clock() if now is None else now
-        return self.watermarks.current(at, self._partition_lags(), self._quiet_at())
-
-    def _report(self, now: float) -> None:
-        """A progress report every ``progress_interval_s``; between them a watermark report
-        when one is due (``report_due``), at most every ``watermark_report_min_s``."""
-        assert self.on_progress is not None
-        last = self._last_progress
-        if last is None or now - last >= self.cfg.progress_interval_s:
-            self._last_progress = now
-            wm = self._reported(self._watermark(now))
-            self.on_progress(Progress(self.counters, dict(self.committed), watermark=wm))
-            return
-        if now - self._last_watermark_report < self.cfg.watermark_report_min_s:
-            return
-        wm = self._watermark(now)
-        if report_due(self._reported_low, wm):
-            self._last_watermark_report = now
-            self.on_progress(
-                Progress(
-                    self.counters,
-                    dict(self.committed),
-                    watermark=self._reported(wm),
-                    watermark_only=True,
-                )
-            )
-
-    def _reported(self, wm: Watermark) -> Watermark:
-        """``wm`` as it goes out: its late ranges are taken (reported once)."""
-        self.watermarks.take_late()
-        self._reported_low = wm.low
-        return wm
-
-    def _screen_destinations(self, source: pa.Table, tr: Transformed) -> Transformed:
-        """Rows whose destination the connector's rules refuse leave the batch as failed
-        messages (reason cap, denylist, unknown or circuit_open), for the failure policy."""
-        if (
-            self._gate is None
-            or tr.table.num_rows == 0
-            or DESTINATION_COL not in tr.table.schema.names
-        ):
-            return tr
-        reasons = self._gate.screen(tr.table.column(DESTINATION_COL).to_pylist(), self.clock())
-        if not any(reasons):
-            return tr
-        position = {c: i for i, c in enumerate(_all_coords(source))}
-        dests = tr.table.column(DESTINATION_COL).to_pylist()
-        refused = [
-            Rejected(
-                position[c],
-                f"destination {d!r} refused ({r.value}) by the connector's destinations rules",
-                "destination",
-            )
-            for c, d, r in zip(_all_coords(tr.table), dests, reasons, strict=True)
-            if r is not None
-        ]
-        keep = pa.array([r is None for r in reasons], pa.bool_())
-        return replace(tr, table=tr.table.filter(keep), rejected=(*tr.rejected, *refused))
-
-    def _record_destinations(self, table: pa.Table, failed: list[FailedMessage]) -> None:
-        """Each destination's outcome in this batch, for its breaker."""
-        if self._gate is None or table.num_rows == 0 or DESTINATION_COL not in table.schema.names:
-            return
-        errors = {(f.topic, f.partition, f.offset): f.error for f in failed}
-        results: dict[str, str | None] = {}
-        for c, d in zip(_all_coords(table), table.column(DESTINATION_COL).to_pylist(), strict=True):
-            if not d:
-                continue
-            error = errors.get(c)
-            if error is None:
-                results[d] = None  # one delivered row: the destination answers
-            elif d not in results:
-                results[d] = error
-        self._gate.record(results, self.clock())
-
-    def _deliver(self, table: pa.Table) -> tuple[int, list[FailedMessage]]:
-        """Send with outage retries and data-error isolation; re-send failed rows per policy."""
-        if table.num_rows == 0:
-            return 0, []
-        failed = self._send_until_acknowledged(table)
-        sent = table.num_rows - len(failed)
-        attempts = 1
-        budget = resend_attempts(self.cfg.failure.policy, self.cfg.failure.retries)
-        while failed and attempts <= budget:
-            subset = table.take(pa.array([f.index for f in failed], pa.int64()))
-            attempts += 1
-            self._count(retries=len(failed))
-            again = self._with_outage_retry("resend", partial(self._send_isolating, subset))
-            by_index = {f.index: f for f in again}
-            sent += subset.num_rows - len(again)
-            failed = [RowFailure(failed[i].index, by_index[i].message) for i in sorted(by_index)]
-        return sent, [
-            FailedMessage(
-                *_coords(table, f.index), error=f.message, error_class="data", attempts=attempts
-            )
-            for f in failed
-        ]
-
-    def _send_until_acknowledged(self, table: pa.Table) -> list[RowFailure]:
-        """Send with outage retries. Rows a sink reports as not acknowledged because of an
-        outage (``RowFailure`` of kind ``transient``: a partial acknowledgement) are the only
-        ones sent again; the rows it acknowledged are not. Returns the data failures."""
-        data: list[RowFailure] = []
-        remaining: list[int] | None = None  # indexes of ``table`` still to send; None: all
-
-        def attempt() -> None:
-            nonlocal remaining
-            part = table if remaining is None else table.take(pa.array(remaining, pa.int64()))
-            back = remaining if remaining is not None else list(range(table.num_rows))
-            failed = self._send_isolating(part)
-            data.extend(
-                RowFailure(back[f.index], f.message, f.kind)
-                for f in failed
-                if f.kind is not ErrorKind.TRANSIENT
-            )
-            unacked = [f for f in failed if f.kind is ErrorKind.TRANSIENT]
-            if unacked:
-                remaining = [back[f.index] for f in unacked]
-                raise TransientSinkError(
-                    f"{len(unacked)} of {part.num_rows} row(s) not acknowledged: {unacked[0].message}"
-                )
-
-        self._with_outage_retry("send", attempt)
-        return sorted(data, key=lambda f: f.index)
-
-    def _send_isolating(self, table: pa.Table) -> list[RowFailure]:
-        return send_isolating(
-            self.sink, table, fail_fast=self.cfg.failure.policy == FailurePolicyName.FAIL
-        )
-
-    def _apply_policy(self, source: pa.Table, failures: list[FailedMessage]) -> tuple[int, int]:
-        """Returns (discarded, dead_lettered). Raises when the policy says stop."""
-        if not failures:
-            self._limiter.consecutive = 0
-            return 0, 0
-        policy = self.cfg.failure.policy
-        bad = {(f.topic, f.partition, f.offset) for f in failures}
-        flags = [c in bad for c in _all_coords(source)]
-        self._limiter.check(source.num_rows, flags)
-        if policy in (FailurePolicyName.DISCARD, FailurePolicyName.DISCARD_AFTER_RETRY):
-            for f in failures:
-                log.warning(
-                    "%s: discarded %s after %d attempt(s): %s",
-                    self.cfg.name,
-                    f.where(),
-                    f.attempts,
-                    f.error,
-                )
-            return len(failures), 0
-        letters = self._dead_letters(source, failures)
-        assert self.dead_letters is not None
-        self._with_outage_retry("dead-letter store", lambda: self.dead_letters.write(letters))  # type: ignore[union-attr]
-        for f in failures:
-            log.warning(
-                "%s: dead-lettered %s after %d attempt(s): %s",
-                self.cfg.name,
-                f.where(),
-                f.attempts,
-                f.error,
-            )
-        return 0, len(failures)
-
-    def _dead_letters(self, source: pa.Table, failures: list[FailedMessage]) -> list[DeadLetter]:
-        now = self.clock()
-        index = {c: i for i, c in enumerate(_all_coords(source))}
-        cols = source.to_pydict()
-        out = []
-        for f in failures:
-            i = index[(f.topic, f.partition, f.offset)]
-            ts = cols.get("__timestamp", [None] * (i + 1))[i]
-            out.append(
-                DeadLetter(
-                    failed=f,
-                    key=cols.get("__key", [None] * (i + 1))[i],
-                    value=cols.get("__value", [None] * (i + 1))[i],
-                    headers=[
-                        (h["key"], h["value"])
-                        for h in (cols.get("__headers", [None] * (i + 1))[i] or [])
-                    ],
-                    timestamp_ms=int(ts.timestamp() * 1000) if ts is not None else None,
-                    first_failure_at=self._first_failure.pop((f.topic, f.partition, f.offset), now),
-                    last_failure_at=now,
-                )
-            )
-        return out
 
     # -- outages ------------------------------------------------------------------
 
@@ -892,62 +485,20 @@ class ConnectorLoop(LoopControl):
             lag=self.source.lag(self.committed),
             highwaters=_highwaters(self.source),
             schema_registry=_transform_metrics(self.transform),
-            msgs_per_s=self._rate(now),
-            batch_latency_p50_ms=_pct(self._latencies, 0.5),
-            batch_latency_p99_ms=_pct(self._latencies, 0.99),
+            msgs_per_s=self.throughput.rate(now),
+            batch_latency_p50_ms=self.throughput.latency_ms(0.5),
+            batch_latency_p99_ms=self.throughput.latency_ms(0.99),
         )
-        if self.supervised:
-            if force:
-                self.beat_requested.set()  # a status change: the supervisor beats at once
-        else:
-            self.beat()
+        self._beat_now(force)
         if self.on_progress:
-            self._report(now)
+            report = self.event_time.progress(now)
+            if report is not None:
+                self.on_progress(report)
 
-    def beat(self, override: ConnectorStatus | None = None) -> None:
-        """Heartbeat once (any thread): each queued status change in order, else the current
-        status; ``override`` (the supervisor's verdict, whose reason was queued once with
-        ``report``) replaces a Running status.
-
-        FencedError stops the loop (``fence``) and is re-raised; other errors leave the
-        queued changes for the next beat.
-        """
-        with self._beat_lock:
-            try:
-                if not self._transitions:
-                    status, reason = self.status, None
-                    if override is not None and status == ConnectorStatus.RUNNING:
-                        status = override
-                    self._transitions.append((status, reason))
-                while self._transitions:
-                    status, reason = self._transitions[0]
-                    answer = self.committer.heartbeat(self.counters, status, reason)
-                    self._transitions.popleft()
-                    self.apply(answer)
-            except FencedError as e:
-                self.fence(e)
-                raise
-
-    def report(self, status: ConnectorStatus, reason: str) -> None:
-        """Queue a status for the next heartbeat (the supervisor's verdicts, store trouble)."""
-        with self._beat_lock:
-            self._transitions.append((status, reason))
-
-    def _set_status(self, status: ConnectorStatus, reason: str) -> None:
-        if status != self.status:
-            self.status = status
-            with self._beat_lock:
-                self._transitions.append((status, reason))
-
-    def _rate(self, now: float) -> float:
-        window = [(t, n) for t, n in self._rate_window if now - t <= 60]
-        if not window:
-            return 0.0
-        span = max(now - window[0][0], 1e-3)
-        return sum(n for _, n in window) / span if len(window) > 1 else 0.0
-
-    def _should_stop(self) -> bool:
-        return super()._should_stop() or self._fenced is not None
+    def _send_heartbeat(
+        self, status: ConnectorStatus, reason: str | None
+    ) -> Directive | bool | None:
+        return self.committer.heartbeat(self.counters, status, reason)
 
     def _close(self) -> None:
         if self._closed:
@@ -962,200 +513,19 @@ class ConnectorLoop(LoopControl):
             # The run's last word in the UI, even when closing a client failed.
             if self.on_progress:
                 try:
-                    self.on_progress(
-                        Progress(
-                            self.counters,
-                            dict(self.committed),
-                            final=True,
-                            watermark=self._reported(self._watermark()),
-                        )
-                    )
+                    self.on_progress(self.event_time.final())
                 except Exception:  # noqa: BLE001 - never hides the error that ended the loop
                     log.warning(
                         "%s: could not report the final progress", self.cfg.name, exc_info=True
                     )
 
 
-def run_loop(loop: ConnectorLoop) -> Counters:
-    """Run and treat a stop during an outage wait as a clean stop."""
+def run_loop(loop: LoopControl) -> Counters:
+    """Run a loop (sink or source) and treat a stop during an outage wait as a clean stop."""
     try:
         return loop.run()
     except Stopping:
         return loop.counters
-
-
-@dataclass(frozen=True)
-class _Ahead:
-    """A batch handed to the loop's thread, transformed ahead when that succeeded."""
-
-    batch: SourceBatch
-    transformed: Transformed | None = None  # None: the loop's thread transforms it
-    outage: Exception | None = None  # the transform ahead hit an outage: the first attempt
-
-    @staticmethod
-    def of(batch: SourceBatch | None) -> _Ahead | None:
-        return None if batch is None else _Ahead(batch)
-
-
-class _Prefetcher:
-    """Reads ahead on one thread and, given a transform, transforms ahead on others.
-
-    Up to ``depth`` batches are in the transform at once (each on its own worker thread;
-    Spark runs their queries side by side), and the loop's thread takes them in the
-    order they were read, whatever order their transforms end in: sends and commits stay
-    in source order. Besides those, one batch waits in the reader and up to ``depth``
-    transformed ones wait for the loop's thread. Reading errors are handed to the loop's
-    thread (and end the reading). A transform that fails ahead is not reported from
-    here: the batch goes on untransformed, in its place, and the loop's thread runs the
-    transform again under its retry policy, where every error is handled as usual (an
-    error there ends the run after the batches before it, and nothing past it, were
-    committed). An outage met ahead counts there as the first failed attempt, so that
-    detecting one does not take twice as long.
-    """
-
-    def __init__(
-        self,
-        source: Source,
-        policy: BatchPolicy,
-        transform: Callable[[pa.Table], Transformed] | None = None,
-        paused: threading.Event | None = None,
-        stages: StageClock | None = None,
-        depth: int = 1,
-        read: Callable[[], SourceBatch | None] | None = None,
-    ):
-        self._stages = stages or StageClock(time.monotonic)
-        self._source = source
-        self._policy = policy
-        # One read (the loop's, which notes quiet reads); default the source's own.
-        self._read_once = read or (lambda: source.read(policy))
-        self._transform = transform
-        self._paused = paused or threading.Event()  # set: no new read starts
-        self._stop = threading.Event()
-        self._depth = max(1, depth)
-        # In source order: ("batch", _Ahead | Future[_Ahead]) or ("error", exception).
-        self._out: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self._depth)
-        self._head: Future[_Ahead] | None = None  # taken from _out, its transform not ended
-        self._threads = [threading.Thread(target=self._read, name="conveyor-prefetch", daemon=True)]
-        self._read_q = self._out
-        if transform is not None:
-            self._read_q = queue.Queue(maxsize=1)
-            self._slots = threading.Semaphore(self._depth)  # batches in the transform
-            self._work: queue.Queue[tuple[_Ahead, Future[_Ahead]]] = queue.Queue()
-            self._threads.append(
-                threading.Thread(target=self._dispatch, name="conveyor-dispatch", daemon=True)
-            )
-            self._threads.extend(
-                threading.Thread(
-                    target=self._transform_worker, name="conveyor-transform", daemon=True
-                )
-                for _ in range(self._depth)
-            )
-        for t in self._threads:
-            t.start()
-
-    def _put(self, q: queue.Queue[tuple[str, Any]], item: tuple[str, Any]) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            if self._paused.is_set():
-                self._stop.wait(0.05)
-                continue
-            try:
-                with self._stages.stage(Stage.READ):
-                    batch = self._read_once()
-                item: tuple[str, Any] = ("batch", _Ahead.of(batch))
-            except BaseException as e:  # handed to the consumer thread
-                item = ("error", e)
-            if not self._put(self._read_q, item) or item[0] == "error":
-                return
-
-    def _dispatch(self) -> None:
-        """Hands each batch to a transform worker, in order, when fewer than ``depth``
-        are in the transform; its future takes the batch's place in ``_out``."""
-        while not self._stop.is_set():
-            try:
-                kind, value = self._read_q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if kind == "batch" and value is not None and value.batch.table.num_rows:
-                while not self._slots.acquire(timeout=0.2):
-                    if self._stop.is_set():
-                        return
-                future: Future[_Ahead] = Future()
-                self._work.put((value, future))
-                value = future
-            if not self._put(self._out, (kind, value)) or kind == "error":
-                return
-
-    def _transform_worker(self) -> None:
-        assert self._transform is not None
-        while not self._stop.is_set():
-            try:
-                ahead, future = self._work.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            try:
-                with self._stages.stage(Stage.TRANSFORM):
-                    ahead = _Ahead(ahead.batch, self._transform(ahead.batch.table))
-            except OUTAGES as e:
-                ahead = _Ahead(ahead.batch, outage=e)
-            except Exception as e:  # noqa: BLE001 - run again on the loop's thread
-                log.debug("transform ahead failed (the loop runs it again): %s", e)
-            finally:
-                self._slots.release()
-                future.set_result(ahead)
-
-    def next(self) -> _Ahead | None:
-        wait = max(self._policy.max_wait_ms / 1000 * 2, 1.0)
-        if self._head is None:
-            try:
-                kind, value = self._out.get(timeout=wait)
-            except queue.Empty:
-                return None
-            if kind == "error":
-                raise value
-            if not isinstance(value, Future):
-                return value
-            self._head = value
-        try:
-            ahead = self._head.result(timeout=wait)
-        except FutureTimeout:
-            return None  # still in the transform: the loop heartbeats and asks again
-        self._head = None
-        return ahead
-
-    def stop(self) -> None:
-        self._stop.set()
-        # One bound for all the threads (the reader first), however deep the pipeline.
-        deadline = time.monotonic() + max(self._policy.max_wait_ms / 1000 * 2, 5.0)
-        for t in self._threads:
-            t.join(timeout=max(deadline - time.monotonic(), 0.0))
-
-
-def _coords(table: pa.Table, index: int) -> tuple[str, int, int]:
-    return (
-        table.column(TOPIC_COL)[index].as_py(),
-        table.column(PARTITION_COL)[index].as_py(),
-        table.column(OFFSET_COL)[index].as_py(),
-    )
-
-
-def _all_coords(table: pa.Table) -> list[tuple[str, int, int]]:
-    return list(
-        zip(
-            table.column(TOPIC_COL).to_pylist(),
-            table.column(PARTITION_COL).to_pylist(),
-            table.column(OFFSET_COL).to_pylist(),
-            strict=True,
-        )
-    )
 
 
 def _transform_metrics(transform: Transformer) -> dict[str, int] | None:
@@ -1170,26 +540,6 @@ def _highwaters(source: Source) -> dict[str, int] | None:
         return None
     hw = get()
     return {str(tp): int(v) for tp, v in sorted(hw.items(), key=lambda kv: str(kv[0]))} or None
-
-
-def _pct(values: deque[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
-
-
-def offsets_before(table: pa.Table, cut: int, next_offsets: Offsets) -> Offsets:
-    """What a commit of the rows before source index ``cut`` stores: per partition, the
-    offset of its first row at or after ``cut``, else the batch's next offset."""
-    out = dict(next_offsets)
-    seen: set[TopicPartition] = set()
-    for i, (topic, part, off) in enumerate(_all_coords(table)):
-        tp = TopicPartition(topic, part)
-        if i >= cut and tp not in seen:
-            seen.add(tp)
-            out[tp] = off
-    return out
 
 
 def next_offsets_of(table: pa.Table) -> Offsets:

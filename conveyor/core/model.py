@@ -650,8 +650,9 @@ class SinkRef(BaseModel):
 
 class ConnectorRunSpec(_Spec):
     """What every connector spec, sink or source, says about its run: its name, the state it is
-    created in, when its run counts as lost, how often it is restarted, and its assets' owners and
-    freshness. ``ConnectorSpec`` and ``SourceConnectorSpec`` add what they read and write."""
+    created in, when its run counts as lost, how often it is restarted, its stages' deadlines, and
+    its assets' owners and freshness. ``ConnectorSpec`` and ``SourceConnectorSpec`` add what they
+    read and write."""
 
     name: str = Field(
         description="Unique name: lower case letters, digits, underscores. A sink connector's name "
@@ -682,6 +683,10 @@ class ConnectorRunSpec(_Spec):
     )
     owners: list[str] = Field(
         default_factory=list, description="Asset owners (emails or team:name)."
+    )
+    liveness: LivenessSpec = Field(
+        default_factory=LivenessSpec,
+        description="Stage deadlines: Degraded, then a self-restart (section `liveness`).",
     )
 
     @field_validator("name")
@@ -746,10 +751,6 @@ class ConnectorSpec(ConnectorRunSpec):
     )
     failure: FailureSpec = Field(
         default_factory=FailureSpec, description="Failed messages (section `failure`)."
-    )
-    liveness: LivenessSpec = Field(
-        default_factory=LivenessSpec,
-        description="Stage deadlines: Degraded, then a self-restart (section `liveness`).",
     )
     tasks: TasksSpec = Field(
         default_factory=TasksSpec,

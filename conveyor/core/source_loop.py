@@ -46,14 +46,15 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from conveyor.core.errors import (
+    OUTAGES,
     ConfigError,
     ConveyorError,
     FencedError,
     PermanentSinkError,
     TransientSinkError,
-    TransientSourceError,
 )
 from conveyor.core.failure import OutageTracker
+from conveyor.core.liveness import Stage, stage_of
 from conveyor.core.loop import Transformed, Transformer
 from conveyor.core.model import (
     DESTINATION_COL,
@@ -244,7 +245,6 @@ class SourceLoop(LoopControl):
         self.stats = RoutingStats()
         self.board = BreakerBoard(config.breaker_threshold, config.breaker_cooldown_s)
         self.router = Router(config.routing, mode=source.mode, destructive=source.destructive)
-        self._status_reason: str | None = "first heartbeat"
         self._outage = OutageTracker(config.retry, rng or random.Random())
         self._pending_commit: State | None = state  # a restart owes the stored state's commit
         self.commit_failures_in_row = 0
@@ -270,6 +270,8 @@ class SourceLoop(LoopControl):
                     self._paused()
                     continue
                 self._step()
+            if self._fenced is not None:
+                raise self._fenced
             return self.counters
         except Stopping:
             return self.counters
@@ -327,7 +329,7 @@ class SourceLoop(LoopControl):
                 len(polled.messages),
                 polled.state,
             )
-            self.writer.save(polled.state, abandoned=True)
+            self._retrying("store state", lambda: self.writer.save(polled.state, abandoned=True))
             self.state = polled.state
             with self._lock:
                 self.stats.rejected["abandoned"] += len(polled.messages)
@@ -337,12 +339,12 @@ class SourceLoop(LoopControl):
         started = self.clock()
         try:
             produced = self._deliver(polled)
-        except (TransientSinkError, TransientSourceError) as e:
+        except OUTAGES as e:
             # Nothing stored, nothing committed: the next poll returns the same rows.
             self._outage_wait("batch", e)
             return
         # Every group acknowledged: the state may move, then the source's side effects.
-        self.writer.save(polled.state)
+        self._retrying("store state", lambda: self.writer.save(polled.state))
         self.state = polled.state
         self._outage.recovered()
         self._commit(polled.state)
@@ -370,7 +372,8 @@ class SourceLoop(LoopControl):
 
     def _commit(self, state: State) -> None:
         try:
-            self.source.commit(state)
+            with self.stages.stage(Stage.COMMIT):
+                self.source.commit(state)
         except FencedError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure is re-run after the next poll
@@ -430,7 +433,8 @@ class SourceLoop(LoopControl):
             raise TransientSinkError(
                 f"{len(plan.deferred)} rows wait for destinations whose circuit breaker is open"
             )
-        results = self._produce_groups(plan.groups, records)
+        with self.stages.stage(Stage.SEND):
+            results = self._produce_groups(plan.groups, records)
         with self._lock:
             self.board.record({t: r.error for t, r in results.items()}, self.clock())
             for topic, r in results.items():
@@ -512,10 +516,12 @@ class SourceLoop(LoopControl):
     # -- plumbing --------------------------------------------------------------------
 
     def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` inside its stage until it succeeds, retrying outages (``OUTAGES``)."""
         while True:
             try:
-                return fn()
-            except (TransientSinkError, TransientSourceError) as e:
+                with self.stages.stage(stage_of(what)):
+                    return fn()
+            except OUTAGES as e:
                 self._outage_wait(what, e)
 
     def heartbeat_payload(self) -> dict[str, Any]:
@@ -531,18 +537,16 @@ class SourceLoop(LoopControl):
 
     def _heartbeat(self, force: bool = False) -> None:
         now = self.clock()
-        changed = self._status_reason is not None  # a status change is reported at once
+        changed = bool(self._transitions)  # a status change is reported at once
         if not force and not changed and now - self._last_heartbeat < self.cfg.heartbeat_interval_s:
             return
         self._last_heartbeat = now
-        answer = self.writer.heartbeat(self.heartbeat_payload(), self.status, self._status_reason)
-        self._status_reason = None
-        self.apply(answer)
+        self._beat_now(force or changed)
 
-    def _set_status(self, status: ConnectorStatus, reason: str) -> None:
-        if status != self.status:
-            self.status = status
-            self._status_reason = reason
+    def _send_heartbeat(
+        self, status: ConnectorStatus, reason: str | None
+    ) -> Directive | bool | None:
+        return self.writer.heartbeat(self.heartbeat_payload(), status, reason)
 
     def _rate(self, n: int, seconds: float) -> None:
         if seconds > 0:

@@ -5,6 +5,11 @@ The sink loop (``core.loop``) and the source loop (``core.source_loop``) wait ou
 way: they sleep in short ticks on their stop event, so a stop request (the event, a fenced run, the
 desired state) ends the wait within a tick; a wait that ended on a stop raises :class:`Stopping`,
 which ``run`` treats as a clean stop.
+
+Both loops are also supervised the same way (``core.liveness``, ``jobs/supervision.py``): every
+stage runs inside ``stages``; the run's supervisor heartbeats for the loop from another thread
+(``beat``), so a supervised loop only queues its status changes; an unsupervised loop beats from
+its own thread. A loop supplies ``_send_heartbeat`` (what it reports and to whom).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
-from conveyor.core.errors import OutageBudgetExceeded
+from conveyor.core.errors import FencedError, OutageBudgetExceeded
 from conveyor.core.failure import OutageTracker
+from conveyor.core.liveness import StageClock
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, HeartbeatReply
 
 log = logging.getLogger(__name__)
@@ -70,15 +78,22 @@ def directive_for(reply: HeartbeatReply, running_spec_hash: str | None) -> Direc
 
 class LoopControl(abc.ABC):
     """What the sink loop and the source loop share around their step: stop and pause events
-    (set by a heartbeat's directive from any thread), the interruptible sleep, the counters and
-    the status. Each loop's step order is its own (the pipelined sink, the strict source); a loop
-    supplies ``_heartbeat`` (used while paused) and may widen ``_should_stop``."""
+    (set by a heartbeat's directive from any thread), the interruptible sleep, the counters,
+    the status and its queued changes, the stage clock and the heartbeat a supervisor sends
+    (``beat``), the fence. Each loop's step order is its own (the pipelined sink, the strict
+    source); a loop supplies ``_heartbeat`` (its own pace, used while paused) and
+    ``_send_heartbeat`` (one heartbeat to the meta store), and may widen ``_should_stop``."""
 
     name: str
+    cfg: Any  # the loop's config: its ``heartbeat_interval_s`` paces a supervisor's beats
     status: ConnectorStatus
     counters: Counters
     clock: Callable[[], float]
     _outage: OutageTracker
+
+    @abc.abstractmethod
+    def run(self) -> Counters:
+        """Run until stopped (once). Returns the final counters; raises on a connector error."""
 
     def _init_control(
         self,
@@ -97,6 +112,16 @@ class LoopControl(abc.ABC):
         self.reconfigure_requested = False
         self.status = ConnectorStatus.RUNNING
         self._paused_poll_s = paused_poll_s
+        # Liveness: every stage runs inside self.stages; a supervisor (jobs/supervision.py)
+        # heartbeats for a supervised loop, which then only queues its status changes.
+        self.stages = StageClock(time.monotonic)
+        self.supervised = False
+        self.beat_requested = threading.Event()
+        self._beat_lock = threading.Lock()
+        self._transitions: deque[tuple[ConnectorStatus, str | None]] = deque(
+            [(ConnectorStatus.RUNNING, "first heartbeat")]
+        )
+        self._fenced: FencedError | None = None
 
     def request_stop(self) -> None:
         self._stop_event.set()
@@ -133,10 +158,65 @@ class LoopControl(abc.ABC):
 
     @abc.abstractmethod
     def _heartbeat(self, force: bool = False) -> None:
-        """Report to the meta store (each loop its own way; ``force`` ignores the interval)."""
+        """Report to the meta store (each loop its own way; ``force`` ignores the interval):
+        gather what the heartbeat carries, then ``_beat_now``."""
+
+    @abc.abstractmethod
+    def _send_heartbeat(
+        self, status: ConnectorStatus, reason: str | None
+    ) -> Directive | bool | None:
+        """One heartbeat with this status: the loop's counters to its committer or writer;
+        returns the store's answer. FencedError when superseded."""
+
+    def _beat_now(self, force: bool) -> None:
+        """Heartbeat from the loop's thread, or (supervised) ask the supervisor to beat at
+        once when ``force`` (a status change)."""
+        if self.supervised:
+            if force:
+                self.beat_requested.set()
+        else:
+            self.beat()
+
+    def beat(self, override: ConnectorStatus | None = None) -> None:
+        """Heartbeat once (any thread): each queued status change in order, else the current
+        status; ``override`` (the supervisor's verdict, whose reason was queued once with
+        ``report``) replaces a Running status.
+
+        FencedError stops the loop (``fence``) and is re-raised; other errors leave the
+        queued changes for the next beat.
+        """
+        with self._beat_lock:
+            try:
+                if not self._transitions:
+                    status, reason = self.status, None
+                    if override is not None and status == ConnectorStatus.RUNNING:
+                        status = override
+                    self._transitions.append((status, reason))
+                while self._transitions:
+                    status, reason = self._transitions[0]
+                    answer = self._send_heartbeat(status, reason)
+                    self._transitions.popleft()
+                    self.apply(answer)
+            except FencedError as e:
+                self.fence(e)
+                raise
+
+    def report(self, status: ConnectorStatus, reason: str) -> None:
+        """Queue a status for the next heartbeat (the supervisor's verdicts, store trouble)."""
+        with self._beat_lock:
+            self._transitions.append((status, reason))
 
     def _set_status(self, status: ConnectorStatus, reason: str) -> None:
-        self.status = status
+        if status != self.status:
+            self.status = status
+            with self._beat_lock:
+                self._transitions.append((status, reason))
+
+    def fence(self, error: FencedError) -> None:
+        """This run lost the connector (seen by a heartbeat on any thread): stop, commit nothing."""
+        if self._fenced is None:
+            self._fenced = error
+        self._stop_event.set()
 
     def _count(self, **inc: int) -> None:
         self.counters = replace(
@@ -170,7 +250,7 @@ class LoopControl(abc.ABC):
             raise Stopping() from e
 
     def _should_stop(self) -> bool:
-        return self._stop_event.is_set() or self.stop_requested()
+        return self._stop_event.is_set() or self.stop_requested() or self._fenced is not None
 
     def _interruptible_sleep(self, seconds: float) -> None:
         sleep_unless_stopped(seconds, self._stop_event, self._should_stop)

@@ -102,22 +102,21 @@ def test_an_orphaned_run_is_fenced_and_its_connector_stays_meant_to_run(tmp_path
     store.claim("a", run_id="r1", expected_generation=gen, holder_alive=lambda _r: False)
     store.heartbeat("a", gen, {})
 
-    def run_one(_ls, _hash, canceled):  # type: ignore[no-untyped-def]
-        monkeypatch.setattr(runs.os, "getppid", lambda: 1)  # the code server died meanwhile
-        assert canceled()
-        raise DagsterExecutionInterruptedError()
+    from conveyor.dagster.jobs.run_template import RunTemplate
+
+    class Orphan(RunTemplate):
+        def claim(self) -> bool:
+            self.generation = gen
+            return True
+
+        def build_loop(self, ls, spec_hash, canceled):  # type: ignore[no-untyped-def]
+            monkeypatch.setattr(runs.os, "getppid", lambda: 1)  # the code server died meanwhile
+            assert canceled()
+            raise DagsterExecutionInterruptedError()
 
     ls = SimpleNamespace(name="a", spec_hash=lambda: "h")
     with pytest.raises(DagsterExecutionInterruptedError):
-        runs.run_until_stopped(
-            FakeContext(),  # type: ignore[arg-type]
-            store,
-            ls,  # type: ignore[arg-type]
-            gen,
-            run_one=run_one,
-            final=dict,
-            terminated="test",
-        )
+        Orphan(FakeContext(), None, ls, store).execute()  # type: ignore[arg-type]
     row = store.get("a")
     assert (row.status, row.desired, row.broker_id) == (
         ConnectorStatus.IDLE,

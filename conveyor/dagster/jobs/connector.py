@@ -1,24 +1,20 @@
 """The sink connector job: one long-running Dagster run per connector assignment.
 
-The op claims the connector (fencing any older run), builds the source, the
-Spark transform and the sink, and runs ``core.loop`` on a thread of its own. The
-op's thread is the run's supervisor (``jobs.supervision``): it heartbeats
-for the run, watches each stage against its deadline (Degraded with the stage
-named, then a self-restart: the run fails and the scheduler relaunches it), and
-takes the interrupts. It installs no signal handlers: a terminate from the UI or
-the scheduler arrives in the op's thread as Dagster's
-``DagsterExecutionInterruptedError``; the loop is asked to stop, commits what was
-acknowledged, cleans up, and the run ends CANCELED. Any other error ends the run by
-the outcome table (``core.failure.run_outcome``, applied by ``jobs.runs.end_run``).
+The op's body is ``SinkRun``, the sink kind of the one run template
+(``jobs/run_template.py``, as Kafka Connect's ``WorkerSinkTask`` under ``WorkerTask``): it
+claims the connector (fencing any older run), builds the Kafka source, the Spark transform
+and the sink (``jobs/sink_loop.py``), and the template supervises ``core.loop`` on a thread
+of its own (``jobs.supervision``: heartbeats, stage deadlines, the terminate), again after
+each spec change, and ends the run by the outcome table (``core.failure.run_outcome``). A
+run with task tags is a partition task's (``TaskRun``, ``jobs/tasks.py``).
 
-Around it: ``jobs.runs`` (tags, claim, cancel, spec changes, ending), ``jobs.committer``
-(fenced offsets and heartbeats), ``jobs.supervision`` and ``jobs.progress`` (the UI).
+Around it: ``jobs.runs`` (tags, claim, cancel, spec changes), ``jobs.committer``
+(fenced offsets and heartbeats), ``jobs.progress`` (the UI).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from dagster import (
     Failure,
@@ -31,27 +27,56 @@ from dagster import (
 
 from conveyor.config.specs import LoadedSpec, sync_one
 from conveyor.core.loop import ConnectorLoop
+from conveyor.core.model import Offsets
+from conveyor.core.stopping import LoopControl
 from conveyor.dagster.jobs.allocators import use_run_allocators
-from conveyor.dagster.jobs.runs import (
-    claim_run,
-    run_until_stopped,
-    scrubbed_errors,
-)
+from conveyor.dagster.jobs.run_template import RunTemplate
+from conveyor.dagster.jobs.runs import claim_run, scrubbed_errors
 from conveyor.dagster.jobs.sink_loop import build_sink_loop
-from conveyor.dagster.jobs.supervision import supervise
-from conveyor.dagster.jobs.tasks import run_task
+from conveyor.dagster.jobs.tasks import TaskRun
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_CONNECTOR, TAG_TASK, job_name
+from conveyor.store.meta import Claim
 
-# Attempts of the connector op (RetryRequested) after an outage outlasted its budget,
-# before the run fails and the scheduler's restart backoff takes over.
-OUTAGE_RUN_RETRIES = 2
+
+class SinkRun(RunTemplate):
+    """A sink connector's run (``WorkerSinkTask``): claims the connector, builds the sink loop
+    (Kafka source, transform, sink, fenced committer) and carries its committed offsets from
+    one loop to the next."""
+
+    terminated = "offsets committed up to the last acknowledged batch"
+
+    def claim(self) -> bool:
+        spec = self.ls.spec
+        assert spec is not None
+        claim = claim_run(self.context, self.store, self.name, spec.heartbeat_timeout_s)
+        if claim is None:
+            return False
+        self.claimed: Claim = claim
+        self.generation = claim.generation
+        broker = self.store.get_broker(claim.broker_id) if claim.broker_id else None
+        self.remote = broker.spark_remote if broker else self.conveyor.default_remote()
+        self.committed: Offsets = dict(claim.offsets)
+        return True
+
+    def build_loop(
+        self, ls: LoadedSpec, spec_hash: str | None, canceled: Callable[[], bool]
+    ) -> LoopControl:
+        counters = self.loop.counters if self.loop is not None else None
+        return build_sink_loop(
+            self.context, self.conveyor, self.store, ls, spec_hash, self.generation,
+            self.claimed, self.remote, self.committed, counters,
+        )  # fmt: skip
+
+    def loop_ended(self, loop: LoopControl) -> None:
+        assert isinstance(loop, ConnectorLoop)
+        self.committed = dict(loop.committed)  # the next loop starts where it stopped
 
 
 def run_connector(
     context: OpExecutionContext, conveyor: ConveyorResource, name: str, loaded: LoadedSpec
 ) -> None:
-    """The op body: claim, run the loop (again after each spec change), record the final state.
+    """The op body: the sink connector's run, or a partition task's (``jobs/tasks.py``).
 
     ``loaded`` is the spec as this run's process read it from its file; its references
     are resolved here, in the run, and nowhere else.
@@ -62,41 +87,8 @@ def run_connector(
     sync_one(store, loaded)
     if not loaded.ok or loaded.spec is None:
         raise Failure(description=f"connector {name!r} cannot start: {loaded.error}")
-    ls = loaded
-    assert ls.spec is not None
-    if TAG_TASK in context.run.tags:  # a partition task's run (jobs/tasks.py)
-        return run_task(context, conveyor, name, ls, store)
-    claim = claim_run(context, store, name, ls.spec.heartbeat_timeout_s)
-    if claim is None:
-        return
-    gen = claim.generation
-    broker = store.get_broker(claim.broker_id) if claim.broker_id else None
-    remote = broker.spark_remote if broker else conveyor.default_remote()
-    committed = dict(claim.offsets)
-    loop: ConnectorLoop | None = None
-
-    def run_one(
-        ls: LoadedSpec, spec_hash: str | None, canceled: Callable[[], bool]
-    ) -> ConnectorLoop:
-        """One loop for one spec, supervised until it ends; the next starts where it stopped."""
-        nonlocal loop, committed
-        counters = loop.counters if loop is not None else None
-        loop = build_sink_loop(
-            context, conveyor, store, ls, spec_hash, gen, claim, remote, committed, counters
-        )
-        supervise(context, loop, ls, canceled)
-        committed = dict(loop.committed)
-        return loop
-
-    def final() -> dict[str, Any]:
-        return loop.counters.as_dict() if loop is not None else {}
-
-    run_until_stopped(
-        context, store, ls, gen, run_one=run_one, final=final,
-        terminated="offsets committed up to the last acknowledged batch",
-        op_retries=OUTAGE_RUN_RETRIES,
-        retry_delay_s=lambda ls: ls.spec.retry.delay if ls.spec is not None else 0.0,
-    )  # fmt: skip
+    kind = TaskRun if TAG_TASK in context.run.tags else SinkRun
+    kind(context, conveyor, loaded, store).execute()
 
 
 def connector_job(ls: LoadedSpec) -> JobDefinition:

@@ -174,8 +174,10 @@ def log_dead_letters(context: OpExecutionContext, name: str, writer: Any, writte
 
 
 def record_stuck_stage(context: OpExecutionContext, loaded: LoadedSpec, reason: str) -> None:
-    """The stuck stage on the sink asset's timeline (the run's event log in the UI)."""
-    assert loaded.sink is not None
+    """The stuck stage on the sink asset's timeline (the run's event log in the UI); a source
+    connector's stuck stage is in the run's log only (``supervise`` logs every report)."""
+    if loaded.sink is None:
+        return
     try:
         context.log_event(
             AssetMaterialization(

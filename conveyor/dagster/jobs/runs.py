@@ -1,10 +1,9 @@
-"""What every connector run does around its loop, sink or source: tags, claim, cancel, spec
-changes, and ending by the outcome table (``core.failure.run_outcome``)."""
+"""What every connector run uses around its loop, sink, source or task: its errors scrubbed of
+secrets, tags, claim, cancel, spec changes. The lifecycle itself is ``jobs/run_template.py``."""
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -12,7 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from dagster import (
     DagsterExecutionInterruptedError,
@@ -24,11 +23,8 @@ from dagster import (
 
 from conveyor.config.specs import LoadedSpec, load_source, resolved, sync_one
 from conveyor.core.errors import AlreadyClaimedError, ConfigError, FencedError
-from conveyor.core.failure import RunEnding, run_outcome
-from conveyor.core.model import ConnectorStatus
 from conveyor.core.processes import pid_alive
 from conveyor.core.scrubbing import chain_holds_secret, scrub, scrubbed_exception
-from conveyor.core.state import StateChange
 from conveyor.dagster.tags import TAG_BROKER, TAG_GENERATION
 from conveyor.store.meta import Claim, ConnectorRow, MetaStore
 
@@ -157,7 +153,7 @@ class CancelWatch:
     A run's parent is the process that launched it (the code server, with the default run
     launcher). When it is gone (``conveyor dev`` stopped, the code server killed) nobody is
     left to terminate the run, and it would hold its connector and its home forever: the run
-    sees its parent change and stops itself (``run_until_stopped`` then fences it).
+    sees its parent change and stops itself (``RunTemplate.orphaned`` then fences it).
     """
 
     def __init__(self, context: OpExecutionContext, every_s: float = 2.0):
@@ -217,141 +213,6 @@ def next_spec(
         "going on with the last valid one"
     )
     return current, store.get(current.name).spec_hash
-
-
-def end_run(
-    context: OpExecutionContext,
-    store: MetaStore,
-    name: str,
-    generation: int,
-    error: BaseException,
-    *,
-    counters: Callable[[], dict[str, Any]],
-    label: str = "connector",
-    op_retries: int = 0,
-    retry_delay_s: float = 0.0,
-) -> None:
-    """End the run for ``error`` by the outcome table: returns only when fenced."""
-    outcome = run_outcome(error, op_retries_left=op_retries - context.retry_number)
-    match outcome.ending:
-        case RunEnding.EXIT:
-            context.log.warning(
-                f"{error}. Another run owns the connector now; exiting without committing."
-            )
-            return
-        case RunEnding.RETRY:
-            store.apply(
-                name,
-                generation,
-                StateChange(status=ConnectorStatus.DEGRADED, error=outcome.error),
-                f"{outcome.reason} {context.retry_number + 1}",
-            )
-            raise RetryRequested(max_retries=op_retries, seconds_to_wait=retry_delay_s) from error
-        case RunEnding.ERROR:
-            store.release(
-                name,
-                generation,
-                ConnectorStatus.ERROR,
-                outcome.reason,
-                error=outcome.error,
-                counters=counters(),
-            )
-            raise Failure(description=f"{label} {name} stopped with an error: {error}") from None
-        case RunEnding.CRASH:
-            store.release(
-                name, generation, ConnectorStatus.ERROR, outcome.reason, error=outcome.error
-            )
-            raise error
-
-
-class RunLoop(Protocol):
-    """What the lifecycle reads of a loop that ended: sink loop, source loop or task loop."""
-
-    reconfigure_requested: bool
-
-    @property
-    def counters(self) -> Any: ...
-
-
-def run_loops(
-    ls: LoadedSpec,
-    canceled: Callable[[], bool],
-    *,
-    run_one: Callable[[LoadedSpec, str | None, Callable[[], bool]], RunLoop | None],
-    reconfigure: Callable[[LoadedSpec, str | None], tuple[LoadedSpec, str | None]],
-) -> RunLoop | None:
-    """The loops of one run, sink, source or partition task: ``run_one`` builds a loop for the
-    spec (and its hash) and runs it until it ends (None: nothing left to run); a loop that
-    ended for a reconfigure is followed by the next, once ``reconfigure`` gave the spec to run
-    with. Returns the last loop; raises DagsterExecutionInterruptedError for a terminate whose
-    interrupt never reached the op (see ``cancel_requested``)."""
-    running_hash = ls.spec_hash()
-    while True:
-        loop = run_one(ls, running_hash, canceled)
-        if loop is None:
-            return None
-        if canceled():
-            raise DagsterExecutionInterruptedError()
-        if not loop.reconfigure_requested:
-            return loop
-        ls, running_hash = reconfigure(ls, running_hash)
-
-
-def run_until_stopped(
-    context: OpExecutionContext,
-    store: MetaStore,
-    ls: LoadedSpec,
-    generation: int,
-    *,
-    run_one: Callable[[LoadedSpec, str | None, Callable[[], bool]], RunLoop],
-    final: Callable[[], dict[str, Any]],
-    label: str = "connector",
-    terminated: str,
-    op_retries: int = 0,
-    retry_delay_s: Callable[[LoadedSpec], float] = lambda _ls: 0.0,
-) -> None:
-    """A claimed connector run's lifecycle around its loop, sink or source: run a loop for the
-    spec (``run_one`` builds and runs it until it ends), again for each spec change, then end the
-    run by what ended it: a terminate (released Stopped, re-raised), an error (``end_run``'s
-    outcome table) or the desired state (released Stopped). ``final`` is the last heartbeat's
-    counters; ``terminated`` says what a terminate kept."""
-    name = ls.name
-    canceled = cancel_requested(context)
-    loop: RunLoop | None = None
-
-    def reconfigure(
-        current: LoadedSpec, _running_hash: str | None
-    ) -> tuple[LoadedSpec, str | None]:
-        nonlocal ls  # the spec the run ends with (its retry delay)
-        ls, running_hash = next_spec(context, store, current)
-        return ls, running_hash
-
-    try:
-        loop = run_loops(ls, canceled, run_one=run_one, reconfigure=reconfigure)
-    except DagsterExecutionInterruptedError:
-        if canceled.orphaned:
-            # Nobody stopped it: the connector stays meant to run; fenced, so that nothing of
-            # this run commits from now on, and assigned again by the scheduler.
-            store.apply(name, generation, StateChange.reset(), ORPHANED.format(context.run_id))
-        else:
-            store.release(
-                name, generation, ConnectorStatus.STOPPED, f"run {context.run_id} terminated",
-                counters=final(),
-            )  # fmt: skip
-        context.log.info(f"{label} {name} stopped by terminate; {terminated}")
-        raise
-    except Exception as e:
-        end_run(
-            context, store, name, generation, e, counters=final, label=label,
-            op_retries=op_retries, retry_delay_s=retry_delay_s(ls),
-        )  # fmt: skip
-        return
-    store.release(
-        name, generation, ConnectorStatus.STOPPED, "stopped: desired state is stopped",
-        counters=final(),
-    )  # fmt: skip
-    counters = loop.counters.as_dict() if loop is not None else {}
-    context.log.info(f"{label} {name} stopped: {json.dumps(counters)}")
 
 
 def current_spec_resolved(name: str, source: str | None) -> LoadedSpec:

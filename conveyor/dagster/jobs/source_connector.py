@@ -1,11 +1,13 @@
 """The source connector job: one long-running Dagster run reading a system into topics.
 
-Same lifecycle as a sink connector's job (``connector__<name>``, launched by the
-scheduler sensor, claimed and fenced by generation, terminated as a Dagster
-interrupt): the op claims the connector, checks the stored state's version, builds
-the source, the Spark transform, the Route and the producer, and drives
-``core.source_loop``. Topic assets (``kafka/<topic>``) get a materialization per
-destination at most once a minute and at the end of the run.
+The op's body is ``SourceRun``, the source kind of the one run template
+(``jobs/run_template.py``, as Kafka Connect's ``WorkerSourceTask``): the same lifecycle as a
+sink connector's run (``connector__<name>``, launched by the scheduler sensor, claimed and
+fenced by generation, supervised, terminated as a Dagster interrupt, ended by the outcome
+table). It checks the stored state's version, builds the source, the Spark transform, the
+Route and the producer, and the template supervises ``core.source_loop``. Topic assets
+(``kafka/<topic>``) get a materialization per destination at most once a minute and at the
+end of each loop.
 """
 
 from __future__ import annotations
@@ -39,14 +41,11 @@ from conveyor.core.source_loop import (
     SourceLoopConfig,
     checked_state,
 )
-from conveyor.core.stopping import Directive, directive_for
+from conveyor.core.stopping import Directive, LoopControl, directive_for
 from conveyor.dagster.assets.lineage import static_destinations, topic_key
 from conveyor.dagster.jobs.allocators import use_run_allocators
-from conveyor.dagster.jobs.runs import (
-    claim_run,
-    run_until_stopped,
-    scrubbed_errors,
-)
+from conveyor.dagster.jobs.run_template import RunTemplate
+from conveyor.dagster.jobs.runs import claim_run, scrubbed_errors
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_CONNECTOR, TAG_KIND, job_name
 from conveyor.sources import build_source
@@ -133,44 +132,52 @@ def _topic_materializer(context: OpExecutionContext, name: str, every_s: float =
     return log
 
 
+class SourceRun(RunTemplate):
+    """A source connector's run (``WorkerSourceTask``): claims the connector, checks the stored
+    state's version and builds the source loop (source, transform, route, producer, fenced
+    state writer); its topics are materialized at most once a minute and as each loop ends."""
+
+    label = "source connector"
+    terminated = "state stored up to the last produced batch"
+
+    def claim(self) -> bool:
+        spec = self.ls.source_spec
+        assert spec is not None
+        claim = claim_run(self.context, self.store, self.name, spec.heartbeat_timeout_s)
+        if claim is None:
+            return False
+        self.generation = claim.generation
+        broker = self.store.get_broker(claim.broker_id) if claim.broker_id else None
+        self.remote = broker.spark_remote if broker else self.conveyor.default_remote()
+        self.materialize = _topic_materializer(self.context, self.name)
+        return True
+
+    def build_loop(
+        self, ls: LoadedSpec, spec_hash: str | None, canceled: Callable[[], bool]
+    ) -> LoopControl:
+        counters = self.loop.counters if self.loop is not None else None
+        return _build_loop(
+            self.context, self.conveyor, self.store, ls, spec_hash, self.generation,
+            self.remote, counters, self.materialize,
+        )  # fmt: skip
+
+    def loop_ended(self, loop: LoopControl) -> None:
+        assert isinstance(loop, SourceLoop)
+        self.materialize(loop.heartbeat_payload(), True)
+
+    def final_counters(self) -> dict[str, Any]:
+        return self.loop.heartbeat_payload() if isinstance(self.loop, SourceLoop) else {}
+
+
 def run_source_connector(
     context: OpExecutionContext, conveyor: ConveyorResource, name: str, loaded: LoadedSpec
 ) -> None:
-    """The op body: claim, check the state's version, run the loop (again after a spec change)."""
-    store = conveyor.store()
+    """The op body: the source connector's run (``SourceRun``)."""
+    store = conveyor.run_store()
     sync_one(store, loaded)
     if not loaded.ok or loaded.source_spec is None:
         raise Failure(description=f"connector {name!r} cannot start: {loaded.error}")
-    ls = loaded
-    assert ls.source_spec is not None
-    claim = claim_run(context, store, name, ls.source_spec.heartbeat_timeout_s)
-    if claim is None:
-        return
-    gen = claim.generation
-    broker = store.get_broker(claim.broker_id) if claim.broker_id else None
-    remote = broker.spark_remote if broker else conveyor.default_remote()
-    loop: SourceLoop | None = None
-    materialize = _topic_materializer(context, name)
-
-    def run_one(ls: LoadedSpec, spec_hash: str | None, canceled: Callable[[], bool]) -> SourceLoop:
-        """One loop for one spec, run until it ends; its topics materialized at the end."""
-        nonlocal loop
-        counters = loop.counters if loop is not None else None
-        loop = _build_loop(
-            context, conveyor, store, ls, spec_hash, gen, remote, counters, materialize
-        )
-        loop.stop_requested = canceled
-        loop.run()
-        materialize(loop.heartbeat_payload(), True)
-        return loop
-
-    def final() -> dict[str, Any]:
-        return loop.heartbeat_payload() if loop is not None else {}
-
-    run_until_stopped(
-        context, store, ls, gen, run_one=run_one, final=final, label="source connector",
-        terminated="state stored up to the last produced batch",
-    )  # fmt: skip
+    SourceRun(context, conveyor, loaded, store).execute()
 
 
 def _build_loop(

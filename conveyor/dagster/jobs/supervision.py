@@ -1,5 +1,5 @@
-"""The run's supervisor: the loop on a thread of its own, heartbeats and stage deadlines from
-the op's thread (``core.liveness.Supervisor``), and the terminate path."""
+"""The run's supervisor: the loop (sink, source or task) on a thread of its own, heartbeats and
+stage deadlines from the op's thread (``core.liveness.Supervisor``), and the terminate path."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from dagster import DagsterExecutionInterruptedError, OpExecutionContext
 from conveyor.config.specs import LoadedSpec
 from conveyor.core.errors import FencedError, StageHungError
 from conveyor.core.liveness import Supervisor
-from conveyor.core.loop import ConnectorLoop, run_loop
+from conveyor.core.loop import run_loop
 from conveyor.core.model import Counters
+from conveyor.core.stopping import LoopControl
 from conveyor.dagster.jobs.progress import record_stuck_stage
 from conveyor.dagster.jobs.runs import hold_interrupts
 
@@ -27,7 +28,7 @@ STOP_GRACE_S = 30.0
 
 def supervise(
     context: OpExecutionContext,
-    loop: ConnectorLoop,
+    loop: LoopControl,
     loaded: LoadedSpec,
     canceled: Callable[[], bool],
     *,
@@ -50,19 +51,19 @@ def supervise(
         raise interrupted
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["counters"]  # type: ignore[no-any-return]
+    return outcome["counters"]
 
 
 def _supervisor(
     context: OpExecutionContext,
-    loop: ConnectorLoop,
+    loop: LoopControl,
     loaded: LoadedSpec,
     clock: Callable[[], float],
 ) -> Supervisor:
     """Marks the loop supervised and builds its Supervisor from the spec's liveness and batch
-    settings; its reports go to the op's log."""
-    assert loaded.spec is not None
-    spec = loaded.spec
+    settings (a sink or a source connector's); its reports go to the op's log."""
+    spec = loaded.spec or loaded.source_spec
+    assert spec is not None
     loop.supervised = True
     return Supervisor(
         loop,
@@ -75,7 +76,7 @@ def _supervisor(
 
 
 def _start_loop(
-    loop: ConnectorLoop, name: str
+    loop: LoopControl, name: str
 ) -> tuple[threading.Thread, threading.Event, dict[str, Any]]:
     """Starts the loop on a daemon thread; returns the thread, the Event set when the loop
     ends, and the outcome it fills (``counters`` or ``error``)."""
@@ -101,7 +102,7 @@ def _start_loop(
 
 def _watch(
     context: OpExecutionContext,
-    loop: ConnectorLoop,
+    loop: LoopControl,
     loaded: LoadedSpec,
     sup: Supervisor,
     done: threading.Event,
@@ -136,7 +137,7 @@ def _watch(
 
 def _stop_after_interrupt(
     context: OpExecutionContext,
-    loop: ConnectorLoop,
+    loop: LoopControl,
     loaded: LoadedSpec,
     sup: Supervisor,
     worker: threading.Thread,

@@ -1,4 +1,5 @@
-"""A partition task's run: the connector loop over the partitions the scheduler granted it.
+"""A partition task's run (``TaskRun``, the task kind of ``jobs/run_template.py``): the sink
+connector loop over the partitions the scheduler granted it, supervised as every run.
 
 A run launched for a task carries ``conveyor/task`` and ``conveyor/task_generation``
 (plus ``conveyor/connector`` and ``conveyor/broker``). It reads only the partitions its
@@ -23,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dagster import DagsterExecutionInterruptedError, Failure, OpExecutionContext
+from dagster import DagsterExecutionInterruptedError, OpExecutionContext
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.config.specs import LoadedSpec
-from conveyor.core.errors import ConveyorError, FencedError
-from conveyor.core.loop import ConnectorLoop, run_loop
+from conveyor.core.errors import FencedError
+from conveyor.core.loop import ConnectorLoop
 from conveyor.core.model import (
     ConnectorStatus,
     Counters,
@@ -39,10 +40,11 @@ from conveyor.core.model import (
 )
 from conveyor.core.positions import PositionScope
 from conveyor.core.sink import task_writer
-from conveyor.core.stopping import Directive, directive_for
+from conveyor.core.stopping import Directive, LoopControl, directive_for
 from conveyor.core.tasks import TaskSample
 from conveyor.dagster.jobs.progress import progress_logger
-from conveyor.dagster.jobs.runs import cancel_requested, next_spec, run_loops
+from conveyor.dagster.jobs.run_template import RunTemplate
+from conveyor.dagster.jobs.runs import ORPHANED, next_spec
 from conveyor.dagster.jobs.sink_loop import build_sink_loop
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_BROKER, TAG_TASK, TAG_TASK_GENERATION
@@ -105,20 +107,22 @@ class TaskCommitter:
         if now - then < self.sample_interval_s:
             return None
         dt = max(now - then, 1e-6)
+        # A copy: the supervisor's thread samples while the loop's thread commits.
+        committed = dict(self.committed)
         rates = {
             tp: max(0, off - before.get(tp, off)) / dt
-            for tp, off in self.committed.items()
+            for tp, off in committed.items()
             if tp in self.reading
         }
         highwaters = self.source.highwaters()
         lags = {
-            tp: max(0, hw - self.committed.get(tp, hw))
+            tp: max(0, hw - committed.get(tp, hw))
             for tp, hw in highwaters.items()
             if tp in self.reading
         }
         for tp in self.reading:
             rates.setdefault(tp, 0.0)
-        self._snapshot = (now, dict(self.committed))
+        self._snapshot = (now, committed)
         self.last_sample = TaskSample(now, rates, lags)
         return self.last_sample
 
@@ -171,75 +175,94 @@ class _TaskRun:
         )
 
 
-def run_task(
-    context: OpExecutionContext,
-    conveyor: ConveyorResource,
-    name: str,
-    loaded: LoadedSpec,
-    store: MetaStore,
-) -> None:
-    """The op body of a task run (``run_connector`` hands over to it when the run has task tags)."""
-    assert loaded.spec is not None
-    run = _TaskRun.of(context, name, store, context.run.tags.get(TAG_BROKER))
-    gen = run.generation
-    interval = loaded.spec.tasks.sample_interval_s
-    first = _first_grant(context, run)
-    if first is None:
-        return
-    grant: Grant = first
-    remote = _spark_remote(conveyor, store, run.broker_id)
-    canceled = cancel_requested(context)
-    counters: Counters | None = None
+class TaskRun(RunTemplate):
+    """A partition task's run, the task kind of the one run template (``jobs/run_template.py``):
+    its claim is its grant (a task has its own generation), its loop the sink loop over the
+    granted partitions committing per partition (``TaskCommitter``: its fence), a reconfigure
+    a handover; it owns no connector row, so its ending is a history line, never a release."""
 
-    def run_one(
-        ls: LoadedSpec, running_hash: str | None, canceled: Callable[[], bool]
-    ) -> ConnectorLoop | None:
+    op_retries = 0
+    fenced = "This task was replaced or removed"
+
+    def claim(self) -> bool:
+        spec = self.ls.spec
+        assert spec is not None
+        self.run = _TaskRun.of(
+            self.context, self.name, self.store, self.context.run.tags.get(TAG_BROKER)
+        )
+        self.generation = self.run.generation
+        self.interval = spec.tasks.sample_interval_s
+        first = _first_grant(self.context, self.run)
+        if first is None:
+            return False
+        self.grant: Grant = first
+        self.remote = _spark_remote(self.conveyor, self.store, self.run.broker_id)
+        return True
+
+    @property
+    def title(self) -> str:
+        return f"connector {self.name} task {self.run.task_id}"
+
+    def build_loop(
+        self, ls: LoadedSpec, spec_hash: str | None, canceled: Callable[[], bool]
+    ) -> LoopControl | None:
         """The loop over the task's partitions once they are handed over; None: it ends."""
-        nonlocal grant, counters
-        ready = _partitions_to_read(context, run, grant, canceled)
+        run, name = self.run, self.name
+        ready = _partitions_to_read(self.context, run, self.grant, canceled)
         if ready is None:
             return None
-        grant = ready
-        mine = frozenset(grant.owned)
-        committed = {tp: o for tp, o in store.committed_offsets(name).items() if tp in mine}
-        row = store.get(name)
-        claim = Claim(name, gen, run.broker_id, committed, row.incarnation, row.legacy_positions)
-        built = (context, conveyor, store, ls, running_hash, gen, claim, remote, committed)
-        loop = build_sink_loop(
-            *built, counters, partitions=mine, writer=task_writer(name, run.task_id)
+        self.grant = ready
+        mine = frozenset(ready.owned)
+        committed = {tp: o for tp, o in self.store.committed_offsets(name).items() if tp in mine}
+        row = self.store.get(name)
+        claim = Claim(
+            name, run.generation, run.broker_id, committed, row.incarnation, row.legacy_positions
         )
-        committer = _read_only_mine(loop, run, grant, committed, running_hash, interval)
-        loop.stop_requested = canceled
+        counters = self.loop.counters if self.loop is not None else None
+        built = (self.context, self.conveyor, self.store, ls, spec_hash, run.generation, claim)
+        loop = build_sink_loop(
+            *built, self.remote, committed, counters, partitions=mine,
+            writer=task_writer(name, run.task_id),
+        )  # fmt: skip
+        committer = _read_only_mine(loop, run, ready, committed, spec_hash, self.interval)
         extra = _task_metadata(run.task_id, committer)
         loop.on_progress = progress_logger(
-            context, ls, loop.dead_letters, extra=extra, sink=loop.sink
+            self.context, ls, loop.dead_letters, extra=extra, sink=loop.sink
         )
-        _log_reads(context, run, mine, committed)
-        counters = run_loop(loop)
+        _log_reads(self.context, run, mine, committed)
         return loop
 
-    def reconfigure(ls: LoadedSpec, running_hash: str | None) -> tuple[LoadedSpec, str | None]:
+    def reconfigure(
+        self, ls: LoadedSpec, running_hash: str | None
+    ) -> tuple[LoadedSpec, str | None]:
         """A new grant (a handover) and, when the stored spec changed, the new spec."""
-        nonlocal grant
-        grant = run.tasks.grant(name, run.task_id, gen)
-        if _spec_changed(store, name, running_hash):
-            return next_spec(context, store, ls)
+        self.grant = self.run.tasks.grant(self.name, self.run.task_id, self.generation)
+        if _spec_changed(self.store, self.name, running_hash):
+            return next_spec(self.context, self.store, ls)
         return ls, running_hash
 
-    try:
-        run_loops(loaded, canceled, run_one=run_one, reconfigure=reconfigure)
-    except DagsterExecutionInterruptedError:
-        context.log.info(f"connector {name} task {run.task_id} stopped by terminate")
-        raise
-    except FencedError as e:
-        context.log.warning(f"{e}. This task was replaced or removed; exiting without committing.")
-        return
-    except ConveyorError as e:
-        store.record(name, f"task {run.task_id}: {type(e).__name__}: {e}", run_id=context.run_id)
-        raise Failure(description=f"connector {name} task {run.task_id}: {e}") from None
-    context.log.info(
-        f"connector {name} task {run.task_id} ended ({counters.as_dict() if counters else {}})"
-    )
+    def orphaned(self) -> None:
+        """A task whose parent is gone stops itself and says so; its grant lapses with its
+        heartbeat and the task sensor hands its partitions over (the connector row is not a
+        task's to reset)."""
+        self.store.record(
+            self.name, f"task {self.run.task_id}: " + ORPHANED.format(self.context.run_id),
+            run_id=self.context.run_id,
+        )  # fmt: skip
+
+    def release(
+        self,
+        status: ConnectorStatus,
+        reason: str,
+        *,
+        error: str | None = None,
+        counters: dict[str, Any] | None = None,
+    ) -> None:
+        """A task's error is a line in its connector's history (the connector stays as it is)."""
+        if error is not None:
+            self.store.record(
+                self.name, f"task {self.run.task_id}: {reason}: {error}", run_id=self.context.run_id
+            )
 
 
 def _first_grant(context: OpExecutionContext, run: _TaskRun) -> Grant | None:
