@@ -69,6 +69,30 @@ def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
     return DAGSTER_YAML.format(limits=limits)
 
 
+RUN_LAUNCHER_YAML = """\
+# Runs forked from Conveyor's warm run server (CONVEYOR_RUN_LAUNCHER=default: Dagster's own).
+run_launcher:
+  module: conveyor.dagster.launcher
+  class: ForkServerRunLauncher
+  config:
+    socket: {socket}
+"""
+
+
+def run_launcher_yaml(socket: Path | None) -> str:
+    """The ``run_launcher`` section: the fork-server launcher on ``socket``; none (Dagster's
+    DefaultRunLauncher) when ``socket`` is None."""
+    return RUN_LAUNCHER_YAML.format(socket=socket) if socket else ""
+
+
+def uses_run_server() -> bool:
+    """``CONVEYOR_RUN_LAUNCHER``: ``forkserver`` (the default) or ``default``."""
+    choice = os.environ.get("CONVEYOR_RUN_LAUNCHER", "forkserver")
+    if choice not in ("forkserver", "default"):
+        raise ConveyorError(f"CONVEYOR_RUN_LAUNCHER={choice!r}: use forkserver or default")
+    return choice == "forkserver"
+
+
 DEFINITIONS_MODULE = "conveyor.dagster.definitions"
 DEMO_LOCATION = "conveyor.demo.downstream"
 
@@ -134,7 +158,13 @@ def run_dev(
         dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = _dev_env(home, dagster_home, bootstrap, remote, dagster_url)
         capacity = int(os.environ.get("CONVEYOR_BROKER_CAPACITY", "8"))
-        (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", capacity)]))
+        socket = None
+        if uses_run_server():
+            socket = dagster_home / RUN_SERVER_SOCKET
+            services.children.append(_start_run_server(home, socket, env))
+        (dagster_home / "dagster.yaml").write_text(
+            dagster_yaml([("local", capacity)]) + run_launcher_yaml(socket)
+        )
         if demo:
             _install_demo(connectors)
             # The demo's minutes begin when it starts (conveyor/demo/downstream.py).
@@ -320,6 +350,35 @@ def _start_api(
         f'curl -H "Authorization: Bearer $(cat {token})" http://127.0.0.1:{api_port}/connectors)'
     )
     return proc
+
+
+RUN_SERVER_SOCKET = "runserver.sock"
+
+
+def _start_run_server(home: Path, socket: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The warm run server the fork-server launcher forks runs from; returns once it answers
+    (its imports take a few seconds)."""
+    from conveyor.dagster.launcher import RunServerUnreachable, ask
+
+    log = home / "logs" / "runserver.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.dagster.runserver", "--socket", str(socket)],
+        env=env,
+        stdout=open(log, "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        # Like `dagster dev`: a Ctrl-C reaches its runs only through _DevServices.stop.
+        start_new_session=True,
+    )
+    _say(f"starting the run server (connector runs fork from it; log in {log})")
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            ask(socket, {"op": "ping"}, timeout_s=1)
+            return proc
+        except RunServerUnreachable:
+            time.sleep(0.2)
+    _kill_tree(proc)
+    raise ConveyorError(f"the run server did not start; see {log}")
 
 
 def _start_dagster(
