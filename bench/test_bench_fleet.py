@@ -84,7 +84,9 @@ class Fleet:
 
     def running(self) -> list[Any]:
         rows = [r for r in self.store.list() if r.name in self.topics]
-        return [r for r in rows if r.status.value == "Running" and r.run_pid and pid_alive(r.run_pid)]
+        return [
+            r for r in rows if r.status.value == "Running" and r.run_pid and pid_alive(r.run_pid)
+        ]
 
     def committed(self, name: str) -> int:
         return sum(self.store.committed_offsets(name).values())

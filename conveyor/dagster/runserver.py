@@ -39,20 +39,22 @@ from pathlib import Path
 from typing import Any
 
 # What a run imports, imported once here (CONVEYOR_RUNSERVER_PRELOAD, comma-separated,
-# replaces it). The code location itself is imported to warm what it imports, and imported
-# again in each child, so a run sees the spec files as they are when it starts.
+# replaces it).
 PRELOAD = (
     "dagster._cli.api",
     "dagster._core.storage.runs.sqlite",
     "dagster._core.storage.event_log.sqlite",
     "dagster._core.storage.schedules.sqlite",
-    "conveyor.dagster.definitions",
     "conveyor.dagster.jobs.connector",
     "conveyor.dagster.jobs.source_connector",
     "pyspark.sql.connect.session",
     "confluent_kafka",
     "conveyor.sinks.postgres",
 )
+# Conveyor's code location: built here, with its jobs, so a run neither rebuilds it (seconds
+# for a few dozen connectors) nor holds a copy of its own; built again here when the spec
+# files change, so a run always finds the jobs of the files as they are.
+CODE_LOCATION = "conveyor.dagster.definitions"
 STOP_GRACE_S = 40.0
 TICK_S = 0.2
 _PR_SET_PDEATHSIG = 1
@@ -60,8 +62,7 @@ _KEEP_EXITED = 1000
 
 
 def preload(modules: tuple[str, ...] | None = None) -> None:
-    """Import what runs import, then freeze the collector's view of it: objects made so far
-    are never scanned again, so collections in a child do not write to shared pages."""
+    """Import what runs import."""
     names = modules
     if names is None:
         env = os.environ.get("CONVEYOR_RUNSERVER_PRELOAD")
@@ -70,8 +71,47 @@ def preload(modules: tuple[str, ...] | None = None) -> None:
         importlib.import_module(name)
     if "dagster" in sys.modules:
         warm_instance()
-    gc.collect()
-    gc.freeze()
+
+
+class CodeLocation:
+    """Conveyor's code location, loaded in the server and loaded again when the spec files
+    change (``refresh``, before each fork)."""
+
+    def __init__(self, module: str | None) -> None:
+        self.module = module
+        self._seen: object = None
+
+    def fingerprint(self) -> object:
+        from conveyor.config.specs import connectors_dir
+
+        try:
+            entries = sorted(os.scandir(connectors_dir()), key=lambda e: e.name)
+            return [(e.name, e.stat().st_mtime_ns, e.stat().st_size) for e in entries]
+        except OSError:
+            return None
+
+    def refresh(self) -> None:
+        """(Re)load the location if its spec files changed, then freeze the collector's view
+        of everything loaded: objects made so far are never scanned again, so collections
+        in a child do not write to the pages it shares with the server."""
+        if self.module is None:
+            if self._seen is None:
+                self._seen = True
+                gc.collect()
+                gc.freeze()
+            return
+        now = self.fingerprint()
+        if now == self._seen and self.module in sys.modules:
+            return
+        gc.unfreeze()
+        sys.modules.pop(self.module, None)
+        module = importlib.import_module(self.module)
+        for value in vars(module).values():
+            if type(value).__name__ == "Definitions":
+                value.get_repository_def().get_all_jobs()
+        self._seen = now
+        gc.collect()
+        gc.freeze()
 
 
 def warm_instance() -> None:
@@ -92,8 +132,9 @@ def warm_instance() -> None:
 class RunServer:
     """Accepts requests on ``socket_path`` and forks a child per run; reaps its children."""
 
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, location: CodeLocation | None = None) -> None:
         self.socket_path = socket_path
+        self.location = location or CodeLocation(None)
         self.pid = os.getpid()
         self.running: dict[str, int] = {}  # run id -> pid
         self.exited: dict[str, int] = {}  # run id -> exit code (negative: the signal)
@@ -168,6 +209,7 @@ class RunServer:
                 "ok": False,
                 "error": f"run {run_id} is already running (pid {self.running[run_id]})",
             }
+        self.location.refresh()
         pid = os.fork()
         if pid == 0:
             conn.close()
@@ -267,20 +309,9 @@ def execute_run(run_id: str, instance_ref: str) -> int:
     with capture_interrupts():
         ref = deserialize_value(instance_ref, InstanceRef)
         with DagsterInstance.from_ref(ref) as instance:
-            run = instance.get_run_by_id(run_id)
-            if run is not None and run.job_code_origin is not None:
-                forget_code_location(run.job_code_origin.repository_origin.code_pointer)
             return _execute_run_command_body(
                 run_id, instance, lambda _: None, set_exit_code_on_failure=True
             )
-
-
-def forget_code_location(pointer: object) -> None:
-    """Drop the code location's module, imported by the server, so the run loads it again
-    from the spec files of now (a connector added since the server started has a job)."""
-    name = getattr(pointer, "module", None)
-    if isinstance(name, str):
-        sys.modules.pop(name, None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,9 +319,16 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m conveyor.dagster.runserver")
     parser.add_argument("--socket", required=True, type=Path)
+    parser.add_argument(
+        "--code-location",
+        default=os.environ.get("CONVEYOR_RUNSERVER_CODE_LOCATION", CODE_LOCATION),
+        help="the module loaded here for runs ('' for none)",
+    )
     args = parser.parse_args(argv)
     preload()
-    server = RunServer(args.socket)
+    location = CodeLocation(args.code_location or None)
+    location.refresh()
+    server = RunServer(args.socket, location)
     print(f"conveyor run server: pid {server.pid} on {args.socket}", flush=True)
     server.serve()
 

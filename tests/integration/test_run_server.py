@@ -28,7 +28,12 @@ PRELOAD = "dagster._cli.api,tests.integration.runserver_jobs"
 
 @contextlib.contextmanager
 def run_server(sock: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, "CONVEYOR_RUNSERVER_PRELOAD": PRELOAD, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "CONVEYOR_RUNSERVER_PRELOAD": PRELOAD,
+        "CONVEYOR_RUNSERVER_CODE_LOCATION": "",
+        "PYTHONPATH": str(ROOT),
+    }
     cmd = [sys.executable, "-m", "conveyor.dagster.runserver", "--socket", str(sock)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
