@@ -151,6 +151,21 @@ def pss_mb(pid: int) -> float:
         return 0.0
 
 
+def private_by_kind(pid: int) -> dict[str, float]:
+    """A process's private memory (not shared with the server or anyone) by mapping kind, MB."""
+    out: dict[str, float] = {}
+    kind = "anon"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if not line[0].isupper() or not head[0].endswith(":"):
+                path = head[5] if len(head) > 5 else ""
+                kind = path if path.startswith("[") else ("file" if path else "anon")
+            elif head[0] in ("Private_Clean:", "Private_Dirty:"):
+                out[kind] = out.get(kind, 0.0) + int(head[1]) / 1024
+    return {k: round(v, 1) for k, v in sorted(out.items()) if v >= 0.1}
+
+
 def run_server_pid(home: Path) -> int | None:
     for p in psutil.process_iter(["cmdline", "environ"]):
         with contextlib.suppress(psutil.Error):
@@ -174,6 +189,7 @@ def memory(f: Fleet) -> dict[str, Any]:
         "run_rss_median_mb": statistics.median(rss),
         "run_server_pss_mb": server_pss,
         "pss_per_connector_mb": (sum(runs) + server_pss) / N,
+        "one_run_private_mb": private_by_kind(rows[0].run_pid),
         "available_mb": psutil.virtual_memory().available / 2**20,
     }
 
