@@ -82,11 +82,13 @@ class Fleet:
     def log(self) -> str:
         return (self.cwd / "conveyor-dev.log").read_text(errors="replace")[-4000:]
 
-    def running(self) -> list[Any]:
+    def live(self) -> list[Any]:
+        """Connectors whose run process is alive (Running, or Degraded by a late stage)."""
         rows = [r for r in self.store.list() if r.name in self.topics]
-        return [
-            r for r in rows if r.status.value == "Running" and r.run_pid and pid_alive(r.run_pid)
-        ]
+        return [r for r in rows if r.run_pid and pid_alive(r.run_pid)]
+
+    def running(self) -> list[Any]:
+        return [r for r in self.live() if r.status.value == "Running"]
 
     def committed(self, name: str) -> int:
         return sum(self.store.committed_offsets(name).values())
@@ -177,7 +179,7 @@ def run_server_pid(home: Path) -> int | None:
 
 
 def memory(f: Fleet) -> dict[str, Any]:
-    rows = f.running()
+    rows = f.live()
     runs = [pss_mb(r.run_pid) for r in rows]
     rss = [psutil.Process(r.run_pid).memory_info().rss / 2**20 for r in rows]
     server = run_server_pid(f.home)
@@ -216,20 +218,36 @@ def kill_to_first_commit(f: Fleet, tansu: str, name: str) -> float:
     return time.monotonic() - t0
 
 
+def all_running(f: Fleet) -> tuple[float | None, int]:
+    """Seconds until all ``N`` were Running at once (None: not within ``ALL_RUNNING_S``), and
+    the most that were; the figures are measured either way."""
+    t0 = time.monotonic()
+    most = 0
+    while time.monotonic() - t0 < ALL_RUNNING_S:
+        live = f.live()
+        most = max(most, sum(r.status.value == "Running" for r in live))
+        print(
+            f"{time.monotonic() - t0:6.0f} s: {most} Running at most, {len(live)} live", flush=True
+        )
+        if most == N:
+            return time.monotonic() - t0, most
+        time.sleep(2.0)
+    return None, most
+
+
 def test_a_fleet_of_idle_connectors(tansu: str, pg_url: str, pg_schema: str) -> None:
     launcher = os.environ.get("CONVEYOR_RUN_LAUNCHER", "forkserver")
     with fleet(tansu, pg_url, pg_schema) as f:
-        t0 = time.monotonic()
-        wait_for(lambda: len(f.running()) == N, ALL_RUNNING_S, f"all {N} Running", 2.0)
-        all_running_s = time.monotonic() - t0
+        all_running_s, most = all_running(f)
         mem = memory(f)
-        launches = [launch_to_first_commit(f, tansu, n) for n in f.names[:SAMPLES]]
-        kills = [kill_to_first_commit(f, tansu, n) for n in f.names[SAMPLES : 2 * SAMPLES]]
-        assert len(f.running()) == N
+        names = [r.name for r in f.running()]
+        launches = [launch_to_first_commit(f, tansu, n) for n in names[:SAMPLES]]
+        kills = [kill_to_first_commit(f, tansu, n) for n in names[SAMPLES : 2 * SAMPLES]]
     result = {
         "n": N,
         "launcher": launcher,
         "all_running_s": all_running_s,
+        "most_running_at_once": most,
         "loadavg": os.getloadavg(),
         **mem,
         "launch_to_first_commit_s": launches,
@@ -240,3 +258,4 @@ def test_a_fleet_of_idle_connectors(tansu: str, pg_url: str, pg_schema: str) -> 
     print("\n" + json.dumps(result, indent=1))
     if OUT:
         Path(OUT).write_text(json.dumps(result, indent=1))
+    assert all_running_s is not None, f"at most {most} of {N} Running at once"

@@ -62,7 +62,8 @@ _KEEP_EXITED = 1000
 
 
 def preload(modules: tuple[str, ...] | None = None) -> None:
-    """Import what runs import."""
+    """Import what runs import, Arrow's default pool set as runs set it."""
+    arrow_pool_as_runs()
     names = modules
     if names is None:
         env = os.environ.get("CONVEYOR_RUNSERVER_PRELOAD")
@@ -71,6 +72,16 @@ def preload(modules: tuple[str, ...] | None = None) -> None:
         importlib.import_module(name)
     if "dagster" in sys.modules:
         warm_instance()
+
+
+def arrow_pool_as_runs() -> None:
+    """Runs put Arrow on the system pool (``jobs/allocators.py``); the server does so before
+    pyarrow is imported, so that nothing a child inherits or writes lives in mimalloc's
+    arenas, which a run then abandons."""
+    from conveyor.dagster.jobs.allocators import ARROW_POOL_ENV, DEFAULT_ARROW_POOL
+
+    if os.environ.get(ARROW_POOL_ENV, DEFAULT_ARROW_POOL) == "system":
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 
 class CodeLocation:
