@@ -22,6 +22,8 @@ from conveyor.dagster.launcher import RUN_PID_TAG, ForkServerRunLauncher, ask
 from tests.e2e.conftest import wait_for
 from tests.integration import runserver_jobs
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = "dagster._cli.api,tests.integration.runserver_jobs"
 
