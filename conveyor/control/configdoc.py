@@ -72,7 +72,8 @@ _SOURCE_SECTIONS_KNOWN: list[bool] = []
 
 
 def _run_environment() -> list[tuple[str, str, str]]:
-    """A connector run process's allocator (conveyor/dagster/jobs/allocators.py)."""
+    """A connector run process's allocator (conveyor/dagster/jobs/allocators.py) and the run
+    server it is forked from (conveyor/dagster/runserver.py)."""
     from conveyor.dagster.jobs import allocators as a
 
     return [
@@ -87,6 +88,24 @@ def _run_environment() -> list[tuple[str, str, str]]:
             "glibc's mmap threshold in a connector's run process, KiB: blocks this large are mapped "
             "on their own and returned to the system when freed; `0` keeps glibc's own rule",
             f"`{a.DEFAULT_MMAP_THRESHOLD_KIB}`",
+        ),
+        (
+            "CONVEYOR_RUN_LAUNCHER",
+            "how `conveyor dev` launches runs: `default` (Dagster's DefaultRunLauncher) or "
+            "`forkserver` (forked from a warm run server, `conveyor/dagster/runserver.py`; "
+            "opt-in until its memory holds at a fleet's size, BENCHMARKS section 11)",
+            "`default`",
+        ),
+        (
+            "CONVEYOR_RUNSERVER_PRELOAD",
+            "modules the run server imports before forking runs, comma-separated",
+            "Dagster's run worker, Conveyor's jobs, pyspark's Connect client, confluent-kafka, "
+            "the PostgreSQL sink",
+        ),
+        (
+            "CONVEYOR_RUNSERVER_CODE_LOCATION",
+            "the code location the run server builds for its runs (empty: none)",
+            "`conveyor.dagster.definitions`",
         ),
     ]
 

@@ -72,11 +72,38 @@ def dagster_yaml(brokers: list[tuple[str, int]]) -> str:
 T = TypeVar("T")
 
 
-def write_instance(dagster_home: Path) -> None:
+def write_instance(dagster_home: Path, run_launcher: str = "") -> None:
     """``dagster.yaml`` in ``dagster_home``, its run queue sized for the brokers file's executors,
-    else for ``local`` of ``$CONVEYOR_BROKER_CAPACITY`` (default 8)."""
+    else for ``local`` of ``$CONVEYOR_BROKER_CAPACITY`` (default 8); ``run_launcher``: the
+    section ``run_launcher_yaml`` gives (empty: Dagster's DefaultRunLauncher)."""
     brokers = [(b.id, b.capacity) for b in load_brokers()]
-    (dagster_home / "dagster.yaml").write_text(dagster_yaml(brokers))
+    (dagster_home / "dagster.yaml").write_text(dagster_yaml(brokers) + run_launcher)
+
+
+RUN_LAUNCHER_YAML = """\
+# Runs forked from Conveyor's warm run server (CONVEYOR_RUN_LAUNCHER=forkserver).
+run_launcher:
+  module: conveyor.dagster.launcher
+  class: ForkServerRunLauncher
+  config:
+    socket: {socket}
+"""
+
+
+def run_launcher_yaml(socket: Path | None) -> str:
+    """The ``run_launcher`` section: the fork-server launcher on ``socket``; none (Dagster's
+    DefaultRunLauncher) when ``socket`` is None."""
+    return RUN_LAUNCHER_YAML.format(socket=socket) if socket else ""
+
+
+def uses_run_server() -> bool:
+    """``CONVEYOR_RUN_LAUNCHER``: ``default`` (Dagster's own, the default) or ``forkserver``
+    (runs forked from the warm run server: opt-in until its memory holds at a fleet's size,
+    docs/BENCHMARKS.md section 11)."""
+    choice = os.environ.get("CONVEYOR_RUN_LAUNCHER", "default")
+    if choice not in ("forkserver", "default"):
+        raise ConveyorError(f"CONVEYOR_RUN_LAUNCHER={choice!r}: use forkserver or default")
+    return choice == "forkserver"
 
 
 DEFINITIONS_MODULE = "conveyor.dagster.definitions"
@@ -143,7 +170,11 @@ def run_dev(
         services.spark, remote = _start_spark(home, spark_port, spark_workers)
         dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = _dev_env(home, dagster_home, bootstrap, remote, dagster_url)
-        write_instance(dagster_home)
+        socket = None
+        if uses_run_server():
+            socket = dagster_home / RUN_SERVER_SOCKET
+            services.children.append(_start_run_server(home, socket, env))
+        write_instance(dagster_home, run_launcher_yaml(socket))
         if demo:
             _install_demo(connectors)
             # The demo's minutes begin when it starts (conveyor/demo/downstream.py).
@@ -370,6 +401,35 @@ def _start_api(
         f'curl -H "Authorization: Bearer $(cat {token})" http://127.0.0.1:{api_port}/connectors)'
     )
     return proc
+
+
+RUN_SERVER_SOCKET = "runserver.sock"
+
+
+def _start_run_server(home: Path, socket: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The warm run server the fork-server launcher forks runs from; returns once it answers
+    (its imports take a few seconds)."""
+    from conveyor.dagster.launcher import RunServerUnreachable, ask
+
+    log = home / "logs" / "runserver.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.dagster.runserver", "--socket", str(socket)],
+        env=env,
+        stdout=open(log, "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        # Like `dagster dev`: a Ctrl-C reaches its runs only through _DevServices.stop.
+        start_new_session=True,
+    )
+    _say(f"starting the run server (connector runs fork from it; log in {log})")
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            ask(socket, {"op": "ping"}, timeout_s=1)
+            return proc
+        except RunServerUnreachable:
+            time.sleep(0.2)
+    _kill_tree(proc)
+    raise ConveyorError(f"the run server did not start; see {log}")
 
 
 def _start_dagster(
