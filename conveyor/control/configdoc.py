@@ -579,7 +579,18 @@ def source_connector_sections() -> list[str]:
 
 def render() -> str:
     """The whole of docs/CONFIG.md: intro, secrets, live changes, environment, spec sections,
-    brokers file, sinks, source connectors."""
+    brokers file, sinks, source connectors. The same text at every call: the sub-sections a
+    render titles (``nested_models``) are forgotten after it, so a second render in one process
+    documents them again."""
+    known = dict(_SECTION_OF)
+    try:
+        return _render()
+    finally:
+        _SECTION_OF.clear()
+        _SECTION_OF.update(known)
+
+
+def _render() -> str:
     parts = _intro_section()
     parts += _secrets_section()
     parts += _paths_section()

@@ -131,3 +131,9 @@ def test_attribute_docs_reads_attribute_docstrings():
         b: int = 2
 
     assert configdoc.attribute_docs(Settings) == {"a": "First setting."}
+
+
+def test_a_second_render_in_one_process_is_the_same_text():
+    """Sub-sections (sink.iceberg.catalog, ...) are titled during a render; a render after
+    another (another test of the same worker) once left them out."""
+    assert configdoc.render() == configdoc.render()
