@@ -186,10 +186,6 @@ CLASSES_BEING_SPLIT = {
     "schema, local decoders) and the SQL pipeline in one class",
     "conveyor/sources/postgres_cdc.py:PostgresCDCSource": "snapshot, slot and publication "
     "management beside the stream (CDC's snapshot and slot apart from the stream)",
-    "conveyor/sinks/postgres.py:PostgresSink": "the SQL sink's send, write, deletes and "
-    "offsets ledger beside the dialect (a SQL sink base over a dialect)",
-    "conveyor/sinks/mysql.py:MySQLSink": "the same SQL sink body as PostgresSink beside the "
-    "dialect (a SQL sink base over a dialect)",
     "conveyor/sinks/redis.py:RedisSink": "the command-template engine beside the sink (the "
     "template engine into its own module)",
     "conveyor/sinks/kafka.py:KafkaSink": "connections, exactly-once target offsets, size "
