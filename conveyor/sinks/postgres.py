@@ -70,7 +70,7 @@ class PostgresSink(SqlSink):
 
     def validate(self) -> None:
         """The connection string's file parameters, once its reference (if any) is resolved."""
-        libpq_files(self._dsn())
+        libpq_files(self._dsn(), read_service=False)
 
     def _dsn(self) -> str:
         return secret(self.config.url) or ""

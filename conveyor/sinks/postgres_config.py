@@ -12,6 +12,8 @@ from pydantic import Field, SecretStr, model_validator
 
 from conveyor.core import paths
 from conveyor.core.errors import ConfigError, rule
+from conveyor.core.references import known_now
+from conveyor.sinks.base import secret
 from conveyor.sinks.sql import (
     AutoEvolve,
     ConnectTimeoutS,
@@ -73,6 +75,9 @@ class PostgresSinkConfig(SqlSinkConfig):
         """Cross-field rules (no I/O): each error names its field."""
         rule(bool(self.url), "is required (a libpq URL, or ${env:NAME})", field="url")
         rule(bool(self.table.strip()), "must not be empty", field="table")
+        url = secret(self.url)
+        why = file_params_problem(url) if url and known_now(url) else None
+        rule(why is None, why or "", field="url")
         self.check_mapping()
         return self
 
@@ -90,32 +95,50 @@ LIBPQ_FILE_PARAMS = (
 )
 
 
-def libpq_files(dsn: str) -> dict[str, str]:
-    """The real path of each file parameter of a libpq URL or DSN, as ``core.paths`` resolves
-    it (to hand to ``psycopg2.connect``, which lets them override the DSN's); ConfigError naming
-    ``sink.url`` and the parameter when one is refused. ``sslrootcert=system`` (libpq's own CA
-    store) is not a path. A ``service`` read from a ``servicefile`` is held to the same rule."""
+def file_params(dsn: str) -> dict[str, str]:
+    """The file parameters of a libpq URL or DSN as written (parsed by the libpq that connects);
+    none when it does not parse: that libpq refuses it on connect too (a parameter newer than
+    it, such as ``servicefile`` or ``sslkeylogfile`` before PostgreSQL 18, included).
+    ``sslrootcert=system`` (libpq's own CA store) is not a path."""
     from psycopg2.extensions import parse_dsn
 
     try:
         params = parse_dsn(dsn)
-    except Exception:  # noqa: BLE001 - psycopg2.connect refuses it, with libpq's message
+    except Exception:  # noqa: BLE001 - refused on connect
         return {}
-    out = {}
-    for name in LIBPQ_FILE_PARAMS:
-        value = params.get(name)
-        if value is None or (name == "sslrootcert" and value == "system"):
-            continue
-        why = paths.problem(value)
+    return {
+        name: params[name]
+        for name in (*LIBPQ_FILE_PARAMS, "service")
+        if params.get(name) is not None and not (name == "sslrootcert" and params[name] == "system")
+    }
+
+
+def file_params_problem(dsn: str) -> str | None:
+    """Why a file parameter of the connection string is refused (``core.paths``), or None."""
+    for name, value in file_params(dsn).items():
+        why = paths.problem(value) if name != "service" else None
         if why is not None:
-            raise ConfigError(f"{name}: {why}", field="sink.url")
-        out[name] = paths.resolve(value, field="sink.url")
-    if "servicefile" in out and params.get("service"):
-        _check_service(out["servicefile"], params["service"])
+            return f"{name}: {why}"
+    return None
+
+
+def libpq_files(dsn: str, *, read_service: bool = True) -> dict[str, str]:
+    """The real path of each file parameter of the connection string, as ``core.paths``
+    resolves it now (to hand to ``psycopg2.connect``, which lets them override the DSN's);
+    ConfigError naming ``sink.url`` and the parameter when one is refused. With
+    ``read_service``, the file parameters of a ``service`` in a ``servicefile`` too."""
+    why = file_params_problem(dsn)
+    if why is not None:
+        raise ConfigError(why, field="sink.url")
+    params = file_params(dsn)
+    service = params.pop("service", None)
+    out = {name: paths.resolve(value, field="sink.url") for name, value in params.items()}
+    if read_service and service and "servicefile" in out:
+        check_service(out["servicefile"], service)
     return out
 
 
-def _check_service(servicefile: str, service: str) -> None:
+def check_service(servicefile: str, service: str) -> None:
     """ConfigError when the service's section of ``servicefile`` names a file parameter
     outside the roots (the error never quotes the file)."""
     parser = configparser.ConfigParser(interpolation=None, strict=False)
