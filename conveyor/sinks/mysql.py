@@ -8,8 +8,9 @@ Arrow where the type allows (``literal_column``), else by pymysql's parameter es
 ``rows_per_statement`` rows, each behind the base's savepoint. The session runs with
 ``STRICT_ALL_TABLES`` so a bad value is an error, never a warning and a silently truncated
 row, and with ``time_zone = '+00:00'``. With ``delivery: exactly_once`` the offsets table
-needs a transactional (InnoDB) table. The statements and literals are ``sinks.mysql_sql``,
-the error classification ``sinks.mysql_errors``, the config ``sinks.mysql_config``.
+needs a transactional (InnoDB) table. The statements are ``sinks.mysql_sql``, the rows and
+their literals ``sinks.mysql_rows``, the error classification ``sinks.mysql_errors``, the
+table's description ``sinks.mysql_table``, the config ``sinks.mysql_config``.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ from conveyor.sinks.mysql_sql import (
     mysql_type,
     percent_quoted,
     quote_identifier,
-    table_column,
 )
+from conveyor.sinks.mysql_table import describe_table, unique_indexes
 from conveyor.sinks.sql import OffsetsStatements, column_types, offsets_statements
 from conveyor.sinks.sql_sink import Delete, Row, RowWriter, SqlSink
 from conveyor.sinks.tombstones import DeleteKeyError
@@ -207,32 +208,19 @@ class MySQLSink(SqlSink):
 
     def _describe_table(self) -> None:
         with self._conn.cursor() as cur:
-            cur.execute(
-                "SELECT COLUMN_NAME, DATA_TYPE, IS_NULLABLE, COLUMN_DEFAULT, EXTRA, COLUMN_TYPE, NUMERIC_PRECISION, "
-                "NUMERIC_SCALE, DATETIME_PRECISION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
-                "AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
-                (self.config.table,),
-            )
-            self._table = {row[0]: table_column(*row) for row in cur.fetchall()}
-            self._types = {name: col.data_type for name, col in self._table.items()}
-            cur.execute(
-                "SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-                (self.config.table,),
-            )
-            row = cur.fetchone()
-            self._exists = row is not None
-            cur.execute("SELECT ENGINE, TRANSACTIONS FROM information_schema.ENGINES")
-            engines = {str(e).upper(): t == "YES" for e, t in cur.fetchall()}
-            cur.execute("SELECT @@max_allowed_packet")
-            self._max_packet = int(cur.fetchone()[0])
+            facts = describe_table(cur, self.config.table)
         self._conn.rollback()
-        self._transactional = row is None or engines.get(str(row[0]).upper(), True)
+        self._table = facts.columns
+        self._types = {name: col.data_type for name, col in self._table.items()}
+        self._exists = facts.engine is not None
+        self._transactional = facts.transactional
+        self._max_packet = facts.max_packet
         if self._exists and not self._transactional:
             log.warning(
                 "table %s uses the non-transactional engine %s: rows are written one per statement so that a bad row "
                 "never takes good ones with it; use InnoDB for batches",
                 self.config.table,
-                row[0] if row else "?",
+                facts.engine,
             )
 
     def _check_upsert_keys(self) -> None:
@@ -246,14 +234,7 @@ class MySQLSink(SqlSink):
                 f"table {quote_identifier(self.config.table)} has no column(s) {', '.join(missing)} (upsert_keys)"
             )
         with self._conn.cursor() as cur:
-            cur.execute(
-                "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s "
-                "AND NON_UNIQUE = 0 ORDER BY INDEX_NAME, SEQ_IN_INDEX",
-                (self.config.table,),
-            )
-            unique: dict[str, list[str]] = {}
-            for index, col in cur.fetchall():
-                unique.setdefault(index, []).append(col)
+            unique = unique_indexes(cur, self.config.table)
         self._conn.rollback()
         if not any(sorted(cols) == sorted(keys) for cols in unique.values()):
             have = "; ".join(f"{i}({', '.join(c)})" for i, c in unique.items()) or "none"

@@ -13,7 +13,6 @@ import pyarrow as pa
 
 from conveyor.sinks.sql import (
     SqlDialect,
-    TableColumn,
     percent_escaped,
 )
 
@@ -120,34 +119,6 @@ def mysql_type(t: pa.DataType, *, key: bool = False) -> str:
 MYSQL = SqlDialect(
     "mysql", lambda t, key: mysql_type(t, key=key), "JSON", frozenset({"$payload", "$headers"})
 )
-
-
-def table_column(
-    name: str,
-    data_type: str,
-    nullable: str,
-    default: str | None,
-    extra: str | None,
-    column_type: str,
-    precision: int | None,
-    scale: int | None,
-    fraction: int | None,
-) -> TableColumn:
-    """A column from its row of information_schema.COLUMNS (``_describe_table``'s query)."""
-    kind = str(data_type).lower()
-    extra = str(extra or "").lower()
-    return TableColumn(
-        name,
-        kind,
-        nullable=nullable == "YES",
-        has_default=default is not None or "auto_increment" in extra or "generated" in extra,
-        precision=int(precision)
-        if kind in ("decimal", "numeric") and precision is not None
-        else None,
-        scale=int(scale) if kind in ("decimal", "numeric") and scale is not None else None,
-        fraction_digits=int(fraction) if fraction is not None else None,
-        unsigned="unsigned" in str(column_type).lower(),
-    )
 
 
 INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer", "bigint"})

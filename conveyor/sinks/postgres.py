@@ -31,11 +31,11 @@ from conveyor.sinks.postgres_sql import (
     classify_postgres_error,
     formatted,
     pg_name,
+    table_columns,
 )
 from conveyor.sinks.sql import (
     META_SOURCES,
     OffsetsStatements,
-    TableColumn,
     column_types,
     offsets_statements,
 )
@@ -147,26 +147,8 @@ class PostgresSink(SqlSink):
 
     def _describe_table(self) -> None:
         with self._conn.cursor() as cur:
-            cur.execute(
-                "SELECT column_name, data_type, is_nullable, column_default, is_identity, is_generated, "
-                "numeric_precision, numeric_scale, datetime_precision FROM information_schema.columns "
-                "WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
-                (self.config.schema_, self.config.table),
-            )
-            rows = cur.fetchall()
+            self._table = table_columns(cur, self.config.schema_, self.config.table)
         self._conn.rollback()
-        self._table = {
-            name: TableColumn(
-                name,
-                str(typ).lower(),
-                nullable=nullable == "YES",
-                has_default=default is not None or identity == "YES" or generated == "ALWAYS",
-                precision=precision if str(typ) == "numeric" else None,
-                scale=scale if str(typ) == "numeric" else None,
-                fraction_digits=fraction,
-            )
-            for name, typ, nullable, default, identity, generated, precision, scale, fraction in rows
-        }
         self._types = {name: col.data_type for name, col in self._table.items()}
 
     def _fq(self) -> Any:

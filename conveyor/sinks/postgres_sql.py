@@ -1,6 +1,7 @@
-"""PostgreSQL's side of the SQL sink that is not a connection: what an exception from psycopg2
-means (``classify_postgres_error``, by SQLSTATE, as ``core/sink.py`` asks of every sink), the
-column type of each Arrow type (``POSTGRES``, the dialect's type map) and quoted names.
+"""PostgreSQL's side of the SQL sink besides the connection and the rows: what an exception from
+psycopg2 means (``classify_postgres_error``, by SQLSTATE, as ``core/sink.py`` asks of every
+sink), the column type of each Arrow type (``POSTGRES``, the dialect's type map), quoted names,
+and the table's columns as information_schema describes them (``table_columns``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 
 from conveyor.core.sink import ErrorKind
-from conveyor.sinks.sql import SqlDialect, percent_escaped
+from conveyor.sinks.sql import SqlDialect, TableColumn, percent_escaped
 
 # Connection failures no retry can fix; anything else (refused, timeout, too many
 # connections, the server starting up or shutting down) is an outage.
@@ -105,3 +106,27 @@ def pg_name(schema: str, table: str) -> str:
 
 
 POSTGRES = SqlDialect("postgres", lambda t, key: _pg_type(t), "jsonb", frozenset({"$payload"}))
+
+
+def table_columns(cur: Any, schema: str, table: str) -> dict[str, TableColumn]:
+    """The columns of ``schema.table`` (none when there is no such table), read on ``cur``."""
+    cur.execute(
+        "SELECT column_name, data_type, is_nullable, column_default, is_identity, is_generated, "
+        "numeric_precision, numeric_scale, datetime_precision FROM information_schema.columns "
+        "WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
+        (schema, table),
+    )
+    return {
+        name: TableColumn(
+            name,
+            str(typ).lower(),
+            nullable=nullable == "YES",
+            has_default=default is not None or identity == "YES" or generated == "ALWAYS",
+            precision=precision if str(typ) == "numeric" else None,
+            scale=scale if str(typ) == "numeric" else None,
+            fraction_digits=fraction,
+        )
+        for name, typ, nullable, default, identity, generated, precision, scale, fraction in (
+            cur.fetchall()
+        )
+    }
