@@ -85,9 +85,9 @@ class LedgerSink(Sink):
         self._downgraded: str | None = None  # why delivery auto writes at least once
         self._ledger = OffsetsLedger(self._offsets_statements())
 
-    @abc.abstractmethod
     # -- what a database supplies ---------------------------------------------------------------
 
+    @abc.abstractmethod
     def _offsets_statements(self) -> OffsetsStatements:
         """The offsets table's statements in this database's SQL."""
 
@@ -297,9 +297,9 @@ class SqlSink(LedgerSink):
         self._schema: pa.Schema | None = None  # the schema of the batch last resolved
         self._transactional = True  # statements behind savepoints, many rows each
 
-    @abc.abstractmethod
     # -- what a dialect supplies ----------------------------------------------------------------
 
+    @abc.abstractmethod
     def _connection_lost(self) -> bool:
         """Whether ``self._conn`` is missing or closed."""
 
