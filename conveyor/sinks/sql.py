@@ -6,13 +6,13 @@ key); ``url``/``url_env`` come from ``sinks.base.UrlSinkConfig``. Bad rows are i
 savepoints through the one bisection, ``core.sink.isolate_rows``.
 
 ``delivery: exactly_once`` is here too: ``OffsetsLedger``, the offsets table both sinks keep
-in the target and raise in each batch's transaction (docs/sinks/postgres.md).
+in the target and raise in each batch's transaction (docs/sinks/postgres.md). The sink itself,
+written once over its dialects, is ``sinks.sql_sink.SqlSink``.
 """
 
 from __future__ import annotations
 
 import abc
-import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -834,112 +834,3 @@ def _positions_of(rows: Sequence[Mapping[str, Any]]) -> StoredPositions:
         for r in rows
         if not (r["topic"] == CLAIM_TOPIC and int(r["partition"]) == CLAIM_PARTITION)
     }
-
-
-class LedgerSink:
-    """What the SQL sinks share of ``delivery: exactly_once`` (a mixin before ``Sink``): the
-    offsets ledger bound to a run. Each sink reads its ledger in its own dialect."""
-
-    config: Any
-    _ledger: OffsetsLedger
-    # Each sink's: a new connection (not autocommitting), and the sink error for a client
-    # exception while doing ``what`` (None: not the client's).
-    _connect: Callable[[], Any]
-    _ledger_error: Callable[[Exception, str], Exception | None]
-    # Each sink's: whether the offsets table exists (on an open cursor).
-    _ledger_exists: Callable[[Any], bool]
-
-    # Why ``delivery: auto`` writes at least once in this run (None: it does not).
-    _downgraded: str | None = None
-
-    def _exactly_once(self) -> bool:
-        """Whether batches go with their offsets: ``exactly_once`` (or ``auto`` where the target
-        allows it) and bound to a run (a dead-letter replay, unbound, writes at least once)."""
-        return bool(
-            self.config.delivery != "at_least_once"
-            and self._ledger.bound
-            and self._downgraded is None
-        )
-
-    def _downgrade(self, reason: str) -> bool:
-        """With ``delivery: auto``: at least once from now on in this run, for ``reason``, said
-        in the log and the sink's ``delivery_in_effect``; False with ``exactly_once``."""
-        if self.config.delivery != "auto":
-            return False
-        self._downgraded = reason
-        logging.getLogger("conveyor.sinks.sql").warning(
-            "delivery auto: at least once into %s: %s (set delivery: exactly_once to make this an "
-            "error, or at_least_once to say so)",
-            self.describe(),  # type: ignore[attr-defined]
-            reason,
-        )
-        return True
-
-    def delivery_in_effect(self) -> str:
-        """The delivery this run writes with (the sink asset's ``delivery`` metadata)."""
-        if self._exactly_once():
-            return "exactly_once"
-        if self._downgraded is not None:
-            return f"at_least_once (delivery auto: {self._downgraded})"
-        return "at_least_once"
-
-    def bind(self, binding: TargetBinding) -> None:
-        """The writer id, generation and scope this sink commits offsets for (before
-        ``init_sink``)."""
-        self._ledger.bind(binding)
-
-    def retire_target_offsets(self, connector: str) -> str | None:
-        """A deleted connector's rows, every writer's, in one transaction (``OffsetsLedger.retire``);
-        what could not be removed, or None."""
-        if self.config.delivery == "at_least_once":
-            return None
-        conn = None
-        try:
-            conn = self._connect()
-            with conn.cursor() as cur:
-                if self._ledger_exists(cur):
-                    self._ledger.retire(cur, connector)
-            conn.commit()
-            return None
-        except Exception as e:  # noqa: BLE001 - reported to the operator, never raised
-            mapped = self._ledger_error(e, f"removing its rows from {self._ledger.sql.table}")
-            return str(mapped or e)
-        finally:
-            if conn is not None:
-                conn.close()
-
-    def move_target_offsets(
-        self,
-        connector: str,
-        generations: Mapping[str, int],
-        offsets: Offsets,
-        *,
-        forget: Collection[TopicPartition] = (),
-        replace: bool = False,
-    ) -> None:
-        """An operator's offsets change in the offsets table, in one transaction of its own
-        (``OffsetsLedger.move``; the table created if missing)."""
-        conn = self._connect()
-        try:
-            with conn.cursor() as cur:
-                self._create_ledger(cur)
-                self._ledger.move(
-                    cur, connector, generations, offsets, forget=forget, replace=replace
-                )
-            conn.commit()
-        except FencedError:
-            conn.rollback()
-            raise
-        except Exception as e:
-            mapped = self._ledger_error(e, f"moving the offsets in {self._ledger.sql.table}")
-            if mapped is None:
-                raise
-            if isinstance(mapped, LedgerDeniedError) and self.config.delivery == "auto":
-                return  # no offsets table this user may keep: the target holds no offsets
-            raise mapped from None
-        finally:
-            conn.close()
-
-    def _create_ledger(self, cur: Any) -> None:
-        """The offsets table (and what holds it), if missing."""
-        self._ledger.create(cur)

@@ -53,6 +53,7 @@ from typing import Any
 import psycopg2
 import pytest
 
+from conveyor.core.positions import writer_id
 from tests.e2e.conftest import FINISHED, SETTLE_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_lakehouse_e2e import kill_run
 from tests.integration.pg_cluster import PrivateCluster, private_server
@@ -70,7 +71,7 @@ RESTART_CHUNK = 5_000  # the backlog being drained when the target is restarted
 RESTART_TRIES = 4  # backlogs drained, at most, before one of its transactions is caught open
 PARTITIONS = 3
 TRANSFORM = {"decode": "json", "schema": "id BIGINT, name STRING, amount DOUBLE"}
-WINS = "the target holds other offsets than the meta store, and wins"
+WINS = "the target holds other positions than the meta store, and wins"
 
 
 class SqlTarget:
@@ -379,7 +380,9 @@ def test_kill_9_twenty_times_with_the_meta_store_locked_leaves_every_message_onc
         return target.counts()
 
     def offsets() -> int:
-        return target.offsets(name)
+        # Under the connector's writer id (``<name>@<incarnation>``, core/positions.py).
+        incarnation = dagster.store.get(name).incarnation
+        return target.offsets(writer_id(name, incarnation) if incarnation else name)
 
     def rows() -> int:
         return counts()[0]
