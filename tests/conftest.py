@@ -28,9 +28,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # worker starts its own tansu, Spark Connect server and, for e2e files, Dagster webserver.
 # The longest files start first so that the two workers finish together.
 SLOW_FIRST = [
-    "tests/e2e/test_scheduler_e2e.py",
+    "tests/e2e/test_scheduler_e2e.py",  # the longest of -m slow
     "tests/e2e/test_sinks_e2e.py",
     "tests/e2e/test_api_e2e.py",
+    "tests/e2e/test_connector_e2e.py",  # the longest of the default run
+    "tests/integration/test_spark_transform.py",
+    "tests/integration/test_source_postgres_polling.py",
+    "tests/integration/test_cli.py",
 ]
 
 

@@ -15,7 +15,7 @@ from conveyor.core.ports import free_port
 from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import pg_spec
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def run_to_error(dagster: DagsterHarness, spec: dict) -> tuple[str, str]:

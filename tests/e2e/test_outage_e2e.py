@@ -13,7 +13,7 @@ from conveyor.core.model import ConnectorStatus
 from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import counts
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 N = 6_000
 

@@ -355,6 +355,7 @@ def test_json_that_only_a_lenient_parser_takes_is_not_valid_json(spark):
         assert out.table.column("id").to_pylist() == [0, 7]
 
 
+@pytest.mark.slow  # restarts a Spark Connect server (about 50 s): CI's -m slow run
 @pytest.mark.parametrize("crossing", ["rows"], indirect=True)  # not about the crossing
 def test_a_restarted_spark_server_is_an_outage_then_the_transform_uses_a_new_session(tmp_path):
     """The server restarts between two batches: its sessions are gone. The next attempt
