@@ -15,6 +15,7 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -272,9 +273,11 @@ def test_asset_graph_and_metadata_plots_in_the_browser(
     assert f"connector_{name}" in text
     for kind in ("Kafka", "File", "Parquet"):
         assert kind in text, kind
-    assert "1 / 1 Passed" in text or "1/1 Passed" in text.replace(" ", ""), (
-        "the lag check's result on the sink node"
-    )
+    # The sink node's checks: the lag check ran and passed; has_run (issue 47) is evaluated
+    # only for a connector whose run waited, so it may show as not executed; none failed.
+    compact = text.replace(" ", "")
+    assert re.search(r"[12]/2Passed", compact), "the lag check's result on the sink node"
+    assert "Failed" not in compact, "no check of the sink node failed"
 
     # 2. The sink asset's page: switch the metadata section to Plots.
     chromium.goto(f"{base}/assets/{'/'.join(sink_path)}")
