@@ -582,12 +582,13 @@ def render() -> str:
     brokers file, sinks, source connectors. The same text at every call: the sub-sections a
     render titles (``nested_models``) are forgotten after it, so a second render in one process
     documents them again."""
-    known = dict(_SECTION_OF)
+    known, sources_known = dict(_SECTION_OF), list(_SOURCE_SECTIONS_KNOWN)
     try:
         return _render()
     finally:
         _SECTION_OF.clear()
         _SECTION_OF.update(known)
+        _SOURCE_SECTIONS_KNOWN[:] = sources_known
 
 
 def _render() -> str:

@@ -70,6 +70,7 @@ def dg(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # runs `dg` scaffold and check in subprocesses (about 35 s): CI's -m slow run
 def test_scaffold_check_and_list_connectors_declared_as_components(project: Path) -> None:
     defs = project / "src" / "dgdemo" / "defs"
     r = dg(

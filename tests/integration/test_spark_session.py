@@ -14,6 +14,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from conveyor.core.ports import free_port
 
 SCRIPT = """
@@ -169,6 +171,7 @@ def test_the_local_server_jvm_runs_with_conveyors_collector(spark_remote: str) -
     assert any(a.startswith("-Dderby.system.home=") for a in jvms[0])
 
 
+@pytest.mark.slow  # starts a second Spark Connect server (about 27 s): CI's -m slow run
 def test_a_process_talking_to_two_endpoints_gets_a_session_on_each(spark_remote, tmp_path):
     """pyspark's getOrCreate returns the process's first session whatever the URL; the
     second endpoint (another broker's server) must get a session of its own, and each URL
