@@ -26,6 +26,7 @@ import psycopg2
 import pytest
 from dagster import DagsterInstance
 
+from conveyor.core.positions import writer_id
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import SETTLE_S, STOP_S, dagster_dev_workspace, wait_for
 from tests.integration.api_server import served
@@ -190,11 +191,15 @@ def test_a_backfill_of_a_time_range_re_delivers_exactly_that_range_while_the_con
             live.run_id,
             live.generation,
         ), after
+        # Writers are named ``<writer>@<incarnation>`` (core/positions.py): the connector's and
+        # its backfill's, both of this incarnation.
         writers = writer_offsets(pg_url, pg_schema)
         evens = (produced + 1) // 2  # ids on partition 0
-        assert writers[name] == {(topic, 0): evens, (topic, 1): produced - evens}, writers
+        own = writer_id(name, after.incarnation)
+        assert writers[own] == {(topic, 0): evens, (topic, 1): produced - evens}, writers
         backfill_writers = [w for w in writers if w.startswith(f"{name}.backfill-")]
         assert len(backfill_writers) == 1, writers
+        assert backfill_writers[0].endswith(f"@{after.incarnation}"), writers
         # The run the sensor launched is linked to the request.
         with DagsterInstance.from_config(str(home / "dagster")) as instance:
             run = instance.get_run_by_id(done["run_id"])

@@ -238,16 +238,25 @@ def orders_in_topic(bootstrap: str) -> dict[str, int]:
 
 
 def sink_watermarks(dev: Dev) -> list[tuple[float, float]]:
-    """(when, watermark) of each sink materialization that carried a watermark, oldest first."""
+    """(when, watermark) of each sink report that carried a watermark, oldest first: the
+    materializations of its progress and the observations of its watermark as it advances
+    (dagster/jobs/progress.py), which the sensor reacts to."""
     from dagster import AssetKey
 
+    key = AssetKey(SINK_KEY)
     with dev.instance() as instance:
-        records = instance.fetch_materializations(AssetKey(SINK_KEY), limit=1000).records
+        events = [
+            (r.timestamp, r.asset_materialization.metadata)
+            for r in instance.fetch_materializations(key, limit=10_000).records
+        ] + [
+            (r.timestamp, r.asset_observation.metadata)
+            for r in instance.fetch_observations(key, limit=10_000).records
+        ]
     out = []
-    for r in records:
-        wm = r.asset_materialization.metadata.get("watermark_ts")
+    for at, metadata in events:
+        wm = metadata.get("watermark_ts")
         if wm is not None:
-            out.append((r.timestamp, float(wm.value)))
+            out.append((at, float(wm.value)))
     return sorted(out)
 
 

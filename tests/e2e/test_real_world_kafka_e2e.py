@@ -33,10 +33,14 @@ TOMBSTONES = 5
 
 
 @pytest.fixture(scope="module")
-def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsBroker]:
+def tls_broker(dagster: DagsterHarness) -> Iterator[TlsBroker]:
     if not socat_available():
         pytest.skip("needs Debian's socat and openssl (.ci/run installs socat)")
-    with tls_tansu(tmp_path_factory.mktemp("tls_e2e")) as broker:
+    # The certificates live under the harness's $CONVEYOR_HOME: a spec may name files under
+    # its roots only (core/paths.py), as an operator's would.
+    directory = dagster.home / f"tls_e2e_{uuid.uuid4().hex[:6]}"
+    directory.mkdir()
+    with tls_tansu(directory) as broker:
         yield broker
 
 
@@ -74,10 +78,12 @@ def ids(pg_url: str, schema: str) -> list[int]:
 
 
 def test_librdkafka_messages_of_every_codec_over_tls_all_arrive(
-    dagster: DagsterHarness, tls_broker: TlsBroker, pg_url, pg_schema
+    dagster: DagsterHarness, tls_broker: TlsBroker, pg_url, pg_schema, monkeypatch
 ):
     topic = f"rw_{uuid.uuid4().hex[:8]}"
     src = source(tls_broker, topic, str(tls_broker.certs.ca))
+    # The producer's settings come from the model the connector validates, under its home.
+    monkeypatch.setenv("CONVEYOR_HOME", str(dagster.home))
     conf = librdkafka_config(SourceSpec.model_validate(src), prefix="source")
     conf.pop("bootstrap.servers")
     create_topic(tls_broker.bootstrap, topic, 2, **conf)
