@@ -3,7 +3,7 @@
 Both loops drain the same kind of backlog (N JSON messages on 2 partitions of a fresh
 tansu topic, produced before the clock starts) in batches of ``BATCH``:
 
-- the **connector**: the real loop (``core/loop.py``) with the Kafka source, the Spark
+- the **connector**: the real loop (``core/engine/loop.py``) with the Kafka source, the Spark
   Connect transform (``decode: json`` with the schema), the sink under test, and the
   fenced commit in a SQLite meta store;
 - the **bare loop**: what a hand-written consumer does. kafka-python ``poll`` on the
@@ -214,7 +214,7 @@ def run_connector(
 ) -> Run:
     """The real connector loop on ``topic`` into ``sink_config`` until ``n`` are committed."""
     from conveyor.brokers.kafka import KafkaSource
-    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
     from conveyor.core.model import BatchPolicy, SourceSpec, TransformSpec
     from conveyor.dagster.jobs.committer import StoreCommitter
     from conveyor.sinks import build_sink

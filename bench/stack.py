@@ -20,7 +20,7 @@ import psutil
 import yaml
 
 from conveyor.control.devserver import dagster_yaml
-from conveyor.core.ports import free_port, port_open
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, wait_for
 

@@ -42,8 +42,8 @@ import pytest
 import yaml
 
 from bench.test_bench_as_users_run_it import SCHEMA, create_table
-from conveyor.core.ports import free_port, port_open
-from conveyor.core.processes import pid_alive
+from conveyor.core.host.ports import free_port, port_open
+from conveyor.core.host.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, produce, wait_for
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from conveyor.core import scheduler as s
 from conveyor.core.model import ConnectorStatus
+from conveyor.core.planning import scheduler as s
 
 pytestmark = pytest.mark.bench
 

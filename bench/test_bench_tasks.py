@@ -16,8 +16,8 @@ import time
 import pytest
 
 from bench.test_bench_scheduler import record
-from conveyor.core import tasks as tk
 from conveyor.core.model import TopicPartition
+from conveyor.core.planning import tasks as tk
 
 pytestmark = pytest.mark.bench
 
@@ -101,7 +101,7 @@ def _task_process(args: tuple) -> tuple[int, float, float]:  # pragma: no cover 
 
     from bench.harness import BATCH, SCHEMA
     from conveyor.brokers.kafka import KafkaSource
-    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
     from conveyor.core.model import BatchPolicy, SourceSpec, TransformSpec
     from conveyor.sinks import build_sink
     from conveyor.spark.session import spark_session

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KAFKA = ROOT.parent / "shared" / "kafka" / "kafka"

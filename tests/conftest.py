@@ -88,7 +88,7 @@ def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def file_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``tmp_path`` declared a root of the paths a spec names (``$CONVEYOR_FILE_ROOTS``,
-    conveyor/core/paths.py), for a test that writes or reads files there. Only this test's
+    conveyor/core/trust/paths.py), for a test that writes or reads files there. Only this test's
     roots grow: the default (``$CONVEYOR_HOME`` alone) stays the strict one everywhere else."""
     monkeypatch.setenv("CONVEYOR_FILE_ROOTS", str(tmp_path))
     return tmp_path

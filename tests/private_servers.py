@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 
 START_S = 60.0
 

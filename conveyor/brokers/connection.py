@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from conveyor.core.connection import OPTION_NAMES, KafkaConnection, check_readable
 from conveyor.core.errors import ConfigError
-from conveyor.core.secrets import resolve
 from conveyor.core.sink import ErrorKind
+from conveyor.core.trust.secrets import resolve
 
 log = logging.getLogger("conveyor.kafka")
 
@@ -55,7 +55,7 @@ OWNED_OPTIONS = frozenset(
 
 
 def resolve_secret(ref: str, *, field: str) -> str:
-    """The value behind a connection secret's reference (``conveyor.core.secrets.resolve``), read
+    """The value behind a connection secret's reference (``conveyor.core.trust.secrets.resolve``), read
     at each connection; ConfigError naming ``field`` when it cannot be read."""
     value: str = resolve(ref, field=field)
     return value

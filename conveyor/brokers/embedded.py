@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.core.errors import ConveyorError
-from conveyor.core.ports import free_port, listens_on, port_open
+from conveyor.core.host.ports import free_port, listens_on, port_open
 
 
 class EmbeddedBrokerError(ConveyorError):

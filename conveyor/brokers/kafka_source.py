@@ -28,8 +28,8 @@ from conveyor.brokers.kafka_client import (
     source_error,
 )
 from conveyor.brokers.kafka_positions import PAST_END_READS, KafkaPositions
+from conveyor.core.engine.loop import SourceBatch, next_offsets_of
 from conveyor.core.errors import ConfigError, ConveyorError, TransientSourceError
-from conveyor.core.loop import SourceBatch, next_offsets_of
 from conveyor.core.model import MESSAGE_SCHEMA, BatchPolicy, Offsets, TopicPartition
 
 __all__ = [

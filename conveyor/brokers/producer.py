@@ -25,9 +25,9 @@ from conveyor.brokers.connection import (
     tls_problem,
 )
 from conveyor.brokers.kafka import default_bootstrap
+from conveyor.core.engine.source_loop import Record
 from conveyor.core.errors import ConfigError, PermanentSinkError, TransientSinkError
 from conveyor.core.source_connector import ProducerSpec
-from conveyor.core.source_loop import Record
 
 log = logging.getLogger("conveyor.producer")
 

@@ -34,21 +34,21 @@ from typing import Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from conveyor.core import paths, scrubbing
 from conveyor.core.connection import SECRET_FIELD, SECRET_FIELDS
 from conveyor.core.errors import ConfigError
-from conveyor.core.home import conveyor_home
+from conveyor.core.host.home import conveyor_home
 from conveyor.core.model import ConnectorSpec
+from conveyor.core.planning.state import StateChange
 from conveyor.core.registry import format_validation_error
-from conveyor.core.secrets import (
+from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
+from conveyor.core.trust import paths, scrubbing
+from conveyor.core.trust.secrets import (
     check_placement,
     check_syntax,
     keep_stored_secrets,
     redact,
     resolve,
 )
-from conveyor.core.source_connector import SourceConnectorSpec, is_source_connector
-from conveyor.core.state import StateChange
 from conveyor.sinks import parse_sink_config, sink_class
 from conveyor.sinks.base import SinkConfig
 from conveyor.sources.base import SourceConfig

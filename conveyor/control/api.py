@@ -68,8 +68,8 @@ from conveyor.control.operations import (
     Operations,
 )
 from conveyor.core.errors import ConfigError, ConveyorError, TransientSinkError
-from conveyor.core.home import conveyor_home
-from conveyor.core.secrets import mask_url_passwords
+from conveyor.core.host.home import conveyor_home
+from conveyor.core.trust.secrets import mask_url_passwords
 from conveyor.store.meta import StoreError
 
 log = logging.getLogger("conveyor.control.api")

@@ -928,7 +928,7 @@ def maintain_table_command(
     """Compact an Iceberg or Delta connector's table, then expire old snapshots / vacuum: the
     Dagster job maintain_table__NAME, run in this process (safe beside the running connector)."""
     from conveyor.config.specs import load_source, resolved
-    from conveyor.core.scrubbing import exception_text, scrub
+    from conveyor.core.trust.scrubbing import exception_text, scrub
     from conveyor.dagster.jobs.maintenance import MaintenanceConfig, is_lakehouse, maintain_table
 
     loaded = load_source(name, _ops(ctx).row(name).spec_source)

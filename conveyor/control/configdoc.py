@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
+from conveyor.core.engine.routing import DestinationRulesSpec
 from conveyor.core.model import (
     BATCH_PRESETS,
     BatchPolicy,
@@ -36,7 +37,6 @@ from conveyor.core.model import (
     TransformSpec,
     WatermarkSpec,
 )
-from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.sinks.base import SinkConfig
 
@@ -134,7 +134,7 @@ def _home_environment() -> list[tuple[str, str, str]]:
     """Where the state lives and what a connector reaches by default: home, meta store,
     spec directory, brokers, Kafka, Spark, the lag check."""
     from conveyor.brokers.kafka import DEFAULT_BOOTSTRAP
-    from conveyor.core.home import DEFAULT_HOME
+    from conveyor.core.host.home import DEFAULT_HOME
     from conveyor.dagster.assets.checks import DEFAULT_LAG_CHECK_MINUTES
     from conveyor.dagster.resources.conveyor import DEFAULT_SPARK_REMOTE
 
@@ -296,7 +296,7 @@ def _cli_environment() -> list[tuple[str, str, str]]:
     ]
 
 
-# Scheduler settings without an attribute docstring in core.scheduler.SchedulerConfig.
+# Scheduler settings without an attribute docstring in core.planning.scheduler.SchedulerConfig.
 SCHEDULER_FIELDS: dict[str, str] = {
     "restart_backoff_s": "first wait before an Error connector is restarted; doubles with each restart",
     "restart_backoff_max_s": "upper bound of that wait",
@@ -307,7 +307,7 @@ SCHEDULER_FIELDS: dict[str, str] = {
 
 def _scheduler_environment() -> list[tuple[str, str, str]]:
     """``CONVEYOR_SCHEDULER_<FIELD>``: one row per field of the scheduler's config."""
-    from conveyor.core.scheduler import SchedulerConfig
+    from conveyor.core.planning.scheduler import SchedulerConfig
 
     docs = {**SCHEDULER_FIELDS, **attribute_docs(SchedulerConfig)}
     return [
@@ -517,7 +517,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _source_sections() -> list[tuple[str, type[BaseModel]]]:
-    from conveyor.core.routing import AdmissionSpec, RouteSpec, RoutingSpec
+    from conveyor.core.engine.routing import AdmissionSpec, RouteSpec, RoutingSpec
     from conveyor.core.source_connector import ProducerSpec, SourceConnectorSpec
 
     return [
@@ -673,7 +673,7 @@ def _secrets_section() -> list[str]:
 
 
 def _paths_section() -> list[str]:
-    """Files a spec names: the one rule of ``conveyor/core/paths.py``."""
+    """Files a spec names: the one rule of ``conveyor/core/trust/paths.py``."""
     return [
         "## Files a spec names",
         "",

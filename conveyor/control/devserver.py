@@ -29,7 +29,7 @@ import yaml
 from conveyor.brokers.embedded import EmbeddedBroker, start_embedded_broker
 from conveyor.control import devstop
 from conveyor.core.errors import ConveyorError
-from conveyor.core.ports import port_open
+from conveyor.core.host.ports import port_open
 from conveyor.dagster.resources.conveyor import load_brokers
 from conveyor.dagster.run_queue import run_queue_config
 from conveyor.spark.cluster import SparkCluster, start_spark_cluster

@@ -9,7 +9,7 @@ does not notice), the queued runs are canceled and their connectors unassigned, 
 runs are interrupted by pid (they commit, clean up and release) and any other run still active
 is terminated through the run launcher while the code servers are up; only then is the daemon
 killed and ``dagster dev`` stopped. Last, every process still holding the home (a run, a code
-server, a log tail: ``core.processes.holds``) gets SIGTERM, then SIGKILL.
+server, a log tail: ``core.host.processes.holds``) gets SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.processes import children_of, cmdline, pid_alive, processes_holding
+from conveyor.core.host.processes import children_of, cmdline, pid_alive, processes_holding
 
 # How long the runs have to commit and exit once interrupted.
 RUN_STOP_S = 30.0
@@ -116,7 +116,7 @@ def reset_unstarted(store: Any, say: Callable[[str], None]) -> None:
     """Connectors assigned whose run never started (it was queued) lose the assignment now, so
     the next ``conveyor dev`` assigns them at once instead of after the launch timeout."""
     from conveyor.core.model import ConnectorStatus
-    from conveyor.core.state import StateChange
+    from conveyor.core.planning.state import StateChange
 
     for r in store.list():
         if r.status == ConnectorStatus.IDLE and r.broker_id is not None and r.run_pid is None:

@@ -28,8 +28,8 @@ from conveyor.config.specs import model_secret_paths, secret_fields
 from conveyor.control.metrics import destinations_json
 from conveyor.control.operations import Operations, connector_kind
 from conveyor.core.errors import ConfigError, ConveyorError
-from conveyor.core.home import conveyor_home
-from conveyor.core.secrets import MASK
+from conveyor.core.host.home import conveyor_home
+from conveyor.core.trust.secrets import MASK
 from conveyor.store.meta import ConnectorRow
 
 # One problem per "field: message" part of a validation message (they are joined by "; ").

@@ -37,9 +37,9 @@ from conveyor.control.operation_context import (
 from conveyor.control.reads import ConnectorReads
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import DesiredState
-from conveyor.core.scrubbing import scrub
-from conveyor.core.secrets import has_reference
-from conveyor.core.state import StateChange
+from conveyor.core.planning.state import StateChange
+from conveyor.core.trust.scrubbing import scrub
+from conveyor.core.trust.secrets import has_reference
 from conveyor.store.meta import LIVE_STATUSES, ConnectorRow, UnknownConnectorError
 
 COMPONENT_FILES = ("defs.yaml", "defs.yml")

@@ -13,7 +13,7 @@ the run's process) or ``${file:/path}`` (a file's contents, trailing newline
 stripped, read again at each connection: rotated files work). A spec is stored in
 the meta store and shown by the CLI, so a literal password is refused. The run keeps
 these fields as references (``specs.resolved``) and the client resolves them, through
-``conveyor.core.secrets.resolve``, each time it connects.
+``conveyor.core.trust.secrets.resolve``, each time it connects.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
-from conveyor.core import paths
 from conveyor.core.errors import ConfigError
-from conveyor.core.references import whole_reference_problem
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import whole_reference_problem
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
@@ -68,7 +68,7 @@ _SECRET_WORDS = ("password", "secret", "token", "jaas", "credential", "private_k
 
 def check_readable(model: BaseModel, names: Iterable[str], *, prefix: str) -> dict[str, str]:
     """The real path of each certificate / key file named by ``model``'s fields ``names``,
-    resolved under a root (``core.paths``) and readable here when a client is built (a
+    resolved under a root (``core.trust.paths``) and readable here when a client is built (a
     ConfigError naming ``<prefix>.<field>`` otherwise): the client opens these paths."""
     out: dict[str, str] = {}
     for name in names:
@@ -86,12 +86,12 @@ def check_readable(model: BaseModel, names: Iterable[str], *, prefix: str) -> di
 
 
 def host_file_problem(value: str | None) -> str | None:
-    """Why a certificate or key file a model names is refused (``core.paths``), or None."""
+    """Why a certificate or key file a model names is refused (``core.trust.paths``), or None."""
     return None if value is None else paths.problem(value)
 
 
 def secret_ref_problem(value: str) -> str | None:
-    """Why ``value`` is not a secret reference, or None (``core.references``' rule)."""
+    """Why ``value`` is not a secret reference, or None (``core.trust.references``' rule)."""
     return whole_reference_problem(value)
 
 

@@ -2,7 +2,7 @@
 
 Specs are pydantic models (validated, frozen, every field described); runtime
 values are frozen dataclasses. Nothing here performs I/O but resolving the paths a spec
-names (``core.paths``: symbolic links are followed, no file is opened).
+names (``core.trust.paths``: symbolic links are followed, no file is opened).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from conveyor.core import paths
 from conveyor.core.connection import KafkaConnection
+from conveyor.core.engine.routing import DestinationRulesSpec
 from conveyor.core.errors import FieldRuleError
-from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.schema_registry import SchemaRegistrySpec
-from conveyor.core.sql_guard import GuardedSql, SqlGuardError, guard_transform
+from conveyor.core.spark_sql.sql_guard import GuardedSql, SqlGuardError, guard_transform
+from conveyor.core.trust import paths
 
 # Matched whole (``fullmatch``): with ``match`` and ``$`` a trailing newline would pass.
 NAME_PATTERN = r"[a-z][a-z0-9_]{0,62}"
@@ -401,12 +401,12 @@ class TransformSpec(_Spec):
     @model_validator(mode="after")
     def _expressions_safe(self) -> TransformSpec:
         """Expressions that could reach beyond the batch on the Spark host are refused
-        (``core.sql_guard``), each naming its field: transform.select[2]."""
+        (``core.spark_sql.sql_guard``), each naming its field: transform.select[2]."""
         self.guarded_sql()
         return self
 
     def guarded_sql(self) -> GuardedSql:
-        """The filter, select and schema as Spark is given them (``core.sql_guard``: the
+        """The filter, select and schema as Spark is given them (``core.spark_sql.sql_guard``: the
         parse's canonical text, never the text as written); FieldRuleError naming the
         field the rule refuses."""
         try:
@@ -416,7 +416,7 @@ class TransformSpec(_Spec):
 
     @model_validator(mode="after")
     def _schema_file_confined(self) -> TransformSpec:
-        """The schema file lies under a root, outside the secrets (``core.paths``)."""
+        """The schema file lies under a root, outside the secrets (``core.trust.paths``)."""
         problem = None if self.schema_file is None else paths.problem(self.schema_file)
         if problem:
             raise FieldRuleError(problem, field="schema_file")
@@ -501,7 +501,7 @@ class RetrySpec(_Spec):
 
 
 class LivenessSpec(_Spec):
-    """How a run judges its own stages (read, transform, send, commit); see core/liveness.py."""
+    """How a run judges its own stages (read, transform, send, commit); see core/engine/liveness.py."""
 
     stage_deadline_s: float = Field(
         default=30.0,
@@ -585,7 +585,7 @@ class TasksSpec(_Spec):
 
     A task is one Dagster run reading an explicit set of partitions. With ``max: 1`` (the default)
     the connector is one run reading every partition, as without this section. Split and merge
-    are decided by the planner in ``conveyor/core/tasks.py`` from the rate and lag each task
+    are decided by the planner in ``conveyor/core/planning/tasks.py`` from the rate and lag each task
     reports per partition in its heartbeats.
     """
 
@@ -702,7 +702,7 @@ class ConnectorRunSpec(_Spec):
 
 
 class WatermarkSpec(_Spec):
-    """The connector's event-time watermark (core/watermarks.py): how complete its sink is."""
+    """The connector's event-time watermark (core/engine/watermarks.py): how complete its sink is."""
 
     column: str | None = Field(
         default=None,
@@ -769,7 +769,7 @@ class ConnectorSpec(ConnectorRunSpec):
     @model_validator(mode="after")
     def _dead_letters_confined(self) -> ConnectorSpec:
         """A local dead-letter place lies under a root and is not another connector's
-        (``core.paths``: ``$CONVEYOR_HOME/dead_letters/<name>`` is only ``<name>``'s)."""
+        (``core.trust.paths``: ``$CONVEYOR_HOME/dead_letters/<name>`` is only ``<name>``'s)."""
         dl = self.failure.dead_letter
         if dl.store == "parquet" and dl.path is not None:
             problem = paths.location_problem(dl.path, owner=self.name)
@@ -780,7 +780,7 @@ class ConnectorSpec(ConnectorRunSpec):
     def dead_letter_place(self) -> str | None:
         """The real local directory of the Parquet dead letters (default
         ``$CONVEYOR_HOME/dead_letters/<name>``); None for another scheme's URL (``s3a://``).
-        Resolved now (``core.paths``): ConfigError naming the field when refused."""
+        Resolved now (``core.trust.paths``): ConfigError naming the field when refused."""
         path = self.failure.dead_letter.path
         if path is not None and paths.is_url(path):
             return None

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from conveyor.core.errors import ConfigError, FieldRuleError
-from conveyor.core.secrets import has_reference
+from conveyor.core.trust.secrets import has_reference
 
 P = TypeVar("P")  # the plugin class: Sink, Source
 C = TypeVar("C", bound=BaseModel)  # its config model's base: SinkConfig, SourceConfig

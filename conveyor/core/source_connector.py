@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.core.connection import KafkaConnection
+from conveyor.core.engine.routing import RoutingSpec
 from conveyor.core.model import (
     BatchPolicy,
     ConnectorRunSpec,
@@ -23,7 +24,6 @@ from conveyor.core.model import (
     TransformSpec,
     _Spec,
 )
-from conveyor.core.routing import RoutingSpec
 
 
 class ProducerSpec(KafkaConnection, _Spec):

@@ -2,7 +2,7 @@
 
 ``landed_through(sink_asset_key, partitions_def, target=my_asset)`` is a sensor users put
 beside their own time-partitioned asset that reads a connector's sink (a table, files). It
-reads the watermark the connector reports on its sink asset (``core/watermarks.py``; the
+reads the watermark the connector reports on its sink asset (``core/engine/watermarks.py``; the
 metadata of the run's materializations and of the observations it logs as soon as the
 watermark crosses a minute, read by ``dagster/assets/checks.py``) and:
 
@@ -48,7 +48,7 @@ from dagster import (
     sensor,
 )
 
-from conveyor.core.watermarks import merge_ranges
+from conveyor.core.engine.watermarks import merge_ranges
 from conveyor.dagster.assets.checks import (
     complete_through_check,
     iso,

@@ -9,7 +9,7 @@ replays, table maintenance and everything else (a user's asset jobs, the lag che
 each one-off kind has a tag limit of its own, so a burst of backfills cannot take the room
 of the others. Untagged runs (a user's jobs) are bounded only by the total: while they hold
 slots the connectors do not use, a connector's run may wait for one, which the scheduler
-then reports (:func:`queue_blocker`, ``core.scheduler``'s ``Waiting``).
+then reports (:func:`queue_blocker`, ``core.planning.scheduler``'s ``Waiting``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec, connectors_dir, load_file, resolved
-from conveyor.core.home import conveyor_home
+from conveyor.core.host.home import conveyor_home
 from conveyor.dagster.landed import TAG_LANDED, landed_through
 
 DEMO_CONNECTOR = "demo_orders"

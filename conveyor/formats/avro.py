@@ -29,8 +29,8 @@ import fastavro
 from fastavro.read import SchemaResolutionError
 from fastavro.schema import SchemaParseException
 
-from conveyor.core import paths
 from conveyor.core.errors import ConfigError
+from conveyor.core.trust import paths
 from conveyor.formats.avro_arrow import AvroTypeError, record_type
 from conveyor.formats.caches import LruCache
 from conveyor.formats.decoded import Convert, Decoded, converted, payloads, table_of_records
@@ -112,7 +112,7 @@ def parse_avro(text: str, *, what: str, named: dict[str, Any] | None = None) -> 
 
 def schema_file_text(path: str, *, field: str) -> str:
     """The text of an Avro schema file, resolved under a root as it is opened
-    (``core.paths``: a spec may not make the run read any file of its host, nor a secret);
+    (``core.trust.paths``: a spec may not make the run read any file of its host, nor a secret);
     ConfigError naming ``field``, raised outside any handler so that no exception holding
     the file's bytes rides along as its context."""
     real = paths.resolve(path, field=field)

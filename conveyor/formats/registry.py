@@ -11,9 +11,9 @@ every failure once:
   a failed row (the record's fault, for the failure policy);
 - a missing subject or version (40401 / 40402): ``ConfigError`` naming the subject.
 
-Secrets are resolved through ``conveyor.core.secrets.resolve`` when the client is built (the
+Secrets are resolved through ``conveyor.core.trust.secrets.resolve`` when the client is built (the
 password) or at each request (the bearer token, so a rotated token file works); no error text
-carries them (the server's message is scrubbed, ``conveyor.core.scrubbing``).
+carries them (the server's message is scrubbed, ``conveyor.core.trust.scrubbing``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 from confluent_kafka.schema_registry import RegisteredSchema, Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from conveyor.core import scrubbing
 from conveyor.core.connection import check_readable
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.schema_registry import SR_SSL_FIELDS, SchemaRegistrySpec
-from conveyor.core.secrets import resolve
+from conveyor.core.trust import scrubbing
+from conveyor.core.trust.secrets import resolve
 from conveyor.formats.caches import LruCache, UnknownIds
 from conveyor.formats.limits import SchemaName
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from conveyor.core import paths
+from conveyor.core.engine.loop import next_offsets_of
 from conveyor.core.errors import (  # noqa: F401 - re-exported
     BatchRejected,
     ConfigError,
@@ -29,7 +29,6 @@ from conveyor.core.errors import (  # noqa: F401 - re-exported
     SinkError,
     rule,
 )
-from conveyor.core.loop import next_offsets_of
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -48,6 +47,7 @@ from conveyor.core.sink import (  # noqa: F401 - re-exported
     SendResult,
     first_failure_only,
 )
+from conveyor.core.trust import paths
 
 
 class SinkConfig(BaseModel):
@@ -76,7 +76,7 @@ class SinkConfig(BaseModel):
 
     @model_validator(mode="after")
     def _certificates_confined(self) -> SinkConfig:
-        """Certificate and key files lie under a root, outside the secrets (``core.paths``)."""
+        """Certificate and key files lie under a root, outside the secrets (``core.trust.paths``)."""
         found = paths.certificate_problem(self)
         if found is not None:
             raise FieldRuleError(found[1], field=found[0])

@@ -28,7 +28,7 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.references import known_now
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import mapped_errors, secret
 from conveyor.sinks.lakehouse import (
     CommitInfo,

@@ -37,7 +37,6 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
@@ -47,7 +46,8 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.references import known_now
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,
@@ -575,7 +575,7 @@ class GreptimeDBSink(Sink):
         self._session: Any = None
 
     def _verify(self) -> bool | str:
-        """requests' ``verify``: the CA file's real path (``core.paths``, resolved at each
+        """requests' ``verify``: the CA file's real path (``core.trust.paths``, resolved at each
         request), else whether to verify."""
         ca = paths.resolve_file(self.config.tls_ca_file, field="sink.tls_ca_file")
         return ca or self.config.verify_tls

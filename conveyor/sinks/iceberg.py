@@ -20,7 +20,6 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from conveyor.core import paths
 from conveyor.core.errors import (
     ConfigError,
     ConveyorError,
@@ -29,7 +28,8 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.references import known_now
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import mapped_errors, secret
 from conveyor.sinks.lakehouse import (
     CommitInfo,
@@ -165,7 +165,7 @@ class IcebergSinkConfig(LakehouseSinkConfig):
 
 def catalog_properties(config: IcebergSinkConfig) -> dict[str, str]:
     """pyiceberg's ``load_catalog`` properties for the config (secrets resolved already), its
-    places resolved now (``core.paths``): ConfigError naming the field when one is refused."""
+    places resolved now (``core.trust.paths``): ConfigError naming the field when one is refused."""
     warehouse = local_location(config.warehouse, field="sink.warehouse")
     if os.path.isabs(warehouse):
         os.makedirs(warehouse, exist_ok=True)
@@ -205,7 +205,7 @@ def _sqlite_url(uri: str) -> Any:
 
 def sqlite_problem(uri: str) -> str | None:
     """Why a SQL catalog URL is refused, or None: a SQLite file lies under a root
-    (``core.paths``; a relative one from ``$CONVEYOR_HOME``); other databases pass."""
+    (``core.trust.paths``; a relative one from ``$CONVEYOR_HOME``); other databases pass."""
     url = _sqlite_url(uri)
     if url is None or isinstance(url, str):
         return url
@@ -215,7 +215,7 @@ def sqlite_problem(uri: str) -> str | None:
 
 
 def sqlite_resolved(uri: str) -> str:
-    """The SQL catalog URL to connect with: a SQLite file's real path (``core.paths``, resolved
+    """The SQL catalog URL to connect with: a SQLite file's real path (``core.trust.paths``, resolved
     now), other databases as written; ConfigError naming ``sink.catalog.uri`` when refused."""
     url = _sqlite_url(uri)
     if isinstance(url, str):
@@ -227,7 +227,7 @@ def sqlite_resolved(uri: str) -> str:
 
 
 def confined_table(tbl: Any, ident: tuple[str, ...]) -> Any:
-    """``tbl``, once its location and file paths are a root's (``core.paths``): a catalog (a
+    """``tbl``, once its location and file paths are a root's (``core.trust.paths``): a catalog (a
     REST one, a shared database) may hold a table whose files are anywhere. ConfigError
     naming ``sink.table`` otherwise, before anything is written there."""
     places = [("location", tbl.location()), ("metadata location", tbl.metadata_location)]

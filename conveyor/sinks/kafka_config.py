@@ -17,8 +17,8 @@ from pydantic import Field, model_validator
 from conveyor.core.asset_keys import key_part
 from conveyor.core.connection import KafkaConnection
 from conveyor.core.errors import rule
-from conveyor.core.references import known_now
 from conveyor.core.schema_registry import SchemaRegistrySpec
+from conveyor.core.trust.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import SinkConfig
 

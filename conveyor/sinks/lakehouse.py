@@ -39,7 +39,6 @@ from typing import Annotated, Any
 import pyarrow as pa
 from pydantic import Field
 
-from conveyor.core import paths
 from conveyor.core.errors import FencedError, rule
 from conveyor.core.model import (
     DESTINATION_COL,
@@ -49,6 +48,7 @@ from conveyor.core.model import (
 )
 from conveyor.core.positions import StoredPosition, StoredPositions, TargetBinding
 from conveyor.core.sink import RowFailure, SendResult, first_failure_only, invalid_utf8, utf8_reason
+from conveyor.core.trust import paths
 from conveyor.sinks.base import Sink, SinkConfig, batch_offsets, payload_columns, unseen_rows
 
 log = logging.getLogger("conveyor.sinks.lakehouse")
@@ -145,7 +145,7 @@ class LakehouseSinkConfig(SinkConfig):
 
 def location_problem(value: str) -> str | None:
     """Why a table location is refused, or None: another scheme's URL (s3://, gs://, abfss://)
-    passes as written; a path or a ``file://`` URL lies under a root (``core.paths``: a
+    passes as written; a path or a ``file://`` URL lies under a root (``core.trust.paths``: a
     relative one from ``$CONVEYOR_HOME``), so a spec cannot make a run write anywhere on its
     host."""
     return paths.location_problem(value)

@@ -23,11 +23,11 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, model_validator
 
-from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import PermanentSinkError, TransientSinkError, rule
-from conveyor.core.references import known_now
 from conveyor.core.sink import invalid_utf8, utf8_reason
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import (
     Record,
     RowFailure,
@@ -75,7 +75,7 @@ class LocalFileSinkConfig(SinkConfig):
         return "file"
 
     def directory(self) -> Path:
-        """The real directory the files go to, resolved now (``core.paths``); ConfigError
+        """The real directory the files go to, resolved now (``core.trust.paths``); ConfigError
         naming ``sink.path`` when it is refused."""
         return Path(paths.resolve(self.path, field="sink.path"))
 

@@ -45,7 +45,6 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     BatchRejected,
@@ -55,8 +54,9 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.references import known_now
 from conveyor.core.sink import utf8_reason
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import (
     ID_STRATEGY_PATTERN,
     Record,

@@ -1,6 +1,6 @@
 """The MySQL / MariaDB sink's config model (``MySQLSinkConfig``): a URL or host fields, the
 table, the session's timeouts and TLS; and what pymysql is given (``connect_kwargs``), the
-TLS files resolved through the one path rule (``core.paths``) right before connecting.
+TLS files resolved through the one path rule (``core.trust.paths``) right before connecting.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core import paths
 from conveyor.core.errors import ConfigError, rule
-from conveyor.core.references import known_now
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import require, secret
 from conveyor.sinks.mysql_sql import SQL_MODE, identifier_problem
 from conveyor.sinks.sql import (
@@ -214,7 +214,7 @@ def address(c: MySQLSinkConfig) -> dict[str, Any]:
 
 
 def tls_options(c: MySQLSinkConfig) -> dict[str, Any]:
-    """pymysql's ``ssl`` options, each file the real path ``core.paths`` resolves it to now
+    """pymysql's ``ssl`` options, each file the real path ``core.trust.paths`` resolves it to now
     (ConfigError naming the field when it is refused); empty without TLS."""
     ssl = {
         option: paths.resolve(value, field=f"sink.{name}")

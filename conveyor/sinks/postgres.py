@@ -5,7 +5,7 @@ Identifiers are always quoted with ``psycopg2.sql.Identifier``. A row the server
 its content (SQLSTATE class 22 data exception or 23 integrity violation) is isolated by the
 base's savepoint bisection. The COPY text is built by Arrow (``sinks.postgres_copy``). File
 parameters of the connection string (``sslrootcert``, ``sslkey``, ``passfile``...) follow
-the one path rule (``core.paths``), as every file a spec names.
+the one path rule (``core.trust.paths``), as every file a spec names.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core import paths
 from conveyor.core.errors import ConfigError, rule
-from conveyor.core.references import known_now
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import secret
 from conveyor.sinks.sql import (
     AutoEvolve,
@@ -114,7 +114,7 @@ def file_params(dsn: str) -> dict[str, str]:
 
 
 def file_params_problem(dsn: str) -> str | None:
-    """Why a file parameter of the connection string is refused (``core.paths``), or None."""
+    """Why a file parameter of the connection string is refused (``core.trust.paths``), or None."""
     for name, value in file_params(dsn).items():
         why = paths.problem(value) if name != "service" else None
         if why is not None:
@@ -123,7 +123,7 @@ def file_params_problem(dsn: str) -> str | None:
 
 
 def libpq_files(dsn: str, *, read_service: bool = True) -> dict[str, str]:
-    """The real path of each file parameter of the connection string, as ``core.paths``
+    """The real path of each file parameter of the connection string, as ``core.trust.paths``
     resolves it now (to hand to ``psycopg2.connect``, which lets them override the DSN's);
     ConfigError naming ``sink.url`` and the parameter when one is refused. With
     ``read_service``, the file parameters of a ``service`` in a ``servicefile`` too."""

@@ -33,7 +33,6 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
     ConfigError,
@@ -42,7 +41,8 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.references import known_now
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     ErrorKind,

@@ -24,7 +24,6 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core import paths
 from conveyor.core import sink as sink_contract
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import (
@@ -33,8 +32,9 @@ from conveyor.core.errors import (
     TransientSinkError,
     rule,
 )
-from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks import templates
 from conveyor.sinks.base import (
     Record,

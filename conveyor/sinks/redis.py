@@ -30,13 +30,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, SecretStr, model_validator
 
-from conveyor.core import paths
 from conveyor.core.asset_keys import key_part
 from conveyor.core.errors import FieldRuleError, TransientSinkError, rule
 from conveyor.core.model import Offsets, TopicPartition
 from conveyor.core.positions import StoredPositions, TargetBinding
-from conveyor.core.references import known_now
 from conveyor.core.sink import ErrorKind, isolate_rows, sink_error
+from conveyor.core.trust import paths
+from conveyor.core.trust.references import known_now
 from conveyor.sinks.base import (
     RowFailure,
     SendResult,
@@ -334,7 +334,7 @@ def _node(spec: str) -> tuple[str, int]:
 
 def client_kwargs(c: RedisSinkConfig) -> dict[str, Any]:
     """Keyword arguments of redis.Redis / redis.cluster.RedisCluster (includes the password: never log it).
-    TLS files are the real paths under a root (``core.paths.resolve``; ConfigError naming the field).
+    TLS files are the real paths under a root (``core.trust.paths.resolve``; ConfigError naming the field).
 
     ``retry`` is left out here; the client is built with zero retries (the runtime retries batches).
     """
@@ -356,7 +356,7 @@ def client_kwargs(c: RedisSinkConfig) -> dict[str, Any]:
         kw["require_full_coverage"] = True
     if c.tls:
         kw.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=c.tls_check_hostname)
-        # The files the client opens, resolved again now (``core.paths``: the check at the
+        # The files the client opens, resolved again now (``core.trust.paths``: the check at the
         # time of use); a refused one is a ConfigError naming its field.
         if c.tls_ca_file:
             kw["ssl_ca_certs"] = paths.resolve(c.tls_ca_file, field="sink.tls_ca_file")

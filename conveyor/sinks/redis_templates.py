@@ -35,7 +35,7 @@ from conveyor.core.model import (
     TIMESTAMP_COL,
     TOPIC_COL,
 )
-from conveyor.core.references import known_now
+from conveyor.core.trust.references import known_now
 from conveyor.sinks import redis_keys, templates
 from conveyor.sinks.base import json_default, payload_columns
 from conveyor.sinks.templates import Placeholder, TemplateError, TemplateSyntaxError

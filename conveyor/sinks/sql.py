@@ -21,8 +21,8 @@ import pyarrow as pa
 from pydantic import Field
 
 from conveyor.core.asset_keys import key_part
+from conveyor.core.engine.loop import next_offsets_of
 from conveyor.core.errors import ConfigError, FencedError, FieldRuleError, PermanentSinkError, rule
-from conveyor.core.loop import next_offsets_of
 from conveyor.core.model import (
     HEADERS_COL,
     KEY_COL,

@@ -2,7 +2,7 @@
 
 A source connector reads a system (a PostgreSQL table, a replication slot, HTTP
 posts, MQTT topics) and produces each message into the topic its routing chooses.
-The runtime (``conveyor.core.source_loop``) calls a source from one thread, in
+The runtime (``conveyor.core.engine.source_loop``) calls a source from one thread, in
 this order::
 
     validate()                 # once; config only, no I/O; a contradiction is ConfigError
@@ -50,12 +50,12 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from conveyor.core import paths
+from conveyor.core.engine.routing import SourceMode
 from conveyor.core.errors import (
     ConfigError,  # noqa: F401 - re-exported for sources
     FieldRuleError,
 )
-from conveyor.core.routing import SourceMode
+from conveyor.core.trust import paths
 
 State = dict[str, Any]
 
@@ -94,7 +94,7 @@ class SourceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _certificates_confined(self) -> SourceConfig:
-        """Certificate and key files lie under a root, outside the secrets (``core.paths``)."""
+        """Certificate and key files lie under a root, outside the secrets (``core.trust.paths``)."""
         found = paths.certificate_problem(self)
         if found is not None:
             raise FieldRuleError(found[1], field=found[0])

@@ -38,9 +38,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from conveyor.core import paths
+from conveyor.core.engine.routing import SourceMode
 from conveyor.core.errors import PermanentSourceError, TransientSourceError, rule
-from conveyor.core.routing import SourceMode
+from conveyor.core.trust import paths
 from conveyor.sources import strict_json
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 

@@ -29,8 +29,8 @@ import select
 import time
 from typing import Any, ClassVar
 
+from conveyor.core.engine.routing import SourceMode
 from conveyor.core.errors import ConfigError, PermanentSourceError, TransientSourceError
-from conveyor.core.routing import SourceMode
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 from conveyor.sources.postgres_cdc_catalog import SESSION_OPTIONS, CDCCatalog, first_line
 from conveyor.sources.postgres_cdc_changes import (

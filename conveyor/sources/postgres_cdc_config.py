@@ -9,8 +9,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from conveyor.core.connection import SECRET_FIELD
+from conveyor.core.engine.routing import topic_problem
 from conveyor.core.errors import ConfigError
-from conveyor.core.routing import topic_problem
 from conveyor.sources.base import SourceConfig
 
 _NAME_RE = re.compile(r"^[a-z0-9_]{1,63}$")

@@ -11,13 +11,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from conveyor.core.connection import SECRET_FIELD
+from conveyor.core.engine.routing import SourceMode, topic_problem
 from conveyor.core.errors import (
     ConfigError,
     PermanentSourceError,
     TransientSourceError,
     rule,
 )
-from conveyor.core.routing import SourceMode, topic_problem
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 
 log = logging.getLogger("conveyor.sources.postgres")

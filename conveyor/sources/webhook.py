@@ -28,9 +28,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from conveyor.core.engine.routing import SourceMode
 from conveyor.core.errors import PermanentSourceError, rule
-from conveyor.core.references import known_now
-from conveyor.core.routing import SourceMode
+from conveyor.core.trust.references import known_now
 from conveyor.sources import strict_json
 from conveyor.sources.base import Polled, Source, SourceConfig, SourceMessage, State
 from conveyor.sources.webhook_auth import AuthMode, needs_body, verifier

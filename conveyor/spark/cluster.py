@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conveyor.core.ports import free_port, port_open
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.spark.server import (
     SparkConnectServer,
     SparkServerError,

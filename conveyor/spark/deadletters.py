@@ -35,8 +35,8 @@ from typing import Any
 import pyarrow as pa
 
 from conveyor.core.connection import KafkaConnection
+from conveyor.core.engine.loop import DeadLetter
 from conveyor.core.errors import ConveyorError, PermanentSinkError, TransientSinkError
-from conveyor.core.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
 from conveyor.core.sink import ErrorKind
 
@@ -76,7 +76,7 @@ def dead_letter_location(spec: ConnectorSpec) -> str:
 
     A URL of another scheme than ``file`` (``s3a://bucket/dl``) is kept as written. A path or
     ``file://`` URL becomes the ``file://`` URL of its real path under a root
-    (``ConnectorSpec.dead_letter_place``, ``core.paths``: a relative one under
+    (``ConnectorSpec.dead_letter_place``, ``core.trust.paths``: a relative one under
     ``$CONVEYOR_HOME``, the same for the run, the CLI and the sensors, whatever their working
     directories; the Spark server's own working directory never matters), resolved again at
     each use. Default: ``$CONVEYOR_HOME/dead_letters/<connector>``. ConfigError naming

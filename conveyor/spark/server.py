@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.core.errors import ConveyorError
-from conveyor.core.ports import free_port, port_open
+from conveyor.core.host.ports import free_port, port_open
 
 #: The server JVM's collector. ParallelGC against the JVM's default (G1) on the connector's
 #: transform, each from its own client, alternating rounds: 1.20x the rate at 0.80x the

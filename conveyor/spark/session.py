@@ -69,7 +69,7 @@ def spark_session(remote: str) -> Any:
 
 def no_sql_on_files(session: Any) -> None:
     """Turn off SQL over file paths (``text.`/etc/passwd```) for the session: a transform's
-    expressions read only its batch. ``core.sql_guard`` already refuses subqueries; this is
+    expressions read only its batch. ``core.spark_sql.sql_guard`` already refuses subqueries; this is
     the second lock. A runtime SQL conf, which a Spark Connect client may set; one RPC, so
     it is set where the session is first used for a transform (``SparkTransformer``), not
     when it is created (creating a session makes no call: the endpoint may be down)."""
@@ -184,7 +184,7 @@ def one_stream_per_query(session: Any) -> bool:
 
 
 def _endpoint_reachable(session: Any) -> bool:
-    from conveyor.core.ports import port_open
+    from conveyor.core.host.ports import port_open
 
     endpoint = endpoint_of(session)
     return endpoint is not None and port_open(*endpoint, timeout=1.0)

@@ -28,8 +28,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from conveyor.core.engine.loop import Rejected, Transformed
 from conveyor.core.errors import ConfigError, TransientSinkError
-from conveyor.core.loop import Rejected, Transformed
 from conveyor.core.model import (
     META_COLUMNS,
     SCHEMA_FORMATS,
@@ -84,7 +84,7 @@ class SparkTransformer:
     def __init__(self, spec: TransformSpec, session: Any | Callable[[], Any]):
         self.spec = spec
         # What Spark is given: the guard's canonical text of the filter, select and schema,
-        # never the spec's text (core.sql_guard). Guarded here too: a spec copied without
+        # never the spec's text (core.spark_sql.sql_guard). Guarded here too: a spec copied without
         # validation (model_copy) reaches Spark only through this.
         try:
             self._sql = spec.guarded_sql()

@@ -10,8 +10,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from conveyor.core.engine.loop import Rejected
 from conveyor.core.errors import ConfigError
-from conveyor.core.loop import Rejected
 from conveyor.core.model import TOMBSTONE_COL, TRUNCATE_COL, VALUE_COL, NullValues, TransformSpec
 from conveyor.formats import PayloadDecoder, payload_decoder, registry_metrics
 from conveyor.spark.envelopes import plain_payloads, unwrap_debezium

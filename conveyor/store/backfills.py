@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from conveyor.core.errors import ConfigError, ConveyorError
 from conveyor.core.model import Offsets, SourceSpec, parse_start_timestamp
 from conveyor.core.positions import PositionError, parse_positions, topics_read
-from conveyor.core.scrubbing import scrub
+from conveyor.core.trust.scrubbing import scrub
 from conveyor.store import schema as t
 from conveyor.store.database import transient_errors
 from conveyor.store.repository import Repository

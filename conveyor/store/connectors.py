@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from conveyor.core.model import ConnectorStatus, DesiredState
-from conveyor.core.scrubbing import scrub
+from conveyor.core.trust.scrubbing import scrub
 from conveyor.store import schema as t
 from conveyor.store.repository import (
     LIVE_STATUSES,

@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from conveyor.core.errors import ConveyorError, TransientStoreError
-from conveyor.core.home import conveyor_home
+from conveyor.core.host.home import conveyor_home
 from conveyor.store import schema as t
 
 

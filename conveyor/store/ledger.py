@@ -19,9 +19,9 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import AlreadyClaimedError, FencedError
 from conveyor.core.model import ConnectorStatus, DesiredState, HeartbeatReply, Offsets
+from conveyor.core.planning.state import StateChange
 from conveyor.core.positions import PositionScope
-from conveyor.core.scrubbing import scrub
-from conveyor.core.state import StateChange
+from conveyor.core.trust.scrubbing import scrub
 from conveyor.store import schema as t
 from conveyor.store.database import Database, transient_errors
 from conveyor.store.offsets import OffsetRepository

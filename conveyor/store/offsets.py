@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from conveyor.core.model import ConnectorStatus, Offsets, TopicPartition
 from conveyor.core.positions import PositionScope, StoredPosition, StoredPositions
-from conveyor.core.scrubbing import scrub
+from conveyor.core.trust.scrubbing import scrub
 from conveyor.store import schema as t
 from conveyor.store.database import transient_errors
 from conveyor.store.repository import Repository, require_editable, task_writers

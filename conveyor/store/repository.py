@@ -16,8 +16,8 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import ConveyorError, FencedError
 from conveyor.core.model import ConnectorStatus, DesiredState, Offsets
-from conveyor.core.scrubbing import scrub
 from conveyor.core.sink import task_writer
+from conveyor.core.trust.scrubbing import scrub
 from conveyor.store import schema as t
 from conveyor.store.database import Database
 

@@ -95,7 +95,7 @@ state_history = sa.Table(
     sa.Column("generation", sa.Integer, nullable=True),
 )
 
-# -- partition tasks (conveyor/core/tasks.py, conveyor/store/tasks.py) ------------------
+# -- partition tasks (conveyor/core/planning/tasks.py, conveyor/store/tasks.py) ------------------
 # New tables need no migration step: create_all adds them to an existing store.
 
 task_groups = sa.Table(

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import Offsets, TopicPartition
-from conveyor.core.tasks import TaskChange, TaskDecision
+from conveyor.core.planning.tasks import TaskChange, TaskDecision
 from conveyor.store import schema as t
 from conveyor.store.repository import drop_tasks
 from conveyor.store.task_tables import ENDING, TaskTables

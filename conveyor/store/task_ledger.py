@@ -15,8 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from conveyor.core.model import DesiredState, Offsets, TopicPartition
+from conveyor.core.planning.tasks import TaskSample
 from conveyor.core.positions import PositionScope
-from conveyor.core.tasks import TaskSample
 from conveyor.store import schema as t
 from conveyor.store.task_tables import (
     ENDING,

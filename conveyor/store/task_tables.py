@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import ConnectorStatus, Offsets, TopicPartition
-from conveyor.core.tasks import TaskGroup, TaskPolicy, TaskSample, TaskView
+from conveyor.core.planning.tasks import TaskGroup, TaskPolicy, TaskSample, TaskView
 from conveyor.store import schema as t
 from conveyor.store.database import Database
 from conveyor.store.offsets import OffsetRepository

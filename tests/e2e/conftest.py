@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from conveyor.core.ports import free_port, port_open
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 
 LOCATION = "conveyor"

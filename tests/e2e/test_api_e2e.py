@@ -33,7 +33,7 @@ import pytest
 import requests
 import yaml
 
-from conveyor.core.ports import free_port, port_open
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.conftest import PG_URL
 from tests.e2e.conftest import SETTLE_S, kill_processes_of, produce, wait_for

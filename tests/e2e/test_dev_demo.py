@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
+from conveyor.core.host.ports import free_port, port_open
+from conveyor.core.host.processes import pid_alive
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.ports import free_port, port_open
-from conveyor.core.processes import pid_alive
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 from tests.e2e.conftest import SETTLE_S, wait_for
 from tests.e2e.test_ui_screenshot import CHROMIUM, PLOTTED, Chromium, has_tooltips, img_dir

@@ -25,8 +25,8 @@ from typing import Any
 import psutil
 import pytest
 
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 from tests.e2e.conftest import wait_for
 

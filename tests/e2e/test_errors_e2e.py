@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.core.host.ports import free_port
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.ports import free_port
 from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 from tests.e2e.test_connector_e2e import pg_spec
 

@@ -37,7 +37,7 @@ def tls_broker(dagster: DagsterHarness) -> Iterator[TlsBroker]:
     if not socat_available():
         pytest.skip("needs Debian's socat and openssl (.ci/run installs socat)")
     # The certificates live under the harness's $CONVEYOR_HOME: a spec may name files under
-    # its roots only (core/paths.py), as an operator's would.
+    # its roots only (core/trust/paths.py), as an operator's would.
     directory = dagster.home / f"tls_e2e_{uuid.uuid4().hex[:6]}"
     directory.mkdir()
     with tls_tansu(directory) as broker:

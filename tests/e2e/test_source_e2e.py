@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from conveyor.control.devserver import dagster_yaml
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import SETTLE_S, kill_processes_of, wait_for
 from tests.integration.sources_harness import read_topic

@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 from conveyor.control.devserver import dagster_yaml
+from conveyor.core.host.ports import free_port, port_open
+from conveyor.core.host.processes import pid_alive
 from conveyor.core.model import TopicPartition
-from conveyor.core.ports import free_port, port_open
-from conveyor.core.processes import pid_alive
 from conveyor.store.meta import MetaStore
 from conveyor.store.tasks import TaskStore
 from tests.e2e.conftest import SETTLE_S, kill_processes_of, wait_for

@@ -316,7 +316,7 @@ def rest_api(dagster: DagsterHarness):
     import signal as _signal
     import sys
 
-    from conveyor.core.ports import free_port, port_open
+    from conveyor.core.host.ports import free_port, port_open
 
     port = free_port()
     token = uuid.uuid4().hex

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from conveyor.core.ports import free_port, port_open
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import wait_for
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 
 PG_BIN = Path(os.environ.get("CONVEYOR_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 

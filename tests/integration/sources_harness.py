@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.brokers.producer import DestinationProducer
-from conveyor.core.routing import Route
+from conveyor.core.engine.routing import Route
+from conveyor.core.engine.source_loop import SourceLoop, SourceLoopConfig
 from conveyor.core.source_connector import ProducerSpec, SourceConnectorSpec
-from conveyor.core.source_loop import SourceLoop, SourceLoopConfig
 from conveyor.dagster.jobs.source_connector import StoreStateWriter
 from conveyor.sources import build_source
 from conveyor.sources.base import Source
@@ -136,7 +136,7 @@ def run_sink(tmp_path: Path, spec: Any, spark_remote: str, total: int) -> Any:
     """A sink connector's loop (``spec``: a ConnectorSpec) in this thread, against a meta store
     of its own, until it has committed ``total`` messages; its counters."""
     from conveyor.brokers.kafka import KafkaSource
-    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
     from conveyor.dagster.jobs.committer import StoreCommitter
     from conveyor.sinks import build_sink
     from conveyor.spark.session import spark_session

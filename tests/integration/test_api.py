@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conveyor.core.host.ports import free_port
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
-from conveyor.core.ports import free_port
 from tests.integration.api_server import READONLY_TOKEN, TOKEN, Api, conveyor_exe, served
 
 SECRET = "pg-pass-4cb1e07d"  # behind ${file:...} in the secrets directory

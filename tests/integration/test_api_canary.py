@@ -27,7 +27,7 @@ from conveyor.control.api import create_app
 from conveyor.control.operations import Operations
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorSpec
-from conveyor.core.state import StateChange
+from conveyor.core.planning.state import StateChange
 from conveyor.sinks import sink_class
 from conveyor.sources import source_class
 from conveyor.store.meta import MetaStore

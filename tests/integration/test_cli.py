@@ -192,8 +192,8 @@ failure: {{policy: dead_letter, dead_letter: {{path: {dl}}}}}
 def write_letters(directory, spark_remote: str, payloads: list[bytes]) -> None:
     import time
 
-    from conveyor.core.failure import FailedMessage
-    from conveyor.core.loop import DeadLetter
+    from conveyor.core.engine.failure import FailedMessage
+    from conveyor.core.engine.loop import DeadLetter
     from conveyor.spark.deadletters import SparkParquetDeadLetters
     from conveyor.spark.session import spark_session
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from conveyor.core.failure import FailedMessage
-from conveyor.core.loop import DeadLetter
+from conveyor.core.engine.failure import FailedMessage
+from conveyor.core.engine.loop import DeadLetter
 from conveyor.core.model import ConnectorSpec
 from conveyor.spark.deadletters import SparkParquetDeadLetters, dead_letter_location
 from conveyor.spark.session import spark_session

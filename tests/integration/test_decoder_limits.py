@@ -26,8 +26,8 @@ from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2
 
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.errors import ConfigError
-from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec, Counters
 from conveyor.core.schema_registry import SchemaRegistrySpec
 from conveyor.formats import payload_decoder

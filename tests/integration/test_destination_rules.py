@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.brokers.kafka import KafkaSource
-from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec
 from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.sinks import build_sink

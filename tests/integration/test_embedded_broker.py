@@ -9,7 +9,7 @@ import pytest
 
 from conveyor.brokers import embedded
 from conveyor.brokers.embedded import EmbeddedBrokerError, start_embedded_broker
-from conveyor.core.ports import free_port, listens_on
+from conveyor.core.host.ports import free_port, listens_on
 
 
 def test_listens_on_tells_which_process_holds_a_port():

@@ -18,8 +18,8 @@ import psycopg2
 import pytest
 
 from conveyor.brokers.kafka import KafkaSource
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.errors import DeadLetterLimitError
-from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec, Counters
 from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.sinks import build_sink

@@ -27,11 +27,11 @@ import yaml
 
 from conveyor.config.specs import load_source, sync_one
 from conveyor.control.operations import OFFSETS_RESET, NotFoundError, Operations
-from conveyor.core import tasks as tk
 from conveyor.core.errors import FencedError
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
-from conveyor.core.ports import free_port, port_open
-from conveyor.core.state import StateChange
+from conveyor.core.planning import tasks as tk
+from conveyor.core.planning.state import StateChange
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 from conveyor.store.tasks import TaskStore
 from tests.integration.test_store import store  # noqa: F401  (the parametrized fixture)

@@ -29,9 +29,9 @@ from google.protobuf import descriptor_pb2, timestamp_pb2
 from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message_factory import GetMessageClass
 
-from conveyor.core import scrubbing
 from conveyor.core.errors import ConfigError, TransientSinkError
 from conveyor.core.schema_registry import SchemaRegistrySpec
+from conveyor.core.trust import scrubbing
 from conveyor.formats import payload_decoder
 from conveyor.formats.encoding import payload_encoder
 from tests import schema_registry_standin as standin_module

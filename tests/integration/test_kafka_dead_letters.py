@@ -8,8 +8,8 @@ import pytest
 from kafka import KafkaConsumer
 
 from conveyor.core.connection import KafkaConnection
-from conveyor.core.failure import FailedMessage
-from conveyor.core.loop import DeadLetter
+from conveyor.core.engine.failure import FailedMessage
+from conveyor.core.engine.loop import DeadLetter
 from conveyor.spark.deadletters import KafkaDeadLetters
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import time
 
 from conveyor.brokers.embedded import start_embedded_broker
 from conveyor.brokers.kafka import KafkaSource
-from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import BatchPolicy, ConnectorStatus, RetrySpec, SourceSpec
 from tests.e2e.conftest import produce, wait_for
 from tests.unit.test_loop import Events, FakeCommitter, FakeSink, json_transform

@@ -27,7 +27,7 @@ from dagster import (
     instance_for_test,
 )
 
-from conveyor.core.watermarks import Watermark
+from conveyor.core.engine.watermarks import Watermark
 from conveyor.dagster.assets import checks
 from conveyor.dagster.jobs.progress import watermark_metadata
 from conveyor.dagster.landed import TAG_LANDED, complete_through_check, landed_through

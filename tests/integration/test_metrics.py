@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.core.model import ConnectorStatus, TopicPartition
-from conveyor.core.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 
 STATES = [s.value for s in ConnectorStatus]

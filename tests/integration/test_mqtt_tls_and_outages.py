@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from conveyor.core.errors import ConfigError, PermanentSourceError, TransientSourceError
+from conveyor.core.host.ports import free_port, port_open
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.ports import free_port, port_open
 from conveyor.sources import build_source
 from conveyor.sources.mqtt import MQTTSource
 from tests.integration.sources_harness import (

@@ -17,7 +17,7 @@ from dagster import DagsterInstance, DagsterRunStatus, reconstructable
 from dagster._core.launcher import WorkerStatus
 from dagster._core.test_utils import instance_for_test
 
-from conveyor.core.processes import pid_alive
+from conveyor.core.host.processes import pid_alive
 from conveyor.dagster.launcher import RUN_PID_TAG, ForkServerRunLauncher, ask
 from tests.e2e.conftest import wait_for
 from tests.integration import runserver_jobs

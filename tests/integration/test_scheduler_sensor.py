@@ -13,7 +13,7 @@ from dagster._core.test_utils import create_run_for_test
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TopicPartition
-from conveyor.core.state import StateChange
+from conveyor.core.planning.state import StateChange
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.sensors.scheduler import run_key, scheduler_sensor
 from conveyor.dagster.tags import TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
@@ -163,7 +163,7 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
     store.set_desired("beta", DesiredState.STOPPED, reason="test stop")
     # The run was not launched by this instance's launcher, so terminate() cannot reach it; the
     # decision is still made and the run's own heartbeat sees desired=stopped.
-    from conveyor.core import scheduler as core
+    from conveyor.core.planning import scheduler as core
     from conveyor.dagster.sensors.scheduler import tick as sched_tick
 
     ctx = build_sensor_context(
@@ -211,7 +211,7 @@ def test_a_run_that_died_under_a_running_connector_is_relaunched_in_one_tick(env
 def test_a_run_that_released_its_connector_as_error_is_not_taken_for_a_crash(env):
     # The tick read the connector Running, then the run released it as Error and failed
     # before the tick read the run: the decision must not relaunch it (nor hide its error).
-    from conveyor.core import scheduler as core
+    from conveyor.core.planning import scheduler as core
     from conveyor.dagster.sensors.scheduler import apply_plan, connector_view
 
     instance, store, url = env
@@ -286,7 +286,7 @@ def test_hand_launched_run_is_adopted_and_an_older_generation_run_is_reclaimed(e
         status=DagsterRunStatus.STARTED,
         tags={TAG_CONNECTOR: "alpha", TAG_GENERATION: "0"},
     )
-    from conveyor.core import scheduler as core
+    from conveyor.core.planning import scheduler as core
     from conveyor.dagster.sensors.scheduler import tick as sched_tick
 
     ctx = build_sensor_context(
@@ -346,7 +346,7 @@ def test_a_hung_zombie_holding_the_store_lock_is_killed_and_stopped_in_one_tick(
     import subprocess
     import sys
 
-    from conveyor.core.processes import pid_alive
+    from conveyor.core.host.processes import pid_alive
 
     instance, store, url = env
     tick(instance, url)

@@ -320,8 +320,8 @@ def test_route_mapping_fetched_over_http_once_and_a_bad_fetch_refuses_to_start()
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from conveyor.core.engine.routing import Route, RouteSpec
     from conveyor.core.errors import ConfigError
-    from conveyor.core.routing import Route, RouteSpec
     from conveyor.dagster.jobs.source_connector import fetch_mapping
 
     hits: list[str] = []

@@ -23,8 +23,8 @@ from click.testing import CliRunner
 
 from conveyor.config.specs import dedupe, from_mapping
 from conveyor.control.cli import main
+from conveyor.core.engine.source_loop import SourceStateVersionError, checked_state
 from conveyor.core.errors import PermanentSourceError
-from conveyor.core.source_loop import SourceStateVersionError, checked_state
 from conveyor.sources import build_source
 from conveyor.sources.postgres_cdc import PostgresCDCSource, parse_lsn
 from tests.integration.pg_cluster import private_cluster

@@ -8,9 +8,9 @@ import uuid
 import psycopg2
 import pytest
 
+from conveyor.core.engine.routing import RoutingError
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.routing import RoutingError
 from conveyor.sources import build_source
 from tests.integration.sources_harness import (
     build_loop,

@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 from conveyor.sources import build_source
 from tests.integration.sources_harness import (
     build_loop,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 
 SCRIPT = """
 import sys

@@ -3,7 +3,7 @@ there when nothing stops them (a shell command through a script transform, a Jav
 a file read through a subquery); through a spec they are refused before any Spark call,
 and the session Conveyor opens reads no file through SQL even past the guard. Legit
 expressions still run, and words inside literals stay literals for Spark as for the
-guard (core.sql_guard follows Spark's lexer)."""
+guard (core.spark_sql.sql_guard follows Spark's lexer)."""
 
 from __future__ import annotations
 

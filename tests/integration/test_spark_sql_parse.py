@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.core.spark_functions import (
+from conveyor.core.spark_sql.spark_functions import (
     AGGREGATE_FUNCTIONS,
     ALLOWED_FUNCTIONS,
     REFUSED_FUNCTIONS,
     WINDOW_FUNCTIONS,
 )
-from conveyor.core.spark_sql_parser import parse_named, parse_schema
-from conveyor.core.sql_guard import expression_problem
+from conveyor.core.spark_sql.spark_sql_parser import parse_named, parse_schema
+from conveyor.core.spark_sql.sql_guard import expression_problem
 from tests.spark_parser import SparkParse, SparkParser
 from tests.unit.test_sql_guard import ALLOWED, FRAGMENTS
 

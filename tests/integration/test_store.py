@@ -16,7 +16,7 @@ from conveyor.core.model import (
     HeartbeatReply,
     TopicPartition,
 )
-from conveyor.core.state import StateChange
+from conveyor.core.planning.state import StateChange
 from conveyor.store import schema as t
 from conveyor.store.meta import MetaStore, UnknownConnectorError
 

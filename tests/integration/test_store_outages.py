@@ -12,9 +12,9 @@ import psycopg2
 import pytest
 import sqlalchemy as sa
 
+from conveyor.core.engine.liveness import Supervisor
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.errors import FencedError, TransientStoreError
-from conveyor.core.liveness import Supervisor
-from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import (
     BatchPolicy,
     Broker,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from conveyor.core import tasks as tk
 from conveyor.core.model import TopicPartition
-from conveyor.core.state import StateChange
+from conveyor.core.planning import tasks as tk
+from conveyor.core.planning.state import StateChange
 from conveyor.store.meta import MetaStore
 from conveyor.store.tasks import TaskStore
 from tests.integration.test_cli import cli, connectors_dir, meta_url  # noqa: F401  (fixtures)

@@ -10,7 +10,7 @@ from dagster._core.test_utils import create_run_for_test
 
 from conveyor.core.errors import FencedError
 from conveyor.core.model import ConnectorStatus, TopicPartition
-from conveyor.core.tasks import TaskSample
+from conveyor.core.planning.tasks import TaskSample
 from conveyor.dagster.tags import (
     TAG_BROKER,
     TAG_CONNECTOR,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.core import tasks as tk
 from conveyor.core.errors import FencedError
 from conveyor.core.model import TopicPartition
+from conveyor.core.planning import tasks as tk
 from conveyor.store.tasks import TaskStore
 from tests.integration.test_store import add, store  # noqa: F401  (the parametrized fixture)
 

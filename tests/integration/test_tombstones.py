@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from conveyor.brokers.kafka import KafkaSource
-from conveyor.core.loop import ConnectorLoop, DataPolicyError, LoopConfig, run_loop
+from conveyor.core.engine.loop import ConnectorLoop, DataPolicyError, LoopConfig, run_loop
 from conveyor.core.model import ConnectorSpec, Counters
 from conveyor.dagster.jobs.committer import StoreCommitter
 from conveyor.sinks import build_sink

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from conveyor.core.errors import ConfigError
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 from conveyor.sources import build_source
 from conveyor.sources.webhook import WebhookSource
 from tests.integration.sources_harness import wait_for

@@ -302,7 +302,7 @@ def test_the_loop_commits_offsets_only_with_the_tables_commit(home: Path) -> Non
     """The default cadence under the real loop: batches are held (no offsets in the meta store)
     until the table's commit a minute after the first; then all at once; the stop commits the
     rest. The table and the committed offsets agree at every step."""
-    from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
+    from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
     from conveyor.core.model import BatchPolicy, FailureSpec
     from tests.unit.test_loop import Events, FakeCommitter, FakeSource, json_transform, source_batch
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 from tests.sinks.contract import SinkContract, closed_port, make_batch, unique
 
 pytestmark = [

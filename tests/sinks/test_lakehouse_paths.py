@@ -1,5 +1,5 @@
 """Issue 45 point 3 on real tables: the lakehouse sinks check their places again when they open
-them (``conveyor.core.paths``), not only when the spec is validated. A catalog may hold a
+them (``conveyor.core.trust.paths``), not only when the spec is validated. A catalog may hold a
 table (or a namespace) whose files are anywhere, and a directory accepted at validation may be
 a link to elsewhere by the time the run opens it: each is refused naming the field, and
 nothing is written outside the roots.

@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from conveyor.core.engine.loop import SourceBatch
 from conveyor.core.errors import TransientSourceError
-from conveyor.core.loop import SourceBatch
 from conveyor.core.model import BatchPolicy, Offsets, SourceSpec, TopicPartition
 from tests.sources.producers import CODECS, Msg, create_topic, produce
 

@@ -18,9 +18,9 @@ import pytest
 from conveyor.brokers.connection import librdkafka_config
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.core.connection import KafkaConnection
+from conveyor.core.engine.failure import FailedMessage
+from conveyor.core.engine.loop import DeadLetter
 from conveyor.core.errors import PermanentSinkError, PermanentSourceError
-from conveyor.core.failure import FailedMessage
-from conveyor.core.loop import DeadLetter
 from conveyor.core.model import SourceSpec, TopicPartition
 from conveyor.sinks import build_sink
 from conveyor.spark.deadletters import KafkaDeadLetters

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from conveyor.brokers.embedded import tansu_binary
-from conveyor.core.ports import free_port
+from conveyor.core.host.ports import free_port
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from conveyor.core.engine.stopping import sleep_unless_stopped
 from conveyor.core.errors import ConfigError
-from conveyor.core.references import known_now
-from conveyor.core.stopping import sleep_unless_stopped
+from conveyor.core.trust.references import known_now
 from conveyor.sinks import parse_sink_config
 from conveyor.sources import canonical_type as source_type
 

@@ -92,7 +92,7 @@ def test_every_environment_variable_the_code_reads_is_documented():
     assert not missing, (
         f"undocumented environment variables: {missing}; add them to conveyor/control/configdoc.py"
     )
-    from conveyor.core.scheduler import SchedulerConfig
+    from conveyor.core.planning.scheduler import SchedulerConfig
 
     for f in dataclasses.fields(SchedulerConfig):
         assert f"`CONVEYOR_SCHEDULER_{f.name.upper()}`" in env_section

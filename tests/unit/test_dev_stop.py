@@ -1,4 +1,4 @@
-"""``conveyor dev``'s stop: which processes belong to its home (``core.processes``), and a run
+"""``conveyor dev``'s stop: which processes belong to its home (``core.host.processes``), and a run
 whose parent is gone stopping itself (``jobs.runs.CancelWatch``)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.core import processes
-from conveyor.core.processes import children_of, holds, parent_of, processes_holding
+from conveyor.core.host import processes
+from conveyor.core.host.processes import children_of, holds, parent_of, processes_holding
 
 
 def sleeper(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:

@@ -6,8 +6,13 @@ import random
 
 import pytest
 
+from conveyor.core.engine.failure import (
+    DeadLetterLimiter,
+    OutageTracker,
+    resend_attempts,
+    retry_delay,
+)
 from conveyor.core.errors import DeadLetterLimitError
-from conveyor.core.failure import DeadLetterLimiter, OutageTracker, resend_attempts, retry_delay
 from conveyor.core.model import DeadLetterSpec, FailurePolicyName, RetrySpec
 
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
+from conveyor.core.engine.liveness import Stage, StageClock, Supervisor, verdict
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.errors import FencedError, TransientSourceError, TransientStoreError
-from conveyor.core.liveness import Stage, StageClock, Supervisor, verdict
-from conveyor.core.loop import ConnectorLoop, LoopConfig, run_loop
 from conveyor.core.model import BatchPolicy, ConnectorStatus, LivenessSpec, RetrySpec
 from tests.unit.test_loop import (
     TP0,

@@ -10,15 +10,7 @@ import pyarrow.compute as pc
 import pytest
 
 from conveyor.brokers.kafka import SOURCE_SCHEMA
-from conveyor.core.errors import (
-    BatchRejected,
-    DeadLetterLimitError,
-    FencedError,
-    OutageBudgetExceeded,
-    TransientSinkError,
-    is_data_error,
-)
-from conveyor.core.loop import (
+from conveyor.core.engine.loop import (
     ConnectorLoop,
     DataPolicyError,
     Directive,
@@ -29,6 +21,14 @@ from conveyor.core.loop import (
     next_offsets_of,
     offsets_before,
     run_loop,
+)
+from conveyor.core.errors import (
+    BatchRejected,
+    DeadLetterLimitError,
+    FencedError,
+    OutageBudgetExceeded,
+    TransientSinkError,
+    is_data_error,
 )
 from conveyor.core.model import (
     BatchPolicy,
@@ -1011,7 +1011,7 @@ def routed_transform(batch: pa.Table) -> Transformed:
 
 
 def test_refused_destinations_are_failed_messages_for_the_policy():
-    from conveyor.core.routing import AdmissionSpec, DestinationRulesSpec
+    from conveyor.core.engine.routing import AdmissionSpec, DestinationRulesSpec
 
     dead = FakeDeadLetters(Events())
     rules = DestinationRulesSpec(admission=AdmissionSpec(mode="denylist", patterns=["t2"]))
@@ -1030,7 +1030,7 @@ def test_refused_destinations_are_failed_messages_for_the_policy():
 
 
 def test_the_cap_refuses_destinations_past_max_destinations():
-    from conveyor.core.routing import DestinationRulesSpec
+    from conveyor.core.engine.routing import DestinationRulesSpec
 
     dead = FakeDeadLetters(Events())
     loop, _, sink, committer, _, _ = make_loop(
@@ -1047,7 +1047,7 @@ def test_the_cap_refuses_destinations_past_max_destinations():
 
 
 def test_a_failing_destination_opens_its_breaker_while_the_others_flow():
-    from conveyor.core.routing import DestinationRulesSpec
+    from conveyor.core.engine.routing import DestinationRulesSpec
 
     events = Events()
     dead = FakeDeadLetters(events)

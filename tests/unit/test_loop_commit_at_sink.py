@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 
 import pytest
 
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig, Progress, run_loop
 from conveyor.core.errors import FencedError, TransientSinkError
-from conveyor.core.loop import ConnectorLoop, LoopConfig, Progress, run_loop
 from conveyor.core.model import (
     BatchPolicy,
     FailureSpec,

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pytest
 
 from conveyor.config.specs import dedupe, from_mapping, parse_spec
-from conveyor.core import paths
 from conveyor.core.errors import ConfigError, PermanentSinkError
+from conveyor.core.trust import paths
 from conveyor.sinks import build_sink
 from conveyor.sinks.localfile import LocalFileSink
 from conveyor.spark.deadletters import dead_letter_location

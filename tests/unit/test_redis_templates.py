@@ -434,7 +434,7 @@ def test_tls_kwargs(file_root: Path) -> None:
 def test_a_tls_file_outside_the_roots_is_refused_naming_its_field(
     field: str, file_root: Path
 ) -> None:
-    """The one path rule (``core.paths``): a TLS file outside ``$CONVEYOR_HOME`` and
+    """The one path rule (``core.trust.paths``): a TLS file outside ``$CONVEYOR_HOME`` and
     ``$CONVEYOR_FILE_ROOTS`` is refused when the config is validated."""
     files = {n: str(file_root / f"{n}.pem") for n in ("tls_cert_file", "tls_key_file")}
     with pytest.raises(ConfigError) as err:

@@ -1,4 +1,4 @@
-"""Route, admission grammar, cap, missing destinations and breakers (pure, core/routing.py)."""
+"""Route, admission grammar, cap, missing destinations and breakers (pure, core/engine/routing.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from conveyor.core.errors import ConfigError
-from conveyor.core.routing import (
+from conveyor.core.engine.routing import (
     AdmissionSpec,
     BreakerBoard,
     CircuitBreaker,
@@ -26,6 +25,7 @@ from conveyor.core.routing import (
     pattern_matches,
     pattern_problem,
 )
+from conveyor.core.errors import ConfigError
 
 segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=1, max_size=6)
 topics = st.lists(segment, min_size=1, max_size=4).map(".".join)

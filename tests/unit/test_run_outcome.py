@@ -1,10 +1,12 @@
-"""How an error ends a connector run: the outcome table in core.failure, shared by sink and
+"""How an error ends a connector run: the outcome table in core.engine.failure, shared by sink and
 source connectors."""
 
 from __future__ import annotations
 
 import pytest
 
+from conveyor.core.engine.failure import RunEnding, run_outcome
+from conveyor.core.engine.routing import RoutingError
 from conveyor.core.errors import (
     ConfigError,
     DataPolicyError,
@@ -15,8 +17,6 @@ from conveyor.core.errors import (
     PermanentSourceError,
     StageHungError,
 )
-from conveyor.core.failure import RunEnding, run_outcome
-from conveyor.core.routing import RoutingError
 
 
 def test_fenced_runs_exit_without_writing() -> None:

@@ -8,8 +8,8 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conveyor.core import scheduler as s
 from conveyor.core.model import ConnectorStatus, DesiredState
+from conveyor.core.planning import scheduler as s
 
 NOW = 1_000_000.0
 IDLE, RUNNING, STOPPED, ERROR, DEGRADED = (

@@ -16,9 +16,9 @@ import pytest
 from dagster import Failure, RetryRequested
 
 from conveyor.control.configdoc import environment_names
-from conveyor.core import scrubbing
 from conveyor.core.errors import ConfigError, PermanentSinkError
-from conveyor.core.secrets import (
+from conveyor.core.trust import scrubbing
+from conveyor.core.trust.secrets import (
     MASK,
     SecretPolicy,
     check_placement,
@@ -338,7 +338,7 @@ def test_no_documented_setting_is_readable_by_a_reference_whatever_the_patterns(
 
 
 def test_a_dead_letter_never_keeps_a_resolved_value(monkeypatch) -> None:
-    from conveyor.core.failure import FailedMessage
+    from conveyor.core.engine.failure import FailedMessage
 
     resolved_canary(monkeypatch)
     failed = FailedMessage("t", 0, 7, f"value rejected for user {CANARY}", "data")

@@ -1,4 +1,4 @@
-"""Secrets by reference: resolution, syntax errors, redaction (conveyor/core/secrets.py)."""
+"""Secrets by reference: resolution, syntax errors, redaction (conveyor/core/trust/secrets.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.core.errors import ConfigError
-from conveyor.core.secrets import (
+from conveyor.core.trust.secrets import (
     MASK,
     SecretPolicy,
     check_placement,

@@ -1,4 +1,4 @@
-"""The source loop's order and guarantees with in-memory fakes (core/source_loop.py)."""
+"""The source loop's order and guarantees with in-memory fakes (core/engine/source_loop.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conveyor.core.engine.loop import Transformed
+from conveyor.core.engine.routing import RoutingSpec, SourceMode
+from conveyor.core.engine.source_loop import SourceLoop, SourceLoopConfig
 from conveyor.core.errors import FencedError, TransientSinkError
-from conveyor.core.loop import Transformed
 from conveyor.core.model import ConnectorStatus, RetrySpec
-from conveyor.core.routing import RoutingSpec, SourceMode
-from conveyor.core.source_loop import SourceLoop, SourceLoopConfig
 from conveyor.sources.base import Polled, SourceMessage
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from conveyor.core.engine.source_loop import table_records
 from conveyor.core.model import NullValues
 from conveyor.core.source_connector import SourceConnectorSpec
-from conveyor.core.source_loop import table_records
 from conveyor.sources import build_source
 
 

@@ -1,4 +1,4 @@
-"""The rule that keeps a transform's Spark SQL to its batch (conveyor.core.sql_guard) on a
+"""The rule that keeps a transform's Spark SQL to its batch (conveyor.core.spark_sql.sql_guard) on a
 hostile corpus, the canonical text Spark is given, and the spec validation that applies it
 (issues 34 and 45). That Spark's own parser reads each accepted text as the guard did is
 tests/integration/test_spark_sql_parse.py's."""
@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from conveyor.core.errors import ConfigError
 from conveyor.core.model import TransformSpec
 from conveyor.core.registry import format_validation_error
-from conveyor.core.spark_functions import ALLOWED_FUNCTIONS
-from conveyor.core.spark_sql_lexer import SqlSyntaxError, tokenize
-from conveyor.core.spark_sql_parser import parse_named
-from conveyor.core.sql_guard import expression_problem, guard_transform
+from conveyor.core.spark_sql.spark_functions import ALLOWED_FUNCTIONS
+from conveyor.core.spark_sql.spark_sql_lexer import SqlSyntaxError, tokenize
+from conveyor.core.spark_sql.spark_sql_parser import parse_named
+from conveyor.core.spark_sql.sql_guard import expression_problem, guard_transform
 
 # Expressions the existing tests and docs use, and words inside literals or names.
 ALLOWED = [

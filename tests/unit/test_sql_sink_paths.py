@@ -1,5 +1,5 @@
 """Issue 45 (the SQL sinks' leftover): the files a SQL sink's connection opens follow the one path
-rule (``core/paths.py``): MySQL's TLS files (``tls_ca_file``, ``tls_cert_file``,
+rule (``core/trust/paths.py``): MySQL's TLS files (``tls_ca_file``, ``tls_cert_file``,
 ``tls_key_file``) and the file parameters of a PostgreSQL connection string (libpq's
 ``sslrootcert``, ``sslcert``, ``sslkey``, ``sslcrl``, ``passfile``, ``servicefile`` and the
 file parameters of the service it names), in a URL's query or a key=value DSN. Refused with a
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from conveyor.config.specs import parse_spec
-from conveyor.core import paths
 from conveyor.core.errors import ConfigError
+from conveyor.core.trust import paths
 from conveyor.sinks import build_sink
 from conveyor.sinks.postgres_config import check_service, libpq_files
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from conveyor.core.engine.stopping import Directive
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, TopicPartition
-from conveyor.core.stopping import Directive
 from conveyor.dagster.jobs.tasks import TaskCommitter
 from conveyor.store.tasks import CommitResult, Grant
 

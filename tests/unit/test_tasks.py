@@ -1,4 +1,4 @@
-"""The partition-task planner (conveyor/core/tasks.py): split, merge, dead tasks, bounds.
+"""The partition-task planner (conveyor/core/planning/tasks.py): split, merge, dead tasks, bounds.
 
 A small simulated world drives it tick by tick: partitions receive messages at a set
 rate, each task reads at most ``capacity`` messages/s (spread over its partitions in
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from conveyor.core import tasks as tk
 from conveyor.core.model import ConnectorSpec, TasksSpec, TopicPartition
+from conveyor.core.planning import tasks as tk
 
 TP = TopicPartition
 DT = 5.0

@@ -1,4 +1,4 @@
-"""The watermark rule (core/watermarks.py) on Arrow batches with a fake clock, and the loop
+"""The watermark rule (core/engine/watermarks.py) on Arrow batches with a fake clock, and the loop
 carrying it into its progress reports (high marks of committed batches only, late ranges)."""
 
 from __future__ import annotations
@@ -12,8 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conveyor.brokers.kafka import SOURCE_SCHEMA
+from conveyor.core.engine.loop import (
+    ConnectorLoop,
+    LoopConfig,
+    Progress,
+    SourceBatch,
+    next_offsets_of,
+)
+from conveyor.core.engine.watermarks import WatermarkTracker, event_seconds, merge_ranges
 from conveyor.core.errors import ConfigError, DataPolicyError
-from conveyor.core.loop import ConnectorLoop, LoopConfig, Progress, SourceBatch, next_offsets_of
 from conveyor.core.model import (
     BatchPolicy,
     ConnectorSpec,
@@ -21,7 +28,6 @@ from conveyor.core.model import (
     FailureSpec,
     WatermarkSpec,
 )
-from conveyor.core.watermarks import WatermarkTracker, event_seconds, merge_ranges
 from tests.unit.test_loop import Events, FakeCommitter, FakeSink, FakeSource, json_transform
 
 T0 = 1_700_000_000.0  # event times are offsets from here, in seconds
@@ -111,7 +117,7 @@ def test_a_stream_that_stops_is_complete_through_the_last_quiet_read_minus_laten
 
 
 def test_report_due_when_late_ranges_wait_or_the_watermark_crosses_a_minute():
-    from conveyor.core.watermarks import Watermark, report_due
+    from conveyor.core.engine.watermarks import Watermark, report_due
 
     minute = 60 * 28_333_333.0  # a whole minute
     assert report_due(None, Watermark(low=minute + 5, by_partition={}))  # known the first time

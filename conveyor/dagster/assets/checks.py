@@ -10,14 +10,14 @@ their own asset job ``lag_checks`` on a schedule that is running by default.
 
 The same materializations carry the connector's event-time watermark (``watermark``,
 ``watermark_ts``, ``watermark_by_partition``, ``lag_seconds``, ``late_event_times``; rule in
-``core/watermarks.py``), and so do the observations a run logs between them as soon as the
+``core/engine/watermarks.py``), and so do the observations a run logs between them as soon as the
 watermark crosses a minute (or late data arrives): :func:`watermark_events` reads both kinds in
 storage order, :func:`watermark_of` and :func:`late_ranges_of` their metadata, for the
 ``complete_through`` check (:func:`complete_through_check`, which users add to their own
 definitions) and for ``conveyor.dagster.landed``.
 
 ``has_run`` (:func:`run_checks`) fails, severity WARN, while a connector of the asset is assigned
-and its run waits in Dagster's run queue (``core.scheduler``'s ``Waiting``): the scheduler sensor
+and its run waits in Dagster's run queue (``core.planning.scheduler``'s ``Waiting``): the scheduler sensor
 reports it as the wait is found and again once the run heartbeats (:func:`run_check_events`), and
 running it by hand reads the meta store.
 """
@@ -54,7 +54,7 @@ from dagster import (
 
 from conveyor.config.specs import LoadedSpec
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.scheduler import LIVE, WAITING_FOR_A_RUN
+from conveyor.core.planning.scheduler import LIVE, WAITING_FOR_A_RUN
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_CONNECTOR
 from conveyor.store.meta import ConnectorRow, UnknownConnectorError
@@ -260,7 +260,7 @@ def sink_assets(specs: Sequence[LoadedSpec]) -> dict[str, AssetKey]:
 
 
 def waiting_for_a_run(row: ConnectorRow) -> bool:
-    """Assigned, meant to run, and its last error says its run waits (``core.scheduler``)."""
+    """Assigned, meant to run, and its last error says its run waits (``core.planning.scheduler``)."""
     return (
         row.status == ConnectorStatus.IDLE
         and row.broker_id is not None

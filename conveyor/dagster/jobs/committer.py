@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conveyor.brokers.kafka import KafkaSource
+from conveyor.core.engine.stopping import Directive, directive_for
 from conveyor.core.model import ConnectorStatus, Counters, Offsets
 from conveyor.core.positions import PositionScope
-from conveyor.core.stopping import Directive, directive_for
 from conveyor.store.meta import MetaStore
 
 

@@ -3,9 +3,9 @@
 The op's body is ``SinkRun``, the sink kind of the one run template
 (``jobs/run_template.py``, as Kafka Connect's ``WorkerSinkTask`` under ``WorkerTask``): it
 claims the connector (fencing any older run), builds the Kafka source, the Spark transform
-and the sink (``jobs/sink_loop.py``), and the template supervises ``core.loop`` on a thread
+and the sink (``jobs/sink_loop.py``), and the template supervises ``core.engine.loop`` on a thread
 of its own (``jobs.supervision``: heartbeats, stage deadlines, the terminate), again after
-each spec change, and ends the run by the outcome table (``core.failure.run_outcome``). A
+each spec change, and ends the run by the outcome table (``core.engine.failure.run_outcome``). A
 run with task tags is a partition task's (``TaskRun``, ``jobs/tasks.py``).
 
 Around it: ``jobs.runs`` (tags, claim, cancel, spec changes), ``jobs.committer``
@@ -26,9 +26,9 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec, sync_one
-from conveyor.core.loop import ConnectorLoop
+from conveyor.core.engine.loop import ConnectorLoop
+from conveyor.core.engine.stopping import LoopControl
 from conveyor.core.model import Offsets
-from conveyor.core.stopping import LoopControl
 from conveyor.dagster.jobs.allocators import use_run_allocators
 from conveyor.dagster.jobs.run_template import RunTemplate
 from conveyor.dagster.jobs.runs import claim_run, scrubbed_errors

@@ -1,7 +1,7 @@
 """A sink connector run's progress in the Dagster UI: materializations of the sink asset and
 of the dead-letter asset, with the loop's counters, offsets, event-time watermark and the stuck
 stage; between them, an observation of the sink asset each time the watermark crosses a minute
-or late data arrives (``core.watermarks.report_due``, at most one a second), which
+or late data arrives (``core.engine.watermarks.report_due``, at most one a second), which
 ``dagster/landed.py``'s sensor reacts to."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec
-from conveyor.core.loop import Progress
-from conveyor.core.watermarks import Watermark
+from conveyor.core.engine.loop import Progress
+from conveyor.core.engine.watermarks import Watermark
 from conveyor.dagster.assets.checks import (
     IDLE_PARTITIONS,
     LAG_SECONDS,

@@ -12,9 +12,9 @@ Connect's ``WorkerTask`` under ``WorkerSinkTask`` and ``WorkerSourceTask``).
                   boundary, in the same run                                    kind: reconfigure()
     close         the loop closed its clients; what the kind reports after it  kind: loop_ended()
     outcome       a terminate: Stopped (re-raised); an error: the outcome table
-                  (``core.failure.run_outcome``); the desired state: Stopped    kind: release()
+                  (``core.engine.failure.run_outcome``); the desired state: Stopped    kind: release()
 
-The loops share the rest (``core.stopping.LoopControl``): heartbeat, status changes, rate,
+The loops share the rest (``core.engine.stopping.LoopControl``): heartbeat, status changes, rate,
 stop and pause, outage retries over one set of errors (``core.errors.OUTAGES``). A kind
 supplies only what differs: how it claims, builds its loop (its counters, its fence: the
 committer or state writer it gives the loop) and records its ending.
@@ -35,10 +35,10 @@ from dagster import (
 )
 
 from conveyor.config.specs import LoadedSpec
-from conveyor.core.failure import RunEnding, run_outcome
+from conveyor.core.engine.failure import RunEnding, run_outcome
+from conveyor.core.engine.stopping import LoopControl
 from conveyor.core.model import ConnectorStatus
-from conveyor.core.state import StateChange
-from conveyor.core.stopping import LoopControl
+from conveyor.core.planning.state import StateChange
 from conveyor.dagster.jobs.runs import ORPHANED, cancel_requested, next_spec
 from conveyor.dagster.jobs.supervision import supervise
 from conveyor.dagster.resources.conveyor import ConveyorResource

@@ -23,8 +23,8 @@ from dagster import (
 
 from conveyor.config.specs import LoadedSpec, load_source, resolved, sync_one
 from conveyor.core.errors import AlreadyClaimedError, ConfigError, FencedError
-from conveyor.core.processes import pid_alive
-from conveyor.core.scrubbing import chain_holds_secret, scrub, scrubbed_exception
+from conveyor.core.host.processes import pid_alive
+from conveyor.core.trust.scrubbing import chain_holds_secret, scrub, scrubbed_exception
 from conveyor.dagster.tags import TAG_BROKER, TAG_GENERATION
 from conveyor.store.meta import Claim, ConnectorRow, MetaStore
 
@@ -40,7 +40,7 @@ def scrubbed_errors(op_fn: F) -> F:
     Dagster records the exception an op raises, with its ``__cause__`` / ``__context__``
     chain, in the event log and the compute logs. An exception whose text (or a cause's)
     quotes a resolved value (libpq's ``role "<user>" does not exist``) is raised again as the
-    same kind of exception with the scrubbed text (``core.scrubbing``), outside the handler
+    same kind of exception with the scrubbed text (``core.trust.scrubbing``), outside the handler
     and ``from`` a scrubbed cause or None: the original is in no chain.
     """
 

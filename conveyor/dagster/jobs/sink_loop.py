@@ -11,8 +11,8 @@ from dagster import AssetKey, AssetObservation, MetadataValue, OpExecutionContex
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.config.specs import LoadedSpec, resolved
+from conveyor.core.engine.loop import ConnectorLoop, LoopConfig
 from conveyor.core.errors import ConveyorError
-from conveyor.core.loop import ConnectorLoop, LoopConfig
 from conveyor.core.model import Counters, FailurePolicyName, Offsets, TopicPartition
 from conveyor.core.positions import (
     PositionNote,

@@ -5,7 +5,7 @@ The op's body is ``SourceRun``, the source kind of the one run template
 sink connector's run (``connector__<name>``, launched by the scheduler sensor, claimed and
 fenced by generation, supervised, terminated as a Dagster interrupt, ended by the outcome
 table). It checks the stored state's version, builds the source, the Spark transform, the
-Route and the producer, and the template supervises ``core.source_loop``. Topic assets
+Route and the producer, and the template supervises ``core.engine.source_loop``. Topic assets
 (``kafka/<topic>``) get a materialization per destination at most once a minute and at the
 end of each loop.
 """
@@ -31,17 +31,17 @@ from dagster import (
 
 from conveyor.brokers.producer import DestinationProducer
 from conveyor.config.specs import LoadedSpec, resolved, sync_one
-from conveyor.core.errors import (
-    ConfigError,
-)
-from conveyor.core.model import ConnectorStatus, Counters
-from conveyor.core.routing import Route
-from conveyor.core.source_loop import (
+from conveyor.core.engine.routing import Route
+from conveyor.core.engine.source_loop import (
     SourceLoop,
     SourceLoopConfig,
     checked_state,
 )
-from conveyor.core.stopping import Directive, LoopControl, directive_for
+from conveyor.core.engine.stopping import Directive, LoopControl, directive_for
+from conveyor.core.errors import (
+    ConfigError,
+)
+from conveyor.core.model import ConnectorStatus, Counters
 from conveyor.dagster.assets.lineage import static_destinations, topic_key
 from conveyor.dagster.jobs.allocators import use_run_allocators
 from conveyor.dagster.jobs.run_template import RunTemplate

@@ -1,5 +1,5 @@
 """The run's supervisor: the loop (sink, source or task) on a thread of its own, heartbeats and
-stage deadlines from the op's thread (``core.liveness.Supervisor``), and the terminate path."""
+stage deadlines from the op's thread (``core.engine.liveness.Supervisor``), and the terminate path."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Any
 from dagster import DagsterExecutionInterruptedError, OpExecutionContext
 
 from conveyor.config.specs import LoadedSpec
+from conveyor.core.engine.liveness import Supervisor
+from conveyor.core.engine.loop import run_loop
+from conveyor.core.engine.stopping import LoopControl
 from conveyor.core.errors import FencedError, StageHungError
-from conveyor.core.liveness import Supervisor
-from conveyor.core.loop import run_loop
 from conveyor.core.model import Counters
-from conveyor.core.stopping import LoopControl
 from conveyor.dagster.jobs.progress import record_stuck_stage
 from conveyor.dagster.jobs.runs import hold_interrupts
 

@@ -28,8 +28,9 @@ from dagster import DagsterExecutionInterruptedError, OpExecutionContext
 
 from conveyor.brokers.kafka import KafkaSource
 from conveyor.config.specs import LoadedSpec
+from conveyor.core.engine.loop import ConnectorLoop
+from conveyor.core.engine.stopping import Directive, LoopControl, directive_for
 from conveyor.core.errors import FencedError
-from conveyor.core.loop import ConnectorLoop
 from conveyor.core.model import (
     ConnectorStatus,
     Counters,
@@ -38,10 +39,9 @@ from conveyor.core.model import (
     Offsets,
     TopicPartition,
 )
+from conveyor.core.planning.tasks import TaskSample
 from conveyor.core.positions import PositionScope
 from conveyor.core.sink import task_writer
-from conveyor.core.stopping import Directive, LoopControl, directive_for
-from conveyor.core.tasks import TaskSample
 from conveyor.dagster.jobs.progress import progress_logger
 from conveyor.dagster.jobs.run_template import RunTemplate
 from conveyor.dagster.jobs.runs import ORPHANED, next_spec

@@ -19,11 +19,11 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from conveyor.config.specs import connectors_dir
 from conveyor.core.errors import ConfigError
-from conveyor.core.home import conveyor_home
+from conveyor.core.host.home import conveyor_home
+from conveyor.core.host.ports import port_open
 from conveyor.core.model import Broker, BrokersFile
-from conveyor.core.ports import port_open
+from conveyor.core.planning.scheduler import BrokerView, gone_brokers
 from conveyor.core.registry import format_validation_error
-from conveyor.core.scheduler import BrokerView, gone_brokers
 from conveyor.store.meta import MetaStore, default_meta_url
 
 log = logging.getLogger("conveyor")

@@ -4,7 +4,7 @@ The op records its own errors and releases its connector as Error before its run
 ends. A run that failed while its connector still says Running, Degraded or Paused
 had its process die under it (``kill -9``, the OOM killer): what Dagster says of it
 (the exit code) goes to the connector's history here. The decision is the
-scheduler's alone (``core.scheduler``: relaunched at once, or Error when the
+scheduler's alone (``core.planning.scheduler``: relaunched at once, or Error when the
 restarts keep failing); marking the connector Error here would send a crash down
 the restart backoff meant for failing connectors. Only the connector's current run
 counts: a refused duplicate launch is not recorded.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_sensor
 
-from conveyor.core.scheduler import LIVE
+from conveyor.core.planning.scheduler import LIVE
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.dagster.tags import TAG_CONNECTOR
 from conveyor.store.meta import UnknownConnectorError

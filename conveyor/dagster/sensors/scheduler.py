@@ -1,7 +1,7 @@
-"""The ``conveyor_scheduler`` sensor: Dagster glue over the pure ``core.scheduler``.
+"""The ``conveyor_scheduler`` sensor: Dagster glue over the pure ``core.planning.scheduler``.
 
 Each tick (every sensor-daemon iteration: 5 s, Dagster's floor) it reads connectors,
-brokers and active runs, asks ``core.scheduler.plan`` for decisions, and carries them
+brokers and active runs, asks ``core.planning.scheduler.plan`` for decisions, and carries them
 out: store writes, ``RunRequest``s, terminations. Every decision is logged and written
 to the connector's history with its reason. One connector's exception never fails the
 tick for the others.
@@ -37,8 +37,8 @@ from dagster import (
 
 from conveyor.config.reload import ReloadRequests
 from conveyor.config.specs import LoadedSpec, scan, sync_files
-from conveyor.core import scheduler as core
-from conveyor.core.processes import pid_alive
+from conveyor.core.host.processes import pid_alive
+from conveyor.core.planning import scheduler as core
 from conveyor.dagster.assets.checks import run_check_events, sink_assets
 from conveyor.dagster.resources.conveyor import ConveyorResource, broker_views
 from conveyor.dagster.run_queue import IN_PROGRESS, instance_queue_limits, queue_blocker

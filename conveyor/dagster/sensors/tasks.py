@@ -1,4 +1,4 @@
-"""The scheduler's partition tasks: Dagster glue over the pure ``core.tasks`` planner.
+"""The scheduler's partition tasks: Dagster glue over the pure ``core.planning.tasks`` planner.
 
 Called from the ``conveyor_scheduler`` tick for connectors whose spec has
 ``tasks.max > 1`` (those are left out of the one-run-per-connector planning). Per
@@ -20,8 +20,8 @@ from typing import Any
 from dagster import RunRequest, RunsFilter
 
 from conveyor.core.model import Broker, ConnectorStatus, DesiredState, TasksSpec, TopicPartition
-from conveyor.core.state import StateChange
-from conveyor.core.tasks import BrokerSlot, TaskGroup, TaskPlan, TaskPolicy, plan_tasks
+from conveyor.core.planning.state import StateChange
+from conveyor.core.planning.tasks import BrokerSlot, TaskGroup, TaskPlan, TaskPolicy, plan_tasks
 from conveyor.dagster.tags import (
     ACTIVE,
     TAG_BROKER,

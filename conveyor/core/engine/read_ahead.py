@@ -1,4 +1,4 @@
-"""The sink loop's reads (``core.loop``): the source contract, and reading ahead: the next
+"""The sink loop's reads (``core.engine.loop``): the source contract, and reading ahead: the next
 batch read (and transformed) on threads of their own while the loop's thread sends, handed
 over in source order."""
 
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from conveyor.core.batches import SourceBatch, Transformed
+from conveyor.core.engine.batches import SourceBatch, Transformed
+from conveyor.core.engine.liveness import Stage, StageClock
 from conveyor.core.errors import OUTAGES
-from conveyor.core.liveness import Stage, StageClock
 from conveyor.core.model import BatchPolicy, Offsets
 
 log = logging.getLogger("conveyor.loop")

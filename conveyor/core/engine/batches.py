@@ -1,4 +1,4 @@
-"""What flows through the sink connector loop (``core.loop``) and its collaborators: a source
+"""What flows through the sink connector loop (``core.engine.loop``) and its collaborators: a source
 batch, the transform's output and the rows it rejected, a dead letter and where it is written,
 and each row's coordinates (topic, partition, offset)."""
 
@@ -9,7 +9,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from conveyor.core.failure import FailedMessage
+from conveyor.core.engine.failure import FailedMessage
 from conveyor.core.model import OFFSET_COL, PARTITION_COL, TOPIC_COL, Offsets, TopicPartition
 
 

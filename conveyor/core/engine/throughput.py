@@ -1,4 +1,4 @@
-"""A sink loop's throughput (``core.loop``): its rate over the last minute and its batches'
+"""A sink loop's throughput (``core.engine.loop``): its rate over the last minute and its batches'
 latencies, reported with each heartbeat."""
 
 from __future__ import annotations

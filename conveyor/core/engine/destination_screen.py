@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from conveyor.core.batches import Rejected, Transformed, all_coords
-from conveyor.core.failure import FailedMessage
+from conveyor.core.engine.batches import Rejected, Transformed, all_coords
+from conveyor.core.engine.failure import FailedMessage
+from conveyor.core.engine.routing import DestinationGate, DestinationRulesSpec
 from conveyor.core.model import DESTINATION_COL
-from conveyor.core.routing import DestinationGate, DestinationRulesSpec
 
 
 class DestinationScreen:

@@ -1,12 +1,12 @@
 """Stopping a loop: the sleep a stop request cuts short, the exception that unwinds an outage wait,
 a heartbeat's directive, and ``LoopControl``, the skeleton both loops share.
 
-The sink loop (``core.loop``) and the source loop (``core.source_loop``) wait out outages the same
+The sink loop (``core.engine.loop``) and the source loop (``core.engine.source_loop``) wait out outages the same
 way: they sleep in short ticks on their stop event, so a stop request (the event, a fenced run, the
 desired state) ends the wait within a tick; a wait that ended on a stop raises :class:`Stopping`,
 which ``run`` treats as a clean stop.
 
-Both loops are also supervised the same way (``core.liveness``, ``jobs/supervision.py``): every
+Both loops are also supervised the same way (``core.engine.liveness``, ``jobs/supervision.py``): every
 stage runs inside ``stages``; the run's supervisor heartbeats for the loop from another thread
 (``beat``), so a supervised loop only queues its status changes; an unsupervised loop beats from
 its own thread. A loop supplies ``_send_heartbeat`` (what it reports and to whom).
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from conveyor.core.engine.failure import OutageTracker
+from conveyor.core.engine.liveness import StageClock
 from conveyor.core.errors import FencedError, OutageBudgetExceeded
-from conveyor.core.failure import OutageTracker
-from conveyor.core.liveness import StageClock
 from conveyor.core.model import ConnectorStatus, Counters, DesiredState, HeartbeatReply
 
 log = logging.getLogger(__name__)

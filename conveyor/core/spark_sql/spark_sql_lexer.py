@@ -1,6 +1,6 @@
 """Spark SQL text cut into tokens as Spark 4's lexer (``SqlBaseLexer.g4``) cuts it.
 
-Only what the expression parser (``conveyor.core.spark_sql_parser``) reads is kept: words,
+Only what the expression parser (``conveyor.core.spark_sql.spark_sql_parser``) reads is kept: words,
 `backticked` names, string literals, numbers and operators; whitespace and comments are
 dropped. Where Spark's lexer and a simpler reading could disagree, the text is refused
 (``SqlSyntaxError``) rather than guessed:

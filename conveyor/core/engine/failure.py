@@ -21,7 +21,7 @@ from conveyor.core.errors import (
     OutageBudgetExceeded,
 )
 from conveyor.core.model import DeadLetterSpec, FailurePolicyName, RetrySpec
-from conveyor.core.scrubbing import scrub
+from conveyor.core.trust.scrubbing import scrub
 
 
 def retry_delay(spec: RetrySpec, attempt: int, rng: random.Random | None = None) -> float:

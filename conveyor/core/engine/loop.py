@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from conveyor.core.batches import (
+from conveyor.core.engine.batches import (
     DeadLetter,
     DeadLetterWriter,
     Rejected,
@@ -45,17 +45,21 @@ from conveyor.core.batches import (
     coords,
     offsets_before,
 )
-from conveyor.core.delivery import Delivery
-from conveyor.core.destination_screen import DestinationScreen
+from conveyor.core.engine.delivery import Delivery
+from conveyor.core.engine.destination_screen import DestinationScreen
+from conveyor.core.engine.event_time import EventTime, Progress
+from conveyor.core.engine.failure import FailedMessage, OutageTracker
+from conveyor.core.engine.liveness import Stage, stage_of
+from conveyor.core.engine.read_ahead import Ahead, Reader, Source, Transformer
+from conveyor.core.engine.routing import DestinationRulesSpec
+from conveyor.core.engine.stopping import Directive, LoopControl, Stopping
+from conveyor.core.engine.throughput import Throughput
 from conveyor.core.errors import (
     OUTAGES,
     ConveyorError,
     DataPolicyError,
     FencedError,
 )
-from conveyor.core.event_time import EventTime, Progress
-from conveyor.core.failure import FailedMessage, OutageTracker
-from conveyor.core.liveness import Stage, stage_of
 from conveyor.core.model import (
     OFFSET_COL,
     PARTITION_COL,
@@ -71,18 +75,14 @@ from conveyor.core.model import (
     WatermarkSpec,
 )
 from conveyor.core.positions import PositionNote, given_up_counts
-from conveyor.core.read_ahead import Ahead, Reader, Source, Transformer
-from conveyor.core.routing import DestinationRulesSpec
 from conveyor.core.sink import (
     AcknowledgesAtCommit,
     SinkProtocol,
 )
-from conveyor.core.stopping import Directive, LoopControl, Stopping
-from conveyor.core.throughput import Throughput
 
 log = logging.getLogger("conveyor.loop")
 
-# Names other modules import from here (defined in ``core.batches``).
+# Names other modules import from here (defined in ``core.engine.batches``).
 __all__ = [
     "ConnectorLoop",
     "DataPolicyError",
@@ -139,7 +139,7 @@ class LoopConfig:
     paused_poll_s: float = 0.25
     # Admission, cap and breakers for rows that choose their destination (__destination).
     destinations: DestinationRulesSpec | None = None
-    # The event-time watermark's rule (core/watermarks.py), reported with each progress.
+    # The event-time watermark's rule (core/engine/watermarks.py), reported with each progress.
     watermark: WatermarkSpec = field(default_factory=WatermarkSpec)
     # Between progress reports, a watermark report when it is due (``report_due``), at most
     # this often.

@@ -36,8 +36,8 @@ from pathlib import PurePosixPath
 from urllib.parse import unquote, urlparse
 
 from conveyor.core.errors import ConfigError
-from conveyor.core.home import DEFAULT_HOME
-from conveyor.core.secrets import SECRET_FILES_ENV, SecretPolicy
+from conveyor.core.host.home import DEFAULT_HOME
+from conveyor.core.trust.secrets import SECRET_FILES_ENV, SecretPolicy
 
 ROOTS_ENV = "CONVEYOR_FILE_ROOTS"
 DEAD_LETTERS_DIR = "dead_letters"

@@ -1,7 +1,7 @@
 """The grammar of secret references, ``${env:NAME}`` and ``${file:/absolute/path}``.
 
 Pure: what a reference looks like and whether one is well formed. Reading the secret
-behind a reference is ``conveyor.core.secrets.resolve``'s job, in the run only.
+behind a reference is ``conveyor.core.trust.secrets.resolve``'s job, in the run only.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The XPath functions stay: Spark's XPath reader expands no external entity (teste
 
 from __future__ import annotations
 
-from conveyor.core.spark_sql_lexer import words
+from conveyor.core.spark_sql.spark_sql_lexer import words
 
 ALLOWED_FUNCTIONS = words(
     """

@@ -24,7 +24,7 @@ Kafka), right before the config is validated for use. Everything else (the meta
 store, the Dagster UI and asset metadata, the CLI, the REST API, logs) sees the
 spec as written with ``redact``: references shown as they are, secrets written
 literally replaced by ``MASK``. Error messages name the field and the reference,
-never the value: ``resolve`` remembers every value it returns (``core.scrubbing``), and
+never the value: ``resolve`` remembers every value it returns (``core.trust.scrubbing``), and
 the run scrubs them out of the errors, history and logs it writes and the exceptions it
 raises.
 """
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from conveyor.core import scrubbing
 from conveyor.core.errors import ConfigError
-from conveyor.core.home import DEFAULT_HOME
-from conveyor.core.references import (
+from conveyor.core.host.home import DEFAULT_HOME
+from conveyor.core.trust import scrubbing
+from conveyor.core.trust.references import (
     REFERENCE,
     UNTERMINATED,
     argument_problem,

@@ -1,4 +1,4 @@
-"""Delivering a sink loop's batch (``core.loop``): sending its rows with outage retries and
+"""Delivering a sink loop's batch (``core.engine.loop``): sending its rows with outage retries and
 data-error isolation, re-sending failed rows per the failure policy, then the policy for the
 messages that still failed: discard, dead letters (durable before the batch may commit), the
 dead-letter limit, and the ``fail`` policy's cut at the first failed message."""
@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from conveyor.core.batches import (
+from conveyor.core.engine.batches import (
     DeadLetter,
     DeadLetterWriter,
     SourceBatch,
@@ -22,8 +22,8 @@ from conveyor.core.batches import (
     coords,
     offsets_before,
 )
+from conveyor.core.engine.failure import DeadLetterLimiter, FailedMessage, resend_attempts
 from conveyor.core.errors import DATA_ERROR_PREFIX, DataPolicyError, TransientSinkError
-from conveyor.core.failure import DeadLetterLimiter, FailedMessage, resend_attempts
 from conveyor.core.model import FailurePolicyName, FailureSpec, Offsets
 from conveyor.core.sink import ErrorKind, RowFailure, SinkProtocol, send_isolating
 

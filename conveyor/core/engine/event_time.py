@@ -1,6 +1,6 @@
-"""The sink loop's event time (``core.loop``): the event-time rows of the batches it delivered
+"""The sink loop's event time (``core.engine.loop``): the event-time rows of the batches it delivered
 (held while the sink holds them uncommitted), the reads that found the source caught up, the
-watermark they make (``core.watermarks``) and when it is reported (``Progress``)."""
+watermark they make (``core.engine.watermarks``) and when it is reported (``Progress``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from conveyor.core.batches import all_coords
+from conveyor.core.engine.batches import all_coords
+from conveyor.core.engine.watermarks import Watermark, WatermarkTracker, report_due
 from conveyor.core.model import (
     PARTITION_COL,
     TIMESTAMP_COL,
@@ -19,7 +20,6 @@ from conveyor.core.model import (
     Offsets,
     WatermarkSpec,
 )
-from conveyor.core.watermarks import Watermark, WatermarkTracker, report_due
 
 
 @dataclass

@@ -4,7 +4,7 @@ A connector with ``tasks.max > 1`` runs as one or more *tasks*, each a run readi
 explicit set of partitions. ``plan_tasks(groups, brokers, now) -> TaskPlan`` looks at
 one snapshot (each connector's tasks, their partitions and the per-partition rate and
 lag samples their heartbeats reported, the broker executors' load) and returns
-decisions. Like ``core/scheduler.py`` it performs no I/O and reads no clock; every
+decisions. Like ``core/planning/scheduler.py`` it performs no I/O and reads no clock; every
 decision carries the ownership change it makes (``.change``, a ``TaskChange`` the
 store applies atomically with per-partition fencing) and the figures that caused it
 (``.figures``, written to ``connector history``).

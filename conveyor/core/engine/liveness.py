@@ -47,7 +47,7 @@ _STAGE_OF = {
     "prepare transform": Stage.INIT,
     "init sink": Stage.INIT,
     "open source": Stage.INIT,
-    "connect producer": Stage.INIT,  # a source loop's (core/source_loop.py)
+    "connect producer": Stage.INIT,  # a source loop's (core/engine/source_loop.py)
     "init source": Stage.INIT,
     "read": Stage.READ,
     "poll": Stage.READ,
@@ -140,7 +140,7 @@ def verdict(
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of a loop (``core.stopping.LoopControl``: the sink loop, the
+    """What the supervisor needs of a loop (``core.engine.stopping.LoopControl``: the sink loop, the
     source loop)."""
 
     stages: StageClock

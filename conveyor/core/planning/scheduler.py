@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from conveyor.core.errors import is_data_error
 from conveyor.core.model import ConnectorStatus, DesiredState
-from conveyor.core.state import StateChange
+from conveyor.core.planning.state import StateChange
 
 ACTIVE_RUN_STATUSES = frozenset({"QUEUED", "NOT_STARTED", "STARTING", "STARTED", "CANCELING"})
 # A run not yet running the connector's op: in the run queue, or launched and starting.

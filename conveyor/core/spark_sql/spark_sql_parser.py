@@ -23,7 +23,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.core.spark_sql_lexer import SqlSyntaxError, Token, single_quoted, tokenize, words
+from conveyor.core.spark_sql.spark_sql_lexer import (
+    SqlSyntaxError,
+    Token,
+    single_quoted,
+    tokenize,
+    words,
+)
 
 # Bare words that are never a column, field, alias or function name here (write them in
 # backticks): Spark's keywords that start or continue a clause an expression may hold.

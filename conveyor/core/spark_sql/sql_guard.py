@@ -6,10 +6,10 @@ call into the JVM (``reflect``), make the host open files (a subquery over ``tex
 ``from_xml`` with ``rowValidationXSDPath``) or run a shell command (a script transform).
 The rule is a decision on a parse, not a search for bad words:
 
-1. the text is parsed (``conveyor.core.spark_sql_parser``, Spark 4's grammar for a subset of
+1. the text is parsed (``conveyor.core.spark_sql.spark_sql_parser``, Spark 4's grammar for a subset of
    it: no subquery, no window or aggregate clause, no qualified function name, no
    ``IDENTIFIER(...)``, no parameter, no hint, no comment Spark nests its own way);
-2. every function it calls must be on the allowlist (``conveyor.core.spark_functions``):
+2. every function it calls must be on the allowlist (``conveyor.core.spark_sql.spark_functions``):
    Spark's built-in functions reviewed one by one; anything else is refused;
 3. Spark is given the parser's canonical text (``GuardedSql``), never the text as written,
    so what runs is what was judged, whatever Spark's settings make of quotes
@@ -28,9 +28,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.core.spark_functions import function_problem
-from conveyor.core.spark_sql_lexer import SqlSyntaxError
-from conveyor.core.spark_sql_parser import Parsed, parse_expression, parse_named, parse_schema
+from conveyor.core.spark_sql.spark_functions import function_problem
+from conveyor.core.spark_sql.spark_sql_lexer import SqlSyntaxError
+from conveyor.core.spark_sql.spark_sql_parser import (
+    Parsed,
+    parse_expression,
+    parse_named,
+    parse_schema,
+)
 
 
 class SqlGuardError(ValueError):

@@ -45,6 +45,20 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from conveyor.core.engine.failure import OutageTracker
+from conveyor.core.engine.liveness import Stage, stage_of
+from conveyor.core.engine.loop import Transformed, Transformer
+from conveyor.core.engine.routing import (
+    BreakerBoard,
+    Reason,
+    Route,
+    Router,
+    RoutingError,
+    RoutingSpec,
+    Row,
+    SourceMode,
+)
+from conveyor.core.engine.stopping import Directive, LoopControl, Stopping
 from conveyor.core.errors import (
     OUTAGES,
     ConfigError,
@@ -53,9 +67,6 @@ from conveyor.core.errors import (
     PermanentSinkError,
     TransientSinkError,
 )
-from conveyor.core.failure import OutageTracker
-from conveyor.core.liveness import Stage, stage_of
-from conveyor.core.loop import Transformed, Transformer
 from conveyor.core.model import (
     DESTINATION_COL,
     HEADERS_COL,
@@ -70,17 +81,6 @@ from conveyor.core.model import (
     Counters,
     RetrySpec,
 )
-from conveyor.core.routing import (
-    BreakerBoard,
-    Reason,
-    Route,
-    Router,
-    RoutingError,
-    RoutingSpec,
-    Row,
-    SourceMode,
-)
-from conveyor.core.stopping import Directive, LoopControl, Stopping
 
 log = logging.getLogger("conveyor.source_loop")
 

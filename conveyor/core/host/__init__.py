@@ -1,0 +1,1 @@
+"""This host's facts: Conveyor's home, ports and processes."""
