@@ -7,7 +7,7 @@ before the code location loads). Once every connector is Running:
 
 - **memory**: the proportional set size (PSS, ``/proc/<pid>/smaps_rollup``) of each run
   process, and of the run server they are forked from (``CONVEYOR_RUN_LAUNCHER=forkserver``,
-  the default; ``default`` for Dagster's own launcher); **per connector** is the runs' PSS
+  the benchmark's default; ``default`` for Dagster's own launcher, ``conveyor dev``'s); **per connector** is the runs' PSS
   plus the run server's, divided by ``N``;
 - **launch to first commit**: for ``SAMPLES`` connectors, stopped, 10 messages produced,
   then ``conveyor connector start``: the time until their offsets are committed;
@@ -56,6 +56,8 @@ MESSAGES = 10
 # Every run reading its topic: a connector is Running once its run claimed it.
 ALL_RUNNING_S = 300 + 12 * N
 FIRST_COMMIT_S = 180.0
+# The runs forked from the warm run server unless CONVEYOR_RUN_LAUNCHER says otherwise.
+LAUNCHER = os.environ.get("CONVEYOR_RUN_LAUNCHER", "forkserver")
 
 
 @dataclass
@@ -121,6 +123,7 @@ def fleet(tansu: str, pg_url: str, pg_schema: str) -> Iterator[Fleet]:
         if not k.startswith(("CONVEYOR_", "DAGSTER_HOME")) or k == "CONVEYOR_RUN_LAUNCHER"
     }
     env |= {"CONVEYOR_KAFKA_BOOTSTRAP": tansu, "CONVEYOR_BROKER_CAPACITY": str(N)}
+    env["CONVEYOR_RUN_LAUNCHER"] = LAUNCHER  # conveyor dev's own default is Dagster's
     ports = [free_port() for _ in range(4)]
     exe = str(Path(sys.executable).parent / "conveyor")
     cmd = [exe, "dev", "--no-demo", "--port", str(ports[0]), "--spark-port", str(ports[1])]
@@ -236,7 +239,7 @@ def all_running(f: Fleet) -> tuple[float | None, int]:
 
 
 def test_a_fleet_of_idle_connectors(tansu: str, pg_url: str, pg_schema: str) -> None:
-    launcher = os.environ.get("CONVEYOR_RUN_LAUNCHER", "forkserver")
+    launcher = LAUNCHER
     with fleet(tansu, pg_url, pg_schema) as f:
         all_running_s, most = all_running(f)
         mem = memory(f)

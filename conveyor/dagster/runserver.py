@@ -114,6 +114,11 @@ class CodeLocation:
         now = self.fingerprint()
         if now == self._seen and self.module in sys.modules:
             return
+        print(
+            f"conveyor run server: loading the code location {self.module} "
+            + ("(its spec files changed)" if self._seen is not None else ""),
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
         gc.unfreeze()
         sys.modules.pop(self.module, None)
         module = importlib.import_module(self.module)

@@ -117,7 +117,16 @@ class DagsterHarness:
             time.sleep(0.5)
         raise AssertionError(
             f"run {run_id} still {status} after {timeout}s; wanted {statuses}\n{self.run_log(run_id)}"
+            f"\n{self.run_stacks(run_id)}"
         )
+
+    def run_stacks(self, run_id: str) -> str:
+        """py-spy's dump of the run's process (a connector run's pid, from the meta store)."""
+        try:
+            pids = [r.run_pid for r in self.store.list() if r.run_id == run_id and r.run_pid]
+        except Exception as e:  # noqa: BLE001 - a diagnostic only
+            return f"no stacks: the meta store could not be read ({e})"
+        return "\n".join(process_stacks(pid) for pid in pids) or f"no pid known for run {run_id}"
 
     def run_log(self, run_id: str, tail: int = 40) -> str:
         inst = self.instance()
@@ -207,6 +216,20 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             if left:
                 print(f"\n{item.nodeid}: ended the runs it left active: {left}")
     return (yield)
+
+
+def process_stacks(pid: int) -> str:
+    """Every thread's stack (Python and native) of a live process, by py-spy: what a run that
+    does not end was doing, for a failure message."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    try:
+        dump = subprocess.run(
+            [py_spy, "dump", "--native", "--pid", str(pid)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"process {pid}: no py-spy dump ({e})"
+    return f"py-spy dump of process {pid}:\n{dump.stdout}{dump.stderr}"
 
 
 def processes_of(home: Path) -> list[int]:

@@ -17,6 +17,7 @@ from conveyor.core.model import Counters, FailurePolicyName, Offsets, TopicParti
 from conveyor.core.positions import (
     PositionNote,
     PositionScope,
+    StoredPosition,
     StoredPositions,
     TargetBinding,
     given_up_counts,
@@ -166,7 +167,7 @@ def _start_positions(
                 f"connector {ls.name}: the target holds other positions than the meta store, "
                 "and wins: "
                 + ", ".join(
-                    f"{tp}@{p.offset} (meta store {stored[tp].offset if tp in stored else None})"
+                    f"{tp}@{p.offset} (meta store {_differs(p, stored.get(tp))})"
                     for tp, p in sorted(differ.items(), key=lambda kv: str(kv[0]))
                 )
             )
@@ -179,6 +180,22 @@ def _start_positions(
     binding.void.update({n.tp: n.stored for n in notes if n.resumed_at is not None})
     # Partitions not described (a topic gone): their stored positions stay as they were.
     return start, notes
+
+
+def _differs(target: StoredPosition, stored: StoredPosition | None) -> str:
+    """How the meta store's position differs from the target's: its offset, or (the same
+    offset) the log or destination it names."""
+    if stored is None or stored.offset != target.offset:
+        return str(None if stored is None else stored.offset)
+    named = [
+        f"{what} {mine!r} where the target names {theirs!r}"
+        for what, mine, theirs in (
+            ("log", stored.log_id, target.log_id),
+            ("destination", stored.destination, target.destination),
+        )
+        if mine != theirs
+    ]
+    return f"{stored.offset}, " + " and ".join(named)
 
 
 def _newer_of(
