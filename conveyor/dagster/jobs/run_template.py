@@ -11,8 +11,11 @@ Connect's ``WorkerTask`` under ``WorkerSinkTask`` and ``WorkerSourceTask``).
     again         after a spec change (a task: a grant change too), at a batch
                   boundary, in the same run                                    kind: reconfigure()
     close         the loop closed its clients; what the kind reports after it  kind: loop_ended()
-    outcome       a terminate: Stopped (re-raised); an error: the outcome table
-                  (``core.engine.failure.run_outcome``); the desired state: Stopped    kind: release()
+    end           a terminate ends the run within a bound, even with the op's
+                  thread stuck                                                jobs/stop_deadline.py
+    outcome       a terminate: Stopped (re-raised); an error: the outcome
+                  table (``core.engine.failure.run_outcome``); the desired
+                  state: Stopped                                               kind: release()
 
 The loops share the rest (``core.engine.stopping.LoopControl``): heartbeat, status changes, rate,
 stop and pause, outage retries over one set of errors (``core.errors.OUTAGES``). A kind
@@ -39,7 +42,8 @@ from conveyor.core.engine.failure import RunEnding, run_outcome
 from conveyor.core.engine.stopping import LoopControl
 from conveyor.core.model import ConnectorStatus
 from conveyor.core.planning.state import StateChange
-from conveyor.dagster.jobs.runs import ORPHANED, cancel_requested, next_spec
+from conveyor.dagster.jobs.runs import ORPHANED, CancelWatch, cancel_requested, next_spec
+from conveyor.dagster.jobs.stop_deadline import StopDeadline
 from conveyor.dagster.jobs.supervision import supervise
 from conveyor.dagster.resources.conveyor import ConveyorResource
 from conveyor.store.meta import MetaStore
@@ -135,6 +139,13 @@ class RunTemplate(abc.ABC):
         if not self.claim():
             return
         canceled = cancel_requested(self.context)
+        deadline = StopDeadline.for_run(self.context).start()
+        try:
+            self._execute(canceled)
+        finally:
+            deadline.finished()
+
+    def _execute(self, canceled: CancelWatch) -> None:
         try:
             self._run_loops(canceled)
         except DagsterExecutionInterruptedError:
