@@ -65,6 +65,12 @@ class Result:
             k: (b.cpu.get(k, 0.0) - a.cpu.get(k, 0.0)) * 100_000 / (b.rows - a.rows) for k in b.cpu
         }
 
+    def cpu_per_100k_total(self) -> dict[str, float]:
+        """CPU seconds per 100,000 rows from each process's start to the last row: its
+        start-up included (a forked run's imports are its server's, paid once, not here)."""
+        last = self._at(self.n)
+        return {k: v * 100_000 / self.n for k, v in last.cpu.items()}
+
     def peak_rss_mb(self) -> dict[str, float]:
         keys = {k for s in self.samples for k in s.rss}
         return {k: max(s.rss.get(k, 0) for s in self.samples) / 2**20 for k in keys}

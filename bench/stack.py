@@ -19,7 +19,13 @@ from typing import Any
 import psutil
 import yaml
 
-from conveyor.control.devserver import dagster_yaml
+from conveyor.control.devserver import (
+    RUN_SERVER_SOCKET,
+    dagster_yaml,
+    run_launcher_yaml,
+    start_run_server,
+    uses_run_server,
+)
 from conveyor.core.host.ports import free_port, port_open
 from conveyor.store.meta import MetaStore
 from tests.e2e.conftest import kill_processes_of, wait_for
@@ -54,7 +60,6 @@ def dev_stack(
     dagster_home = home / "dagster"
     connectors.mkdir(parents=True)
     dagster_home.mkdir()
-    (dagster_home / "dagster.yaml").write_text(dagster_yaml([("local", 8)]))
     for spec in specs:
         (connectors / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     env = {
@@ -66,6 +71,16 @@ def dev_stack(
         "CONVEYOR_SPARK_REMOTE": spark_remote,
         "DAGSTER_HOME": str(dagster_home),
     }
+    # CONVEYOR_RUN_LAUNCHER=forkserver: runs forked from the warm run server, as `conveyor dev`
+    # does with it (its server started first, the instance naming its socket).
+    socket = dagster_home / RUN_SERVER_SOCKET if uses_run_server() else None
+    (dagster_home / "dagster.yaml").write_text(
+        dagster_yaml([("local", 8)]) + run_launcher_yaml(socket)
+    )
+    run_server = None
+    if socket is not None:
+        (home / "logs").mkdir(exist_ok=True)
+        run_server = start_run_server(home, socket, env)
     port = free_port()
     log = open(home / "dagster-dev.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -91,12 +106,15 @@ def dev_stack(
             raise RuntimeError((home / "dagster-dev.log").read_text()[-3000:])
         yield DevStack(home, env, port, proc)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for p in (proc, run_server):
+            if p is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
         kill_processes_of(home)
         log.close()
 

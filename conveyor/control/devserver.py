@@ -173,7 +173,7 @@ def run_dev(
         socket = None
         if uses_run_server():
             socket = dagster_home / RUN_SERVER_SOCKET
-            services.children.append(_start_run_server(home, socket, env))
+            services.children.append(start_run_server(home, socket, env))
         write_instance(dagster_home, run_launcher_yaml(socket))
         if demo:
             _install_demo(connectors)
@@ -406,7 +406,7 @@ def _start_api(
 RUN_SERVER_SOCKET = "runserver.sock"
 
 
-def _start_run_server(home: Path, socket: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def start_run_server(home: Path, socket: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """The warm run server the fork-server launcher forks runs from; returns once it answers
     (its imports take a few seconds)."""
     from conveyor.dagster.launcher import RunServerUnreachable, ask
