@@ -44,9 +44,23 @@ class SparkParser:
     """A JVM with Spark's parser; ``close`` ends it."""
 
     def __init__(self) -> None:
-        from pyspark.java_gateway import launch_gateway
+        import subprocess
+        from unittest import mock
 
-        self.gateway = launch_gateway()
+        from pyspark import java_gateway
+
+        def popen(cmd: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+            # pyspark forks with a preexec_fn (SIGINT ignored in the JVM): a fork() of this
+            # multi-threaded test process runs gRPC's fork handlers (a Spark Connect client of an
+            # earlier test lives here), and the child can die before it starts the JVM (seen in
+            # CI: "Java gateway process exited before sending its port number"). Without it,
+            # Python starts the JVM by vfork and exec, running no fork handler; its own session
+            # keeps a terminal's Ctrl-C from it as the preexec_fn did.
+            kw.pop("preexec_fn", None)
+            return subprocess.Popen(cmd, start_new_session=True, **kw)
+
+        with mock.patch.object(java_gateway, "Popen", popen):
+            self.gateway = java_gateway.launch_gateway()
         jvm = self.gateway.jvm
         self.jvm = jvm
         self.parser = jvm.org.apache.spark.sql.execution.SparkSqlParser()
