@@ -150,9 +150,10 @@ def run_and_stop(cfg: dict[str, Any]) -> None:
 def write_task_group(store: Any, cfg: dict[str, Any]) -> None:
     """A connector run as partition tasks, as the scheduler and a task run write it: its group
     planned and applied, task 0 owning every partition, heartbeating, committing."""
+    # The previous release's layout (this script runs under it): before core/ had sub-packages.
     from conveyor.config.specs import load_file, sync_one
+    from conveyor.core import tasks as tk
     from conveyor.core.model import TopicPartition
-    from conveyor.core.planning import tasks as tk
     from conveyor.store.tasks import TaskStore
 
     name = cfg["name"]
