@@ -107,16 +107,21 @@ def dev_stack(
         yield DevStack(home, env, port, proc)
     finally:
         for p in (proc, run_server):
-            if p is None:
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+            if p is not None:
+                end_group(p, signal.SIGTERM, 60)
         kill_processes_of(home)
         log.close()
+
+
+def end_group(proc: subprocess.Popen[bytes], signo: int, wait_s: float) -> None:
+    """``signo`` to the process group of ``proc`` (started with ``start_new_session``), then
+    SIGKILL to it if ``proc`` has not ended within ``wait_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signo)
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def listening_pid(port: int) -> int | None:

@@ -41,6 +41,7 @@ import psutil
 import pytest
 import yaml
 
+from bench.stack import end_group
 from bench.test_bench_as_users_run_it import SCHEMA, create_table
 from conveyor.core.host.ports import free_port, port_open
 from conveyor.core.host.processes import pid_alive
@@ -139,12 +140,7 @@ def fleet(tansu: str, pg_url: str, pg_schema: str) -> Iterator[Fleet]:
         assert proc.poll() is None, f.log()
         yield f
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc, signal.SIGINT, 120)
         kill_processes_of(home)
         log.close()
 
