@@ -71,8 +71,8 @@ def dev_stack(
         "CONVEYOR_SPARK_REMOTE": spark_remote,
         "DAGSTER_HOME": str(dagster_home),
     }
-    # CONVEYOR_RUN_LAUNCHER=forkserver: runs forked from the warm run server, as `conveyor dev`
-    # does with it (its server started first, the instance naming its socket).
+    # Runs forked from the warm run server, as `conveyor dev` launches them (its server started
+    # first, the instance naming its socket); CONVEYOR_RUN_LAUNCHER=default: Dagster's own.
     socket = dagster_home / RUN_SERVER_SOCKET if uses_run_server() else None
     (dagster_home / "dagster.yaml").write_text(
         dagster_yaml([("local", 8)]) + run_launcher_yaml(socket)

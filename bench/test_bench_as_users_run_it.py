@@ -22,8 +22,9 @@ peak. Rounds alternate the contenders' order. Latency: a producer at a steady
 
     .venv/bin/python -m pytest bench/test_bench_as_users_run_it.py -m bench -s -n 0
 
-``CONVEYOR_RUN_LAUNCHER=forkserver``: Conveyor's runs forked from the warm run server
-(``bench/stack.py`` starts it, as ``conveyor dev`` does); CPU is also given from each
+Conveyor's runs are forked from the warm run server, as ``conveyor dev`` launches them
+(``bench/stack.py`` starts it; ``CONVEYOR_RUN_LAUNCHER=default``: spawned by Dagster's own
+launcher); CPU is also given from each
 process's start to the last row (start-up included: a spawned run's imports are in it, a
 forked run's were paid once by its server).
 

@@ -7,7 +7,7 @@ before the code location loads). Once every connector is Running:
 
 - **memory**: the proportional set size (PSS, ``/proc/<pid>/smaps_rollup``) of each run
   process, and of the run server they are forked from (``CONVEYOR_RUN_LAUNCHER=forkserver``,
-  the benchmark's default; ``default`` for Dagster's own launcher, ``conveyor dev``'s); **per connector** is the runs' PSS
+  ``conveyor dev``'s default; ``default`` for Dagster's own launcher); **per connector** is the runs' PSS
   plus the run server's, divided by ``N``;
 - **launch to first commit**: for ``SAMPLES`` connectors, stopped, 10 messages produced,
   then ``conveyor connector start``: the time until their offsets are committed;
@@ -124,7 +124,7 @@ def fleet(tansu: str, pg_url: str, pg_schema: str) -> Iterator[Fleet]:
         if not k.startswith(("CONVEYOR_", "DAGSTER_HOME")) or k == "CONVEYOR_RUN_LAUNCHER"
     }
     env |= {"CONVEYOR_KAFKA_BOOTSTRAP": tansu, "CONVEYOR_BROKER_CAPACITY": str(N)}
-    env["CONVEYOR_RUN_LAUNCHER"] = LAUNCHER  # conveyor dev's own default is Dagster's
+    env["CONVEYOR_RUN_LAUNCHER"] = LAUNCHER
     ports = [free_port() for _ in range(4)]
     exe = str(Path(sys.executable).parent / "conveyor")
     cmd = [exe, "dev", "--no-demo", "--port", str(ports[0]), "--spark-port", str(ports[1])]
@@ -177,6 +177,13 @@ def run_server_pid(home: Path) -> int | None:
     return None
 
 
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).ppid())
+    except psutil.Error:
+        return None
+
+
 def memory(f: Fleet) -> dict[str, Any]:
     rows = f.live()
     runs = [pss_mb(r.run_pid) for r in rows]
@@ -185,6 +192,10 @@ def memory(f: Fleet) -> dict[str, Any]:
     server_pss = pss_mb(server) if server else 0.0
     return {
         "runs": len(rows),
+        # Forked from the run server (its children), not spawned by Dagster's own launcher: a
+        # server that no run came from only adds its PSS (how run B of docs/BENCHMARKS.md 11
+        # came to measure spawned runs under the fork server's name).
+        "runs_forked": sum(parent_pid(r.run_pid) == server for r in rows) if server else 0,
         "run_pss_median_mb": statistics.median(runs),
         "run_pss_max_mb": max(runs),
         "run_rss_median_mb": statistics.median(rss),
@@ -258,3 +269,5 @@ def test_a_fleet_of_idle_connectors(tansu: str, pg_url: str, pg_schema: str) -> 
     if OUT:
         Path(OUT).write_text(json.dumps(result, indent=1))
     assert all_running_s is not None, f"at most {most} of {N} Running at once"
+    if launcher == "forkserver":
+        assert mem["runs_forked"] == mem["runs"], "runs not forked from the run server"

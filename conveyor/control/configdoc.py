@@ -91,10 +91,11 @@ def _run_environment() -> list[tuple[str, str, str]]:
         ),
         (
             "CONVEYOR_RUN_LAUNCHER",
-            "how `conveyor dev` launches runs: `default` (Dagster's DefaultRunLauncher) or "
-            "`forkserver` (forked from a warm run server, `conveyor/dagster/runserver.py`; "
-            "opt-in until its memory holds at a fleet's size, BENCHMARKS section 11)",
-            "`default`",
+            "how `conveyor dev` launches runs: `forkserver` (forked from a warm run server, "
+            "`conveyor/dagster/runserver.py`: shared imports, a run starts in milliseconds; "
+            "BENCHMARKS section 11) or `default` (Dagster's DefaultRunLauncher, an interpreter "
+            "spawned per run)",
+            "`forkserver`",
         ),
         (
             "CONVEYOR_RUNSERVER_PRELOAD",

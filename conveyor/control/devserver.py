@@ -97,10 +97,10 @@ def run_launcher_yaml(socket: Path | None) -> str:
 
 
 def uses_run_server() -> bool:
-    """``CONVEYOR_RUN_LAUNCHER``: ``default`` (Dagster's own, the default) or ``forkserver``
-    (runs forked from the warm run server: opt-in until its memory holds at a fleet's size,
-    docs/BENCHMARKS.md section 11)."""
-    choice = os.environ.get("CONVEYOR_RUN_LAUNCHER", "default")
+    """``CONVEYOR_RUN_LAUNCHER``: ``forkserver`` (the default: runs forked from the warm run
+    server, docs/DESIGN.md "Runs forked from a warm run server") or ``default`` (Dagster's own
+    DefaultRunLauncher: a spawned interpreter per run)."""
+    choice = os.environ.get("CONVEYOR_RUN_LAUNCHER", "forkserver")
     if choice not in ("forkserver", "default"):
         raise ConveyorError(f"CONVEYOR_RUN_LAUNCHER={choice!r}: use forkserver or default")
     return choice == "forkserver"

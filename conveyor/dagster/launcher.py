@@ -1,7 +1,7 @@
 """The fork-server run launcher: Dagster runs forked from Conveyor's warm run server
 (``runserver.py``) instead of spawned by the code server (issue 47, light runs).
 
-In ``dagster.yaml`` (``conveyor dev`` writes it with ``CONVEYOR_RUN_LAUNCHER=forkserver``)::
+In ``dagster.yaml`` (``conveyor dev`` writes it unless ``CONVEYOR_RUN_LAUNCHER=default``)::
 
     run_launcher:
       module: conveyor.dagster.launcher
