@@ -170,6 +170,11 @@ def run_dev(
         services.spark, remote = _start_spark(home, spark_port, spark_workers)
         dagster_url = f"http://127.0.0.1:{dagster_port}"
         env = _dev_env(home, dagster_home, bootstrap, remote, dagster_url)
+        if demo:
+            # The demo's minutes begin when it starts (conveyor/demo/downstream.py). Set before
+            # the run server starts: its runs see its environment, as the code server's see
+            # the code server's (a run of a minute before a start of its own fails).
+            env["CONVEYOR_DEMO_START"] = str(int(time.time() // 60 * 60))
         socket = None
         if uses_run_server():
             socket = dagster_home / RUN_SERVER_SOCKET
@@ -177,8 +182,6 @@ def run_dev(
         write_instance(dagster_home, run_launcher_yaml(socket))
         if demo:
             _install_demo(connectors)
-            # The demo's minutes begin when it starts (conveyor/demo/downstream.py).
-            env["CONVEYOR_DEMO_START"] = str(int(time.time() // 60 * 60))
             _say(
                 "demo downstream asset orders_per_minute: each minute from now on runs once "
                 "demo_orders' watermark has passed it (sensor demo_orders_per_minute)"
