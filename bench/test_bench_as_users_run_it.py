@@ -437,7 +437,7 @@ def report(
 ) -> None:
     """The issue's table (markdown, printed; JSON to $CONVEYOR_BENCH_OUT): per contender the
     median and every round of steady and start-up-included rows/s, CPU s per 100K rows per
-    process (over the steady window, and from each process's start to the last row), peak RSS per process, p50/p99 latency at a steady rate (each measurement), every round's ratio
+    process (over the steady window, and start-up included: ``drain.Result.cpu_per_100k_total``), peak RSS per process, p50/p99 latency at a steady rate (each measurement), every round's ratio
     against the librdkafka loop."""
 
     def med(xs: list[float]) -> float:
@@ -462,8 +462,9 @@ def report(
         "",
         "| contender | steady rows/s (median; rounds) | start-up included rows/s | CPU s per 100K rows"
         " | the same, start-up included | peak RSS MB | latency p50 / p99 ms | steady ratio vs"
-        " librdkafka (rounds) | start-up included ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " librdkafka (rounds) | start-up included ratio | CPU per row, start-up and JVM included,"
+        " vs librdkafka (rounds) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, rs in results.items():
         steady = [r.steady_rate() for r in rs]
@@ -474,10 +475,11 @@ def report(
             for k in rs[0].cpu_per_100k_total()
         }
         rss = {k: max(r.peak_rss_mb().get(k, 0.0) for r in rs) for k in rs[0].peak_rss_mb()}
-        ratios = totals = []
+        ratios = totals = cpus = []
         if base and c != "librdkafka":
             ratios = [a.steady_rate() / b.steady_rate() for a, b in zip(rs, base, strict=True)]
             totals = [a.total_rate() / b.total_rate() for a, b in zip(rs, base, strict=True)]
+            cpus = [a.cpu_total() / b.cpu_total() for a, b in zip(rs, base, strict=True)]
         lat = latency.get(c)
         out["contenders"][c] = {
             "steady": steady,
@@ -488,6 +490,7 @@ def report(
             "latency_p50_p99_rows_rssmb": lat,
             "steady_ratio": ratios,
             "total_ratio": totals,
+            "cpu_total_ratio": cpus,
             "memory": [r.memory for r in rs],
         }
         lines.append(
@@ -498,7 +501,8 @@ def report(
             f" | {', '.join(f'{k} {v:.0f}' for k, v in rss.items())}"
             f" | {'; '.join(f'{x[0]:.0f} / {x[1]:.0f}' for x in lat) if lat else '-'}"
             f" | {', '.join(f'{x:.2f}' for x in ratios) or '-'}"
-            f" | {', '.join(f'{x:.2f}' for x in totals) or '-'} |"
+            f" | {', '.join(f'{x:.2f}' for x in totals) or '-'}"
+            f" | {', '.join(f'{x:.2f}' for x in cpus) or '-'} |"
         )
     print("\n" + "\n".join(lines))
     if OUT:

@@ -6,9 +6,10 @@ server and uses the test session's tansu (``CONVEYOR_KAFKA_BOOTSTRAP``, so the t
 before the code location loads). Once every connector is Running:
 
 - **memory**: the proportional set size (PSS, ``/proc/<pid>/smaps_rollup``) of each run
-  process, and of the run server they are forked from (``CONVEYOR_RUN_LAUNCHER=forkserver``,
-  ``conveyor dev``'s default; ``default`` for Dagster's own launcher); **per connector** is the runs' PSS
-  plus the run server's, divided by ``N``;
+  process with its descendants (Dagster's compute-log tails, when a run has them), and of
+  the run server they are forked from (``CONVEYOR_RUN_LAUNCHER=forkserver``, ``conveyor
+  dev``'s default; ``default`` for Dagster's own launcher); **per connector** is the runs'
+  PSS plus the run server's, divided by ``N``;
 - **launch to first commit**: for ``SAMPLES`` connectors, stopped, 10 messages produced,
   then ``conveyor connector start``: the time until their offsets are committed;
 - **kill -9 to first commit**: for ``SAMPLES`` other connectors, SIGKILL to the run
@@ -152,6 +153,16 @@ def pss_mb(pid: int) -> float:
         return 0.0
 
 
+def run_pss_mb(pid: int) -> float:
+    """A run process's PSS with its descendants' (Dagster's compute-log tails and watchers
+    when it has them): what the connector costs beyond what it shares."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    return pss_mb(pid) + sum(pss_mb(c.pid) for c in children)
+
+
 def private_by_kind(pid: int) -> dict[str, float]:
     """A process's private memory (not shared with the server or anyone) by mapping kind, MB."""
     out: dict[str, float] = {}
@@ -186,7 +197,7 @@ def parent_pid(pid: int) -> int | None:
 
 def memory(f: Fleet) -> dict[str, Any]:
     rows = f.live()
-    runs = [pss_mb(r.run_pid) for r in rows]
+    runs = [run_pss_mb(r.run_pid) for r in rows]
     rss = [psutil.Process(r.run_pid).memory_info().rss / 2**20 for r in rows]
     server = run_server_pid(f.home)
     server_pss = pss_mb(server) if server else 0.0

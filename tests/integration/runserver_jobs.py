@@ -19,6 +19,7 @@ def quick_job() -> None:
 @op(config_schema={"marker": str})
 def wait_for_interrupt(context: OpExecutionContext) -> None:
     """Writes its marker file, then waits until Dagster's interrupt stops it."""
+    print(f"waiting for an interrupt: {context.run_id}", flush=True)
     Path(context.op_config["marker"]).write_text("started")
     while True:
         time.sleep(0.05)

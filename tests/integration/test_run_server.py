@@ -1,6 +1,7 @@
 """The fork-server run launcher (conveyor/dagster/launcher.py) with a real run server and a
 real Dagster instance: a run completes, terminate stops one run and not another, a run whose
-server is killed stops itself."""
+server is killed stops itself, a run's output reaches its compute log with no process of its
+own beside it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from dagster import DagsterInstance, DagsterRunStatus, reconstructable
 from dagster._core.launcher import WorkerStatus
@@ -138,6 +140,27 @@ def test_terminate_stops_one_run_and_not_another(
     finally:
         instance.run_launcher.terminate(second)
     wait_for(lambda: status(instance, second) == DagsterRunStatus.CANCELED, 60, "cancel 2", 0.1)
+
+
+def test_a_runs_output_reaches_its_compute_log_with_no_tail_process(
+    fork_instance: tuple[DagsterInstance, object], tmp_path: Path
+) -> None:
+    """Dagster's capture would mirror each stream through a ``tail -F`` and a Python watcher
+    (four processes per run); a forked run writes its compute log files alone."""
+    instance, _ = fork_instance
+    run_id, _ = waiting(instance, tmp_path, "logged")
+    pid = run_pid(instance, run_id)
+    try:
+        assert psutil.Process(pid).children(recursive=True) == []
+        line = f"waiting for an interrupt: {run_id}"
+        logs = tmp_path / "dh"
+        wait_for(
+            lambda: any(line in p.read_text() for p in logs.rglob("*.out")), 30, "the log", 0.1
+        )
+        assert line not in (tmp_path / "runserver.log").read_text()
+    finally:
+        instance.run_launcher.terminate(run_id)
+    wait_for(lambda: status(instance, run_id) == DagsterRunStatus.CANCELED, 60, "cancel", 0.1)
 
 
 def test_a_run_whose_server_dies_stops_itself(
