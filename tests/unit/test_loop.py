@@ -285,6 +285,32 @@ def test_outage_retries_with_backoff_commits_nothing_meanwhile_and_shows_degrade
     assert loop.counters.retries == 3
 
 
+class SinkWhoseInitRacesOnce(FakeSink):
+    """Its first ``init_sink`` loses a race for a shared table (an outage), the next works."""
+
+    def init_sink(self):
+        if not any(e == ("init-outage",) for e in self.events):
+            self.events.append(("init-outage",))
+            raise TransientSinkError("duplicate key value violates unique constraint")
+        super().init_sink()
+
+
+def test_a_connector_whose_start_ran_into_an_outage_is_running_again_before_any_batch():
+    """An idle connector gets no batch to end the Degraded state an outage at its start set:
+    the retry's success ends it (a fleet's sinks creating one offsets table at once)."""
+    events = Events()
+    loop, _, _, committer, events, sleeps = make_loop(
+        [source_batch(0, 10)], sink=SinkWhoseInitRacesOnce(events), events=events
+    )
+    run_loop(loop)
+    assert [e[0] for e in events][:2] == ["init-outage", "init"] and sleeps[0] == 1.0
+    beats = [(h[0], h[1]) for h in committer.heartbeats]
+    degraded = beats.index(next(b for b in beats if b[0] == ConnectorStatus.DEGRADED))
+    assert beats[degraded + 1] == (ConnectorStatus.RUNNING, "recovered: init sink succeeded")
+    assert beats[-1][0] == ConnectorStatus.RUNNING
+    assert loop.counters.retries == 1 and committer.offsets == {TP0: 10}
+
+
 def test_outage_budget_exhausted_raises_without_commit():
     events = Events()
     sink = FakeSink(events, transient_failures=100)

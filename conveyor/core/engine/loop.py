@@ -441,16 +441,25 @@ class ConnectorLoop(LoopControl):
         self, what: str, fn: Callable[[], Any], *, failed_first: Exception | None = None
     ) -> Any:
         """``fn()`` until it succeeds, retrying outages. ``failed_first``: an outage ``fn``
-        already ran into elsewhere (a transform ahead), counted as the first attempt."""
+        already ran into elsewhere (a transform ahead), counted as the first attempt. A
+        success after an outage ends the Degraded state it set: an idle connector whose
+        start ran into one delivers no batch that would (two sinks creating one offsets
+        table at once: PostgreSQL's unique violation on ``pg_type``, retried)."""
         pending = failed_first
+        failed = False
         while True:
             try:
                 if pending is not None:
                     error, pending = pending, None
                     raise error
                 with self.stages.stage(stage_of(what)):
-                    return fn()
+                    result = fn()
+                if failed and self.status == ConnectorStatus.DEGRADED:
+                    self._set_status(ConnectorStatus.RUNNING, f"recovered: {what} succeeded")
+                    self._heartbeat(force=True)
+                return result
             except OUTAGES as e:
+                failed = True
                 self._outage_wait(what, e)
 
     # -- commits, heartbeats, progress -----------------------------------------------
