@@ -179,13 +179,17 @@ def private_by_kind(pid: int) -> dict[str, float]:
 
 
 def run_server_pid(home: Path) -> int | None:
-    for p in psutil.process_iter(["cmdline", "environ"]):
+    """The run server of ``home``: of the processes with its command line (its forked runs
+    have it too), the one whose parent does not."""
+    found: dict[int, int] = {}  # pid -> parent pid
+    for p in psutil.process_iter(["cmdline", "environ", "ppid"]):
         with contextlib.suppress(psutil.Error):
             cmd = p.info["cmdline"] or []
             env = p.info["environ"] or {}
             if "conveyor.dagster.runserver" in cmd and env.get("CONVEYOR_HOME") == str(home):
-                return int(p.pid)
-    return None
+                found[int(p.pid)] = int(p.info["ppid"])
+    roots = [pid for pid, parent in found.items() if parent not in found]
+    return roots[0] if len(roots) == 1 else None
 
 
 def parent_pid(pid: int) -> int | None:
