@@ -120,6 +120,14 @@ class ForkServerRunLauncher(RunLauncher, ConfigurableClass):
         self._instance.report_run_canceling(run)
         try:
             reply = ask(self.socket_path, {"op": "terminate", "run_id": run_id})
+            if not reply.get("ok"):
+                # Its process had ended already (the run's own end raced the terminate):
+                # nothing will end the CANCELING it was just given.
+                gone = ask(self.socket_path, {"op": "status", "run_id": run_id})
+                if gone.get("state") == "exited":
+                    self._instance.report_run_canceled(
+                        run, message="The run process had ended when it was terminated."
+                    )
         except RunServerUnreachable as e:
             self._instance.report_engine_event(
                 f"Could not ask the run server to terminate the run: {e}", run, cls=self.__class__

@@ -384,9 +384,25 @@ def execute_run(run_id: str, instance_ref: str) -> int:
     with capture_interrupts():
         ref = deserialize_value(instance_ref, InstanceRef)
         with DagsterInstance.from_ref(ref) as instance:
-            return _execute_run_command_body(
-                run_id, instance, lambda _: None, set_exit_code_on_failure=True
-            )
+            try:
+                return _execute_run_command_body(
+                    run_id, instance, lambda _: None, set_exit_code_on_failure=True
+                )
+            finally:
+                end_if_canceling(instance, run_id)
+
+
+def end_if_canceling(instance: Any, run_id: str) -> None:
+    """A run still CANCELING as its process ends is reported CANCELED: a terminate that raced
+    the run's own end (its op had returned, its last event written, then the launcher marked
+    it CANCELING) would otherwise leave it CANCELING with no process, holding its run slot
+    until the scheduler's grace passed (a minute)."""
+    from dagster import DagsterRunStatus
+
+    with contextlib.suppress(Exception):
+        run = instance.get_run_by_id(run_id)
+        if run is not None and run.status == DagsterRunStatus.CANCELING:
+            instance.report_run_canceled(run, message="The run process ended while canceling.")
 
 
 def main(argv: list[str] | None = None) -> None:

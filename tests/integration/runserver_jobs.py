@@ -28,3 +28,16 @@ def wait_for_interrupt(context: OpExecutionContext) -> None:
 @job(executor_def=in_process_executor)
 def waiting_job() -> None:
     wait_for_interrupt()
+
+
+@op(config_schema={"marker": str, "end": str})
+def wait_for_end_file(context: OpExecutionContext) -> None:
+    """Writes its marker file, then returns once the end file exists (no interrupt needed)."""
+    Path(context.op_config["marker"]).write_text("started")
+    while not Path(context.op_config["end"]).exists():
+        time.sleep(0.05)
+
+
+@job(executor_def=in_process_executor)
+def ending_job() -> None:
+    wait_for_end_file()

@@ -163,6 +163,40 @@ def test_a_runs_output_reaches_its_compute_log_with_no_tail_process(
     wait_for(lambda: status(instance, run_id) == DagsterRunStatus.CANCELED, 60, "cancel", 0.1)
 
 
+def test_a_terminate_that_comes_after_the_runs_process_ended_ends_it_canceled(
+    fork_instance: tuple[DagsterInstance, object],
+) -> None:
+    """The race of a connector that stops itself: its run ends, then the scheduler's terminate
+    marks it CANCELING. With its process gone nothing else would end it."""
+    instance, _ = fork_instance
+    run_id = launch(instance, runserver_jobs.quick_job)
+    wait_for(lambda: status(instance, run_id) == DagsterRunStatus.SUCCESS, 60, "success", 0.1)
+    wait_for(lambda: not pid_alive(run_pid(instance, run_id)), 30, "the process to end", 0.1)
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    instance.report_run_canceling(run)  # the racing write: the run read as not finished
+    assert status(instance, run_id) == DagsterRunStatus.CANCELING
+    assert not instance.run_launcher.terminate(run_id)
+    assert status(instance, run_id) == DagsterRunStatus.CANCELED
+
+
+def test_a_run_whose_process_ends_while_canceling_is_not_left_canceling(
+    fork_instance: tuple[DagsterInstance, object], tmp_path: Path
+) -> None:
+    """Marked CANCELING while its op was returning on its own: the run's process ends it."""
+    instance, _ = fork_instance
+    marker, end = tmp_path / "ending.started", tmp_path / "ending.end"
+    config = {"ops": {"wait_for_end_file": {"config": {"marker": str(marker), "end": str(end)}}}}
+    run_id = launch(instance, runserver_jobs.ending_job, config)
+    wait_for(marker.exists, 60, "the run to start its op", 0.1)
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    instance.report_run_canceling(run)  # no interrupt reaches it: the op ends by itself
+    end.write_text("end")
+    wait_for(lambda: not pid_alive(run_pid(instance, run_id)), 60, "the process to end", 0.1)
+    assert status(instance, run_id) in (DagsterRunStatus.CANCELED, DagsterRunStatus.SUCCESS)
+
+
 def test_a_run_whose_server_dies_stops_itself(
     fork_instance: tuple[DagsterInstance, subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
