@@ -222,6 +222,7 @@ class RunServer:
         if op == "start":
             return self._start(run_id, str(request["instance_ref"]), conn)
         if op == "terminate":
+            self.reap()  # a child that has ended is no longer running (not a zombie to signal)
             pid = self.running.get(run_id)
             if pid is None:
                 return {"ok": False}
