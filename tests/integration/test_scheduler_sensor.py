@@ -181,6 +181,35 @@ def test_desired_stopped_run_is_reclaimed_and_stays_stopped(env):
         assert store.get("beta").status == ConnectorStatus.STOPPED
 
 
+def test_a_stopped_connectors_run_that_released_it_meanwhile_is_not_terminated(env, monkeypatch):
+    # The tick read the connector Running under its run and desired stopped; its loop saw the
+    # stop and released it before the terminate: the run ends by itself. A terminate in that
+    # moment marked it CANCELING after its end, and its restart queued behind it for a minute.
+    from conveyor.core.planning import scheduler as core
+    from conveyor.dagster.sensors.scheduler import apply_plan, connector_view, run_views
+
+    instance, store, url = env
+    tick(instance, url)
+    run, gen = _claimed_run(instance, store, "alpha", DagsterRunStatus.STARTED)
+    store.set_desired("alpha", DesiredState.STOPPED, reason="test stop")
+    seen = connector_view(store.get("alpha"))
+    runs = run_views(instance, [store.get("alpha")], time.time())
+    plan = core.plan([seen], core_brokers(store), runs, time.time())
+    assert [d.run_id for d in plan.of(core.Terminate)] == [run.run_id]
+    store.release("alpha", gen, ConnectorStatus.STOPPED, "stopped: desired state is stopped")
+    terminated: list[str] = []
+    monkeypatch.setattr(instance.run_launcher, "terminate", terminated.append)
+    apply_plan(build_sensor_context(instance=instance), store, plan, {"alpha": seen})
+    assert terminated == []
+    # The next tick reads it released: no terminate either, and it stays stopped.
+    tick(instance, url)
+    assert terminated == [] and store.get("alpha").status == ConnectorStatus.STOPPED
+    # A run that has not ended within the grace is terminated after all.
+    monkeypatch.setenv("CONVEYOR_SCHEDULER_RELEASE_GRACE_S", "0")
+    tick(instance, url)
+    assert terminated == [run.run_id]
+
+
 def _claimed_run(instance: DagsterInstance, store: MetaStore, name: str, status: DagsterRunStatus):
     """A run of ``name``'s current assignment that claimed it and heartbeats, in ``status``."""
     row = store.get(name)

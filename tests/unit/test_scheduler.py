@@ -213,6 +213,29 @@ def test_assignment_whose_run_never_came_is_reset_after_launch_timeout():
     assert s.plan([c], brokers("b1"), [queued], NOW).decisions == []
 
 
+def test_a_run_that_released_its_stopped_connector_is_left_to_end_then_terminated():
+    # Its loop saw the stop and released the connector: the run is ending by itself. A
+    # terminate in that moment would mark it CANCELING after its end, with nothing to end it.
+    released = conn(
+        "a", desired=DesiredState.STOPPED, status=STOPPED, generation=3, run_id="r",
+        status_since=NOW - 2,
+    )  # fmt: skip
+    run = s.RunView("r", "a", generation=3, status="STARTED")
+    assert s.plan([released], brokers("b1"), [run], NOW).of(s.Terminate) == []
+    # One that does not end within the grace is terminated, as is another run of it.
+    late = NOW + s.SchedulerConfig().release_grace_s
+    assert [t.run_id for t in s.plan([released], brokers("b1"), [run], late).of(s.Terminate)] == [
+        "r"
+    ]
+    other = s.RunView("r2", "a", generation=3, status="STARTED")
+    assert [t.run_id for t in s.plan([released], brokers("b1"), [other], NOW).of(s.Terminate)] == [
+        "r2"
+    ]
+    # A connector still live under its run (the loop has not seen the stop yet): terminated.
+    live = replace(released, status=RUNNING)
+    assert [t.run_id for t in s.plan([live], brokers("b1"), [run], NOW).of(s.Terminate)] == ["r"]
+
+
 def test_desired_stopped_without_a_run_settles_as_stopped():
     c = running("a", "b1", hb_age=500, desired=DesiredState.STOPPED)
     assert kinds(s.plan([c], brokers("b1"), [], NOW)) == [("Stop", "a")]

@@ -10,8 +10,9 @@ Each tick, in this order (one connector's exception becomes a ``Failed``
 decision and never stops the others):
 
 1. **reclaim**: a run of a deleted connector, of a desired-stopped connector, or of
-   an older generation is terminated. A run launched by hand (no generation tag) is
-   adopted: the op claims the connector itself. A run stuck in CANCELING past
+   an older generation is terminated; a desired-stopped connector's run that released it
+   itself is left ``release_grace_s`` to end on its own first. A run launched by hand (no
+   generation tag) is adopted: the op claims the connector itself. A run stuck in CANCELING past
    ``cancel_grace_s`` is reported canceled.
 2. **zombie**: the connector's current run is CANCELED (a force-terminate from the
    UI) but the connector is still Running or Degraded (its heartbeat fresh, or stale
@@ -154,6 +155,9 @@ class SchedulerConfig:
     """msgs/s that weigh as much as one more connector."""
     run_wait_s: float = 30.0
     """An assigned connector whose run is queued (or not started) longer than this says why."""
+    release_grace_s: float = 30.0
+    """A run whose loop released its stopped connector is left this long to end by itself
+    before it is terminated (a terminate in the moment it ends would leave it CANCELING)."""
 
     def restart_backoff(self, restarts: int) -> float:
         return float(
@@ -502,6 +506,8 @@ def _reclaim(
         # Launched by hand: adopted; the op claims the connector (or refuses to).
         return []
     if c.desired == DesiredState.STOPPED:
+        if ending_itself(r.run_id, c, now, cfg):
+            return []
         return [Terminate(c.name, r.run_id, "connector is desired stopped")]
     if r.generation < c.generation:
         return [
@@ -516,6 +522,17 @@ def _reclaim(
             Terminate(c.name, r.run_id, f"connector reassigned from {r.broker_id} to {c.broker_id}")
         ]
     return []
+
+
+def ending_itself(run_id: str, c: ConnectorView, now: float, cfg: SchedulerConfig) -> bool:
+    """Whether ``run_id`` released ``c`` itself, less than ``release_grace_s`` ago: its loop saw
+    the stop, and the run is ending on its own. A terminate then would race its end (Dagster
+    marks a run CANCELING even after its success, and nothing is left to end it)."""
+    return (
+        c.run_id == run_id
+        and c.status in (ConnectorStatus.STOPPED, ConnectorStatus.ERROR)
+        and now - c.status_since <= cfg.release_grace_s
+    )
 
 
 @dataclass(frozen=True)

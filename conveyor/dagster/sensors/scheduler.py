@@ -43,7 +43,7 @@ from conveyor.dagster.assets.checks import run_check_events, sink_assets
 from conveyor.dagster.resources.conveyor import ConveyorResource, broker_views
 from conveyor.dagster.run_queue import IN_PROGRESS, instance_queue_limits, queue_blocker
 from conveyor.dagster.tags import ACTIVE, TAG_BROKER, TAG_CONNECTOR, TAG_GENERATION, job_name
-from conveyor.store.meta import ConnectorRow, MetaStore
+from conveyor.store.meta import ConnectorRow, MetaStore, UnknownConnectorError
 
 
 def connector_view(row: ConnectorRow, launchable: set[str] | None = None) -> core.ConnectorView:
@@ -158,6 +158,18 @@ def _still_held(store: MetaStore, name: str, run_id: str) -> bool:
     return row.run_id == run_id and row.status in core.LIVE
 
 
+def _released_by_its_run(store: MetaStore, name: str, run_id: str | None) -> bool:
+    """Whether ``run_id`` released ``name`` itself just now (``core.ending_itself``), read at
+    the moment of a terminate: the tick's plan may have read the connector a moment before."""
+    if run_id is None:
+        return False
+    try:
+        row = store.get(name)
+    except UnknownConnectorError:
+        return False  # deleted: its run is terminated
+    return core.ending_itself(run_id, connector_view(row), time.time(), scheduler_config())
+
+
 def run_key(row: ConnectorRow) -> str:
     """``name:generation@created``: a connector deleted and created again under its name starts
     at generation 1 again, and Dagster skips a run key it has seen (the launch then waited for
@@ -191,6 +203,8 @@ def _apply(
             }
             return [RunRequest(run_key=run_key(row), job_name=job_name(d.name), tags=tags)]
         case core.Terminate():
+            if _released_by_its_run(store, d.name, d.run_id):
+                return []  # read again now: its loop saw the stop meanwhile and it is ending
             if _terminate(instance, d.run_id):
                 store.record(d.name, f"{reason} (run {d.run_id} terminated)", run_id=d.run_id)
         case core.KillZombie():
