@@ -8,6 +8,7 @@ window, and peak RSS, per process.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -153,6 +154,10 @@ def drain_connector(
             p.wait(60)
     if spy:
         print(summarize_profile(Path(profile or ".") / f"{name}.txt"))
+    if os.environ.get("CONVEYOR_BENCH_SAMPLES"):  # a folder: each drain's samples, as JSON
+        out = Path(os.environ["CONVEYOR_BENCH_SAMPLES"]) / f"{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps([[s.t - result.started, s.rows, s.cpu] for s in result.samples]))
     stack.cli("connector", "stop", name)
     wait_for(lambda: stack.store.get(name).status.value == "Stopped", 120, f"{name} stopped")
     result.batches = stack.store.get(name).counters.get("batches")
