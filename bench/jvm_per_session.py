@@ -47,7 +47,9 @@ def client(remote: str, jvm: int, label: str, batches: int, rows: int) -> None:
         steps.append((name, round(now[0] - last[0], 3), round(now[1] - last[1], 3)))
         last = now
 
-    transformer = SparkTransformer(TransformSpec(decode="json", schema=SCHEMA), spark_session(remote))
+    transformer = SparkTransformer(
+        TransformSpec(decode="json", schema=SCHEMA), spark_session(remote)
+    )
     transformer.prepare()
     mark("prepare")
     for i in range(batches):
