@@ -236,6 +236,9 @@ class MQTTSource(Source):
         self._down_since: float | None = None
         self._down_reason = ""
         self._resume = False
+        # Set from the moment a session resume is decided until its old connection is gone:
+        # a QoS 1 message arriving meanwhile is not held (it comes again with the session).
+        self._resuming = False
         self.dropped_qos0 = 0  # QoS 0 messages dropped because the queue was full
         self.withheld = 0  # QoS 1 messages left unacknowledged because the queue was full
         self.reconnects = 0
@@ -388,6 +391,10 @@ class MQTTSource(Source):
 
     def _on_message(self, _client: Any, _userdata: Any, msg: Any) -> None:
         with self._cond:
+            if self._resuming and msg.qos > 0:
+                # Not held: read after the reconnect, its packet id would be the closed
+                # connection's; unacknowledged, it comes again with the resumed session.
+                return
             if len(self._held) >= self.config.max_pending:
                 if msg.qos == 0:
                     self.dropped_qos0 += 1
@@ -427,6 +434,7 @@ class MQTTSource(Source):
                     messages = [h.message for h in batch]
                     return Polled(messages, {"seq": batch[-1].seq}, origin="mqtt")
                 if self._resume and not self._held:
+                    self._resuming = True  # decided under the lock: no QoS 1 is held after it
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -460,8 +468,17 @@ class MQTTSource(Source):
         with self._cond:
             self._resume = False
         client = self._client
-        client.disconnect()
-        client.loop_stop()
+        try:
+            # The PUBACKs of the last commit must be read by the broker before the socket
+            # closes: closed with messages unread (the withheld ones keep coming), it is reset,
+            # the broker drops what it had not read, and sends the acknowledged batch again
+            # (seen in CI under load: four messages delivered twice). As ``close`` does.
+            self._barrier(client)
+            client.disconnect()
+            client.loop_stop()  # its network thread is gone: no callback of the old connection
+        finally:
+            with self._cond:
+                self._resuming = False
         client.connect_async(
             c.host, c.port, keepalive=c.keepalive_s, clean_start=False,
             properties=self._connect_properties(),

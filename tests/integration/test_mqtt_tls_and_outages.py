@@ -374,6 +374,50 @@ def test_the_queue_is_bounded_qos0_dropped_and_qos1_redelivered():
         again.close()
 
 
+def test_a_message_arriving_as_the_session_resumes_is_delivered_once(monkeypatch):
+    # The source decides to resume its session (to get the QoS 1 messages a full queue
+    # withheld) and reconnects. A QoS 1 message the broker sends in between (its window has
+    # room: fewer were withheld than it allows in flight) is read once: not held with a packet
+    # id of the closing connection, it comes again with the resumed session.
+    tag = uuid.uuid4().hex[:6]
+    topic = f"t_{tag}/r"
+    source = build_source(_cfg(1883, tag, max_pending=3))
+    assert isinstance(source, MQTTSource)
+    source.init(None)
+    try:
+        _publish(1883, [(topic, json.dumps({"id": i}).encode(), 0) for i in range(3)])
+        wait_for(lambda: _peek(source, None) == 3, timeout=30, what="the queue full")
+        _publish(1883, [(topic, json.dumps({"id": 10}).encode(), 1)])
+        wait_for(lambda: source.withheld >= 1, timeout=30, what="one QoS 1 withheld")
+        arrived: list[Any] = []
+        resume = source._resume_session
+
+        def late_messages_then_resume() -> None:
+            # Two more arrive after the decision, before the old connection is closed.
+            client = source._client
+            assert client is not None
+            deliver = client.on_message
+
+            def counted(c: Any, u: Any, msg: Any) -> None:
+                deliver(c, u, msg)
+                arrived.append(msg)
+
+            client.on_message = counted
+            _publish(1883, [(topic, json.dumps({"id": 20 + i}).encode(), 1) for i in range(2)])
+            wait_for(lambda: len(arrived) >= 2, timeout=30, what="two late messages arrived")
+            client.on_message = deliver
+            resume()
+
+        monkeypatch.setattr(source, "_resume_session", late_messages_then_resume)
+        ids, state = _drain(source, None, 6)
+        assert arrived, "the session was never resumed"
+        # Every message read once: what the broker sends again was never read.
+        ids += _drain(source, state, 1, timeout=3)[0]
+        assert sorted(ids) == [0, 1, 2, 10, 20, 21]
+    finally:
+        source.close()
+
+
 def test_the_loop_shows_degraded_while_the_broker_is_down_and_recovers(
     tmp_path, plain_broker, tansu, spark_remote
 ):
