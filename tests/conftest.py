@@ -31,9 +31,13 @@ SLOW_FIRST = [
     "tests/e2e/test_scheduler_e2e.py",  # the longest of -m slow
     "tests/e2e/test_sinks_e2e.py",
     "tests/e2e/test_api_e2e.py",
-    "tests/e2e/test_connector_e2e.py",  # the longest of the default run
+    "tests/e2e/test_connector_e2e.py",
+    "tests/e2e/test_ui_screenshot.py",
+    "tests/integration/test_source_postgres_polling.py",  # the longest of the default run
+    "tests/integration/test_source_postgres_polling_races.py",
+    "tests/sinks/test_kafka.py",
     "tests/integration/test_spark_transform.py",
-    "tests/integration/test_source_postgres_polling.py",
+    "tests/integration/test_fencing_races.py",
     "tests/integration/test_cli.py",
 ]
 

@@ -16,7 +16,7 @@ import pytest
 from conveyor.core.model import ConnectorStatus, DesiredState, TopicPartition
 from tests.e2e.conftest import SETTLE_S, STOP_S, DagsterHarness, produce, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 N = 10_000
 BATCH = 500

@@ -32,6 +32,7 @@ from tests.e2e.conftest import LOCATION, SETTLE_S, STOP_S, DagsterHarness, produ
 CHROMIUM = shutil.which("chromium")
 # Skip before the session's servers start when there is no browser.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.e2e,
     pytest.mark.skipif(
         CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)"
