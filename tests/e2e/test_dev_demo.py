@@ -237,47 +237,37 @@ def orders_in_topic(bootstrap: str) -> dict[str, int]:
         consumer.close()
 
 
-def sink_watermarks(dev: Dev) -> list[tuple[float, float]]:
-    """(when, watermark) of each sink report that carried a watermark, oldest first: the
-    materializations of its progress and the observations of its watermark as it advances
-    (dagster/jobs/progress.py), which the sensor reacts to."""
+def sink_reports(dev: Dev) -> list[tuple[float, Any]]:
+    """(when, metadata) of each report of the sink, oldest first: the materializations of its
+    progress and the observations of its watermark as it advances (dagster/jobs/progress.py),
+    read as landed_through reads them."""
     from dagster import AssetKey
 
-    key = AssetKey(SINK_KEY)
+    from conveyor.dagster.assets.checks import watermark_events
+
     with dev.instance() as instance:
-        events = [
-            (r.timestamp, r.asset_materialization.metadata)
-            for r in instance.fetch_materializations(key, limit=10_000).records
-        ] + [
-            (r.timestamp, r.asset_observation.metadata)
-            for r in instance.fetch_observations(key, limit=10_000).records
-        ]
-    out = []
-    for at, metadata in events:
-        wm = metadata.get("watermark_ts")
-        if wm is not None:
-            out.append((at, float(wm.value)))
-    return sorted(out)
+        events = watermark_events(instance, AssetKey(SINK_KEY), limit=10_000)
+    return [(e.timestamp, e.metadata) for e in events]
+
+
+def sink_watermarks(dev: Dev) -> list[tuple[float, float]]:
+    """(when, watermark) of each sink report that carried a watermark, oldest first, which the
+    sensor reacts to."""
+    from conveyor.dagster.assets.checks import watermark_of
+
+    marks = ((at, watermark_of(metadata)) for at, metadata in sink_reports(dev))
+    return sorted((at, wm) for at, wm in marks if wm is not None)
 
 
 def sink_late_ranges(dev: Dev) -> list[tuple[float, float, float]]:
     """(when, from, to) of each late event-time range the sink reported, oldest first: the
     events delivered below the watermark as it stood (core/engine/watermarks.py), for which
     landed_through runs an already-run minute again."""
-    from dagster import AssetKey
-
     from conveyor.dagster.assets.checks import late_ranges_of
 
-    key = AssetKey(SINK_KEY)
-    with dev.instance() as instance:
-        events = [
-            (r.timestamp, r.asset_materialization.metadata)
-            for r in instance.fetch_materializations(key, limit=10_000).records
-        ] + [
-            (r.timestamp, r.asset_observation.metadata)
-            for r in instance.fetch_observations(key, limit=10_000).records
-        ]
-    return sorted((at, lo, hi) for at, metadata in events for lo, hi in late_ranges_of(metadata))
+    return sorted(
+        (at, lo, hi) for at, metadata in sink_reports(dev) for lo, hi in late_ranges_of(metadata)
+    )
 
 
 @pytest.mark.timeout(DOWNSTREAM_S + 300)
