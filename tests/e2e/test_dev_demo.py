@@ -12,6 +12,7 @@ process it started, connector run and Spark server included.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -137,7 +138,14 @@ def start_dev() -> Dev:
         )
         assert proc.poll() is None, dev.log()
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # Ctrl-C, as a user stops it: conveyor dev stops what it started in other process
+        # groups too (its Spark server, the runs), which a SIGKILL of its group would leave.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
         raise
     return dev
 
